@@ -1,0 +1,2 @@
+//! Plain scalar versions of every kernel, kept for good: the fast kernels are tested
+//! element by element against these. Nothing here is tuned; clarity is the point.

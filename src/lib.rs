@@ -1,0 +1,15 @@
+//! strata: train neural networks larger than GPU memory on one machine.
+//!
+//! GPU memory, pinned host RAM and NVMe SSDs are treated as tiers of one memory. This
+//! crate is the facade: it re-exports the member crates and holds what the `strata`
+//! command line and the benchmarks share. The work itself lives in
+//! [`storage`] (bytes on SSD), [`kernels`] (the math) and [`engine`] (where bytes live
+//! and when they move).
+
+pub use strata_engine as engine;
+pub use strata_kernels as kernels;
+pub use strata_storage as storage;
+
+pub mod bench;
+pub mod logging;
+pub mod report;

@@ -1,0 +1,63 @@
+//! The `strata` command line.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// strata trains neural networks larger than GPU memory on one machine, treating GPU
+/// memory, pinned host RAM and NVMe SSDs as tiers of one memory.
+#[derive(Debug, Parser)]
+#[command(name = "strata", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Measure the links and kernels that decide whether offloading is fast on this machine.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Show what strata sees of this machine.
+    Info,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    // Each benchmark adds its variant here and its code under src/bench/.
+}
+
+/// Prints what strata sees of this machine: cores and the CPU features its kernels use.
+fn info() -> Result<(), Box<dyn std::error::Error>> {
+    println!("strata {}", env!("CARGO_PKG_VERSION"));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("cpu: {cores} threads available");
+    #[cfg(target_arch = "x86_64")]
+    {
+        let features = [
+            ("avx2", std::arch::is_x86_feature_detected!("avx2")),
+            ("fma", std::arch::is_x86_feature_detected!("fma")),
+            ("f16c", std::arch::is_x86_feature_detected!("f16c")),
+            ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
+        ];
+        let present: Vec<&str> = features.iter().filter(|f| f.1).map(|f| f.0).collect();
+        println!("cpu features: {}", present.join(" "));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    strata::logging::init();
+    let cli = Cli::parse();
+    let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
+        Command::Bench(bench) => match bench {},
+        Command::Info => info(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("strata: error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}

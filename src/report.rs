@@ -1,0 +1,379 @@
+//! What every benchmark shares: parsing sizes from the command line, printing a table,
+//! writing JSON, and drawing a line chart as SVG.
+//!
+//! Benchmarks measure; this module only presents. It holds no timing code.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// Parses a byte size such as `4GiB`, `1MiB`, `512k`, `4096` or `1.5G`.
+///
+/// Binary multiples are used for every suffix (`K`, `KB`, `KiB` all mean 1024), since
+/// every size strata takes is a buffer or file size.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    parse_scaled(text, 1024).map_err(|e| format!("{e} (examples: 4096, 64KiB, 1MiB, 4GiB)"))
+}
+
+/// Parses a count such as `64M`, `1.5G`, `100000` or `7k`, with decimal multiples.
+pub fn parse_count(text: &str) -> Result<u64, String> {
+    parse_scaled(text, 1000).map_err(|e| format!("{e} (examples: 100000, 7k, 64M, 1.5G)"))
+}
+
+fn parse_scaled(text: &str, base: u64) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(t.len());
+    let (number, suffix) = t.split_at(split);
+    let number: f64 = number
+        .replace('_', "")
+        .parse()
+        .map_err(|_| format!("'{text}' is not a number with an optional unit"))?;
+    let power = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 1,
+        "m" | "mb" | "mib" => 2,
+        "g" | "gb" | "gib" => 3,
+        "t" | "tb" | "tib" => 4,
+        other => return Err(format!("unknown unit '{other}' in '{text}'")),
+    };
+    let value = number * (base as f64).powi(power);
+    if !value.is_finite() || value < 0.0 || value > u64::MAX as f64 {
+        return Err(format!("'{text}' is out of range"));
+    }
+    if value.fract() != 0.0 {
+        return Err(format!("'{text}' is not a whole number"));
+    }
+    Ok(value as u64)
+}
+
+/// Formats a byte count with a binary unit: `4.00 GiB`, `64 KiB`, `512 B`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if value.fract() == 0.0 {
+        format!("{value:.0} {}", UNITS[unit])
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+/// A table printed with aligned columns: numbers right-aligned, text left-aligned.
+#[derive(Debug, Clone, Default)]
+pub struct Table {
+    headers: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// A table with these column headers.
+    pub fn new<S: Into<String>>(headers: impl IntoIterator<Item = S>) -> Self {
+        Self {
+            headers: headers.into_iter().map(Into::into).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Appends a row; it must have one cell per header.
+    pub fn row<S: Into<String>>(&mut self, cells: impl IntoIterator<Item = S>) {
+        let row: Vec<String> = cells.into_iter().map(Into::into).collect();
+        assert_eq!(row.len(), self.headers.len(), "a row needs one cell per column");
+        self.rows.push(row);
+    }
+
+    /// The table as text, one line per row, ending with a newline.
+    pub fn render(&self) -> String {
+        let widths: Vec<usize> = (0..self.headers.len())
+            .map(|c| {
+                self.rows
+                    .iter()
+                    .map(|r| r[c].chars().count())
+                    .chain([self.headers[c].chars().count()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let numeric = |s: &str| {
+            s.trim_end_matches(['x', '%'])
+                .trim_start_matches(['-', '+'])
+                .parse::<f64>()
+                .is_ok()
+        };
+        let mut out = String::new();
+        let line = |cells: &[String], out: &mut String| {
+            let mut text = String::new();
+            for (c, cell) in cells.iter().enumerate() {
+                if c > 0 {
+                    text.push_str("  ");
+                }
+                if numeric(cell) {
+                    let _ = write!(text, "{cell:>w$}", w = widths[c]);
+                } else {
+                    let _ = write!(text, "{cell:<w$}", w = widths[c]);
+                }
+            }
+            out.push_str(text.trim_end());
+            out.push('\n');
+        };
+        line(&self.headers, &mut out);
+        let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+        line(&rule, &mut out);
+        for row in &self.rows {
+            line(row, &mut out);
+        }
+        out
+    }
+}
+
+/// Writes `value` as pretty-printed JSON to `path`, creating its parent folder.
+pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> std::io::Result<()> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)?;
+    }
+    let text = serde_json::to_string_pretty(value).map_err(std::io::Error::other)?;
+    std::fs::write(path, text + "\n")
+}
+
+/// One line of a chart: a name and its (x, y) points.
+#[derive(Debug, Clone)]
+pub struct Series {
+    /// The name shown in the legend.
+    pub name: String,
+    /// The points, in the order they are joined.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// A line chart drawn as a self-contained SVG document.
+#[derive(Debug, Clone)]
+pub struct LineChart {
+    /// The title above the plot.
+    pub title: String,
+    /// The label under the x axis.
+    pub x_label: String,
+    /// The label beside the y axis.
+    pub y_label: String,
+    /// Whether the x axis is logarithmic (base 2), as for sizes.
+    pub log2_x: bool,
+    /// How x values are written on the axis (for sizes: [`format_bytes`]).
+    pub x_format: fn(f64) -> String,
+    /// The lines.
+    pub series: Vec<Series>,
+}
+
+impl LineChart {
+    /// The chart as an SVG document. The y axis starts at zero.
+    pub fn to_svg(&self) -> String {
+        const W: f64 = 760.0;
+        const H: f64 = 440.0;
+        const LEFT: f64 = 70.0;
+        const RIGHT: f64 = 180.0;
+        const TOP: f64 = 40.0;
+        const BOTTOM: f64 = 60.0;
+        const COLORS: [&str; 8] = [
+            "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+        ];
+        let tx = |x: f64| if self.log2_x { x.max(f64::MIN_POSITIVE).log2() } else { x };
+        let points = self.series.iter().flat_map(|s| s.points.iter());
+        let (mut x_min, mut x_max, mut y_max) = (f64::INFINITY, f64::NEG_INFINITY, 0.0f64);
+        for &(x, y) in points {
+            x_min = x_min.min(tx(x));
+            x_max = x_max.max(tx(x));
+            y_max = y_max.max(y);
+        }
+        if !x_min.is_finite() {
+            (x_min, x_max) = (0.0, 1.0);
+        }
+        if x_max <= x_min {
+            x_max = x_min + 1.0;
+        }
+        let y_max = nice_ceiling(if y_max > 0.0 { y_max } else { 1.0 });
+        let plot_w = W - LEFT - RIGHT;
+        let plot_h = H - TOP - BOTTOM;
+        let px = |x: f64| LEFT + (tx(x) - x_min) / (x_max - x_min) * plot_w;
+        let py = |y: f64| TOP + plot_h - y / y_max * plot_h;
+
+        let mut svg = String::new();
+        let _ = writeln!(
+            svg,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
+        );
+        let _ = writeln!(svg, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
+        let _ = writeln!(
+            svg,
+            r#"<text x="{}" y="24" text-anchor="middle" font-size="15">{}</text>"#,
+            LEFT + plot_w / 2.0,
+            escape(&self.title)
+        );
+        for i in 0..=5 {
+            let y = y_max * i as f64 / 5.0;
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{LEFT}" x2="{}" y1="{y0:.1}" y2="{y0:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
+                LEFT + plot_w,
+                LEFT - 6.0,
+                py(y) + 4.0,
+                trim_number(y),
+                y0 = py(y),
+            );
+        }
+        let mut ticks: Vec<f64> = self
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.0))
+            .collect();
+        ticks.sort_by(f64::total_cmp);
+        ticks.dedup();
+        let stride = ticks.len().div_ceil(10).max(1);
+        for x in ticks.iter().step_by(stride) {
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{x0:.1}" x2="{x0:.1}" y1="{TOP}" y2="{}" stroke="#eee"/><text x="{x0:.1}" y="{}" text-anchor="middle">{}</text>"##,
+                TOP + plot_h,
+                TOP + plot_h + 16.0,
+                escape(&(self.x_format)(*x)),
+                x0 = px(*x),
+            );
+        }
+        let _ = writeln!(
+            svg,
+            r#"<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="black"/>"#
+        );
+        let _ = writeln!(
+            svg,
+            r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+            LEFT + plot_w / 2.0,
+            H - 16.0,
+            escape(&self.x_label)
+        );
+        let _ = writeln!(
+            svg,
+            r#"<text transform="translate(18 {}) rotate(-90)" text-anchor="middle">{}</text>"#,
+            TOP + plot_h / 2.0,
+            escape(&self.y_label)
+        );
+        for (i, series) in self.series.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            let path: Vec<String> = series
+                .points
+                .iter()
+                .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
+                .collect();
+            let _ = writeln!(
+                svg,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
+                path.join(" ")
+            );
+            for &(x, y) in &series.points {
+                let _ = writeln!(
+                    svg,
+                    r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{color}"/>"#,
+                    px(x),
+                    py(y)
+                );
+            }
+            let ly = TOP + 10.0 + 18.0 * i as f64;
+            let lx = LEFT + plot_w + 12.0;
+            let _ = writeln!(
+                svg,
+                r#"<line x1="{lx}" x2="{}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}">{}</text>"#,
+                lx + 18.0,
+                lx + 24.0,
+                ly + 4.0,
+                escape(&series.name)
+            );
+        }
+        svg.push_str("</svg>\n");
+        svg
+    }
+}
+
+fn nice_ceiling(value: f64) -> f64 {
+    let magnitude = 10f64.powf(value.log10().floor());
+    for step in [1.0, 2.0, 2.5, 5.0, 10.0] {
+        if step * magnitude >= value {
+            return step * magnitude;
+        }
+    }
+    10.0 * magnitude
+}
+
+fn trim_number(value: f64) -> String {
+    let text = format!("{value:.2}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes_and_counts() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_bytes("64k"), Ok(64 << 10));
+        assert_eq!(parse_bytes("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_count("64M"), Ok(64_000_000));
+        assert_eq!(parse_count("100_003"), Ok(100_003));
+        assert!(parse_bytes("4 parsecs").is_err());
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("0.5").is_err());
+    }
+
+    #[test]
+    fn formats_bytes() {
+        assert_eq!(format_bytes(512), "512 B");
+        assert_eq!(format_bytes(64 << 10), "64 KiB");
+        assert_eq!(format_bytes(1536 << 20), "1.50 GiB");
+    }
+
+    #[test]
+    fn table_aligns_columns() {
+        let mut t = Table::new(["op", "GiB/s"]);
+        t.row(["write", "4.31"]);
+        t.row(["read", "10.5"]);
+        let text = t.render();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "op     GiB/s");
+        assert_eq!(lines[2], "write   4.31");
+        assert_eq!(lines[3], "read    10.5");
+    }
+
+    #[test]
+    fn chart_is_an_svg_with_every_series() {
+        let chart = LineChart {
+            title: "H2D <pinned>".into(),
+            x_label: "size".into(),
+            y_label: "GB/s".into(),
+            log2_x: true,
+            x_format: |x| format_bytes(x as u64),
+            series: vec![
+                Series {
+                    name: "pinned".into(),
+                    points: vec![(65536.0, 10.0), (1048576.0, 24.0)],
+                },
+                Series {
+                    name: "pageable".into(),
+                    points: vec![(65536.0, 3.0), (1048576.0, 9.0)],
+                },
+            ],
+        };
+        let svg = chart.to_svg();
+        assert!(svg.starts_with("<svg"));
+        assert!(svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.contains("H2D &lt;pinned&gt;"));
+        assert!(svg.contains("64 KiB"));
+    }
+}
