@@ -82,7 +82,11 @@ impl Table {
     /// Appends a row; it must have one cell per header.
     pub fn row<S: Into<String>>(&mut self, cells: impl IntoIterator<Item = S>) {
         let row: Vec<String> = cells.into_iter().map(Into::into).collect();
-        assert_eq!(row.len(), self.headers.len(), "a row needs one cell per column");
+        assert_eq!(
+            row.len(),
+            self.headers.len(),
+            "a row needs one cell per column"
+        );
         self.rows.push(row);
     }
 
@@ -177,7 +181,13 @@ impl LineChart {
         const COLORS: [&str; 8] = [
             "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
         ];
-        let tx = |x: f64| if self.log2_x { x.max(f64::MIN_POSITIVE).log2() } else { x };
+        let tx = |x: f64| {
+            if self.log2_x {
+                x.max(f64::MIN_POSITIVE).log2()
+            } else {
+                x
+            }
+        };
         let points = self.series.iter().flat_map(|s| s.points.iter());
         let (mut x_min, mut x_max, mut y_max) = (f64::INFINITY, f64::NEG_INFINITY, 0.0f64);
         for &(x, y) in points {

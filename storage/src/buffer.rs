@@ -63,7 +63,9 @@ impl AlignedBuf {
             align.is_power_of_two() && align >= DIRECT_IO_ALIGN,
             "alignment {align} must be a power of two of at least {DIRECT_IO_ALIGN}"
         );
-        let size = len_bytes.next_multiple_of(DIRECT_IO_ALIGN).max(DIRECT_IO_ALIGN);
+        let size = len_bytes
+            .next_multiple_of(DIRECT_IO_ALIGN)
+            .max(DIRECT_IO_ALIGN);
         let layout = Layout::from_size_align(size, align).expect("buffer size overflows");
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -162,7 +164,9 @@ impl IoRegion {
     pub fn contains(&self, ptr: *const u8, len: usize) -> bool {
         let start = self.ptr as usize;
         let p = ptr as usize;
-        p >= start && p.checked_add(len).is_some_and(|end| end <= start + self.len_bytes)
+        p >= start
+            && p.checked_add(len)
+                .is_some_and(|end| end <= start + self.len_bytes)
     }
 }
 

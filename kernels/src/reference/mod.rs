@@ -1,2 +1,3 @@
 //! Plain scalar versions of every kernel, kept for good: the fast kernels are tested
 //! element by element against these. Nothing here is tuned; clarity is the point.
+//! Each kernel family has its own file.
