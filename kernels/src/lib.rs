@@ -7,5 +7,6 @@
 
 pub mod cuda;
 pub mod isa;
+pub mod ops;
 pub mod parallel;
 pub mod reference;
