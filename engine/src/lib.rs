@@ -6,3 +6,5 @@
 
 pub use strata_kernels as kernels;
 pub use strata_storage as storage;
+
+pub mod model;

@@ -1,0 +1,1 @@
+//! The CUDA backend (written in a later change).
