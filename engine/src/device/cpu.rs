@@ -1,10 +1,10 @@
 //! The CPU device: a simulated accelerator, the test bed for every schedule on machines
 //! without a GPU.
 //!
-//! Its "device memory" is one host allocation of the budget, sub-allocated by a
-//! [`DeviceArena`] exactly as GPU memory is. Its streams are three worker threads (compute,
-//! host-to-device, device-to-host), each running its lane's operations in order; its events
-//! are completion flags. Copies can be slowed down on purpose (a fixed latency and a byte
+//! Its "device memory" is one host mapping of the budget (backed lazily, as operations
+//! touch it), sub-allocated by a [`DeviceArena`] exactly as GPU memory is. Its streams are
+//! three worker threads (compute, host-to-device, device-to-host), each running its lane's
+//! operations in order; its events are completion flags. Copies can be slowed down on purpose (a fixed latency and a byte
 //! rate), so tests can hold a copy in flight and check what waits for it.
 //!
 //! Operations reach device memory only through [`CpuAccess`] views, and every view is
@@ -21,12 +21,12 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam::channel::{Receiver, Sender};
-use strata_storage::{AlignedBuf, IoBuf};
+use strata_storage::IoBuf;
 
 use super::event::{CpuEvent, Event};
 use super::{Lane, Transfer, assert_copy_fits};
 use crate::error::EngineError;
-use crate::memory::{DeviceArena, DeviceBuffer, Pinning, SlotLease};
+use crate::memory::{DeviceArena, DeviceBuffer, HostMapping, Pinning, SlotLease};
 
 /// How a CPU device is built.
 #[derive(Debug, Clone)]
@@ -102,8 +102,15 @@ impl CpuDevice {
     /// Allocates the memory budget and starts one worker thread per lane.
     pub fn new(config: CpuDeviceConfig) -> Result<Self, EngineError> {
         let name = "cpu".to_string();
-        let memory = AlignedBuf::zeroed(config.memory_budget_bytes);
-        let base = HostPtr(memory.as_ptr().cast_mut());
+        // Mapped lazily: a large budget costs nothing until operations touch it.
+        let memory = HostMapping::map(config.memory_budget_bytes).map_err(|e| {
+            EngineError::DeviceBudgetUnavailable {
+                device: name.clone(),
+                budget_bytes: config.memory_budget_bytes,
+                reason: format!("mmap: {e}"),
+            }
+        })?;
+        let base = HostPtr(memory.ptr().as_ptr());
         let arena = DeviceArena::new(
             name.clone(),
             config.memory_budget_bytes,

@@ -7,7 +7,9 @@
 //! [`ArenaStats`].
 
 mod arena;
+mod host;
 mod pinned;
 
 pub use arena::{ARENA_ALIGN, ArenaStats, DeviceArena, DeviceBuffer};
+pub(crate) use host::HostMapping;
 pub use pinned::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning, PoolStats, SlotLease};

@@ -17,14 +17,15 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
-use std::sync::{Arc, Condvar, Mutex, Once};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam::queue::ArrayQueue;
-use cudarc::driver::{CudaContext, sys};
+use cudarc::driver::CudaContext;
 use hdrhistogram::Histogram;
 use strata_storage::{DIRECT_IO_ALIGN, IoBuf, IoRegion};
 
+use super::host::HostMapping;
 use crate::error::EngineError;
 
 /// How a pool's memory gets page-locked.
@@ -165,7 +166,14 @@ impl PinnedPool {
                 "{slot_count} slots is more than a pool can index; use larger slots"
             )));
         }
-        let mapping = HostMapping::new(&config.name, slot_bytes * slot_count, pinning)?;
+        let mut mapping = HostMapping::map(slot_bytes * slot_count).map_err(|source| {
+            EngineError::HostMemory {
+                pool: config.name.clone(),
+                size_bytes: slot_bytes * slot_count,
+                source,
+            }
+        })?;
+        mapping.lock(&config.name, pinning)?;
         let free = ArrayQueue::new(slot_count);
         for index in 0..slot_count {
             free.push(index as u32).expect("the queue holds every slot");
@@ -275,7 +283,7 @@ impl PinnedPool {
         inner.high_water_slots.fetch_max(in_use, Ordering::Relaxed);
         inner.acquires.fetch_add(1, Ordering::Relaxed);
         // SAFETY: index < slot_count, so the offset stays inside the mapping.
-        let ptr = unsafe { inner.mapping.ptr.add(index as usize * inner.slot_bytes) };
+        let ptr = unsafe { inner.mapping.ptr().add(index as usize * inner.slot_bytes) };
         SlotLease {
             pool: Arc::clone(&self.inner),
             index,
@@ -300,7 +308,7 @@ impl PinnedPool {
 
     /// How the pool's memory is locked.
     pub fn locking(&self) -> &HostLocking {
-        &self.inner.mapping.locking
+        self.inner.mapping.locking()
     }
 
     /// The whole mapping, for registering with the storage crate's io_uring backend
@@ -308,8 +316,8 @@ impl PinnedPool {
     /// region stays valid while this pool or any of its leases lives.
     pub fn io_region(&self) -> IoRegion {
         IoRegion {
-            ptr: self.inner.mapping.ptr.as_ptr(),
-            len_bytes: self.inner.mapping.len_bytes,
+            ptr: self.inner.mapping.ptr().as_ptr(),
+            len_bytes: self.inner.mapping.len_bytes(),
         }
     }
 
@@ -329,7 +337,7 @@ impl PinnedPool {
             slot_bytes: inner.slot_bytes,
             slot_count: inner.slot_count,
             budget_bytes: inner.budget_bytes,
-            locking: inner.mapping.locking.clone(),
+            locking: inner.mapping.locking().clone(),
             in_use_slots: inner.in_use_slots.load(Ordering::Relaxed),
             high_water_slots: inner.high_water_slots.load(Ordering::Relaxed),
             acquires: inner.acquires.load(Ordering::Relaxed),
@@ -353,7 +361,7 @@ impl std::fmt::Debug for PinnedPool {
             .field("name", &self.inner.name)
             .field("slot_bytes", &self.inner.slot_bytes)
             .field("slot_count", &self.inner.slot_count)
-            .field("locking", &self.inner.mapping.locking)
+            .field("locking", self.inner.mapping.locking())
             .finish()
     }
 }
@@ -414,7 +422,7 @@ impl SlotLease {
 
     /// How the slot's memory is locked.
     pub fn locking(&self) -> &HostLocking {
-        &self.pool.mapping.locking
+        self.pool.mapping.locking()
     }
 
     /// The slot's bytes.
@@ -462,161 +470,5 @@ unsafe impl IoBuf for SlotLease {
 
     fn capacity_bytes(&self) -> usize {
         self.pool.slot_bytes
-    }
-}
-
-/// An anonymous mapping, locked as asked, unlocked and unmapped on drop.
-struct HostMapping {
-    ptr: NonNull<u8>,
-    len_bytes: usize,
-    locking: HostLocking,
-    /// The context the mapping is registered in, kept alive until it is unregistered.
-    cuda: Option<Arc<CudaContext>>,
-}
-
-// SAFETY: the mapping is plain memory owned by this value; the pool hands out disjoint
-// slots of it through leases.
-unsafe impl Send for HostMapping {}
-// SAFETY: as above; HostMapping itself never reads or writes the bytes.
-unsafe impl Sync for HostMapping {}
-
-/// Mappings of at least this size ask for transparent huge pages: fewer TLB misses when
-/// the CPU streams through slots, and fewer pages for the driver to pin.
-const HUGE_PAGE_BYTES: usize = 2 << 20;
-
-impl HostMapping {
-    fn new(pool: &str, len_bytes: usize, pinning: &Pinning) -> Result<Self, EngineError> {
-        // SAFETY: an anonymous private mapping touches no existing memory.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len_bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(EngineError::HostMemory {
-                pool: pool.to_string(),
-                size_bytes: len_bytes,
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        let ptr = NonNull::new(raw.cast::<u8>()).expect("mmap never returns null on success");
-        if len_bytes >= HUGE_PAGE_BYTES {
-            // SAFETY: advice on our own fresh mapping; a refusal (no THP) is harmless.
-            unsafe { libc::madvise(raw, len_bytes, libc::MADV_HUGEPAGE) };
-        }
-        let mut mapping = HostMapping {
-            ptr,
-            len_bytes,
-            locking: HostLocking::Mlocked,
-            cuda: None,
-        };
-        match pinning {
-            Pinning::Cuda(ctx) => {
-                ctx.bind_to_thread()
-                    .map_err(EngineError::cuda("bind context"))?;
-                // SAFETY: registers our own live mapping, page-aligned, for its whole
-                // length; it is unregistered in Drop before it is unmapped.
-                unsafe {
-                    sys::cuMemHostRegister_v2(raw, len_bytes, sys::CU_MEMHOSTREGISTER_PORTABLE)
-                }
-                .result()
-                .map_err(|source| EngineError::CudaHostRegister {
-                    pool: pool.to_string(),
-                    size_bytes: len_bytes,
-                    source,
-                })?;
-                mapping.locking = HostLocking::CudaRegistered;
-                mapping.cuda = Some(Arc::clone(ctx));
-            }
-            Pinning::Mlock => {
-                // SAFETY: locks our own live mapping; mlock also faults every page in.
-                if unsafe { libc::mlock(raw, len_bytes) } != 0 {
-                    let reason = mlock_refusal(len_bytes, std::io::Error::last_os_error());
-                    warn_unlocked_once(pool, &reason);
-                    mapping.prefault();
-                    mapping.locking = HostLocking::Unlocked { reason };
-                }
-            }
-        }
-        Ok(mapping)
-    }
-
-    /// Touches every page so unlocked memory does not fault on the hot path.
-    fn prefault(&mut self) {
-        let page = page_bytes();
-        let mut offset = 0;
-        while offset < self.len_bytes {
-            // SAFETY: offset < len_bytes, inside our own writable mapping; the mapping is
-            // not shared yet.
-            unsafe { self.ptr.as_ptr().add(offset).write_volatile(0) };
-            offset += page;
-        }
-    }
-}
-
-impl Drop for HostMapping {
-    fn drop(&mut self) {
-        let raw = self.ptr.as_ptr().cast::<libc::c_void>();
-        if let Some(ctx) = &self.cuda {
-            // Every lease holds the pool, so no copy the engine issued can still be using
-            // the memory: copies hand their lease back only after their event completed.
-            let result = ctx.bind_to_thread().and_then(|()| {
-                // SAFETY: `raw` was registered in `new` and is unregistered once.
-                unsafe { sys::cuMemHostUnregister(raw) }.result()
-            });
-            if let Err(e) = result {
-                log::error!("cuMemHostUnregister failed: {e}; unmapping anyway");
-            }
-        }
-        // SAFETY: our own mapping, of exactly this length, unmapped once; munmap also
-        // drops any mlock.
-        unsafe { libc::munmap(raw, self.len_bytes) };
-    }
-}
-
-fn page_bytes() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(n).unwrap_or(4096).max(1)
-}
-
-/// Why mlock said no, with the limit in force and what to do.
-fn mlock_refusal(len_bytes: usize, error: std::io::Error) -> String {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit into the struct we pass.
-    let limit_text = if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0 {
-        if limit.rlim_cur == libc::RLIM_INFINITY {
-            "unlimited".to_string()
-        } else {
-            format!("{} bytes", limit.rlim_cur)
-        }
-    } else {
-        "unknown".to_string()
-    };
-    format!(
-        "mlock of {len_bytes} bytes failed: {error} (RLIMIT_MEMLOCK {limit_text}); raise it \
-         with `ulimit -l` or in /etc/security/limits.conf, or grant CAP_IPC_LOCK"
-    )
-}
-
-fn warn_unlocked_once(pool: &str, reason: &str) {
-    static WARNED: Once = Once::new();
-    let mut first = false;
-    WARNED.call_once(|| first = true);
-    if first {
-        log::warn!(
-            "pinned pool '{pool}': {reason}; using unlocked host memory, so transfers may be \
-             slower and pages may be swapped out (further pools say this only at debug level)"
-        );
-    } else {
-        log::debug!("pinned pool '{pool}': {reason}; using unlocked host memory");
     }
 }
