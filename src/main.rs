@@ -25,6 +25,8 @@ enum Command {
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
     // Each benchmark adds its variant here and its code under src/bench/.
+    /// Host-to-device and device-to-host copy rates against the PCIe link and PyTorch.
+    Pcie(strata::bench::pcie::PcieArgs),
 }
 
 /// Prints what strata sees of this machine: cores and the CPU features its kernels use.
@@ -50,7 +52,9 @@ fn main() -> ExitCode {
     strata::logging::init();
     let cli = Cli::parse();
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
-        Command::Bench(bench) => match bench {},
+        Command::Bench(bench) => match bench {
+            BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),
+        },
         Command::Info => info(),
     };
     match result {
