@@ -38,7 +38,7 @@ fn round_trip_of_odd_sizes_on_every_backend() {
         }
         let stats = store.io_stats();
         assert!(stats.written_bytes >= ODD_SIZES.iter().sum::<usize>() as u64);
-        assert!(stats.read_latency_ns.len() > 0);
+        assert!(!stats.read_latency_ns.is_empty());
     }
 }
 
