@@ -107,10 +107,11 @@ fn every_injected_fault_reaches_the_caller_and_nothing_else_fails() {
     // Read every extent back: unwritten ones are refused; the others fail exactly where a
     // read fault hit them and otherwise return the bytes written.
     let logged_before_reads = plan.injected().len();
-    let mut pending = Vec::new();
-    for i in 0..EXTENTS {
-        pending.push(store.read(ids[i], AlignedBuf::zeroed(extent_len(i))));
-    }
+    let pending: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| store.read(id, AlignedBuf::zeroed(extent_len(i))))
+        .collect();
     let read_log: Vec<InjectedFault> = {
         let results: Vec<_> = pending.into_iter().map(|p| p.wait()).collect();
         let log = plan.injected()[logged_before_reads..].to_vec();
