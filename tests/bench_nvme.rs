@@ -18,7 +18,9 @@ fn small_run_writes_tables_and_json() {
     let dir = scratch();
     let json = dir.path().join("nvme.json");
     let out = strata()
-        .args(["bench", "nvme", "--size", "16MiB", "--extent", "4MiB", "--block", "256KiB"])
+        .args([
+            "bench", "nvme", "--size", "16MiB", "--extent", "4MiB", "--block", "256KiB",
+        ])
         .args(["--qd", "8", "--repeat", "1", "--path"])
         .arg(dir.path())
         .arg("--json")
@@ -28,7 +30,10 @@ fn small_run_writes_tables_and_json() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("checksums off") && stdout.contains("checksums on"), "{stdout}");
+    assert!(
+        stdout.contains("checksums off") && stdout.contains("checksums on"),
+        "{stdout}"
+    );
 
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
@@ -52,7 +57,11 @@ fn small_run_writes_tables_and_json() {
     }
     let fio = report["fio"].as_array().unwrap();
     assert!(!fio.is_empty(), "fio ran: {stderr}");
-    assert_eq!(report["ratios"].as_array().unwrap().len(), 4, "2 directions x 2 settings");
+    assert_eq!(
+        report["ratios"].as_array().unwrap().len(),
+        4,
+        "2 directions x 2 settings"
+    );
     assert!(stdout.contains("strata/fio"), "{stdout}");
 }
 
@@ -64,7 +73,10 @@ fn bad_arguments_are_clear_errors() {
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("/no/such/folder") && stderr.contains("not a folder"), "{stderr}");
+    assert!(
+        stderr.contains("/no/such/folder") && stderr.contains("not a folder"),
+        "{stderr}"
+    );
 
     let out = strata()
         .args(["bench", "nvme", "--size", "1000", "--no-fio"])
