@@ -16,7 +16,7 @@ mod file;
 mod io;
 mod store;
 
-pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, IoBuf, IoRegion};
+pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, HUGE_PAGE_BYTES, IoBuf, IoRegion};
 pub use error::{Errno, StorageError};
 pub use file::{DirectIo, is_tmpfs};
 pub use io::faulty::{FaultKind, FaultPlan, InjectedFault};
