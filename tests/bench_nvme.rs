@@ -66,6 +66,38 @@ fn small_run_writes_tables_and_json() {
 }
 
 #[test]
+fn sweep_recommends_a_setting() {
+    let dir = scratch();
+    let json = dir.path().join("sweep.json");
+    let out = strata()
+        .args([
+            "bench", "nvme", "--size", "8MiB", "--extent", "2MiB", "--repeat", "1",
+        ])
+        .args(["--checksums", "off", "--no-fio", "--sweep", "--path"])
+        .arg(dir.path())
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("sweep: best write"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let points = report["sweep"].as_array().unwrap();
+    assert_eq!(points.len(), 6 * 5, "6 block sizes x 5 queue depths");
+    assert!(
+        points
+            .iter()
+            .all(|p| p["read_gib_per_s"].as_f64().unwrap() > 0.0)
+    );
+}
+
+#[test]
 fn bad_arguments_are_clear_errors() {
     let out = strata()
         .args(["bench", "nvme", "--path", "/no/such/folder", "--no-fio"])
