@@ -3,8 +3,8 @@
 //! It is what strata runs on where io_uring cannot start (seccomp, io_uring_disabled,
 //! old kernels). It is generic over its [`Syscalls`] so that tests run the same chunking,
 //! continuation and retry logic over system calls that fail on purpose
-//! ([`super::faulty`]). The number of threads is the queue depth: at most that many
-//! chunks are in flight.
+//! ([`super::faulty`]). The number of threads is the queue depth, up to
+//! [`MAX_THREADS`]: at most that many chunks are in flight.
 
 use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
@@ -19,6 +19,10 @@ use super::{
 };
 use crate::buffer::IoRegion;
 use crate::error::StorageError;
+
+/// The most threads the backend starts, whatever the queue depth: beyond this, more
+/// threads only add scheduling cost on the few cores a training machine spares for I/O.
+pub(crate) const MAX_THREADS: usize = 128;
 
 /// The system calls a threaded backend makes; errors are errno values.
 pub(crate) trait Syscalls: Send + Sync + 'static {
@@ -107,7 +111,7 @@ pub(crate) struct ThreadIo<S: Syscalls> {
 }
 
 impl<S: Syscalls> ThreadIo<S> {
-    /// Starts `queue_depth` worker threads over `files`.
+    /// Starts `queue_depth` worker threads (at most [`MAX_THREADS`]) over `files`.
     pub fn start(
         syscalls: S,
         files: FileTable,
@@ -120,9 +124,10 @@ impl<S: Syscalls> ThreadIo<S> {
             files,
             stats: Mutex::new(IoStats::default()),
         });
-        let (sender, receiver) = crossbeam::channel::bounded::<Chunk>(queue_depth);
-        let mut workers = Vec::with_capacity(queue_depth);
-        for i in 0..queue_depth {
+        let thread_count = queue_depth.min(MAX_THREADS);
+        let (sender, receiver) = crossbeam::channel::bounded::<Chunk>(thread_count);
+        let mut workers = Vec::with_capacity(thread_count);
+        for i in 0..thread_count {
             let receiver: Receiver<Chunk> = receiver.clone();
             let worker_shared = Arc::clone(&shared);
             let worker = std::thread::Builder::new()
