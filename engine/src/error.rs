@@ -82,6 +82,10 @@ pub enum EngineError {
         source: DriverError,
     },
 
+    /// The NVMe tier failed (its error names the extent, file and what to do).
+    #[error(transparent)]
+    Storage(#[from] strata_storage::StorageError),
+
     /// CUDA was asked for but cannot be used on this machine.
     #[error(transparent)]
     CudaUnavailable(#[from] CudaUnavailable),

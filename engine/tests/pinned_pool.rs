@@ -326,3 +326,63 @@ fn a_refused_mlock_gives_unlocked_memory_that_still_works() {
         Err(skip) => println!("skipping: {skip}"),
     }
 }
+
+#[test]
+fn an_nvme_read_lands_in_a_registered_slot() {
+    use strata_engine::storage::{BackendKind, StoreConfig, TensorStore};
+
+    const LEN: usize = 3 << 20;
+    // On disk, not tmpfs, so O_DIRECT can be used where the filesystem allows it.
+    let dir = tempfile::tempdir_in(std::env::current_dir().unwrap()).unwrap();
+    let store = TensorStore::create(StoreConfig::new(dir.path(), 4 * LEN as u64)).unwrap();
+    let pool = pool("nvme", LEN, 2, Duration::from_secs(1));
+    pool.register_with(&store).unwrap();
+
+    let extent = store.allocate("block0.params", LEN as u64).unwrap();
+    let mut source = pool.acquire().unwrap();
+    for (i, b) in source.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 253) as u8;
+    }
+    let (written, source) = store.write(extent, source).wait();
+    written.unwrap();
+    let source_index = source.index();
+    drop(source);
+    // Read into the other slot: the one a host-to-device copy would start from.
+    let mut target = pool.acquire().unwrap();
+    if target.index() == source_index {
+        let other = pool.acquire().unwrap();
+        drop(target);
+        target = other;
+    }
+    target.as_mut_slice().fill(0);
+    let (read, target) = store.read(extent, target).wait();
+    read.unwrap();
+    assert!(
+        target
+            .as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i % 253) as u8)
+    );
+    let stats = store.io_stats();
+    match store.backend() {
+        BackendKind::Uring => {
+            assert!(stats.fixed_chunks > 0, "no chunk used the registered slots");
+            assert_eq!(stats.plain_chunks, 0, "a chunk missed the registered slots");
+            println!(
+                "io_uring: {} fixed chunks, {} plain (direct I/O: {})",
+                stats.fixed_chunks,
+                stats.plain_chunks,
+                store.direct_io()
+            );
+        }
+        other => println!(
+            "io_uring is not available here ({other:?} backend): fixed buffers not checked"
+        ),
+    }
+    // The pool unregisters itself before unmapping; the store lives on and still works.
+    drop((target, pool));
+    let after = store.allocate("after", 4096).unwrap();
+    let plain = strata_engine::storage::AlignedBuf::from_slice(&[7u8; 4096]);
+    store.write(after, plain).wait().0.unwrap();
+}

@@ -10,6 +10,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Once};
 
 use cudarc::driver::{CudaContext, sys};
+use strata_storage::{HUGE_PAGE_BYTES, IoRegion};
 
 use super::pinned::{HostLocking, Pinning};
 use crate::error::EngineError;
@@ -29,19 +30,26 @@ unsafe impl Send for HostMapping {}
 // SAFETY: as above; HostMapping itself never reads or writes the bytes.
 unsafe impl Sync for HostMapping {}
 
-/// Mappings of at least this size ask for transparent huge pages: fewer TLB misses when
-/// the CPU streams through them, and fewer pages for the driver to pin.
-const HUGE_PAGE_BYTES: usize = 2 << 20;
-
 impl HostMapping {
-    /// Maps `len_bytes` (at least one page) of zeroed, not yet backed memory.
+    /// Maps `len_bytes` (rounded up to whole pages, at least one) of zeroed, not yet
+    /// backed memory. From [`HUGE_PAGE_BYTES`] up the mapping starts on a huge-page
+    /// boundary and asks for transparent huge pages: fewer TLB misses when the CPU
+    /// streams through it, fewer pages for the driver to pin, and one DMA segment per
+    /// 2 MiB for O_DIRECT (a refusal costs speed, not correctness).
     pub(crate) fn map(len_bytes: usize) -> std::io::Result<Self> {
-        let len_bytes = len_bytes.max(page_bytes());
+        let len_bytes = len_bytes.max(1).next_multiple_of(page_bytes());
+        let huge = len_bytes >= HUGE_PAGE_BYTES;
+        // Over-map by one huge page so an aligned start lies inside, then trim.
+        let mapped_bytes = if huge {
+            len_bytes + HUGE_PAGE_BYTES
+        } else {
+            len_bytes
+        };
         // SAFETY: an anonymous private mapping touches no existing memory.
         let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len_bytes,
+                mapped_bytes,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
@@ -51,13 +59,29 @@ impl HostMapping {
         if raw == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        let ptr = NonNull::new(raw.cast::<u8>()).expect("mmap never returns null on success");
-        if len_bytes >= HUGE_PAGE_BYTES {
-            // SAFETY: advice on our own fresh mapping; a refusal (no THP) is harmless.
-            unsafe { libc::madvise(raw, len_bytes, libc::MADV_HUGEPAGE) };
-        }
+        let raw = raw.cast::<u8>();
+        let start = if huge {
+            let head = (raw as usize).next_multiple_of(HUGE_PAGE_BYTES) - raw as usize;
+            let tail = mapped_bytes - head - len_bytes;
+            // SAFETY: head and tail are page-aligned pieces of our own fresh mapping,
+            // outside [raw + head, raw + head + len_bytes), which we keep.
+            unsafe {
+                if head > 0 {
+                    libc::munmap(raw.cast(), head);
+                }
+                if tail > 0 {
+                    libc::munmap(raw.add(head + len_bytes).cast(), tail);
+                }
+                let start = raw.add(head);
+                // Advice only; a kernel without THP refuses harmlessly.
+                libc::madvise(start.cast(), len_bytes, libc::MADV_HUGEPAGE);
+                start
+            }
+        } else {
+            raw
+        };
         Ok(Self {
-            ptr,
+            ptr: NonNull::new(start).expect("mmap never returns null on success"),
             len_bytes,
             locking: HostLocking::Unlocked {
                 reason: "not asked to be locked".into(),
@@ -109,9 +133,12 @@ impl HostMapping {
         self.ptr
     }
 
-    /// Bytes mapped.
-    pub(crate) fn len_bytes(&self) -> usize {
-        self.len_bytes
+    /// The whole mapping, as the storage crate registers it.
+    pub(crate) fn io_region(&self) -> IoRegion {
+        IoRegion {
+            ptr: self.ptr.as_ptr(),
+            len_bytes: self.len_bytes,
+        }
     }
 
     /// How the memory is locked.
@@ -191,5 +218,33 @@ fn warn_unlocked_once(owner: &str, reason: &str) {
         );
     } else {
         log::debug!("pinned pool '{owner}': {reason}; using unlocked host memory");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_mappings_start_on_a_huge_page_and_all_are_whole_pages() {
+        for len in [1, 5000, HUGE_PAGE_BYTES, 3 * HUGE_PAGE_BYTES + 4096] {
+            let mut mapping = HostMapping::map(len).unwrap();
+            assert!(mapping.len_bytes >= len);
+            assert!(mapping.len_bytes.is_multiple_of(page_bytes()));
+            if len >= HUGE_PAGE_BYTES {
+                assert!((mapping.ptr.as_ptr() as usize).is_multiple_of(HUGE_PAGE_BYTES));
+            }
+            // Every byte is mapped, writable and starts zeroed.
+            let region = mapping.io_region();
+            // SAFETY: the mapping is ours, `len_bytes` long, and nothing else uses it.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(region.ptr, region.len_bytes) };
+            assert!(bytes.iter().all(|&b| b == 0));
+            bytes.fill(0xEE);
+            mapping.lock("test", &Pinning::Mlock).unwrap();
+            assert!(matches!(
+                mapping.locking(),
+                HostLocking::Mlocked | HostLocking::Unlocked { .. }
+            ));
+        }
     }
 }

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use crossbeam::queue::ArrayQueue;
 use cudarc::driver::CudaContext;
 use hdrhistogram::Histogram;
-use strata_storage::{DIRECT_IO_ALIGN, IoBuf, IoRegion};
+use strata_storage::{DIRECT_IO_ALIGN, IoBuf, IoRegion, TensorStore};
 
 use super::host::HostMapping;
 use crate::error::EngineError;
@@ -106,6 +106,8 @@ struct PoolInner {
     wakeup: Condvar,
     /// Wait times of acquires that found the pool empty, in nanoseconds.
     wait_ns: Mutex<Histogram<u64>>,
+    /// Stores the mapping is registered with; unregistered before it is unmapped.
+    registered_with: Mutex<Vec<TensorStore>>,
 }
 
 /// A snapshot of a pool's counters.
@@ -201,6 +203,7 @@ impl PinnedPool {
                 sleep_lock: Mutex::new(()),
                 wakeup: Condvar::new(),
                 wait_ns: Mutex::new(wait_ns),
+                registered_with: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -311,14 +314,29 @@ impl PinnedPool {
         self.inner.mapping.locking()
     }
 
-    /// The whole mapping, for registering with the storage crate's io_uring backend
-    /// (`TensorStore::register_region`), so reads into any slot use fixed buffers. The
-    /// region stays valid while this pool or any of its leases lives.
+    /// Registers the whole pool with `store`'s io_uring backend, so NVMe reads into and
+    /// writes from any slot use fixed buffers: the read lands in the slot the
+    /// host-to-device copy starts from, with no per-I/O page pinning. (The threaded
+    /// backend accepts this and ignores it.) The pool keeps a clone of the store and
+    /// unregisters from it before its memory is unmapped.
+    pub fn register_with(&self, store: &TensorStore) -> Result<(), EngineError> {
+        let mut registered = self
+            .inner
+            .registered_with
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the region is this pool's mapping, which stays mapped until PoolInner
+        // drops, and PoolInner's Drop unregisters it from every store in
+        // `registered_with` before the mapping is unmapped.
+        unsafe { store.register_region(self.io_region()) }?;
+        registered.push(store.clone());
+        Ok(())
+    }
+
+    /// The whole mapping as an I/O region. It stays mapped while this pool or any of
+    /// its leases lives; [`PinnedPool::register_with`] registers it safely.
     pub fn io_region(&self) -> IoRegion {
-        IoRegion {
-            ptr: self.inner.mapping.ptr().as_ptr(),
-            len_bytes: self.inner.mapping.len_bytes(),
-        }
+        self.inner.mapping.io_region()
     }
 
     /// A snapshot of the counters.
@@ -363,6 +381,25 @@ impl std::fmt::Debug for PinnedPool {
             .field("slot_count", &self.inner.slot_count)
             .field("locking", self.inner.mapping.locking())
             .finish()
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        // No lease is left (each holds the pool), so no I/O into the slots is in flight.
+        let region = self.mapping.io_region();
+        let stores = self
+            .registered_with
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner());
+        for store in stores.drain(..) {
+            if let Err(e) = store.unregister_region(region) {
+                log::error!(
+                    "pinned pool '{}': unregistering from a store failed: {e}",
+                    self.name
+                );
+            }
+        }
     }
 }
 
