@@ -536,6 +536,8 @@ pub fn run(args: &PcieArgs) -> Result<(), Box<dyn Error>> {
     let config = DeviceConfig {
         memory_budget_bytes: 2 * args.max_size.next_multiple_of(4096),
         cuda_ordinal: 0,
+        // Copies need only the driver: a GPU without NVRTC or cuBLAS is still measured.
+        cuda_needs_kernels: false,
     };
     let (device, reason) = select(args.device, &config)?;
     println!("strata bench pcie");
@@ -600,7 +602,8 @@ fn measure_gpu(
     }
     let mut down = pool.acquire()?;
     let pageable_up = up.as_slice()[..max].to_vec();
-    let mut pageable_down = vec![0u8; max];
+    // Written, so its pages are resident like any working buffer's.
+    let mut pageable_down = vec![0x5Au8; max];
     let to_device = cuda.arena().alloc(max)?;
     let from_device = cuda.arena().alloc(max)?;
     let mut plan = Vec::new();

@@ -35,6 +35,10 @@ pub struct CudaDeviceConfig {
     pub ordinal: usize,
     /// Bytes of GPU memory to allocate at start and sub-allocate from.
     pub memory_budget_bytes: usize,
+    /// Whether strata's kernels will run on the device: they need NVRTC and cuBLAS
+    /// besides the driver, so opening fails without them. Memory, streams and copies
+    /// need only the driver (false, for `strata bench pcie`).
+    pub needs_kernels: bool,
 }
 
 /// One GPU with its three streams and its memory arena.
@@ -72,10 +76,11 @@ impl Drop for CudaMemory {
 
 impl CudaDevice {
     /// Opens GPU `config.ordinal`, creates its streams and allocates its memory budget.
-    /// Probes the CUDA libraries first and fails with their reason when any is missing.
+    /// Probes the CUDA libraries first and fails with their reason when one it needs is
+    /// missing.
     pub fn new(config: CudaDeviceConfig) -> Result<Self, EngineError> {
         let libraries = strata_kernels::cuda::probe();
-        libraries.require_all()?;
+        cuda_usable(config.needs_kernels)?;
         if config.ordinal >= libraries.device_count {
             return Err(strata_kernels::cuda::CudaUnavailable {
                 reason: format!(
@@ -427,6 +432,18 @@ impl std::fmt::Debug for CudaDevice {
             .field("gpu_name", &self.gpu_name)
             .field("arena", &self.arena)
             .finish()
+    }
+}
+
+/// Whether CUDA can be used, for kernels or only for memory and copies, and if not why.
+pub(crate) fn cuda_usable(
+    needs_kernels: bool,
+) -> Result<(), strata_kernels::cuda::CudaUnavailable> {
+    let libraries = strata_kernels::cuda::probe();
+    if needs_kernels {
+        libraries.require_all()
+    } else {
+        libraries.require_driver()
     }
 }
 

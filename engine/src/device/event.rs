@@ -73,9 +73,9 @@ impl Event {
                     .map_err(EngineError::cuda("cuEventElapsedTime"))?;
                 Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
             }
-            _ => Err(EngineError::ForeignResource {
-                device: "either".into(),
-                what: "an event of another kind of device",
+            _ => Err(EngineError::Unsupported {
+                device: "cpu and cuda".into(),
+                what: "timing between an event of the CPU device and a CUDA event",
             }),
         }
     }

@@ -106,6 +106,9 @@ pub struct DeviceConfig {
     pub memory_budget_bytes: usize,
     /// Which GPU, when CUDA is chosen.
     pub cuda_ordinal: usize,
+    /// Whether strata's kernels will run on a GPU (training: true), which needs NVRTC and
+    /// cuBLAS besides the driver; a copy benchmark needs only the driver (false).
+    pub cuda_needs_kernels: bool,
 }
 
 /// A device: the simulated CPU accelerator or a GPU.
@@ -247,8 +250,9 @@ impl Device {
 }
 
 /// Opens the device `choice` names and says which it is and why, in a sentence for the
-/// user. `Auto` takes a GPU when the CUDA probe finds every library and a GPU, else the
-/// CPU device with the probe's reason; `Cuda` fails with that reason instead.
+/// user. `Auto` takes a GPU when the CUDA probe finds the libraries the config needs and
+/// a GPU, else the CPU device with the probe's reason; `Cuda` fails with that reason
+/// instead.
 pub fn select(
     choice: DeviceChoice,
     config: &DeviceConfig,
@@ -264,6 +268,7 @@ pub fn select(
         CudaDevice::new(CudaDeviceConfig {
             ordinal: config.cuda_ordinal,
             memory_budget_bytes: config.memory_budget_bytes,
+            needs_kernels: config.cuda_needs_kernels,
         })
     };
     const CPU: &str = "cpu (a simulated accelerator in host memory)";
@@ -278,11 +283,16 @@ pub fn select(
             );
             Ok((Device::Cuda(device), reason))
         }
-        DeviceChoice::Auto => match probe().require_all() {
+        DeviceChoice::Auto => match cuda::cuda_usable(config.cuda_needs_kernels) {
             Ok(()) => {
                 let device = cuda()?;
+                let libraries = if config.cuda_needs_kernels {
+                    "the CUDA driver, NVRTC and cuBLAS"
+                } else {
+                    "the CUDA driver"
+                };
                 let reason = format!(
-                    "{} ({}): device 'auto' found the CUDA driver, NVRTC and cuBLAS and {} GPU(s)",
+                    "{} ({}): device 'auto' found {libraries} and {} GPU(s)",
                     device.name(),
                     device.gpu_name(),
                     probe().device_count
