@@ -26,6 +26,8 @@ enum Command {
 enum BenchCommand {
     /// NVMe tier: write and read extents through the tensor store, against fio.
     Nvme(strata::bench::nvme::NvmeArgs),
+    /// Host-to-device and device-to-host copy rates against the PCIe link and PyTorch.
+    Pcie(strata::bench::pcie::PcieArgs),
 }
 
 /// Prints what strata sees of this machine: cores and the CPU features its kernels use.
@@ -53,6 +55,7 @@ fn main() -> ExitCode {
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         Command::Bench(bench) => match bench {
             BenchCommand::Nvme(args) => strata::bench::nvme::run(&args).map(drop),
+            BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),
         },
         Command::Info => info(),
     };

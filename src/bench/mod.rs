@@ -3,3 +3,4 @@
 
 pub mod fio;
 pub mod nvme;
+pub mod pcie;
