@@ -24,7 +24,10 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
-    // Each benchmark adds its variant here and its code under src/bench/.
+    /// NVMe tier: write and read extents through the tensor store, against fio.
+    Nvme(strata::bench::nvme::NvmeArgs),
+    /// Host-to-device and device-to-host copy rates against the PCIe link and PyTorch.
+    Pcie(strata::bench::pcie::PcieArgs),
 }
 
 /// Prints what strata sees of this machine: cores and the CPU features its kernels use.
@@ -50,7 +53,10 @@ fn main() -> ExitCode {
     strata::logging::init();
     let cli = Cli::parse();
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
-        Command::Bench(bench) => match bench {},
+        Command::Bench(bench) => match bench {
+            BenchCommand::Nvme(args) => strata::bench::nvme::run(&args).map(drop),
+            BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),
+        },
         Command::Info => info(),
     };
     match result {
