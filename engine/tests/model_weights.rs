@@ -242,7 +242,13 @@ fn bad_paths_and_configs_are_clear() {
     let message = load_pretrained(Path::new("/nonexistent/model"))
         .unwrap_err()
         .to_string();
-    assert!(message.contains("/nonexistent/config.json"), "{message}");
+    assert!(
+        message.starts_with("/nonexistent/model: No such file"),
+        "{message}"
+    );
+    let empty = tempfile::tempdir().unwrap();
+    let message = load_pretrained(empty.path()).unwrap_err().to_string();
+    assert!(message.contains("config.json: No such file"), "{message}");
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config.json");
     let mut json = config_json(&Gpt2Config::tiny());

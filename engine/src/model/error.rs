@@ -1,5 +1,6 @@
 //! The model's errors: bad files, bad shapes, bad tokens, and failures of the device a
-//! model runs on. Kept local to the model until the engine has one error type.
+//! model runs on (the device layer's [`EngineError`](crate::error::EngineError) and the
+//! CUDA kernels' errors, wrapped).
 
 use std::path::PathBuf;
 
@@ -138,17 +139,12 @@ pub enum ModelError {
     /// Inputs that do not match the model or workspace.
     #[error("{0}")]
     BadInput(String),
-    /// The CUDA device or one of its libraries failed.
-    #[error("CUDA {op}: {message}")]
-    Cuda {
-        /// What was being done.
-        op: &'static str,
-        /// The driver's, NVRTC's or cuBLAS's message.
-        message: String,
-    },
-    /// CUDA was asked for but cannot be used here.
+    /// A CUDA kernel, copy or library call failed, or CUDA cannot be used here.
     #[error(transparent)]
-    CudaUnavailable(#[from] strata_kernels::cuda::CudaUnavailable),
+    Cuda(#[from] strata_kernels::cuda::CudaError),
+    /// The device layer failed (opening a device, its memory, its streams).
+    #[error(transparent)]
+    Device(#[from] crate::error::EngineError),
 }
 
 impl ModelError {

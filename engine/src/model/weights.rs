@@ -40,6 +40,7 @@ pub fn model_files(path: &Path) -> (PathBuf, PathBuf) {
 /// Loads a model folder (or weights file): its shape from `config.json`, and one f32
 /// buffer per block from `model.safetensors`.
 pub fn load_pretrained(path: &Path) -> Result<(Model, Vec<Vec<f32>>), ModelError> {
+    std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
     let (config_path, weights_path) = model_files(path);
     let config = load_config(&config_path)?;
     let model = Model::new(config)?;
