@@ -88,7 +88,7 @@ pub trait Backend {
     /// `dst = src` (equal lengths).
     fn copy_act(&self, dst: &mut Self::Act, src: &Self::Act) -> Result<(), ModelError>;
 
-    /// out: (B, T, C)  tokens: (B, T)  params[wte]: (V, C)  params[wpe]: (ctx, C).
+    /// out: (B, T, C)  tokens: (B, T)  `params[wte]`: (V, C)  `params[wpe]`: (ctx, C).
     fn encoder_forward(
         &self,
         out: &mut Self::Act,
@@ -98,7 +98,7 @@ pub trait Backend {
         wpe: Slot,
         dims: Dims,
     ) -> Result<(), ModelError>;
-    /// grads[wte], grads[wpe] +=  dout: (B, T, C)  tokens: (B, T).
+    /// `grads[wte]`, `grads[wpe]` +=  dout: (B, T, C)  tokens: (B, T).
     fn encoder_backward(
         &self,
         grads: &mut Self::Grads,
@@ -108,7 +108,7 @@ pub trait Backend {
         tokens: &Self::Tokens,
         dims: Dims,
     ) -> Result<(), ModelError>;
-    /// out: (N, C)  mean, rstd: (N)  inp: (N, C)  params[weight], params[bias]: (C).
+    /// out: (N, C)  mean, rstd: (N)  inp: (N, C)  `params[weight]`, `params[bias]`: (C).
     fn layernorm_forward(
         &self,
         out: &mut Self::Act,
@@ -121,7 +121,7 @@ pub trait Backend {
         n: usize,
         c: usize,
     ) -> Result<(), ModelError>;
-    /// dinp: (N, C) +=  grads[weight], grads[bias] +=  dout, inp: (N, C).
+    /// dinp: (N, C) +=  `grads[weight]`, `grads[bias]` +=  dout, inp: (N, C).
     fn layernorm_backward(
         &self,
         dinp: &mut Self::Act,
@@ -136,7 +136,7 @@ pub trait Backend {
         n: usize,
         c: usize,
     ) -> Result<(), ModelError>;
-    /// out: (N, OC) = inp: (N, C) @ params[weight] + params[bias].
+    /// out: (N, OC) = inp: (N, C) @ `params[weight]` + `params[bias]`.
     fn matmul_forward(
         &self,
         out: &mut Self::Act,
@@ -149,7 +149,7 @@ pub trait Backend {
         c: usize,
         oc: usize,
     ) -> Result<(), ModelError>;
-    /// dinp: (N, C) =  grads[weight], grads[bias] +=  dout: (N, OC)  inp: (N, C).
+    /// dinp: (N, C) =  `grads[weight]`, `grads[bias]` +=  dout: (N, OC)  inp: (N, C).
     fn matmul_backward(
         &self,
         dinp: &mut Self::Act,

@@ -83,7 +83,7 @@ impl<B: Backend> BlockScratch<B> {
     }
 }
 
-/// out: (B, T, C) = wte[tokens] + wpe[position].
+/// out: (B, T, C) = `wte[tokens]` + `wpe[position]`.
 pub fn embedding_forward<B: Backend>(
     be: &B,
     s: &EmbeddingSlots,
@@ -95,7 +95,7 @@ pub fn embedding_forward<B: Backend>(
     be.encoder_forward(out, tokens, params, s.wte, s.wpe, dims)
 }
 
-/// grads[wte], grads[wpe] += the gradient of `dout` (B, T, C).
+/// `grads[wte]`, `grads[wpe]` += the gradient of `dout` (B, T, C).
 pub fn embedding_backward<B: Backend>(
     be: &B,
     s: &EmbeddingSlots,

@@ -19,7 +19,7 @@ pub const LANES: usize = 16;
 /// Runs `body` compiled for `isa`. Panics if this CPU does not support `isa` (callers
 /// get their `Isa` from [`Isa::active`] or [`Isa::supported`]).
 ///
-/// Mark the closure `#[inline(always)]` (or use [`on_isa!`], which does): a closure is
+/// Mark the closure `#[inline(always)]` (or use `on_isa!`, which does): a closure is
 /// called from three places here, and without the mark the compiler keeps it as one
 /// out-of-line function built for the baseline target, so no `isa` would take effect.
 #[inline(always)]
