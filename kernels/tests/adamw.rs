@@ -16,6 +16,9 @@
 #![allow(clippy::needless_range_loop)]
 
 use half::{bf16, f16};
+mod adamw_support;
+
+use adamw_support::Rng;
 use strata_kernels::adamw::{
     AdamError, AdamStep, AdamW, CopyOut, GradStats, Grads, Q8State, State, grad_stats, q8,
 };
@@ -23,31 +26,6 @@ use strata_kernels::isa::Isa;
 use strata_kernels::reference;
 
 const SIZES: [usize; 6] = [0, 1, 7, 22, 4097, 1_000_003];
-
-/// A deterministic stream of pseudo-random numbers (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    fn signed(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    /// Log-uniform magnitude over `decades` decades below `top`, random sign.
-    fn spread(&mut self, top: f32, decades: f32) -> f32 {
-        let e = (self.signed() * 0.5 + 0.5) * decades;
-        let x = top * 10f32.powf(-e);
-        if self.next_u64() & 1 == 0 { x } else { -x }
-    }
-}
 
 #[derive(Clone)]
 struct Tensors {
