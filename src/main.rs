@@ -25,6 +25,8 @@ enum Command {
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
     // Each benchmark adds its variant here and its code under src/bench/.
+    /// CPU AdamW throughput against a STREAM triad over the same working set.
+    Adam(strata::bench::adam::AdamArgs),
 }
 
 /// Prints what strata sees of this machine: cores and the CPU features its kernels use.
@@ -50,7 +52,9 @@ fn main() -> ExitCode {
     strata::logging::init();
     let cli = Cli::parse();
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
-        Command::Bench(bench) => match bench {},
+        Command::Bench(bench) => match bench {
+            BenchCommand::Adam(args) => strata::bench::adam::main(&args),
+        },
         Command::Info => info(),
     };
     match result {

@@ -1,2 +1,4 @@
 //! The benchmarks behind `strata bench`: each measures one link or kernel and compares
 //! it, in the same run, with its limit or a peer (docs/ARCHITECTURE.md, benchmarks).
+
+pub mod adam;
