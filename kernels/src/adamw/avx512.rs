@@ -194,7 +194,7 @@ fn decode_m(codes: __m512i, scale: __m512) -> __m512 {
         _mm512_slli_epi32::<{ q8::M_SHIFT }>(u),
         _mm512_set1_epi32((q8::EXP_BIAS << 23) as i32),
     );
-    let nonzero = _mm512_cmpgt_epi32_mask(u, _mm512_setzero_si512());
+    let nonzero = _mm512_test_epi32_mask(u, u);
     let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)));
     let bits = _mm512_or_si512(_mm512_maskz_mov_epi32(nonzero, magnitude), sign);
     _mm512_mul_ps(_mm512_castsi512_ps(bits), scale)
@@ -208,7 +208,7 @@ fn decode_r(codes: __m512i, scale: __m512) -> __m512 {
         _mm512_slli_epi32::<{ q8::R_SHIFT }>(codes),
         _mm512_set1_epi32((q8::EXP_BIAS << 23) as i32),
     );
-    let nonzero = _mm512_cmpgt_epi32_mask(codes, _mm512_setzero_si512());
+    let nonzero = _mm512_test_epi32_mask(codes, codes);
     _mm512_mul_ps(
         _mm512_castsi512_ps(_mm512_maskz_mov_epi32(nonzero, value)),
         scale,
