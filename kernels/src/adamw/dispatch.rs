@@ -10,6 +10,7 @@
 //! Holds no `unsafe` of its own beyond calling the [`Kernels`] methods, whose only
 //! requirement is that the CPU supports their instruction set.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::{AdamStep, CopyOut, GradStats, Grads, Q8State, State, q8};
@@ -108,6 +109,19 @@ pub(crate) trait Lane: Copy + Default + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// `x` rounded to this type (nearest even).
     fn from_f32(x: f32) -> Self;
+    /// Widens a slice to f32 (`half`'s slice conversions use F16C or NEON where the
+    /// CPU has them; element by element they cannot).
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
+    /// Rounds a slice from f32.
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::from_f32(s);
+        }
+    }
 }
 
 /// See [`Lane`].
@@ -137,6 +151,12 @@ impl Lane for f16 {
     }
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x)
+    }
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
     }
 }
 

@@ -33,14 +33,22 @@ impl Kernels for Portable {
             *v = r * r;
         }
         f32_state(k, b.p, &mut m, &mut v, b.g, b.out);
-        // v becomes sqrt(v), the quantity stored.
-        let mut m_absmax = 0f32;
-        let mut r_max = 0f32;
-        for (m, v) in m.iter().zip(&mut v) {
+        // v becomes sqrt(v), the quantity stored. The maxima are taken in CHUNK lanes:
+        // a single running maximum is one long dependency chain the compiler cannot
+        // vectorise.
+        for v in &mut v {
             *v = v.sqrt();
-            m_absmax = m_absmax.max(m.abs());
-            r_max = r_max.max(*v);
         }
+        let mut m_lanes = [0f32; CHUNK];
+        let mut r_lanes = [0f32; CHUNK];
+        for (m, v) in m.chunks_exact(CHUNK).zip(v.chunks_exact(CHUNK)) {
+            for l in 0..CHUNK {
+                m_lanes[l] = m_lanes[l].max(m[l].abs());
+                r_lanes[l] = r_lanes[l].max(v[l]);
+            }
+        }
+        let m_absmax = m_lanes.iter().fold(0f32, |a, &b| a.max(b));
+        let r_max = r_lanes.iter().fold(0f32, |a, &b| a.max(b));
         let (m_scale, m_inv) = q8::m_scales(m_absmax);
         let (v_scale, r_inv) = q8::r_scales(r_max);
         *b.m_scale = m_scale;
@@ -79,9 +87,7 @@ fn f32_state<G: Lane, O: Lane>(
     while start < n {
         let end = (start + CHUNK).min(n);
         let mut grad = [0f32; CHUNK];
-        for (x, &y) in grad.iter_mut().zip(&g[start..end]) {
-            *x = y.to_f32();
-        }
+        G::to_f32_slice(&g[start..end], &mut grad[..end - start]);
         update_chunk(
             k,
             &mut p[start..end],
@@ -89,9 +95,7 @@ fn f32_state<G: Lane, O: Lane>(
             &mut v[start..end],
             &grad,
         );
-        for (o, &x) in out[start..end].iter_mut().zip(&p[start..end]) {
-            *o = O::from_f32(x);
-        }
+        O::from_f32_slice(&p[start..end], &mut out[start..end]);
         start = end;
     }
 }
