@@ -24,9 +24,12 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
-    // Each benchmark adds its variant here and its code under src/bench/.
     /// CPU AdamW throughput against a STREAM triad over the same working set.
     Adam(strata::bench::adam::AdamArgs),
+    /// NVMe tier: write and read extents through the tensor store, against fio.
+    Nvme(strata::bench::nvme::NvmeArgs),
+    /// Host-to-device and device-to-host copy rates against the PCIe link and PyTorch.
+    Pcie(strata::bench::pcie::PcieArgs),
 }
 
 /// Prints what strata sees of this machine: cores and the CPU features its kernels use.
@@ -54,6 +57,8 @@ fn main() -> ExitCode {
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         Command::Bench(bench) => match bench {
             BenchCommand::Adam(args) => strata::bench::adam::main(&args),
+            BenchCommand::Nvme(args) => strata::bench::nvme::run(&args).map(drop),
+            BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),
         },
         Command::Info => info(),
     };

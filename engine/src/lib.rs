@@ -1,8 +1,15 @@
 //! strata-engine: where the bytes of a training step live and when they move.
 //!
 //! The engine sits on [`strata_storage`] (bytes on SSD) and [`strata_kernels`] (the
-//! math). Later modules hold the memory pools, the devices, the model, the swap
-//! policies and the executor.
+//! math). [`memory`] holds the pinned host pool and the device arena, [`device`] the CPU
+//! and CUDA devices with their lanes and events, [`error`] the engine's error enum. Later
+//! modules hold the model, the swap policies and the executor.
 
 pub use strata_kernels as kernels;
 pub use strata_storage as storage;
+
+pub mod device;
+pub mod error;
+pub mod memory;
+
+pub use error::EngineError;

@@ -2,3 +2,6 @@
 //! it, in the same run, with its limit or a peer (docs/ARCHITECTURE.md, benchmarks).
 
 pub mod adam;
+pub mod fio;
+pub mod nvme;
+pub mod pcie;

@@ -1,8 +1,24 @@
 //! strata-storage: bytes on SSD.
 //!
-//! Aligned buffers and an ownership-passing I/O API ([`buffer`]). Knows nothing of GPUs:
-//! pinned host memory reaches it through the [`IoBuf`] trait.
+//! - [`buffer`]: aligned buffers and the [`IoBuf`] contract, by which I/O owns a buffer
+//!   while it is in flight and hands it back with the result, also on error.
+//! - [`TensorStore`]: named, checksummed extents over one or more preallocated swap files
+//!   (several = several drives, striped), on an io_uring backend with registered files
+//!   and buffers, or a threaded pread/pwrite backend where io_uring cannot start.
+//! - A seeded fault-injecting backend ([`FaultPlan`]) for tests.
+//!
+//! Knows nothing of GPUs: pinned host memory reaches it through [`IoBuf`] and
+//! [`TensorStore::register_region`].
 
 pub mod buffer;
+mod error;
+mod file;
+mod io;
+mod store;
 
-pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, IoBuf, IoRegion};
+pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, HUGE_PAGE_BYTES, IoBuf, IoRegion};
+pub use error::{Errno, StorageError};
+pub use file::{DirectIo, is_tmpfs};
+pub use io::faulty::{FaultKind, FaultPlan, InjectedFault};
+pub use io::{BackendChoice, BackendKind, IoStats, OpKind, probe_uring};
+pub use store::{ExtentId, ExtentInfo, Pending, StoreConfig, TensorStore};

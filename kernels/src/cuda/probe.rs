@@ -48,6 +48,20 @@ impl CudaLibraries {
                 ),
             });
         }
+        self.require_driver()
+    }
+
+    /// `Ok` when the driver loads, starts and sees at least one GPU: enough for device
+    /// memory, streams, events and copies. Running strata's kernels also needs NVRTC and
+    /// cuBLAS ([`CudaLibraries::require_all`]).
+    pub fn require_driver(&self) -> Result<(), CudaUnavailable> {
+        if !self.driver {
+            return Err(CudaUnavailable {
+                reason: "the CUDA driver library (libcuda.so) could not be loaded; install the \
+                         NVIDIA driver, or add its folder to LD_LIBRARY_PATH"
+                    .into(),
+            });
+        }
         if let Some(error) = &self.driver_error {
             return Err(CudaUnavailable {
                 reason: format!("the CUDA driver failed to start: {error}"),
@@ -107,6 +121,10 @@ mod tests {
         if !first.driver {
             assert_eq!(first.device_count, 0);
             assert!(first.require_all().is_err());
+            assert!(first.require_driver().is_err());
+        }
+        if first.require_all().is_ok() {
+            assert!(first.require_driver().is_ok());
         }
         match first.require_all() {
             Ok(()) => println!("CUDA present: {} GPU(s)", first.device_count),

@@ -1,0 +1,557 @@
+//! The CPU device: a simulated accelerator, the test bed for every schedule on machines
+//! without a GPU.
+//!
+//! Its "device memory" is one host mapping of the budget (backed lazily, as operations
+//! touch it), sub-allocated by a [`DeviceArena`] exactly as GPU memory is. Its streams are
+//! three worker threads (compute, host-to-device, device-to-host), each running its lane's
+//! operations in order; its events are completion flags. Copies can be slowed down on purpose (a fixed latency and a byte
+//! rate), so tests can hold a copy in flight and check what waits for it.
+//!
+//! Operations reach device memory only through [`CpuAccess`] views, and every view is
+//! checked against the views other operations hold: two overlapping accesses, one of
+//! them a write, fail the later operation with [`EngineError::OrderingViolation`]. So a
+//! schedule that forgot an event dependency fails here, loudly, instead of racing.
+//!
+//! Not here: the GPU (`super::cuda`), and any notion of kernels (operations are closures).
+
+use std::ops::{Deref, DerefMut, Range};
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam::channel::{Receiver, Sender};
+use strata_storage::IoBuf;
+
+use super::event::{CpuEvent, Event};
+use super::{Lane, Transfer, assert_copy_fits};
+use crate::error::EngineError;
+use crate::memory::{DeviceArena, DeviceBuffer, HostMapping, Pinning, SlotLease};
+
+/// How a CPU device is built.
+#[derive(Debug, Clone)]
+pub struct CpuDeviceConfig {
+    /// Bytes of simulated device memory, allocated at start.
+    pub memory_budget_bytes: usize,
+    /// Operations a lane may have queued before submitting blocks.
+    pub queue_depth: usize,
+    /// Added to every copy, to simulate a link's latency (or to hold copies in flight in
+    /// tests).
+    pub copy_latency: Duration,
+    /// When set, a copy of n bytes also takes n / rate seconds, to simulate a link's
+    /// bandwidth.
+    pub copy_bytes_per_second: Option<f64>,
+}
+
+impl Default for CpuDeviceConfig {
+    fn default() -> Self {
+        Self {
+            memory_budget_bytes: 256 << 20,
+            queue_depth: 1024,
+            copy_latency: Duration::ZERO,
+            copy_bytes_per_second: None,
+        }
+    }
+}
+
+/// The simulated accelerator.
+pub struct CpuDevice {
+    name: String,
+    shared: Arc<CpuShared>,
+    lanes: Vec<LaneWorker>,
+    copy_latency: Duration,
+    copy_bytes_per_second: Option<f64>,
+}
+
+/// What the lanes share: the memory and the accesses in progress.
+struct CpuShared {
+    name: String,
+    /// The first byte of device memory; the arena owns (and keeps alive) the allocation.
+    base: HostPtr,
+    arena: DeviceArena,
+    accesses: Mutex<AccessTable>,
+}
+
+#[derive(Default)]
+struct AccessTable {
+    next_id: u64,
+    active: Vec<ActiveAccess>,
+}
+
+struct ActiveAccess {
+    id: u64,
+    lane: Lane,
+    range: Range<usize>,
+    write: bool,
+}
+
+type Work = Box<dyn FnOnce(&CpuAccess<'_>) -> Result<(), EngineError> + Send>;
+
+struct Job {
+    after: Vec<Event>,
+    event: CpuEvent,
+    work: Work,
+}
+
+struct LaneWorker {
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl CpuDevice {
+    /// Allocates the memory budget and starts one worker thread per lane.
+    pub fn new(config: CpuDeviceConfig) -> Result<Self, EngineError> {
+        let name = "cpu".to_string();
+        // Mapped lazily: a large budget costs nothing until operations touch it.
+        let memory = HostMapping::map(config.memory_budget_bytes).map_err(|e| {
+            EngineError::DeviceBudgetUnavailable {
+                device: name.clone(),
+                budget_bytes: config.memory_budget_bytes,
+                reason: format!("mmap: {e}"),
+            }
+        })?;
+        let base = HostPtr(memory.ptr().as_ptr());
+        let arena = DeviceArena::new(
+            name.clone(),
+            config.memory_budget_bytes,
+            base.get() as u64,
+            Box::new(memory),
+        );
+        let shared = Arc::new(CpuShared {
+            name: name.clone(),
+            base,
+            arena,
+            accesses: Mutex::new(AccessTable::default()),
+        });
+        let mut lanes = Vec::with_capacity(Lane::ALL.len());
+        for lane in Lane::ALL {
+            let (jobs, receiver) = crossbeam::channel::bounded(config.queue_depth.max(1));
+            let worker_shared = Arc::clone(&shared);
+            let thread = std::thread::Builder::new()
+                .name(format!("strata-cpu-{lane}"))
+                .spawn(move || run_lane(lane, &worker_shared, receiver))
+                .map_err(|e| EngineError::DeviceBudgetUnavailable {
+                    device: name.clone(),
+                    budget_bytes: config.memory_budget_bytes,
+                    reason: format!("could not start the {lane} lane's thread: {e}"),
+                })?;
+            lanes.push(LaneWorker {
+                jobs: Some(jobs),
+                thread: Some(thread),
+            });
+        }
+        Ok(Self {
+            name,
+            shared,
+            lanes,
+            copy_latency: config.copy_latency,
+            copy_bytes_per_second: config.copy_bytes_per_second,
+        })
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How pinned pools for this device lock their memory: `mlock`.
+    pub fn pinning(&self) -> Pinning {
+        Pinning::Mlock
+    }
+
+    /// The device memory arena.
+    pub fn arena(&self) -> &DeviceArena {
+        &self.shared.arena
+    }
+
+    /// Runs `work` on the compute lane after every event in `after`; the returned event
+    /// completes when it has, failing if it failed, panicked, or touched memory another
+    /// operation was using.
+    pub fn run<F>(&self, after: &[Event], work: F) -> Result<Event, EngineError>
+    where
+        F: FnOnce(&CpuAccess<'_>) -> Result<(), EngineError> + Send + 'static,
+    {
+        self.submit(Lane::Compute, after, Box::new(work))
+            .map(Event::Cpu)
+    }
+
+    /// Copies the first `dst.len_bytes()` bytes of `src` into `dst` on the host-to-device
+    /// lane, after `after`. The slot stays with the returned [`Transfer`] until the copy
+    /// has completed.
+    pub fn copy_h2d(
+        &self,
+        dst: &DeviceBuffer,
+        src: SlotLease,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.shared.arena.check_owns(dst)?;
+        assert_copy_fits(dst, &src);
+        let from = HostPtr(src.as_ptr().cast_mut());
+        let to = dst.clone();
+        let delay = self.copy_time(dst.len_bytes());
+        let event = self.submit(
+            Lane::H2d,
+            after,
+            Box::new(move |access| {
+                let mut device = access.write(&to)?;
+                simulate_link(delay);
+                // SAFETY: the Transfer returned below owns the lease of the slot `from`
+                // points into, and gives it up only after this operation's event has
+                // completed; the slot holds at least `to.len_bytes()` bytes
+                // (assert_copy_fits).
+                let host = unsafe { std::slice::from_raw_parts(from.get(), device.len()) };
+                device.copy_from_slice(host);
+                Ok(())
+            }),
+        )?;
+        Ok(Transfer::new(Event::Cpu(event), src, dst.clone()))
+    }
+
+    /// Copies `src` into the first `src.len_bytes()` bytes of `dst` on the device-to-host
+    /// lane, after `after`. [`Transfer::wait`] hands the slot back once it holds the data.
+    pub fn copy_d2h(
+        &self,
+        dst: SlotLease,
+        src: &DeviceBuffer,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.shared.arena.check_owns(src)?;
+        assert_copy_fits(src, &dst);
+        let to = HostPtr(dst.as_ptr().cast_mut());
+        let from = src.clone();
+        let delay = self.copy_time(src.len_bytes());
+        let event = self.submit(
+            Lane::D2h,
+            after,
+            Box::new(move |access| {
+                let device = access.read(&from)?;
+                simulate_link(delay);
+                // SAFETY: as in copy_h2d: the Transfer owns the slot's lease until this
+                // operation's event completes, and nothing else can reach the slot.
+                let host = unsafe { std::slice::from_raw_parts_mut(to.get(), device.len()) };
+                host.copy_from_slice(&device);
+                Ok(())
+            }),
+        )?;
+        Ok(Transfer::new(Event::Cpu(event), dst, src.clone()))
+    }
+
+    /// An event that completes when everything submitted to `lane` so far has.
+    pub fn record(&self, lane: Lane) -> Result<Event, EngineError> {
+        self.submit(lane, &[], Box::new(|_| Ok(()))).map(Event::Cpu)
+    }
+
+    /// Makes everything submitted to `lane` from now on wait for `events`.
+    pub fn wait_for(&self, lane: Lane, events: &[Event]) -> Result<(), EngineError> {
+        self.submit(lane, events, Box::new(|_| Ok(()))).map(drop)
+    }
+
+    /// Blocks until every lane has run everything submitted so far.
+    pub fn synchronize(&self) -> Result<(), EngineError> {
+        let markers = Lane::ALL.map(|lane| self.record(lane));
+        for marker in markers {
+            marker?.wait()?;
+        }
+        Ok(())
+    }
+
+    fn submit(&self, lane: Lane, after: &[Event], work: Work) -> Result<CpuEvent, EngineError> {
+        let event = CpuEvent::new(lane);
+        let job = Job {
+            after: after.to_vec(),
+            event: event.clone(),
+            work,
+        };
+        let stopped = || EngineError::LaneStopped {
+            device: self.name.clone(),
+            lane,
+        };
+        let jobs = self.lanes[lane.index()].jobs.as_ref().ok_or_else(stopped)?;
+        jobs.send(job).map_err(|_| stopped())?;
+        Ok(event)
+    }
+
+    fn copy_time(&self, len_bytes: usize) -> Duration {
+        let transfer = self
+            .copy_bytes_per_second
+            .filter(|rate| *rate > 0.0)
+            .map_or(Duration::ZERO, |rate| {
+                Duration::from_secs_f64(len_bytes as f64 / rate)
+            });
+        self.copy_latency + transfer
+    }
+}
+
+impl Drop for CpuDevice {
+    fn drop(&mut self) {
+        // Closing the channels lets each worker finish what is queued and exit.
+        for lane in &mut self.lanes {
+            lane.jobs = None;
+        }
+        for lane in &mut self.lanes {
+            if let Some(thread) = lane.thread.take()
+                && thread.join().is_err()
+            {
+                log::error!("a lane thread of device '{}' panicked", self.name);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for CpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuDevice")
+            .field("name", &self.name)
+            .field("arena", &self.shared.arena)
+            .field("copy_latency", &self.copy_latency)
+            .field("copy_bytes_per_second", &self.copy_bytes_per_second)
+            .finish()
+    }
+}
+
+fn simulate_link(delay: Duration) {
+    if !delay.is_zero() {
+        std::thread::sleep(delay);
+    }
+}
+
+/// One lane's worker: runs jobs in submission order, each after its dependencies.
+fn run_lane(lane: Lane, shared: &CpuShared, jobs: Receiver<Job>) {
+    for job in jobs.iter() {
+        let dependencies = job.after.iter().try_for_each(Event::wait);
+        job.event.start();
+        let result = dependencies.and_then(|()| {
+            let access = CpuAccess { shared, lane };
+            std::panic::catch_unwind(AssertUnwindSafe(|| (job.work)(&access))).unwrap_or_else(
+                |panic| {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic without a message".into());
+                    Err(EngineError::OperationPanicked { lane, message })
+                },
+            )
+        });
+        job.event.finish(result);
+    }
+}
+
+/// Access to device memory from inside an operation; views are checked against every
+/// other operation's views.
+pub struct CpuAccess<'a> {
+    shared: &'a CpuShared,
+    lane: Lane,
+}
+
+impl CpuAccess<'_> {
+    /// The lane running this operation.
+    pub fn lane(&self) -> Lane {
+        self.lane
+    }
+
+    /// Reads `buffer`; fails if another operation is writing any of its bytes.
+    pub fn read<'b>(&'b self, buffer: &'b DeviceBuffer) -> Result<ReadView<'b>, EngineError> {
+        let release = self.begin(buffer, false)?;
+        // SAFETY: the range lies inside the arena's live allocation (the arena owns it and
+        // `buffer` was checked to come from it), and the access table guarantees no
+        // overlapping write is active until `release` drops with this view.
+        let bytes = unsafe { std::slice::from_raw_parts(release.start_ptr(), buffer.len_bytes()) };
+        Ok(ReadView {
+            bytes,
+            _release: release,
+        })
+    }
+
+    /// Writes `buffer`; fails if another operation is reading or writing any of its bytes.
+    pub fn write<'b>(&'b self, buffer: &'b DeviceBuffer) -> Result<WriteView<'b>, EngineError> {
+        let release = self.begin(buffer, true)?;
+        // SAFETY: as in `read`, and the access table guarantees no overlapping access of
+        // any kind is active until this view drops.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(release.start_ptr(), buffer.len_bytes()) };
+        Ok(WriteView {
+            bytes,
+            _release: release,
+        })
+    }
+
+    fn begin(&self, buffer: &DeviceBuffer, write: bool) -> Result<AccessRelease<'_>, EngineError> {
+        let shared = self.shared;
+        shared.arena.check_owns(buffer)?;
+        let range = buffer.arena_range();
+        let mut table = shared.accesses.lock().unwrap_or_else(|e| e.into_inner());
+        let conflict = table
+            .active
+            .iter()
+            .find(|a| a.range.start < range.end && range.start < a.range.end && (write || a.write));
+        if let Some(other) = conflict {
+            return Err(EngineError::OrderingViolation {
+                device: shared.name.clone(),
+                lane: self.lane,
+                access: if write { "writes" } else { "reads" },
+                start_bytes: range.start,
+                end_bytes: range.end,
+                other_lane: other.lane,
+                other_access: if other.write {
+                    "is writing"
+                } else {
+                    "is reading"
+                },
+            });
+        }
+        let id = table.next_id;
+        table.next_id += 1;
+        table.active.push(ActiveAccess {
+            id,
+            lane: self.lane,
+            range: range.clone(),
+            write,
+        });
+        Ok(AccessRelease {
+            shared,
+            id,
+            start: range.start,
+        })
+    }
+}
+
+/// Ends an access when the view holding it drops.
+struct AccessRelease<'a> {
+    shared: &'a CpuShared,
+    id: u64,
+    start: usize,
+}
+
+impl AccessRelease<'_> {
+    fn start_ptr(&self) -> *mut u8 {
+        // SAFETY: `start` is an offset inside the arena's allocation.
+        unsafe { self.shared.base.get().add(self.start) }
+    }
+}
+
+impl Drop for AccessRelease<'_> {
+    fn drop(&mut self) {
+        let mut table = self
+            .shared
+            .accesses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        table.active.retain(|a| a.id != self.id);
+    }
+}
+
+/// Device bytes being read by one operation.
+pub struct ReadView<'a> {
+    bytes: &'a [u8],
+    _release: AccessRelease<'a>,
+}
+
+/// Device bytes being written by one operation.
+pub struct WriteView<'a> {
+    bytes: &'a mut [u8],
+    _release: AccessRelease<'a>,
+}
+
+impl Deref for ReadView<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.bytes
+    }
+}
+
+impl Deref for WriteView<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.bytes
+    }
+}
+
+impl DerefMut for WriteView<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.bytes
+    }
+}
+
+impl ReadView<'_> {
+    /// The bytes as elements of `T`. Panics if the buffer is not aligned for `T` or its
+    /// length is not a whole number of elements (a layout bug, not an operating error).
+    pub fn typed<T: Plain>(&self) -> &[T] {
+        let len = element_count::<T>(self.bytes);
+        // SAFETY: element_count checked alignment and length; T accepts any bit pattern
+        // (Plain); the view's lifetime bounds the borrow.
+        unsafe { std::slice::from_raw_parts(self.bytes.as_ptr().cast::<T>(), len) }
+    }
+}
+
+impl WriteView<'_> {
+    /// The bytes as elements of `T`, for writing. Panics as [`ReadView::typed`] does.
+    pub fn typed_mut<T: Plain>(&mut self) -> &mut [T] {
+        let len = element_count::<T>(self.bytes);
+        // SAFETY: as in ReadView::typed, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.bytes.as_mut_ptr().cast::<T>(), len) }
+    }
+}
+
+/// How many `T` the bytes hold, after checking they are aligned for `T` and hold a whole
+/// number of them.
+fn element_count<T: Plain>(bytes: &[u8]) -> usize {
+    let size = std::mem::size_of::<T>();
+    assert!(
+        bytes.as_ptr().cast::<T>().is_aligned(),
+        "device bytes at {:p} are not aligned for {}",
+        bytes.as_ptr(),
+        std::any::type_name::<T>()
+    );
+    assert!(
+        bytes.len().is_multiple_of(size),
+        "{} device bytes are not a whole number of {}",
+        bytes.len(),
+        std::any::type_name::<T>()
+    );
+    bytes.len() / size
+}
+
+/// Element types device memory can be viewed as.
+///
+/// # Safety
+/// Every bit pattern of `size_of::<Self>()` bytes must be a valid value (no padding, no
+/// pointers, no niches).
+pub unsafe trait Plain: Copy + Send + Sync + 'static {}
+
+macro_rules! plain {
+    ($($t:ty),*) => {$(
+        // SAFETY: a primitive number type: every bit pattern is a value.
+        unsafe impl Plain for $t {}
+    )*};
+}
+plain!(
+    u8,
+    i8,
+    u16,
+    i16,
+    u32,
+    i32,
+    u64,
+    i64,
+    f32,
+    f64,
+    half::f16,
+    half::bf16
+);
+
+/// A host address that may cross to a lane thread.
+#[derive(Clone, Copy)]
+struct HostPtr(*mut u8);
+
+// SAFETY: only an address; every dereference states its own reason.
+unsafe impl Send for HostPtr {}
+// SAFETY: as above.
+unsafe impl Sync for HostPtr {}
+
+impl HostPtr {
+    /// The address (a method, so closures capture the whole Send wrapper).
+    fn get(self) -> *mut u8 {
+        self.0
+    }
+}

@@ -1,0 +1,506 @@
+//! The CUDA device: one GPU through cudarc (dynamic loading, always compiled), with a
+//! compute stream, a host-to-device stream and a device-to-host stream, ordered by events.
+//!
+//! The device's memory budget is one `cuMemAlloc` when it opens, sub-allocated by a
+//! [`DeviceArena`]. Copies go between arena buffers and pinned pool slots with
+//! `cuMemcpy{HtoD,DtoH}Async` on the copy streams; a copy's [`Transfer`] keeps the slot
+//! until the event recorded after the copy has completed.
+//!
+//! cudarc's automatic event tracking (a read and a write event per `CudaSlice`, waited on
+//! by every stream that touches it) is switched off for this device's context handle: the
+//! engine's memory is arena ranges, not `CudaSlice`s, and is ordered by the plan's own
+//! events. Kernels written in the kernels crate run on [`CudaDevice::stream`]`(Lane::Compute)`
+//! with raw device pointers from [`CudaDevice::device_ptr`], after
+//! [`CudaDevice::wait_for`] the events they depend on.
+//!
+//! This file holds the `unsafe` of raw driver calls. It does not decide what to copy when;
+//! the executor does.
+
+use std::ffi::CStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
+use strata_storage::IoBuf;
+
+use super::event::{CudaEventRef, Event};
+use super::{Lane, Transfer, assert_copy_fits};
+use crate::error::EngineError;
+use crate::memory::{DeviceArena, DeviceBuffer, Pinning, SlotLease};
+
+/// How a CUDA device is opened.
+#[derive(Debug, Clone)]
+pub struct CudaDeviceConfig {
+    /// Which GPU (0-based, in the driver's order).
+    pub ordinal: usize,
+    /// Bytes of GPU memory to allocate at start and sub-allocate from.
+    pub memory_budget_bytes: usize,
+    /// Whether strata's kernels will run on the device: they need NVRTC and cuBLAS
+    /// besides the driver, so opening fails without them. Memory, streams and copies
+    /// need only the driver (false, for `strata bench pcie`).
+    pub needs_kernels: bool,
+}
+
+/// One GPU with its three streams and its memory arena.
+pub struct CudaDevice {
+    name: String,
+    gpu_name: String,
+    ctx: Arc<CudaContext>,
+    /// Indexed by [`Lane::index`].
+    streams: [Arc<CudaStream>; 3],
+    arena: DeviceArena,
+}
+
+/// The arena's GPU memory; freed when the arena and every buffer from it are gone.
+struct CudaMemory {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+}
+
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        // Work still queued may use the memory; let it finish first.
+        if let Err(e) = self.ctx.synchronize() {
+            log::error!("synchronizing before freeing GPU memory failed: {e}");
+        }
+        // SAFETY: `ptr` came from malloc_sync in CudaDevice::new and is freed once, after
+        // the context finished every operation that could use it.
+        if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+            log::error!("freeing the GPU memory budget failed: {e}");
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Opens GPU `config.ordinal`, creates its streams and allocates its memory budget.
+    /// Probes the CUDA libraries first and fails with their reason when one it needs is
+    /// missing.
+    pub fn new(config: CudaDeviceConfig) -> Result<Self, EngineError> {
+        let libraries = strata_kernels::cuda::probe();
+        cuda_usable(config.needs_kernels)?;
+        if config.ordinal >= libraries.device_count {
+            return Err(strata_kernels::cuda::CudaUnavailable {
+                reason: format!(
+                    "GPU {} was asked for, but the driver reports {} GPU(s)",
+                    config.ordinal, libraries.device_count
+                ),
+            }
+            .into());
+        }
+        let ctx = CudaContext::new(config.ordinal)
+            .map_err(EngineError::cuda("opening the primary context"))?;
+        // SAFETY: this turns off cudarc's per-CudaSlice event tracking for slices made
+        // through this context handle. The engine allocates no CudaSlice: its memory is
+        // arena ranges, and every use of it is ordered by the plan's events (a copy or
+        // kernel names the events it comes after, and Transfers keep slots until their
+        // copy's event completed).
+        unsafe { ctx.disable_event_tracking() };
+        let gpu_name = ctx.name().map_err(EngineError::cuda("cuDeviceGetName"))?;
+        let new_stream = || {
+            ctx.new_stream()
+                .map_err(EngineError::cuda("cuStreamCreate"))
+        };
+        let streams = [new_stream()?, new_stream()?, new_stream()?];
+        let name = format!("cuda:{}", config.ordinal);
+        let ptr = if config.memory_budget_bytes == 0 {
+            0
+        } else {
+            ctx.bind_to_thread()
+                .map_err(EngineError::cuda("binding the context"))?;
+            // SAFETY: a plain allocation in the bound context; the memory is uninitialised
+            // and only reached through arena buffers.
+            unsafe { result::malloc_sync(config.memory_budget_bytes) }.map_err(|e| {
+                let free = result::mem_get_info().map_or_else(
+                    |_| "free memory unknown".to_string(),
+                    |(free, total)| format!("{free} of {total} bytes free"),
+                );
+                EngineError::DeviceBudgetUnavailable {
+                    device: name.clone(),
+                    budget_bytes: config.memory_budget_bytes,
+                    reason: format!("cuMemAlloc: {e} ({free})"),
+                }
+            })?
+        };
+        let arena = DeviceArena::new(
+            name.clone(),
+            config.memory_budget_bytes,
+            ptr,
+            Box::new(CudaMemory {
+                ctx: Arc::clone(&ctx),
+                ptr,
+            }),
+        );
+        Ok(Self {
+            name,
+            gpu_name,
+            ctx,
+            streams,
+            arena,
+        })
+    }
+
+    /// The device's name in the engine (`cuda:0`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The GPU's product name, as the driver reports it.
+    pub fn gpu_name(&self) -> &str {
+        &self.gpu_name
+    }
+
+    /// The GPU's PCI address as the driver reports it (`0000:3B:00.0`).
+    pub fn pci_bus_id(&self) -> Result<String, EngineError> {
+        let mut text: [std::ffi::c_char; 64] = [0; 64];
+        // SAFETY: the driver writes a NUL-terminated string of at most `len` bytes into
+        // our buffer.
+        unsafe { sys::cuDeviceGetPCIBusId(text.as_mut_ptr(), 64, self.ctx.cu_device()) }
+            .result()
+            .map_err(EngineError::cuda("cuDeviceGetPCIBusId"))?;
+        // SAFETY: NUL-terminated (the buffer was zeroed and the driver writes less than
+        // its length).
+        let id = unsafe { CStr::from_ptr(text.as_ptr()) };
+        Ok(id.to_string_lossy().into_owned())
+    }
+
+    /// How pinned pools for this device lock their memory: registered with the driver.
+    pub fn pinning(&self) -> Pinning {
+        Pinning::Cuda(Arc::clone(&self.ctx))
+    }
+
+    /// The device memory arena.
+    pub fn arena(&self) -> &DeviceArena {
+        &self.arena
+    }
+
+    /// The cudarc context, for the kernels crate (modules, cuBLAS handles). Its event
+    /// tracking is off: order work by events.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream of `lane`; kernels run on the compute lane's.
+    pub fn stream(&self, lane: Lane) -> &Arc<CudaStream> {
+        &self.streams[lane.index()]
+    }
+
+    /// The device address of `buffer`'s first byte, for kernel arguments.
+    pub fn device_ptr(&self, buffer: &DeviceBuffer) -> Result<sys::CUdeviceptr, EngineError> {
+        self.arena.check_owns(buffer)?;
+        Ok(buffer.address())
+    }
+
+    /// Copies the first `dst.len_bytes()` bytes of the slot into `dst` on the
+    /// host-to-device stream, after `after`. The slot stays with the returned
+    /// [`Transfer`] until the copy has completed.
+    pub fn copy_h2d(
+        &self,
+        dst: &DeviceBuffer,
+        src: SlotLease,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.copy(Lane::H2d, dst, src, after)
+    }
+
+    /// Copies `src` into the start of the slot on the device-to-host stream, after
+    /// `after`. [`Transfer::wait`] hands the slot back once it holds the data.
+    pub fn copy_d2h(
+        &self,
+        dst: SlotLease,
+        src: &DeviceBuffer,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.copy(Lane::D2h, src, dst, after)
+    }
+
+    fn copy(
+        &self,
+        lane: Lane,
+        buffer: &DeviceBuffer,
+        slot: SlotLease,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.arena.check_owns(buffer)?;
+        assert_copy_fits(buffer, &slot);
+        let stream = self.stream(lane);
+        self.wait_events(stream, after)?;
+        // Made before the copy is queued, so that after a successful enqueue only the
+        // record can fail.
+        let event = self
+            .ctx
+            .new_event(None)
+            .map_err(EngineError::cuda("cuEventCreate"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        let len = buffer.len_bytes();
+        let host = IoBuf::as_ptr(&slot).cast::<std::ffi::c_void>();
+        // SAFETY: the device range lies inside the arena's live allocation (checked owner;
+        // the Transfer keeps a clone of the buffer); the host range is the start of the
+        // slot, at least `len` bytes (assert_copy_fits), page-locked by the pool, and
+        // owned by the Transfer until the event recorded after this copy completes.
+        let enqueued = unsafe {
+            match lane {
+                Lane::H2d => {
+                    sys::cuMemcpyHtoDAsync_v2(buffer.address(), host, len, stream.cu_stream())
+                }
+                Lane::D2h => sys::cuMemcpyDtoHAsync_v2(
+                    host.cast_mut(),
+                    buffer.address(),
+                    len,
+                    stream.cu_stream(),
+                ),
+                Lane::Compute => unreachable!("copies run on the copy lanes"),
+            }
+        };
+        enqueued.result().map_err(EngineError::cuda(match lane {
+            Lane::H2d => "cuMemcpyHtoDAsync",
+            _ => "cuMemcpyDtoHAsync",
+        }))?;
+        if let Err(e) = event.record(stream) {
+            // The copy is queued but nothing marks its end: the slot may go back only
+            // once the whole stream has drained.
+            release_after_stream(stream, slot);
+            return Err(EngineError::Cuda {
+                op: "cuEventRecord",
+                source: e,
+            });
+        }
+        let event = Event::Cuda(CudaEventRef {
+            event: Arc::new(event),
+            lane,
+            timed: false,
+        });
+        Ok(Transfer::new(event, slot, buffer.clone()))
+    }
+
+    /// A timed event that completes when everything queued on `lane` so far has.
+    pub fn record(&self, lane: Lane) -> Result<Event, EngineError> {
+        let event = self.timed_event()?;
+        event
+            .record(self.stream(lane))
+            .map_err(EngineError::cuda("cuEventRecord"))?;
+        Ok(Event::Cuda(CudaEventRef {
+            event: Arc::new(event),
+            lane,
+            timed: true,
+        }))
+    }
+
+    /// Makes everything queued on `lane` from now on wait for `events` (on the GPU; the
+    /// host does not block).
+    pub fn wait_for(&self, lane: Lane, events: &[Event]) -> Result<(), EngineError> {
+        self.wait_events(self.stream(lane), events)
+    }
+
+    /// Blocks until every stream has finished everything queued so far.
+    pub fn synchronize(&self) -> Result<(), EngineError> {
+        for stream in &self.streams {
+            synchronize_stream(stream).map_err(EngineError::cuda("cuStreamSynchronize"))?;
+        }
+        Ok(())
+    }
+
+    /// Times one copy, or two at once: `h2d` copies host bytes into a device buffer on the
+    /// host-to-device stream while `d2h` copies a device buffer into host bytes on the
+    /// device-to-host stream, both starting at one event. Returns the time from that
+    /// event to the later of the two ends, measured by CUDA events. The host memory may be
+    /// pinned (a slot) or pageable; this returns only after both copies have finished.
+    pub fn time_copies(
+        &self,
+        h2d: Option<(&[u8], &DeviceBuffer)>,
+        d2h: Option<(&DeviceBuffer, &mut [u8])>,
+    ) -> Result<Duration, EngineError> {
+        for (host_len, buffer) in h2d
+            .iter()
+            .map(|(h, b)| (h.len(), *b))
+            .chain(d2h.iter().map(|(b, h)| (h.len(), *b)))
+        {
+            self.arena.check_owns(buffer)?;
+            assert_eq!(
+                host_len,
+                buffer.len_bytes(),
+                "a timed copy moves whole buffers"
+            );
+        }
+        let lanes: Vec<Lane> = [(h2d.is_some(), Lane::H2d), (d2h.is_some(), Lane::D2h)]
+            .into_iter()
+            .filter_map(|(used, lane)| used.then_some(lane))
+            .collect();
+        let Some(&first) = lanes.first() else {
+            return Ok(Duration::ZERO);
+        };
+        let start = self.timed_event()?;
+        start
+            .record(self.stream(first))
+            .map_err(EngineError::cuda("cuEventRecord"))?;
+        for &lane in &lanes[1..] {
+            self.stream(lane)
+                .wait(&start)
+                .map_err(EngineError::cuda("cuStreamWaitEvent"))?;
+        }
+        // From here copies from and into borrowed memory may be queued: the guard drains
+        // the streams before this function returns, on every path.
+        let _drain = DrainOnDrop {
+            streams: lanes.iter().map(|&lane| self.stream(lane)).collect(),
+        };
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        let mut ends = Vec::with_capacity(2);
+        if let Some((host, buffer)) = h2d {
+            let stream = self.stream(Lane::H2d);
+            // SAFETY: the device range is inside the live arena (checked owner); `host`
+            // is borrowed for this whole call and the guard drains the stream before the
+            // borrow ends.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    buffer.address(),
+                    host.as_ptr().cast(),
+                    host.len(),
+                    stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(EngineError::cuda("cuMemcpyHtoDAsync"))?;
+            ends.push(self.record_timed_on(stream)?);
+        }
+        if let Some((buffer, host)) = d2h {
+            let stream = self.stream(Lane::D2h);
+            // SAFETY: as above; `host` is borrowed mutably for this whole call.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    host.as_mut_ptr().cast(),
+                    buffer.address(),
+                    host.len(),
+                    stream.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(EngineError::cuda("cuMemcpyDtoHAsync"))?;
+            ends.push(self.record_timed_on(stream)?);
+        }
+        let mut longest_ms = 0.0f32;
+        for end in &ends {
+            let ms = start
+                .elapsed_ms(end)
+                .map_err(EngineError::cuda("cuEventElapsedTime"))?;
+            longest_ms = longest_ms.max(ms);
+        }
+        Ok(Duration::from_secs_f64(f64::from(longest_ms) / 1e3))
+    }
+
+    fn timed_event(&self) -> Result<CudaEvent, EngineError> {
+        self.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(EngineError::cuda("cuEventCreate"))
+    }
+
+    fn record_timed_on(&self, stream: &CudaStream) -> Result<CudaEvent, EngineError> {
+        let event = self.timed_event()?;
+        event
+            .record(stream)
+            .map_err(EngineError::cuda("cuEventRecord"))?;
+        Ok(event)
+    }
+
+    fn wait_events(&self, stream: &CudaStream, events: &[Event]) -> Result<(), EngineError> {
+        for event in events {
+            match event {
+                Event::Cuda(e) => stream
+                    .wait(&e.event)
+                    .map_err(EngineError::cuda("cuStreamWaitEvent"))?,
+                Event::Cpu(_) => {
+                    return Err(EngineError::ForeignResource {
+                        device: self.name.clone(),
+                        what: "an event of the CPU device",
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("name", &self.name)
+            .field("gpu_name", &self.gpu_name)
+            .field("arena", &self.arena)
+            .finish()
+    }
+}
+
+/// Whether CUDA can be used, for kernels or only for memory and copies, and if not why.
+pub(crate) fn cuda_usable(
+    needs_kernels: bool,
+) -> Result<(), strata_kernels::cuda::CudaUnavailable> {
+    let libraries = strata_kernels::cuda::probe();
+    if needs_kernels {
+        libraries.require_all()
+    } else {
+        libraries.require_driver()
+    }
+}
+
+/// cudarc reports an error stored by an earlier failed call in the context (one made
+/// from a `Drop`, which cannot return it) on the next call that binds the context, and
+/// clears it. Such an error is about that earlier call, so it is logged and the wait is
+/// tried once more; only a second failure is this wait's own.
+fn retry_once(
+    what: &str,
+    mut wait: impl FnMut() -> Result<(), DriverError>,
+) -> Result<(), DriverError> {
+    wait().or_else(|first| {
+        log::error!("{what}: {first} (retrying once: it may be an earlier call's error)");
+        wait()
+    })
+}
+
+fn synchronize_stream(stream: &CudaStream) -> Result<(), DriverError> {
+    retry_once("cuStreamSynchronize", || stream.synchronize())
+}
+
+/// Waits for a CUDA event, as [`synchronize_stream`] does for a stream.
+pub(crate) fn synchronize_event(event: &CudaEvent) -> Result<(), DriverError> {
+    retry_once("cuEventSynchronize", || event.synchronize())
+}
+
+/// Returns `slot` to its pool once `stream` has drained; if the driver cannot say that it
+/// has, the slot is leaked rather than reused under a copy.
+fn release_after_stream(stream: &CudaStream, slot: SlotLease) {
+    match synchronize_stream(stream) {
+        Ok(()) => drop(slot),
+        Err(e) => {
+            log::error!(
+                "could not confirm a copy on slot {} of pool '{}' finished ({e}); the slot is \
+                 leaked rather than reused",
+                slot.index(),
+                slot.pool_name()
+            );
+            std::mem::forget(slot);
+        }
+    }
+}
+
+/// Drains streams that copies from or into borrowed host memory were queued on.
+struct DrainOnDrop<'a> {
+    streams: Vec<&'a Arc<CudaStream>>,
+}
+
+impl Drop for DrainOnDrop<'_> {
+    fn drop(&mut self) {
+        for stream in &self.streams {
+            if let Err(e) = synchronize_stream(stream) {
+                // The borrowed host memory may still be in use by a copy, and the caller
+                // is about to get it back: the only safe way out is to stop.
+                eprintln!("strata: fatal: could not drain a copy stream ({e}); aborting");
+                std::process::abort();
+            }
+        }
+    }
+}

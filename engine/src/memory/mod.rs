@@ -1,0 +1,15 @@
+//! Where bytes are held between moves: the pinned host pool every transfer passes
+//! through, and the arena that holds a device's whole memory budget.
+//!
+//! Both are allocated once, at start, from a byte budget, and never grow: a step that does
+//! not fit fails with an error naming the budget, instead of allocating on the hot path.
+//! Their counters (slots in use, high-water marks, waits) are in [`PoolStats`] and
+//! [`ArenaStats`].
+
+mod arena;
+mod host;
+mod pinned;
+
+pub use arena::{ARENA_ALIGN, ArenaStats, DeviceArena, DeviceBuffer};
+pub(crate) use host::HostMapping;
+pub use pinned::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning, PoolStats, SlotLease};

@@ -1,0 +1,451 @@
+//! Devices: the CPU device's budget, copies and compute ordered by events, an ordering
+//! bug caught instead of raced, no pinned slot reused while a copy holds it, device
+//! selection; and the same copies on a GPU, which skip with the reason where there is none.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use strata_engine::EngineError;
+use strata_engine::device::{
+    CpuDevice, CpuDeviceConfig, CudaDevice, CudaDeviceConfig, Device, DeviceChoice, DeviceConfig,
+    DeviceKind, Event, Lane, select,
+};
+use strata_engine::memory::{HostLocking, PinnedPool, PinnedPoolConfig, SlotLease};
+
+fn cpu_device(copy_latency: Duration) -> Device {
+    Device::Cpu(
+        CpuDevice::new(CpuDeviceConfig {
+            memory_budget_bytes: 1 << 20,
+            copy_latency,
+            ..CpuDeviceConfig::default()
+        })
+        .unwrap(),
+    )
+}
+
+fn pool_for(device: &Device, slot_bytes: usize, slot_count: usize) -> PinnedPool {
+    PinnedPool::new(
+        PinnedPoolConfig {
+            name: format!("{}-test", device.name()),
+            budget_bytes: slot_bytes * slot_count,
+            slot_bytes,
+            acquire_timeout: Duration::from_millis(20),
+        },
+        &device.pinning(),
+    )
+    .unwrap()
+}
+
+fn filled(pool: &PinnedPool, byte: impl Fn(usize) -> u8) -> SlotLease {
+    let mut lease = pool.acquire().unwrap();
+    for (i, b) in lease.as_mut_slice().iter_mut().enumerate() {
+        *b = byte(i);
+    }
+    lease
+}
+
+/// The source of an operation's failure, for matching on.
+fn cause(error: &EngineError) -> &EngineError {
+    match error {
+        EngineError::OperationFailed { source, .. } => cause(source),
+        other => other,
+    }
+}
+
+#[test]
+fn the_cpu_device_holds_its_budget() {
+    let device = cpu_device(Duration::ZERO);
+    let a = device.alloc(768 << 10).unwrap();
+    match device.alloc(512 << 10) {
+        Err(EngineError::DeviceOutOfBudget {
+            device: name,
+            budget_bytes,
+            ..
+        }) => {
+            assert_eq!(name, "cpu");
+            assert_eq!(budget_bytes, 1 << 20);
+        }
+        other => panic!("expected DeviceOutOfBudget, got {other:?}"),
+    }
+    drop(a);
+    let b = device.alloc(1 << 20).unwrap();
+    assert_eq!(device.arena_stats().in_use_bytes, 1 << 20);
+    assert_eq!(device.arena_stats().high_water_bytes, 1 << 20);
+    drop(b);
+    assert_eq!(device.arena_stats().in_use_bytes, 0);
+}
+
+#[test]
+fn copy_compute_copy_are_ordered_by_events() {
+    // Slow copies: if compute did not wait for the upload, it would read zeros.
+    let device = cpu_device(Duration::from_millis(100));
+    let pool = pool_for(&device, 4096, 2);
+    let input = device.alloc(4096).unwrap();
+    let output = device.alloc(4096).unwrap();
+    let upload = device
+        .copy_h2d(&input, filled(&pool, |i| (i % 100) as u8), &[])
+        .unwrap();
+    let (a, b) = (input.clone(), output.clone());
+    let compute = device
+        .run(&[upload.event().clone()], move |mem| {
+            let src = mem.read(&a)?;
+            let mut dst = mem.write(&b)?;
+            for (d, s) in dst.iter_mut().zip(src.iter()) {
+                *d = s * 2;
+            }
+            Ok(())
+        })
+        .unwrap();
+    let download = device
+        .copy_d2h(
+            pool.acquire().unwrap(),
+            &output,
+            std::slice::from_ref(&compute),
+        )
+        .unwrap();
+    let result = download.wait().unwrap();
+    assert!(
+        result
+            .as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == (i % 100) as u8 * 2)
+    );
+    // The upload hands its slot back once its copy has completed.
+    let slot = upload.wait().unwrap();
+    assert!(
+        slot.as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == (i % 100) as u8)
+    );
+    drop((slot, result));
+    assert_eq!(pool.stats().in_use_slots, 0);
+}
+
+#[test]
+fn compute_starts_only_after_the_copy_it_waits_for_has_ended() {
+    let device = cpu_device(Duration::from_millis(150));
+    let pool = pool_for(&device, 4096, 1);
+    let buffer = device.alloc(4096).unwrap();
+    let upload = device.copy_h2d(&buffer, filled(&pool, |_| 7), &[]).unwrap();
+    let b = buffer.clone();
+    let sum = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = sum.clone();
+    let compute = device
+        .run(&[upload.event().clone()], move |mem| {
+            let bytes = mem.read(&b)?;
+            let total: u64 = bytes.iter().map(|&x| u64::from(x)).sum();
+            seen.store(total, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        })
+        .unwrap();
+    compute.wait().unwrap();
+    assert_eq!(sum.load(std::sync::atomic::Ordering::SeqCst), 7 * 4096);
+    let (Event::Cpu(copy), Event::Cpu(run)) = (upload.event(), &compute) else {
+        unreachable!("a CPU device makes CPU events")
+    };
+    let (_, copy_ended) = copy.run_time().unwrap();
+    let (run_started, _) = run.run_time().unwrap();
+    assert!(run_started >= copy_ended);
+    assert!(compute.elapsed_since(upload.event()).is_ok());
+}
+
+#[test]
+fn no_pinned_slot_is_reused_while_a_copy_reads_it() {
+    // One slot and a deliberately slow copy lane.
+    let device = cpu_device(Duration::from_millis(300));
+    let pool = pool_for(&device, 4096, 1);
+    let buffer = device.alloc(4096).unwrap();
+    let upload = device
+        .copy_h2d(&buffer, filled(&pool, |_| 0xA1), &[])
+        .unwrap();
+    // While the copy is in flight the slot is not in the pool.
+    assert!(!upload.is_complete().unwrap());
+    assert!(pool.try_acquire().is_none());
+    assert!(matches!(
+        pool.acquire_timeout(Duration::from_millis(20)),
+        Err(EngineError::PinnedPoolExhausted {
+            in_use_slots: 1,
+            ..
+        })
+    ));
+    let event = upload.event().clone();
+    // Dropping the transfer waits for the copy before the slot goes back.
+    drop(upload);
+    assert!(event.is_complete().unwrap());
+    // Reuse the slot for new data: the device must still hold what the copy read.
+    let mut reused = pool.try_acquire().expect("the slot is back after its copy");
+    reused.as_mut_slice().fill(0xB2);
+    let download = device.copy_d2h(reused, &buffer, &[event]).unwrap();
+    let slot = download.wait().unwrap();
+    assert!(slot.as_slice().iter().all(|&b| b == 0xA1));
+    assert_eq!(pool.stats().high_water_slots, 1);
+}
+
+#[test]
+fn a_missing_dependency_is_an_ordering_violation_not_a_race() {
+    let device = cpu_device(Duration::ZERO);
+    let pool = pool_for(&device, 4096, 1);
+    let buffer = device.alloc(4096).unwrap();
+    // A compute operation writes the buffer and holds its view until told to let go.
+    let (holding_tx, holding_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let b = buffer.clone();
+    let compute = device
+        .run(&[], move |mem| {
+            let mut view = mem.write(&b)?;
+            view.fill(1);
+            holding_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+            Ok(())
+        })
+        .unwrap();
+    holding_rx.recv().unwrap();
+    // An upload into the same buffer that forgot to wait for the compute.
+    let upload = device.copy_h2d(&buffer, filled(&pool, |_| 2), &[]).unwrap();
+    let error = upload.wait().unwrap_err();
+    match cause(&error) {
+        EngineError::OrderingViolation {
+            lane,
+            access,
+            other_lane,
+            other_access,
+            start_bytes,
+            end_bytes,
+            ..
+        } => {
+            assert_eq!(*lane, Lane::H2d);
+            assert_eq!(*access, "writes");
+            assert_eq!(*other_lane, Lane::Compute);
+            assert_eq!(*other_access, "is writing");
+            assert_eq!(end_bytes - start_bytes, 4096);
+        }
+        other => panic!("expected an ordering violation, got {other}"),
+    }
+    assert!(error.to_string().contains("missing an event dependency"));
+    // The failed copy gave its slot back.
+    assert!(pool.try_acquire().is_some());
+    release_tx.send(()).unwrap();
+    compute.wait().unwrap();
+}
+
+#[test]
+fn a_failed_or_panicking_operation_fails_its_dependents() {
+    let device = cpu_device(Duration::ZERO);
+    let failing = device
+        .run(&[], |_| {
+            Err(EngineError::Unsupported {
+                device: "cpu".into(),
+                what: "this test",
+            })
+        })
+        .unwrap();
+    let dependent = device
+        .run(std::slice::from_ref(&failing), |_| Ok(()))
+        .unwrap();
+    assert!(matches!(
+        cause(&dependent.wait().unwrap_err()),
+        EngineError::Unsupported { .. }
+    ));
+    assert!(failing.is_complete().is_err());
+
+    let panicking = device.run(&[], |_| panic!("kernel bug")).unwrap();
+    match cause(&panicking.wait().unwrap_err()) {
+        EngineError::OperationPanicked { lane, message } => {
+            assert_eq!(*lane, Lane::Compute);
+            assert_eq!(message, "kernel bug");
+        }
+        other => panic!("expected a panic report, got {other}"),
+    }
+    // The lane survives and keeps running work.
+    device.run(&[], |_| Ok(())).unwrap().wait().unwrap();
+    device.synchronize().unwrap();
+}
+
+#[test]
+fn typed_views_and_foreign_buffers() {
+    let device = cpu_device(Duration::ZERO);
+    let other = cpu_device(Duration::ZERO);
+    let floats = device.alloc(16 * 4).unwrap();
+    let foreign = other.alloc(64).unwrap();
+    let f = floats.clone();
+    device
+        .run(&[], move |mem| {
+            let mut view = mem.write(&f)?;
+            for (i, x) in view.typed_mut::<f32>().iter_mut().enumerate() {
+                *x = i as f32 * 0.5;
+            }
+            Ok(())
+        })
+        .unwrap()
+        .wait()
+        .unwrap();
+    let f = floats.slice(8..16);
+    device
+        .run(&[], move |mem| {
+            assert_eq!(mem.read(&f)?.typed::<f32>(), &[1.0, 1.5]);
+            Ok(())
+        })
+        .unwrap()
+        .wait()
+        .unwrap();
+    let error = device
+        .run(&[], move |mem| mem.read(&foreign).map(drop))
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(matches!(
+        cause(&error),
+        EngineError::ForeignResource {
+            what: "a buffer",
+            ..
+        }
+    ));
+}
+
+#[test]
+fn select_says_which_device_and_why() {
+    let config = DeviceConfig {
+        memory_budget_bytes: 1 << 20,
+        cuda_ordinal: 0,
+        cuda_needs_kernels: true,
+    };
+    let (cpu, reason) = select(DeviceChoice::Cpu, &config).unwrap();
+    assert_eq!(cpu.kind(), DeviceKind::Cpu);
+    assert!(reason.contains("asked for"), "{reason}");
+
+    let gpu = strata_engine::kernels::cuda::probe().require_all();
+    let (auto, reason) = select(DeviceChoice::Auto, &config).unwrap();
+    println!("auto: {reason}");
+    match &gpu {
+        Ok(()) => assert_eq!(auto.kind(), DeviceKind::Cuda),
+        Err(why) => {
+            assert_eq!(auto.kind(), DeviceKind::Cpu);
+            assert!(reason.contains(&why.reason), "{reason}");
+        }
+    }
+    match (select(DeviceChoice::Cuda, &config), &gpu) {
+        (Ok((device, _)), Ok(())) => assert_eq!(device.kind(), DeviceKind::Cuda),
+        (Err(EngineError::CudaUnavailable(e)), Err(why)) => assert_eq!(&e, why),
+        (other, _) => panic!("select(cuda) disagrees with the probe: {other:?}"),
+    }
+    // Host closures run on the CPU device only; a GPU says it runs kernels instead.
+    match (auto.kind(), auto.run(&[], |_| Ok(()))) {
+        (DeviceKind::Cpu, Ok(done)) => done.wait().unwrap(),
+        (DeviceKind::Cuda, Err(EngineError::Unsupported { .. })) => {}
+        (kind, other) => panic!("run on {kind:?} gave {other:?}"),
+    }
+    assert_eq!(
+        <DeviceChoice as clap::ValueEnum>::from_str("cuda", true),
+        Ok(DeviceChoice::Cuda)
+    );
+}
+
+// GPU tests: compiled everywhere, run where a GPU is present, skip with the reason elsewhere.
+
+fn gpu_or_skip(budget_bytes: usize) -> Option<Device> {
+    // These tests only copy, so they need only the driver.
+    if let Err(why) = strata_engine::kernels::cuda::probe().require_driver() {
+        println!("skipping: no GPU: {}", why.reason);
+        return None;
+    }
+    Some(Device::Cuda(
+        CudaDevice::new(CudaDeviceConfig {
+            ordinal: 0,
+            memory_budget_bytes: budget_bytes,
+            needs_kernels: false,
+        })
+        .expect("the probe found a GPU, so the device must open"),
+    ))
+}
+
+#[test]
+fn gpu_pool_memory_is_registered_with_the_driver() {
+    let Some(device) = gpu_or_skip(1 << 20) else {
+        return;
+    };
+    let pool = pool_for(&device, 1 << 20, 2);
+    assert_eq!(pool.locking(), &HostLocking::CudaRegistered);
+}
+
+#[test]
+fn gpu_round_trip_ordered_by_events_across_the_copy_streams() {
+    const LEN: usize = 64 << 20;
+    let Some(device) = gpu_or_skip(2 * LEN) else {
+        return;
+    };
+    let pool = pool_for(&device, LEN, 2);
+    let buffer = device.alloc(LEN).unwrap();
+    let upload = device
+        .copy_h2d(&buffer, filled(&pool, |i| (i % 251) as u8), &[])
+        .unwrap();
+    // The download runs on the other stream: only the event orders it after the upload.
+    let download = device
+        .copy_d2h(pool.acquire().unwrap(), &buffer, &[upload.event().clone()])
+        .unwrap();
+    let result = download.wait().unwrap();
+    assert!(
+        result
+            .as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i % 251) as u8)
+    );
+    let event = upload.event().clone();
+    let slot = upload.wait().unwrap();
+    assert!(event.is_complete().unwrap());
+    drop(slot);
+    let start = device.record(Lane::H2d).unwrap();
+    let end = device.record(Lane::H2d).unwrap();
+    assert!(end.elapsed_since(&start).is_ok());
+}
+
+#[test]
+fn gpu_slot_stays_with_the_transfer_until_the_copy_completes() {
+    const LEN: usize = 256 << 20;
+    let Some(device) = gpu_or_skip(LEN) else {
+        return;
+    };
+    let pool = pool_for(&device, LEN, 1);
+    let buffer = device.alloc(LEN).unwrap();
+    let upload = device.copy_h2d(&buffer, filled(&pool, |_| 3), &[]).unwrap();
+    assert!(pool.try_acquire().is_none());
+    let event = upload.event().clone();
+    drop(upload);
+    assert!(event.is_complete().unwrap());
+    let slot = pool.try_acquire().expect("back after the copy");
+    let download = device.copy_d2h(slot, &buffer, &[event]).unwrap();
+    assert!(download.wait().unwrap().as_slice().iter().all(|&b| b == 3));
+}
+
+#[test]
+fn gpu_times_copies_in_both_directions_at_once() {
+    const LEN: usize = 16 << 20;
+    let Some(device) = gpu_or_skip(2 * LEN) else {
+        return;
+    };
+    let cuda = device.as_cuda().unwrap();
+    let pool = pool_for(&device, LEN, 2);
+    let up = device.alloc(LEN).unwrap();
+    let down = device.alloc(LEN).unwrap();
+    let source = filled(&pool, |i| (i % 13) as u8);
+    let mut sink = pool.acquire().unwrap();
+    let upload_time = cuda
+        .time_copies(Some((source.as_slice(), &up)), None)
+        .unwrap();
+    let both_time = cuda
+        .time_copies(
+            Some((source.as_slice(), &down)),
+            Some((&up, sink.as_mut_slice())),
+        )
+        .unwrap();
+    assert!(upload_time > Duration::ZERO && both_time > Duration::ZERO);
+    assert!(
+        sink.as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i % 13) as u8)
+    );
+    println!("16 MiB: H2D {upload_time:?}, H2D+D2H {both_time:?}");
+}

@@ -1,0 +1,388 @@
+//! The pinned host pool: slots are disjoint and never handed out twice, many threads can
+//! share a pool, an empty pool waits with a bound and then fails naming its budget, stats
+//! count what happened, and memory is locked (or, when mlock is refused, used unlocked).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use strata_engine::EngineError;
+use strata_engine::memory::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning};
+use strata_engine::storage::{DIRECT_IO_ALIGN, IoBuf};
+
+fn pool(name: &str, slot_bytes: usize, slot_count: usize, timeout: Duration) -> PinnedPool {
+    PinnedPool::new(
+        PinnedPoolConfig {
+            name: name.into(),
+            budget_bytes: slot_bytes * slot_count,
+            slot_bytes,
+            acquire_timeout: timeout,
+        },
+        &Pinning::Mlock,
+    )
+    .expect("pool")
+}
+
+#[test]
+fn slots_are_aligned_disjoint_and_inside_the_registered_region() {
+    let pool = PinnedPool::new(
+        PinnedPoolConfig {
+            name: "layout".into(),
+            // Not a whole number of slots: the remainder is left unmapped.
+            budget_bytes: 10 * 65536 + 1000,
+            // Rounded up to the O_DIRECT alignment.
+            slot_bytes: 65000,
+            acquire_timeout: Duration::from_millis(10),
+        },
+        &Pinning::Mlock,
+    )
+    .unwrap();
+    assert_eq!(pool.slot_bytes(), 65536);
+    assert_eq!(pool.slot_count(), 10);
+    let region = pool.io_region();
+    assert_eq!(region.len_bytes, 10 * 65536);
+    let mut leases: Vec<_> = (0..10).map(|_| pool.try_acquire().unwrap()).collect();
+    assert!(pool.try_acquire().is_none());
+    let mut starts = HashSet::new();
+    for lease in &mut leases {
+        assert_eq!(lease.as_ptr() as usize % DIRECT_IO_ALIGN, 0);
+        assert_eq!(lease.capacity_bytes(), 65536);
+        assert!(region.contains(lease.as_ptr(), lease.capacity_bytes()));
+        assert!(starts.insert(lease.as_ptr() as usize));
+        // Fresh memory is zeroed, and the whole slot is writable.
+        assert!(lease.as_slice().iter().all(|&b| b == 0));
+        let index = lease.index() as u8;
+        lease.as_mut_slice().fill(index);
+    }
+    for lease in &leases {
+        let index = lease.index() as u8;
+        assert!(lease.as_slice().iter().all(|&b| b == index));
+    }
+    let indices: HashSet<usize> = leases.iter().map(|l| l.index()).collect();
+    assert_eq!(indices.len(), 10);
+    drop(leases);
+    assert_eq!(pool.stats().in_use_slots, 0);
+}
+
+#[test]
+fn a_bad_configuration_is_refused_with_the_reason() {
+    let config = |budget_bytes, slot_bytes| PinnedPoolConfig {
+        name: "tiny".into(),
+        budget_bytes,
+        slot_bytes,
+        acquire_timeout: Duration::ZERO,
+    };
+    match PinnedPool::new(config(4096, 8192), &Pinning::Mlock) {
+        Err(EngineError::PinnedPoolConfig { pool, reason }) => {
+            assert_eq!(pool, "tiny");
+            assert!(reason.contains("smaller than one slot"), "{reason}");
+        }
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+    assert!(PinnedPool::new(config(4096, 0), &Pinning::Mlock).is_err());
+}
+
+#[test]
+fn many_threads_never_share_a_slot() {
+    const THREADS: usize = 8;
+    const ROUNDS: usize = 2000;
+    const SLOTS: usize = 3;
+    let pool = pool("contended", 4096, SLOTS, Duration::from_secs(30));
+    // An independent record of which slots are out, kept by the test itself.
+    let held: Arc<Vec<AtomicBool>> = Arc::new((0..SLOTS).map(|_| AtomicBool::new(false)).collect());
+    let start = Arc::new(Barrier::new(THREADS));
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let pool = pool.clone();
+            let held = Arc::clone(&held);
+            let start = Arc::clone(&start);
+            std::thread::spawn(move || {
+                start.wait();
+                for round in 0..ROUNDS {
+                    let mut lease = pool.acquire().expect("a slot within 30 s");
+                    let was_held = held[lease.index()].swap(true, Ordering::SeqCst);
+                    assert!(!was_held, "slot {} handed to two threads", lease.index());
+                    let stamp = ((t * ROUNDS + round) % 251) as u8;
+                    lease.as_mut_slice().fill(stamp);
+                    std::thread::yield_now();
+                    assert!(
+                        lease.as_slice().iter().all(|&b| b == stamp),
+                        "another thread wrote into slot {}",
+                        lease.index()
+                    );
+                    held[lease.index()].store(false, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().expect("worker");
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.acquires, (THREADS * ROUNDS) as u64);
+    assert_eq!(stats.in_use_slots, 0);
+    assert_eq!(stats.timeouts, 0);
+    assert!(stats.high_water_slots <= SLOTS && stats.high_water_slots >= 1);
+    assert!(stats.waits <= stats.acquires);
+    println!(
+        "{THREADS} threads x {ROUNDS} rounds on {SLOTS} slots: high water {}, {} waits, wait p50 \
+         {:?} p99 {:?} max {:?}",
+        stats.high_water_slots, stats.waits, stats.wait_p50, stats.wait_p99, stats.wait_max
+    );
+}
+
+#[test]
+fn an_empty_pool_waits_its_timeout_then_names_the_budget() {
+    let pool = pool("exhausted", 8192, 2, Duration::from_millis(40));
+    let _a = pool.acquire().unwrap();
+    let _b = pool.acquire().unwrap();
+    let started = Instant::now();
+    let error = pool.acquire().unwrap_err();
+    assert!(started.elapsed() >= Duration::from_millis(40));
+    match &error {
+        EngineError::PinnedPoolExhausted {
+            pool,
+            slot_count,
+            slot_bytes,
+            budget_bytes,
+            in_use_slots,
+            waited,
+        } => {
+            assert_eq!(pool, "exhausted");
+            assert_eq!(*slot_count, 2);
+            assert_eq!(*slot_bytes, 8192);
+            assert_eq!(*budget_bytes, 16384);
+            assert_eq!(*in_use_slots, 2);
+            assert!(*waited >= Duration::from_millis(40));
+        }
+        other => panic!("expected PinnedPoolExhausted, got {other:?}"),
+    }
+    assert!(error.to_string().contains("budget"));
+    let stats = pool.stats();
+    assert_eq!(stats.waits, 1);
+    assert_eq!(stats.timeouts, 1);
+    assert_eq!(stats.acquires, 2);
+    assert_eq!(stats.high_water_slots, 2);
+    assert!(stats.wait_max >= Duration::from_millis(40));
+    assert!(stats.wait_total >= Duration::from_millis(40));
+}
+
+#[test]
+fn a_release_wakes_a_waiting_acquire() {
+    let pool = pool("handoff", 4096, 1, Duration::from_secs(30));
+    let held = pool.acquire().unwrap();
+    let held_index = held.index();
+    let waiter = {
+        let pool = pool.clone();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let lease = pool.acquire().expect("woken by the release");
+            (lease.index(), started.elapsed())
+        })
+    };
+    // Let the waiter go to sleep on the empty pool, then hand the slot over.
+    while pool.stats().waits == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    drop(held);
+    let (index, waited) = waiter.join().unwrap();
+    assert_eq!(index, held_index);
+    assert!(waited >= Duration::from_millis(20));
+    // Woken by the release, not by the 30 s timeout.
+    assert!(waited < Duration::from_secs(20), "waited {waited:?}");
+    let stats = pool.stats();
+    assert_eq!((stats.waits, stats.timeouts, stats.acquires), (1, 0, 2));
+    assert!(stats.wait_p50 >= Duration::from_millis(20));
+}
+
+/// Whether this thread holds CAP_IPC_LOCK, which lets mlock ignore RLIMIT_MEMLOCK.
+fn has_cap_ipc_lock() -> bool {
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
+const CAP_IPC_LOCK: u32 = 14;
+
+#[test]
+fn mlock_locks_the_pool_when_allowed() {
+    let pool = pool("locked", 1 << 20, 1, Duration::ZERO);
+    match pool.locking() {
+        HostLocking::Mlocked => {}
+        other if has_cap_ipc_lock() => {
+            panic!("with CAP_IPC_LOCK mlock must succeed, got {other}")
+        }
+        other => println!("no CAP_IPC_LOCK here; the pool is {other}"),
+    }
+}
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// Drops CAP_IPC_LOCK from the calling thread's effective set (capabilities are per
+/// thread in Linux, so the rest of the test process keeps it).
+fn drop_cap_ipc_lock_in_this_thread() -> Result<(), std::io::Error> {
+    let mut header = CapHeader {
+        version: 0x2008_0522, // _LINUX_CAPABILITY_VERSION_3
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: capget writes two CapData into `data`, as version 3 defines.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    data[0].effective &= !(1 << CAP_IPC_LOCK);
+    // SAFETY: capset reads the header and two CapData; pid 0 is the calling thread.
+    if unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Counts warnings about pinned pools logged by this test process.
+struct WarningCounter(std::sync::atomic::AtomicUsize);
+
+impl WarningCounter {
+    fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl log::Log for WarningCounter {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record) {
+        if record.level() == log::Level::Warn && record.args().to_string().contains("pinned pool") {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    fn flush(&self) {}
+}
+
+static WARNINGS: WarningCounter = WarningCounter(std::sync::atomic::AtomicUsize::new(0));
+
+#[test]
+fn a_refused_mlock_gives_unlocked_memory_that_still_works() {
+    log::set_logger(&WARNINGS).expect("the only logger in this test binary");
+    log::set_max_level(log::LevelFilter::Debug);
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit.
+    let status = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
+    assert_eq!(status, 0);
+    if limit.rlim_cur == libc::RLIM_INFINITY {
+        println!("skipping: RLIMIT_MEMLOCK is unlimited here, so mlock cannot be refused");
+        return;
+    }
+    // Twice the limit: mlock must fail without CAP_IPC_LOCK.
+    let budget = (limit.rlim_cur as usize).max(4096) * 2;
+    let outcome = std::thread::spawn(move || {
+        if let Err(e) = drop_cap_ipc_lock_in_this_thread() {
+            return Err(format!("could not drop CAP_IPC_LOCK: {e}"));
+        }
+        assert!(!has_cap_ipc_lock());
+        let pool = pool("unlocked", budget / 2, 2, Duration::ZERO);
+        let locking = pool.locking().clone();
+        // A second refused pool must not warn again.
+        let second = self::pool("unlocked-too", budget / 2, 2, Duration::ZERO);
+        assert_eq!(second.locking(), &locking);
+        let mut a = pool.acquire().unwrap();
+        let mut b = pool.acquire().unwrap();
+        a.as_mut_slice().fill(0xA5);
+        b.as_mut_slice().fill(0x5A);
+        assert!(a.as_slice().iter().all(|&x| x == 0xA5));
+        assert!(b.as_slice().iter().all(|&x| x == 0x5A));
+        Ok(locking)
+    })
+    .join()
+    .unwrap();
+    match outcome {
+        Ok(HostLocking::Unlocked { reason }) => {
+            assert_eq!(WARNINGS.count(), 1, "one warning for all refused pools");
+            assert!(reason.contains("RLIMIT_MEMLOCK"), "{reason}");
+            assert!(reason.contains("ulimit -l"), "{reason}");
+            println!("refused mlock handled: {reason}");
+        }
+        Ok(other) => panic!("mlock over the limit without CAP_IPC_LOCK gave {other}"),
+        Err(skip) => println!("skipping: {skip}"),
+    }
+}
+
+#[test]
+fn an_nvme_read_lands_in_a_registered_slot() {
+    use strata_engine::storage::{BackendKind, StoreConfig, TensorStore};
+
+    const LEN: usize = 3 << 20;
+    // On disk, not tmpfs, so O_DIRECT can be used where the filesystem allows it.
+    let dir = tempfile::tempdir_in(std::env::current_dir().unwrap()).unwrap();
+    let store = TensorStore::create(StoreConfig::new(dir.path(), 4 * LEN as u64)).unwrap();
+    let pool = pool("nvme", LEN, 2, Duration::from_secs(1));
+    pool.register_with(&store).unwrap();
+
+    let extent = store.allocate("block0.params", LEN as u64).unwrap();
+    let mut source = pool.acquire().unwrap();
+    for (i, b) in source.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 253) as u8;
+    }
+    let (written, source) = store.write(extent, source).wait();
+    written.unwrap();
+    let source_index = source.index();
+    drop(source);
+    // Read into the other slot: the one a host-to-device copy would start from.
+    let mut target = pool.acquire().unwrap();
+    if target.index() == source_index {
+        let other = pool.acquire().unwrap();
+        drop(target);
+        target = other;
+    }
+    target.as_mut_slice().fill(0);
+    let (read, target) = store.read(extent, target).wait();
+    read.unwrap();
+    assert!(
+        target
+            .as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == (i % 253) as u8)
+    );
+    let stats = store.io_stats();
+    match store.backend() {
+        BackendKind::Uring => {
+            assert!(stats.fixed_chunks > 0, "no chunk used the registered slots");
+            assert_eq!(stats.plain_chunks, 0, "a chunk missed the registered slots");
+            println!(
+                "io_uring: {} fixed chunks, {} plain (direct I/O: {})",
+                stats.fixed_chunks,
+                stats.plain_chunks,
+                store.direct_io()
+            );
+        }
+        other => println!(
+            "io_uring is not available here ({other:?} backend): fixed buffers not checked"
+        ),
+    }
+    // The pool unregisters itself before unmapping; the store lives on and still works.
+    drop((target, pool));
+    let after = store.allocate("after", 4096).unwrap();
+    let plain = strata_engine::storage::AlignedBuf::from_slice(&[7u8; 4096]);
+    store.write(after, plain).wait().0.unwrap();
+}

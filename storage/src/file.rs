@@ -1,0 +1,376 @@
+//! Swap files: created, preallocated and opened for O_DIRECT I/O.
+//!
+//! A swap file is opened with O_DIRECT so transfers bypass the page cache (the data is
+//! already in strata's own pinned buffers; caching it twice would only take RAM the
+//! training needs). Its alignment needs are checked at open with statx
+//! (STATX_DIOALIGN, Linux 6.1+) against the 4096 bytes strata aligns everything to. A
+//! filesystem that refuses O_DIRECT (tmpfs on older kernels) gets buffered I/O and one
+//! warning. Free space is checked (statvfs) before anything is allocated.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::buffer::DIRECT_IO_ALIGN;
+use crate::error::StorageError;
+
+/// An open swap file.
+#[derive(Debug)]
+pub(crate) struct SwapFile {
+    pub file: File,
+    pub path: PathBuf,
+    pub len_bytes: u64,
+    /// Whether I/O bypasses the page cache.
+    pub direct: bool,
+    /// Whether the file is deleted when this is dropped.
+    pub remove_on_drop: bool,
+}
+
+impl Drop for SwapFile {
+    fn drop(&mut self) {
+        if self.remove_on_drop
+            && let Err(e) = std::fs::remove_file(&self.path)
+        {
+            log::warn!("could not remove swap file {}: {e}", self.path.display());
+        }
+    }
+}
+
+/// Whether swap files use O_DIRECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectIo {
+    /// O_DIRECT where the filesystem accepts it, else buffered with one warning.
+    #[default]
+    Auto,
+    /// Buffered I/O through the page cache (for comparisons; not for training).
+    Off,
+}
+
+fn file_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> StorageError {
+    let path = path.to_path_buf();
+    move |source| StorageError::File {
+        action,
+        path,
+        source,
+    }
+}
+
+/// Creates a new swap file of `len_bytes` at `path` (which must not exist), preallocated.
+pub(crate) fn create(
+    path: &Path,
+    len_bytes: u64,
+    direct: DirectIo,
+) -> Result<SwapFile, StorageError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(file_error("cannot create swap file", path))?;
+    // From here on the file exists: remove it again if anything below fails.
+    let mut swap = SwapFile {
+        file,
+        path: path.to_path_buf(),
+        len_bytes,
+        direct: false,
+        remove_on_drop: true,
+    };
+    preallocate(&swap.file, path, len_bytes)?;
+    use_direct_io(&mut swap, direct)?;
+    Ok(swap)
+}
+
+/// Opens an existing swap file (of a persisted store) of at least `len_bytes`.
+pub(crate) fn open_existing(
+    path: &Path,
+    len_bytes: u64,
+    direct: DirectIo,
+) -> Result<SwapFile, StorageError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(file_error("cannot open swap file", path))?;
+    let actual = file
+        .metadata()
+        .map_err(file_error("cannot inspect swap file", path))?
+        .len();
+    if actual < len_bytes {
+        return Err(StorageError::Manifest {
+            path: path.to_path_buf(),
+            reason: format!("the swap file holds {actual} bytes, the store expects {len_bytes}"),
+        });
+    }
+    let mut swap = SwapFile {
+        file,
+        path: path.to_path_buf(),
+        len_bytes,
+        direct: false,
+        remove_on_drop: false,
+    };
+    use_direct_io(&mut swap, direct)?;
+    Ok(swap)
+}
+
+/// Switches the file to O_DIRECT when asked for and the filesystem allows it.
+fn use_direct_io(swap: &mut SwapFile, direct: DirectIo) -> Result<(), StorageError> {
+    if direct == DirectIo::Auto
+        && let Some(file) = reopen_direct(&swap.path)?
+    {
+        swap.file = file;
+        swap.direct = true;
+    }
+    Ok(())
+}
+
+/// Allocates the file's blocks now, so a full disk shows up before training, not in
+/// the middle of a step.
+fn preallocate(file: &File, path: &Path, len_bytes: u64) -> Result<(), StorageError> {
+    let len = libc::off_t::try_from(len_bytes)
+        .map_err(|_| StorageError::Config(format!("swap file size {len_bytes} too large")))?;
+    // SAFETY: fallocate on an open descriptor we own; no memory is involved.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let error = std::io::Error::last_os_error();
+    if error.raw_os_error() == Some(libc::EOPNOTSUPP) {
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "{} does not support fallocate: the swap file is sized but not preallocated, \
+                 so running out of space shows up only when it is written",
+                path.display()
+            );
+        }
+        return file
+            .set_len(len_bytes)
+            .map_err(file_error("cannot size swap file", path));
+    }
+    Err(file_error("cannot preallocate swap file", path)(error))
+}
+
+/// Opens `path` again with O_DIRECT. `None` (after one warning) when the filesystem
+/// refuses O_DIRECT; an error when its alignment needs exceed 4096 bytes.
+fn reopen_direct(path: &Path) -> Result<Option<File>, StorageError> {
+    let opened = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path);
+    let file = match opened {
+        Ok(file) => file,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            warn_buffered(path, "the filesystem refuses O_DIRECT (tmpfs does)");
+            return Ok(None);
+        }
+        Err(e) => return Err(file_error("cannot open for direct I/O", path)(e)),
+    };
+    match dio_alignment(path)? {
+        DioAlignment::Unknown => Ok(Some(file)),
+        DioAlignment::Unsupported => {
+            warn_buffered(path, "statx reports no direct I/O support for this file");
+            Ok(None)
+        }
+        DioAlignment::Known {
+            memory_bytes,
+            offset_bytes,
+        } => {
+            let fits = |a: u32| a > 0 && DIRECT_IO_ALIGN.is_multiple_of(a as usize);
+            if fits(memory_bytes) && fits(offset_bytes) {
+                Ok(Some(file))
+            } else {
+                Err(StorageError::Config(format!(
+                    "{} needs direct I/O aligned to {memory_bytes} bytes in memory and \
+                     {offset_bytes} in the file; strata aligns to {DIRECT_IO_ALIGN}: put the \
+                     swap files on another filesystem",
+                    path.display()
+                )))
+            }
+        }
+    }
+}
+
+fn warn_buffered(path: &Path, why: &str) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        log::warn!(
+            "{}: {why}; using buffered I/O, which goes through the page cache (slower, and \
+             its speed measures RAM, not the drive)",
+            path.display()
+        );
+    }
+}
+
+/// What statx says about a file's direct-I/O alignment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DioAlignment {
+    /// The kernel does not report it (before Linux 6.1): try and see.
+    Unknown,
+    /// The file does not support direct I/O.
+    Unsupported,
+    /// Required alignments of memory and file offsets.
+    Known {
+        /// Of buffer addresses (and lengths).
+        memory_bytes: u32,
+        /// Of file offsets.
+        offset_bytes: u32,
+    },
+}
+
+pub(crate) fn dio_alignment(path: &Path) -> Result<DioAlignment, StorageError> {
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| StorageError::Config(format!("{} contains a NUL byte", path.display())))?;
+    // SAFETY: statx is plain data; zeroes are a valid value of it.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: c_path is a valid C string and stx a valid out-pointer for the call.
+    let rc = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c_path.as_ptr(),
+            0,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if rc != 0 {
+        let error = std::io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::ENOSYS) {
+            return Ok(DioAlignment::Unknown);
+        }
+        return Err(file_error("cannot statx", path)(error));
+    }
+    if stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return Ok(DioAlignment::Unknown);
+    }
+    if stx.stx_dio_offset_align == 0 {
+        return Ok(DioAlignment::Unsupported);
+    }
+    Ok(DioAlignment::Known {
+        memory_bytes: stx.stx_dio_mem_align,
+        offset_bytes: stx.stx_dio_offset_align,
+    })
+}
+
+/// Bytes available to this user on the filesystem holding `dir`.
+pub(crate) fn available_bytes(dir: &Path) -> Result<u64, StorageError> {
+    let c_path = CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| StorageError::Config(format!("{} contains a NUL byte", dir.display())))?;
+    // SAFETY: statvfs is plain data; zeroes are a valid value of it.
+    let mut vfs: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c_path is a valid C string and vfs a valid out-pointer.
+    if unsafe { libc::statvfs(c_path.as_ptr(), &mut vfs) } != 0 {
+        return Err(file_error("cannot check free space in", dir)(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok((vfs.f_bavail as u64).saturating_mul(vfs.f_frsize as u64))
+}
+
+/// Checks that every filesystem has room for the files planned on it (several files on
+/// one filesystem add up). `plan` pairs a folder with the bytes to put there.
+pub(crate) fn check_free_space(plan: &[(PathBuf, u64)]) -> Result<(), StorageError> {
+    let mut per_device: HashMap<u64, (PathBuf, u64)> = HashMap::new();
+    for (dir, bytes) in plan {
+        let device = std::fs::metadata(dir)
+            .map_err(file_error("cannot use swap folder", dir))?
+            .dev();
+        per_device
+            .entry(device)
+            .or_insert_with(|| (dir.clone(), 0))
+            .1 += bytes;
+    }
+    for (dir, needed_bytes) in per_device.into_values() {
+        let available = available_bytes(&dir)?;
+        if available < needed_bytes {
+            return Err(StorageError::InsufficientSpace {
+                needed: format_bytes(needed_bytes),
+                available: format_bytes(available),
+                path: dir,
+                needed_bytes,
+                available_bytes: available,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Whether the filesystem holding `dir` is tmpfs (RAM, not a drive).
+pub fn is_tmpfs(dir: &Path) -> bool {
+    let Ok(c_path) = CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs is plain data; zeroes are a valid value of it.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c_path is a valid C string and fs a valid out-pointer.
+    let rc = unsafe { libc::statfs(c_path.as_ptr(), &mut fs) };
+    rc == 0 && fs.f_type as i64 == libc::TMPFS_MAGIC
+}
+
+/// `4.00 GiB`-style sizes for messages.
+pub(crate) fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_space_check_names_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let error = check_free_space(&[(dir.path().to_path_buf(), u64::MAX / 2)]).unwrap_err();
+        let text = error.to_string();
+        assert!(text.contains("not enough free space"), "{text}");
+        assert!(text.contains(&(u64::MAX / 2).to_string()), "{text}");
+        check_free_space(&[(dir.path().to_path_buf(), 4096)]).unwrap();
+    }
+
+    #[test]
+    fn created_file_is_preallocated_and_removed_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.swap");
+        let swap = create(&path, 1 << 20, DirectIo::Auto).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.len(), 1 << 20);
+        assert!(
+            meta.blocks() * 512 >= 1 << 20,
+            "blocks are allocated, not sparse"
+        );
+        assert!(
+            create(&path, 4096, DirectIo::Auto).is_err(),
+            "never overwrites"
+        );
+        drop(swap);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn dio_alignment_is_read_or_unknown() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.swap");
+        let _swap = create(&path, 8192, DirectIo::Auto).unwrap();
+        match dio_alignment(&path).unwrap() {
+            DioAlignment::Known {
+                memory_bytes,
+                offset_bytes,
+            } => {
+                assert!(memory_bytes.is_power_of_two() && offset_bytes.is_power_of_two());
+            }
+            DioAlignment::Unknown | DioAlignment::Unsupported => {}
+        }
+    }
+}
