@@ -483,7 +483,9 @@ impl Splittable for Work<'_> {
 /// Splits `work` into the pieces [`parallel::split_ranges`] gives for `threads` and
 /// `align`, runs `f` on each in the worker pool, and combines the results pairwise in a
 /// fixed tree (so the result does not depend on which thread ran what). Uses
-/// `rayon::join`, whose jobs live on the stack: no allocation per call.
+/// `rayon::join`, whose jobs live on the stack, so a call allocates nothing itself (the
+/// pool's injection queue, entered once per call from outside the pool, grows by a block
+/// every few dozen calls).
 fn run_split<W, R, F, C>(work: W, threads: usize, align: usize, f: &F, combine: &C) -> R
 where
     W: Splittable,
