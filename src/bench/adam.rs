@@ -24,7 +24,7 @@ use strata_kernels::adamw::{
 use strata_kernels::isa::Isa;
 use strata_kernels::parallel;
 
-use crate::report::{Table, format_bytes, parse_count, write_json};
+use crate::report::{Table, format_bytes, median, parse_count, write_json};
 
 /// Gradient dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -331,17 +331,6 @@ pub fn main(args: &AdamArgs) -> Result<(), Box<dyn std::error::Error>> {
         println!("wrote {}", path.display());
     }
     Ok(())
-}
-
-fn median(times: &[f64]) -> f64 {
-    let mut sorted = times.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let mid = sorted.len() / 2;
-    if sorted.len() % 2 == 1 {
-        sorted[mid]
-    } else {
-        (sorted[mid - 1] + sorted[mid]) / 2.0
-    }
 }
 
 /// A pseudo-random value for index `i` of stream `stream`, uniform in [-1, 1).
