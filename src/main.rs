@@ -26,6 +26,8 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// CPU AdamW throughput against a STREAM triad over the same working set.
+    Adam(strata::bench::adam::AdamArgs),
     /// NVMe tier: write and read extents through the tensor store, against fio.
     Nvme(strata::bench::nvme::NvmeArgs),
     /// Host-to-device and device-to-host copy rates against the PCIe link and PyTorch.
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         Command::Bench(bench) => match bench {
+            BenchCommand::Adam(args) => strata::bench::adam::main(&args),
             BenchCommand::Nvme(args) => strata::bench::nvme::run(&args).map(drop),
             BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),
         },

@@ -63,6 +63,27 @@ pub fn format_bytes(bytes: u64) -> String {
     }
 }
 
+/// The median of `values` (the mean of the middle two for an even count); NaN for none.
+pub fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => sorted[n / 2],
+        _ => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
+/// The index of the median of `values` (the lower middle one for an even count), to
+/// report other figures of the median run.
+pub fn median_index(values: &[f64]) -> usize {
+    assert!(!values.is_empty(), "the median of nothing");
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
+    order[(values.len() - 1) / 2]
+}
+
 /// A table printed with aligned columns: numbers right-aligned, text left-aligned.
 #[derive(Debug, Clone, Default)]
 pub struct Table {
@@ -339,6 +360,15 @@ mod tests {
         assert!(parse_bytes("4 parsecs").is_err());
         assert!(parse_bytes("").is_err());
         assert!(parse_bytes("0.5").is_err());
+    }
+
+    #[test]
+    fn median_of_odd_even_and_none() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+        assert_eq!(median_index(&[3.0, 1.0, 2.0]), 2);
+        assert_eq!(median_index(&[4.0, 1.0, 2.0, 3.0]), 2);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! in [`reference`](mod@reference) a plain scalar version of every kernel that tests compare against.
 //! It knows nothing of where tensors live: callers hand it slices.
 
+pub mod adamw;
 pub mod cuda;
 pub mod isa;
 pub mod ops;

@@ -16,7 +16,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 
 use super::fio;
-use crate::report::{Table, format_bytes, parse_bytes, write_json};
+use crate::report::{Table, format_bytes, median, median_index, parse_bytes, write_json};
 use crate::storage::{
     AlignedBuf, BackendChoice, ExtentId, IoBuf, IoRegion, IoStats, Pending, StoreConfig,
     TensorStore, is_tmpfs,
@@ -191,27 +191,6 @@ pub struct Ratio {
     pub fio_engine: &'static str,
     /// strata / fio.
     pub ratio: f64,
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let n = sorted.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        sorted[n / 2]
-    } else {
-        (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-    }
-}
-
-/// Index of the median value (the lower middle one for an even count).
-fn median_index(values: &[f64]) -> usize {
-    let mut order: Vec<usize> = (0..values.len()).collect();
-    order.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
-    order[(values.len() - 1) / 2]
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -762,13 +741,6 @@ pub fn render(report: &NvmeReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn median_of_odd_and_even() {
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert_eq!(median_index(&[3.0, 1.0, 2.0]), 2);
-    }
 
     #[test]
     fn filesystem_of_root_is_known() {

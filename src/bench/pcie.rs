@@ -122,7 +122,7 @@ impl Point {
         samples: &mut [Duration],
     ) -> Self {
         let moved = size_bytes * if direction == Direction::Both { 2 } else { 1 };
-        let median = median(samples);
+        let median = median_seconds(samples);
         Self {
             direction,
             memory,
@@ -137,15 +137,11 @@ impl Point {
 
 /// Median in seconds; the mean of the two middle samples for an even count (as Python's
 /// `statistics.median`, which the PyTorch peer uses).
-fn median(samples: &mut [Duration]) -> f64 {
+fn median_seconds(samples: &mut [Duration]) -> f64 {
     assert!(!samples.is_empty(), "a point needs samples");
     samples.sort_unstable();
-    let n = samples.len();
-    if n % 2 == 1 {
-        samples[n / 2].as_secs_f64()
-    } else {
-        (samples[n / 2 - 1].as_secs_f64() + samples[n / 2].as_secs_f64()) / 2.0
-    }
+    let seconds: Vec<f64> = samples.iter().map(Duration::as_secs_f64).collect();
+    crate::report::median(&seconds)
 }
 
 /// Nearest-rank percentile of sorted samples.

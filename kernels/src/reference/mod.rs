@@ -2,6 +2,7 @@
 //! element by element against these. Nothing here is tuned; clarity is the point.
 //! Each kernel family has its own file.
 
+pub mod adamw;
 pub mod cast;
 pub mod gpt2;
 pub mod gpt2_model;

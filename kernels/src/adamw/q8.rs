@@ -1,0 +1,289 @@
+//! The 8-bit block-wise format of the optional quantized AdamW state (docs/adamw-8bit.md).
+//!
+//! Holds the format's definition: block size, the scalar encoding and decoding of one
+//! value, block scales, and whole-slice conversions to and from f32 (for initialising
+//! state, checkpoints and tests). The SIMD kernels re-implement `encode_*` / `decode_*`
+//! with the same integer operations, so every path produces the same codes from the same
+//! f32 values; tests check that against the functions here.
+//!
+//! Two tiny floating-point formats, each relative to a scale per block of [`BLOCK`] values:
+//! - m, signed: a sign bit and a 7-bit magnitude with 4 exponent and 3 mantissa bits
+//!   (E4M3), covering 2^-15 to 1.875 times the scale; magnitude code 0 is zero.
+//! - sqrt(v), non-negative: 8 bits with 4 exponent and 4 mantissa bits (E4M4), covering
+//!   2^-15 to 1.9375 times the scale. Code 0 is zero and appears only in fresh state:
+//!   encoding never rounds a value down to zero, since a denominator rounded to zero
+//!   would turn m / (sqrt(v) + eps) into m / eps.
+//!
+//! The scale of a block is its largest magnitude divided by the largest code's value, so
+//! the largest element of every block is stored to within a rounding of the top code.
+
+/// How many consecutive values share one scale.
+pub const BLOCK: usize = 256;
+
+/// The value of the largest m magnitude code (exponent 15, mantissa 7): 2^0 * (1 + 7/8).
+pub const M_TOP: f32 = 1.875;
+
+/// The value of the largest sqrt(v) code (exponent 15, mantissa 15): 2^0 * (1 + 15/16).
+pub const R_TOP: f32 = 1.9375;
+
+/// Half the smallest nonzero m magnitude code's value (2^-15 * 9/8): the rounding
+/// threshold between zero and that code.
+pub(crate) const M_HALF_MIN: f32 = 0.5625 / 32768.0;
+
+/// Exponent field of a code's smallest octave (2^-15) as a biased f32 exponent.
+pub(crate) const EXP_BIAS: u32 = 127 - 15;
+
+/// The f32 bits a magnitude code's value is built from: code `u` (1..=127, E4M3) shifted
+/// so its mantissa lands in the top 3 f32 mantissa bits, plus the exponent bias.
+pub(crate) const M_SHIFT: u32 = 20;
+
+/// As [`M_SHIFT`] for sqrt(v) codes (E4M4: the top 4 f32 mantissa bits).
+pub(crate) const R_SHIFT: u32 = 19;
+
+/// The scale and its inverse for a block whose largest m magnitude is `absmax`.
+/// A block of zeros gets scale 0 and inverse 0 (so it encodes and decodes to zero).
+pub fn m_scales(absmax: f32) -> (f32, f32) {
+    scales(absmax, M_TOP)
+}
+
+/// The scale and its inverse for a block whose largest sqrt(v) is `max`.
+pub fn r_scales(max: f32) -> (f32, f32) {
+    scales(max, R_TOP)
+}
+
+fn scales(max: f32, top: f32) -> (f32, f32) {
+    if max > 0.0 && max.is_finite() {
+        (max / top, top / max)
+    } else if max == 0.0 {
+        (0.0, 0.0)
+    } else {
+        // NaN or infinity: the block is already lost (a non-finite gradient reached the
+        // state); keep it visibly non-finite rather than pretending.
+        (f32::NAN, f32::NAN)
+    }
+}
+
+/// Encodes one m value, `inv_scale` being the block's inverse scale. Rounds to nearest
+/// (ties away from zero); magnitudes below the smallest code become zero.
+#[inline]
+pub fn encode_m(x: f32, inv_scale: f32) -> u8 {
+    let y = x.abs() * inv_scale;
+    let rounded = (y.to_bits() + (1 << (M_SHIFT - 1))) >> M_SHIFT;
+    let u = (rounded as i32 - (EXP_BIAS << 3) as i32).clamp(0, 127);
+    // Code 0 is zero, not 2^-15: from half the smallest code up, round to that code.
+    let u = u.max(i32::from(y >= M_HALF_MIN)) as u32;
+    ((x.to_bits() >> 31 << 7) | u) as u8
+}
+
+/// Decodes one m code with the block's scale.
+#[inline]
+pub fn decode_m(code: u8, scale: f32) -> f32 {
+    let u = u32::from(code & 0x7f);
+    let magnitude = if u == 0 {
+        0
+    } else {
+        (u << M_SHIFT) + (EXP_BIAS << 23)
+    };
+    f32::from_bits((u32::from(code >> 7) << 31) | magnitude) * scale
+}
+
+/// Encodes one sqrt(v) value (non-negative), `inv_scale` being the block's inverse
+/// scale. Rounds to nearest (ties up); never gives code 0, so values below the smallest
+/// code are rounded up to it.
+#[inline]
+pub fn encode_r(x: f32, inv_scale: f32) -> u8 {
+    let y = x * inv_scale;
+    let rounded = (y.to_bits() + (1 << (R_SHIFT - 1))) >> R_SHIFT;
+    (rounded as i32 - (EXP_BIAS << 4) as i32).clamp(1, 255) as u8
+}
+
+/// Decodes one sqrt(v) code with the block's scale.
+#[inline]
+pub fn decode_r(code: u8, scale: f32) -> f32 {
+    let c = u32::from(code);
+    let value = if c == 0 {
+        0.0
+    } else {
+        f32::from_bits((c << R_SHIFT) + (EXP_BIAS << 23))
+    };
+    value * scale
+}
+
+/// How many scales a state of `len` values has.
+pub fn scale_count(len: usize) -> usize {
+    len.div_ceil(BLOCK)
+}
+
+/// Quantizes f32 m values into codes and one scale per block.
+///
+/// Panics unless `codes` has `m.len()` entries and `scales` [`scale_count`]`(m.len())`.
+pub fn quantize_m(m: &[f32], codes: &mut [u8], scales: &mut [f32]) {
+    check_lengths(m.len(), codes.len(), scales.len());
+    for ((m, codes), scale) in m
+        .chunks(BLOCK)
+        .zip(codes.chunks_mut(BLOCK))
+        .zip(scales.iter_mut())
+    {
+        let absmax = m.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+        let (s, inv) = m_scales(absmax);
+        *scale = s;
+        for (code, &x) in codes.iter_mut().zip(m) {
+            *code = encode_m(x, inv);
+        }
+    }
+}
+
+/// Quantizes f32 v values (non-negative) into codes of sqrt(v) and one scale per block.
+///
+/// Panics unless `codes` has `v.len()` entries and `scales` [`scale_count`]`(v.len())`.
+pub fn quantize_v(v: &[f32], codes: &mut [u8], scales: &mut [f32]) {
+    check_lengths(v.len(), codes.len(), scales.len());
+    for ((v, codes), scale) in v
+        .chunks(BLOCK)
+        .zip(codes.chunks_mut(BLOCK))
+        .zip(scales.iter_mut())
+    {
+        let max = v.iter().fold(0.0f32, |a, &x| a.max(x.sqrt()));
+        let (s, inv) = r_scales(max);
+        *scale = s;
+        for (code, &x) in codes.iter_mut().zip(v) {
+            *code = encode_r(x.sqrt(), inv);
+        }
+    }
+}
+
+/// Decodes m codes into f32 values.
+///
+/// Panics unless `codes` has `m.len()` entries and `scales` [`scale_count`]`(m.len())`.
+pub fn dequantize_m(codes: &[u8], scales: &[f32], m: &mut [f32]) {
+    check_lengths(m.len(), codes.len(), scales.len());
+    for ((m, codes), &scale) in m.chunks_mut(BLOCK).zip(codes.chunks(BLOCK)).zip(scales) {
+        for (x, &code) in m.iter_mut().zip(codes) {
+            *x = decode_m(code, scale);
+        }
+    }
+}
+
+/// Decodes sqrt(v) codes into f32 values of v.
+///
+/// Panics unless `codes` has `v.len()` entries and `scales` [`scale_count`]`(v.len())`.
+pub fn dequantize_v(codes: &[u8], scales: &[f32], v: &mut [f32]) {
+    check_lengths(v.len(), codes.len(), scales.len());
+    for ((v, codes), &scale) in v.chunks_mut(BLOCK).zip(codes.chunks(BLOCK)).zip(scales) {
+        for (x, &code) in v.iter_mut().zip(codes) {
+            let r = decode_r(code, scale);
+            *x = r * r;
+        }
+    }
+}
+
+fn check_lengths(values: usize, codes: usize, scales: usize) {
+    assert_eq!(codes, values, "need one code per value");
+    assert_eq!(
+        scales,
+        scale_count(values),
+        "need one scale per block of {BLOCK} values"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_m_code_round_trips() {
+        for code in 0..=255u8 {
+            let x = decode_m(code, 1.0);
+            let back = encode_m(x, 1.0);
+            // Magnitude code 0 is zero, whatever its sign bit.
+            if code & 0x7f == 0 {
+                assert_eq!(x, 0.0);
+                assert_eq!(back & 0x7f, 0);
+            } else {
+                assert_eq!(back, code, "code {code:#04x} decodes to {x}");
+            }
+        }
+        assert_eq!(decode_m(0x7f, 1.0), M_TOP);
+        assert_eq!(decode_m(0x01, 1.0), 2f32.powi(-15) * 1.125);
+    }
+
+    #[test]
+    fn every_r_code_round_trips_and_nothing_rounds_to_zero() {
+        for code in 1..=255u8 {
+            let x = decode_r(code, 1.0);
+            assert_eq!(encode_r(x, 1.0), code, "code {code} decodes to {x}");
+        }
+        assert_eq!(decode_r(255, 1.0), R_TOP);
+        assert_eq!(decode_r(0, 1.0), 0.0);
+        assert_eq!(encode_r(0.0, 1.0), 1);
+        assert_eq!(encode_r(1e-30, 1.0), 1);
+        assert_eq!(encode_r(f32::from_bits(1), 1.0), 1);
+    }
+
+    #[test]
+    fn encoding_rounds_to_the_nearest_code() {
+        // Exhaustive over a range of mantissas in two octaves: the chosen code is the
+        // nearest in value (ties may go either way by at most the tie itself).
+        let m_values: Vec<f32> = (1..=127u8).map(|c| decode_m(c, 1.0)).collect();
+        let r_values: Vec<f32> = (1..=255u8).map(|c| decode_r(c, 1.0)).collect();
+        let mut x = 2f32.powi(-16);
+        while x < 1.9 {
+            let m = decode_m(encode_m(x, 1.0), 1.0);
+            let best = m_values
+                .iter()
+                .chain([&0.0])
+                .fold(f32::INFINITY, |b, &c| b.min((c - x).abs()));
+            assert!((m - x).abs() <= best * (1.0 + 1e-6), "m {x} -> {m}");
+            let r = decode_r(encode_r(x, 1.0), 1.0);
+            let best = r_values
+                .iter()
+                .fold(f32::INFINITY, |b, &c| b.min((c - x).abs()));
+            assert!((r - x).abs() <= best * (1.0 + 1e-6), "r {x} -> {r}");
+            x *= 1.0007;
+        }
+    }
+
+    #[test]
+    fn negative_m_keeps_its_sign_and_relative_error_is_bounded() {
+        let (scale, inv) = m_scales(3.0);
+        for i in 1..1000 {
+            let x = -3.0 * (i as f32 / 1000.0);
+            let y = decode_m(encode_m(x, inv), scale);
+            assert!(y <= 0.0);
+            // E4M3: half a mantissa step of 1/8 at the bottom of an octave.
+            assert!((y - x).abs() <= x.abs() / 16.0 * 1.0001, "{x} -> {y}");
+        }
+        // The block's largest magnitude is kept to within a rounding.
+        let y = decode_m(encode_m(-3.0, inv), scale);
+        assert!((y + 3.0).abs() <= 3.0 * 1e-6);
+    }
+
+    #[test]
+    fn slices_round_trip_per_block() {
+        let n = 3 * BLOCK + 5;
+        let m: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1001) as f32 / 1000.0 - 0.5)
+            .collect();
+        let v: Vec<f32> = (0..n)
+            .map(|i| (((i * 104729) % 997) as f32 / 997.0).powi(4))
+            .collect();
+        let mut codes = vec![0u8; n];
+        let mut scales = vec![0f32; scale_count(n)];
+        let mut back = vec![0f32; n];
+        quantize_m(&m, &mut codes, &mut scales);
+        dequantize_m(&codes, &scales, &mut back);
+        for (a, b) in m.iter().zip(&back) {
+            assert!(
+                (a - b).abs() <= a.abs() / 16.0 + 0.5 * 2f32.powi(-15),
+                "{a} {b}"
+            );
+        }
+        quantize_v(&v, &mut codes, &mut scales);
+        dequantize_v(&codes, &scales, &mut back);
+        for (a, b) in v.iter().zip(&back) {
+            // sqrt(v) within 1/32 relative, so v within about 1/16, or in the lowest code.
+            let floor = (scales.iter().fold(0f32, |x, &s| x.max(s)) * 2f32.powi(-14)).powi(2);
+            assert!((a - b).abs() <= a * 0.0635 + floor, "{a} {b}");
+        }
+    }
+}
