@@ -11,5 +11,6 @@ pub use strata_kernels as kernels;
 pub use strata_storage as storage;
 
 pub mod bench;
+pub mod eval;
 pub mod logging;
 pub mod report;

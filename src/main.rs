@@ -20,6 +20,8 @@ enum Command {
     Bench(BenchCommand),
     /// Show what strata sees of this machine.
     Info,
+    /// Print a model's loss on the first batches of a token file.
+    Eval(strata::eval::EvalArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -61,6 +63,7 @@ fn main() -> ExitCode {
             BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),
         },
         Command::Info => info(),
+        Command::Eval(args) => strata::eval::run(&args, &mut std::io::stdout().lock()).map(drop),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

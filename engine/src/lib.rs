@@ -2,8 +2,8 @@
 //!
 //! The engine sits on [`strata_storage`] (bytes on SSD) and [`strata_kernels`] (the
 //! math). [`memory`] holds the pinned host pool and the device arena, [`device`] the CPU
-//! and CUDA devices with their lanes and events, [`error`] the engine's error enum. Later
-//! modules hold the model, the swap policies and the executor.
+//! and CUDA devices with their lanes and events, [`error`] the engine's error enum,
+//! [`model`] the built-in GPT-2. Later modules hold the swap policies and the executor.
 
 pub use strata_kernels as kernels;
 pub use strata_storage as storage;
@@ -11,5 +11,6 @@ pub use strata_storage as storage;
 pub mod device;
 pub mod error;
 pub mod memory;
+pub mod model;
 
 pub use error::EngineError;

@@ -8,5 +8,6 @@
 pub mod adamw;
 pub mod cuda;
 pub mod isa;
+pub mod ops;
 pub mod parallel;
 pub mod reference;

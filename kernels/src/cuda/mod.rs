@@ -1,9 +1,30 @@
-//! CUDA support shared by every GPU code path: which CUDA libraries this machine has.
+//! CUDA support: which CUDA libraries this machine has ([`probe`]), the kernel sources
+//! and their compilation by NVRTC ([`program`]), and GPT-2's kernels on a stream
+//! ([`CudaKernels`]).
 //!
 //! cudarc loads libcuda, libnvrtc and libcublas at run time and panics on the first call
-//! into a library that is absent, so every GPU path asks [`probe`] first. This module
-//! holds no kernels; they come with the model's CUDA half.
+//! into a library that is absent, so every GPU path asks [`probe`] first.
 
+mod ops;
 mod probe;
+pub mod program;
 
+pub use ops::{AttentionScratch, CudaFloat, CudaKernels};
 pub use probe::{CudaLibraries, CudaUnavailable, probe};
+
+/// Why a CUDA operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// CUDA cannot be used on this machine.
+    #[error(transparent)]
+    Unavailable(#[from] CudaUnavailable),
+    /// NVRTC rejected the kernel sources (the message is its log).
+    #[error("NVRTC could not compile strata's CUDA kernels:\n{0}")]
+    Compile(String),
+    /// A driver call failed.
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// A cuBLAS call failed.
+    #[error("cuBLAS: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+}

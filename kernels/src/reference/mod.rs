@@ -3,3 +3,6 @@
 //! Each kernel family has its own file.
 
 pub mod adamw;
+pub mod cast;
+pub mod gpt2;
+pub mod gpt2_model;

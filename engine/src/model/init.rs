@@ -1,0 +1,82 @@
+//! GPT-2's initialisation for training from scratch, deterministic in a seed.
+
+use super::{BlockKind, Model};
+
+/// SplitMix64: a small, well-mixed generator, enough for initial weights.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+}
+
+/// See [`Model::init_params`].
+pub(super) fn gpt2_init(model: &Model, seed: u64) -> Vec<Vec<f32>> {
+    const STD: f64 = 0.02;
+    let layers = model.config().layers.max(1) as f64;
+    let mut params = model.zero_params();
+    for (block, buffer) in model.blocks().iter().zip(&mut params) {
+        // One stream per block, so a block's values do not depend on the others' sizes.
+        let index = match block.kind {
+            BlockKind::Embedding => 0,
+            BlockKind::Transformer { layer } => layer as u64 + 1,
+            BlockKind::Head => u64::MAX,
+        };
+        let mut rng = SplitMix64(seed ^ index.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        for t in &block.tensors {
+            let out = &mut buffer[t.slot.range()];
+            if t.name.ends_with(".bias") {
+                continue;
+            }
+            if t.name.contains("ln_") {
+                out.fill(1.0);
+                continue;
+            }
+            let std = if t.name.ends_with("c_proj.weight") {
+                STD / (2.0 * layers).sqrt()
+            } else {
+                STD
+            };
+            for v in out {
+                *v = (rng.normal() * std) as f32;
+            }
+        }
+    }
+    params
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Gpt2Config;
+    use super::*;
+
+    #[test]
+    fn init_is_deterministic_and_shaped_like_gpt2() {
+        let model = Model::new(Gpt2Config::tiny()).unwrap();
+        let a = model.init_params(7);
+        assert_eq!(a, model.init_params(7));
+        assert_ne!(a, model.init_params(8));
+        let (block, ln) = model.find_tensor("h.1.ln_2.weight").unwrap();
+        assert!(a[block][ln.slot.range()].iter().all(|&v| v == 1.0));
+        let (block, wte) = model.find_tensor("wte.weight").unwrap();
+        let w = &a[block][wte.slot.range()];
+        let std = (w.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / w.len() as f64).sqrt();
+        assert!((std - 0.02).abs() < 0.002, "std {std}");
+    }
+}

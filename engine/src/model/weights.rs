@@ -1,0 +1,397 @@
+//! Hugging Face GPT-2 checkpoints: `config.json` and `model.safetensors`, read through a
+//! memory map and written so that transformers' `GPT2LMHeadModel.from_pretrained` loads
+//! them.
+//!
+//! Reading accepts names with or without the `transformer.` prefix, ignores the
+//! `attn.bias` / `attn.masked_bias` buffers and the tied `lm_head.weight`, and converts
+//! F16 and BF16 tensors to f32. The header is checked tensor by tensor before any data is
+//! read, so a missing tensor, a wrong shape or a truncated file is an error naming the
+//! tensor. Writing uses the `transformer.` names, f32, `Conv1D`'s (in, out) weights, no
+//! `lm_head.weight` (tied), and goes through a temporary file renamed into place.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use safetensors::Dtype;
+use safetensors::tensor::TensorInfo;
+use serde_json::{Value, json};
+
+use super::{Gpt2Config, Model, ModelError};
+
+/// The weights file's name in a model folder.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// The configuration file's name in a model folder.
+pub const CONFIG_FILE: &str = "config.json";
+/// The prefix Hugging Face's `GPT2LMHeadModel` puts before the body's tensor names.
+pub const PREFIX: &str = "transformer.";
+
+/// The configuration and weights files of `path`: a model folder, or the weights file
+/// itself with `config.json` beside it.
+pub fn model_files(path: &Path) -> (PathBuf, PathBuf) {
+    if path.is_dir() {
+        (path.join(CONFIG_FILE), path.join(WEIGHTS_FILE))
+    } else {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        (dir.join(CONFIG_FILE), path.to_path_buf())
+    }
+}
+
+/// Loads a model folder (or weights file): its shape from `config.json`, and one f32
+/// buffer per block from `model.safetensors`.
+pub fn load_pretrained(path: &Path) -> Result<(Model, Vec<Vec<f32>>), ModelError> {
+    std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+    let (config_path, weights_path) = model_files(path);
+    let config = load_config(&config_path)?;
+    let model = Model::new(config)?;
+    let params = load_safetensors(&model, &weights_path)?;
+    Ok((model, params))
+}
+
+/// Reads a GPT-2 `config.json`, refusing options strata does not implement.
+pub fn load_config(path: &Path) -> Result<Gpt2Config, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    let unsupported = |message: String| ModelError::UnsupportedConfig {
+        path: path.to_path_buf(),
+        message,
+    };
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| unsupported(format!("not valid JSON: {e}")))?;
+    let int = |keys: &[&str]| -> Result<usize, ModelError> {
+        keys.iter()
+            .find_map(|k| json.get(*k).and_then(Value::as_u64))
+            .map(|v| v as usize)
+            .ok_or_else(|| unsupported(format!("no integer `{}`", keys[0])))
+    };
+    let config = Gpt2Config {
+        layers: int(&["n_layer"])?,
+        heads: int(&["n_head"])?,
+        width: int(&["n_embd"])?,
+        vocab: int(&["vocab_size"])?,
+        ctx: int(&["n_positions", "n_ctx"])?,
+    };
+    let text_of = |key: &str| json.get(key).and_then(Value::as_str);
+    let flag = |key: &str, default: bool| json.get(key).and_then(Value::as_bool).unwrap_or(default);
+    if let Some(kind) = text_of("model_type").filter(|k| *k != "gpt2") {
+        return Err(unsupported(format!(
+            "model_type is `{kind}`; strata runs `gpt2`"
+        )));
+    }
+    let activation = text_of("activation_function").unwrap_or("gelu_new");
+    if !matches!(activation, "gelu_new" | "gelu_pytorch_tanh") {
+        return Err(unsupported(format!(
+            "activation_function `{activation}`; strata implements GELU's tanh approximation \
+             (`gelu_new`)"
+        )));
+    }
+    let eps = json
+        .get("layer_norm_epsilon")
+        .and_then(Value::as_f64)
+        .unwrap_or(1e-5);
+    if (eps - 1e-5).abs() > 1e-12 {
+        return Err(unsupported(format!(
+            "layer_norm_epsilon {eps}; strata uses 1e-5"
+        )));
+    }
+    match json.get("n_inner") {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_u64() == Some(4 * config.width as u64) => {}
+        Some(v) => return Err(unsupported(format!("n_inner {v}; strata uses 4 × n_embd"))),
+    }
+    for (key, default, wanted) in [
+        ("tie_word_embeddings", true, true),
+        ("scale_attn_weights", true, true),
+        ("scale_attn_by_inverse_layer_idx", false, false),
+        ("add_cross_attention", false, false),
+    ] {
+        if flag(key, default) != wanted {
+            return Err(unsupported(format!(
+                "{key} is {}; strata needs {wanted}",
+                !wanted
+            )));
+        }
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+/// The parsed header of a safetensors file and its mapped bytes.
+struct SafetensorsFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+    header_len: usize,
+    tensors: HashMap<String, TensorInfo>,
+}
+
+impl SafetensorsFile {
+    fn open(path: &Path) -> Result<Self, ModelError> {
+        let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
+        // SAFETY: the map is only read. If another process truncates or rewrites the
+        // file while it is mapped, reads may fault or see the new bytes: the usual caveat
+        // of reading a checkpoint through mmap, accepted for loading speed.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+        let bad = |message: String| ModelError::BadSafetensors {
+            path: path.to_path_buf(),
+            message,
+        };
+        let Some(len_bytes) = map.get(..8) else {
+            return Err(ModelError::FileTooShort {
+                path: path.to_path_buf(),
+                message: format!(
+                    "{} bytes; a safetensors file starts with an 8-byte header length",
+                    map.len()
+                ),
+            });
+        };
+        let header_len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
+        let header = map
+            .get(8..8usize.saturating_add(header_len))
+            .ok_or_else(|| ModelError::FileTooShort {
+                path: path.to_path_buf(),
+                message: format!(
+                    "the header says it is {header_len} bytes long, but the file holds {} bytes",
+                    map.len()
+                ),
+            })?;
+        let json: BTreeMap<String, Value> =
+            serde_json::from_slice(header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+        let mut tensors = HashMap::new();
+        for (name, value) in json {
+            if name == "__metadata__" {
+                continue;
+            }
+            let info: TensorInfo = serde_json::from_value(value)
+                .map_err(|e| bad(format!("tensor `{name}` has a bad header entry: {e}")))?;
+            tensors.insert(name, info);
+        }
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            map,
+            header_len,
+            tensors,
+        })
+    }
+
+    fn data(&self) -> &[u8] {
+        &self.map[8 + self.header_len..]
+    }
+
+    /// The tensor named `name` with or without `transformer.`, as f32 into `out`, checked
+    /// against `shape`.
+    fn read_into(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<(), ModelError> {
+        let prefixed = format!("{PREFIX}{name}");
+        let (found_name, info) = [prefixed.as_str(), name]
+            .into_iter()
+            .find_map(|n| self.tensors.get(n).map(|info| (n, info)))
+            .ok_or_else(|| ModelError::MissingTensor {
+                path: self.path.clone(),
+                name: prefixed.clone(),
+            })?;
+        if info.shape != shape {
+            return Err(ModelError::TensorShape {
+                path: self.path.clone(),
+                name: found_name.to_string(),
+                expected: shape.to_vec(),
+                found: info.shape.clone(),
+            });
+        }
+        let width = match info.dtype {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            other => {
+                return Err(ModelError::TensorDtype {
+                    path: self.path.clone(),
+                    name: found_name.to_string(),
+                    found: other.to_string(),
+                });
+            }
+        };
+        let (start, end) = info.data_offsets;
+        let data = self.data();
+        if end > data.len() {
+            return Err(ModelError::TensorTruncated {
+                path: self.path.clone(),
+                name: found_name.to_string(),
+                end,
+                available: data.len(),
+            });
+        }
+        if end < start || end - start != out.len() * width {
+            return Err(ModelError::BadSafetensors {
+                path: self.path.clone(),
+                message: format!(
+                    "tensor `{found_name}` has {} data bytes for {} elements of {}",
+                    end.saturating_sub(start),
+                    out.len(),
+                    info.dtype
+                ),
+            });
+        }
+        let bytes = &data[start..end];
+        match info.dtype {
+            Dtype::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+                }
+            }
+            Dtype::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::f16::from_le_bytes(b.try_into().expect("2 bytes")).to_f32();
+                }
+            }
+            _ => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = half::bf16::from_le_bytes(b.try_into().expect("2 bytes")).to_f32();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `name` is a tensor a GPT-2 checkpoint may hold besides the parameters.
+fn is_ignored(name: &str) -> bool {
+    let name = name.strip_prefix(PREFIX).unwrap_or(name);
+    name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
+}
+
+/// Reads every parameter of `model` from the safetensors file at `path`: one f32 buffer
+/// per block, in block order.
+pub fn load_safetensors(model: &Model, path: &Path) -> Result<Vec<Vec<f32>>, ModelError> {
+    let file = SafetensorsFile::open(path)?;
+    let mut params = model.zero_params();
+    let mut expected = std::collections::HashSet::new();
+    for (block, buffer) in model.blocks().iter().zip(&mut params) {
+        for t in &block.tensors {
+            file.read_into(&t.name, &t.shape, &mut buffer[t.slot.range()])?;
+            expected.insert(t.name.as_str());
+        }
+    }
+    let mut extra: Vec<&str> = file
+        .tensors
+        .keys()
+        .map(String::as_str)
+        .filter(|n| !is_ignored(n) && !expected.contains(n.strip_prefix(PREFIX).unwrap_or(n)))
+        .collect();
+    if !extra.is_empty() {
+        extra.sort();
+        log::warn!(
+            "{}: ignoring {} tensors GPT-2 does not use: {}",
+            path.display(),
+            extra.len(),
+            extra.join(", ")
+        );
+    }
+    Ok(params)
+}
+
+/// One f32 tensor to write.
+struct F32View<'a> {
+    shape: Vec<usize>,
+    data: &'a [f32],
+}
+
+impl safetensors::View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        self.data
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .into()
+    }
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+/// `config.json` for `config`, as transformers' `GPT2Config` writes it (no dropout: strata
+/// trains without).
+pub fn config_json(config: &Gpt2Config) -> Value {
+    json!({
+        "activation_function": "gelu_new",
+        "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": 1e-5,
+        "model_type": "gpt2",
+        "n_embd": config.width,
+        "n_head": config.heads,
+        "n_inner": null,
+        "n_layer": config.layers,
+        "n_positions": config.ctx,
+        "vocab_size": config.vocab,
+        "scale_attn_weights": true,
+        "scale_attn_by_inverse_layer_idx": false,
+        "reorder_and_upcast_attn": false,
+        "tie_word_embeddings": true,
+        "torch_dtype": "float32",
+        "use_cache": true,
+    })
+}
+
+/// Writes `dir/model.safetensors` and `dir/config.json` for `model` with `params` (one
+/// f32 buffer per block), creating `dir`. Each file is written under a temporary name and
+/// renamed into place, so an interrupted save leaves no half-written file under the real
+/// name.
+pub fn save_pretrained(model: &Model, params: &[Vec<f32>], dir: &Path) -> Result<(), ModelError> {
+    if params.len() != model.blocks().len() {
+        return Err(ModelError::BadInput(format!(
+            "{} parameter buffers given for {} blocks",
+            params.len(),
+            model.blocks().len()
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let mut views = Vec::new();
+    for (block, buffer) in model.blocks().iter().zip(params) {
+        if buffer.len() != block.len {
+            return Err(ModelError::BadInput(format!(
+                "block {:?} has {} elements, its layout {}",
+                block.kind,
+                buffer.len(),
+                block.len
+            )));
+        }
+        for t in &block.tensors {
+            let view = F32View {
+                shape: t.shape.clone(),
+                data: &buffer[t.slot.range()],
+            };
+            views.push((format!("{PREFIX}{}", t.name), view));
+        }
+    }
+    let weights = dir.join(WEIGHTS_FILE);
+    let partial = dir.join(format!("{WEIGHTS_FILE}.partial"));
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(metadata), &partial).map_err(|e| {
+        ModelError::BadSafetensors {
+            path: partial.clone(),
+            message: format!("could not write: {e}"),
+        }
+    })?;
+    sync(&partial)?;
+    std::fs::rename(&partial, &weights).map_err(|e| ModelError::io(&weights, e))?;
+    let config = dir.join(CONFIG_FILE);
+    let partial = dir.join(format!("{CONFIG_FILE}.partial"));
+    let text = serde_json::to_string_pretty(&config_json(model.config())).expect("JSON of numbers");
+    std::fs::write(&partial, text + "\n").map_err(|e| ModelError::io(&partial, e))?;
+    sync(&partial)?;
+    std::fs::rename(&partial, &config).map_err(|e| ModelError::io(&config, e))?;
+    Ok(())
+}
+
+/// Flushes a written file to its device, so a rename cannot expose a file whose data is
+/// still only in the page cache.
+fn sync(path: &Path) -> Result<(), ModelError> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| ModelError::io(path, e))
+}

@@ -1,0 +1,167 @@
+//! The CUDA kernel sources, embedded in the binary, and their compilation by NVRTC: on
+//! first use, once per process and GPU architecture, so that building strata needs no
+//! CUDA toolkit.
+//!
+//! The files of `kernels/cuda/` are compiled as one program, `common.cuh` first; `#line`
+//! directives keep NVRTC's messages pointing at the right file and line. The program is
+//! compiled to machine code (a cubin) for the GPU's own architecture rather than to PTX:
+//! a driver refuses PTX from a newer NVRTC than itself (CUDA's minor-version
+//! compatibility covers machine code, not PTX JIT), and the NVRTC found at run time may
+//! well be newer than the driver.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_char};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::nvrtc::{result, sys};
+
+use super::CudaError;
+
+/// The kernel sources, in compilation order: (file name, text).
+pub const SOURCES: [(&str, &str); 7] = [
+    ("common.cuh", include_str!("../../cuda/common.cuh")),
+    ("encoder.cu", include_str!("../../cuda/encoder.cu")),
+    ("layernorm.cu", include_str!("../../cuda/layernorm.cu")),
+    ("matmul.cu", include_str!("../../cuda/matmul.cu")),
+    ("attention.cu", include_str!("../../cuda/attention.cu")),
+    ("elementwise.cu", include_str!("../../cuda/elementwise.cu")),
+    (
+        "crossentropy.cu",
+        include_str!("../../cuda/crossentropy.cu"),
+    ),
+];
+
+/// Kernels with one entry point per working type: `<name>_f32` and `<name>_bf16`.
+pub const TYPED_KERNELS: [&str; 18] = [
+    "encoder_forward",
+    "encoder_backward_wte",
+    "encoder_backward_wpe",
+    "layernorm_forward",
+    "layernorm_backward_input",
+    "layernorm_backward_params",
+    "bias_broadcast",
+    "bias_backward",
+    "attention_split",
+    "attention_join",
+    "attention_heads",
+    "softmax_causal_forward",
+    "softmax_causal_backward",
+    "gelu_forward",
+    "gelu_backward",
+    "residual_forward",
+    "crossentropy_forward",
+    "crossentropy_backward",
+];
+
+/// Kernels with one entry point, under their own name.
+pub const CAST_KERNELS: [&str; 4] = [
+    "cast_f32_to_bf16",
+    "cast_bf16_to_f32",
+    "cast_f32_to_f16",
+    "cast_f16_to_f32",
+];
+
+/// Every entry point the program must define.
+pub fn entry_points() -> Vec<String> {
+    let typed = TYPED_KERNELS
+        .iter()
+        .flat_map(|k| ["f32", "bf16"].map(|s| format!("{k}_{s}")));
+    typed
+        .chain(CAST_KERNELS.iter().map(|k| k.to_string()))
+        .collect()
+}
+
+/// The oldest GPU architecture CUDA 13 supports, and so the lowest `compile` accepts.
+pub const OLDEST_ARCH: (i32, i32) = (7, 5);
+
+/// The whole program: every source, each after a `#line` directive naming it.
+pub fn program_source() -> String {
+    let mut source = String::new();
+    for (name, text) in SOURCES {
+        source.push_str(&format!("#line 1 \"{name}\"\n"));
+        source.push_str(text);
+        source.push('\n');
+    }
+    source
+}
+
+/// The program as a cubin for compute capability `major.minor` (`sm_<major><minor>`),
+/// compiled on the first call for that architecture and kept for the process (a failed
+/// compilation is kept too: it would fail again). Needs NVRTC only, not a GPU.
+pub fn compile(major: i32, minor: i32) -> Result<Arc<Vec<u8>>, CudaError> {
+    type Cache = Mutex<HashMap<(i32, i32), Result<Arc<Vec<u8>>, String>>>;
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    cache
+        .entry((major, minor))
+        .or_insert_with(|| compile_uncached(major, minor).map(Arc::new))
+        .clone()
+        .map_err(CudaError::Compile)
+}
+
+fn compile_uncached(major: i32, minor: i32) -> Result<Vec<u8>, String> {
+    if !super::probe().nvrtc {
+        return Err(
+            "NVRTC (libnvrtc.so.13) could not be loaded; install the CUDA 13 runtime \
+                    compiler or add its folder to LD_LIBRARY_PATH"
+                .to_string(),
+        );
+    }
+    if (major, minor) < OLDEST_ARCH {
+        return Err(format!(
+            "compute capability {major}.{minor} is older than CUDA 13 supports"
+        ));
+    }
+    let source = CString::new(program_source()).expect("the sources hold no NUL byte");
+    let program = result::create_program(&source, Some(c"strata_kernels.cu"))
+        .map_err(|e| format!("nvrtcCreateProgram: {e}"))?;
+    let options = [
+        format!("--gpu-architecture=sm_{major}{minor}"),
+        "--std=c++17".to_string(),
+    ];
+    // SAFETY: `program` was created just above and is destroyed once, at the end.
+    let compiled = unsafe { result::compile_program(program, &options) };
+    let out = match compiled {
+        Ok(()) => cubin(program),
+        Err(e) => {
+            // SAFETY: as above; the log exists after a compilation attempt.
+            let log = unsafe { result::get_program_log(program) }
+                .map(|log| text(&log))
+                .unwrap_or_default();
+            Err(format!("{e} (options {options:?}):\n{log}"))
+        }
+    };
+    // SAFETY: as above; nothing uses `program` after this.
+    if let Err(e) = unsafe { result::destroy_program(program) } {
+        log::warn!("nvrtcDestroyProgram: {e}");
+    }
+    out
+}
+
+/// The cubin of a successfully compiled program.
+fn cubin(program: sys::nvrtcProgram) -> Result<Vec<u8>, String> {
+    let mut size = 0usize;
+    // SAFETY: `program` is a live, compiled program; size is a valid out-pointer.
+    unsafe { sys::nvrtcGetCUBINSize(program, &mut size) }
+        .result()
+        .map_err(|e| format!("nvrtcGetCUBINSize: {e}"))?;
+    let mut image = vec![0u8; size];
+    // SAFETY: `image` holds the `size` bytes NVRTC said the cubin needs.
+    unsafe { sys::nvrtcGetCUBIN(program, image.as_mut_ptr().cast::<c_char>()) }
+        .result()
+        .map_err(|e| format!("nvrtcGetCUBIN: {e}"))?;
+    Ok(image)
+}
+
+/// A NUL-terminated C string from NVRTC, as text.
+fn text(chars: &[c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}

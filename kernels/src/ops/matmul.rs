@@ -1,0 +1,269 @@
+//! Linear layers: matrix products by the `gemm` crate (which picks its own SIMD kernels
+//! at run time), run on the worker pool; bias broadcast and bias gradient here.
+
+use gemm::Parallelism;
+
+use super::simd::on_isa;
+use super::{Cpu, RowsMut, WeightLayout, par_rows, simd};
+use crate::parallel;
+
+/// Strides (row, column), in elements, of a weight stored in `layout`, seen as the
+/// (C, OC) matrix that multiplies the input.
+fn weight_strides(layout: WeightLayout, c: usize, oc: usize) -> (isize, isize) {
+    match layout {
+        WeightLayout::InOut => (oc as isize, 1),
+        WeightLayout::OutIn => (1, c as isize),
+    }
+}
+
+/// A matrix operand: base pointer and (row, column) strides in elements.
+#[derive(Clone, Copy)]
+pub(crate) struct Operand {
+    pub(crate) ptr: *const f32,
+    pub(crate) row_stride: isize,
+    pub(crate) col_stride: isize,
+}
+
+/// One matrix product `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n) * scale`, over
+/// strided views.
+pub(crate) struct Product {
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) dst: *mut f32,
+    pub(crate) dst_row_stride: isize,
+    /// Add to `dst` rather than overwrite it.
+    pub(crate) accumulate: bool,
+    pub(crate) lhs: Operand,
+    pub(crate) rhs: Operand,
+    pub(crate) scale: f32,
+}
+
+// SAFETY: the pointers are used only inside `run`, which returns after the product is
+// done, while its caller keeps the memory alive and unshared, as `run`'s contract says.
+unsafe impl Send for Product {}
+
+impl Product {
+    /// Computes the product on up to `threads` threads of the pool.
+    ///
+    /// # Safety
+    /// Every element addressed through the pointers and strides (m × n for `dst`, m × k
+    /// for `lhs`, k × n for `rhs`) must lie inside one live allocation; `dst`'s elements
+    /// must not overlap `lhs`'s or `rhs`'s, nor each other, and nothing else may access
+    /// them during the call.
+    pub(crate) unsafe fn run(self, threads: usize) {
+        if threads > 1 {
+            // gemm splits its work on the current rayon pool: make that ours.
+            // SAFETY: passed on from this function's contract.
+            parallel::pool().install(move || unsafe { self.run_here(Parallelism::Rayon(threads)) });
+        } else {
+            // SAFETY: passed on from this function's contract.
+            unsafe { self.run_here(Parallelism::None) };
+        }
+    }
+
+    /// # Safety
+    /// As for [`Product::run`].
+    unsafe fn run_here(self, parallelism: Parallelism) {
+        // SAFETY: the caller guarantees the extents and the absence of overlap; gemm
+        // reads dst only when `accumulate` (read_dst) is set.
+        unsafe {
+            gemm::gemm(
+                self.m,
+                self.n,
+                self.k,
+                self.dst,
+                1,
+                self.dst_row_stride,
+                self.accumulate,
+                self.lhs.ptr,
+                self.lhs.col_stride,
+                self.lhs.row_stride,
+                self.rhs.ptr,
+                self.rhs.col_stride,
+                self.rhs.row_stride,
+                1.0,
+                self.scale,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
+    }
+}
+
+/// out: (N, OC)  inp: (N, C)  weight: (C, OC) for [`WeightLayout::InOut`], (OC, C) for
+/// [`WeightLayout::OutIn`]  bias: (OC) or none.  `out = inp @ W + bias`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_forward(
+    cpu: &Cpu,
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    layout: WeightLayout,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    assert_eq!(out.len(), n * oc);
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(weight.len(), c * oc);
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), oc);
+        par_rows(
+            cpu.threads_for(n * oc),
+            n,
+            1,
+            RowsMut::new(out, oc),
+            |_, out| {
+                for row in out.data.chunks_exact_mut(oc) {
+                    row.copy_from_slice(bias);
+                }
+            },
+        );
+    }
+    let (w_rs, w_cs) = weight_strides(layout, c, oc);
+    // SAFETY: out is n × oc with row stride oc, inp n × c with row stride c, weight c × oc
+    // under its layout's strides (lengths asserted above); out is a distinct &mut slice.
+    unsafe {
+        Product {
+            m: n,
+            n: oc,
+            k: c,
+            dst: out.as_mut_ptr(),
+            dst_row_stride: oc as isize,
+            accumulate: bias.is_some(),
+            lhs: Operand {
+                ptr: inp.as_ptr(),
+                row_stride: c as isize,
+                col_stride: 1,
+            },
+            rhs: Operand {
+                ptr: weight.as_ptr(),
+                row_stride: w_rs,
+                col_stride: w_cs,
+            },
+            scale: 1.0,
+        }
+        .run(cpu.threads)
+    }
+}
+
+/// dinp: (N, C) =  dweight: shaped as weight, +=  dbias: (OC) +=  dout: (N, OC)
+/// inp: (N, C)  weight: as in [`matmul_forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(
+    cpu: &Cpu,
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    layout: WeightLayout,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    assert_eq!(dinp.len(), n * c);
+    assert_eq!(dout.len(), n * oc);
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(weight.len(), c * oc);
+    assert_eq!(dweight.len(), c * oc);
+    let (w_rs, w_cs) = weight_strides(layout, c, oc);
+    let dout_op = Operand {
+        ptr: dout.as_ptr(),
+        row_stride: oc as isize,
+        col_stride: 1,
+    };
+    // dinp (N, C) = dout (N, OC) @ W^T (OC, C).
+    // SAFETY: dout is n × oc, W^T is the weight (c × oc under its strides) read
+    // transposed, dinp is n × c and a distinct &mut slice.
+    unsafe {
+        Product {
+            m: n,
+            n: c,
+            k: oc,
+            dst: dinp.as_mut_ptr(),
+            dst_row_stride: c as isize,
+            accumulate: false,
+            lhs: dout_op,
+            rhs: Operand {
+                ptr: weight.as_ptr(),
+                row_stride: w_cs,
+                col_stride: w_rs,
+            },
+            scale: 1.0,
+        }
+        .run(cpu.threads)
+    }
+    // dW (C, OC) += inp^T (C, N) @ dout (N, OC), written through the layout's strides.
+    let inp_t = Operand {
+        ptr: inp.as_ptr(),
+        row_stride: 1,
+        col_stride: c as isize,
+    };
+    match layout {
+        // SAFETY: inp^T is c × n, dout n × oc, dweight c × oc with row stride oc; dweight
+        // is a distinct &mut slice.
+        WeightLayout::InOut => unsafe {
+            Product {
+                m: c,
+                n: oc,
+                k: n,
+                dst: dweight.as_mut_ptr(),
+                dst_row_stride: oc as isize,
+                accumulate: true,
+                lhs: inp_t,
+                rhs: dout_op,
+                scale: 1.0,
+            }
+            .run(cpu.threads)
+        },
+        // dW (OC, C) += dout^T (OC, N) @ inp (N, C).
+        // SAFETY: dout^T is oc × n, inp n × c, dweight oc × c with row stride c; dweight
+        // is a distinct &mut slice.
+        WeightLayout::OutIn => unsafe {
+            Product {
+                m: oc,
+                n: c,
+                k: n,
+                dst: dweight.as_mut_ptr(),
+                dst_row_stride: c as isize,
+                accumulate: true,
+                lhs: Operand {
+                    ptr: dout.as_ptr(),
+                    row_stride: 1,
+                    col_stride: oc as isize,
+                },
+                rhs: Operand {
+                    ptr: inp.as_ptr(),
+                    row_stride: c as isize,
+                    col_stride: 1,
+                },
+                scale: 1.0,
+            }
+            .run(cpu.threads)
+        },
+    }
+    if let Some(dbias) = dbias {
+        assert_eq!(dbias.len(), oc);
+        // Column ranges in parallel; each column adds its rows in order.
+        let threads = cpu.threads_for(n * oc);
+        par_rows(
+            threads,
+            oc,
+            simd::LANES,
+            RowsMut::new(dbias, 1),
+            |cols, db| {
+                on_isa!(cpu.isa, {
+                    for row in 0..n {
+                        simd::add_assign(db.data, &dout[row * oc..][cols.clone()]);
+                    }
+                },)
+            },
+        );
+    }
+}

@@ -1,0 +1,172 @@
+//! Fast CPU kernels of GPT-2's forward and backward passes, in f32, and casts between
+//! f32, bf16 and fp16. Each has a scalar twin in [`crate::reference`] that tests compare
+//! it with, element by element, on odd sizes.
+//!
+//! - Matrix products go to the `gemm` crate, on the worker pool of [`crate::parallel`].
+//! - Elementwise and row-wise kernels are written once over fixed-width lanes and
+//!   compiled per instruction set ([`simd`]); a [`Cpu`] says which one and how many
+//!   threads a call may use.
+//! - Work is split on row (or column) boundaries in a fixed way, so results do not
+//!   depend on thread timing.
+//!
+//! Conventions, shared with the reference: row-major tensors with shapes stated at the
+//! top of each kernel; forward kernels overwrite their outputs; backward kernels
+//! accumulate (`+=`) into parameter gradients and overwrite activation gradients, except
+//! LayerNorm's input gradient, which accumulates (the residual stream joins there).
+//!
+//! This module holds no CUDA code and no model logic.
+
+use std::ops::Range;
+
+use crate::isa::Isa;
+use crate::parallel;
+
+mod attention;
+mod cast;
+mod crossentropy;
+mod encoder;
+mod gelu;
+mod layernorm;
+mod matmul;
+mod residual;
+pub mod simd;
+
+pub use attention::{attention_backward, attention_forward};
+pub use cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use crossentropy::{crossentropy_backward_inplace, crossentropy_forward};
+pub use encoder::{encoder_backward, encoder_forward};
+pub use gelu::{gelu_backward, gelu_forward};
+pub use layernorm::{layernorm_backward, layernorm_forward};
+pub use matmul::{matmul_backward, matmul_forward};
+pub use residual::{add_inplace, residual_forward};
+
+/// How a linear layer's weight is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightLayout {
+    /// (in, out): Hugging Face's `Conv1D`, used by GPT-2's linear layers.
+    InOut,
+    /// (out, in): `torch.nn.Linear`, and the token embedding used as the output head.
+    OutIn,
+}
+
+/// Where a CPU kernel runs: which instruction set, and at most how many threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cpu {
+    /// The instruction set the elementwise kernels are compiled for.
+    pub isa: Isa,
+    /// The most threads of [`parallel::pool`] one call may use (at least 1).
+    pub threads: usize,
+}
+
+impl Default for Cpu {
+    /// The active instruction set and every thread of the pool.
+    fn default() -> Self {
+        Cpu {
+            isa: Isa::active(),
+            threads: parallel::max_threads(),
+        }
+    }
+}
+
+/// Below this many elements of work per thread, splitting costs more than it saves.
+const WORK_PER_THREAD_MIN: usize = 16 * 1024;
+
+impl Cpu {
+    /// One thread, this instruction set: for tests and callers that parallelise above.
+    pub fn single(isa: Isa) -> Self {
+        Cpu { isa, threads: 1 }
+    }
+
+    /// How many threads to use for `work` elements of work.
+    fn threads_for(&self, work: usize) -> usize {
+        (work / WORK_PER_THREAD_MIN).clamp(1, self.threads.max(1))
+    }
+}
+
+/// A set of mutable buffers that can be cut in two at a row boundary, so that threads
+/// can work on disjoint rows of several outputs at once.
+pub(crate) trait SplitRows: Send + Sized {
+    /// Splits after the first `rows` rows.
+    fn split_rows(self, rows: usize) -> (Self, Self);
+}
+
+/// A mutable buffer seen as rows of `row_len` elements.
+pub(crate) struct RowsMut<'a, T> {
+    pub(crate) data: &'a mut [T],
+    pub(crate) row_len: usize,
+}
+
+impl<'a, T> RowsMut<'a, T> {
+    pub(crate) fn new(data: &'a mut [T], row_len: usize) -> Self {
+        RowsMut { data, row_len }
+    }
+}
+
+impl<T: Send> SplitRows for RowsMut<'_, T> {
+    fn split_rows(self, rows: usize) -> (Self, Self) {
+        let (a, b) = self.data.split_at_mut(rows * self.row_len);
+        let row_len = self.row_len;
+        (RowsMut { data: a, row_len }, RowsMut { data: b, row_len })
+    }
+}
+
+impl<A: SplitRows, B: SplitRows> SplitRows for (A, B) {
+    fn split_rows(self, rows: usize) -> (Self, Self) {
+        let (a0, a1) = self.0.split_rows(rows);
+        let (b0, b1) = self.1.split_rows(rows);
+        ((a0, b0), (a1, b1))
+    }
+}
+
+impl<A: SplitRows, B: SplitRows, C: SplitRows> SplitRows for (A, B, C) {
+    fn split_rows(self, rows: usize) -> (Self, Self) {
+        let (a0, a1) = self.0.split_rows(rows);
+        let (b0, b1) = self.1.split_rows(rows);
+        let (c0, c1) = self.2.split_rows(rows);
+        ((a0, b0, c0), (a1, b1, c1))
+    }
+}
+
+/// Runs `f(rows, part)` on up to `threads` threads, where `rows` is a contiguous range of
+/// `0..row_count` starting at a multiple of `align` and `part` the matching rows of
+/// `parts`. Returns when all have finished; with one range, runs on the calling thread.
+pub(crate) fn par_rows<S, F>(threads: usize, row_count: usize, align: usize, parts: S, f: F)
+where
+    S: SplitRows,
+    F: Fn(Range<usize>, S) + Sync,
+{
+    let mut ranges = parallel::split_ranges(row_count, threads, align);
+    let Some(first) = ranges.next() else { return };
+    if first.end == row_count {
+        f(first, parts);
+        return;
+    }
+    let f = &f;
+    parallel::scope(|s| {
+        let (mine, mut rest) = parts.split_rows(first.len());
+        for range in ranges {
+            let (head, tail) = rest.split_rows(range.len());
+            rest = tail;
+            s.spawn(move |_| f(range, head));
+        }
+        f(first, mine);
+    });
+}
+
+/// Runs `f(range, &mut out[range])` over contiguous pieces of `out` that start at
+/// multiples of `align`, on as many threads as its length warrants.
+pub(crate) fn par_chunks<T: Send>(
+    cpu: &Cpu,
+    out: &mut [T],
+    align: usize,
+    f: impl Fn(Range<usize>, &mut [T]) + Sync,
+) {
+    let n = out.len();
+    par_rows(
+        cpu.threads_for(n),
+        n,
+        align,
+        RowsMut::new(out, 1),
+        |r, out| f(r, out.data),
+    );
+}

@@ -1,0 +1,37 @@
+//! The CUDA kernels compile with NVRTC to machine code for the architectures strata's
+//! GPU machines have (sm_90: H100, H200) and the oldest CUDA 13 supports (sm_75). Runs
+//! wherever NVRTC can be loaded, no GPU needed, and says why it skips elsewhere. CI
+//! installs NVRTC from PyPI for it (see `.ci/run`).
+
+use strata_kernels::cuda::{probe, program};
+
+#[test]
+fn every_kernel_compiles_with_nvrtc() {
+    if !probe().nvrtc {
+        println!(
+            "skipped: NVRTC (libnvrtc.so.13) is not loadable here; install it with \
+             `pip install nvidia-cuda-nvrtc` and add its lib folder to LD_LIBRARY_PATH"
+        );
+        return;
+    }
+    for (major, minor) in [program::OLDEST_ARCH, (9, 0)] {
+        let cubin =
+            program::compile(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
+        assert!(
+            cubin.starts_with(b"\x7fELF"),
+            "sm_{major}{minor}: not an ELF image"
+        );
+        for name in program::entry_points() {
+            let symbol = [name.as_bytes(), b"\0"].concat();
+            assert!(
+                cubin.windows(symbol.len()).any(|w| w == symbol),
+                "sm_{major}{minor}: no kernel {name}"
+            );
+        }
+        // Cached: a second call returns the same compilation.
+        assert!(std::sync::Arc::ptr_eq(
+            &cubin,
+            &program::compile(major, minor).unwrap()
+        ));
+    }
+}
