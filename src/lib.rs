@@ -13,4 +13,5 @@ pub use strata_storage as storage;
 pub mod bench;
 pub mod eval;
 pub mod logging;
+pub mod model_info;
 pub mod report;

@@ -22,6 +22,8 @@ enum Command {
     Info,
     /// Print a model's loss on the first batches of a token file.
     Eval(strata::eval::EvalArgs),
+    /// Show a GPT-2 configuration (named, or any size) and its blocks; --init writes one.
+    Model(strata::model_info::ModelArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
         },
         Command::Info => info(),
         Command::Eval(args) => strata::eval::run(&args, &mut std::io::stdout().lock()).map(drop),
+        Command::Model(args) => strata::model_info::run(&args, &mut std::io::stdout().lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
