@@ -74,7 +74,7 @@ pub enum DeviceChoice {
     /// A GPU when the CUDA libraries load and one is visible, else the CPU device.
     #[default]
     Auto,
-    /// The CPU device (a simulated accelerator).
+    /// The CPU: host memory and the CPU kernels (where a GPU would be, a simulated one).
     Cpu,
     /// GPU 0 through CUDA; an error when it cannot be used.
     Cuda,
