@@ -423,30 +423,34 @@ fn measure_threads(
     threads: usize,
     ops: usize,
 ) -> Result<PoolRun, Box<dyn Error>> {
-    let start = Arc::new(Barrier::new(threads + 1));
+    // Each worker times its own loop: a clock read by this thread after the barrier
+    // could come after the workers finished (with more threads than cores, this thread
+    // may not run again until they have), and would then time only the joins.
+    let start = Arc::new(Barrier::new(threads));
     let workers: Vec<_> = (0..threads)
         .map(|_| {
             let pool = pool.clone();
             let start = Arc::clone(&start);
-            std::thread::spawn(move || -> Result<(), String> {
+            std::thread::spawn(move || -> Result<Duration, String> {
                 start.wait();
+                let started = Instant::now();
                 for _ in 0..ops {
                     drop(std::hint::black_box(
                         pool.acquire().map_err(|e| e.to_string())?,
                     ));
                 }
-                Ok(())
+                Ok(started.elapsed())
             })
         })
         .collect();
-    start.wait();
-    let started = Instant::now();
+    let mut wall = Duration::ZERO;
     for worker in workers {
-        worker
+        let elapsed = worker
             .join()
             .map_err(|_| "a pool benchmark thread panicked")??;
+        wall = wall.max(elapsed);
     }
-    let mean_ns = started.elapsed().as_nanos() as f64 / ops as f64;
+    let mean_ns = wall.as_nanos() as f64 / ops as f64;
     Ok(pool_run(pool, threads, ops, mean_ns))
 }
 
