@@ -13,30 +13,40 @@ fn scratch() -> tempfile::TempDir {
     tempfile::tempdir_in(base).unwrap()
 }
 
-#[test]
-fn small_run_writes_tables_and_json() {
-    let dir = scratch();
+/// Runs `strata bench nvme ARGS --path DIR --json DIR/nvme.json`, checks that it
+/// succeeded, and returns its stdout, stderr and JSON report.
+fn run_nvme(dir: &tempfile::TempDir, args: &[&str]) -> (String, String, serde_json::Value) {
     let json = dir.path().join("nvme.json");
     let out = strata()
-        .args([
-            "bench", "nvme", "--size", "16MiB", "--extent", "4MiB", "--block", "256KiB",
-        ])
-        .args(["--qd", "8", "--repeat", "1", "--path"])
+        .args(["bench", "nvme"])
+        .args(args)
+        .arg("--path")
         .arg(dir.path())
         .arg("--json")
         .arg(&json)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (stdout, stderr, report)
+}
+
+#[test]
+fn small_run_writes_tables_and_json() {
+    let dir = scratch();
+    let (stdout, stderr, report) = run_nvme(
+        &dir,
+        &[
+            "--size", "16MiB", "--extent", "4MiB", "--block", "256KiB", "--qd", "8", "--repeat",
+            "1",
+        ],
+    );
     assert!(
         stdout.contains("checksums off") && stdout.contains("checksums on"),
         "{stdout}"
     );
-
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let strata = report["strata"].as_array().unwrap();
     assert_eq!(strata.len(), 2);
     for s in strata {
@@ -57,37 +67,48 @@ fn small_run_writes_tables_and_json() {
     }
     let fio = report["fio"].as_array().unwrap();
     assert!(!fio.is_empty(), "fio ran: {stderr}");
-    assert_eq!(
-        report["ratios"].as_array().unwrap().len(),
-        4,
-        "2 directions x 2 settings"
-    );
+    let ratios = report["ratios"].as_array().unwrap();
+    assert_eq!(ratios.len(), 4, "2 directions x 2 settings");
     assert!(stdout.contains("strata/fio"), "{stdout}");
 }
 
 #[test]
 fn sweep_recommends_a_setting() {
     let dir = scratch();
-    let json = dir.path().join("sweep.json");
-    let out = strata()
-        .args([
-            "bench", "nvme", "--size", "8MiB", "--extent", "2MiB", "--repeat", "1",
-        ])
-        .args(["--checksums", "off", "--no-fio", "--sweep", "--path"])
-        .arg(dir.path())
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (stdout, _, report) = run_nvme(
+        &dir,
+        &[
+            "--size",
+            "8MiB",
+            "--extent",
+            "2MiB",
+            "--repeat",
+            "1",
+            "--checksums",
+            "off",
+        ],
+    );
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        !stdout.contains("sweep:"),
+        "no sweep unless asked: {stdout}"
+    );
+    assert!(report["sweep"].as_array().unwrap().is_empty());
+    let (stdout, _, report) = run_nvme(
+        &dir,
+        &[
+            "--size",
+            "8MiB",
+            "--extent",
+            "2MiB",
+            "--repeat",
+            "1",
+            "--checksums",
+            "off",
+            "--no-fio",
+            "--sweep",
+        ],
     );
     assert!(stdout.contains("sweep: best write"), "{stdout}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let points = report["sweep"].as_array().unwrap();
     assert_eq!(points.len(), 6 * 5, "6 block sizes x 5 queue depths");
     assert!(
