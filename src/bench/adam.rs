@@ -234,23 +234,55 @@ pub fn run(
 ) -> AdamReport {
     let steps = steps.max(1);
     let load_before = load_average();
-    let results = configs
+    struct Rig {
+        config: AdamConfig,
+        adam: AdamArrays,
+        triad: Triad,
+        triad_elements: usize,
+        step_times: Vec<f64>,
+        triad_times: Vec<f64>,
+    }
+    let mut rigs: Vec<Rig> = configs
         .iter()
         .map(|&config| {
             let triad_elements =
                 (config.footprint_per_param() * params as f64 / 12.0).ceil() as usize;
-            let mut adam = AdamArrays::new(config, params, threads, isa);
-            let mut triad = Triad::new(triad_elements, threads);
-            // Untimed once each, then alternately, so that both see the same machine
-            // (on a shared machine the background load changes from second to second).
-            adam.step();
-            triad.run();
-            let mut step_times = Vec::with_capacity(steps);
-            let mut triad_times = Vec::with_capacity(steps);
-            for _ in 0..steps {
-                step_times.push(adam.step());
-                triad_times.push(triad.run());
+            Rig {
+                config,
+                adam: AdamArrays::new(config, params, threads, isa),
+                triad: Triad::new(triad_elements, threads),
+                triad_elements,
+                step_times: Vec::with_capacity(steps),
+                triad_times: Vec::with_capacity(steps),
             }
+        })
+        .collect();
+    // Untimed once each, then round after round: each configuration's step, then its
+    // triad, then the next configuration's. On a shared machine the memory bandwidth
+    // changes from second to second; interleaving makes every row, and the triad beside
+    // it, see the same machine, so rows compare with one another (8-bit against fp32
+    // state, say) and not only with their own triad.
+    for rig in &mut rigs {
+        rig.adam.step();
+        rig.triad.run();
+    }
+    for _ in 0..steps {
+        for rig in &mut rigs {
+            rig.step_times.push(rig.adam.step());
+            rig.triad_times.push(rig.triad.run());
+        }
+    }
+    let results = rigs
+        .into_iter()
+        .map(|rig| {
+            let Rig {
+                config,
+                adam,
+                triad,
+                triad_elements,
+                step_times,
+                triad_times,
+            } = rig;
             assert!(
                 adam.p.iter().all(|x| x.is_finite()),
                 "parameters stay finite"
