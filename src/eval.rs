@@ -69,6 +69,9 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
     let data = TokenData::open(&args.data)?;
     model.dims(args.batch, args.seq)?;
     let available = data.batch_count(args.batch, args.seq);
+    if args.steps == Some(0) {
+        return Err("--steps must be at least 1".into());
+    }
     let steps = args.steps.unwrap_or(available);
     if steps == 0 {
         return Err(format!(

@@ -104,3 +104,19 @@ fn raw_text_is_bytes() {
         (ids(b" world"), ids(b"world\n"))
     );
 }
+
+#[test]
+fn batch_sizes_past_what_a_file_could_hold_are_errors_not_overflows() {
+    let data = TokenData::open(&golden_dir().join("tokens.bin")).unwrap();
+    let huge = usize::MAX / 4;
+    assert_eq!(data.batch_count(huge, 8), 0);
+    assert_eq!(data.batch_count(usize::MAX, usize::MAX), 0);
+    let mut batch = Batch::default();
+    for (step, b, t) in [(0, huge, 8), (usize::MAX, 2, 16), (huge, huge, huge)] {
+        let error = data.read_batch(step, b, t, 64, &mut batch).unwrap_err();
+        assert!(
+            matches!(error, ModelError::NotEnoughTokens { .. }),
+            "{error}"
+        );
+    }
+}

@@ -174,3 +174,29 @@ fn gradients_accumulate_and_runs_are_deterministic() {
         .unwrap_err();
     assert!(err.to_string().contains("token 64 at position 5"), "{err}");
 }
+
+#[test]
+fn a_failed_forward_leaves_nothing_for_backward() {
+    let (model, params) = load_pretrained(&golden_dir()).unwrap();
+    let data = TokenData::open(&golden_dir().join("tokens.bin")).unwrap();
+    let be = CpuBackend::default();
+    let mut ws = model.workspace(&be, 2, 16).unwrap();
+    let mut grads = model.alloc_grads(&be).unwrap();
+    let good = batch(&model, &data, 0);
+    model
+        .forward(&be, &params, &mut ws, &good.inputs, &good.targets)
+        .unwrap();
+    // A second forward fails on a token outside the vocabulary: the workspace must not
+    // still offer the first batch's pass to backward.
+    let mut bad = good.inputs.clone();
+    bad[3] = 64;
+    assert!(
+        model
+            .forward(&be, &params, &mut ws, &bad, &good.targets)
+            .is_err()
+    );
+    let error = model
+        .backward(&be, &params, &mut grads, &mut ws)
+        .unwrap_err();
+    assert!(error.to_string().contains("forward"), "{error}");
+}

@@ -262,3 +262,52 @@ fn bad_paths_and_configs_are_clear() {
     let message = load_config(&config).unwrap_err().to_string();
     assert!(message.contains("not divisible by 3 heads"), "{message}");
 }
+
+#[test]
+fn a_config_that_disagrees_with_the_weights_names_the_tensor_before_allocating() {
+    // 320000 wide would ask for terabytes if buffers were allocated from the config
+    // before the file's tensors were checked against it.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        golden_dir().join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(golden_dir().join("config.json")).unwrap();
+    let config = config.replace("\"n_embd\": 32", "\"n_embd\": 320000");
+    assert!(config.contains("320000"));
+    std::fs::write(dir.path().join("config.json"), config).unwrap();
+    match load_pretrained(dir.path()) {
+        Err(ModelError::TensorShape { name, .. }) => assert!(
+            name.ends_with("wte.weight") || name.contains(".h.0."),
+            "{name}"
+        ),
+        other => panic!("expected a shape error, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn shapes_too_large_to_address_are_config_errors() {
+    for config in [
+        Gpt2Config::new(1, 1, 1 << 32, 1, 1),
+        Gpt2Config::new(i32::MAX as usize, 1, 1 << 30, 1, 1),
+        Gpt2Config::new(1, 1, 8, usize::MAX / 2, 1),
+    ] {
+        let error = config.validate().unwrap_err();
+        assert!(matches!(error, ModelError::InvalidConfig(_)), "{error}");
+        assert!(Model::new(config).is_err());
+    }
+}
+
+#[test]
+fn batches_too_large_to_address_are_input_errors() {
+    let model = Model::new(Gpt2Config::tiny()).unwrap();
+    for (batch, seq) in [(usize::MAX / 4, 8), (usize::MAX, 1), (1 << 62, 2)] {
+        let error = model.dims(batch, seq).unwrap_err();
+        assert!(
+            matches!(error, ModelError::BadInput(_)),
+            "{batch} x {seq}: {error}"
+        );
+    }
+    model.dims(2, 16).unwrap();
+}

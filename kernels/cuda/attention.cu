@@ -61,8 +61,10 @@ __device__ void attention_heads(T* out, const T* inp, int b, int t, int nh, int 
     }
 }
 
-// att: (B, NH, T, T) = the causal softmax of scores: (B, NH, T, T) f32, already scaled
-// (zero above the diagonal). Scores stay f32 so that bf16 rounds only the probabilities.
+// att: (B, NH, T, T) = the causal softmax of scores: (B, NH, T, T) f32, already scaled.
+// The batched product fills whole T x T score matrices; only entries j <= row are read,
+// and att is written zero above the diagonal. Scores stay f32 so that bf16 rounds only
+// the probabilities.
 // One warp per row.
 template <typename T>
 __device__ void softmax_causal_forward(T* att, const float* scores, int rows, int t) {

@@ -89,6 +89,20 @@ impl Gpt2Config {
                 self.width, self.heads
             )));
         }
+        // The GPU kernels index rows and channels with 32-bit integers.
+        if let Some((name, value)) = numbers.iter().find(|(_, v)| *v > i32::MAX as usize) {
+            return Err(ModelError::InvalidConfig(format!(
+                "{name} {value} exceeds the largest supported, {}",
+                i32::MAX
+            )));
+        }
+        if self.checked_param_count().is_none() {
+            return Err(ModelError::InvalidConfig(format!(
+                "{} layers of width {} with a vocabulary of {} and a context of {} have more \
+                 parameters than this machine can address",
+                self.layers, self.width, self.vocab, self.ctx
+            )));
+        }
         if self.vocab > u32::MAX as usize {
             return Err(ModelError::InvalidConfig(format!(
                 "vocabulary {} does not fit token ids of 32 bits",
@@ -111,10 +125,26 @@ impl Gpt2Config {
         4 * c + (3 * c * c + 3 * c) + (c * c + c) + (4 * c * c + 4 * c) + (4 * c * c + c)
     }
 
-    /// Every parameter (the tied output head counted once).
+    /// Every parameter (the tied output head counted once). The configuration must have
+    /// passed [`Gpt2Config::validate`], which checks that this count fits.
     pub fn param_count(&self) -> usize {
+        self.checked_param_count()
+            .expect("a validated configuration's parameter count fits in usize")
+    }
+
+    /// [`Gpt2Config::param_count`], or `None` when it (or any tensor) overflows usize.
+    fn checked_param_count(&self) -> Option<usize> {
         let c = self.width;
-        self.vocab * c + self.ctx * c + self.layers * self.block_param_count() + 2 * c
+        // The largest tensor of a block is 4C x C; its whole block is 12C^2 + 13C.
+        let block = c
+            .checked_mul(c)?
+            .checked_mul(12)?
+            .checked_add(c.checked_mul(13)?)?;
+        self.vocab
+            .checked_mul(c)?
+            .checked_add(self.ctx.checked_mul(c)?)?
+            .checked_add(self.layers.checked_mul(block)?)?
+            .checked_add(c.checked_mul(2)?)
     }
 
     /// The same shape as the reference model in `strata_kernels` takes it.

@@ -174,8 +174,10 @@ impl TokenData {
 
     /// How many whole batches of `batch` × `seq` the file holds.
     pub fn batch_count(&self, batch: usize, seq: usize) -> usize {
-        let step = (batch * seq) as u64;
-        if step == 0 || self.token_count < step + 1 {
+        let Some(step) = batch.checked_mul(seq).map(|n| n as u64) else {
+            return 0;
+        };
+        if step == 0 || self.token_count < step.saturating_add(1) {
             0
         } else {
             ((self.token_count - 1) / step) as usize
@@ -191,9 +193,10 @@ impl TokenData {
         vocab: usize,
         out: &mut Batch,
     ) -> Result<(), ModelError> {
-        let n = batch * seq;
-        let start = step as u64 * n as u64;
-        let end = start + n as u64 + 1;
+        // Sizes past what the file could hold saturate and fail the check below.
+        let n = batch.saturating_mul(seq) as u64;
+        let start = (step as u64).saturating_mul(n);
+        let end = start.saturating_add(n).saturating_add(1);
         if end > self.token_count {
             return Err(ModelError::NotEnoughTokens {
                 path: self.path.clone(),

@@ -137,6 +137,27 @@ impl Model {
                 self.config.ctx
             )));
         }
+        // The largest buffers a batch needs: logits (rows x vocab), the MLP's activations
+        // (rows x 4C), attention scores (B x heads x T x T). Their sizes must fit.
+        let c = self.config;
+        let fits = batch
+            .checked_mul(seq)
+            .and_then(|rows| {
+                rows.checked_mul(c.vocab)?;
+                rows.checked_mul(4)?.checked_mul(c.width)
+            })
+            .and_then(|_| {
+                batch
+                    .checked_mul(c.heads)?
+                    .checked_mul(seq)?
+                    .checked_mul(seq)
+            });
+        if fits.is_none() {
+            return Err(ModelError::BadInput(format!(
+                "a batch of {batch} x {seq} tokens is too large: its activations would have \
+                 more elements than this machine can address"
+            )));
+        }
         Ok(Dims {
             batch,
             seq,
@@ -204,6 +225,9 @@ impl Model {
         tokens: &[u32],
         targets: &[u32],
     ) -> Result<f32, ModelError> {
+        // Whatever happens below, the workspace no longer holds the forward pass a
+        // backward could use.
+        ws.has_forward = false;
         self.check_params(params)?;
         let n = ws.dims.rows();
         if tokens.len() != n || targets.len() != n {
@@ -217,7 +241,6 @@ impl Model {
         self.check_tokens(targets)?;
         be.upload_tokens(&mut ws.tokens, tokens)?;
         be.upload_tokens(&mut ws.targets, targets)?;
-        ws.has_forward = false;
         let dims = ws.dims;
         block::embedding_forward(
             be,

@@ -176,9 +176,10 @@ impl SafetensorsFile {
         &self.map[8 + self.header_len..]
     }
 
-    /// The tensor named `name` with or without `transformer.`, as f32 into `out`, checked
-    /// against `shape`.
-    fn read_into(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<(), ModelError> {
+    /// Finds tensor `name` (with or without the `transformer.` prefix) and checks its
+    /// shape, dtype and byte range against `shape`; returns its dtype and bytes. Reads
+    /// no tensor data.
+    fn locate(&self, name: &str, shape: &[usize]) -> Result<(Dtype, &[u8]), ModelError> {
         let prefixed = format!("{PREFIX}{name}");
         let (found_name, info) = [prefixed.as_str(), name]
             .into_iter()
@@ -216,19 +217,28 @@ impl SafetensorsFile {
                 available: data.len(),
             });
         }
-        if end < start || end - start != out.len() * width {
+        let elements = shape.iter().product::<usize>();
+        if end < start || end - start != elements * width {
             return Err(ModelError::BadSafetensors {
                 path: self.path.clone(),
                 message: format!(
-                    "tensor `{found_name}` has {} data bytes for {} elements of {}",
+                    "tensor `{found_name}` has {} data bytes for {elements} elements of {}",
                     end.saturating_sub(start),
-                    out.len(),
                     info.dtype
                 ),
             });
         }
-        let bytes = &data[start..end];
-        match info.dtype {
+        Ok((info.dtype, &data[start..end]))
+    }
+
+    /// Reads tensor `name` into `out` (its shape's element count), widening to f32.
+    fn read_into(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<(), ModelError> {
+        let (dtype, bytes) = self.locate(name, shape)?;
+        assert_eq!(
+            out.len() * if dtype == Dtype::F32 { 4 } else { 2 },
+            bytes.len()
+        );
+        match dtype {
             Dtype::F32 => {
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                     *o = f32::from_le_bytes(b.try_into().expect("4 bytes"));
@@ -259,6 +269,14 @@ fn is_ignored(name: &str) -> bool {
 /// per block, in block order.
 pub fn load_safetensors(model: &Model, path: &Path) -> Result<Vec<Vec<f32>>, ModelError> {
     let file = SafetensorsFile::open(path)?;
+    // Every tensor is checked against the model before anything is allocated: a
+    // config.json that disagrees with the weights is an error naming the tensor, not an
+    // allocation of the size the config claims.
+    for block in model.blocks() {
+        for t in &block.tensors {
+            file.locate(&t.name, &t.shape)?;
+        }
+    }
     let mut params = model.zero_params();
     let mut expected = std::collections::HashSet::new();
     for (block, buffer) in model.blocks().iter().zip(&mut params) {

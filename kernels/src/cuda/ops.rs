@@ -966,6 +966,11 @@ impl CudaKernels {
         v: usize,
     ) -> Result<(), CudaError> {
         assert_eq!((losses.len(), targets.len(), logits.len()), (n, n, n * v));
+        if n == 0 {
+            // The launch below always starts at least one block, and the kernel trusts
+            // its grid to be n rows.
+            return Ok(());
+        }
         let v32 = int(v);
         let mut launch = self
             .stream
@@ -987,6 +992,10 @@ impl CudaKernels {
         v: usize,
     ) -> Result<(), CudaError> {
         assert_eq!((targets.len(), logits.len()), (n, n * v));
+        if n == 0 {
+            // As in crossentropy_forward: no block may run for no rows.
+            return Ok(());
+        }
         let v32 = int(v);
         let mut launch = self
             .stream

@@ -66,9 +66,9 @@ pub fn attention_forward(
     nh: usize,
 ) {
     assert_eq!(c % nh, 0, "width {c} not divisible by {nh} heads");
-    assert_eq!(qkv.len(), b * t * 3 * c);
-    assert_eq!(out.len(), b * t * c);
-    assert_eq!(att.len(), b * nh * t * t);
+    assert_eq!(qkv.len(), elements(&[b, t, 3, c]));
+    assert_eq!(out.len(), elements(&[b, t, c]));
+    assert_eq!(att.len(), elements(&[b, nh, t, t]));
     let d = Dims { t, c, hs: c / nh };
     let scale = 1.0 / (d.hs as f32).sqrt();
     let (out_ptr, att_ptr) = (SharedMut(out.as_mut_ptr()), SharedMut(att.as_mut_ptr()));
@@ -165,11 +165,11 @@ pub fn attention_backward(
     nh: usize,
 ) {
     assert_eq!(c % nh, 0, "width {c} not divisible by {nh} heads");
-    assert_eq!(dqkv.len(), b * t * 3 * c);
-    assert_eq!(qkv.len(), b * t * 3 * c);
-    assert_eq!(dout.len(), b * t * c);
-    assert_eq!(att.len(), b * nh * t * t);
-    assert_eq!(scratch.len(), b * nh * t * t);
+    assert_eq!(dqkv.len(), elements(&[b, t, 3, c]));
+    assert_eq!(qkv.len(), elements(&[b, t, 3, c]));
+    assert_eq!(dout.len(), elements(&[b, t, c]));
+    assert_eq!(att.len(), elements(&[b, nh, t, t]));
+    assert_eq!(scratch.len(), elements(&[b, nh, t, t]));
     let d = Dims { t, c, hs: c / nh };
     let scale = 1.0 / (d.hs as f32).sqrt();
     let (dqkv_ptr, scratch_ptr) = (
@@ -310,4 +310,14 @@ pub fn attention_backward(
             }
         }
     });
+}
+
+/// The element count of a tensor of these dimensions. Panics on overflow, so the length
+/// asserts the `unsafe` slab arithmetic relies on cannot pass by wrapping around.
+fn elements(dims: &[usize]) -> usize {
+    dims.iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .unwrap_or_else(|| {
+            panic!("a tensor of dimensions {dims:?} has more elements than usize holds")
+        })
 }
