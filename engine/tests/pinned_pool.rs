@@ -1,6 +1,6 @@
 //! The pinned host pool: slots are disjoint and never handed out twice, many threads can
-//! share a pool, an empty pool waits with a bound and then fails naming its budget, stats
-//! count what happened, and memory is locked (or, when mlock is refused, used unlocked).
+//! share a pool, an empty pool waits with a bound and then fails naming its budget, and stats
+//! count what happened. How the memory is locked is tested in pinned_pool_locking.rs.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,7 +8,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use strata_engine::EngineError;
-use strata_engine::memory::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning};
+use strata_engine::memory::{PinnedPool, PinnedPoolConfig, Pinning};
 use strata_engine::storage::{DIRECT_IO_ALIGN, IoBuf};
 
 fn pool(name: &str, slot_bytes: usize, slot_count: usize, timeout: Duration) -> PinnedPool {
@@ -81,6 +81,30 @@ fn a_bad_configuration_is_refused_with_the_reason() {
         other => panic!("expected a configuration error, got {other:?}"),
     }
     assert!(PinnedPool::new(config(4096, 0), &Pinning::Mlock).is_err());
+    // A slot size that cannot be rounded up to whole pages is refused, not wrapped.
+    match PinnedPool::new(config(4096, usize::MAX - 10), &Pinning::Mlock) {
+        Err(EngineError::PinnedPoolConfig { reason, .. }) => {
+            assert!(reason.contains("cannot be rounded"), "{reason}")
+        }
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_endless_timeout_waits_for_a_release() {
+    // Duration::MAX means "wait for ever": no deadline to compute, no panic.
+    let pool = pool("endless", 4096, 1, Duration::MAX);
+    let held = pool.acquire().unwrap();
+    let waiter = {
+        let pool = pool.clone();
+        std::thread::spawn(move || pool.acquire().map(|lease| lease.index()))
+    };
+    while pool.stats().waits == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let index = held.index();
+    drop(held);
+    assert_eq!(waiter.join().unwrap().unwrap(), index);
 }
 
 #[test]
@@ -195,136 +219,6 @@ fn a_release_wakes_a_waiting_acquire() {
     let stats = pool.stats();
     assert_eq!((stats.waits, stats.timeouts, stats.acquires), (1, 0, 2));
     assert!(stats.wait_p50 >= Duration::from_millis(20));
-}
-
-/// Whether this thread holds CAP_IPC_LOCK, which lets mlock ignore RLIMIT_MEMLOCK.
-fn has_cap_ipc_lock() -> bool {
-    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
-}
-
-const CAP_IPC_LOCK: u32 = 14;
-
-#[test]
-fn mlock_locks_the_pool_when_allowed() {
-    let pool = pool("locked", 1 << 20, 1, Duration::ZERO);
-    match pool.locking() {
-        HostLocking::Mlocked => {}
-        other if has_cap_ipc_lock() => {
-            panic!("with CAP_IPC_LOCK mlock must succeed, got {other}")
-        }
-        other => println!("no CAP_IPC_LOCK here; the pool is {other}"),
-    }
-}
-
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
-/// Drops CAP_IPC_LOCK from the calling thread's effective set (capabilities are per
-/// thread in Linux, so the rest of the test process keeps it).
-fn drop_cap_ipc_lock_in_this_thread() -> Result<(), std::io::Error> {
-    let mut header = CapHeader {
-        version: 0x2008_0522, // _LINUX_CAPABILITY_VERSION_3
-        pid: 0,
-    };
-    let mut data = [CapData::default(); 2];
-    // SAFETY: capget writes two CapData into `data`, as version 3 defines.
-    if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    data[0].effective &= !(1 << CAP_IPC_LOCK);
-    // SAFETY: capset reads the header and two CapData; pid 0 is the calling thread.
-    if unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Counts warnings about pinned pools logged by this test process.
-struct WarningCounter(std::sync::atomic::AtomicUsize);
-
-impl WarningCounter {
-    fn count(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
-    }
-}
-
-impl log::Log for WarningCounter {
-    fn enabled(&self, _: &log::Metadata) -> bool {
-        true
-    }
-    fn log(&self, record: &log::Record) {
-        if record.level() == log::Level::Warn && record.args().to_string().contains("pinned pool") {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-    fn flush(&self) {}
-}
-
-static WARNINGS: WarningCounter = WarningCounter(std::sync::atomic::AtomicUsize::new(0));
-
-#[test]
-fn a_refused_mlock_gives_unlocked_memory_that_still_works() {
-    log::set_logger(&WARNINGS).expect("the only logger in this test binary");
-    log::set_max_level(log::LevelFilter::Debug);
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit.
-    let status = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
-    assert_eq!(status, 0);
-    if limit.rlim_cur == libc::RLIM_INFINITY {
-        println!("skipping: RLIMIT_MEMLOCK is unlimited here, so mlock cannot be refused");
-        return;
-    }
-    // Twice the limit: mlock must fail without CAP_IPC_LOCK.
-    let budget = (limit.rlim_cur as usize).max(4096) * 2;
-    let outcome = std::thread::spawn(move || {
-        if let Err(e) = drop_cap_ipc_lock_in_this_thread() {
-            return Err(format!("could not drop CAP_IPC_LOCK: {e}"));
-        }
-        assert!(!has_cap_ipc_lock());
-        let pool = pool("unlocked", budget / 2, 2, Duration::ZERO);
-        let locking = pool.locking().clone();
-        // A second refused pool must not warn again.
-        let second = self::pool("unlocked-too", budget / 2, 2, Duration::ZERO);
-        assert_eq!(second.locking(), &locking);
-        let mut a = pool.acquire().unwrap();
-        let mut b = pool.acquire().unwrap();
-        a.as_mut_slice().fill(0xA5);
-        b.as_mut_slice().fill(0x5A);
-        assert!(a.as_slice().iter().all(|&x| x == 0xA5));
-        assert!(b.as_slice().iter().all(|&x| x == 0x5A));
-        Ok(locking)
-    })
-    .join()
-    .unwrap();
-    match outcome {
-        Ok(HostLocking::Unlocked { reason }) => {
-            assert_eq!(WARNINGS.count(), 1, "one warning for all refused pools");
-            assert!(reason.contains("RLIMIT_MEMLOCK"), "{reason}");
-            assert!(reason.contains("ulimit -l"), "{reason}");
-            println!("refused mlock handled: {reason}");
-        }
-        Ok(other) => panic!("mlock over the limit without CAP_IPC_LOCK gave {other}"),
-        Err(skip) => println!("skipping: {skip}"),
-    }
 }
 
 #[test]

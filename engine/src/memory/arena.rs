@@ -95,13 +95,20 @@ impl DeviceArena {
     /// `len_bytes` of device memory, or [`EngineError::DeviceOutOfBudget`] when no free
     /// block is large enough. The contents are whatever the last user left.
     pub fn alloc(&self, len_bytes: usize) -> Result<DeviceBuffer, EngineError> {
-        let rounded = len_bytes.max(1).next_multiple_of(ARENA_ALIGN);
+        // A request near usize::MAX would round up past it (to 0 in release builds) and
+        // be handed a buffer overlapping others: anything over the budget is refused
+        // before it is rounded.
+        let rounded = (len_bytes <= self.inner.budget_bytes)
+            .then(|| len_bytes.max(1).checked_next_multiple_of(ARENA_ALIGN))
+            .flatten();
         let mut state = self.inner.lock();
-        let found = state
-            .free
-            .iter()
-            .find(|&(_, &len)| len >= rounded)
-            .map(|(&offset, &len)| (offset, len));
+        let found = rounded.and_then(|rounded| {
+            state
+                .free
+                .iter()
+                .find(|&(_, &len)| len >= rounded)
+                .map(|(&offset, &len)| (offset, len))
+        });
         let Some((offset, block_len)) = found else {
             return Err(EngineError::DeviceOutOfBudget {
                 device: self.inner.device.clone(),
@@ -111,6 +118,7 @@ impl DeviceArena {
                 largest_free_bytes: state.largest_free(),
             });
         };
+        let rounded = rounded.expect("a block was found for a rounded size");
         state.free.remove(&offset);
         if block_len > rounded {
             state.free.insert(offset + rounded, block_len - rounded);
@@ -327,6 +335,24 @@ mod tests {
             }
             other => panic!("expected DeviceOutOfBudget, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn sizes_near_usize_max_are_out_of_budget_not_wrapped() {
+        let arena = arena(4096);
+        let _held = arena.alloc(100).unwrap();
+        for len in [
+            usize::MAX,
+            usize::MAX - 100,
+            usize::MAX - ARENA_ALIGN + 1,
+            4097,
+        ] {
+            assert!(
+                matches!(arena.alloc(len), Err(EngineError::DeviceOutOfBudget { .. })),
+                "{len}"
+            );
+        }
+        assert_eq!(arena.stats().in_use_bytes, 256, "nothing was handed out");
     }
 
     #[test]

@@ -154,7 +154,12 @@ impl PinnedPool {
         if config.slot_bytes == 0 {
             return Err(invalid("the slot size is zero".into()));
         }
-        let slot_bytes = config.slot_bytes.next_multiple_of(DIRECT_IO_ALIGN);
+        let Some(slot_bytes) = config.slot_bytes.checked_next_multiple_of(DIRECT_IO_ALIGN) else {
+            return Err(invalid(format!(
+                "the slot size of {} bytes cannot be rounded up to whole pages",
+                config.slot_bytes
+            )));
+        };
         let slot_count = config.budget_bytes / slot_bytes;
         if slot_count == 0 {
             return Err(invalid(format!(
@@ -227,7 +232,8 @@ impl PinnedPool {
         }
         let inner = &*self.inner;
         let start = Instant::now();
-        let deadline = start + timeout;
+        // A timeout too long to add (Duration::MAX, "wait for ever") has no deadline.
+        let deadline = start.checked_add(timeout);
         inner.waits.fetch_add(1, Ordering::Relaxed);
         let mut guard = inner.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
         inner.sleepers.fetch_add(1, Ordering::SeqCst);
@@ -239,14 +245,17 @@ impl PinnedPool {
                 break Some(index);
             }
             let now = Instant::now();
-            if now >= deadline {
-                break None;
-            }
-            guard = inner
-                .wakeup
-                .wait_timeout(guard, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            guard = match deadline {
+                Some(deadline) if now >= deadline => break None,
+                Some(deadline) => {
+                    inner
+                        .wakeup
+                        .wait_timeout(guard, deadline - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+                None => inner.wakeup.wait(guard).unwrap_or_else(|e| e.into_inner()),
+            };
         };
         inner.sleepers.fetch_sub(1, Ordering::SeqCst);
         drop(guard);
