@@ -170,6 +170,17 @@ pub enum EngineError {
         source: Arc<EngineError>,
     },
 
+    /// An earlier operation on this device failed, so it runs nothing more: like a CUDA
+    /// context after a fault, the device must be made again. Nothing computed after a
+    /// failure can be trusted, so nothing is.
+    #[error("device '{device}' runs no more operations since one failed: {first}")]
+    DeviceFailed {
+        /// The device.
+        device: String,
+        /// The first failure, shared by every operation refused since.
+        first: Arc<EngineError>,
+    },
+
     /// An operation on a lane panicked.
     #[error("an operation on the {lane} lane panicked: {message}")]
     OperationPanicked {

@@ -2,7 +2,8 @@
 //! bug caught instead of raced, no pinned slot reused while a copy holds it, device
 //! selection; and the same copies on a GPU, which skip with the reason where there is none.
 
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use strata_engine::EngineError;
@@ -231,7 +232,7 @@ fn a_missing_dependency_is_an_ordering_violation_not_a_race() {
 }
 
 #[test]
-fn a_failed_or_panicking_operation_fails_its_dependents() {
+fn a_failed_operation_fails_its_dependents_and_stops_the_device() {
     let device = cpu_device(Duration::ZERO);
     let failing = device
         .run(&[], |_| {
@@ -246,10 +247,28 @@ fn a_failed_or_panicking_operation_fails_its_dependents() {
         .unwrap();
     assert!(matches!(
         cause(&dependent.wait().unwrap_err()),
-        EngineError::Unsupported { .. }
+        EngineError::DeviceFailed { .. } | EngineError::Unsupported { .. }
     ));
     assert!(failing.is_complete().is_err());
+    // Like a CUDA context after a fault, the device runs nothing more, and says why.
+    let later = device.run(&[], |_| Ok(())).unwrap();
+    match cause(&later.wait().unwrap_err()) {
+        EngineError::DeviceFailed { first, .. } => {
+            assert!(
+                matches!(cause(first), EngineError::Unsupported { .. }),
+                "{first}"
+            )
+        }
+        other => panic!("expected the device to have stopped, got {other}"),
+    }
+    assert!(device.record(Lane::D2h).unwrap().wait().is_err());
+    let error = device.synchronize().unwrap_err();
+    assert!(error.to_string().contains("this test"), "{error}");
+}
 
+#[test]
+fn a_panicking_operation_is_an_error_not_a_crash() {
+    let device = cpu_device(Duration::ZERO);
     let panicking = device.run(&[], |_| panic!("kernel bug")).unwrap();
     match cause(&panicking.wait().unwrap_err()) {
         EngineError::OperationPanicked { lane, message } => {
@@ -258,9 +277,52 @@ fn a_failed_or_panicking_operation_fails_its_dependents() {
         }
         other => panic!("expected a panic report, got {other}"),
     }
-    // The lane survives and keeps running work.
-    device.run(&[], |_| Ok(())).unwrap().wait().unwrap();
-    device.synchronize().unwrap();
+    assert!(
+        device.synchronize().is_err(),
+        "the failure is not forgotten"
+    );
+}
+
+#[test]
+fn work_after_a_failed_upload_does_not_run_on_stale_memory() {
+    // The upload fails (it races an unordered compute); the compute lane is told to wait
+    // for it, and the next kernel names no events of its own. It must not run, and
+    // synchronize must not report success.
+    let device = cpu_device(Duration::ZERO);
+    let pool = pool_for(&device, 4096, 1);
+    let buffer = device.alloc(4096).unwrap();
+    let (holding_tx, holding_rx) = mpsc::channel();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let b = buffer.clone();
+    let writer = device
+        .run(&[], move |mem| {
+            let _view = mem.write(&b)?;
+            holding_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+            Ok(())
+        })
+        .unwrap();
+    holding_rx.recv().unwrap();
+    let upload = device.copy_h2d(&buffer, filled(&pool, |_| 2), &[]).unwrap();
+    let upload_event = upload.event().clone();
+    assert!(upload.wait().is_err());
+    release_tx.send(()).unwrap();
+    writer.wait().unwrap();
+    device.wait_for(Lane::Compute, &[upload_event]).unwrap();
+    let ran = Arc::new(AtomicBool::new(false));
+    let ran_too = Arc::clone(&ran);
+    let kernel = device
+        .run(&[], move |_| {
+            ran_too.store(true, Ordering::SeqCst);
+            Ok(())
+        })
+        .unwrap();
+    assert!(kernel.wait().is_err());
+    assert!(
+        !ran.load(Ordering::SeqCst),
+        "the kernel ran after a failed upload"
+    );
+    assert!(device.synchronize().is_err());
 }
 
 #[test]

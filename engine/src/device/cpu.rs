@@ -4,13 +4,17 @@
 //! Its "device memory" is one host mapping of the budget (backed lazily, as operations
 //! touch it), sub-allocated by a [`DeviceArena`] exactly as GPU memory is. Its streams are
 //! three worker threads (compute, host-to-device, device-to-host), each running its lane's
-//! operations in order; its events are completion flags. Copies can be slowed down on purpose (a fixed latency and a byte
-//! rate), so tests can hold a copy in flight and check what waits for it.
+//! operations in order; its events are completion flags. Copies can be slowed down on
+//! purpose (a fixed latency and a byte rate), so tests can hold a copy in flight and check
+//! what waits for it.
 //!
 //! Operations reach device memory only through [`CpuAccess`] views, and every view is
 //! checked against the views other operations hold: two overlapping accesses, one of
 //! them a write, fail the later operation with [`EngineError::OrderingViolation`]. So a
 //! schedule that forgot an event dependency fails here, loudly, instead of racing.
+//! Failures are sticky, as a CUDA context's are after a fault: once an operation fails,
+//! every later operation (and `synchronize`) fails naming it, so nothing runs on memory an
+//! operation failed to fill and no one is told all went well.
 //!
 //! Not here: the GPU (`super::cuda`), and any notion of kernels (operations are closures).
 
@@ -66,6 +70,10 @@ pub struct CpuDevice {
 /// What the lanes share: the memory and the accesses in progress.
 struct CpuShared {
     name: String,
+    /// The first operation's failure: from then on the device refuses every operation,
+    /// as CUDA does after a fault, so that no computation runs on memory an operation
+    /// failed to fill and `synchronize` cannot report success.
+    first_failure: Mutex<Option<Arc<EngineError>>>,
     /// The first byte of device memory; the arena owns (and keeps alive) the allocation.
     base: HostPtr,
     arena: DeviceArena,
@@ -122,6 +130,7 @@ impl CpuDevice {
             base,
             arena,
             accesses: Mutex::new(AccessTable::default()),
+            first_failure: Mutex::new(None),
         });
         let mut lanes = Vec::with_capacity(Lane::ALL.len());
         for lane in Lane::ALL {
@@ -320,6 +329,18 @@ fn run_lane(lane: Lane, shared: &CpuShared, jobs: Receiver<Job>) {
     for job in jobs.iter() {
         let dependencies = job.after.iter().try_for_each(Event::wait);
         job.event.start();
+        let first_failure = shared
+            .first_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(first) = first_failure {
+            job.event.finish(Err(EngineError::DeviceFailed {
+                device: shared.name.clone(),
+                first,
+            }));
+            continue;
+        }
         let result = dependencies.and_then(|()| {
             let access = CpuAccess { shared, lane };
             std::panic::catch_unwind(AssertUnwindSafe(|| (job.work)(&access))).unwrap_or_else(
@@ -333,7 +354,13 @@ fn run_lane(lane: Lane, shared: &CpuShared, jobs: Receiver<Job>) {
                 },
             )
         });
-        job.event.finish(result);
+        if let Some(error) = job.event.finish(result) {
+            shared
+                .first_failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(error);
+        }
     }
 }
 

@@ -149,21 +149,24 @@ impl CpuEvent {
         };
     }
 
-    /// Marks the operation as done, with its outcome, and wakes every waiter.
-    pub(crate) fn finish(&self, result: Result<(), EngineError>) {
+    /// Marks the operation as done, with its outcome, and wakes every waiter. Returns
+    /// the error as its waiters will share it.
+    pub(crate) fn finish(&self, result: Result<(), EngineError>) -> Option<Arc<EngineError>> {
         let ended = Instant::now();
         let mut state = self.state();
         let started = match *state {
             CpuEventState::Running { started } => started,
             _ => ended,
         };
+        let error = result.err().map(Arc::new);
         *state = CpuEventState::Done {
             started,
             ended,
-            error: result.err().map(Arc::new),
+            error: error.clone(),
         };
         drop(state);
         self.inner.done.notify_all();
+        error
     }
 
     /// Blocks until the operation is done.
