@@ -22,6 +22,9 @@ pub(crate) struct HostMapping {
     locking: HostLocking,
     /// The context the mapping is registered in, kept alive until it is unregistered.
     cuda: Option<Arc<CudaContext>>,
+    /// Set when something may still use the memory after this value is gone (a
+    /// registration that could not be undone): then it is left mapped, not unmapped.
+    leak: bool,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; its users hand out disjoint
@@ -87,6 +90,7 @@ impl HostMapping {
                 reason: "not asked to be locked".into(),
             },
             cuda: None,
+            leak: false,
         })
     }
 
@@ -146,6 +150,13 @@ impl HostMapping {
         &self.locking
     }
 
+    /// Leaves the memory mapped when this is dropped: for when a registration of it
+    /// (with io_uring, say) could not be undone, so the kernel may still write into it,
+    /// and reusing its addresses would be unsafe. Leaking is the safe failure.
+    pub(crate) fn leak_on_drop(&mut self) {
+        self.leak = true;
+    }
+
     /// Touches every page so unlocked memory does not fault on the hot path.
     fn prefault(&mut self) {
         let page = page_bytes();
@@ -165,16 +176,29 @@ impl Drop for HostMapping {
         if let Some(ctx) = &self.cuda {
             // The mapping's owner outlives every copy from or into it (pool leases hold
             // the pool, and copies hand leases back only after their event completed).
-            let result = ctx.bind_to_thread().and_then(|()| {
-                // SAFETY: `raw` was registered in `lock` and is unregistered once.
-                unsafe { sys::cuMemHostUnregister(raw) }.result()
-            });
+            // cudarc's bind reports (and clears) an error an earlier call left behind;
+            // one retry binds for real.
+            let result = ctx
+                .bind_to_thread()
+                .or_else(|_| ctx.bind_to_thread())
+                .and_then(|()| {
+                    // SAFETY: `raw` was registered in `lock` and is unregistered once.
+                    unsafe { sys::cuMemHostUnregister(raw) }.result()
+                });
             if let Err(e) = result {
-                log::error!("cuMemHostUnregister failed: {e}; unmapping anyway");
+                log::error!(
+                    "cuMemHostUnregister failed: {e}; leaving {} bytes mapped, since the \
+                     driver may still use them",
+                    self.len_bytes
+                );
+                self.leak = true;
             }
         }
-        // SAFETY: our own mapping, of exactly this length, unmapped once; munmap also
-        // drops any mlock.
+        if self.leak {
+            return;
+        }
+        // SAFETY: our own mapping, of exactly this length, unmapped once, with nothing
+        // registered on it any more; munmap also drops any mlock.
         unsafe { libc::munmap(raw, self.len_bytes) };
     }
 }

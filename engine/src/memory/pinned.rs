@@ -401,13 +401,19 @@ impl Drop for PoolInner {
             .registered_with
             .get_mut()
             .unwrap_or_else(|e| e.into_inner());
+        let mut registered = false;
         for store in stores.drain(..) {
             if let Err(e) = store.unregister_region(region) {
                 log::error!(
-                    "pinned pool '{}': unregistering from a store failed: {e}",
+                    "pinned pool '{}': unregistering from a store failed: {e}; leaving its \
+                     memory mapped, since io_uring may still hold it",
                     self.name
                 );
+                registered = true;
             }
+        }
+        if registered {
+            self.mapping.leak_on_drop();
         }
     }
 }
