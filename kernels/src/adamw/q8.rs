@@ -53,7 +53,15 @@ pub fn r_scales(max: f32) -> (f32, f32) {
 
 fn scales(max: f32, top: f32) -> (f32, f32) {
     if max > 0.0 && max.is_finite() {
-        (max / top, top / max)
+        let inverse = top / max;
+        if inverse.is_finite() {
+            (max / top, inverse)
+        } else {
+            // Below about 5.5e-39 (deep in the subnormals) the inverse overflows, and
+            // every value would encode as the top code (zeros as NaN). Values that small
+            // are zero to the arithmetic that reads them: store the block as zeros.
+            (0.0, 0.0)
+        }
     } else if max == 0.0 {
         (0.0, 0.0)
     } else {
@@ -205,6 +213,25 @@ mod tests {
         }
         assert_eq!(decode_m(0x7f, 1.0), M_TOP);
         assert_eq!(decode_m(0x01, 1.0), 2f32.powi(-15) * 1.125);
+    }
+
+    #[test]
+    fn a_block_of_subnormal_magnitudes_is_stored_as_zeros_not_as_its_top_code() {
+        let block = [1e-39f32, 0.0, -5e-40, 3e-40];
+        let absmax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let (scale, inverse) = m_scales(absmax);
+        assert!(scale.is_finite() && inverse.is_finite());
+        for x in block {
+            let back = decode_m(encode_m(x, inverse), scale);
+            assert!(back.abs() <= x.abs(), "{x} came back as {back}");
+        }
+        let (scale, inverse) = r_scales(1e-39);
+        assert_eq!(decode_r(encode_r(1e-39, inverse), scale), 0.0);
+        // Just above the threshold, the block keeps its values.
+        let (scale, inverse) = m_scales(1e-37);
+        assert!(inverse.is_finite() && scale > 0.0);
+        let back = decode_m(encode_m(1e-37, inverse), scale);
+        assert!((back - 1e-37).abs() < 1e-38, "{back}");
     }
 
     #[test]
