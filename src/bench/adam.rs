@@ -10,8 +10,10 @@
 //! traffic is 16 B per element, and the ratio flatters neither side: AdamW updates its
 //! arrays in place, so its every counted byte is real traffic).
 //!
-//! Arrays are first touched in parallel by the threads that will use them, and hold
-//! non-zero pseudo-random values (no shared zero pages, no denormals).
+//! Arrays are first touched in parallel on the worker pool (not pinned piece by piece to
+//! the thread that later updates it, which would matter only across NUMA nodes), and
+//! hold non-zero pseudo-random values (no shared zero pages, no denormals). With several
+//! configurations, all are allocated at once and run interleaved, step by step.
 
 use std::mem::MaybeUninit;
 use std::path::PathBuf;
@@ -334,6 +336,7 @@ pub fn main(args: &AdamArgs) -> Result<(), Box<dyn std::error::Error>> {
             state: args.state,
         }]
     };
+    check_memory(&configs, params)?;
     let report = run(&configs, params, threads, isa, args.steps);
     println!(
         "AdamW step, {} params, {} ({}), {} threads, median of {} steps; triad over the same working set",
@@ -599,6 +602,36 @@ impl Triad {
         });
         start.elapsed().as_secs_f64()
     }
+}
+
+/// Every configuration's arrays and triad are held at once (they run interleaved):
+/// refuses a run that would not fit in the memory available, saying how much it needs.
+fn check_memory(configs: &[AdamConfig], params: usize) -> Result<(), String> {
+    let needed: f64 = configs
+        .iter()
+        .map(|c| 2.0 * c.footprint_per_param() * params as f64)
+        .sum();
+    let Some(available) = mem_available_bytes() else {
+        return Ok(());
+    };
+    if needed > 0.9 * available as f64 {
+        return Err(format!(
+            "this run holds {} at once (each configuration's arrays and a triad of the same \
+             size, interleaved), but {} of memory is available; use fewer --params or \
+             compare fewer configurations",
+            format_bytes(needed as u64),
+            format_bytes(available)
+        ));
+    }
+    Ok(())
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+fn mem_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 fn load_average() -> Option<f64> {
