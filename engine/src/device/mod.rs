@@ -76,7 +76,8 @@ pub enum DeviceChoice {
     Auto,
     /// The CPU: host memory and the CPU kernels (where a GPU would be, a simulated one).
     Cpu,
-    /// GPU 0 through CUDA; an error when it cannot be used.
+    /// The configured GPU (`DeviceConfig::cuda_ordinal`, 0 by default) through CUDA; an
+    /// error when it cannot be used.
     Cuda,
 }
 

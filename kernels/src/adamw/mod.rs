@@ -67,18 +67,6 @@ pub enum AdamError {
     /// The chosen instruction set is not supported by this CPU.
     #[error("AdamW: this CPU cannot run the {0} kernels (use Isa::active())")]
     UnsupportedIsa(Isa),
-    /// A slice of 8-bit state must start on a quantization block boundary; the engine
-    /// cuts state only there.
-    #[error(
-        "AdamW: 8-bit state is split into blocks of {block}; a slice of {params} parameters \
-         must be whole blocks except at the end of the tensor"
-    )]
-    Q8Split {
-        /// The quantization block size.
-        block: usize,
-        /// The slice's parameter count.
-        params: usize,
-    },
 }
 
 /// AdamW hyper-parameters, as `torch.optim.AdamW` takes them (f64, like Python floats).
@@ -399,7 +387,10 @@ impl<'a> State<'a> {
 /// and per block of [`q8::BLOCK`] parameters a scale for each. A fresh state is all zeros.
 ///
 /// A slice must start at a block boundary of its tensor; only the last block of a
-/// tensor may be partial. All-zero codes and scales are the initial (zero) state.
+/// tensor may be partial. This is the caller's contract, not checked here (a slice
+/// carries its own scales, so a misplaced cut cannot be seen): a slice cut elsewhere
+/// would be updated with scales that belong to other parameters. All-zero codes and
+/// scales are the initial (zero) state.
 #[derive(Debug)]
 pub struct Q8State<'a> {
     /// First-moment codes: sign and E4M3 magnitude.
