@@ -79,8 +79,9 @@ fn check_golden_eval(device: &str) {
 }
 
 #[test]
-fn eval_reproduces_pytorch_on_the_cpu() {
+fn eval_reproduces_pytorch_on_the_cpu_and_on_the_automatic_choice() {
     check_golden_eval("cpu");
+    // auto is the CPU here, or the GPU where one is usable.
     check_golden_eval("auto");
 }
 

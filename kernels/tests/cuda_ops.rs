@@ -603,4 +603,33 @@ fn casts_match_cpu_bit_for_bit() {
             .zip(&want)
             .all(|(a, b)| a.to_bits() == b.to_bits())
     );
+    // NaN payloads may differ between the two, but NaN must stay NaN both ways.
+    let nans = [
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0xffc1_2345),
+    ];
+    let nan_d = s.clone_htod(&nans).unwrap();
+    let mut nan_bf = s.alloc_zeros::<bf16>(nans.len()).unwrap();
+    let mut nan_h = s.alloc_zeros::<f16>(nans.len()).unwrap();
+    k.f32_to_bf16(&mut nan_bf.as_view_mut(), &nan_d.as_view())
+        .unwrap();
+    k.f32_to_f16(&mut nan_h.as_view_mut(), &nan_d.as_view())
+        .unwrap();
+    assert!(
+        s.clone_dtoh(&nan_bf).unwrap().iter().all(|v| v.is_nan()),
+        "bf16 NaN"
+    );
+    assert!(
+        s.clone_dtoh(&nan_h).unwrap().iter().all(|v| v.is_nan()),
+        "f16 NaN"
+    );
+    let mut nan_back = s.alloc_zeros::<f32>(nans.len()).unwrap();
+    k.bf16_to_f32(&mut nan_back.as_view_mut(), &nan_bf.as_view())
+        .unwrap();
+    assert!(s.clone_dtoh(&nan_back).unwrap().iter().all(|v| v.is_nan()));
+    k.f16_to_f32(&mut nan_back.as_view_mut(), &nan_h.as_view())
+        .unwrap();
+    assert!(s.clone_dtoh(&nan_back).unwrap().iter().all(|v| v.is_nan()));
 }
