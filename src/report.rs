@@ -6,6 +6,8 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+pub use strata_storage::format_bytes;
+
 /// Parses a byte size such as `4GiB`, `1MiB`, `512k`, `4096` or `1.5G`.
 ///
 /// Binary multiples are used for every suffix (`K`, `KB`, `KiB` all mean 1024), since
@@ -45,22 +47,6 @@ fn parse_scaled(text: &str, base: u64) -> Result<u64, String> {
         return Err(format!("'{text}' is not a whole number"));
     }
     Ok(value as u64)
-}
-
-/// Formats a byte count with a binary unit: `4.00 GiB`, `64 KiB`, `512 B`.
-pub fn format_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if value.fract() == 0.0 {
-        format!("{value:.0} {}", UNITS[unit])
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
 }
 
 /// The median of `values` (the mean of the middle two for an even count); NaN for none.

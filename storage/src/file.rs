@@ -313,8 +313,9 @@ pub fn is_tmpfs(dir: &Path) -> bool {
     rc == 0 && fs.f_type as i64 == libc::TMPFS_MAGIC
 }
 
-/// `4.00 GiB`-style sizes for messages.
-pub(crate) fn format_bytes(bytes: u64) -> String {
+/// Formats a byte count with a binary unit for messages and reports: `4 GiB`,
+/// `1.50 GiB`, `64 KiB`, `512 B`. The one formatter of sizes in the workspace.
+pub fn format_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;
     let mut unit = 0;
@@ -322,7 +323,11 @@ pub(crate) fn format_bytes(bytes: u64) -> String {
         value /= 1024.0;
         unit += 1;
     }
-    format!("{value:.2} {}", UNITS[unit])
+    if value.fract() == 0.0 {
+        format!("{value:.0} {}", UNITS[unit])
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
 }
 
 #[cfg(test)]
