@@ -10,7 +10,9 @@ pub use strata_storage as storage;
 
 pub mod device;
 pub mod error;
+pub mod exec;
 pub mod memory;
 pub mod model;
+pub mod plan;
 
 pub use error::EngineError;

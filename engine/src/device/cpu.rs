@@ -520,6 +520,34 @@ impl WriteView<'_> {
     }
 }
 
+/// Bytes as elements of `T`. Panics if they are not aligned for `T` or not a whole
+/// number of them (a layout bug).
+pub fn cast<T: Plain>(bytes: &[u8]) -> &[T] {
+    let len = element_count::<T>(bytes);
+    // SAFETY: element_count checked alignment and length; T accepts any bit pattern.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), len) }
+}
+
+/// Bytes as elements of `T`, for writing. Panics as [`cast`] does.
+pub fn cast_mut<T: Plain>(bytes: &mut [u8]) -> &mut [T] {
+    let len = element_count::<T>(bytes);
+    // SAFETY: as in `cast`; the exclusive borrow of the bytes moves to the result.
+    unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast::<T>(), len) }
+}
+
+/// Elements as their bytes.
+pub fn bytes_of<T: Plain>(values: &[T]) -> &[u8] {
+    // SAFETY: Plain types have no padding, so every byte is initialised; u8 has
+    // alignment 1; the length is the slice's size in bytes.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), size_of_val(values)) }
+}
+
+/// Elements as their bytes, for writing: any bytes written are valid elements (Plain).
+pub fn bytes_of_mut<T: Plain>(values: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `bytes_of`, and every bit pattern written back is a valid T.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), size_of_val(values)) }
+}
+
 /// How many `T` the bytes hold, after checking they are aligned for `T` and hold a whole
 /// number of them.
 fn element_count<T: Plain>(bytes: &[u8]) -> usize {

@@ -26,7 +26,10 @@ use std::fmt;
 
 use strata_kernels::cuda::probe;
 
-pub use cpu::{CpuAccess, CpuDevice, CpuDeviceConfig, Plain, ReadView, WriteView};
+pub use cpu::{
+    CpuAccess, CpuDevice, CpuDeviceConfig, Plain, ReadView, WriteView, bytes_of, bytes_of_mut,
+    cast, cast_mut,
+};
 pub use cuda::{CudaDevice, CudaDeviceConfig};
 pub use event::{CpuEvent, CudaEventRef, Event};
 

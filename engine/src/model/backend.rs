@@ -14,9 +14,47 @@
 //! gradients accumulate, LayerNorm's input gradient accumulates, other activation
 //! gradients are overwritten.
 
+use half::{bf16, f16};
 use strata_kernels::ops::{self, Cpu, WeightLayout};
 
 use super::{ModelError, Slot};
+
+/// A block's parameters in host memory, in the dtype they are kept in there.
+#[derive(Debug, Clone, Copy)]
+pub enum HostParams<'a> {
+    /// fp32 (the master copy, or fp32 training).
+    F32(&'a [f32]),
+    /// bf16 working copy.
+    Bf16(&'a [bf16]),
+    /// fp16 working copy.
+    F16(&'a [f16]),
+}
+
+impl HostParams<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            HostParams::F32(s) => s.len(),
+            HostParams::Bf16(s) => s.len(),
+            HostParams::F16(s) => s.len(),
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values as f32 in `out` (equal lengths): exact for every dtype.
+    pub fn to_f32(&self, cpu: &Cpu, out: &mut [f32]) {
+        assert_eq!(out.len(), self.len(), "host params length");
+        match self {
+            HostParams::F32(s) => out.copy_from_slice(s),
+            HostParams::Bf16(s) => ops::bf16_to_f32(cpu, out, s),
+            HostParams::F16(s) => ops::f16_to_f32(cpu, out, s),
+        }
+    }
+}
 
 /// The batch and model dimensions every call of one step shares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +107,35 @@ pub trait Backend {
     fn alloc_grads(&self, len: usize) -> Result<Self::Grads, ModelError>;
     /// Attention's scratch for this batch shape.
     fn alloc_attention_scratch(&self, dims: Dims) -> Result<Self::AttentionScratch, ModelError>;
+
+    /// A zeroed parameter buffer of `len` elements (a slot an executor fills per block).
+    fn alloc_params(&self, len: usize) -> Result<Self::Params, ModelError>;
+    /// Copies `src` into the first `src.len()` elements of `dst`, converted to the
+    /// working dtype.
+    fn write_params(&self, dst: &mut Self::Params, src: HostParams<'_>) -> Result<(), ModelError>;
+    /// Copies the first `dst.len()` gradients of `src` into `dst`, or adds them to it
+    /// when `accumulate` (in f32, one addition per element).
+    fn read_grads(
+        &self,
+        src: &Self::Grads,
+        dst: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(), ModelError>;
+    /// `dst += src`, elementwise over `src`'s length (gradient accumulation on the
+    /// device).
+    fn add_grads(&self, dst: &mut Self::Grads, src: &Self::Grads) -> Result<(), ModelError>;
+    /// Copies a statistics buffer's first `dst.len()` values into `dst`.
+    fn read_stats(&self, src: &Self::Stats, dst: &mut [f32]) -> Result<(), ModelError>;
+    /// Copies the first `dst.len()` bytes of an activation buffer (its elements in the
+    /// working dtype) into `dst`.
+    fn read_act(&self, src: &Self::Act, dst: &mut [u8]) -> Result<(), ModelError>;
+    /// Copies `src` (elements in the working dtype) into the start of `dst`.
+    fn write_act(&self, dst: &mut Self::Act, src: &[u8]) -> Result<(), ModelError>;
+    /// A gradient buffer as host memory, where this backend's buffers are host memory
+    /// (the CPU); `None` where they are not.
+    fn host_grads<'a>(&self, _grads: &'a Self::Grads) -> Option<&'a [f32]> {
+        None
+    }
 
     /// A parameter buffer holding `host` (converted to the working dtype).
     fn upload_params(&self, host: &[f32]) -> Result<Self::Params, ModelError>;
@@ -263,6 +330,48 @@ impl Backend for CpuBackend {
         Ok(vec![0.0; d.batch * d.heads * d.seq * d.seq])
     }
 
+    fn alloc_params(&self, len: usize) -> Result<Vec<f32>, ModelError> {
+        Ok(vec![0.0; len])
+    }
+    fn write_params(&self, dst: &mut Vec<f32>, src: HostParams<'_>) -> Result<(), ModelError> {
+        assert!(src.len() <= dst.len(), "parameters longer than their slot");
+        src.to_f32(&self.cpu, &mut dst[..src.len()]);
+        Ok(())
+    }
+    fn read_grads(
+        &self,
+        src: &Vec<f32>,
+        dst: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(), ModelError> {
+        let src = &src[..dst.len()];
+        if accumulate {
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+        } else {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
+    }
+    fn add_grads(&self, dst: &mut Vec<f32>, src: &Vec<f32>) -> Result<(), ModelError> {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+        Ok(())
+    }
+    fn read_stats(&self, src: &Vec<f32>, dst: &mut [f32]) -> Result<(), ModelError> {
+        dst.copy_from_slice(&src[..dst.len()]);
+        Ok(())
+    }
+    fn read_act(&self, src: &Vec<f32>, dst: &mut [u8]) -> Result<(), ModelError> {
+        let bytes = crate::device::bytes_of(src);
+        dst.copy_from_slice(&bytes[..dst.len()]);
+        Ok(())
+    }
+    fn write_act(&self, dst: &mut Vec<f32>, src: &[u8]) -> Result<(), ModelError> {
+        crate::device::bytes_of_mut(dst)[..src.len()].copy_from_slice(src);
+        Ok(())
+    }
+    fn host_grads<'a>(&self, grads: &'a Vec<f32>) -> Option<&'a [f32]> {
+        Some(grads)
+    }
     fn upload_params(&self, host: &[f32]) -> Result<Vec<f32>, ModelError> {
         Ok(host.to_vec())
     }

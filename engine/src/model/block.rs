@@ -83,6 +83,20 @@ impl<B: Backend> BlockScratch<B> {
     }
 }
 
+/// Elements a [`BlockScratch`] for `dims` holds, by kind: activations (working dtype),
+/// f32 statistics, and attention's own scratch (elements of the working dtype, as the
+/// CPU backend sizes it). Kept beside [`BlockScratch::new`]; a planner counts with it.
+pub fn scratch_elements(dims: Dims) -> (usize, usize, usize) {
+    let (n, c) = (dims.rows(), dims.width);
+    let att = dims.batch * dims.heads * dims.seq * dims.seq;
+    // ln1, atty, proj, res2, ln2, lnf, d_c, d_c2: n*c each; qkv, d_qkv: 3nc;
+    // fch, fch_gelu, d_fch, d_fch_gelu: 4nc; att: B*H*T*T; logits: n*V.
+    let act = 8 * n * c + 2 * 3 * n * c + 4 * 4 * n * c + att + n * dims.vocab;
+    // ln1, ln2, lnf mean and rstd; losses.
+    let stats = 7 * n;
+    (act, stats, att)
+}
+
 /// out: (B, T, C) = `wte[tokens]` + `wpe[position]`.
 pub fn embedding_forward<B: Backend>(
     be: &B,

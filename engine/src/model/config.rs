@@ -22,8 +22,9 @@ pub struct Gpt2Config {
 }
 
 /// The named configurations, smallest first.
-pub const PRESETS: [(&str, Gpt2Config); 5] = [
+pub const PRESETS: [(&str, Gpt2Config); 6] = [
     ("tiny", Gpt2Config::new(2, 2, 32, 64, 32)),
+    ("small", Gpt2Config::new(4, 4, 128, 256, 128)),
     ("gpt2", Gpt2Config::new(12, 12, 768, 50257, 1024)),
     ("gpt2-medium", Gpt2Config::new(24, 16, 1024, 50257, 1024)),
     ("gpt2-large", Gpt2Config::new(36, 20, 1280, 50257, 1024)),
@@ -50,10 +51,10 @@ impl Gpt2Config {
 
     /// GPT-2 "small", 124M parameters.
     pub const fn gpt2() -> Self {
-        PRESETS[1].1
+        PRESETS[2].1
     }
 
-    /// A named configuration: `tiny`, `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`.
+    /// A named configuration: `tiny`, `small` (4 layers, 128 wide, bytes as tokens), `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`.
     pub fn preset(name: &str) -> Result<Self, ModelError> {
         PRESETS
             .iter()

@@ -21,12 +21,12 @@ pub use half::bf16;
 use strata_kernels::cuda::{AttentionScratch, CudaError, CudaFloat, CudaKernels};
 use strata_kernels::ops::{self, Cpu, WeightLayout};
 
-use super::backend::{Backend, Dims};
+use super::backend::{Backend, Dims, HostParams};
 use super::{ModelError, Slot};
 use crate::device::{CudaDevice, Lane};
 
 /// A working type of the CUDA backend, with its host conversions.
-pub trait DeviceFloat: CudaFloat {
+pub trait DeviceFloat: CudaFloat + crate::device::Plain {
     /// The name used in messages and on the command line.
     const NAME: &'static str;
     /// Host f32 values in this type (rounded to nearest even).
@@ -157,6 +157,67 @@ impl<T: DeviceFloat> Backend for CudaBackend<T> {
         )?)
     }
 
+    fn alloc_params(&self, len: usize) -> Result<CudaSlice<T>, ModelError> {
+        self.stream().alloc_zeros(len).map_err(driver)
+    }
+    fn write_params(&self, dst: &mut CudaSlice<T>, src: HostParams<'_>) -> Result<(), ModelError> {
+        assert!(src.len() <= dst.len(), "parameters longer than their slot");
+        // Converted on the host (a staging vector per call: the executor's pinned,
+        // typed staging for GPU uploads is not built yet).
+        let mut f32s = vec![0.0; src.len()];
+        src.to_f32(&Cpu::default(), &mut f32s);
+        let values = T::from_host(&f32s);
+        let mut view = dst.slice_mut(..src.len());
+        self.stream()
+            .memcpy_htod(&values, &mut view)
+            .map_err(driver)
+    }
+    fn read_grads(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(), ModelError> {
+        let view = src.slice(..dst.len());
+        if accumulate {
+            let mut tmp = vec![0.0; dst.len()];
+            self.stream().memcpy_dtoh(&view, &mut tmp).map_err(driver)?;
+            self.synchronize()?;
+            dst.iter_mut().zip(&tmp).for_each(|(d, s)| *d += s);
+        } else {
+            self.stream().memcpy_dtoh(&view, dst).map_err(driver)?;
+            self.synchronize()?;
+        }
+        Ok(())
+    }
+    fn read_act(&self, src: &CudaSlice<T>, dst: &mut [u8]) -> Result<(), ModelError> {
+        let dst = crate::device::cast_mut::<T>(dst);
+        let view = src.slice(..dst.len());
+        self.stream().memcpy_dtoh(&view, dst).map_err(driver)?;
+        self.synchronize()
+    }
+    fn write_act(&self, dst: &mut CudaSlice<T>, src: &[u8]) -> Result<(), ModelError> {
+        let src = crate::device::cast::<T>(src);
+        let mut view = dst.slice_mut(..src.len());
+        self.stream().memcpy_htod(src, &mut view).map_err(driver)
+    }
+    fn add_grads(
+        &self,
+        _dst: &mut CudaSlice<f32>,
+        _src: &CudaSlice<f32>,
+    ) -> Result<(), ModelError> {
+        // The planner keeps gradients on a GPU only with optimizer state there, which it
+        // refuses on a GPU (the optimizer runs on the CPU), so this is never planned.
+        Err(ModelError::BadInput(
+            "gradient accumulation in GPU memory is not built; offload gradients (cpu-offload)"
+                .into(),
+        ))
+    }
+    fn read_stats(&self, src: &CudaSlice<f32>, dst: &mut [f32]) -> Result<(), ModelError> {
+        let view = src.slice(..dst.len());
+        self.stream().memcpy_dtoh(&view, dst).map_err(driver)?;
+        self.synchronize()
+    }
     fn upload_params(&self, host: &[f32]) -> Result<CudaSlice<T>, ModelError> {
         self.stream()
             .clone_htod(&T::from_host(host))

@@ -24,7 +24,7 @@ mod init;
 pub mod layout;
 pub mod weights;
 
-pub use backend::{Backend, CpuBackend, Dims};
+pub use backend::{Backend, CpuBackend, Dims, HostParams};
 pub use block::BlockScratch;
 pub use config::{Gpt2Config, PRESETS};
 pub use error::ModelError;
@@ -212,6 +212,114 @@ impl Model {
             )));
         }
         Ok(())
+    }
+
+    fn layer_slots(&self) -> &TransformerSlots {
+        self.transformer
+            .as_ref()
+            .expect("a model with layers has their slots")
+    }
+
+    /// Block by block (for an executor that moves each block's buffers itself): the
+    /// embedding's forward, `out` = `wte[tokens]` + `wpe`.
+    pub fn embedding_forward<B: Backend>(
+        &self,
+        be: &B,
+        params: &B::Params,
+        tokens: &B::Tokens,
+        out: &mut B::Act,
+        dims: Dims,
+    ) -> Result<(), ModelError> {
+        block::embedding_forward(be, &self.embedding, params, tokens, out, dims)
+    }
+
+    /// Block by block: transformer layer `layer`'s forward from `x` into `out`.
+    pub fn layer_forward<B: Backend>(
+        &self,
+        be: &B,
+        params: &B::Params,
+        x: &B::Act,
+        out: &mut B::Act,
+        scratch: &mut BlockScratch<B>,
+    ) -> Result<(), ModelError> {
+        block::transformer_forward(be, self.layer_slots(), params, x, out, scratch)
+    }
+
+    /// Block by block: the head's forward (logits and per-position losses into
+    /// `scratch`), with the embedding's buffer for the tied `wte`.
+    pub fn head_forward<B: Backend>(
+        &self,
+        be: &B,
+        head: &B::Params,
+        embedding: &B::Params,
+        x: &B::Act,
+        targets: &B::Tokens,
+        scratch: &mut BlockScratch<B>,
+    ) -> Result<(), ModelError> {
+        let wte = self.embedding.wte;
+        block::head_forward(be, &self.head, head, embedding, wte, x, targets, scratch)
+    }
+
+    /// Block by block: the head's backward right after its forward on the same
+    /// `scratch`; accumulates into `head_grads` and (tied `wte`) `embedding_grads`, and
+    /// writes the gradient of `x` into `dx`. `dloss` is the gradient of the loss
+    /// with respect to each position's loss.
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_backward<B: Backend>(
+        &self,
+        be: &B,
+        head: &B::Params,
+        head_grads: &mut B::Grads,
+        embedding: &B::Params,
+        embedding_grads: &mut B::Grads,
+        x: &B::Act,
+        targets: &B::Tokens,
+        dloss: f32,
+        dx: &mut B::Act,
+        scratch: &mut BlockScratch<B>,
+    ) -> Result<(), ModelError> {
+        block::head_backward(
+            be,
+            &self.head,
+            head,
+            head_grads,
+            embedding,
+            embedding_grads,
+            self.embedding.wte,
+            x,
+            targets,
+            dloss,
+            dx,
+            scratch,
+        )
+    }
+
+    /// Block by block: layer backward, recomputing its forward from its input `x`;
+    /// accumulates into `grads` and writes the gradient of `x` into `dx`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_backward<B: Backend>(
+        &self,
+        be: &B,
+        params: &B::Params,
+        grads: &mut B::Grads,
+        x: &B::Act,
+        dout: &B::Act,
+        dx: &mut B::Act,
+        scratch: &mut BlockScratch<B>,
+    ) -> Result<(), ModelError> {
+        block::transformer_backward(be, self.layer_slots(), params, grads, x, dout, dx, scratch)
+    }
+
+    /// Block by block: the embedding's backward, accumulating into `grads`.
+    pub fn embedding_backward<B: Backend>(
+        &self,
+        be: &B,
+        grads: &mut B::Grads,
+        tokens: &B::Tokens,
+        dout: &B::Act,
+        dims: Dims,
+    ) -> Result<(), ModelError> {
+        block::embedding_backward(be, &self.embedding, grads, tokens, dout, dims)
     }
 
     /// Runs every block forward on `tokens` (B × T, row-major) and returns the mean

@@ -8,7 +8,7 @@
 //! so a test can check that each reached the caller.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -83,6 +83,8 @@ pub struct FaultPlan {
     pub max_delay: Duration,
     /// Every fault injected so far, in the order they happened.
     pub log: Arc<Mutex<Vec<InjectedFault>>>,
+    /// While set, no fault is injected (a test sets up data, then lets faults in).
+    pub paused: Arc<AtomicBool>,
 }
 
 impl FaultPlan {
@@ -92,6 +94,11 @@ impl FaultPlan {
             seed,
             ..Self::default()
         }
+    }
+
+    /// Stops (true) or resumes (false) injecting faults, for every store sharing this plan.
+    pub fn pause(&self, paused: bool) {
+        self.paused.store(paused, Ordering::SeqCst);
     }
 
     /// The faults injected so far.
@@ -151,6 +158,9 @@ impl FaultySyscalls {
     /// Decides this call's fault (at most one besides a delay). `None` means run it.
     fn decide(&self, op: OpKind, fd: RawFd, offset: u64, len: usize) -> Option<FaultKind> {
         let p = &self.plan;
+        if p.paused.load(Ordering::SeqCst) {
+            return None;
+        }
         let delay_draw = self.draw(0xde1a, op, fd, offset, len);
         if (delay_draw % 1_000_000) < u64::from(p.delay_per_million) && !p.max_delay.is_zero() {
             let nanos = (delay_draw >> 20) % (p.max_delay.as_nanos() as u64).max(1);

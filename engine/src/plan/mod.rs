@@ -1,0 +1,478 @@
+//! The swap-policy API: where every tensor of a training step lives and when it moves.
+//!
+//! - A [`Policy`] decides, per block and [`TensorClass`], the home [`Tier`] (device,
+//!   host, NVMe), how many blocks ahead parameters and checkpoints are prefetched, and
+//!   when a device copy of a block's parameters is released.
+//! - Built-ins: [`AllOnDevice`], [`CpuOffload`] (ZeRO-Offload), [`ParamOffload`],
+//!   [`NvmeOffload`] (ZeRO-Infinity), and [`Auto`], which picks the fastest plan that fits
+//!   the budgets by the [`CostModel`].
+//! - [`Plan::build`] turns (model, step shape, policy, budgets) into a static schedule:
+//!   per lane an ordered list of operations with their dependencies, and a memory plan by
+//!   liveness analysis in which buffers whose lifetimes do not overlap share memory. Its
+//!   peak bytes per tier are known before anything is allocated, and [`Plan::check_fits`]
+//!   refuses a plan that does not fit, naming the tier, the shortfall and what would fit.
+
+mod build;
+mod cost;
+
+use std::fmt;
+
+pub use build::{
+    Access, BufId, BufKind, BufferPlan, Extent, ExtentSide, Lane, Op, OpId, OpKind, Plan, SlotPlan,
+};
+pub use cost::{CostModel, Prediction};
+
+use crate::model::{BlockKind, Model};
+
+/// A tier of strata's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// The accelerator's memory (on the CPU device, host memory counted against the
+    /// device budget).
+    Device,
+    /// Host RAM.
+    Host,
+    /// The NVMe tier (swap files through io_uring).
+    Nvme,
+}
+
+impl Tier {
+    /// Every tier, in order.
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Nvme];
+
+    /// Position in [`Tier::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Nvme => "nvme",
+        })
+    }
+}
+
+/// The kinds of tensor a block owns during a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TensorClass {
+    /// The working copy of the parameters the forward and backward read (fp32, bf16 or
+    /// fp16).
+    Params,
+    /// Gradients, f32. They leave the device as each block's backward ends, unless the
+    /// optimizer state lives on the device.
+    Grads,
+    /// fp32 master parameters with AdamW's m and v: 12 bytes per parameter.
+    Optimizer,
+    /// The block's input saved by the forward for the backward's recomputation.
+    Checkpoints,
+}
+
+impl TensorClass {
+    /// Every class.
+    pub const ALL: [TensorClass; 4] = [
+        TensorClass::Params,
+        TensorClass::Grads,
+        TensorClass::Optimizer,
+        TensorClass::Checkpoints,
+    ];
+}
+
+impl fmt::Display for TensorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TensorClass::Params => "params",
+            TensorClass::Grads => "grads",
+            TensorClass::Optimizer => "optimizer",
+            TensorClass::Checkpoints => "checkpoints",
+        })
+    }
+}
+
+/// The dtype of the working parameters (master parameters and optimizer state are always
+/// fp32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Everything fp32.
+    Fp32,
+    /// bf16 working parameters.
+    Bf16,
+    /// fp16 working parameters, with dynamic loss scaling.
+    Fp16,
+}
+
+impl Precision {
+    /// Bytes of one working parameter.
+    pub fn param_bytes(self) -> u64 {
+        match self {
+            Precision::Fp32 => 4,
+            Precision::Bf16 | Precision::Fp16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
+    }
+}
+
+/// Bytes each tier may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budgets {
+    /// Device memory.
+    pub device: u64,
+    /// Host memory for strata's buffers (homes, staging, gradients).
+    pub host: u64,
+    /// Space on the NVMe tier (0: no NVMe tier).
+    pub nvme: u64,
+}
+
+/// The shape of one training step and what the device offers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepShape {
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: usize,
+    /// Working dtype.
+    pub precision: Precision,
+    /// Whether every update waits for the global gradient norm (clipping, or fp16's
+    /// overflow check): then the optimizer cannot start before the whole backward ends.
+    pub needs_global_norm: bool,
+    /// Bytes of one element of a device parameter or activation buffer (4 on the CPU
+    /// device, whose kernels compute in f32; the working dtype's size on a GPU).
+    pub device_elem_bytes: u64,
+    /// Whether the device's buffers are host memory the CPU optimizer can update in place
+    /// (the CPU device). Optimizer state lives on the device only then.
+    pub device_is_host: bool,
+}
+
+impl StepShape {
+    /// A micro-batch of `batch` × `seq` tokens, fp32, one micro-batch per step, on the
+    /// CPU device, without clipping.
+    pub fn cpu(batch: usize, seq: usize) -> Self {
+        StepShape {
+            batch,
+            seq,
+            grad_accum: 1,
+            precision: Precision::Fp32,
+            needs_global_norm: false,
+            device_elem_bytes: 4,
+            device_is_host: true,
+        }
+    }
+
+    /// Tokens per optimizer step.
+    pub fn tokens(&self) -> u64 {
+        (self.batch * self.seq * self.grad_accum) as u64
+    }
+}
+
+/// When a device copy of a block's streamed parameters is released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// After each use (the forward, then fetched again for the backward): least memory.
+    AfterUse,
+    /// Kept from the forward's fetch to the backward's use: one fetch per step.
+    AfterBackward,
+}
+
+/// What a policy is asked about: the model and the step.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanInput<'a> {
+    /// The model.
+    pub model: &'a Model,
+    /// The step.
+    pub shape: StepShape,
+    /// The budgets.
+    pub budgets: Budgets,
+}
+
+impl PlanInput<'_> {
+    /// Blocks of the model.
+    pub fn block_count(&self) -> usize {
+        self.model.blocks().len()
+    }
+
+    /// What block `block` computes.
+    pub fn block_kind(&self, block: usize) -> BlockKind {
+        self.model.blocks()[block].kind
+    }
+}
+
+/// A swap policy: where each block's tensors live and how far ahead they move.
+///
+/// The planner asks [`Policy::home`] for every block and class, then builds the schedule
+/// (see [`Plan::build`]). A policy only decides; it never allocates or moves anything,
+/// so a user policy is a few lines (see `examples/custom_policy.rs`).
+///
+/// Rules the planner enforces, with an error naming the block: gradients live on the
+/// device or the host, never on NVMe; optimizer state on the device needs gradients on
+/// the device and a device whose memory the CPU can update (the CPU device).
+pub trait Policy: fmt::Debug + Send + Sync {
+    /// A short name for reports (`nvme-offload(depth 2)`).
+    fn name(&self) -> String;
+    /// The home tier of `class` of `block`.
+    fn home(&self, input: &PlanInput<'_>, block: usize, class: TensorClass) -> Tier;
+    /// How many blocks ahead of the compute lane parameters and checkpoints are fetched
+    /// (at least 1).
+    fn prefetch_depth(&self, _input: &PlanInput<'_>) -> usize {
+        2
+    }
+    /// When a streamed block's device copy of parameters is released.
+    fn release(&self, _input: &PlanInput<'_>, _block: usize) -> Release {
+        Release::AfterUse
+    }
+}
+
+/// Everything on the device: parameters, gradients, optimizer state and checkpoints.
+/// The fastest plan when it fits; the reference the others are compared with.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllOnDevice;
+
+impl Policy for AllOnDevice {
+    fn name(&self) -> String {
+        "all-on-device".into()
+    }
+    fn home(&self, _: &PlanInput<'_>, _: usize, _: TensorClass) -> Tier {
+        Tier::Device
+    }
+}
+
+/// ZeRO-Offload: working parameters and checkpoints on the device; master parameters
+/// and optimizer state on the host, updated by the CPU AdamW as each block's gradients
+/// arrive.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuOffload;
+
+impl Policy for CpuOffload {
+    fn name(&self) -> String {
+        "cpu-offload".into()
+    }
+    fn home(&self, _: &PlanInput<'_>, _: usize, class: TensorClass) -> Tier {
+        match class {
+            TensorClass::Params | TensorClass::Checkpoints => Tier::Device,
+            TensorClass::Grads | TensorClass::Optimizer => Tier::Host,
+        }
+    }
+}
+
+/// [`CpuOffload`], and the working parameters streamed from the host block by block,
+/// `depth` blocks ahead; checkpoints on `checkpoints` (the device or the host).
+#[derive(Debug, Clone, Copy)]
+pub struct ParamOffload {
+    /// Prefetch depth in blocks.
+    pub depth: usize,
+    /// Where activation checkpoints go.
+    pub checkpoints: Tier,
+}
+
+impl Default for ParamOffload {
+    fn default() -> Self {
+        ParamOffload {
+            depth: 2,
+            checkpoints: Tier::Device,
+        }
+    }
+}
+
+impl Policy for ParamOffload {
+    fn name(&self) -> String {
+        format!("param-offload(depth {})", self.depth)
+    }
+    fn home(&self, _: &PlanInput<'_>, _: usize, class: TensorClass) -> Tier {
+        match class {
+            TensorClass::Params | TensorClass::Grads | TensorClass::Optimizer => Tier::Host,
+            TensorClass::Checkpoints => self.checkpoints,
+        }
+    }
+    fn prefetch_depth(&self, _: &PlanInput<'_>) -> usize {
+        self.depth
+    }
+}
+
+/// ZeRO-Infinity: working parameters, master parameters and optimizer state on NVMe,
+/// read ahead `depth` blocks into host staging and on to the device; gradients to the
+/// host; checkpoints on `checkpoints` (device, host or NVMe).
+#[derive(Debug, Clone, Copy)]
+pub struct NvmeOffload {
+    /// Prefetch depth in blocks.
+    pub depth: usize,
+    /// Where activation checkpoints go.
+    pub checkpoints: Tier,
+}
+
+impl Default for NvmeOffload {
+    fn default() -> Self {
+        NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        }
+    }
+}
+
+impl Policy for NvmeOffload {
+    fn name(&self) -> String {
+        format!("nvme-offload(depth {})", self.depth)
+    }
+    fn home(&self, _: &PlanInput<'_>, _: usize, class: TensorClass) -> Tier {
+        match class {
+            TensorClass::Params | TensorClass::Optimizer => Tier::Nvme,
+            TensorClass::Grads => Tier::Host,
+            TensorClass::Checkpoints => self.checkpoints,
+        }
+    }
+    fn prefetch_depth(&self, _: &PlanInput<'_>) -> usize {
+        self.depth
+    }
+}
+
+/// The fastest of the built-in plans that fits the budgets, by the cost model.
+#[derive(Debug, Clone, Default)]
+pub struct Auto {
+    /// The rates the choice is predicted with.
+    pub cost: CostModel,
+}
+
+/// What [`Auto::choose`] picked, its plan, and every candidate it considered.
+pub type Choice = (Box<dyn Policy>, Plan, Vec<Candidate>);
+
+/// One candidate [`Auto`] considered.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// The policy's name.
+    pub policy: String,
+    /// Peak bytes per tier.
+    pub peak: [u64; 3],
+    /// Whether it fits the budgets (else the first tier it overflows).
+    pub fits: Result<(), Tier>,
+    /// Predicted step time.
+    pub predicted: Prediction,
+}
+
+impl Auto {
+    /// The candidates, in order of preference when predicted equal: everything on the
+    /// device first, then less and less resident.
+    pub fn candidates(input: &PlanInput<'_>) -> Vec<Box<dyn Policy>> {
+        let mut out: Vec<Box<dyn Policy>> = vec![Box::new(AllOnDevice), Box::new(CpuOffload)];
+        let ckpt_tiers: &[Tier] = if input.budgets.nvme > 0 {
+            &[Tier::Device, Tier::Host, Tier::Nvme]
+        } else {
+            &[Tier::Device, Tier::Host]
+        };
+        for depth in [2, 1, 3] {
+            for &checkpoints in &ckpt_tiers[..2] {
+                out.push(Box::new(ParamOffload { depth, checkpoints }));
+            }
+        }
+        if input.budgets.nvme > 0 {
+            for depth in [2, 1, 3, 4] {
+                for &checkpoints in ckpt_tiers {
+                    out.push(Box::new(NvmeOffload { depth, checkpoints }));
+                }
+            }
+        }
+        out
+    }
+
+    /// Plans every candidate, and returns the fastest that fits with every candidate's
+    /// figures; the error is the best candidate's refusal (with its suggestions) when
+    /// none fits.
+    pub fn choose(&self, input: &PlanInput<'_>) -> Result<Choice, PlanError> {
+        let mut best: Option<(Box<dyn Policy>, Plan, f64)> = None;
+        let mut seen = Vec::new();
+        let mut first_error = None;
+        for policy in Self::candidates(input) {
+            let plan = match Plan::build(input, policy.as_ref()) {
+                Ok(plan) => plan,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    continue;
+                }
+            };
+            let predicted = self.cost.predict(&plan);
+            let fits = plan.first_overflow();
+            seen.push(Candidate {
+                policy: plan.policy.clone(),
+                peak: plan.peak,
+                fits: fits.map_or(Ok(()), Err),
+                predicted,
+            });
+            if fits.is_none()
+                && best
+                    .as_ref()
+                    .is_none_or(|(_, _, t)| predicted.step_seconds < *t * 0.999)
+            {
+                best = Some((policy, plan, predicted.step_seconds));
+            }
+        }
+        match best {
+            Some((policy, plan, _)) => Ok((policy, plan, seen)),
+            None => {
+                // Report the refusal of the candidate that needs the least memory.
+                let smallest = Self::candidates(input)
+                    .into_iter()
+                    .filter_map(|p| Plan::build(input, p.as_ref()).ok())
+                    .min_by_key(|p| p.shortfall());
+                match smallest {
+                    Some(plan) => Err(plan.check_fits(input).expect_err("no candidate fits")),
+                    None => Err(first_error.unwrap_or(PlanError::Invalid(
+                        "no built-in policy can plan this model".into(),
+                    ))),
+                }
+            }
+        }
+    }
+}
+
+/// Why a plan cannot be built or run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// The policy asked for something the engine cannot do.
+    #[error("policy {policy}: {reason}")]
+    BadPolicy {
+        /// The policy's name.
+        policy: String,
+        /// What is wrong, naming the block.
+        reason: String,
+    },
+    /// The plan needs more of a tier than its budget.
+    #[error(
+        "plan {policy} does not fit: the {tier} tier needs {need} but the budget is {budget} \
+         ({short} short){suggestions}",
+        need = fmt_bytes(*need_bytes),
+        budget = fmt_bytes(*budget_bytes),
+        short = fmt_bytes(need_bytes - budget_bytes),
+        suggestions = if suggestions.is_empty() { String::new() } else { format!("; {}", suggestions.join("; ")) }
+    )]
+    DoesNotFit {
+        /// The policy's name.
+        policy: String,
+        /// The first tier over budget.
+        tier: Tier,
+        /// Bytes the plan needs there.
+        need_bytes: u64,
+        /// The budget.
+        budget_bytes: u64,
+        /// What would fit instead.
+        suggestions: Vec<String>,
+    },
+    /// The step cannot be planned at all (bad shape).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Bytes in binary units, for messages.
+pub fn fmt_bytes(bytes: u64) -> String {
+    strata_storage::format_bytes(bytes)
+}
