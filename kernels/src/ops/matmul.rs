@@ -43,6 +43,32 @@ pub(crate) struct Product {
 // done, while its caller keeps the memory alive and unshared, as `run`'s contract says.
 unsafe impl Send for Product {}
 
+thread_local! {
+    static IN_GEMM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside a call to the `gemm` crate. gemm allocates its packing
+/// scratch on every call (up to a few hundred KiB, freed before it returns); allocation
+/// accounting in tests uses this to tell that scratch from strata's own buffers.
+pub fn inside_gemm() -> bool {
+    IN_GEMM.with(std::cell::Cell::get)
+}
+
+/// Marks the thread as inside gemm until dropped.
+struct GemmScope(bool);
+
+impl GemmScope {
+    fn enter() -> Self {
+        GemmScope(IN_GEMM.with(|c| c.replace(true)))
+    }
+}
+
+impl Drop for GemmScope {
+    fn drop(&mut self) {
+        IN_GEMM.with(|c| c.set(self.0));
+    }
+}
+
 impl Product {
     /// Computes the product on up to `threads` threads of the pool.
     ///
@@ -65,6 +91,7 @@ impl Product {
     /// # Safety
     /// As for [`Product::run`].
     unsafe fn run_here(self, parallelism: Parallelism) {
+        let _scope = GemmScope::enter();
         // SAFETY: the caller guarantees the extents and the absence of overlap; gemm
         // reads dst only when `accumulate` (read_dst) is set.
         unsafe {

@@ -37,7 +37,7 @@ pub use crossentropy::{crossentropy_backward_inplace, crossentropy_forward};
 pub use encoder::{encoder_backward, encoder_forward};
 pub use gelu::{gelu_backward, gelu_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};
-pub use matmul::{matmul_backward, matmul_forward};
+pub use matmul::{inside_gemm, matmul_backward, matmul_forward};
 pub use residual::{add_inplace, residual_forward};
 
 /// How a linear layer's weight is stored.
