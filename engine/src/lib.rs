@@ -8,6 +8,7 @@
 pub use strata_kernels as kernels;
 pub use strata_storage as storage;
 
+pub mod checkpoint;
 pub mod device;
 pub mod error;
 pub mod exec;

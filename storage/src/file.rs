@@ -258,8 +258,9 @@ pub(crate) fn dio_alignment(path: &Path) -> Result<DioAlignment, StorageError> {
     })
 }
 
-/// Bytes available to this user on the filesystem holding `dir`.
-pub(crate) fn available_bytes(dir: &Path) -> Result<u64, StorageError> {
+/// Bytes available to this user on the filesystem holding `dir` (statvfs: free blocks
+/// not reserved for root).
+pub fn available_bytes(dir: &Path) -> Result<u64, StorageError> {
     let c_path = CString::new(dir.as_os_str().as_bytes())
         .map_err(|_| StorageError::Config(format!("{} contains a NUL byte", dir.display())))?;
     // SAFETY: statvfs is plain data; zeroes are a valid value of it.

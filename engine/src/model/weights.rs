@@ -116,15 +116,16 @@ pub fn load_config(path: &Path) -> Result<Gpt2Config, ModelError> {
 }
 
 /// The parsed header of a safetensors file and its mapped bytes.
-struct SafetensorsFile {
+pub(crate) struct SafetensorsFile {
     path: PathBuf,
     map: memmap2::Mmap,
     header_len: usize,
-    tensors: HashMap<String, TensorInfo>,
+    /// Every tensor's header entry, by its name in the file.
+    pub(crate) tensors: HashMap<String, TensorInfo>,
 }
 
 impl SafetensorsFile {
-    fn open(path: &Path) -> Result<Self, ModelError> {
+    pub(crate) fn open(path: &Path) -> Result<Self, ModelError> {
         let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
         // SAFETY: the map is only read. If another process truncates or rewrites the
         // file while it is mapped, reads may fault or see the new bytes: the usual caveat
@@ -176,12 +177,18 @@ impl SafetensorsFile {
         &self.map[8 + self.header_len..]
     }
 
-    /// Finds tensor `name` (with or without the `transformer.` prefix) and checks its
-    /// shape, dtype and byte range against `shape`; returns its dtype and bytes. Reads
-    /// no tensor data.
-    fn locate(&self, name: &str, shape: &[usize]) -> Result<(Dtype, &[u8]), ModelError> {
-        let prefixed = format!("{PREFIX}{name}");
-        let (found_name, info) = [prefixed.as_str(), name]
+    /// Finds tensor `name` under `prefix` (`{prefix}transformer.{name}` or
+    /// `{prefix}{name}`) and checks its shape, dtype and byte range against `shape`;
+    /// returns its dtype and bytes. Reads no tensor data.
+    fn locate(
+        &self,
+        prefix: &str,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(Dtype, &[u8]), ModelError> {
+        let prefixed = format!("{prefix}{PREFIX}{name}");
+        let bare = format!("{prefix}{name}");
+        let (found_name, info) = [prefixed.as_str(), bare.as_str()]
             .into_iter()
             .find_map(|n| self.tensors.get(n).map(|info| (n, info)))
             .ok_or_else(|| ModelError::MissingTensor {
@@ -231,9 +238,16 @@ impl SafetensorsFile {
         Ok((info.dtype, &data[start..end]))
     }
 
-    /// Reads tensor `name` into `out` (its shape's element count), widening to f32.
-    fn read_into(&self, name: &str, shape: &[usize], out: &mut [f32]) -> Result<(), ModelError> {
-        let (dtype, bytes) = self.locate(name, shape)?;
+    /// Reads tensor `name` under `prefix` into `out` (its shape's element count),
+    /// widening to f32.
+    fn read_into(
+        &self,
+        prefix: &str,
+        name: &str,
+        shape: &[usize],
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let (dtype, bytes) = self.locate(prefix, name, shape)?;
         assert_eq!(
             out.len() * if dtype == Dtype::F32 { 4 } else { 2 },
             bytes.len()
@@ -269,22 +283,13 @@ fn is_ignored(name: &str) -> bool {
 /// per block, in block order.
 pub fn load_safetensors(model: &Model, path: &Path) -> Result<Vec<Vec<f32>>, ModelError> {
     let file = SafetensorsFile::open(path)?;
-    // Every tensor is checked against the model before anything is allocated: a
-    // config.json that disagrees with the weights is an error naming the tensor, not an
-    // allocation of the size the config claims.
-    for block in model.blocks() {
-        for t in &block.tensors {
-            file.locate(&t.name, &t.shape)?;
-        }
-    }
-    let mut params = model.zero_params();
-    let mut expected = std::collections::HashSet::new();
-    for (block, buffer) in model.blocks().iter().zip(&mut params) {
-        for t in &block.tensors {
-            file.read_into(&t.name, &t.shape, &mut buffer[t.slot.range()])?;
-            expected.insert(t.name.as_str());
-        }
-    }
+    let params = read_blocks(&file, model, "")?;
+    let expected: std::collections::HashSet<&str> = model
+        .blocks()
+        .iter()
+        .flat_map(|b| &b.tensors)
+        .map(|t| t.name.as_str())
+        .collect();
     let mut extra: Vec<&str> = file
         .tensors
         .keys()
@@ -303,8 +308,32 @@ pub fn load_safetensors(model: &Model, path: &Path) -> Result<Vec<Vec<f32>>, Mod
     Ok(params)
 }
 
+/// Reads one f32 buffer per block of `model` from `file`, each tensor found under
+/// `prefix` (`""` for the parameters; the optimizer's moments use their own).
+pub(crate) fn read_blocks(
+    file: &SafetensorsFile,
+    model: &Model,
+    prefix: &str,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    // Every tensor is checked against the model before anything is allocated: a
+    // config.json that disagrees with the weights is an error naming the tensor, not an
+    // allocation of the size the config claims.
+    for block in model.blocks() {
+        for t in &block.tensors {
+            file.locate(prefix, &t.name, &t.shape)?;
+        }
+    }
+    let mut buffers = model.zero_params();
+    for (block, buffer) in model.blocks().iter().zip(&mut buffers) {
+        for t in &block.tensors {
+            file.read_into(prefix, &t.name, &t.shape, &mut buffer[t.slot.range()])?;
+        }
+    }
+    Ok(buffers)
+}
+
 /// One f32 tensor to write.
-struct F32View<'a> {
+pub(crate) struct F32View<'a> {
     shape: Vec<usize>,
     data: &'a [f32],
 }
@@ -360,19 +389,42 @@ pub fn config_json(config: &Gpt2Config) -> Value {
 /// renamed into place, so an interrupted save leaves no half-written file under the real
 /// name.
 pub fn save_pretrained(model: &Model, params: &[Vec<f32>], dir: &Path) -> Result<(), ModelError> {
-    if params.len() != model.blocks().len() {
+    let views = block_views(model, params, "")?;
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    write_safetensors(views, &dir.join(WEIGHTS_FILE))?;
+    let config = dir.join(CONFIG_FILE);
+    let partial = dir.join(format!("{CONFIG_FILE}.partial"));
+    let text = serde_json::to_string_pretty(&config_json(model.config())).expect("JSON of numbers");
+    std::fs::write(&partial, text + "\n").map_err(|e| ModelError::io(&partial, e))?;
+    sync(&partial)?;
+    std::fs::rename(&partial, &config).map_err(|e| ModelError::io(&config, e))?;
+    Ok(())
+}
+
+/// The tensors of `buffers` (one f32 buffer per block of `model`) named as a Hugging Face
+/// file names them, after `prefix`: `{prefix}transformer.h.0.ln_1.weight`. Checks that
+/// the buffers fit the layout.
+pub(crate) fn block_views<'a>(
+    model: &Model,
+    buffers: &'a [Vec<f32>],
+    prefix: &str,
+) -> Result<Vec<(String, F32View<'a>)>, ModelError> {
+    let what = match prefix.trim_end_matches('.') {
+        "" => "parameter",
+        other => other,
+    };
+    if buffers.len() != model.blocks().len() {
         return Err(ModelError::BadInput(format!(
-            "{} parameter buffers given for {} blocks",
-            params.len(),
+            "{} {what} buffers given for {} blocks",
+            buffers.len(),
             model.blocks().len()
         )));
     }
-    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let mut views = Vec::new();
-    for (block, buffer) in model.blocks().iter().zip(params) {
+    for (block, buffer) in model.blocks().iter().zip(buffers) {
         if buffer.len() != block.len {
             return Err(ModelError::BadInput(format!(
-                "block {:?} has {} elements, its layout {}",
+                "block {:?}'s {what} buffer has {} elements, its layout {}",
                 block.kind,
                 buffer.len(),
                 block.len
@@ -383,11 +435,21 @@ pub fn save_pretrained(model: &Model, params: &[Vec<f32>], dir: &Path) -> Result
                 shape: t.shape.clone(),
                 data: &buffer[t.slot.range()],
             };
-            views.push((format!("{PREFIX}{}", t.name), view));
+            views.push((format!("{prefix}{PREFIX}{}", t.name), view));
         }
     }
-    let weights = dir.join(WEIGHTS_FILE);
-    let partial = dir.join(format!("{WEIGHTS_FILE}.partial"));
+    Ok(views)
+}
+
+/// Writes `views` to the safetensors file `path`: under a temporary name, flushed to the
+/// device, then renamed into place.
+pub(crate) fn write_safetensors(
+    views: Vec<(String, F32View<'_>)>,
+    path: &Path,
+) -> Result<(), ModelError> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(views, Some(metadata), &partial).map_err(|e| {
         ModelError::BadSafetensors {
@@ -396,14 +458,7 @@ pub fn save_pretrained(model: &Model, params: &[Vec<f32>], dir: &Path) -> Result
         }
     })?;
     sync(&partial)?;
-    std::fs::rename(&partial, &weights).map_err(|e| ModelError::io(&weights, e))?;
-    let config = dir.join(CONFIG_FILE);
-    let partial = dir.join(format!("{CONFIG_FILE}.partial"));
-    let text = serde_json::to_string_pretty(&config_json(model.config())).expect("JSON of numbers");
-    std::fs::write(&partial, text + "\n").map_err(|e| ModelError::io(&partial, e))?;
-    sync(&partial)?;
-    std::fs::rename(&partial, &config).map_err(|e| ModelError::io(&config, e))?;
-    Ok(())
+    std::fs::rename(&partial, path).map_err(|e| ModelError::io(path, e))
 }
 
 /// Flushes a written file to its device, so a rename cannot expose a file whose data is
