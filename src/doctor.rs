@@ -464,10 +464,9 @@ fn render_cpu(cpu: &CpuReport) -> Vec<(String, String)> {
     ));
     let present = |yes: bool| if yes { "yes" } else { "no" };
     let mut isa = format!("kernels use {}", cpu.isa_active);
-    let named = |v: &str| Isa::ALL.into_iter().find(|i| i.name() == v.trim());
     match cpu.strata_isa.as_deref() {
         None => isa.push_str(", the best this CPU has"),
-        Some(v) => match named(v) {
+        Some(v) => match Isa::from_name(v) {
             Some(wanted) if wanted.name() == cpu.isa_active && cpu.isa_active != cpu.isa_best => {
                 isa.push_str(&format!(
                     ", lowered from {} by STRATA_ISA={v} (for comparisons: unset it for full \
