@@ -24,6 +24,8 @@ enum Command {
     Eval(strata::eval::EvalArgs),
     /// Show a GPT-2 configuration (named, or any size) and its blocks; --init writes one.
     Model(strata::model_info::ModelArgs),
+    /// Report what this machine offers strata (CPU, memory, I/O, GPUs) and what to fix.
+    Doctor(strata::doctor::DoctorArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -67,6 +69,7 @@ fn main() -> ExitCode {
         Command::Info => info(),
         Command::Eval(args) => strata::eval::run(&args, &mut std::io::stdout().lock()).map(drop),
         Command::Model(args) => strata::model_info::run(&args, &mut std::io::stdout().lock()),
+        Command::Doctor(args) => strata::doctor::run(&args, &mut std::io::stdout().lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use strata_engine::memory::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning};
+use strata_engine::memory::{HostLocking, MemlockLimit, PinnedPool, PinnedPoolConfig, Pinning};
 
 fn pool(name: &str, slot_bytes: usize, slot_count: usize, timeout: Duration) -> PinnedPool {
     PinnedPool::new(
@@ -25,12 +25,7 @@ fn pool(name: &str, slot_bytes: usize, slot_count: usize, timeout: Duration) -> 
 
 /// Whether this thread holds CAP_IPC_LOCK, which lets mlock ignore RLIMIT_MEMLOCK.
 fn has_cap_ipc_lock() -> bool {
-    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+    MemlockLimit::current().expect("getrlimit").cap_ipc_lock
 }
 
 const CAP_IPC_LOCK: u32 = 14;
@@ -108,20 +103,13 @@ static WARNINGS: WarningCounter = WarningCounter(std::sync::atomic::AtomicUsize:
 fn a_refused_mlock_gives_unlocked_memory_that_still_works() {
     log::set_logger(&WARNINGS).expect("the only logger in this test binary");
     log::set_max_level(log::LevelFilter::Debug);
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit.
-    let status = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
-    assert_eq!(status, 0);
-    if limit.rlim_cur == libc::RLIM_INFINITY {
+    let Some(limit_bytes) = MemlockLimit::current().expect("getrlimit").soft_bytes else {
         println!("skipping: RLIMIT_MEMLOCK is unlimited here, so mlock cannot be refused");
         return;
-    }
+    };
     // Each pool maps (and, unlocked, touches) a little more than the limit, so a large
     // limit would make this test touch a lot of memory: skip it there.
-    let limit_bytes = limit.rlim_cur as usize;
+    let limit_bytes = limit_bytes as usize;
     if limit_bytes > 1 << 30 {
         println!("skipping: RLIMIT_MEMLOCK is {limit_bytes} bytes, too large to exceed cheaply");
         return;

@@ -32,6 +32,11 @@ impl Isa {
         }
     }
 
+    /// The instruction set `name` (as in `STRATA_ISA`, surrounding blanks ignored) names.
+    pub fn from_name(name: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|isa| isa.name() == name.trim())
+    }
+
     /// Whether this CPU can run kernels built for `self`.
     pub fn is_supported(self) -> bool {
         match self {
@@ -77,7 +82,7 @@ impl Isa {
             let Ok(wanted) = std::env::var("STRATA_ISA") else {
                 return best;
             };
-            match Isa::ALL.into_iter().find(|isa| isa.name() == wanted.trim()) {
+            match Isa::from_name(&wanted) {
                 Some(isa) if isa.is_supported() => isa,
                 Some(isa) => {
                     log::warn!(
@@ -115,5 +120,14 @@ mod tests {
         assert!(Isa::best().is_supported());
         assert!(Isa::supported().contains(&Isa::best()));
         assert!(Isa::active().is_supported());
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for isa in Isa::ALL {
+            assert_eq!(Isa::from_name(isa.name()), Some(isa));
+        }
+        assert_eq!(Isa::from_name(" avx2\n"), Some(Isa::Avx2));
+        assert_eq!(Isa::from_name("neon"), None);
     }
 }

@@ -26,6 +26,7 @@ use strata_kernels::adamw::{
 use strata_kernels::isa::Isa;
 use strata_kernels::parallel;
 
+use crate::doctor::{cpu_model, meminfo_bytes};
 use crate::report::{Table, format_bytes, median, parse_count, write_json};
 
 /// Gradient dtype.
@@ -611,7 +612,7 @@ fn check_memory(configs: &[AdamConfig], params: usize) -> Result<(), String> {
         .iter()
         .map(|c| 2.0 * c.footprint_per_param() * params as f64)
         .sum();
-    let Some(available) = mem_available_bytes() else {
+    let Some(available) = meminfo_bytes("MemAvailable") else {
         return Ok(());
     };
     if needed > 0.9 * available as f64 {
@@ -626,14 +627,6 @@ fn check_memory(configs: &[AdamConfig], params: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// `MemAvailable` from /proc/meminfo, in bytes.
-fn mem_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg")
         .ok()?
@@ -641,18 +634,6 @@ fn load_average() -> Option<f64> {
         .next()?
         .parse()
         .ok()
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
 #[cfg(test)]

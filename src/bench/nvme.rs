@@ -9,7 +9,7 @@
 //! and queue depths and recommends the best, as DeepSpeed's `ds_nvme_tune` does.
 
 use std::collections::VecDeque;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
@@ -19,7 +19,7 @@ use super::fio;
 use crate::report::{Table, format_bytes, median, median_index, parse_bytes, write_json};
 use crate::storage::{
     AlignedBuf, BackendChoice, ExtentId, IoBuf, IoRegion, IoStats, Pending, StoreConfig,
-    TensorStore, is_tmpfs,
+    TensorStore, filesystem_type, is_tmpfs,
 };
 
 /// Whether the bench runs with extent checksums off, on, or both.
@@ -333,26 +333,6 @@ fn fill(bytes: &mut [u8], seed: u64) {
     }
 }
 
-/// The filesystem type of the mount holding `path`, from /proc/mounts.
-fn filesystem_of(path: &Path) -> String {
-    let Ok(path) = path.canonicalize() else {
-        return "unknown".into();
-    };
-    let Ok(mounts) = std::fs::read_to_string("/proc/mounts") else {
-        return "unknown".into();
-    };
-    mounts
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let (_, mount, fs) = (fields.next()?, fields.next()?, fields.next()?);
-            path.starts_with(mount)
-                .then(|| (mount.len(), fs.to_string()))
-        })
-        .max()
-        .map_or_else(|| "unknown".into(), |(_, fs)| fs)
-}
-
 fn measure_strata(
     args: &NvmeArgs,
     checksums: bool,
@@ -526,7 +506,11 @@ fn validate(args: &NvmeArgs) -> Result<(), String> {
 /// Runs the bench, prints its tables, and writes JSON if asked.
 pub fn run(args: &NvmeArgs) -> Result<NvmeReport, Box<dyn std::error::Error>> {
     validate(args)?;
-    let filesystems: Vec<String> = args.paths.iter().map(|p| filesystem_of(p)).collect();
+    let filesystems: Vec<String> = args
+        .paths
+        .iter()
+        .map(|p| filesystem_type(p).unwrap_or_else(|| "unknown".into()))
+        .collect();
     for (path, fs) in args.paths.iter().zip(&filesystems) {
         if is_tmpfs(path) {
             log::warn!(
@@ -736,14 +720,4 @@ pub fn render(report: &NvmeReport) -> String {
         ));
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn filesystem_of_root_is_known() {
-        assert_ne!(filesystem_of(Path::new("/")), "unknown");
-    }
 }

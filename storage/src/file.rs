@@ -6,17 +6,20 @@
 //! (STATX_DIOALIGN, Linux 6.1+) against the 4096 bytes strata aligns everything to. A
 //! filesystem that refuses O_DIRECT (tmpfs on older kernels) gets buffered I/O and one
 //! warning. Free space is checked (statvfs) before anything is allocated.
+//!
+//! The same checks answer, before any store exists, what a folder offers swap files
+//! ([`probe_direct_io`], [`filesystem_type`], [`available_bytes`]), for `strata doctor`.
 
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::buffer::DIRECT_IO_ALIGN;
+use crate::buffer::{AlignedBuf, DIRECT_IO_ALIGN};
 use crate::error::StorageError;
 
 /// An open swap file.
@@ -159,6 +162,26 @@ fn preallocate(file: &File, path: &Path, len_bytes: u64) -> Result<(), StorageEr
 /// Opens `path` again with O_DIRECT. `None` (after one warning) when the filesystem
 /// refuses O_DIRECT; an error when its alignment needs exceed 4096 bytes.
 fn reopen_direct(path: &Path) -> Result<Option<File>, StorageError> {
+    match open_direct(path)? {
+        DirectOpen::Opened { file, .. } => Ok(Some(file)),
+        DirectOpen::Refused(why) => {
+            warn_buffered(path, why);
+            Ok(None)
+        }
+    }
+}
+
+/// What opening an existing file with O_DIRECT gave.
+enum DirectOpen {
+    /// Opened; the alignment is what statx reports.
+    Opened { file: File, alignment: DioAlignment },
+    /// The filesystem refuses direct I/O for this file, for this reason.
+    Refused(&'static str),
+}
+
+/// Opens `path` with O_DIRECT and checks its alignment needs against 4096 bytes; an
+/// error when they exceed it. Says nothing: the caller decides whether a refusal warns.
+fn open_direct(path: &Path) -> Result<DirectOpen, StorageError> {
     let opened = OpenOptions::new()
         .read(true)
         .write(true)
@@ -167,24 +190,25 @@ fn reopen_direct(path: &Path) -> Result<Option<File>, StorageError> {
     let file = match opened {
         Ok(file) => file,
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            warn_buffered(path, "the filesystem refuses O_DIRECT (tmpfs does)");
-            return Ok(None);
+            return Ok(DirectOpen::Refused(
+                "the filesystem refuses O_DIRECT (tmpfs does)",
+            ));
         }
         Err(e) => return Err(file_error("cannot open for direct I/O", path)(e)),
     };
-    match dio_alignment(path)? {
-        DioAlignment::Unknown => Ok(Some(file)),
-        DioAlignment::Unsupported => {
-            warn_buffered(path, "statx reports no direct I/O support for this file");
-            Ok(None)
-        }
+    let alignment = dio_alignment(path)?;
+    match alignment {
+        DioAlignment::Unknown => Ok(DirectOpen::Opened { file, alignment }),
+        DioAlignment::Unsupported => Ok(DirectOpen::Refused(
+            "statx reports no direct I/O support for this file",
+        )),
         DioAlignment::Known {
             memory_bytes,
             offset_bytes,
         } => {
             let fits = |a: u32| a > 0 && DIRECT_IO_ALIGN.is_multiple_of(a as usize);
             if fits(memory_bytes) && fits(offset_bytes) {
-                Ok(Some(file))
+                Ok(DirectOpen::Opened { file, alignment })
             } else {
                 Err(StorageError::Config(format!(
                     "{} needs direct I/O aligned to {memory_bytes} bytes in memory and \
@@ -195,6 +219,78 @@ fn reopen_direct(path: &Path) -> Result<Option<File>, StorageError> {
             }
         }
     }
+}
+
+/// How swap files in a folder would do their I/O, as [`probe_direct_io`] found it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum DirectIoSupport {
+    /// O_DIRECT works: a 4 KiB aligned write and read bypassed the page cache.
+    Direct {
+        /// The alignment of buffer addresses statx reports (Linux 6.1+), if it does.
+        memory_align_bytes: Option<u32>,
+        /// The alignment of file offsets statx reports, if it does.
+        offset_align_bytes: Option<u32>,
+    },
+    /// The filesystem refuses O_DIRECT, so swap files here use buffered I/O.
+    Buffered {
+        /// Why, in words.
+        reason: String,
+    },
+}
+
+/// Finds out whether swap files in folder `dir` get O_DIRECT, the way the tensor store
+/// opens them: creates a small file there, opens it with O_DIRECT (checking statx
+/// STATX_DIOALIGN), writes and reads back one aligned 4 KiB block, and removes the file.
+/// An error when no file can be created there, when direct I/O needs more than strata's
+/// 4096-byte alignment (the store would refuse the folder), or when O_DIRECT opens but
+/// its I/O fails (the store would fail mid-run).
+pub fn probe_direct_io(dir: &Path) -> Result<DirectIoSupport, StorageError> {
+    static PROBES: AtomicU64 = AtomicU64::new(0);
+    let name = format!(
+        ".strata-probe-{}-{}",
+        std::process::id(),
+        PROBES.fetch_add(1, Ordering::Relaxed)
+    );
+    let block = DIRECT_IO_ALIGN as u64;
+    // Removed again when `swap` drops, whatever happens below.
+    let swap = create(&dir.join(name), block, DirectIo::Off)?;
+    let path = &swap.path;
+    let (file, alignment) = match open_direct(path)? {
+        DirectOpen::Opened { file, alignment } => (file, alignment),
+        DirectOpen::Refused(reason) => {
+            return Ok(DirectIoSupport::Buffered {
+                reason: reason.to_string(),
+            });
+        }
+    };
+    let mut written = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
+    for (i, byte) in written.as_mut_slice().iter_mut().enumerate() {
+        *byte = i as u8;
+    }
+    file.write_all_at(written.as_slice(), 0)
+        .map_err(file_error("cannot write with O_DIRECT to", path))?;
+    let mut read = AlignedBuf::zeroed(DIRECT_IO_ALIGN);
+    file.read_exact_at(read.as_mut_slice(), 0)
+        .map_err(file_error("cannot read with O_DIRECT from", path))?;
+    if read.as_slice() != written.as_slice() {
+        return Err(StorageError::File {
+            action: "read back other bytes than were written with O_DIRECT to",
+            path: path.clone(),
+            source: std::io::Error::other("data mismatch"),
+        });
+    }
+    let (memory_align_bytes, offset_align_bytes) = match alignment {
+        DioAlignment::Known {
+            memory_bytes,
+            offset_bytes,
+        } => (Some(memory_bytes), Some(offset_bytes)),
+        DioAlignment::Unknown | DioAlignment::Unsupported => (None, None),
+    };
+    Ok(DirectIoSupport::Direct {
+        memory_align_bytes,
+        offset_align_bytes,
+    })
 }
 
 fn warn_buffered(path: &Path, why: &str) {
@@ -314,6 +410,24 @@ pub fn is_tmpfs(dir: &Path) -> bool {
     rc == 0 && fs.f_type as i64 == libc::TMPFS_MAGIC
 }
 
+/// The type of the filesystem holding `path` (`ext4`, `xfs`, `tmpfs`, `overlay`...), from
+/// the longest mount point in /proc/mounts that contains it; `None` when `path` does not
+/// exist or the mounts cannot be read.
+pub fn filesystem_type(path: &Path) -> Option<String> {
+    let path = path.canonicalize().ok()?;
+    let mounts = std::fs::read_to_string("/proc/mounts").ok()?;
+    mounts
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (_, mount, fs) = (fields.next()?, fields.next()?, fields.next()?);
+            path.starts_with(mount)
+                .then(|| (mount.len(), fs.to_string()))
+        })
+        .max()
+        .map(|(_, fs)| fs)
+}
+
 /// Formats a byte count with a binary unit for messages and reports: `4 GiB`,
 /// `1.50 GiB`, `64 KiB`, `512 B`. The one formatter of sizes in the workspace.
 pub fn format_bytes(bytes: u64) -> String {
@@ -362,6 +476,24 @@ mod tests {
         );
         drop(swap);
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn filesystem_of_root_is_known() {
+        assert!(filesystem_type(Path::new("/")).is_some());
+        assert_eq!(filesystem_type(Path::new("/no/such/folder/here")), None);
+    }
+
+    #[test]
+    fn direct_io_probe_answers_and_leaves_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        match probe_direct_io(dir.path()).unwrap() {
+            DirectIoSupport::Direct { .. } => {}
+            DirectIoSupport::Buffered { reason } => assert!(!reason.is_empty()),
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        let missing = dir.path().join("missing");
+        assert!(probe_direct_io(&missing).is_err());
     }
 
     #[test]

@@ -18,7 +18,10 @@ mod store;
 
 pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, HUGE_PAGE_BYTES, IoBuf, IoRegion};
 pub use error::{Errno, StorageError};
-pub use file::{DirectIo, available_bytes, format_bytes, is_tmpfs};
+pub use file::{
+    DirectIo, DirectIoSupport, available_bytes, filesystem_type, format_bytes, is_tmpfs,
+    probe_direct_io,
+};
 pub use io::faulty::{FaultKind, FaultPlan, InjectedFault};
 pub use io::{BackendChoice, BackendKind, IoStats, OpKind, probe_uring};
 pub use store::{ExtentId, ExtentInfo, Pending, StoreConfig, TensorStore};

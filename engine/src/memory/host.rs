@@ -209,21 +209,69 @@ fn page_bytes() -> usize {
     usize::try_from(n).unwrap_or(4096).max(1)
 }
 
+/// How much memory this process may page-lock: RLIMIT_MEMLOCK, which bounds `mlock` and
+/// io_uring's registered buffers, and whether CAP_IPC_LOCK lifts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemlockLimit {
+    /// The soft limit in bytes, the one in force; `None` when unlimited.
+    pub soft_bytes: Option<u64>,
+    /// The hard limit in bytes, up to which `ulimit -l` raises the soft one without
+    /// privilege; `None` when unlimited.
+    pub hard_bytes: Option<u64>,
+    /// Whether the calling thread holds CAP_IPC_LOCK, with which the limit does not apply.
+    pub cap_ipc_lock: bool,
+}
+
+/// The bit of CAP_IPC_LOCK in the capability sets of /proc/*/status.
+const CAP_IPC_LOCK: u32 = 14;
+
+impl MemlockLimit {
+    /// Reads the limit (getrlimit) and the calling thread's effective capabilities
+    /// (/proc/thread-self/status: capabilities belong to threads).
+    pub fn current() -> std::io::Result<Self> {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one rlimit into the struct we pass.
+        if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let bytes = |value: libc::rlim_t| (value != libc::RLIM_INFINITY).then_some(value);
+        let status = std::fs::read_to_string("/proc/thread-self/status").unwrap_or_default();
+        let cap_ipc_lock = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+            .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0);
+        Ok(Self {
+            soft_bytes: bytes(limit.rlim_cur),
+            hard_bytes: bytes(limit.rlim_max),
+            cap_ipc_lock,
+        })
+    }
+
+    /// The most bytes `mlock` will lock for this thread; `None` when nothing limits it.
+    pub fn lockable_bytes(&self) -> Option<u64> {
+        if self.cap_ipc_lock {
+            None
+        } else {
+            self.soft_bytes
+        }
+    }
+}
+
 /// Why mlock said no, with the limit in force and what to do.
 fn mlock_refusal(len_bytes: usize, error: std::io::Error) -> String {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit into the struct we pass.
-    let limit_text = if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0 {
-        if limit.rlim_cur == libc::RLIM_INFINITY {
-            "unlimited".to_string()
-        } else {
-            format!("{} bytes", limit.rlim_cur)
-        }
-    } else {
-        "unknown".to_string()
+    let limit_text = match MemlockLimit::current() {
+        Ok(MemlockLimit {
+            soft_bytes: Some(bytes),
+            ..
+        }) => format!("{bytes} bytes"),
+        Ok(MemlockLimit {
+            soft_bytes: None, ..
+        }) => "unlimited".to_string(),
+        Err(_) => "unknown".to_string(),
     };
     format!(
         "mlock of {len_bytes} bytes failed: {error} (RLIMIT_MEMLOCK {limit_text}); raise it \

@@ -4,7 +4,7 @@
 //! Both are allocated once, at start, from a byte budget, and never grow: a step that does
 //! not fit fails with an error naming the budget, instead of allocating on the hot path.
 //! Their counters (slots in use, high-water marks, waits) are in [`PoolStats`] and
-//! [`ArenaStats`].
+//! [`ArenaStats`]. [`MemlockLimit`] says how much memory this process may page-lock.
 
 mod arena;
 mod host;
@@ -12,4 +12,5 @@ mod pinned;
 
 pub use arena::{ARENA_ALIGN, ArenaStats, DeviceArena, DeviceBuffer};
 pub(crate) use host::HostMapping;
+pub use host::MemlockLimit;
 pub use pinned::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning, PoolStats, SlotLease};

@@ -1,4 +1,5 @@
-//! CUDA support: which CUDA libraries this machine has ([`probe`]), the kernel sources
+//! CUDA support: which CUDA libraries this machine has ([`probe`]) and what GPUs
+//! ([`describe_driver`]), the kernel sources
 //! and their compilation by NVRTC ([`program`]), and GPT-2's kernels on a stream
 //! ([`CudaKernels`]).
 //!
@@ -10,7 +11,10 @@ mod probe;
 pub mod program;
 
 pub use ops::{AttentionScratch, CudaFloat, CudaKernels};
-pub use probe::{CudaLibraries, CudaUnavailable, probe};
+pub use probe::{
+    CUBLAS_LIBRARY, CudaLibraries, CudaUnavailable, DriverReport, GpuInfo, NVRTC_LIBRARY,
+    describe_driver, probe,
+};
 
 /// Why a CUDA operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -1,4 +1,5 @@
-//! Probing the CUDA libraries before any other cudarc call.
+//! Probing the CUDA libraries before any other cudarc call, and describing the GPUs the
+//! driver sees.
 
 use std::sync::OnceLock;
 
@@ -17,6 +18,12 @@ pub struct CudaLibraries {
     pub driver_error: Option<String>,
 }
 
+/// The file name of the NVRTC library cudarc looks for (set by its `cuda-13000` feature).
+pub const NVRTC_LIBRARY: &str = "libnvrtc.so.13";
+
+/// The file name of the cuBLAS library cudarc looks for (set by its `cuda-13000` feature).
+pub const CUBLAS_LIBRARY: &str = "libcublas.so.13";
+
 /// Why CUDA cannot be used on this machine, worded for the user.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("CUDA is not usable here: {reason}")]
@@ -31,13 +38,13 @@ impl CudaLibraries {
     pub fn require_all(&self) -> Result<(), CudaUnavailable> {
         let mut missing = Vec::new();
         if !self.driver {
-            missing.push("the CUDA driver library (libcuda.so)");
+            missing.push("the CUDA driver library (libcuda.so)".to_string());
         }
         if !self.nvrtc {
-            missing.push("NVRTC (libnvrtc.so.13)");
+            missing.push(format!("NVRTC ({NVRTC_LIBRARY})"));
         }
         if !self.cublas {
-            missing.push("cuBLAS (libcublas.so.13)");
+            missing.push(format!("cuBLAS ({CUBLAS_LIBRARY})"));
         }
         if !missing.is_empty() {
             return Err(CudaUnavailable {
@@ -110,6 +117,68 @@ pub fn probe() -> &'static CudaLibraries {
     })
 }
 
+/// One GPU as the driver describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// The driver's ordinal (what `cuda:N` names).
+    pub ordinal: usize,
+    /// The product name.
+    pub name: String,
+    /// Total device memory.
+    pub memory_bytes: u64,
+}
+
+/// What the CUDA driver reports about itself and its GPUs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverReport {
+    /// The newest CUDA version the driver supports, as (major, minor).
+    pub cuda_version: (u32, u32),
+    /// Every GPU the driver sees, in ordinal order.
+    pub gpus: Vec<GpuInfo>,
+}
+
+/// Asks the driver for its CUDA version and each GPU's name and memory, without creating a
+/// context. Fails with [`probe`]'s reason when the driver is absent or did not start; a
+/// driver that sees no GPU gives an empty list.
+pub fn describe_driver() -> Result<DriverReport, CudaUnavailable> {
+    let libraries = probe();
+    if !libraries.driver || libraries.driver_error.is_some() {
+        // Not "no GPU" (that is an answer here), so require_driver fails, saying why.
+        return Err(libraries
+            .require_driver()
+            .expect_err("an absent or failed driver is refused"));
+    }
+    let failed = |what: &str, e: cudarc::driver::DriverError| CudaUnavailable {
+        reason: format!("the CUDA driver could not {what}: {e}"),
+    };
+    let mut version: std::ffi::c_int = 0;
+    // SAFETY: the probe found the driver library loaded and initialised; the call writes
+    // one int into `version`.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| failed("report its version", e))?;
+    let version = u32::try_from(version).unwrap_or(0);
+    let mut gpus = Vec::with_capacity(libraries.device_count);
+    for ordinal in 0..libraries.device_count {
+        let describe = || {
+            let device = cudarc::driver::result::device::get(ordinal as std::ffi::c_int)?;
+            let name = cudarc::driver::result::device::get_name(device)?;
+            // SAFETY: `device` came from cuDeviceGet just above.
+            let memory_bytes = unsafe { cudarc::driver::result::device::total_mem(device) }?;
+            Ok(GpuInfo {
+                ordinal,
+                name,
+                memory_bytes: memory_bytes as u64,
+            })
+        };
+        gpus.push(describe().map_err(|e| failed(&format!("describe GPU {ordinal}"), e))?);
+    }
+    Ok(DriverReport {
+        cuda_version: (version / 1000, version % 1000 / 10),
+        gpus,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,6 +198,26 @@ mod tests {
         match first.require_all() {
             Ok(()) => println!("CUDA present: {} GPU(s)", first.device_count),
             Err(e) => println!("{e}"),
+        }
+    }
+
+    #[test]
+    fn driver_report_matches_the_probe() {
+        let libraries = probe();
+        match describe_driver() {
+            Ok(report) => {
+                assert!(libraries.driver);
+                assert_eq!(report.gpus.len(), libraries.device_count);
+                for (i, gpu) in report.gpus.iter().enumerate() {
+                    assert_eq!(gpu.ordinal, i);
+                    assert!(gpu.memory_bytes > 0, "{gpu:?}");
+                }
+                println!("{report:?}");
+            }
+            Err(e) => {
+                assert!(libraries.require_driver().is_err());
+                println!("{e}");
+            }
         }
     }
 }
