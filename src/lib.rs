@@ -11,6 +11,7 @@ pub use strata_kernels as kernels;
 pub use strata_storage as storage;
 
 pub mod bench;
+pub mod corpus;
 pub mod eval;
 pub mod logging;
 pub mod model_info;
