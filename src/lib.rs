@@ -16,3 +16,4 @@ pub mod eval;
 pub mod logging;
 pub mod model_info;
 pub mod report;
+pub mod train_config;
