@@ -11,8 +11,10 @@ pub use strata_kernels as kernels;
 pub use strata_storage as storage;
 
 pub mod bench;
+pub mod corpus;
 pub mod doctor;
 pub mod eval;
 pub mod logging;
 pub mod model_info;
 pub mod report;
+pub mod train_config;
