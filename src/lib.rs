@@ -16,5 +16,7 @@ pub mod doctor;
 pub mod eval;
 pub mod logging;
 pub mod model_info;
+pub mod plan_cmd;
 pub mod report;
+pub mod train;
 pub mod train_config;

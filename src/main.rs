@@ -22,6 +22,11 @@ enum Command {
     Info,
     /// Print a model's loss on the first batches of a token file.
     Eval(strata::eval::EvalArgs),
+    /// Train or fine-tune a GPT-2 under a swap policy (no arguments: the built-in demo).
+    Train(Box<strata::train_config::TrainArgs>),
+    /// Will a model train here, and how: bytes per tier, peak per policy, predicted step
+    /// time, the policy auto picks. Takes train's flags; allocates nothing.
+    Plan(Box<strata::train_config::TrainArgs>),
     /// Show a GPT-2 configuration (named, or any size) and its blocks; --init writes one.
     Model(strata::model_info::ModelArgs),
     /// Report what this machine offers strata (CPU, memory, I/O, GPUs) and what to fix.
@@ -68,6 +73,8 @@ fn main() -> ExitCode {
         },
         Command::Info => info(),
         Command::Eval(args) => strata::eval::run(&args, &mut std::io::stdout().lock()).map(drop),
+        Command::Train(args) => strata::train::run(&args),
+        Command::Plan(args) => strata::plan_cmd::run(&args, &mut std::io::stdout().lock()),
         Command::Model(args) => strata::model_info::run(&args, &mut std::io::stdout().lock()),
         Command::Doctor(args) => strata::doctor::run(&args, &mut std::io::stdout().lock()),
     };

@@ -154,12 +154,12 @@ impl Default for TrainConfig {
         TrainConfig {
             model: SMALL_PRESET.to_string(),
             data: None,
-            device_mem: Some("48MiB".to_string()),
-            host_mem: None,
+            device_mem: Some("16MiB".to_string()),
+            host_mem: Some("8MiB".to_string()),
             nvme: Vec::new(),
             policy: "auto".to_string(),
             prefetch: None,
-            steps: 120,
+            steps: 600,
             batch: 8,
             seq: 64,
             grad_accum: 1,
@@ -396,6 +396,14 @@ pub fn preset_names() -> Vec<&'static str> {
         names.insert(1.min(names.len()), SMALL_PRESET);
     }
     names
+}
+
+/// A model shape written `LAYERSxWIDTH` (`40x5120`): layers and channels, for sizes with
+/// no preset.
+pub fn shape_spec(name: &str) -> Option<(usize, usize)> {
+    let (layers, width) = name.split_once('x')?;
+    let (layers, width) = (layers.parse().ok()?, width.parse().ok()?);
+    (layers > 0 && width > 0).then_some((layers, width))
 }
 
 /// Where a setting's value came from, so that an error names what to change.
@@ -684,14 +692,14 @@ impl TrainConfig {
     /// exist already (`data`, `nvme`, `resume`, a model directory).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let presets = preset_names();
-        if !presets.contains(&self.model.as_str()) {
+        if !presets.contains(&self.model.as_str()) && shape_spec(&self.model).is_none() {
             let dir = Path::new(&self.model);
             if !dir.is_dir() {
                 return Err(invalid(
                     "model",
                     format!(
-                        "must be a preset ({}) or a directory holding config.json and \
-                         model.safetensors (found \"{}\")",
+                        "must be a preset ({}), a shape LAYERSxWIDTH (such as 40x5120), or a \
+                         directory holding config.json and model.safetensors (found \"{}\")",
                         presets.join(", "),
                         self.model
                     ),
@@ -944,10 +952,10 @@ pub struct TrainArgs {
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
     /// Device memory budget, such as 48MiB or 20GiB; all: what the device has
-    /// [default: 48MiB].
+    /// [default: 16MiB].
     #[arg(long, value_name = "SIZE")]
     pub device_mem: Option<String>,
-    /// Pinned host memory budget, such as 16GiB; all: no limit stated [default: all].
+    /// Pinned host memory budget, such as 16GiB; all: no limit stated [default: 8MiB].
     #[arg(long, value_name = "SIZE")]
     pub host_mem: Option<String>,
     /// A directory for swap files, on an NVMe drive; repeat for several drives, striped
@@ -961,7 +969,7 @@ pub struct TrainArgs {
     /// How many blocks ahead parameters are fetched [default: the policy decides].
     #[arg(long, value_name = "BLOCKS")]
     pub prefetch: Option<usize>,
-    /// Optimizer steps [default: 120].
+    /// Optimizer steps [default: 600].
     #[arg(long)]
     pub steps: Option<u64>,
     /// Sequences per micro-batch [default: 8].

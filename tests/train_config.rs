@@ -72,9 +72,9 @@ fn no_file_no_flags_is_the_default_job() {
     assert_eq!(config, TrainConfig::default());
     assert_eq!(config.model, "small");
     assert_eq!(config.data, None);
-    assert_eq!(config.device_mem_bytes().expect("a size"), Some(48 << 20));
-    assert_eq!(config.host_mem_bytes().expect("a size"), None);
-    assert_eq!((config.steps, config.batch, config.seq), (120, 8, 64));
+    assert_eq!(config.device_mem_bytes().expect("a size"), Some(16 << 20));
+    assert_eq!(config.host_mem_bytes().expect("a size"), Some(8 << 20));
+    assert_eq!((config.steps, config.batch, config.seq), (600, 8, 64));
     assert_eq!(config.lr_schedule, LrSchedule::Cosine);
 }
 
@@ -192,9 +192,9 @@ fn print_config_shows_every_key_with_help() {
     }
     assert!(printed.contains("\nmodel = \"small\"\n"));
     assert!(printed.contains("\n# data = \"PATH\"  (not set)\n"));
-    assert!(printed.contains("\n# Optimizer steps [default: 120]\nsteps = 120\n"));
+    assert!(printed.contains("\n# Optimizer steps [default: 600]\nsteps = 600\n"));
     assert!(printed.contains("\neps = 1e-8\n"));
-    assert!(printed.contains("\nhost_mem = \"all\"\n"));
+    assert!(printed.contains("\nhost_mem = \"8MiB\"\n"));
     assert!(
         printed.lines().all(|l| l.len() <= 100),
         "a long line in:\n{printed}"
@@ -342,11 +342,11 @@ fn invalid_values_name_their_origin() {
         )
     );
     // A cross-key check blames the key it names, from wherever that came.
-    let (message, path) = error("trace_step = 200\n", &["--trace", "t.json"]);
+    let (message, path) = error("trace_step = 700\n", &["--trace", "t.json"]);
     assert_eq!(
         message,
         format!(
-            "{}: `trace_step` must be a step of the run, from 1 to steps = 120 (found 200)",
+            "{}: `trace_step` must be a step of the run, from 1 to steps = 600 (found 700)",
             path.display()
         )
     );
@@ -450,9 +450,9 @@ fn lr_schedule_values() {
     assert!((cosine.lr_at(50) - 0.005).abs() < 1e-15);
     assert!((cosine.lr_at(25) - 0.01 * (0.5 + 0.5 * 0.5f64.sqrt())).abs() < 1e-15);
     assert_eq!(cosine.lr_at(100), 0.0);
-    // The default job: warmup of 10 to the peak, then down to a tenth at step 120.
+    // The default job: warmup of 10 to the peak, then down to a tenth at step 600.
     let job = TrainConfig::default();
     assert!((job.lr_at(1) - job.lr / 10.0).abs() < 1e-15);
     assert_eq!(job.lr_at(10), job.lr);
-    assert!((job.lr_at(120) - job.lr * 0.1).abs() < 1e-15);
+    assert!((job.lr_at(600) - job.lr * 0.1).abs() < 1e-15);
 }

@@ -390,7 +390,12 @@ where
     /// The most bytes of logical buffers live at once per tier, as measured while steps
     /// ran (persistent buffers included).
     pub fn peak_live(&self) -> [u64; 3] {
-        std::array::from_fn(|t| self.peak_live[t].load(Ordering::Relaxed))
+        let mut out: [u64; 3] = std::array::from_fn(|t| self.peak_live[t].load(Ordering::Relaxed));
+        // The NVMe tier: what the store has handed out to extents.
+        if let Some(store) = &self.store {
+            out[Tier::Nvme.index()] = store.capacity_bytes() - store.free_bytes();
+        }
+        out
     }
 
     /// The NVMe tier's I/O counters, if there is one.

@@ -896,7 +896,11 @@ impl Plan {
         for b in 0..nb {
             let len = blocks[b].len as u64;
             if homes[b].state == Tier::Nvme {
-                state_reads[completes(b).saturating_sub(depth)].push(b);
+                // With a global-norm barrier the reads are emitted with the updates,
+                // after the norm (below), so that only `depth` blocks are staged at once.
+                if norm_flag.is_none() {
+                    state_reads[completes(b).saturating_sub(depth)].push(b);
+                }
                 let bytes = raw_bytes(12 * len);
                 s_stage[b] = Some(bld.buffer(
                     format!("adam[{b}]@host"),
@@ -1315,8 +1319,31 @@ impl Plan {
                 total / 4,
             );
         }
-        for b in opt_pending {
+        // After the barrier: state reads run `depth` blocks ahead of the updates.
+        let read_state = |bld: &mut Builder, b: usize| {
+            if let Some(stage) = s_stage[b] {
+                let len = blocks[b].len as u64;
+                bld.op(
+                    Lane::Nvme,
+                    OpKind::NvmeRead {
+                        from: s_home[b].0,
+                        into: stage,
+                    },
+                    vec![Access::Read(s_home[b].0), Access::Write(stage)],
+                    12 * len,
+                    0.0,
+                    0,
+                );
+            }
+        };
+        for &b in opt_pending.iter().take(depth) {
+            read_state(&mut bld, b);
+        }
+        for (i, &b) in opt_pending.iter().enumerate() {
             emit_optimizer(&mut bld, b);
+            if let Some(&next) = opt_pending.get(i + depth) {
+                read_state(&mut bld, next);
+            }
         }
         if !deferred_opts.is_empty() {
             // After every NVMe transfer of the step.
@@ -1399,6 +1426,14 @@ impl Plan {
             Tier::Host => self.budgets.host,
             Tier::Nvme => self.budgets.nvme,
         }
+    }
+
+    /// How many tiers are over budget.
+    pub fn overflow_count(&self) -> usize {
+        Tier::ALL
+            .into_iter()
+            .filter(|t| self.peak[t.index()] > self.budget(*t))
+            .count()
     }
 
     /// Total bytes over budget, across tiers (0 when it fits).
@@ -1662,12 +1697,21 @@ fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Result<Vec<SlotPlan>,
                     && occupant[s].is_some_and(|o| buffers[o].live.expect("live").1 < first)
             })
             .collect();
+        // Share only between buffers of similar size (within 2x), so that a small
+        // long-lived buffer never pins a large slot and a large one never inflates a
+        // small slot many times over.
+        let similar = |s: usize| slots[s].elems <= 2 * buf.elems && 2 * slots[s].elems >= buf.elems;
         let fitting = free
             .iter()
             .copied()
-            .filter(|&s| slots[s].elems >= buf.elems)
+            .filter(|&s| similar(s) && slots[s].elems >= buf.elems)
             .min_by_key(|&s| slots[s].elems);
-        let chosen = fitting.or_else(|| free.iter().copied().max_by_key(|&s| slots[s].elems));
+        let chosen = fitting.or_else(|| {
+            free.iter()
+                .copied()
+                .filter(|&s| similar(s))
+                .max_by_key(|&s| slots[s].elems)
+        });
         let slot = match chosen {
             Some(s) => {
                 let prev = occupant[s].expect("occupied");

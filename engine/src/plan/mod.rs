@@ -419,11 +419,14 @@ impl Auto {
         match best {
             Some((policy, plan, _)) => Ok((policy, plan, seen)),
             None => {
-                // Report the refusal of the candidate that needs the least memory.
+                // Report the refusal of the candidate closest to fitting: the fewest tiers
+                // over budget, and among those the most offloaded (the last listed).
                 let smallest = Self::candidates(input)
                     .into_iter()
                     .filter_map(|p| Plan::build(input, p.as_ref()).ok())
-                    .min_by_key(|p| p.shortfall());
+                    .enumerate()
+                    .min_by_key(|(i, p)| (p.overflow_count(), std::cmp::Reverse(*i)))
+                    .map(|(_, p)| p);
                 match smallest {
                     Some(plan) => Err(plan.check_fits(input).expect_err("no candidate fits")),
                     None => Err(first_error.unwrap_or(PlanError::Invalid(

@@ -1,0 +1,615 @@
+//! `strata train`: a fine-tuning (or from-scratch) run of a GPT-2 under a swap policy,
+//! with checkpoints that never lose the run and exact resume.
+//!
+//! The run: resolve the configuration (defaults, TOML file, flags); build or load the
+//! model, or resume a checkpoint; plan one step under the policy and the budgets (a plan
+//! that does not fit is refused before anything is allocated); build the executor; then
+//! step through the batches in file order, with the learning-rate schedule, gradient
+//! accumulation, clipping and fp16 loss scaling, a progress line, JSON-lines metrics, a
+//! Chrome trace of one step, checkpoints every N steps and on Ctrl-C, and the final
+//! model in Hugging Face's format.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Instant;
+
+use strata_engine::checkpoint::{self, Checkpoint, TrainerState};
+use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
+use strata_engine::kernels::adamw::AdamW;
+use strata_engine::model::data::{Batch, TokenData};
+use strata_engine::model::weights;
+use strata_engine::model::{CpuBackend, Gpt2Config, Model};
+use strata_engine::plan::{
+    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanInput,
+    Policy, Precision, StepShape, Tier, fmt_bytes,
+};
+
+use crate::report::Table;
+use crate::train_config::{Dtype, TrainArgs, TrainConfig};
+
+type Error = Box<dyn std::error::Error>;
+
+/// Ctrl-C presses seen: the first finishes the step and checkpoints, the second exits.
+static INTERRUPTS: AtomicU32 = AtomicU32::new(0);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    if INTERRUPTS.fetch_add(1, Ordering::SeqCst) >= 1 {
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(130) };
+    }
+}
+
+fn install_interrupt_handler() {
+    let handler = on_interrupt as extern "C" fn(libc::c_int);
+    // SAFETY: the handler only touches an atomic and calls _exit, both async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, handler as libc::sighandler_t);
+    }
+}
+
+/// The initial fp16 loss scale, and how many good steps double it.
+const FP16_INITIAL_SCALE: f32 = 65536.0;
+const FP16_GROWTH_INTERVAL: u64 = 200;
+
+/// The policy a configuration names, with its prefetch depth.
+pub fn named_policy(name: &str, depth: Option<usize>) -> Result<Option<Box<dyn Policy>>, Error> {
+    let depth = depth.unwrap_or(2);
+    Ok(Some(match name {
+        "auto" => return Ok(None),
+        "all-on-device" => Box::new(AllOnDevice),
+        "cpu-offload" => Box::new(CpuOffload),
+        "param-offload" => Box::new(ParamOffload {
+            depth,
+            checkpoints: Tier::Device,
+        }),
+        "nvme-offload" => Box::new(NvmeOffload {
+            depth,
+            checkpoints: Tier::Host,
+        }),
+        other => return Err(format!("unknown policy '{other}'").into()),
+    }))
+}
+
+/// Where swap files and the generated corpus go by default: the system temp dir, or
+/// `target/` when that is tmpfs (O_DIRECT needs a real filesystem).
+pub fn default_scratch_dir() -> PathBuf {
+    let tmp = std::env::temp_dir();
+    if strata_engine::storage::is_tmpfs(&tmp) {
+        PathBuf::from("target")
+    } else {
+        tmp
+    }
+}
+
+/// A GPT-2 shape written `LAYERSxWIDTH` (`40x5120`: heads of 128 channels, GPT-2's
+/// vocabulary and context), for planning sizes that have no preset.
+fn custom_shape(name: &str) -> Option<Gpt2Config> {
+    let (layers, width) = crate::train_config::shape_spec(name)?;
+    Some(Gpt2Config::new(
+        layers,
+        (width / 128).max(1),
+        width,
+        50257,
+        1024,
+    ))
+}
+
+/// The model a configuration names, without parameters: a preset, `LAYERSxWIDTH`, or a
+/// directory's `config.json`.
+pub fn model_shape(cfg: &TrainConfig) -> Result<Model, Error> {
+    if let Ok(config) = Gpt2Config::preset(&cfg.model) {
+        return Ok(Model::new(config)?);
+    }
+    if let Some(config) = custom_shape(&cfg.model) {
+        return Ok(Model::new(config)?);
+    }
+    Ok(Model::new(weights::load_config(Path::new(&cfg.model))?)?)
+}
+
+/// The model of a configuration with its parameters: a preset or shape (initialised
+/// from the seed) or a directory's weights.
+fn model_of(cfg: &TrainConfig) -> Result<(Model, Vec<Vec<f32>>), Error> {
+    if Gpt2Config::preset(&cfg.model).is_ok() || custom_shape(&cfg.model).is_some() {
+        let model = model_shape(cfg)?;
+        let params = model.init_params(cfg.seed);
+        return Ok((model, params));
+    }
+    Ok(weights::load_pretrained(Path::new(&cfg.model))?)
+}
+
+/// The budgets of a configuration, and the folders of the NVMe tier.
+pub fn budgets_of(cfg: &TrainConfig) -> Result<(Budgets, Vec<PathBuf>), Error> {
+    let ram = crate::doctor::meminfo_bytes("MemAvailable").unwrap_or(8 << 30);
+    let device = cfg.device_mem_bytes()?.unwrap_or(ram);
+    let host = cfg.host_mem_bytes()?.unwrap_or(ram);
+    let dirs = if cfg.nvme.is_empty() {
+        vec![default_scratch_dir().join("strata-nvme")]
+    } else {
+        cfg.nvme.clone()
+    };
+    let mut nvme = 0u64;
+    for d in &dirs {
+        std::fs::create_dir_all(d).map_err(|e| format!("--nvme {}: {e}", d.display()))?;
+        if strata_engine::storage::is_tmpfs(d) {
+            return Err(format!(
+                "--nvme {}: tmpfs is RAM, not a drive, and refuses O_DIRECT; give a folder on a real disk",
+                d.display()
+            )
+            .into());
+        }
+        nvme += strata_engine::storage::available_bytes(d)?;
+    }
+    // Leave room on the drives for checkpoints and everything else.
+    Ok((
+        Budgets {
+            device,
+            host,
+            nvme: nvme / 10 * 9,
+        },
+        dirs,
+    ))
+}
+
+/// The step shape of a configuration on the CPU device.
+pub fn shape_of(cfg: &TrainConfig) -> StepShape {
+    let precision = match cfg.dtype {
+        Dtype::Fp32 => Precision::Fp32,
+        Dtype::Bf16 => Precision::Bf16,
+        Dtype::Fp16 => Precision::Fp16,
+    };
+    StepShape {
+        batch: cfg.batch,
+        seq: cfg.seq,
+        grad_accum: cfg.grad_accum,
+        precision,
+        needs_global_norm: cfg.clip > 0.0 || precision == Precision::Fp16,
+        device_elem_bytes: 4,
+        device_is_host: true,
+    }
+}
+
+/// Plans a step: the named policy, or the fastest that fits (auto). Refuses a plan that
+/// does not fit, before anything is allocated.
+pub fn plan_of(cfg: &TrainConfig, input: &PlanInput<'_>) -> Result<Plan, Error> {
+    match named_policy(&cfg.policy, cfg.prefetch)? {
+        Some(policy) => {
+            let plan = Plan::build(input, policy.as_ref())?;
+            plan.check_fits(input)?;
+            Ok(plan)
+        }
+        None => {
+            let auto = Auto {
+                cost: CostModel::default(),
+            };
+            Ok(auto.choose(input)?.1)
+        }
+    }
+}
+
+/// The device the run computes on. Plans execute on the CPU device; a GPU is reported.
+fn check_device(cfg: &TrainConfig) -> Result<String, Error> {
+    match cfg.device.as_str() {
+        "cpu" => Ok("cpu".into()),
+        "cuda" => Err(
+            "--device cuda: executing offload plans on a GPU is not built yet (the \
+                       GPU kernels and model run under `strata eval`); use --device cpu"
+                .into(),
+        ),
+        _ => {
+            if strata_engine::kernels::cuda::probe().require_all().is_ok() {
+                log::warn!(
+                    "a GPU is present, but offload plans execute on the CPU device for now; \
+                     training on the CPU"
+                );
+            }
+            Ok("cpu".into())
+        }
+    }
+}
+
+/// `strata train`.
+pub fn run(args: &TrainArgs) -> Result<(), Error> {
+    let cfg = args.resolve()?;
+    if args.print_config {
+        print!("{}", cfg.to_toml());
+        return Ok(());
+    }
+    if cfg.delayed_update {
+        return Err(
+            "--delayed-update is not built yet: every update is applied in its own step".into(),
+        );
+    }
+    let device = check_device(&cfg)?;
+    let started = Instant::now();
+    let mut out = std::io::stdout().lock();
+
+    // The model's shape, and the plan: refused here, before any parameter is allocated,
+    // when it does not fit.
+    let model = model_shape(&cfg)?;
+    // Data.
+    let data_path = match &cfg.data {
+        Some(p) => p.clone(),
+        None => crate::corpus::ensure_file(&default_scratch_dir(), crate::corpus::DEFAULT_BYTES, 1)
+            .map_err(|e| format!("writing the built-in corpus: {e}"))?,
+    };
+    let data = TokenData::open(&data_path)?;
+    let available = data.batch_count(cfg.batch, cfg.seq);
+    // With held-out evaluation the last batch is kept out of training.
+    let held_out = (cfg.eval_every > 0).then(|| available.saturating_sub(1));
+    let train_batches = available - usize::from(held_out.is_some());
+    if train_batches == 0 {
+        return Err(format!(
+            "{}: {} tokens is not enough for one batch of {} x {} (+1) tokens{}",
+            data_path.display(),
+            data.len(),
+            cfg.batch,
+            cfg.seq,
+            if held_out.is_some() {
+                " besides the held-out batch"
+            } else {
+                ""
+            }
+        )
+        .into());
+    }
+
+    // Plan.
+    let (budgets, nvme_dirs) = budgets_of(&cfg)?;
+    let shape = shape_of(&cfg);
+    let input = PlanInput {
+        model: &model,
+        shape,
+        budgets,
+    };
+    let plan = plan_of(&cfg, &input)?;
+    let predicted = CostModel::default().predict(&plan);
+    let c = model.config();
+    writeln!(
+        out,
+        "strata train: {} ({} params: {} layers, {} wide, vocab {}) on {} ({} tokens), device {device}",
+        cfg.model,
+        c.param_count(),
+        c.layers,
+        c.width,
+        c.vocab,
+        data_path.display(),
+        data.len()
+    )?;
+    writeln!(
+        out,
+        "plan {}: peak device {} of {}, host {} of {}, nvme {} (in {}); predicted {:.3} s/step",
+        plan.policy,
+        fmt_bytes(plan.peak[0]),
+        fmt_bytes(budgets.device),
+        fmt_bytes(plan.peak[1]),
+        fmt_bytes(budgets.host),
+        fmt_bytes(plan.peak[2]),
+        nvme_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        predicted.step_seconds
+    )?;
+
+    // Parameters: initialised, loaded, or resumed.
+    let (mut params, moments, mut state) = match &cfg.resume {
+        Some(path) => {
+            let ckpt = checkpoint::load(path)?;
+            if model.config() != ckpt.model.config() {
+                return Err(format!(
+                    "--resume {}: the checkpoint's model ({:?}) is not the configured one ({:?}); \
+                     resume with the same --model",
+                    path.display(),
+                    ckpt.model.config(),
+                    model.config()
+                )
+                .into());
+            }
+            (ckpt.params, Some((ckpt.m, ckpt.v)), ckpt.state)
+        }
+        None => {
+            let (_, params) = model_of(&cfg)?;
+            let state = TrainerState {
+                step: 0,
+                data_position: 0,
+                rng: cfg.seed,
+                loss_scale: if cfg.dtype == Dtype::Fp16 {
+                    FP16_INITIAL_SCALE
+                } else {
+                    1.0
+                },
+                good_steps: 0,
+                skipped_steps: 0,
+                config: serde_json::Value::Null,
+            };
+            (params, None, state)
+        }
+    };
+    state.config = serde_json::to_value(&cfg)?;
+    if let Some(r) = &cfg.resume {
+        writeln!(out, "resuming {} at step {}", r.display(), state.step)?;
+    }
+    let exec_config = ExecConfig {
+        nvme_dirs: nvme_dirs.clone(),
+        ..ExecConfig::default()
+    };
+    let mut exec = Executor::new(model.clone(), plan, CpuBackend::default(), &exec_config)?;
+    exec.load(&params, moments.as_ref().map(|(m, v)| (&m[..], &v[..])))?;
+    exec.set_steps(state.step - state.skipped_steps);
+    install_interrupt_handler();
+
+    let mut jsonl = match &cfg.log_jsonl {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).map_err(|e| format!("--log-jsonl {}: {e}", p.display()))?,
+        )),
+        None => None,
+    };
+    let tokens_per_step = shape.tokens();
+    let mut micro: Vec<Batch> = vec![Batch::default(); cfg.grad_accum];
+    let first_step = state.step + 1;
+    let mut losses: Vec<f32> = Vec::new();
+    let mut reports: Vec<StepReport> = Vec::new();
+    let bar = progress_bar(cfg.steps, state.step);
+    let mut last_saved = None;
+    let mut interrupted = false;
+    let loop_start = Instant::now();
+    for step in first_step..=cfg.steps {
+        for (i, b) in micro.iter_mut().enumerate() {
+            let index = ((state.data_position + i as u64) % train_batches as u64) as usize;
+            data.read_batch(index, cfg.batch, cfg.seq, c.vocab, b)?;
+        }
+        let refs: Vec<(&[u32], &[u32])> = micro
+            .iter()
+            .map(|b| (&b.inputs[..], &b.targets[..]))
+            .collect();
+        let lr = cfg.lr_at(step);
+        let step_params = StepParams {
+            adam: AdamW {
+                lr,
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: cfg.eps,
+                weight_decay: cfg.weight_decay,
+            },
+            clip: cfg.clip,
+            loss_scale: state.loss_scale,
+        };
+        let report = exec.step(&refs, &step_params).map_err(|e| {
+            format!("step {step}: {e}; the parameters are as they were before this step")
+        })?;
+        state.step = step;
+        state.data_position += cfg.grad_accum as u64;
+        if report.skipped {
+            state.skipped_steps += 1;
+            state.good_steps = 0;
+            state.loss_scale = (state.loss_scale / 2.0).max(1.0);
+        } else {
+            state.good_steps += 1;
+            if cfg.dtype == Dtype::Fp16 && state.good_steps.is_multiple_of(FP16_GROWTH_INTERVAL) {
+                state.loss_scale = (state.loss_scale * 2.0).min(f32::MAX / 2.0);
+            }
+        }
+        losses.push(report.loss);
+        let eval_loss = match held_out {
+            Some(k) if step.is_multiple_of(cfg.eval_every) || step == cfg.steps => {
+                Some(evaluate(&exec, &data, k, &cfg)?)
+            }
+            _ => None,
+        };
+        if let Some(w) = jsonl.as_mut() {
+            let line = serde_json::json!({
+                "step": step, "loss": report.loss, "eval_loss": eval_loss, "lr": lr,
+                "grad_norm": report.grad_norm, "skipped": report.skipped,
+                "loss_scale": state.loss_scale, "seconds": report.seconds,
+                "tokens_per_s": tokens_per_step as f64 / report.seconds,
+                "compute_stall": report.stall_fraction(),
+                "nvme_read_bytes": report.link_bytes[0], "nvme_write_bytes": report.link_bytes[1],
+                "h2d_bytes": report.link_bytes[2], "d2h_bytes": report.link_bytes[3],
+            });
+            writeln!(w, "{line}")?;
+        }
+        if let Some(trace) = &cfg.trace
+            && step == cfg.trace_step.max(first_step)
+        {
+            crate::report::write_json(trace, &report.chrome_trace(step))?;
+        }
+        progress(
+            &bar,
+            step,
+            cfg.steps,
+            &report,
+            tokens_per_step,
+            loop_start,
+            first_step,
+            eval_loss,
+        );
+        reports.push(report);
+        interrupted = INTERRUPTS.load(Ordering::SeqCst) > 0;
+        let due = cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every);
+        if let Some(dir) = &cfg.checkpoint_dir
+            && (due || interrupted || step == cfg.steps)
+        {
+            let (p, m, v) = exec.export()?;
+            let saved = checkpoint::save(
+                dir,
+                &Checkpoint {
+                    model: model.clone(),
+                    params: p,
+                    m,
+                    v,
+                    state: state.clone(),
+                },
+                cfg.keep_checkpoints,
+            )?;
+            last_saved = Some(saved);
+        }
+        if interrupted {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    if let Some(w) = jsonl.as_mut() {
+        w.flush()?;
+    }
+    if interrupted {
+        writeln!(
+            out,
+            "interrupted at step {}: stopped after finishing it",
+            state.step
+        )?;
+    }
+    if let Some(saved) = &last_saved {
+        writeln!(out, "checkpoint: {}", saved.display())?;
+    }
+    if let Some(dir) = &cfg.out {
+        params = exec.export()?.0;
+        weights::save_pretrained(&model, &params, dir)?;
+        writeln!(
+            out,
+            "model: {} (Hugging Face safetensors + config.json)",
+            dir.display()
+        )?;
+    }
+    summary(&mut out, &exec, &reports, &losses, tokens_per_step, started)?;
+    Ok(())
+}
+
+/// The held-out batch's loss under the current master parameters.
+fn evaluate(
+    exec: &Executor<CpuBackend>,
+    data: &TokenData,
+    batch: usize,
+    cfg: &TrainConfig,
+) -> Result<f32, Error> {
+    let model = exec.model();
+    let (params, _, _) = exec.export()?;
+    let be = CpuBackend::default();
+    let mut b = Batch::default();
+    data.read_batch(batch, cfg.batch, cfg.seq, model.config().vocab, &mut b)?;
+    let mut ws = model.workspace(&be, cfg.batch, cfg.seq)?;
+    Ok(model.forward(&be, &params, &mut ws, &b.inputs, &b.targets)?)
+}
+
+fn progress_bar(steps: u64, done: u64) -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(steps);
+    bar.set_position(done);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} eta {eta}")
+            .expect("a valid template"),
+    );
+    bar
+}
+
+#[allow(clippy::too_many_arguments)]
+fn progress(
+    bar: &indicatif::ProgressBar,
+    step: u64,
+    steps: u64,
+    r: &StepReport,
+    tokens: u64,
+    start: Instant,
+    first: u64,
+    eval_loss: Option<f32>,
+) {
+    let done = step - first + 1;
+    let elapsed = start.elapsed().as_secs_f64();
+    let tps = (done * tokens) as f64 / elapsed;
+    let eta = elapsed / done as f64 * (steps - step) as f64;
+    let links = format!(
+        "nvme r/w {}/{} h2d {} d2h {}",
+        fmt_bytes(r.link_bytes[0]),
+        fmt_bytes(r.link_bytes[1]),
+        fmt_bytes(r.link_bytes[2]),
+        fmt_bytes(r.link_bytes[3])
+    );
+    let eval = eval_loss
+        .map(|l| format!(" eval {l:.4}"))
+        .unwrap_or_default();
+    let msg = format!(
+        "loss {:.4}{eval} {tps:.0} tok/s stall {:.0}% {links}{}",
+        r.loss,
+        100.0 * r.stall_fraction(),
+        if r.skipped {
+            " (skipped: overflow)"
+        } else {
+            ""
+        }
+    );
+    if bar.is_hidden() {
+        let every = (steps / 20).max(10);
+        if step == first || step == steps || step.is_multiple_of(every) || eval_loss.is_some() {
+            eprintln!("step {step}/{steps} {msg} eta {eta:.0}s");
+        }
+    } else {
+        bar.set_position(step);
+        bar.set_message(msg);
+    }
+}
+
+fn summary(
+    out: &mut impl Write,
+    exec: &Executor<CpuBackend>,
+    reports: &[StepReport],
+    losses: &[f32],
+    tokens_per_step: u64,
+    started: Instant,
+) -> Result<(), Error> {
+    if reports.is_empty() {
+        writeln!(out, "no steps to run: the run is already at its last step")?;
+        return Ok(());
+    }
+    let secs: Vec<f64> = reports.iter().map(|r| r.seconds).collect();
+    let median = crate::report::median(&secs);
+    let stall: Vec<f64> = reports.iter().map(|r| r.stall_fraction()).collect();
+    let plan = exec.plan();
+    let live = exec.peak_live();
+    let mut t = Table::new(["", "value"]);
+    t.row(["policy".to_string(), plan.policy.clone()]);
+    t.row(["steps".to_string(), reports.len().to_string()]);
+    t.row([
+        "loss first -> last".to_string(),
+        format!("{:.4} -> {:.4}", losses[0], losses[losses.len() - 1]),
+    ]);
+    t.row(["median step".to_string(), format!("{median:.3} s")]);
+    t.row([
+        "tokens/s (median step)".to_string(),
+        format!("{:.0}", tokens_per_step as f64 / median),
+    ]);
+    t.row([
+        "compute stall (median)".to_string(),
+        format!("{:.1}%", 100.0 * crate::report::median(&stall)),
+    ]);
+    for (i, name) in ["nvme read", "nvme write", "h2d", "d2h"].iter().enumerate() {
+        t.row([format!("{name} per step"), fmt_bytes(plan.link_bytes[i])]);
+    }
+    for tier in Tier::ALL {
+        t.row([
+            format!("peak {tier} (measured / plan / budget)"),
+            format!(
+                "{} / {} / {}",
+                fmt_bytes(live[tier.index()]),
+                fmt_bytes(plan.peak[tier.index()]),
+                fmt_bytes(
+                    [plan.budgets.device, plan.budgets.host, plan.budgets.nvme][tier.index()]
+                )
+            ),
+        ]);
+    }
+    for (kind, count, p50, p99, _) in exec.latency_summary() {
+        t.row([
+            format!("{kind} p50 / p99"),
+            format!("{p50} / {p99} µs ({count} ops)"),
+        ]);
+    }
+    t.row([
+        "wall time".to_string(),
+        format!("{:.1} s", started.elapsed().as_secs_f64()),
+    ]);
+    write!(out, "{}", t.render())?;
+    Ok(())
+}
