@@ -104,7 +104,8 @@ pub fn model_shape(cfg: &TrainConfig) -> Result<Model, Error> {
     if let Some(config) = custom_shape(&cfg.model) {
         return Ok(Model::new(config)?);
     }
-    Ok(Model::new(weights::load_config(Path::new(&cfg.model))?)?)
+    let (config, _) = weights::model_files(Path::new(&cfg.model));
+    Ok(Model::new(weights::load_config(&config)?)?)
 }
 
 /// The model of a configuration with its parameters: a preset or shape (initialised

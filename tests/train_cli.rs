@@ -1,0 +1,400 @@
+//! `strata train` as a user runs it: the PyTorch reference after 3 steps, exact resume,
+//! Ctrl-C, metrics and traces, and a one-line error for each kind of bad input.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use strata::engine::model::weights::load_pretrained;
+
+fn golden() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gpt2-tiny")
+}
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .output()
+        .expect("the strata binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A small run of the default job's model on the built-in corpus, in `dir`.
+fn small_run<'a>(dir: &'a Path, extra: &[&'a str]) -> Vec<String> {
+    let nvme = dir.join("nvme");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let mut args: Vec<String> = ["train", "--batch", "2", "--seq", "32", "--nvme"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(nvme.to_str().unwrap().to_string());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn run_ok(args: &[String]) -> Output {
+    let refs: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let out = strata(&refs);
+    assert!(
+        out.status.success(),
+        "strata {}\nstdout:\n{}\nstderr:\n{}",
+        refs.join(" "),
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    out
+}
+
+/// Checks a failure is one line, on stderr, containing every one of `needles`.
+fn assert_one_line_error(out: &Output, needles: &[&str]) {
+    assert!(
+        !out.status.success(),
+        "expected a failure: {}",
+        text(&out.stdout)
+    );
+    let stderr = text(&out.stderr);
+    let error: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("strata: error:"))
+        .collect();
+    assert_eq!(error.len(), 1, "one error line expected:\n{stderr}");
+    for n in needles {
+        assert!(error[0].contains(n), "'{n}' missing from: {}", error[0]);
+    }
+}
+
+#[test]
+fn three_plain_adamw_steps_match_pytorch() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("final");
+    let model = golden();
+    let data = golden().join("tokens.bin");
+    for policy in ["all-on-device", "nvme-offload"] {
+        let args: Vec<String> = [
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "3",
+            "--lr",
+            "1e-3",
+            "--weight-decay",
+            "0.1",
+            "--beta2",
+            "0.999",
+            "--lr-schedule",
+            "constant",
+            "--warmup-steps",
+            "0",
+            "--clip",
+            "0",
+            "--dtype",
+            "fp32",
+            "--device",
+            "cpu",
+            "--device-mem",
+            "all",
+            "--host-mem",
+            "all",
+            "--policy",
+            policy,
+            "--out",
+            out_dir.to_str().unwrap(),
+            "--nvme",
+            dir.path().to_str().unwrap(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        run_ok(&args);
+        let (model, params) = load_pretrained(&out_dir).unwrap();
+        let bytes = std::fs::read(golden().join("expected.safetensors")).unwrap();
+        let expected = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (block, p) in model.blocks().iter().zip(&params) {
+            for t in &block.tensors {
+                let name = format!("final.transformer.{}", t.name);
+                let view = expected.tensor(&name).unwrap();
+                let want: Vec<f32> = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                let got = &p[t.slot.range()];
+                // The key third of c_attn.bias moves by AdamW-normalised rounding noise (its
+                // exact gradient is zero): bounded by lr per step, not comparable.
+                let parts: Vec<std::ops::Range<usize>> = if t.name.ends_with("c_attn.bias") {
+                    let c = got.len() / 3;
+                    vec![0..c, 2 * c..3 * c]
+                } else {
+                    vec![0..got.len()]
+                };
+                for r in parts {
+                    let (g, w) = (&got[r.clone()], &want[r]);
+                    let diff: f64 = g.iter().zip(w).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+                    let norm: f64 = w.iter().map(|b| f64::from(*b).powi(2)).sum();
+                    let rel = (diff / norm.max(1e-30)).sqrt();
+                    assert!(rel < 1e-5, "{policy}: {name} rel err {rel}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ten_steps_equal_five_then_resume_five() {
+    for policy in ["cpu-offload", "nvme-offload"] {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |s: &str| dir.path().join(s).to_str().unwrap().to_string();
+        let common = [
+            "--policy",
+            policy,
+            "--lr-schedule",
+            "constant",
+            "--warmup-steps",
+            "2",
+            "--device-mem",
+            "all",
+            "--host-mem",
+            "all",
+        ];
+        let (ca, cb, oa, ob) = (p("ckpt-a"), p("ckpt-b"), p("out-a"), p("out-b"));
+        let mut straight = small_run(dir.path(), &common);
+        straight.extend(["--steps", "10", "--checkpoint-dir", &ca, "--out", &oa].map(String::from));
+        run_ok(&straight);
+        let mut first = small_run(dir.path(), &common);
+        first.extend(["--steps", "5", "--checkpoint-dir", &cb].map(String::from));
+        run_ok(&first);
+        let mut resumed = small_run(dir.path(), &common);
+        resumed.extend(
+            [
+                "--steps",
+                "10",
+                "--resume",
+                &cb,
+                "--checkpoint-dir",
+                &cb,
+                "--out",
+                &ob,
+            ]
+            .map(String::from),
+        );
+        let out = run_ok(&resumed);
+        assert!(
+            text(&out.stdout).contains("resuming"),
+            "{}",
+            text(&out.stdout)
+        );
+        let read = |d: &str, f: &str| std::fs::read(Path::new(d).join(f)).unwrap();
+        assert!(
+            read(&oa, "model.safetensors") == read(&ob, "model.safetensors"),
+            "{policy}: final models differ"
+        );
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            let a = read(&ca, &format!("step-00000010/{file}"));
+            let b = read(&cb, &format!("step-00000010/{file}"));
+            assert!(a == b, "{policy}: {file} of step 10 differs after resume");
+        }
+    }
+}
+
+#[test]
+fn the_default_job_offloads_to_nvme_and_its_loss_falls() {
+    let dir = tempfile::tempdir().unwrap();
+    let jsonl = dir.path().join("log.jsonl");
+    let trace = dir.path().join("trace.json");
+    let mut args = small_run(dir.path(), &[]);
+    // The default job's budgets and model, fewer steps and a smaller batch.
+    args.extend(
+        [
+            "--steps",
+            "40",
+            "--log-jsonl",
+            jsonl.to_str().unwrap(),
+            "--trace",
+            trace.to_str().unwrap(),
+            "--trace-step",
+            "2",
+        ]
+        .map(String::from),
+    );
+    let out = run_ok(&args);
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("plan nvme-offload"), "{stdout}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&jsonl)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 40);
+    let loss = |i: usize| lines[i]["loss"].as_f64().unwrap();
+    assert!(loss(39) < loss(0) - 1.0, "loss {} -> {}", loss(0), loss(39));
+    assert!(lines[0]["nvme_read_bytes"].as_u64().unwrap() > 0);
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    assert!(trace["traceEvents"].as_array().unwrap().len() > 50);
+}
+
+#[test]
+fn ctrl_c_finishes_the_step_checkpoints_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let mut args = small_run(dir.path(), &["--steps", "100000"]);
+    args.extend([
+        "--checkpoint-dir".to_string(),
+        ckpt.to_str().unwrap().to_string(),
+    ]);
+    let run = |signals: usize| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        while stderr.read_line(&mut line).unwrap() > 0 && !line.contains("step 1/") {
+            line.clear();
+        }
+        for _ in 0..signals {
+            // SAFETY: kill with a valid pid and signal number.
+            unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let out = child.wait_with_output().unwrap();
+        (out.status, text(&out.stdout))
+    };
+    let (status, stdout) = run(1);
+    assert!(status.success(), "{status}: {stdout}");
+    assert!(stdout.contains("interrupted at step"), "{stdout}");
+    let saved = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .any(|e| e.file_name().to_string_lossy().starts_with("step-"));
+    assert!(saved, "no checkpoint after Ctrl-C");
+    // A second Ctrl-C aborts at once, without finishing the step.
+    let (status, _) = run(2);
+    assert_eq!(status.code(), Some(130), "{status}");
+}
+
+#[test]
+fn bad_input_gets_one_line_naming_what_to_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |s: &str| dir.path().join(s).to_str().unwrap().to_string();
+    let ckpt = d("ckpt");
+    run_ok(&small_run(
+        dir.path(),
+        &["--steps", "2", "--checkpoint-dir", &ckpt],
+    ));
+
+    // A corrupted checkpoint.
+    let weights = Path::new(&ckpt).join("step-00000002/model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&weights, &bytes).unwrap();
+    let args = small_run(dir.path(), &["--steps", "4", "--resume", &ckpt]);
+    let out = strata(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_one_line_error(&out, &["step-00000002", "model.safetensors"]);
+
+    // A truncated one.
+    std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    let out = strata(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_one_line_error(&out, &["model.safetensors"]);
+
+    // A typo in the config file.
+    let toml = d("train.toml");
+    std::fs::write(&toml, "lerning_rate = 0.1\n").unwrap();
+    assert_one_line_error(
+        &strata(&["train", "--config", &toml]),
+        &["train.toml", "lerning_rate", "did you mean"],
+    );
+
+    // A missing data file.
+    let missing = d("nope.bin");
+    assert_one_line_error(&strata(&["train", "--data", &missing]), &["nope.bin"]);
+
+    // A budget too small for any plan.
+    let args = small_run(dir.path(), &["--device-mem", "1MiB", "--steps", "1"]);
+    let out = strata(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_one_line_error(&out, &["device tier", "short"]);
+
+    // A disk too small: a 13B model's NVMe-resident state against this disk's free space,
+    // refused before a parameter is allocated.
+    let args = small_run(
+        dir.path(),
+        &[
+            "--model",
+            "40x5120",
+            "--policy",
+            "nvme-offload",
+            "--device-mem",
+            "80GiB",
+            "--host-mem",
+            "40GiB",
+            "--clip",
+            "0",
+        ],
+    );
+    let out = strata(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_one_line_error(&out, &["nvme tier", "short"]);
+}
+
+#[test]
+fn print_config_shows_the_merged_settings() {
+    let out = strata(&[
+        "train",
+        "--print-config",
+        "--steps",
+        "7",
+        "--policy",
+        "cpu-offload",
+    ]);
+    assert!(out.status.success());
+    let s = text(&out.stdout);
+    assert!(
+        s.contains("steps = 7") && s.contains("policy = \"cpu-offload\""),
+        "{s}"
+    );
+}
+
+#[test]
+fn plan_answers_for_a_13b_model_without_allocating() {
+    let start = std::time::Instant::now();
+    let out = strata(&[
+        "plan",
+        "--model",
+        "40x5120",
+        "--device-mem",
+        "80GiB",
+        "--host-mem",
+        "256GiB",
+        "--clip",
+        "0",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    for policy in [
+        "all-on-device",
+        "cpu-offload",
+        "param-offload",
+        "nvme-offload",
+    ] {
+        assert!(s.contains(policy), "{s}");
+    }
+    assert!(s.contains("12.848 B params"), "{s}");
+    assert!(s.contains("auto picks cpu-offload"), "{s}");
+    assert!(
+        start.elapsed().as_secs() < 20,
+        "plan took {:?}",
+        start.elapsed()
+    );
+}
