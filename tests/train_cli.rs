@@ -135,7 +135,7 @@ fn three_plain_adamw_steps_match_pytorch() {
                     let c = got.len() / 3;
                     vec![0..c, 2 * c..3 * c]
                 } else {
-                    Vec::from([0..got.len()])
+                    std::iter::once(0..got.len()).collect()
                 };
                 for r in parts {
                     let (g, w) = (&got[r.clone()], &want[r]);
