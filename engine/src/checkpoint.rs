@@ -77,6 +77,22 @@ pub struct TrainerState {
     pub config: serde_json::Value,
 }
 
+impl TrainerState {
+    /// The counters after `step` steps that read `data_position` batches, without loss
+    /// scaling or skipped steps.
+    pub fn after(step: u64, data_position: u64, rng: u64) -> Self {
+        TrainerState {
+            step,
+            data_position,
+            rng,
+            loss_scale: 1.0,
+            good_steps: step,
+            skipped_steps: 0,
+            config: serde_json::Value::Null,
+        }
+    }
+}
+
 /// A whole training state: the model's shape, its fp32 master parameters, AdamW's
 /// moments and the trainer's counters.
 #[derive(Clone)]

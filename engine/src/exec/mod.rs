@@ -107,6 +107,16 @@ impl Default for ExecConfig {
     }
 }
 
+impl ExecConfig {
+    /// The defaults, with swap files in `dirs`.
+    pub fn with_nvme(dirs: Vec<PathBuf>) -> Self {
+        ExecConfig {
+            nvme_dirs: dirs,
+            ..ExecConfig::default()
+        }
+    }
+}
+
 /// What one step needs beyond the plan: the update's hyper-parameters.
 #[derive(Debug, Clone, Copy)]
 pub struct StepParams {

@@ -135,6 +135,13 @@ pub struct Budgets {
     pub nvme: u64,
 }
 
+impl Budgets {
+    /// Budgets of `device`, `host` and `nvme` bytes.
+    pub fn new(device: u64, host: u64, nvme: u64) -> Self {
+        Budgets { device, host, nvme }
+    }
+}
+
 /// The shape of one training step and what the device offers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepShape {
@@ -172,6 +179,14 @@ impl StepShape {
         }
     }
 
+    /// The same step with clipping (a global-norm barrier before the updates).
+    pub fn clipped(self) -> Self {
+        StepShape {
+            needs_global_norm: true,
+            ..self
+        }
+    }
+
     /// Tokens per optimizer step.
     pub fn tokens(&self) -> u64 {
         (self.batch * self.seq * self.grad_accum) as u64
@@ -198,7 +213,16 @@ pub struct PlanInput<'a> {
     pub budgets: Budgets,
 }
 
-impl PlanInput<'_> {
+impl<'a> PlanInput<'a> {
+    /// A step of `shape` of `model` under `budgets`.
+    pub fn new(model: &'a Model, shape: StepShape, budgets: Budgets) -> Self {
+        PlanInput {
+            model,
+            shape,
+            budgets,
+        }
+    }
+
     /// Blocks of the model.
     pub fn block_count(&self) -> usize {
         self.model.blocks().len()
