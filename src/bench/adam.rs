@@ -627,14 +627,15 @@ fn check_memory(configs: &[AdamConfig], params: usize) -> Result<(), String> {
 }
 
 /// `MemAvailable` from /proc/meminfo, in bytes.
-fn mem_available_bytes() -> Option<u64> {
+pub(crate) fn mem_available_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
 
-fn load_average() -> Option<f64> {
+/// `/proc/loadavg`'s 1-minute load average.
+pub(crate) fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg")
         .ok()?
         .split_whitespace()
@@ -643,7 +644,8 @@ fn load_average() -> Option<f64> {
         .ok()
 }
 
-fn cpu_model() -> String {
+/// The CPU's model name from /proc/cpuinfo (the architecture's name where it has none).
+pub(crate) fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {
