@@ -41,6 +41,8 @@ enum BenchCommand {
     Nvme(strata::bench::nvme::NvmeArgs),
     /// Host-to-device and device-to-host copy rates against the PCIe link and PyTorch.
     Pcie(strata::bench::pcie::PcieArgs),
+    /// Step time of each swap policy on one model, against AllOnDevice (overlap efficiency).
+    Step(Box<strata::bench::step::StepArgs>),
 }
 
 /// Prints what strata sees of this machine: cores and the CPU features its kernels use.
@@ -70,6 +72,7 @@ fn main() -> ExitCode {
             BenchCommand::Adam(args) => strata::bench::adam::main(&args),
             BenchCommand::Nvme(args) => strata::bench::nvme::run(&args).map(drop),
             BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),
+            BenchCommand::Step(args) => strata::bench::step::run(&args),
         },
         Command::Info => info(),
         Command::Eval(args) => strata::eval::run(&args, &mut std::io::stdout().lock()).map(drop),

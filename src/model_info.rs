@@ -18,6 +18,28 @@ pub struct ModelArgs {
     /// The five numbers below override its fields, for any size.
     #[arg(long, default_value = "gpt2")]
     pub config: String,
+    /// Overrides of the named configuration's fields.
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    /// Write a randomly initialised model (config.json, model.safetensors) to this folder.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Seed of the initialisation.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl ModelArgs {
+    /// The configuration the arguments describe, checked.
+    pub fn resolve(&self) -> Result<Gpt2Config, Box<dyn Error>> {
+        self.shape.resolve(&self.config)
+    }
+}
+
+/// The five numbers of a GPT-2 shape, each overriding a named configuration's field
+/// (shared by every command that takes a model).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ShapeArgs {
     /// Transformer blocks.
     #[arg(long)]
     pub layers: Option<usize>,
@@ -33,18 +55,12 @@ pub struct ModelArgs {
     /// Longest sequence.
     #[arg(long)]
     pub ctx: Option<usize>,
-    /// Write a randomly initialised model (config.json, model.safetensors) to this folder.
-    #[arg(long)]
-    pub init: Option<PathBuf>,
-    /// Seed of the initialisation.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
 }
 
-impl ModelArgs {
-    /// The configuration the arguments describe, checked.
-    pub fn resolve(&self) -> Result<Gpt2Config, Box<dyn Error>> {
-        let base = Gpt2Config::preset(&self.config)?;
+impl ShapeArgs {
+    /// The configuration named `name` with these fields overridden, checked.
+    pub fn resolve(&self, name: &str) -> Result<Gpt2Config, Box<dyn Error>> {
+        let base = Gpt2Config::preset(name)?;
         let config = Gpt2Config::new(
             self.layers.unwrap_or(base.layers),
             self.heads.unwrap_or(base.heads),

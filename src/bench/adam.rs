@@ -627,7 +627,8 @@ fn check_memory(configs: &[AdamConfig], params: usize) -> Result<(), String> {
     Ok(())
 }
 
-fn load_average() -> Option<f64> {
+/// `/proc/loadavg`'s 1-minute load average.
+pub(crate) fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg")
         .ok()?
         .split_whitespace()

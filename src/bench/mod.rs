@@ -5,3 +5,4 @@ pub mod adam;
 pub mod fio;
 pub mod nvme;
 pub mod pcie;
+pub mod step;

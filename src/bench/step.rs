@@ -1,0 +1,1120 @@
+//! `strata bench step`: the step time of each swap policy on one model, against
+//! `AllOnDevice` on the same model in the same run (DESIGN.md section 6).
+//!
+//! - Each policy is planned ([`Plan::build`], [`Plan::check_fits`]; a refusal is printed
+//!   and the policy skipped), run by an [`Executor`] on the CPU backend for `--warmup`
+//!   and then `--steps` steps over the same deterministic synthetic batches, and reported
+//!   as medians: step seconds, tokens/s, the compute lane's busy and stall time, bytes
+//!   per link, planned and measured peak bytes per tier, and the cost model's prediction.
+//! - Overlap efficiency is compute-only time over step time, reported twice: with
+//!   `AllOnDevice`'s compute-lane busy time (what the step would cost with no data
+//!   movement at all) and with the policy's own compute-lane busy time (how much of the
+//!   movement hides under its own compute).
+//! - Policies run interleaved, one step of each per round, so that the noise of a
+//!   shared machine falls on all of them alike; when holding every executor at once would
+//!   not fit in the memory available, they run one after another, and the report says so.
+//! - `--scale` runs the scale claim instead: a GPT whose training state is at least twice
+//!   the host budget trains with `NvmeOffload` within that budget, and its loss falls.
+//!
+//! It holds no kernels and no scheduling: those are the engine's.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::{Value, json};
+use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
+use strata_engine::kernels::adamw::AdamW;
+use strata_engine::model::{CpuBackend, Gpt2Config, Model, PRESETS};
+use strata_engine::plan::{
+    AllOnDevice, Budgets, CostModel, CpuOffload, Lane, NvmeOffload, ParamOffload, Plan, PlanInput,
+    Policy, Precision, Prediction, StepShape, Tier,
+};
+use strata_storage::is_tmpfs;
+
+use super::adam::load_average;
+use crate::doctor::{cpu_model, meminfo_bytes};
+use crate::model_info::ShapeArgs;
+use crate::report::{
+    LineChart, Series, Table, format_bytes, median, median_index, parse_bytes, write_json,
+};
+
+/// A built-in policy, as named on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyName {
+    /// Everything on the device: the reference.
+    AllOnDevice,
+    /// ZeRO-Offload: optimizer state on the host, updated by the CPU.
+    CpuOffload,
+    /// CPU offload, and parameters streamed from the host `--depth` blocks ahead.
+    ParamOffload,
+    /// ZeRO-Infinity: parameters and optimizer state on NVMe.
+    NvmeOffload,
+}
+
+impl PolicyName {
+    /// The policy, with `depth` blocks of prefetch where it streams.
+    pub fn policy(self, depth: usize) -> Box<dyn Policy> {
+        match self {
+            PolicyName::AllOnDevice => Box::new(AllOnDevice),
+            PolicyName::CpuOffload => Box::new(CpuOffload),
+            PolicyName::ParamOffload => Box::new(ParamOffload {
+                depth,
+                ..ParamOffload::default()
+            }),
+            PolicyName::NvmeOffload => Box::new(NvmeOffload {
+                depth,
+                ..NvmeOffload::default()
+            }),
+        }
+    }
+}
+
+/// The working dtype of the parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Dtype {
+    /// Everything fp32.
+    Fp32,
+    /// bf16 working parameters (fp32 master copy and optimizer state).
+    Bf16,
+}
+
+/// Options of `strata bench step`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StepArgs {
+    /// A named model: tiny, small, gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl. The five
+    /// numbers below override its fields, for any shape.
+    #[arg(long, default_value = "gpt2")]
+    pub model: String,
+    /// Overrides of the named model's fields.
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+    /// Measured steps per policy (with --scale: steps of the whole run).
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Untimed steps per policy before the measured ones.
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Policies to compare, comma-separated.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "all-on-device,cpu-offload,param-offload,nvme-offload"
+    )]
+    pub policies: Vec<PolicyName>,
+    /// Prefetch depth, in blocks, of the policies that stream.
+    #[arg(long, visible_alias = "prefetch", default_value_t = 2)]
+    pub depth: usize,
+    /// Folder for the NVMe tier's swap files (on the drive to measure; not tmpfs).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    pub nvme: PathBuf,
+    /// Device memory budget (default: unlimited).
+    #[arg(long, value_parser = parse_bytes)]
+    pub device_mem: Option<u64>,
+    /// Host memory budget (default: unlimited; with --scale, 900MiB).
+    #[arg(long, value_parser = parse_bytes)]
+    pub host_mem: Option<u64>,
+    /// Working dtype of the parameters.
+    #[arg(long, value_enum, default_value = "fp32")]
+    pub dtype: Dtype,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Seed of the initial parameters and of the synthetic batches.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Run the scale claim: NvmeOffload trains a model whose training state is at least
+    /// twice --host-mem within that budget, on one repeated batch, and its loss falls.
+    #[arg(long)]
+    pub scale: bool,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Draw every measured step's time per policy as SVG to this file.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Write each policy's median step as a Chrome trace (one process per policy; open
+    /// it in Perfetto) to this file.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+}
+
+/// The machine the run saw.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    /// The CPU's model name.
+    pub cpu: String,
+    /// Threads available to this process.
+    pub cores: usize,
+    /// `MemAvailable` at the start.
+    pub mem_available_bytes: Option<u64>,
+    /// `/proc/loadavg`'s 1-minute load before and after the run: above the core count,
+    /// something else competed for the machine.
+    pub load_average: [Option<f64>; 2],
+}
+
+impl Machine {
+    fn now() -> Self {
+        Machine {
+            cpu: cpu_model(),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            mem_available_bytes: meminfo_bytes("MemAvailable"),
+            load_average: [load_average(), None],
+        }
+    }
+}
+
+/// The model benchmarked.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelShape {
+    /// Its preset name, or `custom`.
+    pub name: String,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Residual width.
+    pub width: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Context length.
+    pub ctx: usize,
+    /// Parameters.
+    pub params: u64,
+}
+
+/// One step as measured.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct StepSample {
+    /// Wall seconds.
+    pub seconds: f64,
+    /// Mean loss over the step's tokens.
+    pub loss: f32,
+    /// Busy seconds per lane: nvme, h2d, compute, d2h, cpu-optimizer.
+    pub lane_busy_s: [f64; 5],
+    /// Seconds the compute lane waited for other lanes.
+    pub compute_stall_s: f64,
+    /// Bytes over NVMe read, NVMe write, H2D, D2H.
+    pub link_bytes: [u64; 4],
+}
+
+impl From<&StepReport> for StepSample {
+    fn from(r: &StepReport) -> Self {
+        StepSample {
+            seconds: r.seconds,
+            loss: r.loss,
+            lane_busy_s: r.lane_busy,
+            compute_stall_s: r.compute_stall,
+            link_bytes: r.link_bytes,
+        }
+    }
+}
+
+/// Latency percentiles of one kind of operation over the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Latency {
+    /// The operation kind (`nvme-read`, `forward`, `adamw`...).
+    pub kind: &'static str,
+    /// Operations recorded.
+    pub count: u64,
+    /// Median, microseconds.
+    pub p50_us: u64,
+    /// 99th percentile.
+    pub p99_us: u64,
+    /// Longest.
+    pub max_us: u64,
+}
+
+/// One policy's results.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyResult {
+    /// The policy's name, with its depth.
+    pub policy: String,
+    /// Median step seconds.
+    pub step_s_median: f64,
+    /// Fastest step.
+    pub step_s_min: f64,
+    /// Tokens per second at the median.
+    pub tokens_per_s: f64,
+    /// Median step over `AllOnDevice`'s (when it ran): how many times slower.
+    pub vs_all_on_device: Option<f64>,
+    /// Median busy seconds of this policy's compute lane.
+    pub compute_s_median: f64,
+    /// `AllOnDevice`'s median compute-lane busy time over this policy's median step.
+    pub overlap_efficiency_vs_all_on_device: Option<f64>,
+    /// This policy's median compute-lane busy time over its median step.
+    pub overlap_efficiency_own: f64,
+    /// Median compute-lane stall over the median step.
+    pub stall_fraction: f64,
+    /// Bytes per step over NVMe read, NVMe write, H2D, D2H, as measured (median step).
+    pub link_bytes_per_step: [u64; 4],
+    /// The same, as planned.
+    pub link_bytes_planned: [u64; 4],
+    /// Planned peak bytes per tier: device, host, NVMe.
+    pub peak_planned: [u64; 3],
+    /// Measured peak of live buffers per tier (the executor does not measure NVMe: 0).
+    pub peak_measured: [u64; 3],
+    /// The cost model's prediction for the plan.
+    pub predicted: Prediction,
+    /// Loss of the first step (warm-up included).
+    pub loss_first: f32,
+    /// Loss of the last step.
+    pub loss_last: f32,
+    /// The warm-up steps.
+    pub warmup: Vec<StepSample>,
+    /// The measured steps.
+    pub steps: Vec<StepSample>,
+    /// Latency per operation kind, over every step.
+    pub latency: Vec<Latency>,
+}
+
+/// A policy the planner refused.
+#[derive(Debug, Clone, Serialize)]
+pub struct Refusal {
+    /// The policy.
+    pub policy: String,
+    /// Why, with what would fit.
+    pub reason: String,
+}
+
+/// Everything `strata bench step` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepBenchReport {
+    /// The machine.
+    pub machine: Machine,
+    /// The model.
+    pub model: ModelShape,
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Micro-batches per step.
+    pub grad_accum: usize,
+    /// Working dtype.
+    pub dtype: String,
+    /// Untimed steps per policy.
+    pub warmup: usize,
+    /// Measured steps per policy.
+    pub steps: usize,
+    /// `interleaved` or `sequential`.
+    pub schedule: &'static str,
+    /// Why that schedule.
+    pub schedule_reason: String,
+    /// The NVMe tier's folder.
+    pub nvme_dir: PathBuf,
+    /// Budgets given (`None`: unlimited).
+    pub budgets: [Option<u64>; 3],
+    /// The rates predictions were made with.
+    pub cost_model: CostModel,
+    /// Whether every policy's losses equal the first policy's bit for bit (invariant 1).
+    pub losses_identical: bool,
+    /// Results per policy, in the order asked.
+    pub policies: Vec<PolicyResult>,
+    /// Policies whose plans did not fit or could not be built.
+    pub refused: Vec<Refusal>,
+}
+
+/// What `--scale` measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleReport {
+    /// The machine.
+    pub machine: Machine,
+    /// The model.
+    pub model: ModelShape,
+    /// The policy.
+    pub policy: String,
+    /// Where its activation checkpoints live (`host`, or `nvme` when the host budget is
+    /// too small for them).
+    pub checkpoints: String,
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Working dtype.
+    pub dtype: String,
+    /// Training state: working parameters plus fp32 master copy, Adam m and v.
+    pub state_bytes: u64,
+    /// Bytes per parameter of that state.
+    pub state_bytes_per_param: u64,
+    /// The host budget.
+    pub host_budget_bytes: u64,
+    /// The device budget (`None`: unlimited).
+    pub device_budget_bytes: Option<u64>,
+    /// `state_bytes / host_budget_bytes`.
+    pub state_over_host_budget: f64,
+    /// Planned peak per tier.
+    pub peak_planned: [u64; 3],
+    /// Measured peak of live buffers per tier (NVMe is not measured: 0).
+    pub peak_measured: [u64; 3],
+    /// Tokens per second, median of the steps after the first `--warmup`.
+    pub tokens_per_s: f64,
+    /// Median step seconds, likewise.
+    pub step_s_median: f64,
+    /// The loss of every step, on one repeated batch.
+    pub losses: Vec<f32>,
+    /// Every step.
+    pub steps: Vec<StepSample>,
+}
+
+/// One policy being run.
+struct Rig {
+    policy: Box<dyn Policy>,
+    plan: Plan,
+    executor: Option<Executor<CpuBackend>>,
+    warmup: Vec<StepSample>,
+    steps: Vec<StepSample>,
+    reports: Vec<StepReport>,
+    peak_measured: [u64; 3],
+    latency: Vec<Latency>,
+}
+
+/// What every policy of a run shares: the model, its initial parameters, the step.
+struct Setup {
+    model: Model,
+    params: Vec<Vec<f32>>,
+    shape: StepShape,
+    config: ExecConfig,
+    step_params: StepParams,
+}
+
+impl Setup {
+    fn new(args: &StepArgs) -> Result<Self, Box<dyn std::error::Error>> {
+        let config = args.shape.resolve(&args.model)?;
+        let model = Model::new(config)?;
+        let precision = match args.dtype {
+            Dtype::Fp32 => Precision::Fp32,
+            Dtype::Bf16 => Precision::Bf16,
+        };
+        let shape = StepShape {
+            grad_accum: args.grad_accum,
+            precision,
+            ..StepShape::cpu(args.batch, args.seq)
+        };
+        let params = model.init_params(args.seed);
+        Ok(Setup {
+            model,
+            params,
+            shape,
+            config: ExecConfig {
+                nvme_dirs: vec![args.nvme.clone()],
+                ..ExecConfig::default()
+            },
+            step_params: StepParams {
+                adam: AdamW {
+                    lr: args.lr,
+                    weight_decay: 0.1,
+                    ..AdamW::default()
+                },
+                clip: 0.0,
+                loss_scale: 1.0,
+            },
+        })
+    }
+
+    fn executor(&self, plan: &Plan) -> Result<Executor<CpuBackend>, Box<dyn std::error::Error>> {
+        let mut executor = Executor::new(
+            self.model.clone(),
+            plan.clone(),
+            CpuBackend::default(),
+            &self.config,
+        )?;
+        executor.load(&self.params, None)?;
+        Ok(executor)
+    }
+}
+
+fn model_shape(config: &Gpt2Config) -> ModelShape {
+    ModelShape {
+        name: PRESETS
+            .iter()
+            .find(|(_, c)| c == config)
+            .map_or("custom", |(n, _)| n)
+            .to_string(),
+        layers: config.layers,
+        heads: config.heads,
+        width: config.width,
+        vocab: config.vocab,
+        ctx: config.ctx,
+        params: config.param_count() as u64,
+    }
+}
+
+/// The micro-batches of step `step`: deterministic, and learnable, so that the loss
+/// falls even on fresh batches. Tokens follow a skewed distribution (id = vocab × u³
+/// for uniform u, so low ids are common), which a model learns within a few steps;
+/// inputs and targets are one stream shifted by one, as in `model::data`.
+fn synthetic_batches(
+    vocab: usize,
+    shape: &StepShape,
+    seed: u64,
+    step: usize,
+) -> Vec<(Vec<u32>, Vec<u32>)> {
+    let n = shape.batch * shape.seq;
+    let mut x = seed ^ (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut next = || {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+        ((u * u * u * vocab as f64) as usize).min(vocab - 1) as u32
+    };
+    (0..shape.grad_accum)
+        .map(|_| {
+            let stream: Vec<u32> = (0..=n).map(|_| next()).collect();
+            (stream[..n].to_vec(), stream[1..].to_vec())
+        })
+        .collect()
+}
+
+fn refs(batches: &[(Vec<u32>, Vec<u32>)]) -> Vec<(&[u32], &[u32])> {
+    batches.iter().map(|(t, y)| (&t[..], &y[..])).collect()
+}
+
+/// Refuses an NVMe folder the tier cannot use: missing, or tmpfs (no O_DIRECT, and RAM
+/// rather than a drive).
+fn check_nvme_dir(dir: &Path) -> Result<(), String> {
+    if !dir.is_dir() {
+        return Err(format!(
+            "--nvme {}: not a folder; pass a folder on the drive to swap to",
+            dir.display()
+        ));
+    }
+    if is_tmpfs(dir) {
+        return Err(format!(
+            "--nvme {} is on tmpfs (RAM): the NVMe tier reads with O_DIRECT, which tmpfs \
+             refuses, and it would measure memory, not a drive; pass --nvme a folder on a \
+             real filesystem (e.g. --nvme /var/tmp)",
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
+fn budgets(args: &StepArgs, host_default: Option<u64>) -> Budgets {
+    const UNLIMITED: u64 = u64::MAX / 4;
+    Budgets {
+        device: args.device_mem.unwrap_or(UNLIMITED),
+        host: args.host_mem.or(host_default).unwrap_or(UNLIMITED),
+        nvme: UNLIMITED,
+    }
+}
+
+fn validate(args: &StepArgs) -> Result<(), String> {
+    for (name, value) in [
+        ("--batch", args.batch),
+        ("--seq", args.seq),
+        ("--grad-accum", args.grad_accum),
+        ("--steps", args.steps),
+        ("--depth", args.depth),
+    ] {
+        if value == 0 {
+            return Err(format!("{name} must be at least 1"));
+        }
+    }
+    if args.policies.is_empty() {
+        return Err("--policies names no policy".into());
+    }
+    Ok(())
+}
+
+/// `strata bench step` (or its `--scale` run): runs, prints, and writes what was asked.
+pub fn run(args: &StepArgs) -> Result<(), Box<dyn std::error::Error>> {
+    validate(args)?;
+    if args.scale {
+        let report = run_scale(args)?;
+        if let Some(path) = &args.json {
+            write_json(path, &report)?;
+            println!("wrote {}", path.display());
+        }
+        return Ok(());
+    }
+    let report = run_compare(args)?;
+    if let Some(path) = &args.json {
+        write_json(path, &report)?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.svg {
+        std::fs::write(path, chart(&report).to_svg())?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// Every policy's step time, interleaved, against `AllOnDevice`.
+pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::error::Error>> {
+    let mut machine = Machine::now();
+    let setup = Setup::new(args)?;
+    let input = PlanInput {
+        model: &setup.model,
+        shape: setup.shape,
+        budgets: budgets(args, None),
+    };
+    let mut rigs = Vec::new();
+    let mut refused = Vec::new();
+    let mut asked: Vec<PolicyName> = Vec::new();
+    for &name in &args.policies {
+        if asked.contains(&name) {
+            continue;
+        }
+        asked.push(name);
+        let policy = name.policy(args.depth);
+        match Plan::build(&input, policy.as_ref()).and_then(|plan| {
+            plan.check_fits(&input)?;
+            Ok(plan)
+        }) {
+            Ok(plan) => rigs.push(Rig {
+                policy,
+                plan,
+                executor: None,
+                warmup: Vec::new(),
+                steps: Vec::new(),
+                reports: Vec::new(),
+                peak_measured: [0; 3],
+                latency: Vec::new(),
+            }),
+            Err(e) => {
+                println!("{}: skipped: {e}", policy.name());
+                refused.push(Refusal {
+                    policy: policy.name(),
+                    reason: e.to_string(),
+                });
+            }
+        }
+    }
+    if rigs.is_empty() {
+        return Err("no policy fits the budgets; see the refusals above".into());
+    }
+    if rigs.iter().any(|r| !r.plan.extent_groups.is_empty()) {
+        check_nvme_dir(&args.nvme)?;
+    }
+    let config = setup.model.config();
+    let tokens = setup.shape.tokens();
+    // Every executor held at once (interleaved) needs the sum of the plans' device and
+    // host peaks (the CPU device's memory is host memory), next to the initial
+    // parameters; run sequentially when that would crowd out the page cache and others.
+    let held: u64 = rigs
+        .iter()
+        .map(|r| r.plan.peak[Tier::Device.index()] + r.plan.peak[Tier::Host.index()])
+        .sum::<u64>()
+        + 4 * config.param_count() as u64;
+    let (schedule, schedule_reason) = match machine.mem_available_bytes {
+        Some(available) if held as f64 > 0.8 * available as f64 => (
+            "sequential",
+            format!(
+                "every executor at once would hold {}, more than 80% of the {} available: \
+                 policies run one after another, so machine noise may differ between them",
+                format_bytes(held),
+                format_bytes(available)
+            ),
+        ),
+        _ => (
+            "interleaved",
+            format!(
+                "every executor held at once ({}), one step of each policy per round",
+                format_bytes(held)
+            ),
+        ),
+    };
+    println!(
+        "bench step: {} ({} layers, {} heads, width {}, vocab {}, {} params), batch {} x seq {} \
+         x accum {} = {tokens} tokens/step, {}, {} warm-up + {} measured steps per policy, \
+         {schedule}; {} ({} cores)",
+        model_shape(config).name,
+        config.layers,
+        config.heads,
+        config.width,
+        config.vocab,
+        config.param_count(),
+        args.batch,
+        args.seq,
+        args.grad_accum,
+        setup.shape.precision,
+        args.warmup,
+        args.steps,
+        machine.cpu,
+        machine.cores
+    );
+    println!("schedule: {schedule_reason}");
+
+    let data: Vec<_> = (0..args.warmup + args.steps)
+        .map(|s| synthetic_batches(config.vocab, &setup.shape, args.seed, s))
+        .collect();
+    let total = args.warmup + args.steps;
+    let one_step = |rig: &mut Rig, s: usize| -> Result<(), Box<dyn std::error::Error>> {
+        let executor = rig.executor.as_mut().expect("started");
+        let report = executor.step(&refs(&data[s]), &setup.step_params)?;
+        eprintln!(
+            "  {} step {}/{total}{}: {:.3} s, loss {:.4}",
+            rig.policy.name(),
+            s + 1,
+            if s < args.warmup { " (warm-up)" } else { "" },
+            report.seconds,
+            report.loss
+        );
+        if s < args.warmup {
+            rig.warmup.push(StepSample::from(&report));
+        } else {
+            rig.steps.push(StepSample::from(&report));
+            rig.reports.push(report);
+        }
+        Ok(())
+    };
+    let finish = |rig: &mut Rig| {
+        let executor = rig.executor.take().expect("started");
+        rig.peak_measured = executor.peak_live();
+        rig.latency = latencies(&executor);
+    };
+    if schedule == "interleaved" {
+        for rig in &mut rigs {
+            rig.executor = Some(setup.executor(&rig.plan)?);
+        }
+        for s in 0..total {
+            for rig in &mut rigs {
+                one_step(rig, s)?;
+            }
+        }
+        rigs.iter_mut().for_each(finish);
+    } else {
+        for rig in &mut rigs {
+            rig.executor = Some(setup.executor(&rig.plan)?);
+            for s in 0..total {
+                one_step(rig, s)?;
+            }
+            finish(rig);
+        }
+    }
+    machine.load_average[1] = load_average();
+
+    let cost = CostModel::default();
+    let reference = rigs
+        .iter()
+        .find(|r| r.plan.policy == AllOnDevice.name())
+        .map(|r| {
+            let step = median(&r.steps.iter().map(|s| s.seconds).collect::<Vec<_>>());
+            let compute = median(&r.steps.iter().map(compute_busy).collect::<Vec<_>>());
+            (step, compute)
+        });
+    let policies: Vec<PolicyResult> = rigs
+        .iter()
+        .map(|rig| {
+            let seconds: Vec<f64> = rig.steps.iter().map(|s| s.seconds).collect();
+            let step_s = median(&seconds);
+            let compute_s = median(&rig.steps.iter().map(compute_busy).collect::<Vec<_>>());
+            let stall_s = median(
+                &rig.steps
+                    .iter()
+                    .map(|s| s.compute_stall_s)
+                    .collect::<Vec<_>>(),
+            );
+            let all = rig.warmup.iter().chain(&rig.steps);
+            PolicyResult {
+                policy: rig.plan.policy.clone(),
+                step_s_median: step_s,
+                step_s_min: seconds.iter().copied().fold(f64::INFINITY, f64::min),
+                tokens_per_s: tokens as f64 / step_s,
+                vs_all_on_device: reference.map(|(step, _)| step_s / step),
+                compute_s_median: compute_s,
+                overlap_efficiency_vs_all_on_device: reference.map(|(_, compute)| compute / step_s),
+                overlap_efficiency_own: compute_s / step_s,
+                stall_fraction: stall_s / step_s,
+                link_bytes_per_step: rig.steps[median_index(&seconds)].link_bytes,
+                link_bytes_planned: rig.plan.link_bytes,
+                peak_planned: rig.plan.peak,
+                peak_measured: rig.peak_measured,
+                predicted: cost.predict(&rig.plan),
+                loss_first: all.clone().next().map_or(f32::NAN, |s| s.loss),
+                loss_last: all.last().map_or(f32::NAN, |s| s.loss),
+                warmup: rig.warmup.clone(),
+                steps: rig.steps.clone(),
+                latency: rig.latency.clone(),
+            }
+        })
+        .collect();
+    let losses = |r: &Rig| -> Vec<u32> {
+        r.warmup
+            .iter()
+            .chain(&r.steps)
+            .map(|s| s.loss.to_bits())
+            .collect()
+    };
+    let losses_identical = rigs.iter().all(|r| losses(r) == losses(&rigs[0]));
+    let report = StepBenchReport {
+        machine,
+        model: model_shape(config),
+        batch: args.batch,
+        seq: args.seq,
+        grad_accum: args.grad_accum,
+        dtype: setup.shape.precision.to_string(),
+        warmup: args.warmup,
+        steps: args.steps,
+        schedule,
+        schedule_reason,
+        nvme_dir: args.nvme.clone(),
+        budgets: [args.device_mem, args.host_mem, None],
+        cost_model: cost,
+        losses_identical,
+        policies,
+        refused,
+    };
+    print!("{}", render(&report));
+    if let Some(path) = &args.trace {
+        write_json(path, &combined_trace(&rigs))?;
+        println!(
+            "wrote {} (open it in https://ui.perfetto.dev)",
+            path.display()
+        );
+    }
+    if !losses_identical {
+        return Err(
+            "the policies' losses differ: offloading changed the math (invariant 1); this is \
+             a bug, please report it with the JSON"
+                .into(),
+        );
+    }
+    Ok(report)
+}
+
+fn compute_busy(s: &StepSample) -> f64 {
+    s.lane_busy_s[Lane::Compute.index()]
+}
+
+fn latencies(executor: &Executor<CpuBackend>) -> Vec<Latency> {
+    executor
+        .latency_summary()
+        .into_iter()
+        .map(|(kind, count, p50_us, p99_us, max_us)| Latency {
+            kind,
+            count,
+            p50_us,
+            p99_us,
+            max_us,
+        })
+        .collect()
+}
+
+/// Seconds to three significant digits (`15.3`, `0.00234`), so that one column holds a
+/// tiny test model's steps and GPT-2's alike.
+fn seconds(value: f64) -> String {
+    if !(value.is_finite() && value > 0.0) {
+        return format!("{value}");
+    }
+    let decimals = (2 - value.log10().floor() as i32).max(0) as usize;
+    format!("{value:.decimals$}")
+}
+
+fn ratio(value: Option<f64>, suffix: &str) -> String {
+    value.map_or("-".into(), |v| format!("{v:.2}{suffix}"))
+}
+
+/// The tables of a comparison run.
+pub fn render(report: &StepBenchReport) -> String {
+    let mut time = Table::new([
+        "policy",
+        "step s",
+        "tokens/s",
+        "vs all-on-device",
+        "overlap (AOD compute)",
+        "overlap (own compute)",
+        "stall %",
+        "predicted s",
+        "loss first -> last",
+    ]);
+    let mut memory = Table::new([
+        "policy",
+        "peak device",
+        "peak host",
+        "peak nvme",
+        "measured device",
+        "measured host",
+        "nvme read/step",
+        "nvme write/step",
+        "h2d/step",
+        "d2h/step",
+    ]);
+    for p in &report.policies {
+        time.row([
+            p.policy.clone(),
+            seconds(p.step_s_median),
+            format!("{:.0}", p.tokens_per_s),
+            ratio(p.vs_all_on_device, "x"),
+            ratio(p.overlap_efficiency_vs_all_on_device, ""),
+            format!("{:.2}", p.overlap_efficiency_own),
+            format!("{:.1}%", 100.0 * p.stall_fraction),
+            seconds(p.predicted.step_seconds),
+            format!("{:.4} -> {:.4}", p.loss_first, p.loss_last),
+        ]);
+        let mut row = vec![p.policy.clone()];
+        row.extend(p.peak_planned.iter().map(|&b| format_bytes(b)));
+        row.extend(p.peak_measured[..2].iter().map(|&b| format_bytes(b)));
+        row.extend(p.link_bytes_per_step.iter().map(|&b| format_bytes(b)));
+        memory.row(row);
+    }
+    let mut out = time.render();
+    out.push_str(
+        "step s: median of the measured steps; vs all-on-device: step time over all-on-device's;\n\
+         overlap (AOD compute): all-on-device's compute-lane busy time / this step time (1 = \
+         as fast as no data movement);\n\
+         overlap (own compute): this policy's compute-lane busy time / its step time (1 = every \
+         transfer hidden under compute);\n\
+         stall: the compute lane waiting for data; predicted: the cost model's defaults \
+         (engine::plan::CostModel).\n",
+    );
+    out.push('\n');
+    out.push_str(&memory.render());
+    out.push_str(
+        "peak: planned per tier; measured: the most bytes of buffers live at once; per step: \
+         bytes moved over each link in the median step.\n",
+    );
+    out.push_str(&format!(
+        "losses bit-identical across policies (invariant 1): {}\n",
+        if report.losses_identical { "yes" } else { "NO" }
+    ));
+    if let [Some(before), Some(after)] = report.machine.load_average {
+        out.push_str(&format!(
+            "load average (1 min): {before:.2} before, {after:.2} after, on {} cores\n",
+            report.machine.cores
+        ));
+    }
+    out
+}
+
+fn chart(report: &StepBenchReport) -> LineChart {
+    LineChart {
+        title: format!(
+            "strata bench step: {} ({} params), batch {} x {}",
+            report.model.name, report.model.params, report.batch, report.seq
+        ),
+        x_label: "measured step".into(),
+        y_label: "seconds per step".into(),
+        log2_x: false,
+        x_format: |x| format!("{x:.0}"),
+        series: report
+            .policies
+            .iter()
+            .map(|p| Series {
+                name: p.policy.clone(),
+                points: p
+                    .steps
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| ((i + 1) as f64, s.seconds))
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+/// Each policy's median step in one Chrome trace, a process per policy.
+fn combined_trace(rigs: &[Rig]) -> Value {
+    let mut events = Vec::new();
+    for (pid, rig) in rigs.iter().enumerate() {
+        let seconds: Vec<f64> = rig.reports.iter().map(|r| r.seconds).collect();
+        let index = median_index(&seconds);
+        let step = (rig.warmup.len() + index + 1) as u64;
+        let trace = rig.reports[index].chrome_trace(step);
+        for mut event in trace["traceEvents"].as_array().cloned().unwrap_or_default() {
+            event["pid"] = json!(pid + 1);
+            if event["name"] == "process_name" {
+                event["args"]["name"] = json!(format!("{} (step {step})", rig.plan.policy));
+            }
+            events.push(event);
+        }
+    }
+    json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+}
+
+/// The scale claim: `NvmeOffload` trains a model whose training state is at least twice
+/// the host budget, within that budget, and its loss falls on a repeated batch.
+pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Error>> {
+    // GPT-2 124M's 1.85 GiB of fp32 state is 2.1x this.
+    const DEFAULT_HOST_BYTES: u64 = 900 << 20;
+    let mut machine = Machine::now();
+    let setup = Setup::new(args)?;
+    let config = *setup.model.config();
+    let budgets = budgets(args, Some(DEFAULT_HOST_BYTES));
+    let params = config.param_count() as u64;
+    let state_per_param = setup.shape.precision.param_bytes() + 12;
+    let state_bytes = params * state_per_param;
+    if state_bytes < 2 * budgets.host {
+        return Err(format!(
+            "the scale run needs a training state at least twice the host budget, but {} \
+             ({params} params x {state_per_param} B) is less than twice --host-mem {}; pick a \
+             larger --model or a smaller --host-mem",
+            format_bytes(state_bytes),
+            format_bytes(budgets.host)
+        )
+        .into());
+    }
+    check_nvme_dir(&args.nvme)?;
+    let input = PlanInput {
+        model: &setup.model,
+        shape: setup.shape,
+        budgets,
+    };
+    // Checkpoints on the host if that fits, else on NVMe too (ZeRO-Infinity's choice for
+    // the largest models): the first NvmeOffload that fits the budgets.
+    let mut refusal = None;
+    let mut chosen = None;
+    for checkpoints in [Tier::Host, Tier::Nvme] {
+        let plan = Plan::build(
+            &input,
+            &NvmeOffload {
+                depth: args.depth,
+                checkpoints,
+            },
+        )?;
+        match plan.check_fits(&input) {
+            Ok(()) => {
+                chosen = Some((plan, checkpoints));
+                break;
+            }
+            Err(e) => refusal = Some(e),
+        }
+    }
+    let Some((plan, checkpoints)) = chosen else {
+        return Err(refusal.expect("a refusal when nothing fits").into());
+    };
+    let host = Tier::Host.index();
+    assert!(
+        plan.peak[host] <= budgets.host,
+        "check_fits held the budget"
+    );
+    println!(
+        "bench step --scale: {} ({params} params), training state {} ({state_per_param} \
+         B/param: working {} params, fp32 master, Adam m and v) = {:.2}x the host budget {}; \
+         {} with checkpoints on {checkpoints}, planned peak: device {}, host {}, nvme {}",
+        model_shape(&config).name,
+        format_bytes(state_bytes),
+        setup.shape.precision,
+        state_bytes as f64 / budgets.host as f64,
+        format_bytes(budgets.host),
+        plan.policy,
+        format_bytes(plan.peak[Tier::Device.index()]),
+        format_bytes(plan.peak[host]),
+        format_bytes(plan.peak[Tier::Nvme.index()]),
+    );
+    let mut executor = setup.executor(&plan)?;
+    // One batch, every step: the loss must fall.
+    let batch = synthetic_batches(config.vocab, &setup.shape, args.seed, 0);
+    let mut steps = Vec::new();
+    for s in 0..args.steps {
+        let report = executor.step(&refs(&batch), &setup.step_params)?;
+        eprintln!(
+            "  step {}/{}: {:.3} s, loss {:.4}",
+            s + 1,
+            args.steps,
+            report.seconds,
+            report.loss
+        );
+        steps.push(StepSample::from(&report));
+    }
+    machine.load_average[1] = load_average();
+    let peak_measured = executor.peak_live();
+    drop(executor);
+    let timed: Vec<f64> = steps
+        .iter()
+        .skip(args.warmup.min(args.steps - 1))
+        .map(|s| s.seconds)
+        .collect();
+    let step_s = median(&timed);
+    let losses: Vec<f32> = steps.iter().map(|s| s.loss).collect();
+    let report = ScaleReport {
+        machine,
+        model: model_shape(&config),
+        policy: plan.policy.clone(),
+        checkpoints: checkpoints.to_string(),
+        batch: args.batch,
+        seq: args.seq,
+        dtype: setup.shape.precision.to_string(),
+        state_bytes,
+        state_bytes_per_param: state_per_param,
+        host_budget_bytes: budgets.host,
+        device_budget_bytes: args.device_mem,
+        state_over_host_budget: state_bytes as f64 / budgets.host as f64,
+        peak_planned: plan.peak,
+        peak_measured,
+        tokens_per_s: setup.shape.tokens() as f64 / step_s,
+        step_s_median: step_s,
+        losses,
+        steps,
+    };
+    let (first, last) = (report.losses[0], report.losses[report.losses.len() - 1]);
+    println!(
+        "{} steps: {:.1} tokens/s ({:.3} s/step, median after {} warm-up), loss {first:.4} -> \
+         {last:.4}; measured peak: device {}, host {} (budget {})",
+        report.steps.len(),
+        report.tokens_per_s,
+        step_s,
+        args.warmup.min(args.steps - 1),
+        format_bytes(peak_measured[Tier::Device.index()]),
+        format_bytes(peak_measured[host]),
+        format_bytes(budgets.host)
+    );
+    // On the CPU device the device tier is host memory too: say what RAM the run held.
+    println!(
+        "RAM planned for the device and host tiers together: {} (the training state is {:.2}x that)",
+        format_bytes(plan.peak[Tier::Device.index()] + plan.peak[host]),
+        state_bytes as f64 / (plan.peak[Tier::Device.index()] + plan.peak[host]) as f64
+    );
+    if peak_measured[host] > plan.peak[host] {
+        return Err(format!(
+            "measured host peak {} exceeds the plan's {} (invariant 2): a bug",
+            format_bytes(peak_measured[host]),
+            format_bytes(plan.peak[host])
+        )
+        .into());
+    }
+    if args.steps > 1 && (last >= first || last.is_nan()) {
+        return Err(format!(
+            "the loss did not fall on a repeated batch ({first} -> {last}): training is broken"
+        )
+        .into());
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_batches_are_deterministic_shifted_and_in_range() {
+        let shape = StepShape {
+            grad_accum: 2,
+            ..StepShape::cpu(2, 8)
+        };
+        let a = synthetic_batches(50, &shape, 3, 1);
+        assert_eq!(a, synthetic_batches(50, &shape, 3, 1));
+        assert_ne!(a, synthetic_batches(50, &shape, 3, 2));
+        assert_eq!(a.len(), 2);
+        for (t, y) in &a {
+            assert_eq!(t.len(), 16);
+            assert_eq!(t[1..], y[..15]);
+            assert!(t.iter().chain(y).all(|&id| id < 50));
+        }
+    }
+
+    #[test]
+    fn policy_names_parse_and_name_their_depth() {
+        use clap::ValueEnum;
+        let p = PolicyName::from_str("nvme-offload", false).unwrap();
+        assert_eq!(p.policy(3).name(), "nvme-offload(depth 3)");
+        assert_eq!(
+            PolicyName::from_str("all-on-device", false)
+                .unwrap()
+                .policy(2)
+                .name(),
+            "all-on-device"
+        );
+    }
+}

@@ -1,0 +1,239 @@
+//! `strata bench step` as a user runs it, on a tiny model: every policy's row and JSON,
+//! the scale run, and its errors.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const TINY: [&str; 14] = [
+    "--layers", "2", "--heads", "2", "--width", "32", "--vocab", "64", "--ctx", "32", "--batch",
+    "2", "--seq", "16",
+];
+
+fn strata() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+}
+
+/// A folder on the build's filesystem, not tmpfs: the NVMe tier needs O_DIRECT.
+fn scratch() -> tempfile::TempDir {
+    let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    std::fs::create_dir_all(&base).unwrap();
+    tempfile::tempdir_in(base).unwrap()
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_policy_has_a_row_and_json() {
+    let dir = scratch();
+    let json = dir.path().join("step.json");
+    let trace = dir.path().join("trace.json");
+    let svg = dir.path().join("step.svg");
+    let out = strata()
+        .args(["bench", "step", "--steps", "2"])
+        .args(TINY)
+        .arg("--nvme")
+        .arg(dir.path())
+        .arg("--json")
+        .arg(&json)
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--svg")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let names = [
+        "all-on-device",
+        "cpu-offload",
+        "param-offload(depth 2)",
+        "nvme-offload(depth 2)",
+    ];
+    for name in names {
+        assert!(
+            stdout.lines().filter(|l| l.starts_with(name)).count() == 2,
+            "{name}: a row in the time table and in the memory table:\n{stdout}"
+        );
+    }
+    assert!(stdout.contains("interleaved"), "{stdout}");
+    assert!(stdout.contains("(invariant 1): yes"), "{stdout}");
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(report["machine"]["cores"].as_u64().unwrap() >= 1);
+    assert!(!report["machine"]["cpu"].as_str().unwrap().is_empty());
+    assert_eq!(report["losses_identical"], true);
+    let policies = report["policies"].as_array().unwrap();
+    let got: Vec<&str> = policies
+        .iter()
+        .map(|p| p["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, names);
+    for p in policies {
+        assert_eq!(p["steps"].as_array().unwrap().len(), 2, "{p}");
+        assert_eq!(p["warmup"].as_array().unwrap().len(), 1, "{p}");
+        assert!(p["step_s_median"].as_f64().unwrap() > 0.0);
+        assert!(p["tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(p["overlap_efficiency_vs_all_on_device"].as_f64().unwrap() > 0.0);
+        assert!(p["predicted"]["step_seconds"].as_f64().unwrap() > 0.0);
+        // Invariant 2, as the bench sees it: measured peaks stay within the plan.
+        for tier in 0..2 {
+            assert!(p["peak_measured"][tier].as_u64() <= p["peak_planned"][tier].as_u64());
+        }
+    }
+    let nvme = &policies[3];
+    assert!(
+        nvme["link_bytes_per_step"][0].as_u64().unwrap() > 0,
+        "nvme reads"
+    );
+    assert_eq!(
+        policies[0]["link_bytes_per_step"][2], 0,
+        "no h2d on the device"
+    );
+
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let pids: std::collections::BTreeSet<u64> =
+        events.iter().map(|e| e["pid"].as_u64().unwrap()).collect();
+    assert_eq!(pids.len(), 4, "a process per policy");
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 4);
+    // The swap files are gone; the three outputs are left.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3);
+}
+
+#[test]
+fn a_policy_over_budget_is_skipped_with_its_refusal() {
+    let dir = scratch();
+    let out = strata()
+        .args(["bench", "step", "--steps", "1", "--warmup", "0"])
+        .args(TINY)
+        .args([
+            "--policies",
+            "all-on-device,cpu-offload",
+            "--device-mem",
+            "400KiB",
+        ])
+        .arg("--nvme")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stdout.contains("all-on-device: skipped: plan all-on-device does not fit"),
+        "{stdout}"
+    );
+    assert!(stdout.lines().any(|l| l.starts_with("cpu-offload")));
+}
+
+#[test]
+fn scale_run_trains_a_model_twice_the_host_budget() {
+    let dir = scratch();
+    let json = dir.path().join("scale.json");
+    let out = strata()
+        .args([
+            "bench",
+            "step",
+            "--scale",
+            "--steps",
+            "3",
+            "--host-mem",
+            "1.5MiB",
+        ])
+        .args([
+            "--layers", "16", "--heads", "2", "--width", "32", "--vocab", "64",
+        ])
+        .args(["--ctx", "32", "--batch", "2", "--seq", "16"])
+        .arg("--nvme")
+        .arg(dir.path())
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let host_budget = report["host_budget_bytes"].as_u64().unwrap();
+    assert_eq!(host_budget, 3 << 19);
+    assert!(report["state_bytes"].as_u64().unwrap() >= 2 * host_budget);
+    assert!(report["peak_planned"][1].as_u64().unwrap() <= host_budget);
+    assert!(report["peak_measured"][1].as_u64().unwrap() <= host_budget);
+    let losses: Vec<f64> = report["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_f64().unwrap())
+        .collect();
+    assert_eq!(losses.len(), 3);
+    assert!(losses[2] < losses[0], "{losses:?}");
+    assert!(report["tokens_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    // The scale claim needs a model at least twice the host budget.
+    let dir = scratch();
+    let out = strata()
+        .args(["bench", "step", "--scale", "--host-mem", "1GiB"])
+        .args(TINY)
+        .arg("--nvme")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(stderr.contains("less than twice --host-mem"), "{stderr}");
+
+    let out = strata()
+        .args(["bench", "step", "--policies", "nvme-offload"])
+        .args(TINY)
+        .args(["--nvme", "/no/such/folder"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("/no/such/folder") && stderr.contains("not a folder"),
+        "{stderr}"
+    );
+
+    if std::path::Path::new("/dev/shm").is_dir() && strata::storage::is_tmpfs("/dev/shm".as_ref()) {
+        let out = strata()
+            .args([
+                "bench",
+                "step",
+                "--policies",
+                "nvme-offload",
+                "--nvme",
+                "/dev/shm",
+            ])
+            .args(TINY)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let (_, stderr) = text(&out);
+        assert!(
+            stderr.contains("tmpfs") && stderr.contains("O_DIRECT"),
+            "{stderr}"
+        );
+    }
+
+    let out = strata()
+        .args(["bench", "step", "--policies", "everything"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("nvme-offload"),
+        "lists the choices: {stderr}"
+    );
+}
