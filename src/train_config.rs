@@ -1208,6 +1208,7 @@ mod tests {
     fn all_memory_is_none_both_ways() {
         let config = TrainConfig {
             device_mem: None,
+            host_mem: None,
             ..TrainConfig::default()
         };
         let text = toml::to_string(&config).expect("serializes");

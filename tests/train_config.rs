@@ -336,8 +336,8 @@ fn invalid_values_name_their_origin() {
         message,
         format!(
             "{}: `model` must be a preset (tiny, small, gpt2, gpt2-medium, gpt2-large, \
-             gpt2-xl) or a directory holding config.json and model.safetensors \
-             (found \"smal\")",
+             gpt2-xl), a shape LAYERSxWIDTH (such as 40x5120), or a directory holding \
+             config.json and model.safetensors (found \"smal\")",
             path.display()
         )
     );
