@@ -29,17 +29,21 @@ pub struct CostModel {
 }
 
 impl Default for CostModel {
-    /// Figures of the 2-core development machine (its `strata bench` results): 60
-    /// GFLOP/s of CPU compute, 8 GB/s memory copies, NVMe 3 GB/s read and 5 GB/s write,
-    /// AdamW 1.5 G params/s while the compute lane shares the cores.
+    /// Rates measured on the 2-core development machine by `strata bench step` on GPT-2
+    /// 124M (benches/results/step-amd-epyc-2c.json): 170 GFLOP/s of CPU compute (the
+    /// all-on-device compute lane), 8 GB/s memory copies, NVMe 2.0 GB/s read and 2.5
+    /// GB/s write as the NVMe lane achieves them one extent at a time (the raw tier
+    /// does 3 and 6), and AdamW at 0.5 G params/s while the compute lane shares the
+    /// cores. It does not model that contention for cores: on a machine with few cores
+    /// the predicted offload cost is low.
     fn default() -> Self {
         CostModel {
-            compute_flops: 60e9,
+            compute_flops: 170e9,
             h2d_bytes_per_s: 8e9,
             d2h_bytes_per_s: 8e9,
-            nvme_read_bytes_per_s: 3e9,
-            nvme_write_bytes_per_s: 5e9,
-            adam_params_per_s: 1.5e9,
+            nvme_read_bytes_per_s: 2.0e9,
+            nvme_write_bytes_per_s: 2.5e9,
+            adam_params_per_s: 0.5e9,
             source: "defaults",
         }
     }
