@@ -216,11 +216,6 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         print!("{}", cfg.to_toml());
         return Ok(());
     }
-    if cfg.delayed_update {
-        return Err(
-            "--delayed-update is not built yet: every update is applied in its own step".into(),
-        );
-    }
     let device = check_device(&cfg)?;
     let started = Instant::now();
     let mut out = std::io::stdout().lock();
