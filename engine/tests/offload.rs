@@ -600,7 +600,14 @@ fn a_step_exports_as_a_chrome_trace_with_every_lane() {
     }
     let trace = report.chrome_trace(1);
     let events = trace["traceEvents"].as_array().unwrap();
-    for lane in ["nvme", "h2d", "compute", "d2h", "cpu-optimizer"] {
+    for lane in [
+        "nvme-read",
+        "nvme-write",
+        "h2d",
+        "compute",
+        "d2h",
+        "cpu-optimizer",
+    ] {
         assert!(
             events.iter().any(|e| e["ph"] == "X" && e["cat"] == lane),
             "no {lane} slices"

@@ -142,7 +142,7 @@ pub struct StepReport {
     /// Wall time.
     pub seconds: f64,
     /// Busy seconds per lane ([`Lane::index`]).
-    pub lane_busy: [f64; 5],
+    pub lane_busy: [f64; 6],
     /// Seconds the compute lane waited for other lanes between its operations.
     pub compute_stall: f64,
     /// Bytes per step over NVMe read, NVMe write, H2D, D2H.
@@ -761,7 +761,7 @@ where
     }
 
     fn report(&self, loss: f32, grad_norm: f64, skipped: bool, seconds: f64) -> StepReport {
-        let mut lane_busy = [0.0; 5];
+        let mut lane_busy = [0.0; 6];
         let mut records = Vec::with_capacity(self.plan.ops.len());
         let mut hist = self.histograms.lock().expect("histograms");
         for (id, op) in self.plan.ops.iter().enumerate() {

@@ -33,8 +33,11 @@ pub type BufId = usize;
 /// The lanes that run concurrently; each runs its operations in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Lane {
-    /// NVMe reads and writes (the io_uring thread does the I/O).
-    Nvme,
+    /// NVMe reads (the io_uring thread does the I/O).
+    NvmeRead,
+    /// NVMe writes, beside the reads: reading block i-1's state and writing block i+1's
+    /// overlap.
+    NvmeWrite,
     /// Host to device copies.
     H2d,
     /// The device's kernels.
@@ -47,7 +50,14 @@ pub enum Lane {
 
 impl Lane {
     /// Every lane.
-    pub const ALL: [Lane; 5] = [Lane::Nvme, Lane::H2d, Lane::Compute, Lane::D2h, Lane::Cpu];
+    pub const ALL: [Lane; 6] = [
+        Lane::NvmeRead,
+        Lane::NvmeWrite,
+        Lane::H2d,
+        Lane::Compute,
+        Lane::D2h,
+        Lane::Cpu,
+    ];
 
     /// Position in [`Lane::ALL`].
     pub fn index(self) -> usize {
@@ -58,7 +68,8 @@ impl Lane {
 impl fmt::Display for Lane {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Lane::Nvme => "nvme",
+            Lane::NvmeRead => "nvme-read",
+            Lane::NvmeWrite => "nvme-write",
             Lane::H2d => "h2d",
             Lane::Compute => "compute",
             Lane::D2h => "d2h",
@@ -382,7 +393,7 @@ pub struct Plan {
     /// Operations, in canonical order.
     pub ops: Vec<Op>,
     /// Each lane's operations, in order (indexed by [`Lane::index`]).
-    pub lanes: [Vec<OpId>; 5],
+    pub lanes: [Vec<OpId>; 6],
     /// Logical buffers.
     pub buffers: Vec<BufferPlan>,
     /// Physical slots.
@@ -951,7 +962,7 @@ impl Plan {
                         bytes,
                     );
                     bld.op(
-                        Lane::Nvme,
+                        Lane::NvmeRead,
                         OpKind::NvmeRead {
                             from: p_home[b].0,
                             into: stage,
@@ -1009,7 +1020,7 @@ impl Plan {
             if h.state == Tier::Nvme {
                 let next = s_home[b].1;
                 bld.op(
-                    Lane::Nvme,
+                    Lane::NvmeWrite,
                     OpKind::NvmeWrite {
                         from: state,
                         to: next,
@@ -1025,7 +1036,7 @@ impl Plan {
                 Tier::Nvme => {
                     let next = p_home[b].1;
                     bld.op(
-                        Lane::Nvme,
+                        Lane::NvmeWrite,
                         OpKind::NvmeWrite {
                             from: params_out,
                             to: next,
@@ -1061,7 +1072,7 @@ impl Plan {
                 let stage = s_stage[b].expect("staged");
                 let len = blocks[b].len as u64;
                 bld.op(
-                    Lane::Nvme,
+                    Lane::NvmeRead,
                     OpKind::NvmeRead {
                         from: s_home[b].0,
                         into: stage,
@@ -1085,7 +1096,7 @@ impl Plan {
                             ckpt_raw,
                         );
                         bld.op(
-                            Lane::Nvme,
+                            Lane::NvmeRead,
                             OpKind::NvmeRead {
                                 from: extent,
                                 into: stage,
@@ -1240,7 +1251,7 @@ impl Plan {
                     );
                     if let Some(extent) = ckpt_extent[i] {
                         bld.op(
-                            Lane::Nvme,
+                            Lane::NvmeWrite,
                             OpKind::NvmeWrite {
                                 from: host,
                                 to: extent,
@@ -1324,7 +1335,7 @@ impl Plan {
             if let Some(stage) = s_stage[b] {
                 let len = blocks[b].len as u64;
                 bld.op(
-                    Lane::Nvme,
+                    Lane::NvmeRead,
                     OpKind::NvmeRead {
                         from: s_home[b].0,
                         into: stage,
@@ -1348,7 +1359,7 @@ impl Plan {
         if !deferred_opts.is_empty() {
             // After every NVMe transfer of the step.
             let nvme_ops: Vec<OpId> = (0..bld.ops.len())
-                .filter(|&o| bld.ops[o].lane == Lane::Nvme)
+                .filter(|&o| matches!(bld.ops[o].lane, Lane::NvmeRead | Lane::NvmeWrite))
                 .collect();
             for b in deferred_opts {
                 let first = bld.ops.len();
@@ -1370,7 +1381,7 @@ impl Plan {
             peak[Tier::Nvme.index()] +=
                 e.bytes.next_multiple_of(4096) * if e.paired { 2 } else { 1 };
         }
-        let mut lanes: [Vec<OpId>; 5] = Default::default();
+        let mut lanes: [Vec<OpId>; 6] = Default::default();
         let mut link_bytes = [0u64; 4];
         for (id, op) in ops.iter().enumerate() {
             lanes[op.lane.index()].push(id);

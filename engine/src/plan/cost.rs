@@ -57,7 +57,7 @@ pub struct Prediction {
     /// Seconds the compute lane is busy.
     pub compute_seconds: f64,
     /// Busy seconds per lane ([`Lane::index`]).
-    pub lane_seconds: [f64; 5],
+    pub lane_seconds: [f64; 6],
 }
 
 impl Prediction {
@@ -93,8 +93,8 @@ impl CostModel {
     /// Simulates `plan`'s step.
     pub fn predict(&self, plan: &Plan) -> Prediction {
         let mut end = vec![0.0f64; plan.ops.len()];
-        let mut lane_free = [0.0f64; 5];
-        let mut lane_busy = [0.0f64; 5];
+        let mut lane_free = [0.0f64; 6];
+        let mut lane_busy = [0.0f64; 6];
         // The canonical order is a topological order consistent with every lane's order.
         for (id, op) in plan.ops.iter().enumerate() {
             let ready = op.deps.iter().map(|&d| end[d]).fold(0.0, f64::max);
