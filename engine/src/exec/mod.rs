@@ -4,15 +4,15 @@
 //!   buffers through the backend, host buffers as 4096-aligned (huge-page backed) memory
 //!   the NVMe tier reads into directly, NVMe extents in a [`TensorStore`]. A step
 //!   allocates no buffer memory.
-//! - A step runs one thread per lane (NVMe I/O, H2D, compute, D2H, CPU optimizer). Each
-//!   takes its operations in plan order and starts one when its dependencies have
-//!   finished. A slot is locked by the operation using it; finding it locked means the
+//! - A step runs one thread per lane (NVMe reads, NVMe writes, H2D, compute, D2H, CPU
+//!   optimizer). Each takes its operations in plan order and starts one when its
+//!   dependencies have finished. A slot is locked by the operation using it; finding it locked means the
 //!   plan's dependencies are wrong, which is reported as a bug rather than raced.
 //! - Data homed on NVMe that a step rewrites has A/B extents; the step reads the current
 //!   side and writes the other, and the sides swap only after every operation of the
 //!   step succeeded. Host- and device-homed state is updated only after every NVMe
-//!   transfer of the step (the planner orders it so). A failed step therefore returns an
-//!   error with every parameter as it was before the step.
+//!   transfer of the step when the plan has any (the planner orders it so). A step failed
+//!   by the NVMe tier therefore returns an error with every parameter as it was.
 //! - Every operation's start and end are recorded: busy time per lane, the compute
 //!   lane's stall waiting for data, bytes per link, a latency histogram per kind, and a
 //!   Chrome trace of a step ([`StepReport::chrome_trace`]).
@@ -280,6 +280,11 @@ where
         };
         let (store, extents) = if plan.extent_groups.is_empty() {
             (None, Vec::new())
+        } else if config.nvme_dirs.is_empty() {
+            return Err(ExecError::BadInput(format!(
+                "plan {} keeps data on NVMe, but no folder for swap files was given",
+                plan.policy
+            )));
         } else {
             let capacity = plan.peak[Tier::Nvme.index()] + (1 << 20);
             let mut cfg = StoreConfig::new(config.nvme_dirs[0].clone(), capacity);
@@ -769,7 +774,8 @@ where
             let (s, e) = (s.load(Ordering::Relaxed), e.load(Ordering::Relaxed));
             lane_busy[op.lane.index()] += (e - s) as f64 * 1e-9;
             if let Some((_, h)) = hist.iter_mut().find(|(k, _)| *k == op.kind.kind_name()) {
-                let _ = h.record(((e - s) / 1000).max(1));
+                // Durations beyond the histogram's hour saturate rather than fail.
+                h.saturating_record(((e - s) / 1000).max(1));
             }
             records.push(OpRecord {
                 label: op.kind.label(),
@@ -1361,9 +1367,4 @@ fn write_working(precision: Precision, master: &[f32], out: &mut [u8]) {
         Precision::Bf16 => strata_kernels::ops::f32_to_bf16(&cpu, cast_mut::<bf16>(out), master),
         Precision::Fp16 => strata_kernels::ops::f32_to_f16(&cpu, cast_mut::<f16>(out), master),
     }
-}
-
-/// The instruction set the executor's optimizer uses.
-pub fn optimizer_isa() -> Isa {
-    Isa::active()
 }

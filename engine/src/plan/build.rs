@@ -945,7 +945,7 @@ impl Plan {
         let deferred = |b: usize| any_nvme && homes[b].state != Tier::Nvme;
 
         // 3. Emission in canonical order.
-        let fl = flops(input, dims);
+        let fl = flops(dims);
         let mut opt_pending: Vec<usize> = Vec::new();
         let mut deferred_opts: Vec<usize> = Vec::new();
         let emit_fetch_params = |bld: &mut Builder, b: usize, to: BufId| {
@@ -1608,10 +1608,9 @@ struct Flops {
     head: f64,
 }
 
-fn flops(input: &PlanInput<'_>, dims: crate::model::Dims) -> Flops {
+fn flops(dims: crate::model::Dims) -> Flops {
     let (n, c, v) = (dims.rows() as f64, dims.width as f64, dims.vocab as f64);
     let (b, t) = (dims.batch as f64, dims.seq as f64);
-    let _ = input;
     // Matrix products: qkv 3c², proj c², fc 4c², proj 4c² -> 12c² multiply-adds per row;
     // attention: two T×T×C products per sequence.
     let fwd = 2.0 * n * 12.0 * c * c + 2.0 * 2.0 * b * t * t * c;
