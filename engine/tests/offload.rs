@@ -126,6 +126,10 @@ fn train(
         let report = exec.step(&refs, &step_params).unwrap();
         losses.push(report.loss);
     }
+    // A delayed update's last gradients are applied at the end.
+    let flushed = exec.flush(&step_params).unwrap();
+    assert_eq!(flushed.is_some(), shape.delayed_update);
+    assert_eq!(exec.steps(), steps as u64, "every step's update applied");
     let (params, m, v) = exec.export().unwrap();
     Run {
         params,
@@ -212,6 +216,52 @@ fn accumulation_clipping_and_bf16_are_policy_independent() {
         ] {
             let run = train(&model, shape, policy.as_ref(), 4, params);
             assert_bit_identical(&reference, &run, &format!("{precision} {}", policy.name()));
+        }
+    }
+}
+
+#[test]
+fn a_delayed_update_is_one_step_stale_and_policy_independent() {
+    let model = Model::new(small()).unwrap();
+    let normal = train(&model, StepShape::cpu(2, 16), &AllOnDevice, 5, hyper(1e-3));
+    let shapes = [
+        StepShape::cpu(2, 16).delayed(),
+        StepShape {
+            grad_accum: 2,
+            precision: Precision::Bf16,
+            ..StepShape::cpu(2, 16).clipped().delayed()
+        },
+    ];
+    for shape in shapes {
+        let params = StepParams {
+            clip: if shape.needs_global_norm { 0.05 } else { 0.0 },
+            ..hyper(1e-3)
+        };
+        let reference = train(&model, shape, &AllOnDevice, 5, params);
+        if !shape.needs_global_norm {
+            // One batch every step: step 2 still sees the initial parameters, and step 3
+            // the parameters after the first update, as the undelayed step 2 does.
+            assert_eq!(reference.losses[1].to_bits(), reference.losses[0].to_bits());
+            assert_eq!(reference.losses[2].to_bits(), normal.losses[1].to_bits());
+            assert_ne!(reference.losses[3].to_bits(), normal.losses[2].to_bits());
+        }
+        for policy in [
+            Box::new(CpuOffload) as Box<dyn Policy>,
+            Box::new(ParamOffload {
+                depth: 2,
+                checkpoints: Tier::Host,
+            }),
+            Box::new(NvmeOffload {
+                depth: 1,
+                checkpoints: Tier::Host,
+            }),
+            Box::new(NvmeOffload {
+                depth: 3,
+                checkpoints: Tier::Nvme,
+            }),
+        ] {
+            let run = train(&model, shape, policy.as_ref(), 5, params);
+            assert_bit_identical(&reference, &run, &format!("delayed {}", policy.name()));
         }
     }
 }
@@ -349,11 +399,16 @@ fn three_steps_match_pytorch_adamw_on_the_tiny_model() {
 #[test]
 fn measured_peaks_stay_within_the_plan_and_the_plan_within_budget() {
     let model = Model::new(small()).unwrap();
-    let shape = StepShape {
+    let base = StepShape {
         grad_accum: 2,
         ..StepShape::cpu(2, 32)
     };
-    for policy in all_policies() {
+    for (shape, policy) in all_policies().into_iter().map(|p| (base, p)).chain(
+        all_policies()
+            .into_iter()
+            .step_by(3)
+            .map(|p| (base.delayed(), p)),
+    ) {
         let input = PlanInput {
             model: &model,
             shape,
@@ -488,23 +543,18 @@ fn a_plan_over_budget_is_refused_naming_the_tier_and_what_fits() {
 #[test]
 fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
     let model = Model::new(small()).unwrap();
-    let shape = StepShape::cpu(2, 16);
-    let input = PlanInput {
-        model: &model,
-        shape,
-        budgets: UNLIMITED,
-    };
     let data = batches(96, 32, 2, 1, 5);
     let refs = |s: usize| -> Vec<(&[u32], &[u32])> {
         data[s].iter().map(|(t, y)| (&t[..], &y[..])).collect()
     };
-    for (kind, faults) in [
+    for (kind, faults, delayed) in [
         (
             "bit flips",
             FaultPlan {
                 bitflip_per_million: 200_000,
                 ..FaultPlan::seeded(1)
             },
+            false,
         ),
         (
             "EIO",
@@ -512,8 +562,27 @@ fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
                 eio_per_million: 100_000,
                 ..FaultPlan::seeded(2)
             },
+            false,
+        ),
+        (
+            "EIO, delayed update",
+            FaultPlan {
+                eio_per_million: 100_000,
+                ..FaultPlan::seeded(3)
+            },
+            true,
         ),
     ] {
+        let shape = if delayed {
+            StepShape::cpu(2, 16).delayed()
+        } else {
+            StepShape::cpu(2, 16)
+        };
+        let input = PlanInput {
+            model: &model,
+            shape,
+            budgets: UNLIMITED,
+        };
         let plan = Plan::build(
             &input,
             &NvmeOffload {
@@ -548,7 +617,9 @@ fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
             m_before, m_after,
             "{kind}: optimizer state changed by a failed step"
         );
-        assert_eq!(exec.steps(), 1);
+        // A delayed update applies the first step's gradients during the second step.
+        let applied = if delayed { 0 } else { 1 };
+        assert_eq!(exec.steps(), applied);
         // The same step, retried without faults, gives what a run without the fault gives.
         exec.step(&refs(1), &hyper(1e-2)).unwrap();
         let (retried, _, _) = exec.export().unwrap();

@@ -139,6 +139,9 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// Whether the update was skipped (non-finite gradients).
     pub skipped: bool,
+    /// Whether this call applied an update (not with a delayed update's first step, nor
+    /// when skipped).
+    pub updated: bool,
     /// Wall time.
     pub seconds: f64,
     /// Busy seconds per lane ([`Lane::index`]).
@@ -182,10 +185,15 @@ struct Fixed<B: Backend> {
 }
 
 /// Per-step shared values.
-struct StepShared {
+struct StepShared<'a> {
     stamp: u64,
+    /// Each operation's dependencies in this run (skipped operations replaced by theirs).
+    deps: &'a [Vec<OpId>],
     params: StepParams,
     adam_step: u64,
+    /// The loss scale of the gradients the update applies (with a delayed update, the
+    /// last step's).
+    update_loss_scale: f32,
 }
 
 /// Runs a plan on a backend, step after step.
@@ -204,6 +212,15 @@ pub struct Executor<B: Backend> {
     generation: u64,
     /// Steps applied (AdamW's step counter).
     steps: u64,
+    /// Dependencies for a whole step, a step without the update, and the update alone:
+    /// a skipped operation's dependents wait for its own dependencies instead, so that
+    /// orderings through it (slot reuse) still hold.
+    deps: [Vec<Vec<OpId>>; 3],
+    /// Each logical buffer's physical slot; delayed updates exchange pairs of them.
+    slot_of: Vec<Option<usize>>,
+    /// Delayed update: gradients of the last step wait to be applied, and the loss scale
+    /// they were computed with.
+    pending: Option<f32>,
     /// Host batches, per micro-batch: tokens and targets.
     batches: Mutex<Vec<(Vec<u32>, Vec<u32>)>>,
     losses: Mutex<Vec<f32>>,
@@ -223,7 +240,7 @@ pub struct Executor<B: Backend> {
 
 /// A lane's view of the step being run.
 struct Ctx<'a> {
-    shared: &'a StepShared,
+    shared: &'a StepShared<'a>,
     start: Instant,
 }
 
@@ -333,6 +350,13 @@ where
             extents,
             generation: 0,
             steps: 0,
+            slot_of: plan.buffers.iter().map(|b| b.slot).collect(),
+            deps: [
+                effective_deps(&plan, |_| true),
+                effective_deps(&plan, |op| !op.update),
+                effective_deps(&plan, |op| op.update),
+            ],
+            pending: None,
             batches: Mutex::new(vec![(vec![0; dims.rows()], vec![0; dims.rows()]); micro]),
             losses: Mutex::new(vec![0.0; dims.rows() * micro]),
             block_stats: Mutex::new(vec![
@@ -463,7 +487,7 @@ where
     fn slot(&self, buf: BufId) -> (&RwLock<SlotData<B>>, &str) {
         let b = &self.plan.buffers[buf];
         (
-            &self.slots[b.slot.expect("a memory buffer has a slot")],
+            &self.slots[self.slot_of[buf].expect("a memory buffer has a slot")],
             &b.name,
         )
     }
@@ -511,6 +535,8 @@ where
             ));
         }
         let precision = self.plan.shape.precision;
+        // Fresh parameters: no delayed update is waiting.
+        self.pending = None;
         for (b, block) in blocks.iter().enumerate() {
             let len = block.len;
             let mut state = AlignedBuf::zeroed((12 * len).next_multiple_of(4096));
@@ -687,13 +713,90 @@ where
                 slot.1.copy_from_slice(y);
             }
         }
+        let delayed = shape.delayed_update;
+        let run_update = !delayed || self.pending.is_some();
+        let update_scale = if delayed {
+            self.pending.unwrap_or(params.loss_scale)
+        } else {
+            params.loss_scale
+        };
+        let mut report = self.run(params, true, run_update, update_scale)?;
+        if delayed {
+            for &(fill, apply) in &self.plan.swap_each_step {
+                self.slot_of.swap(fill, apply);
+            }
+            self.pending = Some(params.loss_scale);
+        }
+        report.updated = run_update && !report.skipped;
+        if report.updated {
+            self.commit_update();
+        }
+        Ok(report)
+    }
+
+    /// With a delayed update, applies the last step's gradients now (at the end of a run,
+    /// before a checkpoint or an export). Returns what the update did, or `None` when
+    /// nothing was pending.
+    pub fn flush(&mut self, params: &StepParams) -> Result<Option<StepReport>, ExecError> {
+        let Some(scale) = self.pending else {
+            return Ok(None);
+        };
+        let mut report = self.run(params, false, true, scale)?;
+        self.pending = None;
+        report.loss = f32::NAN;
+        report.updated = !report.skipped;
+        if report.updated {
+            self.commit_update();
+        }
+        Ok(Some(report))
+    }
+
+    /// Whether a delayed update is waiting to be applied.
+    pub fn has_pending_update(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// After an applied update: its outputs become current.
+    fn commit_update(&mut self) {
+        for &(cur, next) in &self.plan.swap_on_update {
+            self.slot_of.swap(cur, next);
+        }
+        self.generation += 1;
+        self.steps += 1;
+    }
+
+    /// Runs the plan's operations, the compute part and the update part as asked (the
+    /// others count as done).
+    fn run(
+        &mut self,
+        params: &StepParams,
+        run_compute: bool,
+        run_update: bool,
+        update_loss_scale: f32,
+    ) -> Result<StepReport, ExecError> {
+        let shape = self.plan.shape;
         *self.norm.lock().expect("norm") = (0.0, 1.0, false);
         self.stamp += 1;
         self.failed.store(false, Ordering::SeqCst);
+        for (id, op) in self.plan.ops.iter().enumerate() {
+            let wanted = if op.update { run_update } else { run_compute };
+            if !wanted {
+                self.done[id].store(self.stamp, Ordering::Release);
+                self.records[id][0].store(0, Ordering::Relaxed);
+                self.records[id][1].store(0, Ordering::Relaxed);
+            }
+        }
+        let deps = match (run_compute, run_update) {
+            (true, true) => &self.deps[0],
+            (true, false) => &self.deps[1],
+            _ => &self.deps[2],
+        };
         let shared = StepShared {
+            deps,
             stamp: self.stamp,
             params: *params,
             adam_step: self.steps + 1,
+            update_loss_scale,
         };
         if self.stamp == 1 {
             self.count_persistent();
@@ -727,7 +830,9 @@ where
             return Err(first);
         }
         let (grad_norm, _, skipped) = *self.norm.lock().expect("norm");
-        let grad_norm = if shape.needs_global_norm {
+        let grad_norm = if !run_update {
+            f64::NAN
+        } else if shape.needs_global_norm {
             grad_norm
         } else {
             let stats = self.block_stats.lock().expect("stats");
@@ -742,12 +847,8 @@ where
                     GradStats::merge,
                 )
                 .norm()
-                / f64::from(params.loss_scale)
+                / f64::from(update_loss_scale)
         };
-        if !skipped {
-            self.generation += 1;
-            self.steps += 1;
-        }
         let losses = self.losses.lock().expect("losses");
         let loss = (losses.iter().map(|&l| f64::from(l)).sum::<f64>() / losses.len() as f64) as f32;
         drop(losses);
@@ -797,6 +898,7 @@ where
             loss,
             grad_norm,
             skipped,
+            updated: false,
             seconds,
             lane_busy,
             compute_stall: stall,
@@ -807,7 +909,10 @@ where
 
     fn run_lane(&self, lane: Lane, ctx: &Ctx<'_>) -> Result<(), ExecError> {
         for &id in &self.plan.lanes[lane.index()] {
-            if !self.wait_deps(id, ctx.shared.stamp) {
+            if self.done[id].load(Ordering::Acquire) == ctx.shared.stamp {
+                continue; // not part of this run
+            }
+            if !self.wait_deps(id, ctx.shared.stamp, ctx.shared.deps) {
                 return Err(ExecError::ScheduleBug(ABORTED.into()));
             }
             let started = ctx.start.elapsed().as_nanos() as u64;
@@ -833,8 +938,8 @@ where
     }
 
     /// Waits for `id`'s dependencies; false when another lane failed.
-    fn wait_deps(&self, id: OpId, stamp: u64) -> bool {
-        let deps = &self.plan.ops[id].deps;
+    fn wait_deps(&self, id: OpId, stamp: u64, deps: &[Vec<OpId>]) -> bool {
+        let deps = &deps[id];
         let ready = || {
             deps.iter()
                 .all(|&d| self.done[d].load(Ordering::Acquire) == stamp)
@@ -1119,7 +1224,7 @@ where
                     .map_err(model_err)
             }
             OpKind::GradNorm { ref grads } => {
-                let scale = 1.0 / ctx.shared.params.loss_scale;
+                let scale = 1.0 / ctx.shared.update_loss_scale;
                 let mut total = GradStats {
                     sum_squares: 0.0,
                     non_finite: false,
@@ -1177,7 +1282,7 @@ where
                     self.block_stats.lock().expect("stats")[block] = s;
                 }
                 let hp = ctx.shared.params.adam;
-                let scale = coef / ctx.shared.params.loss_scale;
+                let scale = coef / ctx.shared.update_loss_scale;
                 let decayed = AdamStep::new(&hp, ctx.shared.adam_step, scale).map_err(adam_err)?;
                 let plain = AdamStep::new(
                     &AdamW {
@@ -1349,6 +1454,26 @@ fn update_block(
 }
 
 const ABORTED: &str = "aborted after another lane failed";
+
+/// Each operation's dependencies among the operations `kept`, a skipped dependency
+/// replaced by its own (transitively). Dependencies point backwards in plan order.
+fn effective_deps(plan: &Plan, kept: impl Fn(&crate::plan::Op) -> bool) -> Vec<Vec<OpId>> {
+    let mut out: Vec<Vec<OpId>> = Vec::with_capacity(plan.ops.len());
+    for op in &plan.ops {
+        let mut deps = Vec::new();
+        for &d in &op.deps {
+            if kept(&plan.ops[d]) {
+                deps.push(d);
+            } else {
+                deps.extend_from_slice(&out[d]);
+            }
+        }
+        deps.sort_unstable();
+        deps.dedup();
+        out.push(deps);
+    }
+    out
+}
 
 /// Host working parameters of `precision` from their bytes.
 fn host_params(precision: Precision, bytes: &[u8]) -> HostParams<'_> {

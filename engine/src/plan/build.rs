@@ -374,6 +374,9 @@ pub struct Op {
     pub flops: f64,
     /// Parameters it updates (optimizer), for the cost model.
     pub params: u64,
+    /// Part of the parameter update (state reads, the norm, AdamW, write-backs): with a
+    /// delayed update these run apart from the step's compute, and alone in a flush.
+    pub update: bool,
 }
 
 /// The static schedule and memory plan of one training step.
@@ -404,6 +407,12 @@ pub struct Plan {
     pub peak: [u64; 3],
     /// Bytes per step over each link: NVMe read, NVMe write, H2D, D2H.
     pub link_bytes: [u64; 4],
+    /// Delayed update: pairs of persistent buffers (gradients being filled, gradients
+    /// being applied) whose memory the executor exchanges after every step.
+    pub swap_each_step: Vec<(BufId, BufId)>,
+    /// Delayed update: pairs of persistent homes (working parameters read by this step,
+    /// written by its update) exchanged after every step that applied an update.
+    pub swap_on_update: Vec<(BufId, BufId)>,
 }
 
 /// Bytes rounded up to the 4096 O_DIRECT needs.
@@ -506,8 +515,16 @@ impl Builder {
             bytes,
             flops,
             params,
+            update: false,
         });
         self.ops.len() - 1
+    }
+
+    /// Marks the operations from `first` on as part of the update.
+    fn mark_update(&mut self, first: OpId) {
+        for op in &mut self.ops[first..] {
+            op.update = true;
+        }
     }
 }
 
@@ -632,29 +649,39 @@ impl Plan {
         let mut p_home = Vec::with_capacity(nb);
         let mut s_home = Vec::with_capacity(nb);
         let mut g_home_dev = vec![None; nb];
+        // Gradients the update reads: the ones this step fills, or (delayed) the last step's.
+        let mut g_apply_dev: Vec<Option<BufId>> = vec![None; nb];
         for (b, h) in homes.iter().enumerate() {
             let len = blocks[b].len;
             p_home.push(match h.params {
                 Tier::Device => {
-                    let id = bld.persistent(
-                        format!("params[{b}]@device"),
-                        Tier::Device,
-                        BufKind::DevParams,
-                        len,
-                        len as u64 * ebytes,
-                    );
-                    (id, id)
+                    let mut home = |suffix: &str| {
+                        bld.persistent(
+                            format!("params[{b}]@device{suffix}"),
+                            Tier::Device,
+                            BufKind::DevParams,
+                            len,
+                            len as u64 * ebytes,
+                        )
+                    };
+                    let cur = home("");
+                    let next = if shape.delayed_update { home("'") } else { cur };
+                    (cur, next)
                 }
                 Tier::Host => {
                     let bytes = raw_bytes(len as u64 * pbytes);
-                    let id = bld.persistent(
-                        format!("params[{b}]@host"),
-                        Tier::Host,
-                        BufKind::Raw,
-                        bytes as usize,
-                        bytes,
-                    );
-                    (id, id)
+                    let mut home = |suffix: &str| {
+                        bld.persistent(
+                            format!("params[{b}]@host{suffix}"),
+                            Tier::Host,
+                            BufKind::Raw,
+                            bytes as usize,
+                            bytes,
+                        )
+                    };
+                    let cur = home("");
+                    let next = if shape.delayed_update { home("'") } else { cur };
+                    (cur, next)
                 }
                 Tier::Nvme => bld.extents(
                     format!("params.{b}"),
@@ -685,26 +712,55 @@ impl Plan {
                 ),
             });
             if h.grads == Tier::Device {
-                g_home_dev[b] = Some(bld.persistent(
-                    format!("grads[{b}]@device"),
-                    Tier::Device,
-                    BufKind::DevGrads,
-                    len,
-                    4 * len as u64,
-                ));
+                let mut home = |suffix: &str| {
+                    bld.persistent(
+                        format!("grads[{b}]@device{suffix}"),
+                        Tier::Device,
+                        BufKind::DevGrads,
+                        len,
+                        4 * len as u64,
+                    )
+                };
+                let fill = home("");
+                g_home_dev[b] = Some(fill);
+                g_apply_dev[b] = Some(if shape.delayed_update {
+                    home("'")
+                } else {
+                    fill
+                });
             }
         }
+        // Host gradients: transient, or (delayed) two persistent sets, one filled by this
+        // step's backward while the update applies the other.
+        let mut g_apply_host: Vec<Option<BufId>> = vec![None; nb];
         let g_host: Vec<Option<BufId>> = (0..nb)
             .map(|b| {
                 (homes[b].grads == Tier::Host).then(|| {
                     let bytes = raw_bytes(4 * blocks[b].len as u64);
-                    bld.buffer(
-                        format!("grads[{b}]@host"),
-                        Tier::Host,
-                        BufKind::Raw,
-                        bytes as usize,
-                        bytes,
-                    )
+                    if shape.delayed_update {
+                        let mut home = |suffix: &str| {
+                            bld.persistent(
+                                format!("grads[{b}]@host{suffix}"),
+                                Tier::Host,
+                                BufKind::Raw,
+                                bytes as usize,
+                                bytes,
+                            )
+                        };
+                        let fill = home("");
+                        g_apply_host[b] = Some(home("'"));
+                        fill
+                    } else {
+                        let id = bld.buffer(
+                            format!("grads[{b}]@host"),
+                            Tier::Host,
+                            BufKind::Raw,
+                            bytes as usize,
+                            bytes,
+                        );
+                        g_apply_host[b] = Some(id);
+                        id
+                    }
                 })
             })
             .collect();
@@ -909,7 +965,7 @@ impl Plan {
             if homes[b].state == Tier::Nvme {
                 // With a global-norm barrier the reads are emitted with the updates,
                 // after the norm (below), so that only `depth` blocks are staged at once.
-                if norm_flag.is_none() {
+                if norm_flag.is_none() && !shape.delayed_update {
                     state_reads[completes(b).saturating_sub(depth)].push(b);
                 }
                 let bytes = raw_bytes(12 * len);
@@ -993,9 +1049,10 @@ impl Plan {
         let emit_optimizer = |bld: &mut Builder, b: usize| {
             let len = blocks[b].len as u64;
             let h = &homes[b];
-            let grads = g_host[b].unwrap_or(g_dev[0][b]);
+            let first = bld.ops.len();
+            let grads = g_apply_host[b].or(g_apply_dev[b]).unwrap_or(g_dev[0][b]);
             let state = s_stage[b].unwrap_or(s_home[b].0);
-            let params_out = p_out_stage[b].unwrap_or(p_home[b].0);
+            let params_out = p_out_stage[b].unwrap_or(p_home[b].1);
             let mut access = vec![
                 Access::Read(grads),
                 Access::Write(state),
@@ -1049,7 +1106,7 @@ impl Plan {
                     );
                 }
                 Tier::Device if h.state != Tier::Device => {
-                    let to = p_home[b].0;
+                    let to = p_home[b].1;
                     bld.op(
                         Lane::H2d,
                         OpKind::H2dParams {
@@ -1066,8 +1123,77 @@ impl Plan {
                 }
                 _ => {}
             }
+            bld.mark_update(first);
+        };
+        // State reads for updates that are not placed in the backward (after a norm
+        // barrier, or with a delayed update): `depth` blocks ahead of the updates.
+        let read_state = |bld: &mut Builder, b: usize| {
+            if let Some(stage) = s_stage[b] {
+                let len = blocks[b].len as u64;
+                let first = bld.ops.len();
+                bld.op(
+                    Lane::NvmeRead,
+                    OpKind::NvmeRead {
+                        from: s_home[b].0,
+                        into: stage,
+                    },
+                    vec![Access::Read(s_home[b].0), Access::Write(stage)],
+                    12 * len,
+                    0.0,
+                    0,
+                );
+                bld.mark_update(first);
+            }
+        };
+        let emit_norm = |bld: &mut Builder| {
+            if let Some(flag) = norm_flag {
+                let grads: Vec<(usize, BufId)> = (0..nb)
+                    .map(|b| (b, g_apply_host[b].or(g_apply_dev[b]).unwrap_or(g_dev[0][b])))
+                    .collect();
+                let mut access: Vec<Access> = grads.iter().map(|&(_, g)| Access::Read(g)).collect();
+                access.push(Access::Write(flag));
+                let total: u64 = blocks.iter().map(|b| b.len as u64).sum();
+                let first = bld.op(
+                    Lane::Cpu,
+                    OpKind::GradNorm { grads },
+                    access,
+                    4 * total,
+                    0.0,
+                    total / 4,
+                );
+                bld.mark_update(first);
+            }
+        };
+        // A delayed update applies the last step's gradients block by block in forward
+        // order, each just before that block's forward, overlapping this step's compute.
+        let delayed_order: Vec<usize> = if shape.delayed_update {
+            (0..nb).filter(|&b| !deferred(b)).collect()
+        } else {
+            Vec::new()
+        };
+        let fwd_block = |k: usize| match seq[k] {
+            Compute::Embed(0) => Some(0),
+            Compute::Layer(b, 0) => Some(b),
+            Compute::Head(0) => Some(head),
+            _ => None,
         };
         for k in 0..seq.len() {
+            if shape.delayed_update {
+                if k == 0 {
+                    emit_norm(&mut bld);
+                    for &b in delayed_order.iter().take(depth) {
+                        read_state(&mut bld, b);
+                    }
+                }
+                if let Some(b) = fwd_block(k)
+                    && let Some(i) = delayed_order.iter().position(|&x| x == b)
+                {
+                    emit_optimizer(&mut bld, b);
+                    if let Some(&next) = delayed_order.get(i + depth) {
+                        read_state(&mut bld, next);
+                    }
+                }
+            }
             for b in std::mem::take(&mut state_reads[k]) {
                 let stage = s_stage[b].expect("staged");
                 let len = blocks[b].len as u64;
@@ -1303,7 +1429,11 @@ impl Plan {
                         0,
                     );
                 }
-                if m == last_micro {
+                if m == last_micro && shape.delayed_update {
+                    if deferred(b) {
+                        deferred_opts.push(b);
+                    }
+                } else if m == last_micro {
                     if deferred(b) {
                         deferred_opts.push(b);
                     } else if norm_flag.is_some() {
@@ -1314,39 +1444,9 @@ impl Plan {
                 }
             }
         }
-        if let Some(flag) = norm_flag {
-            let grads: Vec<(usize, BufId)> = (0..nb)
-                .map(|b| (b, g_host[b].unwrap_or(g_dev[0][b])))
-                .collect();
-            let mut access: Vec<Access> = grads.iter().map(|&(_, g)| Access::Read(g)).collect();
-            access.push(Access::Write(flag));
-            let total: u64 = blocks.iter().map(|b| b.len as u64).sum();
-            bld.op(
-                Lane::Cpu,
-                OpKind::GradNorm { grads },
-                access,
-                4 * total,
-                0.0,
-                total / 4,
-            );
+        if !shape.delayed_update {
+            emit_norm(&mut bld);
         }
-        // After the barrier: state reads run `depth` blocks ahead of the updates.
-        let read_state = |bld: &mut Builder, b: usize| {
-            if let Some(stage) = s_stage[b] {
-                let len = blocks[b].len as u64;
-                bld.op(
-                    Lane::NvmeRead,
-                    OpKind::NvmeRead {
-                        from: s_home[b].0,
-                        into: stage,
-                    },
-                    vec![Access::Read(s_home[b].0), Access::Write(stage)],
-                    12 * len,
-                    0.0,
-                    0,
-                );
-            }
-        };
         for &b in opt_pending.iter().take(depth) {
             read_state(&mut bld, b);
         }
@@ -1367,6 +1467,23 @@ impl Plan {
                 bld.ops[first].deps.extend(&nvme_ops);
             }
         }
+
+        let swap_on_update: Vec<(BufId, BufId)> = p_home
+            .iter()
+            .enumerate()
+            .filter(|&(b, &(cur, next))| cur != next && homes[b].params != Tier::Nvme)
+            .map(|(_, &pair)| pair)
+            .collect();
+        let swap_each_step: Vec<(BufId, BufId)> = (0..nb)
+            .flat_map(|b| {
+                [
+                    g_host[b].zip(g_apply_host[b]),
+                    g_home_dev[b].zip(g_apply_dev[b]),
+                ]
+            })
+            .flatten()
+            .filter(|(fill, apply)| fill != apply)
+            .collect();
 
         // 4. Dependencies from accesses, then the memory plan.
         let mut ops = bld.ops;
@@ -1421,6 +1538,8 @@ impl Plan {
             extent_groups: bld.extent_groups,
             peak,
             link_bytes,
+            swap_each_step,
+            swap_on_update,
         })
     }
 

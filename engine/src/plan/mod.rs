@@ -156,6 +156,10 @@ pub struct StepShape {
     /// Whether every update waits for the global gradient norm (clipping, or fp16's
     /// overflow check): then the optimizer cannot start before the whole backward ends.
     pub needs_global_norm: bool,
+    /// One-step delayed update (ZeRO-Offload's DPU): step t's compute runs on the
+    /// parameters before step t-1's update, which the CPU applies meanwhile, so the
+    /// update overlaps the forward and backward instead of following them.
+    pub delayed_update: bool,
     /// Bytes of one element of a device parameter or activation buffer (4 on the CPU
     /// device, whose kernels compute in f32; the working dtype's size on a GPU).
     pub device_elem_bytes: u64,
@@ -174,6 +178,7 @@ impl StepShape {
             grad_accum: 1,
             precision: Precision::Fp32,
             needs_global_norm: false,
+            delayed_update: false,
             device_elem_bytes: 4,
             device_is_host: true,
         }
@@ -183,6 +188,14 @@ impl StepShape {
     pub fn clipped(self) -> Self {
         StepShape {
             needs_global_norm: true,
+            ..self
+        }
+    }
+
+    /// The same step with the one-step delayed update.
+    pub fn delayed(self) -> Self {
+        StepShape {
+            delayed_update: true,
             ..self
         }
     }
