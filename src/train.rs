@@ -165,6 +165,7 @@ pub fn shape_of(cfg: &TrainConfig) -> StepShape {
         grad_accum: cfg.grad_accum,
         precision,
         needs_global_norm: cfg.clip > 0.0 || precision == Precision::Fp16,
+        delayed_update: cfg.delayed_update,
         device_elem_bytes: 4,
         device_is_host: true,
     }
@@ -349,6 +350,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let mut reports: Vec<StepReport> = Vec::new();
     let bar = progress_bar(cfg.steps, state.step);
     let mut last_saved = None;
+    let mut last_params: Option<StepParams> = None;
     let mut interrupted = false;
     let loop_start = Instant::now();
     for step in first_step..=cfg.steps {
@@ -388,6 +390,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             }
         }
         losses.push(report.loss);
+        last_params = Some(step_params);
         let eval_loss = match held_out {
             Some(k) if step.is_multiple_of(cfg.eval_every) || step == cfg.steps => {
                 Some(evaluate(&exec, &data, k, &cfg)?)
@@ -398,6 +401,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             let line = serde_json::json!({
                 "step": step, "loss": report.loss, "eval_loss": eval_loss, "lr": lr,
                 "grad_norm": report.grad_norm, "skipped": report.skipped,
+                "updated": report.updated,
                 "loss_scale": state.loss_scale, "seconds": report.seconds,
                 "tokens_per_s": tokens_per_step as f64 / report.seconds,
                 "compute_stall": report.stall_fraction(),
@@ -427,6 +431,9 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         if let Some(dir) = &cfg.checkpoint_dir
             && (due || interrupted || step == cfg.steps)
         {
+            // A delayed update still waiting is applied first, so the checkpoint holds
+            // every step's update (and resuming from it continues from the same state).
+            exec.flush(&step_params)?;
             let (p, m, v) = exec.export()?;
             let saved = checkpoint::save(
                 dir,
@@ -446,6 +453,9 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         }
     }
     bar.finish_and_clear();
+    if let Some(p) = &last_params {
+        exec.flush(p)?;
+    }
     if let Some(w) = jsonl.as_mut() {
         w.flush()?;
     }

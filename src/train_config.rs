@@ -119,6 +119,9 @@ pub struct TrainConfig {
     pub dtype: Dtype,
     /// Seed of the initial weights and of anything else random in the run.
     pub seed: u64,
+    /// Apply step t's optimizer update during step t+1's forward pass (one step stale),
+    /// so the CPU update overlaps device compute.
+    pub delayed_update: bool,
     /// Where to compute: one of [`DEVICES`].
     pub device: String,
     /// Directory of checkpoints. None: no checkpoints.
@@ -171,6 +174,7 @@ impl Default for TrainConfig {
             clip: 1.0,
             dtype: Dtype::Fp32,
             seed: 1337,
+            delayed_update: false,
             device: "auto".to_string(),
             checkpoint_dir: None,
             checkpoint_every: 0,
@@ -216,6 +220,7 @@ enum Kind {
     Size,
     Count,
     Number,
+    Switch,
     Choice(&'static str),
 }
 
@@ -228,6 +233,7 @@ impl Kind {
             Kind::Size => "a size string, such as \"48MiB\", or \"all\"",
             Kind::Count => "a whole number, 0 or more",
             Kind::Number => "a number",
+            Kind::Switch => "true or false",
             Kind::Choice(names) => names,
         }
     }
@@ -242,7 +248,7 @@ impl Kind {
 }
 
 /// Every key, in the order `--print-config` writes them and `validate` checks them.
-const KEYS: [(&str, Kind); 32] = [
+const KEYS: [(&str, Kind); 33] = [
     ("model", Kind::Text),
     ("data", Kind::Path),
     ("device_mem", Kind::Size),
@@ -271,6 +277,7 @@ const KEYS: [(&str, Kind); 32] = [
     ("clip", Kind::Number),
     ("dtype", Kind::Choice("one of \"fp32\", \"bf16\", \"fp16\"")),
     ("seed", Kind::Count),
+    ("delayed_update", Kind::Switch),
     ("device", Kind::Choice("one of auto, cpu, cuda")),
     ("checkpoint_dir", Kind::Path),
     ("checkpoint_every", Kind::Count),
@@ -1009,6 +1016,10 @@ pub struct TrainArgs {
     /// Seed of the initial weights and of anything else random [default: 1337].
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Overlap each optimizer update with the next step's forward pass (updates one step
+    /// late); --delayed-update=false turns it off again [default: false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub delayed_update: Option<bool>,
     /// Where to compute: a GPU when CUDA is usable (auto), the CPU, or a GPU or nothing
     /// [default: auto].
     #[arg(long, value_parser = DEVICES)]
@@ -1099,6 +1110,7 @@ impl TrainArgs {
             clip,
             dtype,
             seed,
+            delayed_update,
             device,
             checkpoint_every,
             keep_checkpoints,

@@ -151,10 +151,20 @@ fn three_plain_adamw_steps_match_pytorch() {
 
 #[test]
 fn ten_steps_equal_five_then_resume_five() {
-    for policy in ["cpu-offload", "nvme-offload"] {
+    // With a delayed update a checkpoint applies the pending update first, so the
+    // straight run checkpoints at step 5 as well.
+    for (policy, delayed) in [
+        ("cpu-offload", "false"),
+        ("nvme-offload", "false"),
+        ("nvme-offload", "true"),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let p = |s: &str| dir.path().join(s).to_str().unwrap().to_string();
         let common = [
+            "--delayed-update",
+            delayed,
+            "--checkpoint-every",
+            "5",
             "--policy",
             policy,
             "--lr-schedule",

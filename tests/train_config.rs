@@ -49,6 +49,7 @@ fn defaults_then_file_then_flags() {
         "7",
         "--nvme",
         nvme.path().to_str().expect("UTF-8"),
+        "--delayed-update",
     ])
     .resolve()
     .expect("valid");
@@ -58,6 +59,7 @@ fn defaults_then_file_then_flags() {
         batch: 4,
         dtype: Dtype::Bf16,
         nvme: vec![nvme.path().to_path_buf()],
+        delayed_update: true,
         ..TrainConfig::default()
     };
     assert_eq!(config, expected);
@@ -86,9 +88,18 @@ fn a_flag_fixes_a_bad_value_in_the_file() {
 }
 
 #[test]
-fn print_config_is_a_flag() {
+fn delayed_update_flag_forms() {
+    let (_dir, path) = config_file("delayed_update = true\n");
+    let file = path.to_str().expect("UTF-8");
+    let on = args(&["--config", file]).resolve().expect("valid");
+    assert!(on.delayed_update);
+    let off = args(&["--config", file, "--delayed-update=false"])
+        .resolve()
+        .expect("valid");
+    assert!(!off.delayed_update);
     assert!(args(&["--print-config"]).print_config);
 }
+
 fn round_trip(config: &TrainConfig) {
     let printed = config.to_toml();
     let (_dir, path) = config_file(&printed);
@@ -122,6 +133,7 @@ fn print_config_reads_back_equal() {
         clip: 0.0,
         dtype: Dtype::Fp16,
         seed: u64::MAX >> 1,
+        delayed_update: true,
         device: "cpu".into(),
         checkpoint_dir: Some(dir.path().join("out ck")),
         out: Some("model-out".into()),
@@ -159,6 +171,7 @@ fn print_config_shows_every_key_with_help() {
         "clip",
         "dtype",
         "seed",
+        "delayed_update",
         "device",
         "checkpoint_dir",
         "checkpoint_every",
@@ -231,6 +244,10 @@ fn wrong_types_say_what_to_write() {
         (
             "nvme = \"/mnt/a\"",
             "`nvme` must be an array of paths, such as [\"/mnt/nvme0\"], not the string \"/mnt/a\"",
+        ),
+        (
+            "delayed_update = 1",
+            "`delayed_update` must be true or false, not the integer 1",
         ),
         (
             "device_mem = 4096",

@@ -127,6 +127,10 @@ pub struct StepArgs {
     /// Working dtype of the parameters.
     #[arg(long, value_enum, default_value = "fp32")]
     pub dtype: Dtype,
+    /// One-step delayed update: each step's AdamW runs beside the next step's compute
+    /// (one step stale, as ZeRO-Offload's DPU).
+    #[arg(long)]
+    pub delayed_update: bool,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
@@ -302,6 +306,8 @@ pub struct StepBenchReport {
     pub grad_accum: usize,
     /// Working dtype.
     pub dtype: String,
+    /// One-step delayed update.
+    pub delayed_update: bool,
     /// Untimed steps per policy.
     pub warmup: usize,
     /// Measured steps per policy.
@@ -398,6 +404,7 @@ impl Setup {
         let shape = StepShape {
             grad_accum: args.grad_accum,
             precision,
+            delayed_update: args.delayed_update,
             ..StepShape::cpu(args.batch, args.seq)
         };
         let params = model.init_params(args.seed);
@@ -627,7 +634,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     };
     println!(
         "bench step: {} ({} layers, {} heads, width {}, vocab {}, {} params), batch {} x seq {} \
-         x accum {} = {tokens} tokens/step, {}, {} warm-up + {} measured steps per policy, \
+         x accum {} = {tokens} tokens/step, {}{}, {} warm-up + {} measured steps per policy, \
          {schedule}; {} ({} cores)",
         model_shape(config).name,
         config.layers,
@@ -639,6 +646,11 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         args.seq,
         args.grad_accum,
         setup.shape.precision,
+        if args.delayed_update {
+            ", delayed update"
+        } else {
+            ""
+        },
         args.warmup,
         args.steps,
         machine.cpu,
@@ -755,6 +767,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         seq: args.seq,
         grad_accum: args.grad_accum,
         dtype: setup.shape.precision.to_string(),
+        delayed_update: setup.shape.delayed_update,
         warmup: args.warmup,
         steps: args.steps,
         schedule,
