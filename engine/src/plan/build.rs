@@ -1127,12 +1127,19 @@ impl Plan {
         };
         // State reads for updates that are not placed in the backward (after a norm
         // barrier, or with a delayed update): `depth` blocks ahead of the updates.
+        // With a delayed update, nothing this step computes waits for the update's I/O,
+        // so its reads go on the write lane, behind nothing the compute lane needs.
+        let update_read_lane = if shape.delayed_update {
+            Lane::NvmeWrite
+        } else {
+            Lane::NvmeRead
+        };
         let read_state = |bld: &mut Builder, b: usize| {
             if let Some(stage) = s_stage[b] {
                 let len = blocks[b].len as u64;
                 let first = bld.ops.len();
                 bld.op(
-                    Lane::NvmeRead,
+                    update_read_lane,
                     OpKind::NvmeRead {
                         from: s_home[b].0,
                         into: stage,
@@ -1165,17 +1172,22 @@ impl Plan {
             }
         };
         // A delayed update applies the last step's gradients block by block in forward
-        // order, each just before that block's forward, overlapping this step's compute.
+        // order, spread evenly over this step's compute sequence, which it overlaps.
         let delayed_order: Vec<usize> = if shape.delayed_update {
             (0..nb).filter(|&b| !deferred(b)).collect()
         } else {
             Vec::new()
         };
-        let fwd_block = |k: usize| match seq[k] {
-            Compute::Embed(0) => Some(0),
-            Compute::Layer(b, 0) => Some(b),
-            Compute::Head(0) => Some(head),
-            _ => None,
+        let updates_before = |k: usize| -> std::ops::Range<usize> {
+            let n = delayed_order.len();
+            let at = |i: usize| i * seq.len() / n.max(1);
+            (0..n).filter(|&i| at(i) == k).fold(n..n, |r, i| {
+                if r.is_empty() {
+                    i..i + 1
+                } else {
+                    r.start..i + 1
+                }
+            })
         };
         for k in 0..seq.len() {
             if shape.delayed_update {
@@ -1185,10 +1197,8 @@ impl Plan {
                         read_state(&mut bld, b);
                     }
                 }
-                if let Some(b) = fwd_block(k)
-                    && let Some(i) = delayed_order.iter().position(|&x| x == b)
-                {
-                    emit_optimizer(&mut bld, b);
+                for i in updates_before(k) {
+                    emit_optimizer(&mut bld, delayed_order[i]);
                     if let Some(&next) = delayed_order.get(i + depth) {
                         read_state(&mut bld, next);
                     }
