@@ -377,6 +377,11 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         let report = exec.step(&refs, &step_params).map_err(|e| {
             format!("step {step}: {e}; the parameters are as they were before this step")
         })?;
+        // A delayed update starts after the warm-up (as ZeRO-Offload's does): until then
+        // each step's update is applied at once, as without it.
+        if cfg.delayed_update && step <= cfg.warmup_steps {
+            exec.flush(&step_params)?;
+        }
         state.step = step;
         state.data_position += cfg.grad_accum as u64;
         if report.skipped {

@@ -119,8 +119,8 @@ pub struct TrainConfig {
     pub dtype: Dtype,
     /// Seed of the initial weights and of anything else random in the run.
     pub seed: u64,
-    /// Apply step t's optimizer update during step t+1's forward pass (one step stale),
-    /// so the CPU update overlaps device compute.
+    /// After the warm-up steps, apply step t's optimizer update during step t+1's
+    /// forward and backward (one step stale), so the CPU update overlaps device compute.
     pub delayed_update: bool,
     /// Where to compute: one of [`DEVICES`].
     pub device: String,
@@ -1016,8 +1016,8 @@ pub struct TrainArgs {
     /// Seed of the initial weights and of anything else random [default: 1337].
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Overlap each optimizer update with the next step's forward pass (updates one step
-    /// late); --delayed-update=false turns it off again [default: false].
+    /// After the warm-up, overlap each optimizer update with the next step's compute
+    /// (updates one step late); --delayed-update=false turns it off [default: false].
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub delayed_update: Option<bool>,
     /// Where to compute: a GPU when CUDA is usable (auto), the CPU, or a GPU or nothing
