@@ -173,19 +173,14 @@ pub fn shape_of(cfg: &TrainConfig) -> StepShape {
 
 /// Plans a step: the named policy, or the fastest that fits (auto). Refuses a plan that
 /// does not fit, before anything is allocated.
-pub fn plan_of(cfg: &TrainConfig, input: &PlanInput<'_>) -> Result<Plan, Error> {
+pub fn plan_of(cfg: &TrainConfig, input: &PlanInput<'_>, cost: CostModel) -> Result<Plan, Error> {
     match named_policy(&cfg.policy, cfg.prefetch)? {
         Some(policy) => {
             let plan = Plan::build(input, policy.as_ref())?;
             plan.check_fits(input)?;
             Ok(plan)
         }
-        None => {
-            let auto = Auto {
-                cost: CostModel::default(),
-            };
-            Ok(auto.choose(input)?.1)
-        }
+        None => Ok(Auto { cost }.choose(input)?.1),
     }
 }
 
@@ -259,8 +254,15 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         shape,
         budgets,
     };
-    let plan = plan_of(&cfg, &input)?;
-    let predicted = CostModel::default().predict(&plan);
+    // This machine's rates, measured in half a second, choose the plan and predict it.
+    let cost = strata_engine::exec::calibrate(
+        model.config(),
+        cfg.batch,
+        cfg.seq,
+        nvme_dirs.first().map(|d| d.as_path()),
+    )?;
+    let plan = plan_of(&cfg, &input, cost)?;
+    let predicted = cost.predict(&plan);
     let c = model.config();
     writeln!(
         out,
@@ -325,6 +327,16 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         }
     };
     state.config = serde_json::to_value(&cfg)?;
+    writeln!(
+        out,
+        "rates ({}): {:.0} GFLOP/s compute, copies {:.1} GB/s, AdamW {:.2} G params/s, NVMe {:.1}/{:.1} GB/s read/write",
+        cost.source,
+        cost.compute_flops / 1e9,
+        cost.h2d_bytes_per_s / 1e9,
+        cost.adam_params_per_s / 1e9,
+        cost.nvme_read_bytes_per_s / 1e9,
+        cost.nvme_write_bytes_per_s / 1e9
+    )?;
     if let Some(r) = &cfg.resume {
         writeln!(out, "resuming {} at step {}", r.display(), state.step)?;
     }

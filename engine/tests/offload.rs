@@ -694,3 +694,35 @@ fn a_step_exports_as_a_chrome_trace_with_every_lane() {
     let p = strata_engine::plan::CostModel::default().predict(&plan);
     assert!(p.step_seconds > 0.0 && p.overlap_efficiency() <= 1.0);
 }
+
+#[test]
+fn calibration_measures_every_rate_and_plans_with_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Gpt2Config::gpt2();
+    let cost = strata_engine::exec::calibrate(&config, 4, 128, Some(dir.path())).unwrap();
+    assert_eq!(cost.source, "measured at start");
+    for (what, rate) in [
+        ("compute", cost.compute_flops),
+        ("copies", cost.h2d_bytes_per_s),
+        ("adamw", cost.adam_params_per_s),
+        ("nvme read", cost.nvme_read_bytes_per_s),
+        ("nvme write", cost.nvme_write_bytes_per_s),
+    ] {
+        assert!(rate.is_finite() && rate > 0.0, "{what}: {rate}");
+    }
+    // Plausible for any machine this runs on: a GFLOP/s to a PFLOP/s, 100 MB/s copies.
+    assert!(
+        (1e9..1e15).contains(&cost.compute_flops),
+        "{}",
+        cost.compute_flops
+    );
+    assert!(cost.h2d_bytes_per_s > 1e8, "{}", cost.h2d_bytes_per_s);
+    let model = Model::new(small()).unwrap();
+    let input = PlanInput {
+        model: &model,
+        shape: StepShape::cpu(2, 16),
+        budgets: UNLIMITED,
+    };
+    let (_, plan, _) = Auto { cost }.choose(&input).unwrap();
+    assert!(cost.predict(&plan).step_seconds > 0.0);
+}

@@ -17,7 +17,10 @@
 //!   lane's stall waiting for data, bytes per link, a latency histogram per kind, and a
 //!   Chrome trace of a step ([`StepReport::chrome_trace`]).
 
+mod calibrate;
 mod trace;
+
+pub use calibrate::calibrate;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
