@@ -10,12 +10,14 @@
 //!    the compute sequence (forward blocks, the head's forward and backward, backward
 //!    blocks), with fetches placed `depth` compute operations ahead of their use and
 //!    gradient copies, optimizer steps and write-backs right after the backward that
-//!    completes a block's gradients. Each lane runs its operations in this order.
+//!    completes a block's gradients (after a global-norm barrier when clipping, or
+//!    spread over the next step's compute with a delayed update). Each lane runs its
+//!    operations in this order.
 //! 3. Dependencies are derived from each operation's reads and writes of logical buffers
 //!    (read after write, write after read, write after write).
 //! 4. Memory: each transient buffer is live from its first to its last use in the
 //!    canonical order; buffers of one tier and kind whose lifetimes do not overlap share
-//!    a physical slot (interval allocation, best fit), and the reuse adds dependencies
+//!    a physical slot (interval allocation, best fit within 2x), and the reuse adds dependencies
 //!    from the previous occupant's users to the new occupant's first use. Every edge
 //!    points backwards in the canonical order, so the lanes cannot deadlock.
 
