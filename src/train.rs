@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use strata_engine::checkpoint::{self, Checkpoint, TrainerState};
-use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
+use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights;
@@ -386,17 +386,22 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             clip: cfg.clip,
             loss_scale: state.loss_scale,
         };
-        let report = exec.step(&refs, &step_params).map_err(|e| {
-            format!("step {step}: {e}; the parameters are as they were before this step")
+        let report = exec.step(&refs, &step_params).map_err(|e| match e {
+            ExecError::Storage { .. } => format!(
+                "step {step}: {e}; the parameters are as they were before this step (rerun, \
+                 or --resume from the last checkpoint)"
+            ),
+            e => format!("step {step}: {e}"),
         })?;
+        let mut skipped = report.skipped;
         // A delayed update starts after the warm-up (as ZeRO-Offload's does): until then
         // each step's update is applied at once, as without it.
         if cfg.delayed_update && step <= cfg.warmup_steps {
-            exec.flush(&step_params)?;
+            skipped |= exec.flush(&step_params)?.is_some_and(|f| f.skipped);
         }
         state.step = step;
         state.data_position += cfg.grad_accum as u64;
-        if report.skipped {
+        if skipped {
             state.skipped_steps += 1;
             state.good_steps = 0;
             state.loss_scale = (state.loss_scale / 2.0).max(1.0);
@@ -450,7 +455,9 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         {
             // A delayed update still waiting is applied first, so the checkpoint holds
             // every step's update (and resuming from it continues from the same state).
-            exec.flush(&step_params)?;
+            if exec.flush(&step_params)?.is_some_and(|f| f.skipped) {
+                state.skipped_steps += 1;
+            }
             let (p, m, v) = exec.export()?;
             let saved = checkpoint::save(
                 dir,
