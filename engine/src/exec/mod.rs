@@ -153,7 +153,7 @@ pub struct StepReport {
     pub compute_stall: f64,
     /// Bytes per step over NVMe read, NVMe write, H2D, D2H.
     pub link_bytes: [u64; 4],
-    /// Start and end of every operation, in plan order.
+    /// Start and end of every operation the run ran, in plan order.
     pub records: Vec<OpRecord>,
 }
 
@@ -876,6 +876,9 @@ where
         for (id, op) in self.plan.ops.iter().enumerate() {
             let [s, e] = &self.records[id];
             let (s, e) = (s.load(Ordering::Relaxed), e.load(Ordering::Relaxed));
+            if e == 0 {
+                continue; // not part of this run (a delayed update's first step, a flush)
+            }
             lane_busy[op.lane.index()] += (e - s) as f64 * 1e-9;
             if let Some((_, h)) = hist.iter_mut().find(|(k, _)| *k == op.kind.kind_name()) {
                 // Durations beyond the histogram's hour saturate rather than fail.
