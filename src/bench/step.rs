@@ -266,7 +266,8 @@ pub struct PolicyResult {
     pub link_bytes_planned: [u64; 4],
     /// Planned peak bytes per tier: device, host, NVMe.
     pub peak_planned: [u64; 3],
-    /// Measured peak of live buffers per tier (the executor does not measure NVMe: 0).
+    /// Measured peak per tier: live buffers for device and host, the extents handed out
+    /// for NVMe.
     pub peak_measured: [u64; 3],
     /// The cost model's prediction for the plan.
     pub predicted: Prediction,
@@ -360,7 +361,8 @@ pub struct ScaleReport {
     pub state_over_host_budget: f64,
     /// Planned peak per tier.
     pub peak_planned: [u64; 3],
-    /// Measured peak of live buffers per tier (NVMe is not measured: 0).
+    /// Measured peak per tier: live buffers for device and host, the extents handed out
+    /// for NVMe.
     pub peak_measured: [u64; 3],
     /// Tokens per second, median of the steps after the first `--warmup`.
     pub tokens_per_s: f64,
