@@ -262,9 +262,10 @@ fn ctrl_c_finishes_the_step_checkpoints_and_exits_0() {
         "--checkpoint-dir".to_string(),
         ckpt.to_str().unwrap().to_string(),
     ]);
-    let run = |signals: usize| {
+    let run = |signals: usize, extra: &[&str]| {
         let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
             .args(&args)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -282,7 +283,7 @@ fn ctrl_c_finishes_the_step_checkpoints_and_exits_0() {
         let out = child.wait_with_output().unwrap();
         (out.status, text(&out.stdout))
     };
-    let (status, stdout) = run(1);
+    let (status, stdout) = run(1, &[]);
     assert!(status.success(), "{status}: {stdout}");
     assert!(stdout.contains("interrupted at step"), "{stdout}");
     let saved = std::fs::read_dir(&ckpt)
@@ -290,8 +291,10 @@ fn ctrl_c_finishes_the_step_checkpoints_and_exits_0() {
         .filter_map(|e| e.ok())
         .any(|e| e.file_name().to_string_lossy().starts_with("step-"));
     assert!(saved, "no checkpoint after Ctrl-C");
-    // A second Ctrl-C aborts at once, without finishing the step.
-    let (status, _) = run(2);
+    // A second Ctrl-C aborts at once, without finishing the step. Steps of 32
+    // micro-batches last long enough that the second press (5 ms after the first, which
+    // it must not merge with) lands while the step still runs.
+    let (status, _) = run(2, &["--grad-accum", "32"]);
     assert_eq!(status.code(), Some(130), "{status}");
 }
 
