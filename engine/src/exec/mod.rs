@@ -1134,7 +1134,6 @@ where
                 grads,
                 embedding_grads,
                 input,
-                ref zero,
             } => {
                 let mut fixed = self.fixed.lock().expect("fixed");
                 let f = &mut *fixed;
@@ -1153,12 +1152,8 @@ where
                 else {
                     unreachable!("head buffers")
                 };
-                if zero.contains(&grads) {
-                    self.backend.zero_grads(g).map_err(model_err)?;
-                }
-                if zero.contains(&embedding_grads) {
-                    self.backend.zero_grads(eg).map_err(model_err)?;
-                }
+                self.backend.zero_grads(g).map_err(model_err)?;
+                self.backend.zero_grads(eg).map_err(model_err)?;
                 let shape = self.plan.shape;
                 let rows = shape.batch * shape.seq;
                 let dloss = ctx.shared.params.loss_scale / (rows * shape.grad_accum) as f32;
@@ -1188,7 +1183,6 @@ where
                 params,
                 grads,
                 input,
-                zero,
                 ..
             } => {
                 let mut fixed = self.fixed.lock().expect("fixed");
@@ -1201,9 +1195,7 @@ where
                 else {
                     unreachable!("layer backward buffers")
                 };
-                if zero {
-                    self.backend.zero_grads(g).map_err(model_err)?;
-                }
+                self.backend.zero_grads(g).map_err(model_err)?;
                 self.model
                     .layer_backward(
                         &self.backend,

@@ -263,6 +263,9 @@ pub enum OpKind {
         output: BufId,
     },
     /// The head's forward and backward in one (the loss and the gradient of its input).
+    /// Zeroes both gradient buffers first: every micro-batch's gradients start from zero
+    /// (later micro-batches of device-homed gradients are added to the home by
+    /// `AccumulateGrads`, in the same order the host adds offloaded ones).
     Head {
         /// Micro-batch.
         micro: usize,
@@ -276,10 +279,8 @@ pub enum OpKind {
         embedding_grads: BufId,
         /// Input checkpoint.
         input: BufId,
-        /// Gradient buffers this operation zeroes before accumulating.
-        zero: Vec<BufId>,
     },
-    /// A transformer block's backward (recomputing its forward).
+    /// A transformer block's backward (recomputing its forward), into zeroed gradients.
     LayerBackward {
         /// Block.
         block: usize,
@@ -291,8 +292,6 @@ pub enum OpKind {
         grads: BufId,
         /// Input checkpoint.
         input: BufId,
-        /// Zeroes `grads` first.
-        zero: bool,
     },
     /// The embedding's backward.
     EmbeddingBackward {
@@ -1305,10 +1304,6 @@ impl Plan {
                     let (params, embedding) = (params_of(head), params_of(0));
                     let (grads, embedding_grads) = (g_dev[m][head], g_dev[m][0]);
                     let input = ckpts[m][layers].fwd;
-                    // Every micro-batch's gradients start from zero (later micro-batches of
-                    // device-homed gradients are added to the home by AccumulateGrads, in the
-                    // same order the host adds offloaded ones).
-                    let zero = vec![grads, embedding_grads];
                     bld.op(
                         Lane::Compute,
                         OpKind::Head {
@@ -1318,7 +1313,6 @@ impl Plan {
                             grads,
                             embedding_grads,
                             input,
-                            zero,
                         },
                         vec![
                             Access::Read(params),
@@ -1334,7 +1328,6 @@ impl Plan {
                 }
                 Compute::LayerBack(b, m) => {
                     let (params, grads, input) = (params_of(b), g_dev[m][b], ckpts[m][b - 1].bwd);
-                    let zero = true;
                     bld.op(
                         Lane::Compute,
                         OpKind::LayerBackward {
@@ -1343,7 +1336,6 @@ impl Plan {
                             params,
                             grads,
                             input,
-                            zero,
                         },
                         vec![
                             Access::Read(params),
