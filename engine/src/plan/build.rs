@@ -1126,9 +1126,8 @@ impl Plan {
             }
             bld.mark_update(first);
         };
-        // State reads for updates that are not placed in the backward (after a norm
-        // barrier, or with a delayed update): `depth` blocks ahead of the updates.
-        // With a delayed update, nothing this step computes waits for the update's I/O,
+        // A state read of an NVMe-homed block into its host staging, `depth` blocks ahead
+        // of its update (wherever the updates are placed). With a delayed update, nothing this step computes waits for the update's I/O,
         // so its reads go on the write lane, behind nothing the compute lane needs.
         let update_read_lane = if shape.delayed_update {
             Lane::NvmeWrite
@@ -1206,19 +1205,7 @@ impl Plan {
                 }
             }
             for b in std::mem::take(&mut state_reads[k]) {
-                let stage = s_stage[b].expect("staged");
-                let len = blocks[b].len as u64;
-                bld.op(
-                    Lane::NvmeRead,
-                    OpKind::NvmeRead {
-                        from: s_home[b].0,
-                        into: stage,
-                    },
-                    vec![Access::Read(s_home[b].0), Access::Write(stage)],
-                    12 * len,
-                    0.0,
-                    0,
-                );
+                read_state(&mut bld, b);
             }
             for (i, m) in std::mem::take(&mut ckpt_fetch[k]) {
                 let ck = &ckpts[m][i];
