@@ -69,12 +69,7 @@ pub fn run(args: &TrainArgs, out: &mut impl Write) -> Result<(), Error> {
     )?;
 
     let mut policies: Vec<Box<dyn Policy>> = Vec::new();
-    for name in [
-        "all-on-device",
-        "cpu-offload",
-        "param-offload",
-        "nvme-offload",
-    ] {
+    for name in strata_engine::plan::BUILTIN_POLICIES {
         policies.extend(named_policy(name, cfg.prefetch)?);
     }
     let mut table = Table::new([

@@ -21,8 +21,7 @@ use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights;
 use strata_engine::model::{CpuBackend, Gpt2Config, Model};
 use strata_engine::plan::{
-    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanInput,
-    Policy, Precision, StepShape, Tier, fmt_bytes,
+    Auto, Budgets, CostModel, Plan, PlanInput, Policy, Precision, StepShape, Tier, fmt_bytes,
 };
 
 use crate::report::Table;
@@ -52,23 +51,15 @@ fn install_interrupt_handler() {
 const FP16_INITIAL_SCALE: f32 = 65536.0;
 const FP16_GROWTH_INTERVAL: u64 = 200;
 
-/// The policy a configuration names, with its prefetch depth.
+/// The policy a configuration names, with its prefetch depth; `None` for auto.
 pub fn named_policy(name: &str, depth: Option<usize>) -> Result<Option<Box<dyn Policy>>, Error> {
-    let depth = depth.unwrap_or(2);
-    Ok(Some(match name {
-        "auto" => return Ok(None),
-        "all-on-device" => Box::new(AllOnDevice),
-        "cpu-offload" => Box::new(CpuOffload),
-        "param-offload" => Box::new(ParamOffload {
-            depth,
-            checkpoints: Tier::Device,
-        }),
-        "nvme-offload" => Box::new(NvmeOffload {
-            depth,
-            checkpoints: Tier::Host,
-        }),
-        other => return Err(format!("unknown policy '{other}'").into()),
-    }))
+    if name == "auto" {
+        return Ok(None);
+    }
+    match strata_engine::plan::builtin(name, depth.unwrap_or(2)) {
+        Some(policy) => Ok(Some(policy)),
+        None => Err(format!("unknown policy '{name}'").into()),
+    }
 }
 
 /// Where swap files and the generated corpus go by default: the system temp dir, or

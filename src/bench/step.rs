@@ -26,8 +26,8 @@ use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{CpuBackend, Gpt2Config, Model, PRESETS};
 use strata_engine::plan::{
-    AllOnDevice, Budgets, CostModel, CpuOffload, Lane, NvmeOffload, ParamOffload, Plan, PlanInput,
-    Policy, Precision, Prediction, StepShape, Tier,
+    AllOnDevice, Budgets, CostModel, Lane, NvmeOffload, Plan, PlanInput, Policy, Precision,
+    Prediction, StepShape, Tier,
 };
 use strata_storage::is_tmpfs;
 
@@ -55,18 +55,8 @@ pub enum PolicyName {
 impl PolicyName {
     /// The policy, with `depth` blocks of prefetch where it streams.
     pub fn policy(self, depth: usize) -> Box<dyn Policy> {
-        match self {
-            PolicyName::AllOnDevice => Box::new(AllOnDevice),
-            PolicyName::CpuOffload => Box::new(CpuOffload),
-            PolicyName::ParamOffload => Box::new(ParamOffload {
-                depth,
-                ..ParamOffload::default()
-            }),
-            PolicyName::NvmeOffload => Box::new(NvmeOffload {
-                depth,
-                ..NvmeOffload::default()
-            }),
-        }
+        let value = clap::ValueEnum::to_possible_value(&self).expect("every name is listed");
+        strata_engine::plan::builtin(value.get_name(), depth).expect("a built-in policy's name")
     }
 }
 

@@ -374,6 +374,32 @@ impl Policy for NvmeOffload {
     }
 }
 
+/// The built-in policies' names, as the command line writes them.
+pub const BUILTIN_POLICIES: [&str; 4] = [
+    "all-on-device",
+    "cpu-offload",
+    "param-offload",
+    "nvme-offload",
+];
+
+/// The built-in policy called `name` (one of [`BUILTIN_POLICIES`]), prefetching `depth`
+/// blocks ahead where it streams, with checkpoints where its default puts them.
+pub fn builtin(name: &str, depth: usize) -> Option<Box<dyn Policy>> {
+    Some(match name {
+        "all-on-device" => Box::new(AllOnDevice),
+        "cpu-offload" => Box::new(CpuOffload),
+        "param-offload" => Box::new(ParamOffload {
+            depth,
+            ..ParamOffload::default()
+        }),
+        "nvme-offload" => Box::new(NvmeOffload {
+            depth,
+            ..NvmeOffload::default()
+        }),
+        _ => return None,
+    })
+}
+
 /// The fastest of the built-in plans that fits the budgets, by the cost model.
 #[derive(Debug, Clone, Default)]
 pub struct Auto {
