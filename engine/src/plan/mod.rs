@@ -453,6 +453,9 @@ impl Auto {
     /// none fits.
     pub fn choose(&self, input: &PlanInput<'_>) -> Result<Choice, PlanError> {
         let mut best: Option<(Box<dyn Policy>, Plan, f64)> = None;
+        // The refusal to report when none fits: the candidate closest to fitting, with
+        // the fewest tiers over budget, and among those the most offloaded (the last).
+        let mut closest: Option<Plan> = None;
         let mut seen = Vec::new();
         let mut first_error = None;
         for policy in Self::candidates(input) {
@@ -471,32 +474,26 @@ impl Auto {
                 fits: fits.map_or(Ok(()), Err),
                 predicted,
             });
-            if fits.is_none()
-                && best
+            if fits.is_some() {
+                if closest
                     .as_ref()
-                    .is_none_or(|(_, _, t)| predicted.step_seconds < *t * 0.999)
+                    .is_none_or(|c| plan.overflow_count() <= c.overflow_count())
+                {
+                    closest = Some(plan);
+                }
+            } else if best
+                .as_ref()
+                .is_none_or(|(_, _, t)| predicted.step_seconds < *t * 0.999)
             {
                 best = Some((policy, plan, predicted.step_seconds));
             }
         }
-        match best {
-            Some((policy, plan, _)) => Ok((policy, plan, seen)),
-            None => {
-                // Report the refusal of the candidate closest to fitting: the fewest tiers
-                // over budget, and among those the most offloaded (the last listed).
-                let smallest = Self::candidates(input)
-                    .into_iter()
-                    .filter_map(|p| Plan::build(input, p.as_ref()).ok())
-                    .enumerate()
-                    .min_by_key(|(i, p)| (p.overflow_count(), std::cmp::Reverse(*i)))
-                    .map(|(_, p)| p);
-                match smallest {
-                    Some(plan) => Err(plan.check_fits(input).expect_err("no candidate fits")),
-                    None => Err(first_error.unwrap_or(PlanError::Invalid(
-                        "no built-in policy can plan this model".into(),
-                    ))),
-                }
-            }
+        match (best, closest) {
+            (Some((policy, plan, _)), _) => Ok((policy, plan, seen)),
+            (None, Some(plan)) => Err(plan.check_fits(input).expect_err("no candidate fits")),
+            (None, None) => Err(first_error.unwrap_or(PlanError::Invalid(
+                "no built-in policy can plan this model".into(),
+            ))),
         }
     }
 }
