@@ -10,4 +10,5 @@ pub mod cuda;
 pub mod isa;
 pub mod ops;
 pub mod parallel;
+pub mod program;
 pub mod reference;
