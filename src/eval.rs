@@ -9,12 +9,11 @@ use std::error::Error;
 use std::io::Write;
 use std::path::PathBuf;
 
-use strata_engine::device::{CudaDevice, CudaDeviceConfig, DeviceChoice};
-use strata_engine::kernels::cuda::probe;
-use strata_engine::model::cuda::{CudaBackend, DeviceFloat, bf16};
+use strata_engine::device::{DeviceChoice, DeviceConfig, select};
+use strata_engine::exec::Runner;
+use strata_engine::kernels::program::{Dtype, Target};
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights::load_pretrained;
-use strata_engine::model::{Backend, CpuBackend, Model};
 
 /// Arguments of `strata eval`.
 #[derive(Debug, Clone, clap::Args)]
@@ -67,7 +66,7 @@ pub struct EvalReport {
 pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn Error>> {
     let (model, params) = load_pretrained(&args.model)?;
     let data = TokenData::open(&args.data)?;
-    model.dims(args.batch, args.seq)?;
+    model.shape(args.batch, args.seq)?;
     let available = data.batch_count(args.batch, args.seq);
     if args.steps == Some(0) {
         return Err("--steps must be at least 1".into());
@@ -85,102 +84,69 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
     }
     // Ask for the last batch first, so a file too short fails before any work.
     let mut batch = Batch::default();
-    data.read_batch(
-        steps - 1,
-        args.batch,
-        args.seq,
-        model.config().vocab,
-        &mut batch,
-    )?;
-    let run = Run {
-        model: &model,
-        data: &data,
-        args,
-        steps,
-    };
-    let use_cuda = match args.device {
+    data.read_batch(steps - 1, args.batch, args.seq, model.vocab(), &mut batch)?;
+    let cuda = match args.device {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda => true,
-        DeviceChoice::Auto => match probe().require_all() {
-            Ok(()) => true,
-            Err(e) => {
-                log::info!("eval: no usable GPU, running on the CPU ({})", e.reason);
-                false
-            }
-        },
+        DeviceChoice::Auto => strata_engine::kernels::cuda::probe().require_all().is_ok(),
     };
-    if !use_cuda {
-        if args.precision != Precision::F32 {
-            return Err("--precision bf16 needs a GPU: the CPU computes in f32".into());
-        }
-        return run.on(&CpuBackend::default(), &params, out);
+    if !cuda && args.precision != Precision::F32 {
+        return Err("--precision bf16 needs a GPU: the CPU computes in f32".into());
     }
-    let device = CudaDevice::new(CudaDeviceConfig {
-        ordinal: 0,
-        memory_budget_bytes: 0,
-        needs_kernels: true,
-    })?;
-    match args.precision {
-        Precision::F32 => run.on_gpu::<f32>(&device, &params, out),
-        Precision::Bf16 => run.on_gpu::<bf16>(&device, &params, out),
+    let (target, dtype, precision) = match (cuda, args.precision) {
+        (false, _) => (
+            Target::Cpu,
+            Dtype::F32,
+            strata_engine::plan::Precision::Fp32,
+        ),
+        (true, Precision::F32) => (
+            Target::Cuda,
+            Dtype::F32,
+            strata_engine::plan::Precision::Fp32,
+        ),
+        (true, Precision::Bf16) => (
+            Target::Cuda,
+            Dtype::Bf16,
+            strata_engine::plan::Precision::Bf16,
+        ),
+    };
+    let bytes = Runner::device_bytes(&model, args.batch, args.seq, target, dtype)?;
+    let choice = if cuda {
+        DeviceChoice::Cuda
+    } else {
+        DeviceChoice::Cpu
+    };
+    let (device, why) = select(
+        choice,
+        &DeviceConfig {
+            memory_budget_bytes: bytes,
+            cuda_ordinal: 0,
+            cuda_needs_kernels: true,
+        },
+    )?;
+    log::info!("eval: {why}");
+    let name = format!("{} {dtype}", device.name());
+    let (b, t) = (args.batch, args.seq);
+    log::info!(
+        "eval: {} parameters on {name}, {steps} batches of {b}x{t} from {}",
+        model.param_count(),
+        args.data.display()
+    );
+    let vocab = model.vocab();
+    let mut runner = Runner::new(model, device, b, t, precision)?;
+    runner.load(&params)?;
+    let mut losses = Vec::with_capacity(steps);
+    for step in 0..steps {
+        data.read_batch(step, b, t, vocab, &mut batch)?;
+        let loss = runner.forward(&batch.inputs, &batch.targets)?;
+        writeln!(out, "step {step} loss {loss}")?;
+        losses.push(loss);
     }
-}
-
-/// One evaluation, ready to run on a backend.
-struct Run<'a> {
-    model: &'a Model,
-    data: &'a TokenData,
-    args: &'a EvalArgs,
-    steps: usize,
-}
-
-impl Run<'_> {
-    fn on_gpu<T: DeviceFloat>(
-        &self,
-        device: &CudaDevice,
-        host: &[Vec<f32>],
-        out: &mut dyn Write,
-    ) -> Result<EvalReport, Box<dyn Error>> {
-        let be = CudaBackend::<T>::on_device(device)?;
-        let params = host
-            .iter()
-            .map(|p| be.upload_params(p))
-            .collect::<Result<Vec<_>, _>>()?;
-        self.on(&be, &params, out)
-    }
-
-    fn on<Be: Backend>(
-        &self,
-        be: &Be,
-        params: &[Be::Params],
-        out: &mut dyn Write,
-    ) -> Result<EvalReport, Box<dyn Error>> {
-        let (b, t) = (self.args.batch, self.args.seq);
-        log::info!(
-            "eval: {} parameters on {}, {} batches of {b}x{t} from {}",
-            self.model.config().param_count(),
-            be.describe(),
-            self.steps,
-            self.args.data.display()
-        );
-        let mut ws = self.model.workspace(be, b, t)?;
-        let mut batch = Batch::default();
-        let mut losses = Vec::with_capacity(self.steps);
-        for step in 0..self.steps {
-            let vocab = self.model.config().vocab;
-            self.data.read_batch(step, b, t, vocab, &mut batch)?;
-            let loss = self
-                .model
-                .forward(be, params, &mut ws, &batch.inputs, &batch.targets)?;
-            writeln!(out, "step {step} loss {loss}")?;
-            losses.push(loss);
-        }
-        let mean = (losses.iter().map(|&l| l as f64).sum::<f64>() / losses.len() as f64) as f32;
-        writeln!(out, "mean loss {mean}")?;
-        Ok(EvalReport {
-            device: be.describe(),
-            losses,
-            mean,
-        })
-    }
+    let mean = (losses.iter().map(|&l| l as f64).sum::<f64>() / losses.len() as f64) as f32;
+    writeln!(out, "mean loss {mean}")?;
+    Ok(EvalReport {
+        device: name,
+        losses,
+        mean,
+    })
 }

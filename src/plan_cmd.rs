@@ -6,9 +6,9 @@
 
 use std::io::Write;
 
-use strata_engine::plan::{
-    Auto, BufKind, CostModel, Plan, PlanInput, Policy, TensorClass, fmt_bytes,
-};
+use strata_engine::device::{DeviceChoice, choose_target};
+use strata_engine::model::Target;
+use strata_engine::plan::{Auto, CostModel, Plan, PlanInput, Policy, TensorClass, fmt_bytes};
 
 use crate::report::Table;
 use crate::train::{budgets_of, named_policy, shape_of};
@@ -20,26 +20,27 @@ type Error = Box<dyn std::error::Error>;
 pub fn run(args: &TrainArgs, out: &mut impl Write) -> Result<(), Error> {
     let cfg = args.resolve()?;
     let model = crate::train::model_shape(&cfg)?;
-    let (budgets, dirs) = budgets_of(&cfg)?;
-    let shape = shape_of(&cfg);
+    // A plan for a GPU needs no GPU here: `--device cuda` plans for CUDA's kernels.
+    let target = match crate::train::device_choice(&cfg) {
+        DeviceChoice::Cuda => Target::Cuda,
+        choice => choose_target(choice)?,
+    };
+    let (budgets, dirs) = budgets_of(&cfg, target)?;
+    let shape = shape_of(&cfg, target);
     let input = PlanInput {
         model: &model,
         shape,
         budgets,
     };
     let cost = CostModel::default();
-    let c = model.config();
+    let params = model.param_count() as u64;
     writeln!(
         out,
-        "model {}: {:.3} B params ({} layers, {} wide, {} heads, vocab {}); training state {} \
-         (16 B/param)",
+        "model {}: {:.3} B params, {}; training state {} (16 B/param)",
         cfg.model,
-        c.param_count() as f64 / 1e9,
-        c.layers,
-        c.width,
-        c.heads,
-        c.vocab,
-        fmt_bytes(16 * c.param_count() as u64)
+        params as f64 / 1e9,
+        model.describe(),
+        fmt_bytes(16 * params)
     )?;
     writeln!(
         out,
@@ -119,12 +120,7 @@ pub fn run(args: &TrainArgs, out: &mut impl Write) -> Result<(), Error> {
                     fmt_bytes(bytes[2]),
                 ]);
             }
-            let scratch: u64 = plan
-                .buffers
-                .iter()
-                .filter(|b| b.kind == BufKind::DevFixed)
-                .map(|b| b.bytes)
-                .sum();
+            let scratch = plan.buffer(plan.scratch).bytes;
             by_class.row([
                 "device working set (one block's activations)".to_string(),
                 fmt_bytes(scratch),

@@ -15,11 +15,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use strata_engine::checkpoint::{self, Checkpoint, TrainerState};
-use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams, StepReport};
+use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
+use strata_engine::exec::{ExecConfig, ExecError, Executor, Runner, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights;
-use strata_engine::model::{CpuBackend, Gpt2Config, Model};
+use strata_engine::model::{Gpt2Config, Model, Target};
 use strata_engine::plan::{
     Auto, Budgets, CostModel, Plan, PlanInput, Policy, Precision, StepShape, Tier, fmt_bytes,
 };
@@ -96,7 +97,7 @@ pub fn model_shape(cfg: &TrainConfig) -> Result<Model, Error> {
         return Ok(Model::new(config)?);
     }
     let (config, _) = weights::model_files(Path::new(&cfg.model));
-    Ok(Model::new(weights::load_config(&config)?)?)
+    Ok(weights::load_config(&config)?)
 }
 
 /// The model of a configuration with its parameters: a preset or shape (initialised
@@ -110,10 +111,26 @@ fn model_of(cfg: &TrainConfig) -> Result<(Model, Vec<Vec<f32>>), Error> {
     Ok(weights::load_pretrained(Path::new(&cfg.model))?)
 }
 
-/// The budgets of a configuration, and the folders of the NVMe tier.
-pub fn budgets_of(cfg: &TrainConfig) -> Result<(Budgets, Vec<PathBuf>), Error> {
+/// The budgets of a configuration on `target`, and the folders of the NVMe tier. With
+/// no device budget stated it is what the device has: the available RAM for the CPU
+/// device, the GPU's memory less 1 GiB for CUDA's own (its context, cuBLAS).
+pub fn budgets_of(cfg: &TrainConfig, target: Target) -> Result<(Budgets, Vec<PathBuf>), Error> {
     let ram = crate::doctor::meminfo_bytes("MemAvailable").unwrap_or(8 << 30);
-    let device = cfg.device_mem_bytes()?.unwrap_or(ram);
+    let device_default = match target {
+        Target::Cpu => ram,
+        Target::Cuda => match strata_engine::kernels::cuda::describe_driver() {
+            Ok(d) if !d.gpus.is_empty() => d.gpus[0].memory_bytes.saturating_sub(1 << 30),
+            _ if cfg.device_mem_bytes()?.is_some() => 0,
+            Ok(_) | Err(_) => {
+                return Err(
+                    "--device cuda: no GPU is visible here to say its memory; give \
+                            --device-mem (such as 24GiB) to plan for one"
+                        .into(),
+                );
+            }
+        },
+    };
+    let device = cfg.device_mem_bytes()?.unwrap_or(device_default);
     let host = cfg.host_mem_bytes()?.unwrap_or(ram);
     let dirs = if cfg.nvme.is_empty() {
         vec![default_scratch_dir().join("strata-nvme")]
@@ -143,8 +160,8 @@ pub fn budgets_of(cfg: &TrainConfig) -> Result<(Budgets, Vec<PathBuf>), Error> {
     ))
 }
 
-/// The step shape of a configuration on the CPU device.
-pub fn shape_of(cfg: &TrainConfig) -> StepShape {
+/// The step shape of a configuration, for `target`'s kernels.
+pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
     let precision = match cfg.dtype {
         Dtype::Fp32 => Precision::Fp32,
         Dtype::Bf16 => Precision::Bf16,
@@ -157,8 +174,7 @@ pub fn shape_of(cfg: &TrainConfig) -> StepShape {
         precision,
         needs_global_norm: cfg.clip > 0.0 || precision == Precision::Fp16,
         delayed_update: cfg.delayed_update,
-        device_elem_bytes: 4,
-        device_is_host: true,
+        target,
     }
 }
 
@@ -175,24 +191,12 @@ pub fn plan_of(cfg: &TrainConfig, input: &PlanInput<'_>, cost: CostModel) -> Res
     }
 }
 
-/// The device the run computes on. Plans execute on the CPU device; a GPU is reported.
-fn check_device(cfg: &TrainConfig) -> Result<String, Error> {
+/// The device a configuration names (`auto`, `cpu`, `cuda`).
+pub fn device_choice(cfg: &TrainConfig) -> DeviceChoice {
     match cfg.device.as_str() {
-        "cpu" => Ok("cpu".into()),
-        "cuda" => Err(
-            "--device cuda: executing offload plans on a GPU is not built yet (the \
-                       GPU kernels and model run under `strata eval`); use --device cpu"
-                .into(),
-        ),
-        _ => {
-            if strata_engine::kernels::cuda::probe().require_all().is_ok() {
-                log::warn!(
-                    "a GPU is present, but offload plans execute on the CPU device for now; \
-                     training on the CPU"
-                );
-            }
-            Ok("cpu".into())
-        }
+        "cpu" => DeviceChoice::Cpu,
+        "cuda" => DeviceChoice::Cuda,
+        _ => DeviceChoice::Auto,
     }
 }
 
@@ -203,7 +207,8 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         print!("{}", cfg.to_toml());
         return Ok(());
     }
-    let device = check_device(&cfg)?;
+    let choice = device_choice(&cfg);
+    let target = choose_target(choice)?;
     let started = Instant::now();
     let mut out = std::io::stdout().lock();
 
@@ -238,8 +243,8 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     }
 
     // Plan.
-    let (budgets, nvme_dirs) = budgets_of(&cfg)?;
-    let shape = shape_of(&cfg);
+    let (budgets, nvme_dirs) = budgets_of(&cfg, target)?;
+    let shape = shape_of(&cfg, target);
     let input = PlanInput {
         model: &model,
         shape,
@@ -247,25 +252,36 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     };
     // This machine's rates, measured in half a second, choose the plan and predict it.
     let cost = strata_engine::exec::calibrate(
-        model.config(),
+        &model,
         cfg.batch,
         cfg.seq,
+        target,
         nvme_dirs.first().map(|d| d.as_path()),
     )?;
     let plan = plan_of(&cfg, &input, cost)?;
     let predicted = cost.predict(&plan);
-    let c = model.config();
+    // The device, with the plan's device memory as its budget.
+    let (device, why) = select(
+        choice,
+        &DeviceConfig {
+            memory_budget_bytes: plan.peak[Tier::Device.index()].max(1) as usize,
+            cuda_ordinal: 0,
+            cuda_needs_kernels: true,
+        },
+    )?;
     writeln!(
         out,
-        "strata train: {} ({} params: {} layers, {} wide, vocab {}) on {} ({} tokens), device {device}",
+        "strata train: {} ({} params: {} layers, {} wide, vocab {}) on {} ({} tokens), device {}",
         cfg.model,
-        c.param_count(),
-        c.layers,
-        c.width,
-        c.vocab,
+        model.param_count(),
+        model.layers(),
+        model.width(),
+        model.vocab(),
         data_path.display(),
-        data.len()
+        data.len(),
+        device.name()
     )?;
+    log::info!("device: {why}");
     writeln!(
         out,
         "plan {}: peak device {} of {}, host {} of {}, nvme {} (in {}); predicted {:.3} s/step",
@@ -287,13 +303,13 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let (mut params, moments, mut state) = match &cfg.resume {
         Some(path) => {
             let ckpt = checkpoint::load(path)?;
-            if model.config() != ckpt.model.config() {
+            if model != ckpt.model {
                 return Err(format!(
-                    "--resume {}: the checkpoint's model ({:?}) is not the configured one ({:?}); \
+                    "--resume {}: the checkpoint's model, {}, is not the configured one, {}; \
                      resume with the same --model",
                     path.display(),
-                    ckpt.model.config(),
-                    model.config()
+                    ckpt.model.describe(),
+                    model.describe()
                 )
                 .into());
             }
@@ -335,7 +351,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         nvme_dirs: nvme_dirs.clone(),
         ..ExecConfig::default()
     };
-    let mut exec = Executor::new(model.clone(), plan, CpuBackend::default(), &exec_config)?;
+    let mut exec = Executor::new(model.clone(), plan, device, &exec_config)?;
     exec.load(&params, moments.as_ref().map(|(m, v)| (&m[..], &v[..])))?;
     exec.set_steps(state.step - state.skipped_steps);
     install_interrupt_handler();
@@ -359,7 +375,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     for step in first_step..=cfg.steps {
         for (i, b) in micro.iter_mut().enumerate() {
             let index = ((state.data_position + i as u64) % train_batches as u64) as usize;
-            data.read_batch(index, cfg.batch, cfg.seq, c.vocab, b)?;
+            data.read_batch(index, cfg.batch, cfg.seq, model.vocab(), b)?;
         }
         let refs: Vec<(&[u32], &[u32])> = micro
             .iter()
@@ -499,18 +515,18 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
 
 /// The held-out batch's loss under the current master parameters.
 fn evaluate(
-    exec: &Executor<CpuBackend>,
+    exec: &Executor,
     data: &TokenData,
     batch: usize,
     cfg: &TrainConfig,
 ) -> Result<f32, Error> {
     let model = exec.model();
     let (params, _, _) = exec.export()?;
-    let be = CpuBackend::default();
     let mut b = Batch::default();
-    data.read_batch(batch, cfg.batch, cfg.seq, model.config().vocab, &mut b)?;
-    let mut ws = model.workspace(&be, cfg.batch, cfg.seq)?;
-    Ok(model.forward(&be, &params, &mut ws, &b.inputs, &b.targets)?)
+    data.read_batch(batch, cfg.batch, cfg.seq, model.vocab(), &mut b)?;
+    let mut runner = Runner::on_cpu(model.clone(), cfg.batch, cfg.seq)?;
+    runner.load(&params)?;
+    Ok(runner.forward(&b.inputs, &b.targets)?)
 }
 
 fn progress_bar(steps: u64, done: u64) -> indicatif::ProgressBar {
@@ -574,7 +590,7 @@ fn progress(
 
 fn summary(
     out: &mut impl Write,
-    exec: &Executor<CpuBackend>,
+    exec: &Executor,
     reports: &[StepReport],
     losses: &[f32],
     tokens_per_step: u64,

@@ -538,7 +538,7 @@ fn assert_gaps_zero(model: &Model, name: &str, buffers: &[Vec<f32>]) {
 /// An upper bound of the bytes a checkpoint of `model` takes: three f32 copies of every
 /// parameter, the safetensors headers, and the small files.
 fn needed_bytes(model: &Model, state_json_bytes: usize) -> u64 {
-    let params = model.config().param_count() as u64;
+    let params = model.param_count() as u64;
     let tensors: u64 = model.blocks().iter().map(|b| b.tensors.len() as u64).sum();
     // A header entry: `"exp_avg_sq.transformer.<name>":{"dtype":"F32","shape":[a,b],
     // "data_offsets":[x,y]}`, at most a few hundred bytes with 20-digit numbers.
@@ -883,9 +883,8 @@ fn load_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
         },
         other => invalid(other.to_string()),
     };
-    let config =
+    let model =
         weights::load_config(&dir.join(CONFIG_FILE)).map_err(|e| model_error(CONFIG_FILE, e))?;
-    let model = Model::new(config).map_err(|e| model_error(CONFIG_FILE, e))?;
     let tensors = |file: &'static str, prefixes: &[&str]| {
         let st =
             weights::SafetensorsFile::open(&dir.join(file)).map_err(|e| model_error(file, e))?;

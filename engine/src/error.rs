@@ -137,12 +137,13 @@ pub enum EngineError {
         what: &'static str,
     },
 
-    /// Two operations touched the same device bytes at once, one of them writing: the
-    /// schedule is missing an event dependency. Only the CPU device can see this.
+    /// Two operations touched the same bytes at once, one of them writing: the schedule
+    /// is missing a dependency. The CPU device's memory and host arenas see this; a GPU's
+    /// memory cannot.
     #[error(
-        "ordering violation on device '{device}': the {lane} lane {access} bytes \
+        "ordering violation in the memory of '{device}': the {lane} lane {access} bytes \
          {start_bytes}..{end_bytes} while the {other_lane} lane {other_access} them; the later \
-         operation is missing an event dependency on the earlier one"
+         operation is missing a dependency on the earlier one"
     )]
     OrderingViolation {
         /// The device.
@@ -202,6 +203,37 @@ pub enum EngineError {
     /// Elapsed time was asked of an event made without timing.
     #[error("the event was recorded without timing; record it with Device::record to time it")]
     EventNotTimed,
+
+    /// strata's CUDA kernels could not be loaded (NVRTC, cuBLAS, the module).
+    #[error("loading strata's CUDA kernels: {source}")]
+    CudaKernels {
+        /// Why.
+        source: strata_kernels::cuda::CudaError,
+    },
+
+    /// A kernel of a program refused its tensors or failed.
+    #[error("kernel {kernel}: {source}")]
+    Kernel {
+        /// The kernel's name.
+        kernel: &'static str,
+        /// Why.
+        source: strata_kernels::program::KernelError,
+    },
+
+    /// A program's tensor lies outside the range bound for it (or nothing is bound): the
+    /// program and the plan disagree on a buffer's size.
+    #[error(
+        "kernel {kernel}: tensor {tensor} does not fit the range bound for it ({})",
+        bound.map_or("nothing bound".to_string(), |b| format!("{b} bytes"))
+    )]
+    ProgramBinding {
+        /// The kernel's name.
+        kernel: &'static str,
+        /// The tensor.
+        tensor: String,
+        /// Bytes bound, if anything.
+        bound: Option<usize>,
+    },
 
     /// The device cannot do what was asked (for example, run a host closure on a GPU).
     #[error("device '{device}' does not support {what}")]

@@ -9,11 +9,12 @@
 mod model_support;
 
 use model_support::{golden_dir, read_f32_tensors, rel_err};
+use strata_engine::exec::Runner;
 use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights::{self, load_pretrained};
-use strata_engine::model::{CpuBackend, Gpt2Config, Model};
+use strata_engine::model::{Gpt2Config, Model, gpt2};
 use strata_engine::plan::{
     AllOnDevice, Auto, Budgets, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanError, PlanInput,
     Policy, Precision, StepShape, Tier,
@@ -106,12 +107,12 @@ fn train(
         nvme_dirs: vec![nvme.path().to_path_buf()],
         ..ExecConfig::default()
     };
-    let mut exec = Executor::new(model.clone(), plan, CpuBackend::default(), &config).unwrap();
+    let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
     exec.load(&model.init_params(7), None).unwrap();
     // One batch, seen every step: the loss must fall.
     let data = vec![
         batches(
-            model.config().vocab,
+            model.vocab(),
             shape.batch * shape.seq,
             1,
             shape.grad_accum,
@@ -281,15 +282,12 @@ fn one_step_equals_the_whole_model_pass_and_adamw() {
         1,
         hyper(1e-3),
     );
-    let be = CpuBackend::default();
     let mut params = model.init_params(7);
-    let data = batches(model.config().vocab, b * t, 1, 1, 11);
-    let mut ws = model.workspace(&be, b, t).unwrap();
-    let loss = model
-        .forward(&be, &params, &mut ws, &data[0][0].0, &data[0][0].1)
-        .unwrap();
-    let mut grads = model.alloc_grads(&be).unwrap();
-    model.backward(&be, &params, &mut grads, &mut ws).unwrap();
+    let data = batches(model.vocab(), b * t, 1, 1, 11);
+    let mut runner = Runner::on_cpu(model.clone(), b, t).unwrap();
+    runner.load(&params).unwrap();
+    let loss = runner.forward(&data[0][0].0, &data[0][0].1).unwrap();
+    let grads = runner.backward().unwrap();
     let hp = hyper(1e-3).adam;
     for (block, (p, g)) in model.blocks().iter().zip(params.iter_mut().zip(&grads)) {
         for tensor in &block.tensors {
@@ -350,7 +348,7 @@ fn three_steps_match_pytorch_adamw_on_the_tiny_model() {
             nvme_dirs: vec![nvme.path().into()],
             ..ExecConfig::default()
         };
-        let mut exec = Executor::new(model.clone(), plan, CpuBackend::default(), &config).unwrap();
+        let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
         exec.load(&params, None).unwrap();
         let mut losses = Vec::new();
         for step in 0..3 {
@@ -369,7 +367,7 @@ fn three_steps_match_pytorch_adamw_on_the_tiny_model() {
         let (final_params, _, _) = exec.export().unwrap();
         for (block, p) in model.blocks().iter().zip(&final_params) {
             for t in &block.tensors {
-                let name = format!("final.{}{}", weights::PREFIX, t.name);
+                let name = format!("final.{}{}", gpt2::PREFIX, t.name);
                 let (got, want) = (&p[t.slot.range()], &expected[&name]);
                 if t.name.ends_with("attn.c_attn.bias") {
                     // The key bias's gradient is zero in exact arithmetic (softmax ignores a
@@ -429,8 +427,7 @@ fn measured_peaks_stay_within_the_plan_and_the_plan_within_budget() {
             nvme_dirs: vec![nvme.path().into()],
             ..ExecConfig::default()
         };
-        let mut exec =
-            Executor::new(model.clone(), plan.clone(), CpuBackend::default(), &config).unwrap();
+        let mut exec = Executor::on_cpu(model.clone(), plan.clone(), &config).unwrap();
         exec.load(&model.init_params(3), None).unwrap();
         let data = batches(96, 64, 3, 2, 5);
         for step in &data {
@@ -599,8 +596,7 @@ fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
             io: strata_engine::storage::BackendChoice::Threads,
             ..ExecConfig::default()
         };
-        let mut exec =
-            Executor::new(model.clone(), plan.clone(), CpuBackend::default(), &config).unwrap();
+        let mut exec = Executor::on_cpu(model.clone(), plan.clone(), &config).unwrap();
         let init = model.init_params(9);
         exec.load(&init, None).unwrap();
         // A first good step, so the fault hits a step with state to lose.
@@ -625,13 +621,7 @@ fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
         let (retried, _, _) = exec.export().unwrap();
         let clean = {
             let plan = Plan::build(&input, &AllOnDevice).unwrap();
-            let mut e = Executor::new(
-                model.clone(),
-                plan,
-                CpuBackend::default(),
-                &ExecConfig::default(),
-            )
-            .unwrap();
+            let mut e = Executor::on_cpu(model.clone(), plan, &ExecConfig::default()).unwrap();
             e.load(&init, None).unwrap();
             e.step(&refs(0), &hyper(1e-2)).unwrap();
             e.step(&refs(1), &hyper(1e-2)).unwrap();
@@ -659,8 +649,7 @@ fn a_step_exports_as_a_chrome_trace_with_every_lane() {
         nvme_dirs: vec![nvme.path().into()],
         ..ExecConfig::default()
     };
-    let mut exec =
-        Executor::new(model.clone(), plan.clone(), CpuBackend::default(), &config).unwrap();
+    let mut exec = Executor::on_cpu(model.clone(), plan.clone(), &config).unwrap();
     exec.load(&model.init_params(1), None).unwrap();
     let data = batches(96, 32, 1, 1, 5);
     let refs: Vec<(&[u32], &[u32])> = data[0].iter().map(|(t, y)| (&t[..], &y[..])).collect();
@@ -699,7 +688,14 @@ fn a_step_exports_as_a_chrome_trace_with_every_lane() {
 fn calibration_measures_every_rate_and_plans_with_them() {
     let dir = tempfile::tempdir().unwrap();
     let config = Gpt2Config::gpt2();
-    let cost = strata_engine::exec::calibrate(&config, 4, 128, Some(dir.path())).unwrap();
+    let cost = strata_engine::exec::calibrate(
+        &Model::new(config).unwrap(),
+        4,
+        128,
+        strata_engine::model::Target::Cpu,
+        Some(dir.path()),
+    )
+    .unwrap();
     assert_eq!(cost.source, "measured at start");
     for (what, rate) in [
         ("compute", cost.compute_flops),

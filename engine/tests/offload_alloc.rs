@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use strata_engine::exec::{ExecConfig, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::kernels::ops::inside_gemm;
-use strata_engine::model::{CpuBackend, Gpt2Config, Model};
+use strata_engine::model::{Gpt2Config, Model};
 use strata_engine::plan::{
     AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanInput, Policy,
     StepShape, Tier,
@@ -104,7 +104,7 @@ fn steps_after_the_first_allocate_no_buffers() {
             nvme_dirs: vec![dir.path().into()],
             ..ExecConfig::default()
         };
-        let mut exec = Executor::new(model.clone(), plan, CpuBackend::default(), &config).unwrap();
+        let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
         exec.load(&model.init_params(1), None).unwrap();
         exec.step(&batches, &params).unwrap();
         BIG_ALLOCATIONS.store(0, Ordering::SeqCst);

@@ -22,9 +22,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use serde_json::{Value, json};
+use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
 use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::{CpuBackend, Gpt2Config, Model, PRESETS};
+use strata_engine::model::{Gpt2Config, Model, PRESETS};
 use strata_engine::plan::{
     AllOnDevice, Budgets, CostModel, Lane, NvmeOffload, Plan, PlanInput, Policy, Precision,
     Prediction, StepShape, Tier,
@@ -117,6 +118,10 @@ pub struct StepArgs {
     /// Working dtype of the parameters.
     #[arg(long, value_enum, default_value = "fp32")]
     pub dtype: Dtype,
+    /// Where the steps run: a GPU when CUDA is usable (auto), the CPU device, or a GPU
+    /// or nothing.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
     /// One-step delayed update: each step's AdamW runs beside the next step's compute
     /// (one step stale, as ZeRO-Offload's DPU).
     #[arg(long)]
@@ -368,7 +373,7 @@ pub struct ScaleReport {
 struct Rig {
     policy: Box<dyn Policy>,
     plan: Plan,
-    executor: Option<Executor<CpuBackend>>,
+    executor: Option<Executor>,
     warmup: Vec<StepSample>,
     steps: Vec<StepSample>,
     reports: Vec<StepReport>,
@@ -379,16 +384,21 @@ struct Rig {
 /// What every policy of a run shares: the model, its initial parameters, the step.
 struct Setup {
     model: Model,
+    /// The model's shape.
+    config: Gpt2Config,
+    /// Which device the executors open.
+    device: DeviceChoice,
     params: Vec<Vec<f32>>,
     shape: StepShape,
-    config: ExecConfig,
+    exec_config: ExecConfig,
     step_params: StepParams,
 }
 
 impl Setup {
     fn new(args: &StepArgs) -> Result<Self, Box<dyn std::error::Error>> {
-        let config = args.shape.resolve(&args.model)?;
-        let model = Model::new(config)?;
+        let gpt2 = args.shape.resolve(&args.model)?;
+        let model = Model::new(gpt2)?;
+        let target = choose_target(args.device)?;
         let precision = match args.dtype {
             Dtype::Fp32 => Precision::Fp32,
             Dtype::Bf16 => Precision::Bf16,
@@ -397,14 +407,16 @@ impl Setup {
             grad_accum: args.grad_accum,
             precision,
             delayed_update: args.delayed_update,
-            ..StepShape::cpu(args.batch, args.seq)
+            ..StepShape::cpu(args.batch, args.seq).on(target)
         };
         let params = model.init_params(args.seed);
         Ok(Setup {
             model,
+            config: gpt2,
+            device: args.device,
             params,
             shape,
-            config: ExecConfig {
+            exec_config: ExecConfig {
                 nvme_dirs: vec![args.nvme.clone()],
                 ..ExecConfig::default()
             },
@@ -420,13 +432,17 @@ impl Setup {
         })
     }
 
-    fn executor(&self, plan: &Plan) -> Result<Executor<CpuBackend>, Box<dyn std::error::Error>> {
-        let mut executor = Executor::new(
-            self.model.clone(),
-            plan.clone(),
-            CpuBackend::default(),
-            &self.config,
+    fn executor(&self, plan: &Plan) -> Result<Executor, Box<dyn std::error::Error>> {
+        let (device, _) = select(
+            self.device,
+            &DeviceConfig {
+                memory_budget_bytes: plan.peak[Tier::Device.index()].max(1) as usize,
+                cuda_ordinal: 0,
+                cuda_needs_kernels: true,
+            },
         )?;
+        let mut executor =
+            Executor::new(self.model.clone(), plan.clone(), device, &self.exec_config)?;
         executor.load(&self.params, None)?;
         Ok(executor)
     }
@@ -596,7 +612,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     if rigs.iter().any(|r| !r.plan.extent_groups.is_empty()) {
         check_nvme_dir(&args.nvme)?;
     }
-    let config = setup.model.config();
+    let config = &setup.config;
     let tokens = setup.shape.tokens();
     // Every executor held at once (interleaved) needs the sum of the plans' device and
     // host peaks (the CPU device's memory is host memory), next to the initial
@@ -793,7 +809,7 @@ fn compute_busy(s: &StepSample) -> f64 {
     s.lane_busy_s[Lane::Compute.index()]
 }
 
-fn latencies(executor: &Executor<CpuBackend>) -> Vec<Latency> {
+fn latencies(executor: &Executor) -> Vec<Latency> {
     executor
         .latency_summary()
         .into_iter()
@@ -945,7 +961,7 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
     const DEFAULT_HOST_BYTES: u64 = 900 << 20;
     let mut machine = Machine::now();
     let setup = Setup::new(args)?;
-    let config = *setup.model.config();
+    let config = setup.config;
     let budgets = budgets(args, Some(DEFAULT_HOST_BYTES));
     let params = config.param_count() as u64;
     let state_per_param = setup.shape.precision.param_bytes() + 12;

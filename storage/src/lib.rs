@@ -23,5 +23,5 @@ pub use file::{
     probe_direct_io,
 };
 pub use io::faulty::{FaultKind, FaultPlan, InjectedFault};
-pub use io::{BackendChoice, BackendKind, IoStats, OpKind, probe_uring};
+pub use io::{BackendChoice, BackendKind, IoCounters, IoStats, OpKind, probe_uring};
 pub use store::{ExtentId, ExtentInfo, Pending, StoreConfig, TensorStore};

@@ -777,7 +777,12 @@ impl TensorStore {
         self.table().free_bytes()
     }
 
-    /// The backend's counters and latency histograms.
+    /// The backend's byte and chunk counters (cheap: no histogram is copied).
+    pub fn io_counters(&self) -> crate::IoCounters {
+        self.inner.backend.counters()
+    }
+
+    /// A copy of the backend's counters and latency histograms.
     pub fn io_stats(&self) -> IoStats {
         self.inner.backend.stats()
     }

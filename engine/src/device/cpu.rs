@@ -1,36 +1,49 @@
-//! The CPU device: a simulated accelerator, the test bed for every schedule on machines
-//! without a GPU.
+//! The CPU device: a simulated accelerator, the GPU's twin and the test bed for every
+//! schedule on machines without a GPU.
 //!
 //! Its "device memory" is one host mapping of the budget (backed lazily, as operations
 //! touch it), sub-allocated by a [`DeviceArena`] exactly as GPU memory is. Its streams are
-//! three worker threads (compute, host-to-device, device-to-host), each running its lane's
-//! operations in order; its events are completion flags. Copies can be slowed down on
-//! purpose (a fixed latency and a byte rate), so tests can hold a copy in flight and check
-//! what waits for it.
+//! three worker threads (compute, host-to-device, device-to-host), each running its
+//! lane's operations in order; its events are completion flags. Programs run the CPU
+//! kernels (`strata_kernels::program::run_cpu`) on the compute stream; copies between a
+//! [`HostArena`] and device ranges run on the copy streams (widening bf16 or fp16 host
+//! parameters to the f32 the CPU computes in). Copies can be slowed down on purpose (a
+//! fixed latency and a byte rate), so tests can hold a copy in flight.
 //!
-//! Operations reach device memory only through [`CpuAccess`] views, and every view is
-//! checked against the views other operations hold: two overlapping accesses, one of
-//! them a write, fail the later operation with [`EngineError::OrderingViolation`]. So a
-//! schedule that forgot an event dependency fails here, loudly, instead of racing.
-//! Failures are sticky, as a CUDA context's are after a fault: once an operation fails,
-//! every later operation (and `synchronize`) fails naming it, so nothing runs on memory an
-//! operation failed to fill and no one is told all went well.
+//! Chaos (`STRATA_DEVICE_CHAOS=<seed>`, or [`CpuDeviceConfig::chaos`]): every stream
+//! operation is delayed by a seeded random 0 to 2 ms after its dependencies are met, so
+//! the order in which streams complete is perturbed and a dependency missing from a
+//! schedule shows as a wrong result or a view-checker error in tests with no GPU.
 //!
-//! Not here: the GPU (`super::cuda`), and any notion of kernels (operations are closures).
+//! Operations reach device memory only through views checked against every other
+//! operation's (the access table of `super::access`; host-arena ranges through the
+//! arena's own table): two overlapping accesses, one of them a write, fail the later
+//! operation with [`EngineError::OrderingViolation`]. Failures are sticky, as a CUDA
+//! context's are after a fault: once an operation fails, every later operation (and
+//! `synchronize`) fails naming it, so nothing runs on memory an operation failed to fill.
+//!
+//! Not here: the GPU (`super::cuda`) and the kernels themselves (the kernels crate).
 
-use std::ops::{Deref, DerefMut, Range};
+use std::ops::{Deref, DerefMut};
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam::channel::{Receiver, Sender};
+use half::{bf16, f16};
+use strata_kernels::ops::{self, Cpu};
+use strata_kernels::program::{Access, CpuMemory, Dtype, Scalars, TensorRef, run_cpu};
 use strata_storage::IoBuf;
 
+use super::access::AccessTable;
 use super::event::{CpuEvent, Event};
-use super::{Lane, Transfer, assert_copy_fits};
+use super::{Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits};
 use crate::error::EngineError;
-use crate::memory::{DeviceArena, DeviceBuffer, HostMapping, Pinning, SlotLease};
+use crate::memory::{
+    DeviceArena, DeviceBuffer, HostArena, HostMapping, HostRange, Pinning, SlotLease,
+};
 
 /// How a CPU device is built.
 #[derive(Debug, Clone)]
@@ -45,15 +58,30 @@ pub struct CpuDeviceConfig {
     /// When set, a copy of n bytes also takes n / rate seconds, to simulate a link's
     /// bandwidth.
     pub copy_bytes_per_second: Option<f64>,
+    /// When set, every stream operation is delayed by a random amount drawn from this
+    /// seed (see the module's documentation).
+    pub chaos: Option<u64>,
+    /// Instruction set and threads of the kernels.
+    pub cpu: Cpu,
+}
+
+/// The chaos seed in `STRATA_DEVICE_CHAOS`, if it holds one.
+pub fn chaos_from_env() -> Option<u64> {
+    std::env::var("STRATA_DEVICE_CHAOS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
 }
 
 impl Default for CpuDeviceConfig {
+    /// 256 MiB, no simulated link, chaos as `STRATA_DEVICE_CHAOS` says.
     fn default() -> Self {
         Self {
             memory_budget_bytes: 256 << 20,
             queue_depth: 1024,
             copy_latency: Duration::ZERO,
             copy_bytes_per_second: None,
+            chaos: chaos_from_env(),
+            cpu: Cpu::default(),
         }
     }
 }
@@ -77,20 +105,10 @@ struct CpuShared {
     /// The first byte of device memory; the arena owns (and keeps alive) the allocation.
     base: HostPtr,
     arena: DeviceArena,
-    accesses: Mutex<AccessTable>,
-}
-
-#[derive(Default)]
-struct AccessTable {
-    next_id: u64,
-    active: Vec<ActiveAccess>,
-}
-
-struct ActiveAccess {
-    id: u64,
-    lane: Lane,
-    range: Range<usize>,
-    write: bool,
+    accesses: AccessTable,
+    cpu: Cpu,
+    /// Bytes copied host to device, device to host.
+    copied: [AtomicU64; 2],
 }
 
 type Work = Box<dyn FnOnce(&CpuAccess<'_>) -> Result<(), EngineError> + Send>;
@@ -129,16 +147,21 @@ impl CpuDevice {
             name: name.clone(),
             base,
             arena,
-            accesses: Mutex::new(AccessTable::default()),
+            accesses: AccessTable::new(name.clone()),
             first_failure: Mutex::new(None),
+            cpu: config.cpu,
+            copied: [AtomicU64::new(0), AtomicU64::new(0)],
         });
-        let mut lanes = Vec::with_capacity(Lane::ALL.len());
-        for lane in Lane::ALL {
+        let mut lanes = Vec::with_capacity(Lane::STREAMS.len());
+        for lane in Lane::STREAMS {
             let (jobs, receiver) = crossbeam::channel::bounded(config.queue_depth.max(1));
             let worker_shared = Arc::clone(&shared);
+            let chaos = config
+                .chaos
+                .map(|seed| Chaos::new(seed ^ (lane.index() as u64 + 1).wrapping_mul(0x9e37_79b9)));
             let thread = std::thread::Builder::new()
                 .name(format!("strata-cpu-{lane}"))
-                .spawn(move || run_lane(lane, &worker_shared, receiver))
+                .spawn(move || run_lane(lane, &worker_shared, receiver, chaos))
                 .map_err(|e| EngineError::DeviceBudgetUnavailable {
                     device: name.clone(),
                     budget_bytes: config.memory_budget_bytes,
@@ -210,6 +233,7 @@ impl CpuDevice {
                 // (assert_copy_fits).
                 let host = unsafe { std::slice::from_raw_parts(from.get(), device.len()) };
                 device.copy_from_slice(host);
+                access.shared.copied[0].fetch_add(host.len() as u64, Ordering::Relaxed);
                 Ok(())
             }),
         )?;
@@ -239,10 +263,116 @@ impl CpuDevice {
                 // operation's event completes, and nothing else can reach the slot.
                 let host = unsafe { std::slice::from_raw_parts_mut(to.get(), device.len()) };
                 host.copy_from_slice(&device);
+                access.shared.copied[1].fetch_add(host.len() as u64, Ordering::Relaxed);
                 Ok(())
             }),
         )?;
         Ok(Transfer::new(Event::Cpu(event), dst, src.clone()))
+    }
+
+    /// Runs `program` on the compute stream after `after`: each kernel's tensors are
+    /// resolved through `bindings`, checked to lie inside their bound range, registered
+    /// with the view checker for the kernel's run, and computed by the CPU kernels.
+    pub fn run_program(
+        &self,
+        program: &Program,
+        bindings: &Bindings,
+        scalars: &Scalars,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        for b in bindings.0.iter().flatten() {
+            self.check_range(*b)?;
+        }
+        let (program, bindings, scalars) = (Arc::clone(program), *bindings, *scalars);
+        self.submit(
+            Lane::Compute,
+            after,
+            Box::new(move |access| {
+                for kernel in program.iter() {
+                    access.run_kernel(kernel, &bindings, &scalars)?;
+                }
+                Ok(())
+            }),
+        )
+        .map(Event::Cpu)
+    }
+
+    /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`,
+    /// converting bf16 or fp16 to f32 where `convert` says so.
+    pub fn copy_to_device(
+        &self,
+        host: &HostArena,
+        src: HostRange,
+        dst: DeviceRange,
+        convert: Convert,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        self.check_range(dst)?;
+        check_conversion(convert, src.len_bytes, dst.len_bytes);
+        let host = host.clone();
+        let delay = self.copy_time(dst.len_bytes);
+        self.submit(
+            Lane::H2d,
+            after,
+            Box::new(move |access| {
+                let from = host.read(Lane::H2d, src)?;
+                let mut to = access.write_range(dst)?;
+                simulate_link(delay);
+                convert_into(&access.shared.cpu, convert, &from, &mut to);
+                access.shared.copied[0].fetch_add(dst.len_bytes as u64, Ordering::Relaxed);
+                Ok(())
+            }),
+        )
+        .map(Event::Cpu)
+    }
+
+    /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
+    pub fn copy_to_host(
+        &self,
+        src: DeviceRange,
+        host: &HostArena,
+        dst: HostRange,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        self.check_range(src)?;
+        assert_eq!(
+            src.len_bytes, dst.len_bytes,
+            "a copy between ranges of equal length"
+        );
+        let host = host.clone();
+        let delay = self.copy_time(src.len_bytes);
+        self.submit(
+            Lane::D2h,
+            after,
+            Box::new(move |access| {
+                let from = access.read_range(src)?;
+                let mut to = host.write(Lane::D2h, dst)?;
+                simulate_link(delay);
+                to.copy_from_slice(&from);
+                access.shared.copied[1].fetch_add(src.len_bytes as u64, Ordering::Relaxed);
+                Ok(())
+            }),
+        )
+        .map(Event::Cpu)
+    }
+
+    /// Bytes copied host to device and device to host so far.
+    pub fn copied_bytes(&self) -> [u64; 2] {
+        [
+            self.shared.copied[0].load(Ordering::Relaxed),
+            self.shared.copied[1].load(Ordering::Relaxed),
+        ]
+    }
+
+    fn check_range(&self, range: DeviceRange) -> Result<(), EngineError> {
+        let budget = self.shared.arena.stats().budget_bytes;
+        if range.offset_bytes > budget || range.len_bytes > budget - range.offset_bytes {
+            return Err(EngineError::ForeignResource {
+                device: self.name.clone(),
+                what: "a range outside its memory",
+            });
+        }
+        Ok(())
     }
 
     /// An event that completes when everything submitted to `lane` so far has.
@@ -255,9 +385,9 @@ impl CpuDevice {
         self.submit(lane, events, Box::new(|_| Ok(()))).map(drop)
     }
 
-    /// Blocks until every lane has run everything submitted so far.
+    /// Blocks until every stream has run everything submitted so far.
     pub fn synchronize(&self) -> Result<(), EngineError> {
-        let markers = Lane::ALL.map(|lane| self.record(lane));
+        let markers = Lane::STREAMS.map(|lane| self.record(lane));
         for marker in markers {
             marker?.wait()?;
         }
@@ -275,7 +405,10 @@ impl CpuDevice {
             device: self.name.clone(),
             lane,
         };
-        let jobs = self.lanes[lane.index()].jobs.as_ref().ok_or_else(stopped)?;
+        let stream = lane
+            .stream_index()
+            .unwrap_or_else(|| panic!("{lane} is not a stream of the CPU device"));
+        let jobs = self.lanes[stream].jobs.as_ref().ok_or_else(stopped)?;
         jobs.send(job).map_err(|_| stopped())?;
         Ok(event)
     }
@@ -324,10 +457,35 @@ fn simulate_link(delay: Duration) {
     }
 }
 
+/// Seeded delays for chaos runs: xorshift64*, one stream per lane.
+struct Chaos(u64);
+
+impl Chaos {
+    fn new(seed: u64) -> Self {
+        Chaos(seed | 1)
+    }
+
+    /// 0 half of the time, else 0 to 2 ms.
+    fn delay(&mut self) -> Duration {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let r = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32;
+        if r & 1 == 0 {
+            Duration::ZERO
+        } else {
+            Duration::from_micros((r >> 1) % 2000)
+        }
+    }
+}
+
 /// One lane's worker: runs jobs in submission order, each after its dependencies.
-fn run_lane(lane: Lane, shared: &CpuShared, jobs: Receiver<Job>) {
+fn run_lane(lane: Lane, shared: &CpuShared, jobs: Receiver<Job>, mut chaos: Option<Chaos>) {
     for job in jobs.iter() {
         let dependencies = job.after.iter().try_for_each(Event::wait);
+        if let Some(chaos) = &mut chaos {
+            simulate_link(chaos.delay());
+        }
         job.event.start();
         let first_failure = shared
             .first_failure
@@ -404,42 +562,142 @@ impl CpuAccess<'_> {
     }
 
     fn begin(&self, buffer: &DeviceBuffer, write: bool) -> Result<AccessRelease<'_>, EngineError> {
-        let shared = self.shared;
-        shared.arena.check_owns(buffer)?;
-        let range = buffer.arena_range();
-        let mut table = shared.accesses.lock().unwrap_or_else(|e| e.into_inner());
-        let conflict = table
-            .active
-            .iter()
-            .find(|a| a.range.start < range.end && range.start < a.range.end && (write || a.write));
-        if let Some(other) = conflict {
-            return Err(EngineError::OrderingViolation {
-                device: shared.name.clone(),
-                lane: self.lane,
-                access: if write { "writes" } else { "reads" },
-                start_bytes: range.start,
-                end_bytes: range.end,
-                other_lane: other.lane,
-                other_access: if other.write {
-                    "is writing"
-                } else {
-                    "is reading"
-                },
+        self.shared.arena.check_owns(buffer)?;
+        self.begin_range(DeviceRange::of(buffer), write)
+    }
+
+    fn begin_range(
+        &self,
+        range: DeviceRange,
+        write: bool,
+    ) -> Result<AccessRelease<'_>, EngineError> {
+        let id = self
+            .shared
+            .accesses
+            .begin(self.lane, std::iter::once((range.bytes(), write)))?;
+        Ok(AccessRelease {
+            shared: self.shared,
+            id,
+            start: range.offset_bytes,
+        })
+    }
+
+    /// Reads a device range (checked as [`CpuAccess::read`] is).
+    fn read_range(&self, range: DeviceRange) -> Result<ReadView<'_>, EngineError> {
+        let release = self.begin_range(range, false)?;
+        // SAFETY: the range lies inside the arena's allocation (checked when the operation
+        // was submitted) and the access table guarantees no overlapping write until
+        // `release` drops with this view.
+        let bytes = unsafe { std::slice::from_raw_parts(release.start_ptr(), range.len_bytes) };
+        Ok(ReadView {
+            bytes,
+            _release: release,
+        })
+    }
+
+    /// Writes a device range (checked as [`CpuAccess::write`] is).
+    fn write_range(&self, range: DeviceRange) -> Result<WriteView<'_>, EngineError> {
+        let release = self.begin_range(range, true)?;
+        // SAFETY: as in `read_range`, and no overlapping access of any kind is active
+        // until this view drops.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(release.start_ptr(), range.len_bytes) };
+        Ok(WriteView {
+            bytes,
+            _release: release,
+        })
+    }
+
+    /// Runs one kernel of a program: resolves and bounds-checks its tensors, registers
+    /// them all with the view checker, then calls the CPU kernel.
+    fn run_kernel(
+        &self,
+        kernel: &strata_kernels::program::Kernel,
+        bindings: &Bindings,
+        scalars: &Scalars,
+    ) -> Result<(), EngineError> {
+        let mut unbound = None;
+        kernel.for_each_tensor(|t, _| {
+            let fits = bindings.get(t.buf).is_some_and(|r| {
+                t.offset_bytes
+                    .checked_add(t.bytes())
+                    .is_some_and(|e| e <= r.len_bytes)
+            });
+            if !fits && unbound.is_none() {
+                unbound = Some(*t);
+            }
+        });
+        if let Some(t) = unbound {
+            return Err(EngineError::ProgramBinding {
+                kernel: kernel.name(),
+                tensor: format!("{t:?}"),
+                bound: bindings.get(t.buf).map(|r| r.len_bytes),
             });
         }
-        let id = table.next_id;
-        table.next_id += 1;
-        table.active.push(ActiveAccess {
-            id,
-            lane: self.lane,
-            range: range.clone(),
-            write,
+        let resolve = |t: &TensorRef| {
+            let r = bindings.get(t.buf).expect("checked above");
+            r.offset_bytes + t.offset_bytes
+        };
+        let mut ranges = Vec::with_capacity(12);
+        kernel.for_each_tensor(|t, a| {
+            let start = resolve(t);
+            ranges.push((start..start + t.bytes(), a == Access::Write));
         });
-        Ok(AccessRelease {
-            shared,
-            id,
-            start: range.start,
+        let id = self.shared.accesses.begin(self.lane, ranges.into_iter())?;
+        let memory = Resolved {
+            base: self.shared.base,
+            bindings,
+        };
+        // SAFETY: every tensor lies inside its bound range (checked above), every bound
+        // range inside the arena's allocation (checked at submission), and the view
+        // checker holds every tensor's bytes for this kernel: no other operation writes
+        // them, nor reads those this kernel writes, until `end` below. The kernel's own
+        // written tensors overlap none of its others (programs are built so; the CPU
+        // kernels assert their shapes).
+        let result = unsafe { run_cpu(kernel, &self.shared.cpu, scalars, &memory) };
+        self.shared.accesses.end(id);
+        result.map_err(|source| EngineError::Kernel {
+            kernel: kernel.name(),
+            source,
         })
+    }
+}
+
+/// Tensor addresses for the CPU kernels: the arena's base plus the binding's offset.
+struct Resolved<'a> {
+    base: HostPtr,
+    bindings: &'a Bindings,
+}
+
+impl CpuMemory for Resolved<'_> {
+    fn address(&self, t: &TensorRef) -> *mut u8 {
+        let r = self.bindings.get(t.buf).expect("bound (checked)");
+        // SAFETY: inside the arena's allocation (checked before the kernel runs).
+        unsafe { self.base.get().add(r.offset_bytes + t.offset_bytes) }
+    }
+}
+
+/// Panics unless `convert` maps `src_bytes` onto `dst_bytes` (a plan bug otherwise).
+fn check_conversion(convert: Convert, src_bytes: usize, dst_bytes: usize) {
+    let (from, to) = convert.map_or((1, 1), |(a, b)| (a.size(), b.size()));
+    assert!(
+        src_bytes.is_multiple_of(from) && src_bytes / from * to == dst_bytes,
+        "a copy of {src_bytes} bytes as {convert:?} into {dst_bytes} bytes"
+    );
+}
+
+/// Copies `from` into `to`, converting as `convert` says.
+fn convert_into(cpu: &Cpu, convert: Convert, from: &[u8], to: &mut [u8]) {
+    match convert {
+        Some((Dtype::Bf16, Dtype::F32)) => {
+            ops::bf16_to_f32(cpu, cast_mut::<f32>(to), cast::<bf16>(from))
+        }
+        Some((Dtype::F16, Dtype::F32)) => {
+            ops::f16_to_f32(cpu, cast_mut::<f32>(to), cast::<f16>(from))
+        }
+        Some((a, b)) if a != b => {
+            panic!("the CPU device converts bf16 and fp16 to f32 only, not {a} to {b}")
+        }
+        _ => to.copy_from_slice(from),
     }
 }
 
@@ -459,12 +717,7 @@ impl AccessRelease<'_> {
 
 impl Drop for AccessRelease<'_> {
     fn drop(&mut self) {
-        let mut table = self
-            .shared
-            .accesses
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        table.active.retain(|a| a.id != self.id);
+        self.shared.accesses.end(self.id);
     }
 }
 

@@ -18,15 +18,18 @@
 
 use std::ffi::CStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
+use strata_kernels::cuda::CudaKernels;
+use strata_kernels::program::{Scalars, TensorRef};
 use strata_storage::IoBuf;
 
 use super::event::{CudaEventRef, Event};
-use super::{Lane, Transfer, assert_copy_fits};
+use super::{Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits};
 use crate::error::EngineError;
-use crate::memory::{DeviceArena, DeviceBuffer, Pinning, SlotLease};
+use crate::memory::{DeviceArena, DeviceBuffer, HostArena, HostRange, Pinning, SlotLease};
 
 /// How a CUDA device is opened.
 #[derive(Debug, Clone)]
@@ -46,9 +49,13 @@ pub struct CudaDevice {
     name: String,
     gpu_name: String,
     ctx: Arc<CudaContext>,
-    /// Indexed by [`Lane::index`].
+    /// Indexed by [`Lane::stream_index`].
     streams: [Arc<CudaStream>; 3],
     arena: DeviceArena,
+    /// strata's kernels on the compute stream, when the device was opened for them.
+    kernels: Option<CudaKernels>,
+    /// Bytes copied host to device, device to host.
+    copied: [AtomicU64; 2],
 }
 
 /// The arena's GPU memory; freed when the arena and every buffer from it are gone.
@@ -133,12 +140,22 @@ impl CudaDevice {
                 ptr,
             }),
         );
+        let kernels = if config.needs_kernels {
+            Some(
+                CudaKernels::new(Arc::clone(&streams[0]))
+                    .map_err(|source| EngineError::CudaKernels { source })?,
+            )
+        } else {
+            None
+        };
         Ok(Self {
             name,
             gpu_name,
             ctx,
             streams,
             arena,
+            kernels,
+            copied: [AtomicU64::new(0), AtomicU64::new(0)],
         })
     }
 
@@ -182,9 +199,173 @@ impl CudaDevice {
         &self.ctx
     }
 
-    /// The stream of `lane`; kernels run on the compute lane's.
+    /// The stream of `lane` (one of [`Lane::STREAMS`]); kernels run on the compute
+    /// lane's.
     pub fn stream(&self, lane: Lane) -> &Arc<CudaStream> {
-        &self.streams[lane.index()]
+        let index = lane
+            .stream_index()
+            .unwrap_or_else(|| panic!("{lane} is not a stream of a CUDA device"));
+        &self.streams[index]
+    }
+
+    /// Runs `program` on the compute stream after `after`, each tensor at the address of
+    /// its binding plus its offset; the event (timed) completes with the last kernel.
+    pub fn run_program(
+        &self,
+        program: &Program,
+        bindings: &Bindings,
+        scalars: &Scalars,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        let kernels = self.kernels.as_ref().ok_or(EngineError::Unsupported {
+            device: self.name.clone(),
+            what: "programs (it was opened for copies only, without NVRTC and cuBLAS)",
+        })?;
+        for b in bindings.0.iter().flatten() {
+            self.check_range(*b)?;
+        }
+        let stream = self.stream(Lane::Compute);
+        self.wait_events(stream, after)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        let base = self.arena_base();
+        for kernel in program.iter() {
+            let mut unbound = None;
+            kernel.for_each_tensor(|t, _| {
+                let fits = bindings.get(t.buf).is_some_and(|r| {
+                    t.offset_bytes
+                        .checked_add(t.bytes())
+                        .is_some_and(|e| e <= r.len_bytes)
+                });
+                if !fits && unbound.is_none() {
+                    unbound = Some(*t);
+                }
+            });
+            if let Some(t) = unbound {
+                return Err(EngineError::ProgramBinding {
+                    kernel: kernel.name(),
+                    tensor: format!("{t:?}"),
+                    bound: bindings.get(t.buf).map(|r| r.len_bytes),
+                });
+            }
+            let address = |t: &TensorRef| {
+                let r = bindings.get(t.buf).expect("bound (checked)");
+                base + (r.offset_bytes + t.offset_bytes) as u64
+            };
+            run_kernel(kernels, kernel, scalars, &address).map_err(|source| {
+                EngineError::Kernel {
+                    kernel: kernel.name(),
+                    source,
+                }
+            })?;
+        }
+        self.record(Lane::Compute)
+    }
+
+    /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`. The
+    /// host arena is page-locked by this device (its pinning), so the copy is DMA; a
+    /// conversion is refused (a GPU computes in the working dtype the host holds).
+    pub fn copy_to_device(
+        &self,
+        host: &HostArena,
+        src: HostRange,
+        dst: DeviceRange,
+        convert: Convert,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        if let Some((from, to)) = convert
+            && from != to
+        {
+            return Err(EngineError::Unsupported {
+                device: self.name.clone(),
+                what: "converting copies (host and device hold the same dtype on a GPU)",
+            });
+        }
+        assert_eq!(
+            src.len_bytes, dst.len_bytes,
+            "a copy between ranges of equal length"
+        );
+        self.check_range(dst)?;
+        let host_ptr = host.address(src);
+        let stream = self.stream(Lane::H2d);
+        self.wait_events(stream, after)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        // SAFETY: the device range lies inside the arena's allocation (checked); the host
+        // range inside the arena's page-locked mapping (checked by `address`), which the
+        // caller keeps alive until this copy's event has completed.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                self.arena_base() + dst.offset_bytes as u64,
+                host_ptr.cast(),
+                dst.len_bytes,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(EngineError::cuda("cuMemcpyHtoDAsync"))?;
+        self.copied[0].fetch_add(dst.len_bytes as u64, Ordering::Relaxed);
+        self.record(Lane::H2d)
+    }
+
+    /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
+    pub fn copy_to_host(
+        &self,
+        src: DeviceRange,
+        host: &HostArena,
+        dst: HostRange,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        assert_eq!(
+            src.len_bytes, dst.len_bytes,
+            "a copy between ranges of equal length"
+        );
+        self.check_range(src)?;
+        let host_ptr = host.address(dst);
+        let stream = self.stream(Lane::D2h);
+        self.wait_events(stream, after)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        // SAFETY: as in copy_to_device, the other way.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                host_ptr.cast(),
+                self.arena_base() + src.offset_bytes as u64,
+                src.len_bytes,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(EngineError::cuda("cuMemcpyDtoHAsync"))?;
+        self.copied[1].fetch_add(src.len_bytes as u64, Ordering::Relaxed);
+        self.record(Lane::D2h)
+    }
+
+    /// Bytes copied host to device and device to host so far.
+    pub fn copied_bytes(&self) -> [u64; 2] {
+        [
+            self.copied[0].load(Ordering::Relaxed),
+            self.copied[1].load(Ordering::Relaxed),
+        ]
+    }
+
+    /// The device address of the arena's first byte.
+    fn arena_base(&self) -> u64 {
+        self.arena.base_address()
+    }
+
+    fn check_range(&self, range: DeviceRange) -> Result<(), EngineError> {
+        let budget = self.arena.stats().budget_bytes;
+        if range.offset_bytes > budget || range.len_bytes > budget - range.offset_bytes {
+            return Err(EngineError::ForeignResource {
+                device: self.name.clone(),
+                what: "a range outside its memory",
+            });
+        }
+        Ok(())
     }
 
     /// The device address of `buffer`'s first byte, for kernel arguments.
@@ -253,7 +434,7 @@ impl CudaDevice {
                     len,
                     stream.cu_stream(),
                 ),
-                Lane::Compute => unreachable!("copies run on the copy lanes"),
+                _ => unreachable!("copies run on the copy lanes"),
             }
         };
         enqueued.result().map_err(EngineError::cuda(match lane {
@@ -503,4 +684,19 @@ impl Drop for DrainOnDrop<'_> {
             }
         }
     }
+}
+
+/// TEMPORARY (development only, replaced when the raw-address CUDA kernels land).
+fn run_kernel(
+    _kernels: &CudaKernels,
+    kernel: &strata_kernels::program::Kernel,
+    _scalars: &Scalars,
+    _address: &dyn Fn(&TensorRef) -> u64,
+) -> Result<(), strata_kernels::program::KernelError> {
+    Err(strata_kernels::program::KernelError::Shape {
+        kernel: kernel.name(),
+        what: "TEMPORARY",
+        len: 0,
+        expected: 0,
+    })
 }

@@ -1,62 +1,103 @@
 //! Devices: where the math runs and what the copies go to. A [`Device`] is either the
 //! [`CpuDevice`] (a simulated accelerator: host memory with a hard budget, worker threads
-//! as streams, completion flags as events) or a [`CudaDevice`] (one GPU through cudarc).
+//! as streams, completion flags as events, and the view checker that catches a missing
+//! dependency) or a [`CudaDevice`] (one GPU through cudarc). Both implement the same
+//! interface, which is all the executor uses:
 //!
-//! Both have three lanes ([`Lane`]): compute, host-to-device and device-to-host. Work on a
-//! lane runs in order; work on different lanes is ordered only by [`Event`]s: each
-//! operation returns the event that completes with it and takes the events it must come
-//! after. Copies move bytes between a device buffer from the device's arena and a pinned
-//! pool slot; the slot is taken by value and comes back from the [`Transfer`] only once
-//! the copy has completed, so no slot is reused while a copy still reads or writes it.
+//! - memory: the device arena ([`DeviceArena`], one allocation of the budget); host
+//!   memory is a [`HostArena`] (page-locked, registered with the GPU and io_uring);
+//! - three streams ([`Lane::Compute`], [`Lane::H2d`], [`Lane::D2h`]), each running its
+//!   work in order; work on different streams is ordered only by [`Event`]s: every
+//!   operation takes the events it must come after and returns the one that completes
+//!   with it;
+//! - operations: a program of kernels over bound device ranges ([`Device::run_program`]),
+//!   copies between host-arena and device ranges ([`Device::copy_to_device`],
+//!   [`Device::copy_to_host`]), and copies through pinned pool slots held by a
+//!   [`Transfer`] until they complete (the pinned-pool benchmarks);
+//! - events: record, stream waits ([`Device::wait_for`]), host waits ([`Event::wait`]),
+//!   queries ([`Event::is_complete`]).
 //!
 //! Why an enum and not a trait: there are exactly two devices and the engine owns both,
-//! so a `match` is all the dispatch needed (as in candle). Callers that need one kind's
-//! own handles (the cudarc context and compute stream for CUDA kernels, closures with
-//! memory views for the CPU) get them from [`Device::as_cuda`] / [`Device::as_cpu`]
-//! without downcasting, and buffers and events need no associated types. Users extend
-//! strata with swap policies, not with devices.
+//! so a `match` is all the dispatch needed (as in candle), and buffers and events need no
+//! associated types. Users extend strata with swap policies and model families, not with
+//! devices.
 //!
-//! Not here: what to copy when (the planner and executor), and kernels (the kernels crate).
+//! Not here: what to copy when (the planner and executor), and kernels (the kernels
+//! crate's programs).
 
+pub(crate) mod access;
 mod cpu;
 mod cuda;
 mod event;
 
 use std::fmt;
+use std::sync::Arc;
 
 use strata_kernels::cuda::probe;
+use strata_kernels::program::{Dtype, Kernel, Scalars, Target};
 
 pub use cpu::{
     CpuAccess, CpuDevice, CpuDeviceConfig, Plain, ReadView, WriteView, bytes_of, bytes_of_mut,
-    cast, cast_mut,
+    cast, cast_mut, chaos_from_env,
 };
 pub use cuda::{CudaDevice, CudaDeviceConfig};
 pub use event::{CpuEvent, CudaEventRef, Event};
 
 use crate::error::EngineError;
-use crate::memory::{ArenaStats, DeviceArena, DeviceBuffer, Pinning, SlotLease};
+use crate::memory::{
+    ArenaStats, DeviceArena, DeviceBuffer, HostArena, HostRange, Pinning, SlotLease,
+};
 
-/// A device's streams of work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The lanes a training step runs on. Three are a device's streams (compute, copies each
+/// way); three are the executor's host threads (NVMe reads, NVMe writes, the CPU
+/// optimizer). Each runs its work in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Lane {
-    /// Kernels (or, on the CPU device, closures).
-    Compute,
-    /// Copies from pinned host slots into device memory.
+    /// NVMe reads (the io_uring thread does the I/O).
+    NvmeRead,
+    /// NVMe writes, beside the reads.
+    NvmeWrite,
+    /// The device's host-to-device copy stream.
     H2d,
-    /// Copies from device memory into pinned host slots.
+    /// The device's compute stream: kernels.
+    Compute,
+    /// The device's device-to-host copy stream.
     D2h,
+    /// The CPU optimizer (and other host arithmetic on gradients).
+    Cpu,
 }
 
 impl Lane {
     /// Every lane, in index order.
-    pub const ALL: [Lane; 3] = [Lane::Compute, Lane::H2d, Lane::D2h];
+    pub const ALL: [Lane; 6] = [
+        Lane::NvmeRead,
+        Lane::NvmeWrite,
+        Lane::H2d,
+        Lane::Compute,
+        Lane::D2h,
+        Lane::Cpu,
+    ];
+
+    /// The device's streams.
+    pub const STREAMS: [Lane; 3] = [Lane::Compute, Lane::H2d, Lane::D2h];
 
     /// The lane's position in [`Lane::ALL`].
     pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Whether the lane is one of a device's streams.
+    pub fn is_stream(self) -> bool {
+        self.stream_index().is_some()
+    }
+
+    /// The lane's position in [`Lane::STREAMS`], if it is a stream.
+    pub fn stream_index(self) -> Option<usize> {
         match self {
-            Lane::Compute => 0,
-            Lane::H2d => 1,
-            Lane::D2h => 2,
+            Lane::Compute => Some(0),
+            Lane::H2d => Some(1),
+            Lane::D2h => Some(2),
+            _ => None,
         }
     }
 }
@@ -64,12 +105,82 @@ impl Lane {
 impl fmt::Display for Lane {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            Lane::NvmeRead => "nvme-read",
+            Lane::NvmeWrite => "nvme-write",
+            Lane::H2d => "h2d",
             Lane::Compute => "compute",
-            Lane::H2d => "host-to-device",
-            Lane::D2h => "device-to-host",
+            Lane::D2h => "d2h",
+            Lane::Cpu => "cpu-optimizer",
         })
     }
 }
+
+/// A range of a device's memory, in bytes from the start of its arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceRange {
+    /// First byte.
+    pub offset_bytes: usize,
+    /// Length.
+    pub len_bytes: usize,
+}
+
+impl DeviceRange {
+    /// `len_bytes` bytes from `offset_bytes`.
+    pub const fn new(offset_bytes: usize, len_bytes: usize) -> Self {
+        DeviceRange {
+            offset_bytes,
+            len_bytes,
+        }
+    }
+
+    /// The range of `buffer`.
+    pub fn of(buffer: &DeviceBuffer) -> Self {
+        DeviceRange::new(buffer.arena_offset_bytes(), buffer.len_bytes())
+    }
+
+    /// The bytes as a range.
+    pub fn bytes(&self) -> std::ops::Range<usize> {
+        self.offset_bytes..self.offset_bytes + self.len_bytes
+    }
+
+    /// `len_bytes` bytes starting `offset_bytes` into this range.
+    pub fn sub(&self, offset_bytes: usize, len_bytes: usize) -> DeviceRange {
+        assert!(
+            offset_bytes + len_bytes <= self.len_bytes,
+            "a sub-range of {len_bytes} bytes at {offset_bytes} of a range of {}",
+            self.len_bytes
+        );
+        DeviceRange::new(self.offset_bytes + offset_bytes, len_bytes)
+    }
+}
+
+/// Most buffers a program may bind.
+pub const MAX_BINDINGS: usize = 16;
+
+/// The device ranges a program's tensors refer to, by binding index
+/// ([`TensorRef::buf`](strata_kernels::program::TensorRef)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bindings(pub [Option<DeviceRange>; MAX_BINDINGS]);
+
+impl Bindings {
+    /// Binds `range` at `index`.
+    pub fn set(&mut self, index: u8, range: DeviceRange) {
+        self.0[index as usize] = Some(range);
+    }
+
+    /// The range bound at `index`.
+    pub fn get(&self, index: u8) -> Option<DeviceRange> {
+        self.0.get(index as usize).copied().flatten()
+    }
+}
+
+/// A program: kernels run in order on the compute stream, shared cheaply.
+pub type Program = Arc<[Kernel]>;
+
+/// A conversion a host-to-device copy makes on the way (the CPU device computes in f32
+/// while host working parameters may be bf16 or fp16): from the host's dtype to the
+/// device's. A GPU copies bytes as they are and refuses a conversion.
+pub type Convert = Option<(Dtype, Dtype)>;
 
 /// Which device to use, as the user says it (`--device auto|cpu|cuda`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -167,6 +278,70 @@ impl Device {
         self.arena().stats()
     }
 
+    /// Which kernels run here.
+    pub fn target(&self) -> Target {
+        match self {
+            Device::Cpu(_) => Target::Cpu,
+            Device::Cuda(_) => Target::Cuda,
+        }
+    }
+
+    /// Runs `program` on the compute stream after `after`, each tensor resolved through
+    /// `bindings`, with `scalars`; the event completes when the last kernel has.
+    pub fn run_program(
+        &self,
+        program: &Program,
+        bindings: &Bindings,
+        scalars: &Scalars,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        match self {
+            Device::Cpu(d) => d.run_program(program, bindings, scalars, after),
+            Device::Cuda(d) => d.run_program(program, bindings, scalars, after),
+        }
+    }
+
+    /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`,
+    /// converting as `convert` says (CPU device only). `host` must outlive the copy: wait
+    /// for the event (or synchronize) before dropping it.
+    pub fn copy_to_device(
+        &self,
+        host: &HostArena,
+        src: HostRange,
+        dst: DeviceRange,
+        convert: Convert,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        match self {
+            Device::Cpu(d) => d.copy_to_device(host, src, dst, convert, after),
+            Device::Cuda(d) => d.copy_to_device(host, src, dst, convert, after),
+        }
+    }
+
+    /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
+    /// `host` must outlive the copy.
+    pub fn copy_to_host(
+        &self,
+        src: DeviceRange,
+        host: &HostArena,
+        dst: HostRange,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        match self {
+            Device::Cpu(d) => d.copy_to_host(src, host, dst, after),
+            Device::Cuda(d) => d.copy_to_host(src, host, dst, after),
+        }
+    }
+
+    /// Bytes the copy streams have moved since the device opened: host to device, then
+    /// device to host, counted by the copies themselves.
+    pub fn copied_bytes(&self) -> [u64; 2] {
+        match self {
+            Device::Cpu(d) => d.copied_bytes(),
+            Device::Cuda(d) => d.copied_bytes(),
+        }
+    }
+
     /// Copies the first `dst.len_bytes()` bytes of `src` into `dst` on the
     /// host-to-device lane after `after`; the slot stays with the [`Transfer`] until the
     /// copy has completed.
@@ -211,8 +386,8 @@ impl Device {
         }
     }
 
-    /// An event that completes when everything submitted to `lane` so far has (timed on
-    /// CUDA).
+    /// An event that completes when everything submitted to stream `lane` so far has
+    /// (timed on CUDA).
     pub fn record(&self, lane: Lane) -> Result<Event, EngineError> {
         match self {
             Device::Cpu(d) => d.record(lane),
@@ -220,7 +395,7 @@ impl Device {
         }
     }
 
-    /// Makes everything submitted to `lane` from now on wait for `events`.
+    /// Makes everything submitted to stream `lane` from now on wait for `events`.
     pub fn wait_for(&self, lane: Lane, events: &[Event]) -> Result<(), EngineError> {
         match self {
             Device::Cpu(d) => d.wait_for(lane, events),
@@ -250,6 +425,25 @@ impl Device {
             Device::Cuda(d) => Some(d),
             Device::Cpu(_) => None,
         }
+    }
+}
+
+/// Which kernels a run on the device `choice` names would use, before any device is
+/// opened (a plan is made for its target): `Cuda` when the CUDA driver, NVRTC, cuBLAS
+/// and a GPU are all there, which `Auto` asks and `Cuda` requires (failing with one line
+/// naming what is missing); else the CPU's.
+pub fn choose_target(choice: DeviceChoice) -> Result<Target, EngineError> {
+    match choice {
+        DeviceChoice::Cpu => Ok(Target::Cpu),
+        DeviceChoice::Cuda => {
+            cuda::cuda_usable(true)?;
+            Ok(Target::Cuda)
+        }
+        DeviceChoice::Auto => Ok(if cuda::cuda_usable(true).is_ok() {
+            Target::Cuda
+        } else {
+            Target::Cpu
+        }),
     }
 }
 

@@ -1,7 +1,8 @@
-//! A short measurement of this machine's rates at start, for the cost model: the CPU
-//! device's compute (one transformer layer's forward), memory copies (the CPU device's
-//! host-to-device and device-to-host), the CPU AdamW, and the NVMe tier's reads and
-//! writes. About half a second; sizes are capped so a 13B model's shape costs no more.
+//! A short measurement of this machine's rates at start, for the cost model: the
+//! device's compute (a one-layer model's forward, on the device the run will use), its
+//! copies between the pinned host arena and device memory, the CPU AdamW, and the NVMe
+//! tier's reads and writes. About half a second; sizes are capped so a 13B model's shape
+//! costs no more.
 
 use std::path::Path;
 use std::time::Instant;
@@ -10,9 +11,11 @@ use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, State};
 use strata_kernels::isa::Isa;
 use strata_storage::{AlignedBuf, StoreConfig, TensorStore};
 
-use super::ExecError;
-use crate::model::{BlockScratch, CpuBackend, Gpt2Config, Model};
-use crate::plan::CostModel;
+use super::{ExecError, Runner};
+use crate::device::{DeviceChoice, DeviceConfig, DeviceRange, select};
+use crate::memory::{ARENA_ALIGN, HostArena, HostRange};
+use crate::model::{Dtype, Gpt2Config, Model, Pass, Target};
+use crate::plan::{CostModel, Precision};
 
 /// The best of `runs` timings of `f`, in seconds.
 fn best_of(runs: usize, mut f: impl FnMut() -> Result<(), ExecError>) -> Result<f64, ExecError> {
@@ -25,58 +28,89 @@ fn best_of(runs: usize, mut f: impl FnMut() -> Result<(), ExecError>) -> Result<
     Ok(best)
 }
 
-/// Measures the rates of the CPU device for steps of `config`'s width and `batch` ×
+/// Measures the rates of `target`'s device for steps of `model`'s width and `batch` ×
 /// `seq` tokens, with the NVMe tier in `nvme_dir` (skipped, keeping the defaults' NVMe
 /// rates, when `None`).
 pub fn calibrate(
-    config: &Gpt2Config,
+    model: &Model,
     batch: usize,
     seq: usize,
+    target: Target,
     nvme_dir: Option<&Path>,
 ) -> Result<CostModel, ExecError> {
-    let model_err = |source| ExecError::Model {
-        op: "calibrating".into(),
-        source,
-    };
+    let model_err = ExecError::Model;
     let mut cost = CostModel::default();
 
-    // Compute: one transformer layer forward, at most 1024 wide and 512 rows.
-    let width = config.width.min(1024);
-    let heads = (1..=config.heads.min(width))
+    // Compute: the forward of a one-layer model of this width (at most 1024 wide and
+    // 512 rows), its FLOPs counted from its programs.
+    let width = model.width().min(1024);
+    let heads = (1..=width.min(64))
         .rev()
-        .find(|h| width.is_multiple_of(*h))
+        .find(|h| width.is_multiple_of(*h) && width / h >= 16)
         .unwrap_or(1);
     let seq = seq.min(512);
     let batch = batch.clamp(1, (512 / seq).max(1));
-    let shape = Gpt2Config::new(1, heads, width, 256, seq);
-    let model = Model::new(shape).map_err(model_err)?;
-    let be = CpuBackend::default();
-    let dims = model.dims(batch, seq).map_err(model_err)?;
-    let params = model.init_params(1);
-    let mut scratch = BlockScratch::new(&be, dims).map_err(model_err)?;
-    let x: Vec<f32> = (0..dims.rows() * width)
-        .map(|i| (i % 7) as f32 * 0.1)
-        .collect();
-    let mut out = vec![0.0; x.len()];
+    let small = Model::new(Gpt2Config::new(1, heads, width, 256, seq)).map_err(model_err)?;
+    let shape = small.shape(batch, seq).map_err(model_err)?;
+    let flops: f64 = (0..small.blocks().len())
+        .map(|b| small.flops(b, Pass::Forward, shape))
+        .sum();
+    let params = small.init_params(1);
+    let copy_bytes = 64 << 20;
+    let dtype = if target == Target::Cpu {
+        Dtype::F32
+    } else {
+        Dtype::Bf16
+    };
+    let precision = if target == Target::Cpu {
+        Precision::Fp32
+    } else {
+        Precision::Bf16
+    };
+    let budget = Runner::device_bytes(&small, batch, seq, target, dtype).map_err(model_err)?;
+    let choice = match target {
+        Target::Cpu => DeviceChoice::Cpu,
+        Target::Cuda => DeviceChoice::Cuda,
+    };
+    let device_err = |source| ExecError::Device {
+        op: "calibrating".into(),
+        source,
+    };
+    let config = DeviceConfig {
+        memory_budget_bytes: budget + copy_bytes + ARENA_ALIGN,
+        cuda_ordinal: 0,
+        cuda_needs_kernels: true,
+    };
+    let (device, _) = select(choice, &config).map_err(device_err)?;
+    // Copies: 64 MiB each way between the pinned host arena and device memory.
+    let host = HostArena::new("calibration", copy_bytes, &device.pinning()).map_err(device_err)?;
+    let buffer = device.alloc(copy_bytes).map_err(device_err)?;
+    let (src, dst) = (HostRange::new(0, copy_bytes), DeviceRange::of(&buffer));
+    let h2d = best_of(3, || {
+        device
+            .copy_to_device(&host, src, dst, None, &[])
+            .and_then(|e| e.wait())
+            .map_err(device_err)
+    })?;
+    let d2h = best_of(3, || {
+        device
+            .copy_to_host(dst, &host, src, &[])
+            .and_then(|e| e.wait())
+            .map_err(device_err)
+    })?;
+    cost.h2d_bytes_per_s = copy_bytes as f64 / h2d;
+    cost.d2h_bytes_per_s = copy_bytes as f64 / d2h;
+    drop(buffer);
+    let mut runner = Runner::new(small, device, batch, seq, precision).map_err(model_err)?;
+    runner.load(&params).map_err(model_err)?;
+    let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % 256) as u32).collect();
     let seconds = best_of(3, || {
-        model
-            .layer_forward(&be, &params[1], &x, &mut out, &mut scratch)
+        runner
+            .forward(&tokens, &tokens)
+            .map(drop)
             .map_err(model_err)
     })?;
-    let (n, c) = (dims.rows() as f64, width as f64);
-    let flops = 2.0 * n * 12.0 * c * c + 4.0 * batch as f64 * (seq * seq) as f64 * c;
     cost.compute_flops = flops / seconds;
-
-    // Copies: 64 MiB, as the CPU device's transfers are.
-    let src = vec![1.0f32; 16 << 20];
-    let mut dst = vec![0.0f32; 16 << 20];
-    let copy = best_of(3, || {
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        Ok(())
-    })?;
-    cost.h2d_bytes_per_s = (64 << 20) as f64 / copy;
-    cost.d2h_bytes_per_s = cost.h2d_bytes_per_s;
 
     // AdamW: 4M parameters.
     let len = 4 << 20;

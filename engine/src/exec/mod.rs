@@ -1,45 +1,61 @@
-//! The executor: runs a [`Plan`]'s schedule, step after step, on a model backend.
+//! The executor: runs a [`Plan`]'s schedule, step after step, on a [`Device`].
 //!
-//! - Every physical slot of the plan is allocated once, in [`Executor::new`]: device
-//!   buffers through the backend, host buffers as 4096-aligned (huge-page backed) memory
-//!   the NVMe tier reads into directly, NVMe extents in a [`TensorStore`]. A step
-//!   allocates no buffer memory.
-//! - A step runs one thread per lane (NVMe reads, NVMe writes, H2D, compute, D2H, CPU
-//!   optimizer). Each takes its operations in plan order and starts one when its
-//!   dependencies have finished. A slot is locked by the operation using it; finding it locked means the
-//!   plan's dependencies are wrong, which is reported as a bug rather than raced.
+//! - Memory is allocated once, in [`Executor::new`]: one range of the device arena of the
+//!   plan's device peak, one pinned [`HostArena`] of its host peak (registered with
+//!   io_uring, so NVMe reads land with ReadFixed where the host-to-device copies start),
+//!   and the NVMe extents in a [`TensorStore`]. Every buffer of the plan is a range of
+//!   one of them, at the offset the plan gave its slot. A step allocates no buffer.
+//! - The programs are built once: each block's forward and backward from the model
+//!   family, and the shared update programs (`crate::model::update`).
+//! - A step runs one thread per lane ([`lanes`]). The host lanes (NVMe reads, NVMe writes,
+//!   the CPU optimizer) run their operations; the stream lanes (H2D, compute, D2H) submit
+//!   theirs to the device's streams and go on. Completion is an event, never a return:
+//!   a dependency on another stream is a stream wait on its event; a host operation that
+//!   needs a stream's result waits on the event on the host; a stream operation that
+//!   needs a host operation's result is submitted only once it is done. The compute lane
+//!   runs at most [`ExecConfig::run_ahead`] operations ahead of the device.
 //! - Data homed on NVMe that a step rewrites has A/B extents; the step reads the current
 //!   side and writes the other, and the sides swap only after every operation of the
 //!   step succeeded. Host- and device-homed state is updated only after every NVMe
 //!   transfer of the step when the plan has any (the planner orders it so). A step failed
 //!   by the NVMe tier therefore returns an error with every parameter as it was.
+//! - A failure or a panic on any lane ends the step with an error naming the lane and
+//!   the operation; the other lanes stop at their next wait, and the device is drained
+//!   before the step returns.
 //! - Every operation's start and end are recorded: busy time per lane, the compute
-//!   lane's stall waiting for data, bytes per link, a latency histogram per kind, and a
-//!   Chrome trace of a step ([`StepReport::chrome_trace`]).
+//!   lane's stall, bytes per link as the device and the NVMe tier counted them, a
+//!   latency histogram per kind, and a Chrome trace of a step
+//!   ([`StepReport::chrome_trace`]).
 
 mod calibrate;
+mod lanes;
+mod runner;
 mod trace;
 
 pub use calibrate::calibrate;
+pub use runner::Runner;
+pub use trace::OpRecord;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::{Duration, Instant};
+use std::sync::{Condvar, Mutex};
+use std::time::Instant;
 
-use half::{bf16, f16};
 use hdrhistogram::Histogram;
-use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, GradStats, Grads, State, grad_stats};
-use strata_kernels::isa::Isa;
+use strata_kernels::adamw::{AdamError, GradStats};
 use strata_kernels::ops::Cpu;
-use strata_storage::BackendChoice;
-use strata_storage::{AlignedBuf, ExtentId, StorageError, StoreConfig, TensorStore};
+use strata_kernels::program::{Dtype, read_stats};
+use strata_storage::{
+    AlignedBuf, BackendChoice, ExtentId, IoStats, StorageError, StoreConfig, TensorStore,
+};
 
-pub use trace::OpRecord;
-
-use crate::device::{cast, cast_mut};
-use crate::model::{Backend, BlockScratch, HostParams, Model, ModelError};
-use crate::plan::{BufId, BufKind, ExtentSide, Lane, OpId, OpKind, Plan, Precision, Tier};
+use crate::device::{
+    CpuDevice, CpuDeviceConfig, Device, DeviceRange, Event, Lane, Program, cast, cast_mut,
+};
+use crate::error::EngineError;
+use crate::memory::{DeviceBuffer, HostArena, HostRange};
+use crate::model::{Model, ModelError, Pass, update};
+use crate::plan::{BufId, BufKind, ExtentSide, OpId, Plan, Precision, SlotId, Tier};
 
 /// Why a step (or setting up the executor) failed.
 #[derive(Debug, thiserror::Error)]
@@ -52,13 +68,13 @@ pub enum ExecError {
         /// The error from the tier.
         source: StorageError,
     },
-    /// A kernel or copy failed.
+    /// The device failed an operation (a kernel, a copy, an ordering violation).
     #[error("{op}: {source}")]
-    Model {
+    Device {
         /// The operation.
         op: String,
-        /// The error.
-        source: ModelError,
+        /// The device's error.
+        source: EngineError,
     },
     /// The optimizer refused its inputs.
     #[error("{op}: {source}")]
@@ -66,7 +82,7 @@ pub enum ExecError {
         /// The operation.
         op: String,
         /// The error.
-        source: strata_kernels::adamw::AdamError,
+        source: AdamError,
     },
     /// Inputs that do not match the plan (batch shape, parameter buffers).
     #[error("{0}")]
@@ -74,9 +90,19 @@ pub enum ExecError {
     /// Setting up the NVMe tier failed.
     #[error("NVMe tier: {0}")]
     Tier(StorageError),
-    /// The schedule ran into itself: a bug in the plan.
-    #[error("schedule bug: {0}")]
-    ScheduleBug(String),
+    /// A lane panicked.
+    #[error("the {lane} lane panicked in {op}: {message}")]
+    Panicked {
+        /// The lane.
+        lane: Lane,
+        /// The operation it was running.
+        op: String,
+        /// The panic's message.
+        message: String,
+    },
+    /// The model refused something (a shape, a program).
+    #[error(transparent)]
+    Model(#[from] ModelError),
 }
 
 /// AdamW's first and second moments, one buffer per block.
@@ -85,7 +111,7 @@ pub type Moments<'a> = (&'a [Vec<f32>], &'a [Vec<f32>]);
 /// Master parameters, m and v, one f32 buffer per block each.
 pub type TrainingState = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>);
 
-/// How the executor sets up its NVMe tier.
+/// How the executor sets up its NVMe tier and its lanes.
 #[derive(Debug, Clone)]
 pub struct ExecConfig {
     /// Folders for swap files (several = striped over drives). Needed when the plan has
@@ -97,6 +123,12 @@ pub struct ExecConfig {
     pub faults: Option<strata_storage::FaultPlan>,
     /// Threads for the CPU optimizer's kernels.
     pub optimizer_threads: usize,
+    /// How many operations the compute lane may have submitted and not yet completed
+    /// (at least 1).
+    pub run_ahead: usize,
+    /// When set, the host lanes too wait a seeded random 0 to 2 ms before each
+    /// operation (as the CPU device's streams do under `STRATA_DEVICE_CHAOS`).
+    pub chaos: Option<u64>,
 }
 
 impl Default for ExecConfig {
@@ -106,6 +138,8 @@ impl Default for ExecConfig {
             io: BackendChoice::Auto,
             faults: None,
             optimizer_threads: strata_kernels::parallel::max_threads(),
+            run_ahead: 4,
+            chaos: crate::device::chaos_from_env(),
         }
     }
 }
@@ -124,7 +158,7 @@ impl ExecConfig {
 #[derive(Debug, Clone, Copy)]
 pub struct StepParams {
     /// AdamW (the learning rate of this step included).
-    pub adam: AdamW,
+    pub adam: strata_kernels::adamw::AdamW,
     /// Global-norm clipping threshold (0: off). Needs a plan built with
     /// `needs_global_norm`.
     pub clip: f64,
@@ -149,10 +183,14 @@ pub struct StepReport {
     pub seconds: f64,
     /// Busy seconds per lane ([`Lane::index`]).
     pub lane_busy: [f64; 6],
-    /// Seconds the compute lane waited for other lanes between its operations.
+    /// Seconds the compute lane's device stream sat idle between its operations.
     pub compute_stall: f64,
-    /// Bytes per step over NVMe read, NVMe write, H2D, D2H.
+    /// Bytes this step moved over NVMe read, NVMe write, H2D and D2H, as the NVMe tier
+    /// and the device's copies counted them.
     pub link_bytes: [u64; 4],
+    /// NVMe chunks this step moved through io_uring's registered (fixed) buffers, and
+    /// through plain ones.
+    pub fixed_chunks: [u64; 2],
     /// Start and end of every operation the run ran, in plan order.
     pub records: Vec<OpRecord>,
 }
@@ -168,23 +206,22 @@ impl StepReport {
     }
 }
 
-/// A physical slot's memory.
-enum SlotData<B: Backend> {
-    Params(B::Params),
-    Grads(B::Grads),
-    Act(B::Act),
-    /// Raw bytes; `None` while an NVMe transfer owns the buffer.
-    Raw(Option<AlignedBuf>),
-    Fixed,
+/// The programs of every block, built once.
+struct Programs {
+    forward: Vec<Program>,
+    backward: Vec<Program>,
+    /// AdamW on the device, for blocks whose optimizer state lives there.
+    update: Vec<Option<Program>>,
+    stats: Vec<Program>,
+    accumulate: Vec<Program>,
 }
 
-/// The device's fixed working set.
-struct Fixed<B: Backend> {
-    scratch: BlockScratch<B>,
-    grad_a: B::Act,
-    grad_b: B::Act,
-    tokens: B::Tokens,
-    targets: B::Tokens,
+/// The outcome of the global norm (or of none: 1, false).
+#[derive(Debug, Clone, Copy)]
+struct Norm {
+    norm: f64,
+    coef: f32,
+    skip: bool,
 }
 
 /// Per-step shared values.
@@ -197,17 +234,38 @@ struct StepShared<'a> {
     /// The loss scale of the gradients the update applies (with a delayed update, the
     /// last step's).
     update_loss_scale: f32,
+    start: Instant,
+    /// A timed event recorded on the compute stream at the start (a GPU times its
+    /// operations against it).
+    origin: Option<Event>,
 }
 
-/// Runs a plan on a backend, step after step.
-pub struct Executor<B: Backend> {
+/// Per-operation state of the step being run.
+struct OpState {
+    /// The stamp of the step that issued it: a host operation when done, a stream
+    /// operation when submitted.
+    issued: AtomicU64,
+    /// A stream operation's completion (none when it had nothing to do).
+    event: Mutex<Option<Event>>,
+    /// A stream operation's start, on a GPU (timing only).
+    start: Mutex<Option<Event>>,
+    /// Start and end, nanoseconds after the step began (0, 0: not run).
+    span: [AtomicU64; 2],
+}
+
+/// Runs a plan on a device, step after step.
+pub struct Executor {
     model: Model,
     plan: Plan,
-    backend: B,
+    device: Device,
+    host: HostArena,
+    /// The plan's device memory (kept allocated).
+    device_mem: DeviceBuffer,
+    programs: Programs,
     cpu: Cpu,
     optimizer_threads: usize,
-    slots: Vec<RwLock<SlotData<B>>>,
-    fixed: Mutex<Fixed<B>>,
+    run_ahead: usize,
+    chaos: Option<u64>,
     store: Option<TensorStore>,
     /// Per extent group: (side A, side B) (equal for single extents).
     extents: Vec<(ExtentId, ExtentId)>,
@@ -220,84 +278,62 @@ pub struct Executor<B: Backend> {
     /// orderings through it (slot reuse) still hold.
     deps: [Vec<Vec<OpId>>; 3],
     /// Each logical buffer's physical slot; delayed updates exchange pairs of them.
-    slot_of: Vec<Option<usize>>,
+    slot_of: Vec<Option<SlotId>>,
     /// Delayed update: gradients of the last step wait to be applied, and the loss scale
     /// they were computed with.
     pending: Option<f32>,
-    /// Host batches, per micro-batch: tokens and targets.
-    batches: Mutex<Vec<(Vec<u32>, Vec<u32>)>>,
-    losses: Mutex<Vec<f32>>,
-    block_stats: Mutex<Vec<GradStats>>,
-    norm: Mutex<(f64, f32, bool)>,
-    convert: Mutex<Vec<u16>>,
-    done: Vec<AtomicU64>,
-    records: Vec<[AtomicU64; 2]>,
+    block_stats: Mutex<Vec<Option<GradStats>>>,
+    norm: Mutex<Norm>,
+    ops: Vec<OpState>,
     failed: AtomicBool,
     wake: (Mutex<()>, Condvar),
     stamp: u64,
-    live: [AtomicU64; 3],
-    peak_live: [AtomicU64; 3],
-    allocated: [u64; 3],
+    peak_live: Mutex<[u64; 3]>,
     histograms: Mutex<Vec<(&'static str, Histogram<u64>)>>,
 }
 
-/// A lane's view of the step being run.
-struct Ctx<'a> {
-    shared: &'a StepShared<'a>,
-    start: Instant,
+/// A failure's message from a panic payload.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
-impl<B> Executor<B>
-where
-    B: Backend + Sync,
-    B::Params: Send + Sync,
-    B::Grads: Send + Sync,
-    B::Act: Send + Sync,
-    B::Stats: Send,
-    B::Tokens: Send,
-    B::AttentionScratch: Send,
-{
-    /// Allocates every slot of `plan` (and its NVMe extents) for `model` on `backend`.
-    /// Parameters are zero until [`Executor::load`].
+impl Executor {
+    /// Allocates every buffer of `plan` (and its NVMe extents) for `model` on `device`,
+    /// whose arena must hold the plan's device peak. Parameters are zero until
+    /// [`Executor::load`].
     pub fn new(
         model: Model,
         plan: Plan,
-        backend: B,
+        device: Device,
         config: &ExecConfig,
     ) -> Result<Self, ExecError> {
         let shape = plan.shape;
-        let dims = model
-            .dims(shape.batch, shape.seq)
-            .map_err(|e| ExecError::BadInput(e.to_string()))?;
-        let modelerr = |source| ExecError::Model {
-            op: "allocating the plan's buffers".into(),
+        let dims = model.shape(shape.batch, shape.seq)?;
+        if device.target() != shape.target {
+            return Err(ExecError::BadInput(format!(
+                "plan {} was made for the {:?} kernels, but the device is {}",
+                plan.policy,
+                shape.target,
+                device.name()
+            )));
+        }
+        let setup = |source| ExecError::Device {
+            op: "allocating the plan's memory".into(),
             source,
         };
-        let mut allocated = [0u64; 3];
-        let mut slots = Vec::with_capacity(plan.slots.len());
-        for s in &plan.slots {
-            allocated[s.tier.index()] += s.bytes;
-            slots.push(RwLock::new(match s.kind {
-                BufKind::DevParams => {
-                    SlotData::Params(backend.alloc_params(s.elems).map_err(modelerr)?)
-                }
-                BufKind::DevGrads => {
-                    SlotData::Grads(backend.alloc_grads(s.elems).map_err(modelerr)?)
-                }
-                BufKind::DevAct => SlotData::Act(backend.alloc_act(s.elems).map_err(modelerr)?),
-                BufKind::Raw => SlotData::Raw(Some(AlignedBuf::zeroed(s.elems))),
-                BufKind::DevFixed => SlotData::Fixed,
-                BufKind::Extent { .. } | BufKind::Flag => unreachable!("not memory"),
-            }));
-        }
-        let nc = dims.rows() * dims.width;
-        let fixed = Fixed {
-            scratch: BlockScratch::new(&backend, dims).map_err(modelerr)?,
-            grad_a: backend.alloc_act(nc).map_err(modelerr)?,
-            grad_b: backend.alloc_act(nc).map_err(modelerr)?,
-            tokens: backend.alloc_tokens(dims.rows()).map_err(modelerr)?,
-            targets: backend.alloc_tokens(dims.rows()).map_err(modelerr)?,
-        };
+        let device_mem = device
+            .alloc(plan.peak[Tier::Device.index()].max(1) as usize)
+            .map_err(setup)?;
+        let host = HostArena::new(
+            "executor",
+            plan.peak[Tier::Host.index()] as usize,
+            &device.pinning(),
+        )
+        .map_err(setup)?;
         let (store, extents) = if plan.extent_groups.is_empty() {
             (None, Vec::new())
         } else if config.nvme_dirs.is_empty() {
@@ -312,6 +348,7 @@ where
             cfg.backend = config.io;
             cfg.faults = config.faults.clone();
             let store = TensorStore::create(cfg).map_err(ExecError::Tier)?;
+            host.register_with(&store).map_err(setup)?;
             let mut extents = Vec::new();
             for g in &plan.extent_groups {
                 let a = store
@@ -328,27 +365,54 @@ where
             }
             (Some(store), extents)
         };
-        let max_block = model.blocks().iter().map(|b| b.len).max().unwrap_or(0);
-        let ops = plan.ops.len();
-        let micro = shape.grad_accum;
-        let kinds = [
-            "nvme-read",
-            "nvme-write",
-            "h2d",
-            "d2h",
-            "accumulate",
-            "forward",
-            "head",
-            "backward",
-            "grad-norm",
-            "adamw",
-        ];
+        let target = shape.target;
+        let dtype = shape.device_dtype();
         let nb = model.blocks().len();
+        let program = |b, pass| -> Program { model.program(b, pass, dims, target, dtype).into() };
+        let programs = Programs {
+            forward: (0..nb).map(|b| program(b, Pass::Forward)).collect(),
+            backward: (0..nb).map(|b| program(b, Pass::Backward)).collect(),
+            update: (0..nb)
+                .map(|b| {
+                    (plan.homes[b][2] == Tier::Device).then(|| {
+                        let layout = &model.blocks()[b];
+                        update::adamw_program(layout, dtype, shape.precision.dtype()).into()
+                    })
+                })
+                .collect(),
+            stats: model
+                .blocks()
+                .iter()
+                .map(|b| update::grad_stats_program(b, target).into())
+                .collect(),
+            accumulate: model
+                .blocks()
+                .iter()
+                .map(|b| update::accumulate_program(b).into())
+                .collect(),
+        };
+        let ops = (0..plan.ops.len())
+            .map(|_| OpState {
+                issued: AtomicU64::new(0),
+                event: Mutex::new(None),
+                start: Mutex::new(None),
+                span: [AtomicU64::new(0), AtomicU64::new(0)],
+            })
+            .collect();
+        let histograms = crate::plan::OpKind::KIND_NAMES
+            .iter()
+            .map(|k| {
+                (
+                    *k,
+                    Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("valid bounds"),
+                )
+            })
+            .collect();
         Ok(Executor {
-            optimizer_threads: config.optimizer_threads.max(1),
             cpu: Cpu::default(),
-            slots,
-            fixed: Mutex::new(fixed),
+            optimizer_threads: config.optimizer_threads.max(1),
+            run_ahead: config.run_ahead.max(1),
+            chaos: config.chaos,
             store,
             extents,
             generation: 0,
@@ -360,46 +424,38 @@ where
                 effective_deps(&plan, |op| op.update),
             ],
             pending: None,
-            batches: Mutex::new(vec![(vec![0; dims.rows()], vec![0; dims.rows()]); micro]),
-            losses: Mutex::new(vec![0.0; dims.rows() * micro]),
-            block_stats: Mutex::new(vec![
-                GradStats {
-                    sum_squares: 0.0,
-                    non_finite: false
-                };
-                nb
-            ]),
-            norm: Mutex::new((0.0, 1.0, false)),
-            convert: Mutex::new(if shape.precision == Precision::Fp32 {
-                Vec::new()
-            } else {
-                vec![0; max_block]
+            block_stats: Mutex::new(vec![None; nb]),
+            norm: Mutex::new(Norm {
+                norm: 0.0,
+                coef: 1.0,
+                skip: false,
             }),
-            done: (0..ops).map(|_| AtomicU64::new(0)).collect(),
-            records: (0..ops)
-                .map(|_| [AtomicU64::new(0), AtomicU64::new(0)])
-                .collect(),
+            ops,
             failed: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
             stamp: 0,
-            live: Default::default(),
-            peak_live: Default::default(),
-            allocated,
-            histograms: Mutex::new(
-                kinds
-                    .iter()
-                    .map(|k| {
-                        (
-                            *k,
-                            Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("valid bounds"),
-                        )
-                    })
-                    .collect(),
-            ),
+            peak_live: Mutex::new([0; 3]),
+            histograms: Mutex::new(histograms),
+            programs,
+            host,
+            device_mem,
+            device,
             model,
             plan,
-            backend,
         })
+    }
+
+    /// A CPU device sized for `plan`, and the executor on it.
+    pub fn on_cpu(model: Model, plan: Plan, config: &ExecConfig) -> Result<Self, ExecError> {
+        let device = CpuDevice::new(CpuDeviceConfig {
+            memory_budget_bytes: plan.peak[Tier::Device.index()].max(1) as usize,
+            ..CpuDeviceConfig::default()
+        })
+        .map_err(|source| ExecError::Device {
+            op: "opening the CPU device".into(),
+            source,
+        })?;
+        Executor::new(model, plan, Device::Cpu(device), config)
     }
 
     /// The plan being run.
@@ -412,6 +468,16 @@ where
         &self.model
     }
 
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The pinned host arena.
+    pub fn host_arena(&self) -> &HostArena {
+        &self.host
+    }
+
     /// Optimizer steps applied so far (AdamW's step counter).
     pub fn steps(&self) -> u64 {
         self.steps
@@ -422,18 +488,21 @@ where
         self.steps = steps;
     }
 
-    /// Bytes allocated per tier at setup ([`Tier::index`]): the plan's slots and extents.
+    /// Bytes allocated per tier at setup ([`Tier::index`]): the device range, the host
+    /// arena, the NVMe extents.
     pub fn allocated(&self) -> [u64; 3] {
-        let mut out = self.allocated;
-        out[Tier::Nvme.index()] = self.plan.peak[Tier::Nvme.index()];
-        out
+        [
+            self.device_mem.len_bytes() as u64,
+            self.host.len_bytes() as u64,
+            self.plan.peak[Tier::Nvme.index()],
+        ]
     }
 
-    /// The most bytes of logical buffers live at once per tier, as measured while steps
-    /// ran (persistent buffers included).
+    /// The most bytes of logical buffers live at once per tier, from the times the
+    /// operations that use them ran (persistent buffers included); for NVMe, what the
+    /// store has handed out to extents.
     pub fn peak_live(&self) -> [u64; 3] {
-        let mut out: [u64; 3] = std::array::from_fn(|t| self.peak_live[t].load(Ordering::Relaxed));
-        // The NVMe tier: what the store has handed out to extents.
+        let mut out = *self.peak_live.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(store) = &self.store {
             out[Tier::Nvme.index()] = store.capacity_bytes() - store.free_bytes();
         }
@@ -441,13 +510,13 @@ where
     }
 
     /// The NVMe tier's I/O counters, if there is one.
-    pub fn io_stats(&self) -> Option<strata_storage::IoStats> {
+    pub fn io_stats(&self) -> Option<IoStats> {
         self.store.as_ref().map(|s| s.io_stats())
     }
 
     /// Latency percentiles per operation kind: (kind, count, p50 µs, p99 µs, max µs).
     pub fn latency_summary(&self) -> Vec<(&'static str, u64, u64, u64, u64)> {
-        let h = self.histograms.lock().expect("histograms");
+        let h = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
         h.iter()
             .filter(|(_, h)| !h.is_empty())
             .map(|(k, h)| {
@@ -463,51 +532,49 @@ where
     }
 
     fn extent(&self, buf: BufId) -> ExtentId {
-        let BufKind::Extent { group, side } = self.plan.buffers[buf].kind else {
-            panic!("buffer {} is not an extent", self.plan.buffers[buf].name);
+        let BufKind::Extent { group, side } = self.plan.buffer(buf).kind else {
+            panic!("buffer {} is not an extent", self.plan.buffer(buf).name);
         };
         let (a, b) = self.extents[group];
         let current_is_a = self.generation.is_multiple_of(2);
         match side {
             ExtentSide::Single => a,
-            ExtentSide::Current => {
-                if current_is_a {
-                    a
-                } else {
-                    b
-                }
-            }
-            ExtentSide::Next => {
-                if current_is_a {
-                    b
-                } else {
-                    a
-                }
-            }
+            ExtentSide::Current if current_is_a => a,
+            ExtentSide::Current => b,
+            ExtentSide::Next if current_is_a => b,
+            ExtentSide::Next => a,
         }
     }
 
-    fn slot(&self, buf: BufId) -> (&RwLock<SlotData<B>>, &str) {
-        let b = &self.plan.buffers[buf];
-        (
-            &self.slots[self.slot_of[buf].expect("a memory buffer has a slot")],
-            &b.name,
+    /// Where buffer `buf` lives in the device arena.
+    fn device_range(&self, buf: BufId) -> DeviceRange {
+        let b = self.plan.buffer(buf);
+        debug_assert_eq!(b.tier, Tier::Device, "{} is not a device buffer", b.name);
+        let slot = &self.plan.slots[self.slot_of[buf.index()].expect("memory").index()];
+        DeviceRange::new(
+            self.device_mem.arena_offset_bytes() + slot.offset_bytes as usize,
+            b.bytes as usize,
         )
     }
 
-    /// Shares a buffer's slot for reading; finding it written means the plan is wrong.
-    fn read(&self, buf: BufId) -> Result<RwLockReadGuard<'_, SlotData<B>>, ExecError> {
-        let (slot, name) = self.slot(buf);
-        slot.try_read().map_err(|_| {
-            ExecError::ScheduleBug(format!("{name} is being written by another operation"))
-        })
+    /// Where buffer `buf` lives in the host arena.
+    fn host_range(&self, buf: BufId) -> HostRange {
+        let b = self.plan.buffer(buf);
+        debug_assert_eq!(b.tier, Tier::Host, "{} is not a host buffer", b.name);
+        let slot = &self.plan.slots[self.slot_of[buf.index()].expect("memory").index()];
+        HostRange::new(slot.offset_bytes as usize, b.bytes as usize)
     }
 
-    /// Takes a buffer's slot for writing; finding it in use means the plan is wrong.
-    fn write(&self, buf: BufId) -> Result<RwLockWriteGuard<'_, SlotData<B>>, ExecError> {
-        let (slot, name) = self.slot(buf);
-        slot.try_write()
-            .map_err(|_| ExecError::ScheduleBug(format!("{name} is in use by another operation")))
+    fn device_error(&self, op: impl Into<String>) -> impl FnOnce(EngineError) -> ExecError {
+        let op = op.into();
+        move |source| ExecError::Device { op, source }
+    }
+
+    /// A host staging arena for loading and exporting: `bytes`, pinned as the device
+    /// pins.
+    fn staging(&self, bytes: usize) -> Result<HostArena, ExecError> {
+        HostArena::new("staging", bytes, &self.device.pinning())
+            .map_err(self.device_error("allocating host staging"))
     }
 
     /// Writes `params` (one f32 buffer per block) as the master and working parameters,
@@ -538,105 +605,99 @@ where
             ));
         }
         let precision = self.plan.shape.precision;
+        let pbytes = precision.param_bytes() as usize;
         // Fresh parameters: no delayed update is waiting.
         self.pending = None;
+        let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
+        let staging = self.staging((12 * largest).next_multiple_of(4096))?;
         for (b, block) in blocks.iter().enumerate() {
             let len = block.len;
-            let mut state = AlignedBuf::zeroed((12 * len).next_multiple_of(4096));
+            let homes = self.plan.block_homes[b];
+            let state_range = HostRange::new(0, 12 * len);
             {
-                let f = cast_mut::<f32>(&mut state.as_mut_slice()[..12 * len]);
+                let mut bytes = staging
+                    .write(Lane::Cpu, state_range)
+                    .map_err(self.device_error("loading"))?;
+                let f = cast_mut::<f32>(&mut bytes);
                 f[..len].copy_from_slice(&params[b]);
-                if let Some((m, v)) = moments {
-                    f[len..2 * len].copy_from_slice(&m[b]);
-                    f[2 * len..].copy_from_slice(&v[b]);
+                let (m, v) = f[len..].split_at_mut(len);
+                match moments {
+                    Some((mm, vv)) => {
+                        m.copy_from_slice(&mm[b]);
+                        v.copy_from_slice(&vv[b]);
+                    }
+                    None => {
+                        m.fill(0.0);
+                        v.fill(0.0);
+                    }
                 }
             }
-            let mut working =
-                AlignedBuf::zeroed((len * precision.param_bytes() as usize).next_multiple_of(4096));
-            write_working(
-                precision,
-                &params[b],
-                &mut working.as_mut_slice()[..len * precision.param_bytes() as usize],
-            );
-            let homes = self.plan.homes[b];
-            let state_home = self.home_buffer(b, "adam");
-            let params_home = self.home_buffer(b, "params");
-            self.put_home(state_home, homes[2], state, 12 * len)?;
-            self.put_home_params(params_home, homes[0], b, working)?;
+            self.put_home(&staging, state_range, homes.state, None)?;
+            let working = HostRange::new(0, len * pbytes);
+            {
+                let mut bytes = staging
+                    .write(Lane::Cpu, working)
+                    .map_err(self.device_error("loading"))?;
+                write_working(precision, &params[b], &mut bytes);
+            }
+            let convert = (precision.dtype() != self.plan.shape.device_dtype())
+                .then(|| (precision.dtype(), self.plan.shape.device_dtype()));
+            self.put_home(&staging, working, homes.params, convert)?;
         }
         Ok(())
     }
 
-    /// The persistent buffer (or current extent) homing `what` ("params" or "adam") of
-    /// block `b`.
-    fn home_buffer(&self, b: usize, what: &str) -> BufId {
-        let names = [
-            format!("{what}[{b}]@device"),
-            format!("{what}[{b}]@host"),
-            format!("{what}.{b}.cur@nvme"),
-        ];
-        self.plan
-            .buffers
-            .iter()
-            .position(|x| x.persistent && names.contains(&x.name))
-            .unwrap_or_else(|| panic!("the plan homes {what} of block {b}"))
-    }
-
+    /// Copies `src` of `staging` to home buffer `home` (device, host or NVMe).
     fn put_home(
-        &mut self,
-        buf: BufId,
-        tier: Tier,
-        data: AlignedBuf,
-        len: usize,
+        &self,
+        staging: &HostArena,
+        src: HostRange,
+        home: BufId,
+        convert: Option<(Dtype, Dtype)>,
     ) -> Result<(), ExecError> {
-        match tier {
+        let name = &self.plan.buffer(home).name;
+        match self.plan.buffer(home).tier {
+            Tier::Device => {
+                let dst = self.device_range(home);
+                let dst = match convert {
+                    Some((a, b)) => {
+                        DeviceRange::new(dst.offset_bytes, src.len_bytes / a.size() * b.size())
+                    }
+                    None => DeviceRange::new(dst.offset_bytes, src.len_bytes),
+                };
+                self.device
+                    .copy_to_device(staging, src, dst, convert, &[])
+                    .and_then(|e| e.wait())
+                    .map_err(self.device_error(format!("loading {name}")))
+            }
+            Tier::Host => {
+                let from = staging
+                    .read(Lane::Cpu, src)
+                    .map_err(self.device_error("loading"))?;
+                let mut to = self
+                    .host
+                    .write(Lane::Cpu, self.host_range(home).prefix(src.len_bytes))
+                    .map_err(self.device_error(format!("loading {name}")))?;
+                to.copy_from_slice(&from);
+                Ok(())
+            }
             Tier::Nvme => {
-                let id = self.extent(buf);
                 let store = self
                     .store
                     .as_ref()
                     .expect("a plan with extents has a store");
-                let (r, _) = store.write(id, data).wait();
+                let mut buf = AlignedBuf::zeroed(src.len_bytes.next_multiple_of(4096));
+                buf.as_mut_slice()[..src.len_bytes].copy_from_slice(
+                    &staging
+                        .read(Lane::Cpu, src)
+                        .map_err(self.device_error("loading"))?,
+                );
+                let (r, _) = store.write(self.extent(home), buf).wait();
                 r.map_err(|source| ExecError::Storage {
-                    op: format!("writing {}", self.plan.buffers[buf].name),
+                    op: format!("writing {name}"),
                     source,
                 })
             }
-            _ => {
-                let mut g = self.write(buf)?;
-                let SlotData::Raw(Some(raw)) = &mut *g else {
-                    unreachable!("raw home")
-                };
-                raw.as_mut_slice()[..len].copy_from_slice(&data.as_slice()[..len]);
-                Ok(())
-            }
-        }
-    }
-
-    fn put_home_params(
-        &mut self,
-        buf: BufId,
-        tier: Tier,
-        b: usize,
-        working: AlignedBuf,
-    ) -> Result<(), ExecError> {
-        let len = self.model.blocks()[b].len;
-        let bytes = len * self.plan.shape.precision.param_bytes() as usize;
-        match tier {
-            Tier::Device => {
-                let mut g = self.write(buf)?;
-                let SlotData::Params(p) = &mut *g else {
-                    unreachable!("device params home")
-                };
-                let src = host_params(self.plan.shape.precision, &working.as_slice()[..bytes]);
-                self.backend
-                    .write_params(p, src)
-                    .map_err(|source| ExecError::Model {
-                        op: format!("loading params[{b}]"),
-                        source,
-                    })
-            }
-            _ => self.put_home(buf, tier, working, bytes),
         }
     }
 
@@ -644,10 +705,15 @@ where
     pub fn export(&self) -> Result<TrainingState, ExecError> {
         let blocks = self.model.blocks();
         let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
+        let staging = self.staging((12 * largest).next_multiple_of(4096))?;
         for (b, block) in blocks.iter().enumerate() {
             let len = block.len;
-            let home = self.home_buffer(b, "adam");
-            let bytes: Vec<u8> = match self.plan.homes[b][2] {
+            let home = self.plan.block_homes[b].state;
+            let name = &self.plan.buffer(home).name;
+            let range = HostRange::new(0, 12 * len);
+            let mut f = vec![0f32; 3 * len];
+            match self.plan.buffer(home).tier {
                 Tier::Nvme => {
                     let store = self.store.as_ref().expect("store");
                     let (r, buf) = store
@@ -657,21 +723,36 @@ where
                         )
                         .wait();
                     r.map_err(|source| ExecError::Storage {
-                        op: format!("reading adam[{b}]"),
+                        op: format!("reading {name}"),
                         source,
                     })?;
-                    buf.as_slice()[..12 * len].to_vec()
+                    crate::device::bytes_of_mut(&mut f)
+                        .copy_from_slice(&buf.as_slice()[..12 * len]);
                 }
-                _ => {
-                    let g = self.read(home)?;
-                    let SlotData::Raw(Some(raw)) = &*g else {
-                        unreachable!("raw home")
-                    };
-                    raw.as_slice()[..12 * len].to_vec()
+                Tier::Host => {
+                    let bytes = self
+                        .host
+                        .read(Lane::Cpu, self.host_range(home).prefix(12 * len))
+                        .map_err(self.device_error(format!("reading {name}")))?;
+                    crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
                 }
-            };
-            let mut f = vec![0f32; 3 * len];
-            crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
+                Tier::Device => {
+                    let src = self.device_range(home);
+                    self.device
+                        .copy_to_host(
+                            DeviceRange::new(src.offset_bytes, 12 * len),
+                            &staging,
+                            range,
+                            &[],
+                        )
+                        .and_then(|e| e.wait())
+                        .map_err(self.device_error(format!("reading {name}")))?;
+                    let bytes = staging
+                        .read(Lane::Cpu, range)
+                        .map_err(self.device_error("exporting"))?;
+                    crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
+                }
+            }
             p.push(f[..len].to_vec());
             m.push(f[len..2 * len].to_vec());
             v.push(f[2 * len..].to_vec());
@@ -697,24 +778,23 @@ where
             )));
         }
         for (t, y) in batches {
-            self.model
-                .check_tokens(t)
-                .map_err(|e| ExecError::BadInput(e.to_string()))?;
-            self.model
-                .check_tokens(y)
-                .map_err(|e| ExecError::BadInput(e.to_string()))?;
+            self.model.check_tokens(t)?;
+            self.model.check_tokens(y)?;
         }
         if params.clip > 0.0 && !shape.needs_global_norm {
             return Err(ExecError::BadInput(
                 "clipping needs a plan built with needs_global_norm".into(),
             ));
         }
-        {
-            let mut host = self.batches.lock().expect("batches");
-            for (slot, (t, y)) in host.iter_mut().zip(batches) {
-                slot.0.copy_from_slice(t);
-                slot.1.copy_from_slice(y);
-            }
+        for (m, (t, y)) in batches.iter().enumerate() {
+            let range = self.host_range(self.plan.tokens_host[m]).prefix(8 * n);
+            let mut bytes = self
+                .host
+                .write(Lane::Cpu, range)
+                .map_err(self.device_error("writing the batch"))?;
+            let ids = cast_mut::<u32>(&mut bytes);
+            ids[..n].copy_from_slice(t);
+            ids[n..].copy_from_slice(y);
         }
         let delayed = shape.delayed_update;
         let run_update = !delayed || self.pending.is_some();
@@ -726,7 +806,7 @@ where
         let mut report = self.run(params, true, run_update, update_scale)?;
         if delayed {
             for &(fill, apply) in &self.plan.swap_each_step {
-                self.slot_of.swap(fill, apply);
+                self.slot_of.swap(fill.index(), apply.index());
             }
             self.pending = Some(params.loss_scale);
         }
@@ -762,7 +842,7 @@ where
     /// After an applied update: its outputs become current.
     fn commit_update(&mut self) {
         for &(cur, next) in &self.plan.swap_on_update {
-            self.slot_of.swap(cur, next);
+            self.slot_of.swap(cur.index(), next.index());
         }
         self.generation += 1;
         self.steps += 1;
@@ -778,15 +858,26 @@ where
         update_loss_scale: f32,
     ) -> Result<StepReport, ExecError> {
         let shape = self.plan.shape;
-        *self.norm.lock().expect("norm") = (0.0, 1.0, false);
+        *self.norm.lock().unwrap_or_else(|e| e.into_inner()) = Norm {
+            norm: 0.0,
+            coef: 1.0,
+            skip: false,
+        };
+        self.block_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .fill(None);
         self.stamp += 1;
         self.failed.store(false, Ordering::SeqCst);
         for (id, op) in self.plan.ops.iter().enumerate() {
+            let state = &self.ops[id];
+            state.span[0].store(0, Ordering::Relaxed);
+            state.span[1].store(0, Ordering::Relaxed);
+            *state.event.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            *state.start.lock().unwrap_or_else(|e| e.into_inner()) = None;
             let wanted = if op.update { run_update } else { run_compute };
             if !wanted {
-                self.done[id].store(self.stamp, Ordering::Release);
-                self.records[id][0].store(0, Ordering::Relaxed);
-                self.records[id][1].store(0, Ordering::Relaxed);
+                state.issued.store(self.stamp, Ordering::Release);
             }
         }
         let deps = match (run_compute, run_update) {
@@ -794,91 +885,143 @@ where
             (true, false) => &self.deps[1],
             _ => &self.deps[2],
         };
+        let io_before = self.store.as_ref().map(TensorStore::io_counters);
+        let copied_before = self.device.copied_bytes();
+        let origin = match self.device {
+            Device::Cuda(_) => Some(
+                self.device
+                    .record(Lane::Compute)
+                    .map_err(self.device_error("starting the step"))?,
+            ),
+            Device::Cpu(_) => None,
+        };
         let shared = StepShared {
             deps,
             stamp: self.stamp,
             params: *params,
             adam_step: self.steps + 1,
             update_loss_scale,
+            start: Instant::now(),
+            origin,
         };
-        if self.stamp == 1 {
-            self.count_persistent();
-        }
-        let start = Instant::now();
         let this = &*self;
         let errors: Vec<ExecError> = std::thread::scope(|scope| {
             let handles: Vec<_> = Lane::ALL
                 .iter()
+                .filter(|lane| !this.plan.lanes[lane.index()].is_empty())
                 .map(|&lane| {
-                    let ctx = Ctx {
-                        shared: &shared,
-                        start,
-                    };
+                    let shared = &shared;
                     std::thread::Builder::new()
                         .name(format!("strata-{lane}"))
-                        .spawn_scoped(scope, move || this.run_lane(lane, &ctx))
+                        .spawn_scoped(scope, move || this.run_lane(lane, shared))
                         .expect("spawning a lane thread")
                 })
                 .collect();
             handles
                 .into_iter()
-                .filter_map(|h| h.join().expect("a lane thread panicked").err())
+                .filter_map(|h| match h.join() {
+                    Ok(result) => result.err(),
+                    Err(panic) => Some(ExecError::Panicked {
+                        lane: Lane::Cpu,
+                        op: "its loop".into(),
+                        message: panic_message(&*panic),
+                    }),
+                })
                 .collect()
         });
-        let seconds = start.elapsed().as_secs_f64();
-        if let Some(first) = errors
-            .into_iter()
-            .find(|e| !matches!(e, ExecError::ScheduleBug(s) if s == ABORTED))
-        {
+        // Whatever happened, nothing the step queued may still run when it returns.
+        let drained = self.device.synchronize();
+        let seconds = shared.start.elapsed().as_secs_f64();
+        if let Some(first) = errors.into_iter().find(|e| !lanes::is_abort(e)) {
             return Err(first);
         }
-        let (grad_norm, _, skipped) = *self.norm.lock().expect("norm");
+        drained.map_err(self.device_error("finishing the step"))?;
+        let norm = *self.norm.lock().unwrap_or_else(|e| e.into_inner());
         let grad_norm = if !run_update {
             f64::NAN
         } else if shape.needs_global_norm {
-            grad_norm
+            norm.norm
         } else {
-            let stats = self.block_stats.lock().expect("stats");
-            stats
-                .iter()
-                .copied()
-                .fold(
-                    GradStats {
-                        sum_squares: 0.0,
-                        non_finite: false,
-                    },
-                    GradStats::merge,
-                )
-                .norm()
-                / f64::from(update_loss_scale)
+            self.merged_block_stats()?.norm()
         };
-        let losses = self.losses.lock().expect("losses");
-        let loss = (losses.iter().map(|&l| f64::from(l)).sum::<f64>() / losses.len() as f64) as f32;
-        drop(losses);
-        Ok(self.report(loss, grad_norm, skipped, seconds))
+        let loss = if run_compute {
+            self.mean_loss()?
+        } else {
+            f32::NAN
+        };
+        let mut report = self.report(loss, grad_norm, norm.skip, seconds, &shared)?;
+        let io_after = self.store.as_ref().map(TensorStore::io_counters);
+        let copied = self.device.copied_bytes();
+        if let (Some(before), Some(after)) = (io_before, io_after) {
+            report.link_bytes[0] = after.read_bytes - before.read_bytes;
+            report.link_bytes[1] = after.written_bytes - before.written_bytes;
+            report.fixed_chunks = [
+                after.fixed_chunks - before.fixed_chunks,
+                after.plain_chunks - before.plain_chunks,
+            ];
+        }
+        report.link_bytes[2] = copied[0] - copied_before[0];
+        report.link_bytes[3] = copied[1] - copied_before[1];
+        Ok(report)
     }
 
-    fn count_persistent(&self) {
-        for b in &self.plan.buffers {
-            if b.persistent && b.slot.is_some() {
-                self.live[b.tier.index()].fetch_add(b.bytes, Ordering::Relaxed);
-            }
+    /// The mean of the per-position losses the step left in the host arena.
+    fn mean_loss(&self) -> Result<f32, ExecError> {
+        let rows = self.plan.shape.batch * self.plan.shape.seq;
+        let mut sum = 0.0f64;
+        for &buf in &self.plan.losses_host {
+            let bytes = self
+                .host
+                .read(Lane::Cpu, self.host_range(buf).prefix(4 * rows))
+                .map_err(self.device_error("reading the losses"))?;
+            sum += cast::<f32>(&bytes)
+                .iter()
+                .map(|&l| f64::from(l))
+                .sum::<f64>();
         }
-        for t in 0..3 {
-            self.peak_live[t].fetch_max(self.live[t].load(Ordering::Relaxed), Ordering::Relaxed);
-        }
+        Ok((sum / (rows * self.plan.losses_host.len()) as f64) as f32)
     }
 
-    fn report(&self, loss: f32, grad_norm: f64, skipped: bool, seconds: f64) -> StepReport {
+    /// Every block's gradient statistics, merged in block order: the CPU optimizer's, or
+    /// the device's copied to the host.
+    fn merged_block_stats(&self) -> Result<GradStats, ExecError> {
+        let cpu = self.block_stats.lock().unwrap_or_else(|e| e.into_inner());
+        let mut total = GradStats::default();
+        for (b, s) in cpu.iter().enumerate() {
+            let stats = match (s, self.plan.stats_host[b]) {
+                (Some(s), _) => *s,
+                (None, Some(buf)) => {
+                    let bytes = self
+                        .host
+                        .read(Lane::Cpu, self.host_range(buf).prefix(16))
+                        .map_err(self.device_error("reading gradient statistics"))?;
+                    read_stats(&bytes)
+                }
+                (None, None) => GradStats::default(),
+            };
+            total = total.merge(stats);
+        }
+        Ok(total)
+    }
+
+    /// Timings of the run: spans, lane busy times, the compute stall, per-kind
+    /// histograms, and the measured peaks of live buffers.
+    fn report(
+        &self,
+        loss: f32,
+        grad_norm: f64,
+        skipped: bool,
+        seconds: f64,
+        shared: &StepShared<'_>,
+    ) -> Result<StepReport, ExecError> {
         let mut lane_busy = [0.0; 6];
         let mut records = Vec::with_capacity(self.plan.ops.len());
-        let mut hist = self.histograms.lock().expect("histograms");
+        let mut hist = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
+        let mut spans: Vec<Option<(u64, u64)>> = Vec::with_capacity(self.plan.ops.len());
         for (id, op) in self.plan.ops.iter().enumerate() {
-            let [s, e] = &self.records[id];
-            let (s, e) = (s.load(Ordering::Relaxed), e.load(Ordering::Relaxed));
-            if e == 0 {
-                continue; // not part of this run (a delayed update's first step, a flush)
-            }
+            let span = self.span(OpId::of(id), shared)?;
+            spans.push(span);
+            let Some((s, e)) = span else { continue };
             lane_busy[op.lane.index()] += (e - s) as f64 * 1e-9;
             if let Some((_, h)) = hist.iter_mut().find(|(k, _)| *k == op.kind.kind_name()) {
                 // Durations beyond the histogram's hour saturate rather than fail.
@@ -892,15 +1035,21 @@ where
                 bytes: op.bytes,
             });
         }
-        let compute = &self.plan.lanes[Lane::Compute.index()];
+        drop(hist);
         let mut stall = 0.0;
         let mut prev_end = 0u64;
-        for &id in compute {
-            let s = self.records[id][0].load(Ordering::Relaxed);
-            stall += s.saturating_sub(prev_end) as f64 * 1e-9;
-            prev_end = self.records[id][1].load(Ordering::Relaxed);
+        for &id in &self.plan.lanes[Lane::Compute.index()] {
+            if let Some((s, e)) = spans[id.index()] {
+                stall += s.saturating_sub(prev_end) as f64 * 1e-9;
+                prev_end = e;
+            }
         }
-        StepReport {
+        let live = self.live_peaks(&spans);
+        let mut peak = self.peak_live.lock().unwrap_or_else(|e| e.into_inner());
+        for t in 0..3 {
+            peak[t] = peak[t].max(live[t]);
+        }
+        Ok(StepReport {
             loss,
             grad_norm,
             skipped,
@@ -908,550 +1057,103 @@ where
             seconds,
             lane_busy,
             compute_stall: stall,
-            link_bytes: self.plan.link_bytes,
+            link_bytes: [0; 4],
+            fixed_chunks: [0; 2],
             records,
-        }
-    }
-
-    fn run_lane(&self, lane: Lane, ctx: &Ctx<'_>) -> Result<(), ExecError> {
-        for &id in &self.plan.lanes[lane.index()] {
-            if self.done[id].load(Ordering::Acquire) == ctx.shared.stamp {
-                continue; // not part of this run
-            }
-            if !self.wait_deps(id, ctx.shared.stamp, ctx.shared.deps) {
-                return Err(ExecError::ScheduleBug(ABORTED.into()));
-            }
-            let started = ctx.start.elapsed().as_nanos() as u64;
-            self.records[id][0].store(started, Ordering::Relaxed);
-            self.meter(id, true);
-            let result = self.run_op(id, ctx);
-            self.meter(id, false);
-            self.records[id][1].store(ctx.start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            if let Err(e) = result {
-                self.failed.store(true, Ordering::SeqCst);
-                self.notify();
-                return Err(e);
-            }
-            self.done[id].store(ctx.shared.stamp, Ordering::Release);
-            self.notify();
-        }
-        Ok(())
-    }
-
-    fn notify(&self) {
-        drop(self.wake.0.lock().expect("wake"));
-        self.wake.1.notify_all();
-    }
-
-    /// Waits for `id`'s dependencies; false when another lane failed.
-    fn wait_deps(&self, id: OpId, stamp: u64, deps: &[Vec<OpId>]) -> bool {
-        let deps = &deps[id];
-        let ready = || {
-            deps.iter()
-                .all(|&d| self.done[d].load(Ordering::Acquire) == stamp)
-        };
-        if ready() {
-            return true;
-        }
-        let mut guard = self.wake.0.lock().expect("wake");
-        loop {
-            if self.failed.load(Ordering::SeqCst) {
-                return false;
-            }
-            if ready() {
-                return true;
-            }
-            guard = self
-                .wake
-                .1
-                .wait_timeout(guard, Duration::from_millis(50))
-                .expect("wake")
-                .0;
-        }
-    }
-
-    /// Counts buffers whose lifetime starts (`starting`) or ends at `id`.
-    fn meter(&self, id: OpId, starting: bool) {
-        for a in &self.plan.ops[id].access {
-            let (crate::plan::Access::Read(b) | crate::plan::Access::Write(b)) = *a;
-            let buf = &self.plan.buffers[b];
-            if buf.persistent || buf.slot.is_none() {
-                continue;
-            }
-            let Some((first, last)) = buf.live else {
-                continue;
-            };
-            let t = buf.tier.index();
-            if starting && first == id {
-                let now = self.live[t].fetch_add(buf.bytes, Ordering::Relaxed) + buf.bytes;
-                self.peak_live[t].fetch_max(now, Ordering::Relaxed);
-            } else if !starting && last == id {
-                self.live[t].fetch_sub(buf.bytes, Ordering::Relaxed);
-            }
-        }
-    }
-
-    fn run_op(&self, id: OpId, ctx: &Ctx<'_>) -> Result<(), ExecError> {
-        let op = &self.plan.ops[id];
-        let label = || op.kind.label();
-        let model_err = |source| ExecError::Model {
-            op: label(),
-            source,
-        };
-        let skipped = || self.norm.lock().expect("norm").2;
-        let precision = self.plan.shape.precision;
-        let blocks = self.model.blocks();
-        match op.kind {
-            OpKind::NvmeRead { from, into } => {
-                let extent = self.extent(from);
-                self.nvme(into, |store, buf| store.read(extent, buf).wait(), &label)
-            }
-            OpKind::NvmeWrite {
-                from,
-                to,
-                with_update,
-            } => {
-                if with_update && skipped() {
-                    return Ok(());
-                }
-                let extent = self.extent(to);
-                self.nvme(from, |store, buf| store.write(extent, buf).wait(), &label)
-            }
-            OpKind::H2dParams {
-                block,
-                from,
-                to,
-                with_update,
-            } => {
-                if with_update && skipped() {
-                    return Ok(());
-                }
-                let bytes = blocks[block].len * precision.param_bytes() as usize;
-                let src = self.read(from)?;
-                let mut dst = self.write(to)?;
-                let (SlotData::Raw(Some(raw)), SlotData::Params(p)) = (&*src, &mut *dst) else {
-                    unreachable!("h2d params: raw to device params")
-                };
-                let hp = host_params(precision, &raw.as_slice()[..bytes]);
-                self.backend.write_params(p, hp).map_err(model_err)
-            }
-            OpKind::H2dAct { from, to } => {
-                let bytes = self.plan.buffers[to].bytes as usize;
-                let src = self.read(from)?;
-                let mut dst = self.write(to)?;
-                let (SlotData::Raw(Some(raw)), SlotData::Act(a)) = (&*src, &mut *dst) else {
-                    unreachable!("h2d checkpoint: raw to device act")
-                };
-                self.backend
-                    .write_act(a, &raw.as_slice()[..bytes])
-                    .map_err(model_err)
-            }
-            OpKind::D2hGrads {
-                block,
-                from,
-                to,
-                accumulate,
-            } => {
-                let len = blocks[block].len;
-                let src = self.read(from)?;
-                let mut dst = self.write(to)?;
-                let (SlotData::Grads(g), SlotData::Raw(Some(raw))) = (&*src, &mut *dst) else {
-                    unreachable!("d2h grads: device grads to raw")
-                };
-                let out = cast_mut::<f32>(&mut raw.as_mut_slice()[..4 * len]);
-                self.backend
-                    .read_grads(g, out, accumulate)
-                    .map_err(model_err)
-            }
-            OpKind::AccumulateGrads { from, to, .. } => {
-                let src = self.read(from)?;
-                let mut dst = self.write(to)?;
-                let (SlotData::Grads(s), SlotData::Grads(d)) = (&*src, &mut *dst) else {
-                    unreachable!("accumulate: device grads")
-                };
-                self.backend.add_grads(d, s).map_err(model_err)
-            }
-            OpKind::D2hAct { from, to } => {
-                let bytes = self.plan.buffers[from].bytes as usize;
-                let src = self.read(from)?;
-                let mut dst = self.write(to)?;
-                let (SlotData::Act(a), SlotData::Raw(Some(raw))) = (&*src, &mut *dst) else {
-                    unreachable!("d2h checkpoint: device act to raw")
-                };
-                self.backend
-                    .read_act(a, &mut raw.as_mut_slice()[..bytes])
-                    .map_err(model_err)
-            }
-            OpKind::EmbeddingForward {
-                micro,
-                params,
-                output,
-            } => {
-                let mut fixed = self.fixed.lock().expect("fixed");
-                let f = &mut *fixed;
-                {
-                    let host = self.batches.lock().expect("batches");
-                    self.backend
-                        .upload_tokens(&mut f.tokens, &host[micro].0)
-                        .map_err(model_err)?;
-                    self.backend
-                        .upload_tokens(&mut f.targets, &host[micro].1)
-                        .map_err(model_err)?;
-                }
-                let p = self.read(params)?;
-                let mut out = self.write(output)?;
-                let (SlotData::Params(p), SlotData::Act(out)) = (&*p, &mut *out) else {
-                    unreachable!("embedding forward buffers")
-                };
-                let dims = f.scratch.dims;
-                self.model
-                    .embedding_forward(&self.backend, p, &f.tokens, out, dims)
-                    .map_err(model_err)
-            }
-            OpKind::LayerForward {
-                params,
-                input,
-                output,
-                ..
-            } => {
-                let mut fixed = self.fixed.lock().expect("fixed");
-                let p = self.read(params)?;
-                let x = self.read(input)?;
-                let mut out = self.write(output)?;
-                let (SlotData::Params(p), SlotData::Act(x), SlotData::Act(out)) =
-                    (&*p, &*x, &mut *out)
-                else {
-                    unreachable!("layer forward buffers")
-                };
-                self.model
-                    .layer_forward(&self.backend, p, x, out, &mut fixed.scratch)
-                    .map_err(model_err)
-            }
-            OpKind::Head {
-                micro,
-                params,
-                embedding,
-                grads,
-                embedding_grads,
-                input,
-            } => {
-                let mut fixed = self.fixed.lock().expect("fixed");
-                let f = &mut *fixed;
-                let p = self.read(params)?;
-                let e = self.read(embedding)?;
-                let x = self.read(input)?;
-                let mut g = self.write(grads)?;
-                let mut eg = self.write(embedding_grads)?;
-                let (
-                    SlotData::Params(p),
-                    SlotData::Params(e),
-                    SlotData::Act(x),
-                    SlotData::Grads(g),
-                    SlotData::Grads(eg),
-                ) = (&*p, &*e, &*x, &mut *g, &mut *eg)
-                else {
-                    unreachable!("head buffers")
-                };
-                self.backend.zero_grads(g).map_err(model_err)?;
-                self.backend.zero_grads(eg).map_err(model_err)?;
-                let shape = self.plan.shape;
-                let rows = shape.batch * shape.seq;
-                let dloss = ctx.shared.params.loss_scale / (rows * shape.grad_accum) as f32;
-                self.model
-                    .head_backward(
-                        &self.backend,
-                        p,
-                        g,
-                        e,
-                        eg,
-                        x,
-                        &f.targets,
-                        dloss,
-                        &mut f.grad_a,
-                        &mut f.scratch,
-                    )
-                    .map_err(model_err)?;
-                let mut losses = self.losses.lock().expect("losses");
-                self.backend
-                    .read_stats(
-                        &f.scratch.losses,
-                        &mut losses[micro * rows..(micro + 1) * rows],
-                    )
-                    .map_err(model_err)
-            }
-            OpKind::LayerBackward {
-                params,
-                grads,
-                input,
-                ..
-            } => {
-                let mut fixed = self.fixed.lock().expect("fixed");
-                let f = &mut *fixed;
-                let p = self.read(params)?;
-                let x = self.read(input)?;
-                let mut g = self.write(grads)?;
-                let (SlotData::Params(p), SlotData::Act(x), SlotData::Grads(g)) =
-                    (&*p, &*x, &mut *g)
-                else {
-                    unreachable!("layer backward buffers")
-                };
-                self.backend.zero_grads(g).map_err(model_err)?;
-                self.model
-                    .layer_backward(
-                        &self.backend,
-                        p,
-                        g,
-                        x,
-                        &f.grad_a,
-                        &mut f.grad_b,
-                        &mut f.scratch,
-                    )
-                    .map_err(model_err)?;
-                std::mem::swap(&mut f.grad_a, &mut f.grad_b);
-                Ok(())
-            }
-            OpKind::EmbeddingBackward { grads, .. } => {
-                let fixed = self.fixed.lock().expect("fixed");
-                let mut g = self.write(grads)?;
-                let SlotData::Grads(g) = &mut *g else {
-                    unreachable!("embedding grads")
-                };
-                let dims = fixed.scratch.dims;
-                self.model
-                    .embedding_backward(&self.backend, g, &fixed.tokens, &fixed.grad_a, dims)
-                    .map_err(model_err)
-            }
-            OpKind::GradNorm { ref grads } => {
-                let scale = 1.0 / ctx.shared.update_loss_scale;
-                let mut total = GradStats {
-                    sum_squares: 0.0,
-                    non_finite: false,
-                };
-                for &(block, buf) in grads {
-                    let g = self.read(buf)?;
-                    let slice = self.grads_slice(&g, blocks[block].len);
-                    let s = grad_stats(
-                        self.cpu.isa,
-                        self.optimizer_threads,
-                        Grads::F32(slice),
-                        scale,
-                    )
-                    .map_err(|source| ExecError::Adam {
-                        op: label(),
-                        source,
-                    })?;
-                    total = total.merge(s);
-                }
-                let norm = total.norm();
-                let clip = ctx.shared.params.clip;
-                let coef = if clip > 0.0 && norm > clip {
-                    (clip / (norm + 1e-6)) as f32
-                } else {
-                    1.0
-                };
-                *self.norm.lock().expect("norm") = (norm, coef, total.non_finite);
-                Ok(())
-            }
-            OpKind::Optimizer {
-                block,
-                grads,
-                state,
-                params_out,
-            } => {
-                let (_, coef, skip) = *self.norm.lock().expect("norm");
-                if skip {
-                    return Ok(());
-                }
-                let len = blocks[block].len;
-                let g = self.read(grads)?;
-                let gslice = self.grads_slice(&g, len);
-                let adam_err = |source| ExecError::Adam {
-                    op: label(),
-                    source,
-                };
-                if !self.plan.shape.needs_global_norm {
-                    let s = grad_stats(
-                        self.cpu.isa,
-                        self.optimizer_threads,
-                        Grads::F32(gslice),
-                        1.0,
-                    )
-                    .map_err(adam_err)?;
-                    self.block_stats.lock().expect("stats")[block] = s;
-                }
-                let hp = ctx.shared.params.adam;
-                let scale = coef / ctx.shared.update_loss_scale;
-                let decayed = AdamStep::new(&hp, ctx.shared.adam_step, scale).map_err(adam_err)?;
-                let plain = AdamStep::new(
-                    &AdamW {
-                        weight_decay: 0.0,
-                        ..hp
-                    },
-                    ctx.shared.adam_step,
-                    scale,
-                )
-                .map_err(adam_err)?;
-                let mut st = self.write(state)?;
-                let SlotData::Raw(Some(raw)) = &mut *st else {
-                    unreachable!("optimizer state is raw")
-                };
-                let f = cast_mut::<f32>(&mut raw.as_mut_slice()[..12 * len]);
-                let (master, rest) = f.split_at_mut(len);
-                let (m, v) = rest.split_at_mut(len);
-                let mut out = self.write(params_out)?;
-                let isa = self.cpu.isa;
-                let threads = self.optimizer_threads;
-                // Weight decay applies to matrices and embeddings only (GPT-2 practice):
-                // one call per tensor, with or without it.
-                let tensors = &blocks[block].tensors;
-                let update =
-                    |out: WorkingOut<'_>, master: &mut [f32], m: &mut [f32], v: &mut [f32]| {
-                        update_block(
-                            tensors,
-                            [&decayed, &plain],
-                            isa,
-                            threads,
-                            master,
-                            m,
-                            v,
-                            gslice,
-                            out,
-                        )
-                        .map_err(adam_err)
-                    };
-                match &mut *out {
-                    SlotData::Raw(Some(raw)) => {
-                        let pb = precision.param_bytes() as usize;
-                        let bytes = &mut raw.as_mut_slice()[..len * pb];
-                        match precision {
-                            Precision::Fp32 => {
-                                update(WorkingOut::None, master, m, v)?;
-                                cast_mut::<f32>(bytes).copy_from_slice(master);
-                            }
-                            Precision::Bf16 => {
-                                update(WorkingOut::Bf16(cast_mut::<bf16>(bytes)), master, m, v)?
-                            }
-                            Precision::Fp16 => {
-                                update(WorkingOut::F16(cast_mut::<f16>(bytes)), master, m, v)?
-                            }
-                        }
-                        Ok(())
-                    }
-                    SlotData::Params(p) => {
-                        update(WorkingOut::None, master, m, v)?;
-                        match precision {
-                            Precision::Fp32 => self
-                                .backend
-                                .write_params(p, HostParams::F32(master))
-                                .map_err(model_err),
-                            _ => {
-                                let mut conv = self.convert.lock().expect("convert");
-                                let bytes = crate::device::bytes_of_mut(&mut conv[..len]);
-                                write_working(precision, master, bytes);
-                                self.backend
-                                    .write_params(p, host_params(precision, bytes))
-                                    .map_err(model_err)
-                            }
-                        }
-                    }
-                    _ => unreachable!("optimizer output"),
-                }
-            }
-        }
-    }
-
-    fn grads_slice<'a>(&self, g: &'a SlotData<B>, len: usize) -> &'a [f32] {
-        match g {
-            SlotData::Raw(Some(raw)) => cast::<f32>(&raw.as_slice()[..4 * len]),
-            SlotData::Grads(g) => &self
-                .backend
-                .host_grads(g)
-                .expect("the planner keeps gradients on the device only on a host device")[..len],
-            _ => unreachable!("gradient buffer"),
-        }
-    }
-
-    /// An NVMe transfer of a raw buffer, which the store owns while it runs.
-    fn nvme(
-        &self,
-        buf: BufId,
-        io: impl FnOnce(&TensorStore, AlignedBuf) -> (Result<(), StorageError>, AlignedBuf),
-        label: &dyn Fn() -> String,
-    ) -> Result<(), ExecError> {
-        let store = self
-            .store
-            .as_ref()
-            .expect("a plan with extents has a store");
-        let mut g = self.write(buf)?;
-        let SlotData::Raw(slot) = &mut *g else {
-            unreachable!("nvme transfers use raw buffers")
-        };
-        let data = slot.take().expect("a raw buffer between transfers");
-        let (result, data) = io(store, data);
-        *slot = Some(data);
-        result.map_err(|source| ExecError::Storage {
-            op: label(),
-            source,
         })
     }
-}
 
-/// Where the optimizer writes a block's new working parameters, if anywhere.
-enum WorkingOut<'a> {
-    None,
-    Bf16(&'a mut [bf16]),
-    F16(&'a mut [f16]),
-}
-
-/// AdamW over one block, tensor by tensor: `steps[0]` (with weight decay) for tensors
-/// that decay, `steps[1]` for the others. Alignment gaps are left alone (zero).
-#[allow(clippy::too_many_arguments)]
-fn update_block(
-    tensors: &[crate::model::TensorSpec],
-    steps: [&AdamStep; 2],
-    isa: Isa,
-    threads: usize,
-    mut master: &mut [f32],
-    mut m: &mut [f32],
-    mut v: &mut [f32],
-    mut grads: &[f32],
-    mut out: WorkingOut<'_>,
-) -> Result<(), strata_kernels::adamw::AdamError> {
-    fn cut<'a, T>(s: &mut &'a mut [T], skip: usize, take: usize) -> &'a mut [T] {
-        let (_, rest) = std::mem::take(s).split_at_mut(skip);
-        let (now, rest) = rest.split_at_mut(take);
-        *s = rest;
-        now
-    }
-    let mut done = 0;
-    for t in tensors {
-        let (skip, take) = (t.slot.offset - done, t.slot.len);
-        done = t.slot.offset + take;
-        let (_, g) = grads.split_at(skip);
-        let (g_now, g_rest) = g.split_at(take);
-        grads = g_rest;
-        let copy = match &mut out {
-            WorkingOut::None => CopyOut::None,
-            WorkingOut::Bf16(o) => CopyOut::Bf16(cut(o, skip, take)),
-            WorkingOut::F16(o) => CopyOut::F16(cut(o, skip, take)),
+    /// When operation `id` ran (ns after the step's start), if it ran.
+    fn span(&self, id: OpId, shared: &StepShared<'_>) -> Result<Option<(u64, u64)>, ExecError> {
+        let state = &self.ops[id.index()];
+        let host = [
+            state.span[0].load(Ordering::Relaxed),
+            state.span[1].load(Ordering::Relaxed),
+        ];
+        if host[1] > 0 {
+            return Ok(Some((host[0], host[1])));
+        }
+        let event = state
+            .event
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let Some(event) = event else {
+            return Ok(None);
         };
-        let step = if t.decays() { steps[0] } else { steps[1] };
-        step.apply(
-            isa,
-            threads,
-            cut(&mut master, skip, take),
-            State::F32 {
-                m: cut(&mut m, skip, take),
-                v: cut(&mut v, skip, take),
-            },
-            Grads::F32(g_now),
-            copy,
-        )?;
+        match (&event, &shared.origin) {
+            (Event::Cpu(e), _) => Ok(e.run_time().map(|(s, e)| {
+                let since =
+                    |t: Instant| t.saturating_duration_since(shared.start).as_nanos() as u64;
+                (since(s), since(e).max(since(s) + 1))
+            })),
+            (Event::Cuda(_), Some(origin)) => {
+                let start = state
+                    .start
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                let at = |e: &Event| -> Result<u64, ExecError> {
+                    let d = e
+                        .elapsed_since(origin)
+                        .map_err(self.device_error("timing the step"))?;
+                    Ok(d.as_nanos() as u64)
+                };
+                let end = at(&event)?;
+                let begin = match start {
+                    Some(s) => at(&s)?,
+                    None => end,
+                };
+                Ok(Some((begin, end.max(begin + 1))))
+            }
+            (Event::Cuda(_), None) => Ok(None),
+        }
     }
-    Ok(())
+
+    /// The most bytes of logical buffers live at once per tier during this run, from the
+    /// operations' spans: a transient buffer is live from the start of its first use to
+    /// the end of its last; persistent buffers always.
+    fn live_peaks(&self, spans: &[Option<(u64, u64)>]) -> [u64; 3] {
+        let mut base = [0u64; 3];
+        let mut changes: Vec<(u64, i64, usize)> = Vec::new();
+        for b in &self.plan.buffers {
+            if b.slot.is_none() {
+                continue;
+            }
+            let t = b.tier.index();
+            if b.persistent {
+                base[t] += b.bytes;
+                continue;
+            }
+            let Some((first, last)) = b.live else {
+                continue;
+            };
+            let (Some((s, _)), Some((_, e))) = (spans[first.index()], spans[last.index()]) else {
+                continue;
+            };
+            changes.push((s, b.bytes as i64, t));
+            changes.push((e, -(b.bytes as i64), t));
+        }
+        // Frees before allocations at the same instant.
+        changes.sort_by_key(|&(time, delta, _)| (time, delta));
+        let mut now = base.map(|x| x as i64);
+        let mut peak = base;
+        for (_, delta, t) in changes {
+            now[t] += delta;
+            peak[t] = peak[t].max(now[t].max(0) as u64);
+        }
+        peak
+    }
 }
 
-const ABORTED: &str = "aborted after another lane failed";
+impl Drop for Executor {
+    fn drop(&mut self) {
+        // Copies may still read or write the host arena; let them finish first.
+        if let Err(e) = self.device.synchronize() {
+            log::error!("draining the device before dropping the executor failed: {e}");
+        }
+    }
+}
 
 /// Each operation's dependencies among the operations `kept`, a skipped dependency
 /// replaced by its own (transitively). Dependencies point backwards in plan order.
@@ -1460,10 +1162,10 @@ fn effective_deps(plan: &Plan, kept: impl Fn(&crate::plan::Op) -> bool) -> Vec<V
     for op in &plan.ops {
         let mut deps = Vec::new();
         for &d in &op.deps {
-            if kept(&plan.ops[d]) {
+            if kept(plan.op(d)) {
                 deps.push(d);
             } else {
-                deps.extend_from_slice(&out[d]);
+                deps.extend_from_slice(&out[d.index()]);
             }
         }
         deps.sort_unstable();
@@ -1473,21 +1175,16 @@ fn effective_deps(plan: &Plan, kept: impl Fn(&crate::plan::Op) -> bool) -> Vec<V
     out
 }
 
-/// Host working parameters of `precision` from their bytes.
-fn host_params(precision: Precision, bytes: &[u8]) -> HostParams<'_> {
-    match precision {
-        Precision::Fp32 => HostParams::F32(cast::<f32>(bytes)),
-        Precision::Bf16 => HostParams::Bf16(cast::<bf16>(bytes)),
-        Precision::Fp16 => HostParams::F16(cast::<f16>(bytes)),
-    }
-}
-
 /// The working copy of `master` in `precision`, rounded to nearest even, into `out`.
 fn write_working(precision: Precision, master: &[f32], out: &mut [u8]) {
     let cpu = Cpu::default();
     match precision {
         Precision::Fp32 => cast_mut::<f32>(out).copy_from_slice(master),
-        Precision::Bf16 => strata_kernels::ops::f32_to_bf16(&cpu, cast_mut::<bf16>(out), master),
-        Precision::Fp16 => strata_kernels::ops::f32_to_f16(&cpu, cast_mut::<f16>(out), master),
+        Precision::Bf16 => {
+            strata_kernels::ops::f32_to_bf16(&cpu, cast_mut::<half::bf16>(out), master)
+        }
+        Precision::Fp16 => {
+            strata_kernels::ops::f32_to_f16(&cpu, cast_mut::<half::f16>(out), master)
+        }
     }
 }

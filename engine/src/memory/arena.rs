@@ -92,6 +92,12 @@ impl DeviceArena {
         }
     }
 
+    /// The device address of the arena's first byte (a `CUdeviceptr`, or a host address
+    /// on the CPU device).
+    pub(crate) fn base_address(&self) -> u64 {
+        self.inner.base_address
+    }
+
     /// `len_bytes` of device memory, or [`EngineError::DeviceOutOfBudget`] when no free
     /// block is large enough. The contents are whatever the last user left.
     pub fn alloc(&self, len_bytes: usize) -> Result<DeviceBuffer, EngineError> {

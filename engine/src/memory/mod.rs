@@ -1,5 +1,6 @@
-//! Where bytes are held between moves: the pinned host pool every transfer passes
-//! through, and the arena that holds a device's whole memory budget.
+//! Where bytes are held between moves: the pinned host arena a plan places its host
+//! buffers in, the pinned pool of equal slots (benchmarks), and the arena that holds a
+//! device's whole memory budget.
 //!
 //! Both are allocated once, at start, from a byte budget, and never grow: a step that does
 //! not fit fails with an error naming the budget, instead of allocating on the hot path.
@@ -8,9 +9,11 @@
 
 mod arena;
 mod host;
+mod host_arena;
 mod pinned;
 
 pub use arena::{ARENA_ALIGN, ArenaStats, DeviceArena, DeviceBuffer};
 pub(crate) use host::HostMapping;
 pub use host::MemlockLimit;
+pub use host_arena::{HostArena, HostLease, HostRange, HostRead, HostWrite};
 pub use pinned::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning, PoolStats, SlotLease};

@@ -1,13 +1,13 @@
-//! Hugging Face GPT-2 checkpoints: `config.json` and `model.safetensors`, read through a
-//! memory map and written so that transformers' `GPT2LMHeadModel.from_pretrained` loads
-//! them.
+//! Hugging Face checkpoints: `config.json` and `model.safetensors`, read through a memory
+//! map and written so that transformers' `from_pretrained` loads them.
 //!
-//! Reading accepts names with or without the `transformer.` prefix, ignores the
-//! `attn.bias` / `attn.masked_bias` buffers and the tied `lm_head.weight`, and converts
-//! F16 and BF16 tensors to f32. The header is checked tensor by tensor before any data is
-//! read, so a missing tensor, a wrong shape or a truncated file is an error naming the
-//! tensor. Writing uses the `transformer.` names, f32, `Conv1D`'s (in, out) weights, no
-//! `lm_head.weight` (tied), and goes through a temporary file renamed into place.
+//! `config.json`'s `model_type` picks the family, which parses the rest. Reading accepts
+//! tensor names with or without the family's prefix (GPT-2's `transformer.`), skips what
+//! the family says is not a parameter (buffers, a tied head's copy), and converts F16 and
+//! BF16 tensors to f32. The header is checked tensor by tensor before any data is read,
+//! so a missing tensor, a wrong shape or a truncated file is an error naming the tensor.
+//! Writing uses the prefixed names, f32, the family's layouts, and goes through a
+//! temporary file renamed into place.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -15,16 +15,14 @@ use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
-use serde_json::{Value, json};
+use serde_json::Value;
 
-use super::{Gpt2Config, Model, ModelError};
+use super::{Gpt2, Model, ModelError};
 
 /// The weights file's name in a model folder.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// The configuration file's name in a model folder.
 pub const CONFIG_FILE: &str = "config.json";
-/// The prefix Hugging Face's `GPT2LMHeadModel` puts before the body's tensor names.
-pub const PREFIX: &str = "transformer.";
 
 /// The configuration and weights files of `path`: a model folder, or the weights file
 /// itself with `config.json` beside it.
@@ -42,14 +40,14 @@ pub fn model_files(path: &Path) -> (PathBuf, PathBuf) {
 pub fn load_pretrained(path: &Path) -> Result<(Model, Vec<Vec<f32>>), ModelError> {
     std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
     let (config_path, weights_path) = model_files(path);
-    let config = load_config(&config_path)?;
-    let model = Model::new(config)?;
+    let model = load_config(&config_path)?;
     let params = load_safetensors(&model, &weights_path)?;
     Ok((model, params))
 }
 
-/// Reads a GPT-2 `config.json`, refusing options strata does not implement.
-pub fn load_config(path: &Path) -> Result<Gpt2Config, ModelError> {
+/// Reads a `config.json` and returns the model it describes: the family its
+/// `model_type` names (GPT-2 when it names none), of the shape the rest gives.
+pub fn load_config(path: &Path) -> Result<Model, ModelError> {
     let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
     let unsupported = |message: String| ModelError::UnsupportedConfig {
         path: path.to_path_buf(),
@@ -57,62 +55,12 @@ pub fn load_config(path: &Path) -> Result<Gpt2Config, ModelError> {
     };
     let json: Value =
         serde_json::from_str(&text).map_err(|e| unsupported(format!("not valid JSON: {e}")))?;
-    let int = |keys: &[&str]| -> Result<usize, ModelError> {
-        keys.iter()
-            .find_map(|k| json.get(*k).and_then(Value::as_u64))
-            .map(|v| v as usize)
-            .ok_or_else(|| unsupported(format!("no integer `{}`", keys[0])))
-    };
-    let config = Gpt2Config {
-        layers: int(&["n_layer"])?,
-        heads: int(&["n_head"])?,
-        width: int(&["n_embd"])?,
-        vocab: int(&["vocab_size"])?,
-        ctx: int(&["n_positions", "n_ctx"])?,
-    };
-    let text_of = |key: &str| json.get(key).and_then(Value::as_str);
-    let flag = |key: &str, default: bool| json.get(key).and_then(Value::as_bool).unwrap_or(default);
-    if let Some(kind) = text_of("model_type").filter(|k| *k != "gpt2") {
-        return Err(unsupported(format!(
-            "model_type is `{kind}`; strata runs `gpt2`"
-        )));
+    match json.get("model_type").and_then(Value::as_str) {
+        None | Some("gpt2") => Ok(Model::of(Gpt2::from_hf_config(path, &json)?)),
+        Some(kind) => Err(unsupported(format!(
+            "model_type is `{kind}`; strata runs these families: gpt2"
+        ))),
     }
-    let activation = text_of("activation_function").unwrap_or("gelu_new");
-    if !matches!(activation, "gelu_new" | "gelu_pytorch_tanh") {
-        return Err(unsupported(format!(
-            "activation_function `{activation}`; strata implements GELU's tanh approximation \
-             (`gelu_new`)"
-        )));
-    }
-    let eps = json
-        .get("layer_norm_epsilon")
-        .and_then(Value::as_f64)
-        .unwrap_or(1e-5);
-    if (eps - 1e-5).abs() > 1e-12 {
-        return Err(unsupported(format!(
-            "layer_norm_epsilon {eps}; strata uses 1e-5"
-        )));
-    }
-    match json.get("n_inner") {
-        None | Some(Value::Null) => {}
-        Some(v) if v.as_u64() == Some(4 * config.width as u64) => {}
-        Some(v) => return Err(unsupported(format!("n_inner {v}; strata uses 4 × n_embd"))),
-    }
-    for (key, default, wanted) in [
-        ("tie_word_embeddings", true, true),
-        ("scale_attn_weights", true, true),
-        ("scale_attn_by_inverse_layer_idx", false, false),
-        ("add_cross_attention", false, false),
-    ] {
-        if flag(key, default) != wanted {
-            return Err(unsupported(format!(
-                "{key} is {}; strata needs {wanted}",
-                !wanted
-            )));
-        }
-    }
-    config.validate()?;
-    Ok(config)
 }
 
 /// The parsed header of a safetensors file and its mapped bytes.
@@ -177,16 +125,17 @@ impl SafetensorsFile {
         &self.map[8 + self.header_len..]
     }
 
-    /// Finds tensor `name` under `prefix` (`{prefix}transformer.{name}` or
-    /// `{prefix}{name}`) and checks its shape, dtype and byte range against `shape`;
+    /// Finds tensor `name` under `prefix` (`{prefix}{family_prefix}{name}`, as
+    /// `{prefix}transformer.{name}`, or `{prefix}{name}`) and checks its shape, dtype and byte range against `shape`;
     /// returns its dtype and bytes. Reads no tensor data.
     fn locate(
         &self,
         prefix: &str,
+        family_prefix: &str,
         name: &str,
         shape: &[usize],
     ) -> Result<(Dtype, &[u8]), ModelError> {
-        let prefixed = format!("{prefix}{PREFIX}{name}");
+        let prefixed = format!("{prefix}{family_prefix}{name}");
         let bare = format!("{prefix}{name}");
         let (found_name, info) = [prefixed.as_str(), bare.as_str()]
             .into_iter()
@@ -243,11 +192,12 @@ impl SafetensorsFile {
     fn read_into(
         &self,
         prefix: &str,
+        family_prefix: &str,
         name: &str,
         shape: &[usize],
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let (dtype, bytes) = self.locate(prefix, name, shape)?;
+        let (dtype, bytes) = self.locate(prefix, family_prefix, name, shape)?;
         assert_eq!(
             out.len() * if dtype == Dtype::F32 { 4 } else { 2 },
             bytes.len()
@@ -273,35 +223,36 @@ impl SafetensorsFile {
     }
 }
 
-/// Whether `name` is a tensor a GPT-2 checkpoint may hold besides the parameters.
-fn is_ignored(name: &str) -> bool {
-    let name = name.strip_prefix(PREFIX).unwrap_or(name);
-    name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
-}
-
 /// Reads every parameter of `model` from the safetensors file at `path`: one f32 buffer
 /// per block, in block order.
 pub fn load_safetensors(model: &Model, path: &Path) -> Result<Vec<Vec<f32>>, ModelError> {
     let file = SafetensorsFile::open(path)?;
     let params = read_blocks(&file, model, "")?;
-    let expected: std::collections::HashSet<&str> = model
+    let family = model.family();
+    let expected: std::collections::HashSet<String> = model
         .blocks()
         .iter()
-        .flat_map(|b| &b.tensors)
-        .map(|t| t.name.as_str())
+        .enumerate()
+        .flat_map(|(b, block)| {
+            block
+                .tensors
+                .iter()
+                .flat_map(move |t| [t.name.clone(), format!("{}{}", family.hf_prefix(b), t.name)])
+        })
         .collect();
     let mut extra: Vec<&str> = file
         .tensors
         .keys()
         .map(String::as_str)
-        .filter(|n| !is_ignored(n) && !expected.contains(n.strip_prefix(PREFIX).unwrap_or(n)))
+        .filter(|n| !family.hf_ignored(n) && !expected.contains(*n))
         .collect();
     if !extra.is_empty() {
         extra.sort();
         log::warn!(
-            "{}: ignoring {} tensors GPT-2 does not use: {}",
+            "{}: ignoring {} tensors {} does not use: {}",
             path.display(),
             extra.len(),
+            family.name(),
             extra.join(", ")
         );
     }
@@ -318,15 +269,17 @@ pub(crate) fn read_blocks(
     // Every tensor is checked against the model before anything is allocated: a
     // config.json that disagrees with the weights is an error naming the tensor, not an
     // allocation of the size the config claims.
-    for block in model.blocks() {
+    let family = model.family();
+    for (b, block) in model.blocks().iter().enumerate() {
         for t in &block.tensors {
-            file.locate(prefix, &t.name, &t.shape)?;
+            file.locate(prefix, family.hf_prefix(b), &t.name, &t.shape)?;
         }
     }
     let mut buffers = model.zero_params();
-    for (block, buffer) in model.blocks().iter().zip(&mut buffers) {
+    for (b, (block, buffer)) in model.blocks().iter().zip(&mut buffers).enumerate() {
         for t in &block.tensors {
-            file.read_into(prefix, &t.name, &t.shape, &mut buffer[t.slot.range()])?;
+            let out = &mut buffer[t.slot.range()];
+            file.read_into(prefix, family.hf_prefix(b), &t.name, &t.shape, out)?;
         }
     }
     Ok(buffers)
@@ -357,33 +310,6 @@ impl safetensors::View for F32View<'_> {
     }
 }
 
-/// `config.json` for `config`, as transformers' `GPT2Config` writes it (no dropout: strata
-/// trains without).
-pub fn config_json(config: &Gpt2Config) -> Value {
-    json!({
-        "activation_function": "gelu_new",
-        "architectures": ["GPT2LMHeadModel"],
-        "attn_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "resid_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "layer_norm_epsilon": 1e-5,
-        "model_type": "gpt2",
-        "n_embd": config.width,
-        "n_head": config.heads,
-        "n_inner": null,
-        "n_layer": config.layers,
-        "n_positions": config.ctx,
-        "vocab_size": config.vocab,
-        "scale_attn_weights": true,
-        "scale_attn_by_inverse_layer_idx": false,
-        "reorder_and_upcast_attn": false,
-        "tie_word_embeddings": true,
-        "torch_dtype": "float32",
-        "use_cache": true,
-    })
-}
-
 /// Writes `dir/model.safetensors` and `dir/config.json` for `model` with `params` (one
 /// f32 buffer per block), creating `dir`. Each file is written under a temporary name and
 /// renamed into place, so an interrupted save leaves no half-written file under the real
@@ -394,7 +320,7 @@ pub fn save_pretrained(model: &Model, params: &[Vec<f32>], dir: &Path) -> Result
     write_safetensors(views, &dir.join(WEIGHTS_FILE))?;
     let config = dir.join(CONFIG_FILE);
     let partial = dir.join(format!("{CONFIG_FILE}.partial"));
-    let text = serde_json::to_string_pretty(&config_json(model.config())).expect("JSON of numbers");
+    let text = serde_json::to_string_pretty(&model.family().hf_config()).expect("JSON");
     std::fs::write(&partial, text + "\n").map_err(|e| ModelError::io(&partial, e))?;
     sync(&partial)?;
     std::fs::rename(&partial, &config).map_err(|e| ModelError::io(&config, e))?;
@@ -421,7 +347,7 @@ pub(crate) fn block_views<'a>(
         )));
     }
     let mut views = Vec::new();
-    for (block, buffer) in model.blocks().iter().zip(buffers) {
+    for (b, (block, buffer)) in model.blocks().iter().zip(buffers).enumerate() {
         if buffer.len() != block.len {
             return Err(ModelError::BadInput(format!(
                 "block {:?}'s {what} buffer has {} elements, its layout {}",
@@ -435,7 +361,8 @@ pub(crate) fn block_views<'a>(
                 shape: t.shape.clone(),
                 data: &buffer[t.slot.range()],
             };
-            views.push((format!("{prefix}{PREFIX}{}", t.name), view));
+            let family_prefix = model.family().hf_prefix(b);
+            views.push((format!("{prefix}{family_prefix}{}", t.name), view));
         }
     }
     Ok(views)

@@ -1,99 +1,78 @@
 //! The planner: (model, step shape, policy, budgets) -> a static schedule and its memory
-//! plan.
+//! plan, in stages:
 //!
-//! 1. Homes: the policy names a tier for every block's tensor classes; persistent
-//!    buffers (device- or host-resident homes) and NVMe extents follow. Data homed on
-//!    NVMe that a step rewrites (working parameters, optimizer state) has two extents, A
-//!    and B: a step reads the current side and writes the other, and the sides swap only
-//!    when the whole step succeeded, so a failed step leaves the previous state intact.
-//! 2. Operations are emitted in one canonical order, a topological order of the step:
-//!    the compute sequence (forward blocks, the head's forward and backward, backward
-//!    blocks), with fetches placed `depth` compute operations ahead of their use and
-//!    gradient copies, optimizer steps and write-backs right after the backward that
-//!    completes a block's gradients (after a global-norm barrier when clipping, or
-//!    spread over the next step's compute with a delayed update). Each lane runs its
-//!    operations in this order.
-//! 3. Dependencies are derived from each operation's reads and writes of logical buffers
-//!    (read after write, write after read, write after write).
-//! 4. Memory: each transient buffer is live from its first to its last use in the
-//!    canonical order; buffers of one tier and kind whose lifetimes do not overlap share
-//!    a physical slot (interval allocation, best fit within 2x), and the reuse adds dependencies
-//!    from the previous occupant's users to the new occupant's first use. Every edge
-//!    points backwards in the canonical order, so the lanes cannot deadlock.
+//! 1. Homes ([`Planner::new`]): the policy names a tier for every block's tensor classes,
+//!    checked against the engine's rules.
+//! 2. Buffers ([`Planner::home_buffers`], [`Planner::step_buffers`]): persistent homes
+//!    (device- or host-resident) and NVMe extents, and the step's transient buffers:
+//!    device parameter copies per use group, checkpoints, activation gradients,
+//!    per-micro-batch gradients, staging. Data homed on NVMe that a step rewrites
+//!    (working parameters, optimizer state) has two extents, A and B: a step reads the
+//!    current side and writes the other, and the sides swap only when the whole step
+//!    succeeded, so a failed step leaves the previous state intact.
+//! 3. Emission ([`Planner::emit`]), in one canonical order, a topological order of the
+//!    step: the compute sequence (forward blocks, the head's forward and backward,
+//!    backward blocks), with fetches placed `depth` compute operations ahead of their use
+//!    and gradient copies, updates and write-backs right after the backward that
+//!    completes a block's gradients (after a global-norm barrier when clipping, or spread
+//!    over the next step's compute with a delayed update). Each lane runs its operations
+//!    in this order.
+//! 4. Dependencies and memory ([`super::memory`]): edges from each operation's reads and
+//!    writes of logical buffers; transient buffers of one tier share physical slots when
+//!    their lifetimes do not overlap, each reuse adding edges from the previous
+//!    occupant's users; slots get their offsets in the tier's arena.
+//!
+//! The planner knows blocks, tensor classes and tiers; what a block computes is the
+//! model family's (it is asked for sizes and FLOPs only).
 
 use std::fmt;
 
-use super::{Budgets, PlanError, PlanInput, Policy, Release, TensorClass, Tier};
-use crate::model::BlockKind;
-use crate::model::block::scratch_elements;
+use super::{Budgets, PlanError, PlanInput, Policy, Release, StepShape, TensorClass, Tier};
+use crate::device::Lane;
+use crate::model::{BlockLayout, Dtype, Pass, Shape, update};
 
 /// Index of an operation in [`Plan::ops`] (the canonical order).
-pub type OpId = usize;
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OpId(pub u32);
+
 /// Index of a logical buffer in [`Plan::buffers`].
-pub type BufId = usize;
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufId(pub u32);
 
-/// The lanes that run concurrently; each runs its operations in order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Lane {
-    /// NVMe reads (the io_uring thread does the I/O).
-    NvmeRead,
-    /// NVMe writes, beside the reads: reading block i-1's state and writing block i+1's
-    /// overlap.
-    NvmeWrite,
-    /// Host to device copies.
-    H2d,
-    /// The device's kernels.
-    Compute,
-    /// Device to host copies.
-    D2h,
-    /// The CPU optimizer.
-    Cpu,
+/// Index of a physical slot in [`Plan::slots`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SlotId(pub u32);
+
+macro_rules! index_type {
+    ($($t:ident),*) => {$(
+        impl $t {
+            /// The position in its table.
+            pub fn index(self) -> usize {
+                self.0 as usize
+            }
+
+            /// The id of position `i`.
+            pub fn of(i: usize) -> Self {
+                $t(u32::try_from(i).expect("a plan indexes fewer than 2^32 items"))
+            }
+        }
+
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}", self.0)
+            }
+        }
+    )*};
 }
+index_type!(OpId, BufId, SlotId);
 
-impl Lane {
-    /// Every lane.
-    pub const ALL: [Lane; 6] = [
-        Lane::NvmeRead,
-        Lane::NvmeWrite,
-        Lane::H2d,
-        Lane::Compute,
-        Lane::D2h,
-        Lane::Cpu,
-    ];
-
-    /// Position in [`Lane::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
-    }
-}
-
-impl fmt::Display for Lane {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Lane::NvmeRead => "nvme-read",
-            Lane::NvmeWrite => "nvme-write",
-            Lane::H2d => "h2d",
-            Lane::Compute => "compute",
-            Lane::D2h => "d2h",
-            Lane::Cpu => "cpu-optimizer",
-        })
-    }
-}
-
-/// What a logical buffer holds, which decides how it is allocated.
+/// Where a logical buffer's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BufKind {
-    /// A device parameter buffer (the backend's type), `elems` elements.
-    DevParams,
-    /// A device gradient buffer (f32), `elems` elements.
-    DevGrads,
-    /// A device activation buffer, `elems` elements.
-    DevAct,
-    /// The device's fixed working set: one block's scratch, two gradient-of-activation
-    /// buffers and the token ids.
-    DevFixed,
-    /// Plain bytes (4096-aligned): host buffers, and optimizer state on a host device.
-    Raw,
+    /// Bytes in the device arena.
+    Device,
+    /// Bytes in the pinned host arena (4096-aligned, for O_DIRECT).
+    Host,
     /// One NVMe extent, or one side of an A/B pair.
     Extent {
         /// Index into [`Plan::extent_groups`].
@@ -101,7 +80,7 @@ pub enum BufKind {
         /// Which side.
         side: ExtentSide,
     },
-    /// Not memory: orders the optimizer after the global gradient norm.
+    /// Not memory: orders the updates after the global gradient norm.
     Flag,
 }
 
@@ -125,7 +104,7 @@ pub struct Extent {
     pub bytes: u64,
     /// A/B pair (state rewritten every step) or one extent (checkpoints).
     pub paired: bool,
-    /// The block, and the class of its data.
+    /// The block.
     pub block: usize,
     /// The class of its data.
     pub class: TensorClass,
@@ -138,16 +117,14 @@ pub struct BufferPlan {
     pub name: String,
     /// Tier its memory counts against.
     pub tier: Tier,
-    /// What it holds.
+    /// Where its bytes are.
     pub kind: BufKind,
-    /// Elements (device kinds) or bytes (raw).
-    pub elems: usize,
     /// Bytes.
     pub bytes: u64,
     /// Lives across steps (homes, fixed buffers): never shares memory.
     pub persistent: bool,
-    /// The physical slot that holds it (an index into [`Plan::slots`]), if memory.
-    pub slot: Option<usize>,
+    /// The physical slot that holds it, if memory.
+    pub slot: Option<SlotId>,
     /// First and last operations that touch it.
     pub live: Option<(OpId, OpId)>,
 }
@@ -155,14 +132,12 @@ pub struct BufferPlan {
 /// A physical buffer: allocated once, shared by logical buffers with disjoint lifetimes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotPlan {
-    /// Tier.
+    /// Tier (device or host).
     pub tier: Tier,
-    /// Kind (all of its logical buffers have it).
-    pub kind: BufKind,
-    /// Elements (device kinds) or bytes (raw): the largest of its logical buffers.
-    pub elems: usize,
-    /// Bytes.
+    /// Bytes: the largest of its logical buffers.
     pub bytes: u64,
+    /// Where it starts in its tier's arena.
+    pub offset_bytes: u64,
 }
 
 /// A read or a write of a logical buffer by an operation.
@@ -172,6 +147,49 @@ pub enum Access {
     Read(BufId),
     /// Writes (possibly after reading).
     Write(BufId),
+}
+
+impl Access {
+    /// The buffer accessed.
+    pub fn buf(self) -> BufId {
+        match self {
+            Access::Read(b) | Access::Write(b) => b,
+        }
+    }
+}
+
+/// The buffers a block program is bound to (see `crate::model::Bind`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Binds {
+    /// The block's working parameters.
+    pub params: Option<BufId>,
+    /// The block's gradients.
+    pub grads: Option<BufId>,
+    /// The tied block's parameters.
+    pub tied_params: Option<BufId>,
+    /// The tied block's gradients.
+    pub tied_grads: Option<BufId>,
+    /// The input activation.
+    pub input: Option<BufId>,
+    /// The output activation.
+    pub output: Option<BufId>,
+    /// The gradient of the output.
+    pub d_output: Option<BufId>,
+    /// The gradient of the input.
+    pub d_input: Option<BufId>,
+    /// Token ids then target ids.
+    pub tokens: Option<BufId>,
+    /// Per-position losses.
+    pub losses: Option<BufId>,
+}
+
+/// Where the global norm takes a block's gradient statistics from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradSource {
+    /// Computes them from host gradients (f32).
+    Host(BufId),
+    /// Reads the two f64 a device computed, copied to a host buffer.
+    Stats(BufId),
 }
 
 /// What an operation does.
@@ -194,38 +212,42 @@ pub enum OpKind {
         /// Part of the parameter update.
         with_update: bool,
     },
-    /// Copies a block's working parameters from a host buffer to a device buffer.
-    H2dParams {
-        /// Block.
-        block: usize,
-        /// Host buffer (working dtype).
-        from: BufId,
-        /// Device buffer.
-        to: BufId,
-        /// Part of the parameter update (skipped with it).
-        with_update: bool,
-    },
-    /// Copies a checkpoint from a host buffer to a device buffer.
-    H2dAct {
+    /// Copies a host buffer into a device buffer (parameters, checkpoints, tokens).
+    H2d {
         /// Host buffer.
         from: BufId,
         /// Device buffer.
         to: BufId,
+        /// Bytes the copy reads from the host buffer.
+        bytes: u64,
+        /// From the host's dtype to the device's (parameters on the CPU device).
+        convert: Option<(Dtype, Dtype)>,
+        /// Part of the parameter update (skipped with it).
+        with_update: bool,
     },
-    /// Copies a block's gradients to a host buffer (adding to it after the first
-    /// micro-batch).
-    D2hGrads {
-        /// Block.
-        block: usize,
+    /// Copies a device buffer to a host buffer (gradients, checkpoints, losses,
+    /// statistics).
+    D2h {
         /// Device buffer.
         from: BufId,
-        /// Host buffer (f32).
+        /// Host buffer.
         to: BufId,
-        /// Add instead of overwrite.
-        accumulate: bool,
+        /// Bytes.
+        bytes: u64,
     },
-    /// Adds a micro-batch's gradients to the device-homed gradients.
-    AccumulateGrads {
+    /// A block's forward or backward program for one micro-batch.
+    Compute {
+        /// Block.
+        block: usize,
+        /// Micro-batch.
+        micro: usize,
+        /// Which program.
+        pass: Pass,
+        /// Its buffers.
+        binds: Binds,
+    },
+    /// Adds a micro-batch's device gradients to the device-homed ones (compute stream).
+    Accumulate {
         /// Block.
         block: usize,
         /// This micro-batch's gradients.
@@ -233,111 +255,78 @@ pub enum OpKind {
         /// The home.
         to: BufId,
     },
-    /// Copies a checkpoint from the device to a host buffer.
-    D2hAct {
-        /// Device buffer.
-        from: BufId,
-        /// Host buffer.
-        to: BufId,
-    },
-    /// The embedding's forward (uploads the micro-batch's tokens and targets first).
-    EmbeddingForward {
-        /// Micro-batch.
-        micro: usize,
-        /// The embedding's parameters.
-        params: BufId,
-        /// Its output: checkpoint 0.
-        output: BufId,
-    },
-    /// A transformer block's forward.
-    LayerForward {
-        /// Block index (layer + 1).
-        block: usize,
-        /// Micro-batch.
-        micro: usize,
-        /// Parameters.
-        params: BufId,
-        /// Input checkpoint.
-        input: BufId,
-        /// Output checkpoint.
-        output: BufId,
-    },
-    /// The head's forward and backward in one (the loss and the gradient of its input).
-    /// Zeroes both gradient buffers first: every micro-batch's gradients start from zero
-    /// (later micro-batches of device-homed gradients are added to the home by
-    /// `AccumulateGrads`, in the same order the host adds offloaded ones).
-    Head {
-        /// Micro-batch.
-        micro: usize,
-        /// The head's parameters.
-        params: BufId,
-        /// The embedding's parameters (tied `wte`).
-        embedding: BufId,
-        /// The head's gradients.
-        grads: BufId,
-        /// The embedding's gradients.
-        embedding_grads: BufId,
-        /// Input checkpoint.
-        input: BufId,
-    },
-    /// A transformer block's backward (recomputing its forward), into zeroed gradients.
-    LayerBackward {
+    /// Adds a micro-batch's gradients, copied to the host, to the host gradients (CPU).
+    HostAccumulate {
         /// Block.
         block: usize,
-        /// Micro-batch.
-        micro: usize,
-        /// Parameters.
-        params: BufId,
-        /// Gradients.
-        grads: BufId,
-        /// Input checkpoint.
-        input: BufId,
+        /// The copy.
+        from: BufId,
+        /// The host gradients.
+        to: BufId,
     },
-    /// The embedding's backward.
-    EmbeddingBackward {
-        /// Micro-batch.
-        micro: usize,
-        /// Gradients.
+    /// The statistics of a block's device gradients (compute stream), for the norm.
+    DeviceStats {
+        /// Block.
+        block: usize,
+        /// Device gradients.
         grads: BufId,
+        /// Device buffer of 16 bytes.
+        stats: BufId,
     },
-    /// The global gradient norm and overflow check, over every block's gradients.
+    /// The global gradient norm and overflow check (CPU), over every block.
     GradNorm {
-        /// (block, gradient buffer) for every block.
-        grads: Vec<(usize, BufId)>,
+        /// Where each block's statistics come from, in block order.
+        sources: Vec<(usize, GradSource)>,
     },
-    /// AdamW on one block: reads its gradients, updates master parameters, m and v, and
-    /// writes the new working parameters.
+    /// AdamW on one block on the CPU: reads its gradients, updates master parameters, m
+    /// and v, and writes the new working parameters into a host buffer.
     Optimizer {
         /// Block.
         block: usize,
-        /// Gradients (host f32, or a device buffer on a host device).
+        /// Host gradients (f32).
         grads: BufId,
-        /// Master parameters, m and v (raw, 12 bytes per element).
+        /// Master parameters, m and v (12 bytes per element).
         state: BufId,
-        /// Where the new working parameters go: a raw host buffer (working dtype) or a
-        /// device parameter buffer on a host device.
+        /// Host buffer for the new working parameters (working dtype).
         params_out: BufId,
+    },
+    /// AdamW on one block on the device (its optimizer state lives there).
+    DeviceUpdate {
+        /// Block.
+        block: usize,
+        /// Device gradients.
+        grads: BufId,
+        /// Device optimizer state.
+        state: BufId,
+        /// Device working parameters, written.
+        params: BufId,
     },
 }
 
 impl OpKind {
-    /// A short label for traces (`fwd 3`, `h2d params 2`).
+    /// A short label for traces (`fwd 3`, `h2d 2`).
     pub fn label(&self) -> String {
         match self {
             OpKind::NvmeRead { .. } => "nvme read".into(),
             OpKind::NvmeWrite { .. } => "nvme write".into(),
-            OpKind::H2dParams { block, .. } => format!("h2d params {block}"),
-            OpKind::H2dAct { .. } => "h2d checkpoint".into(),
-            OpKind::D2hGrads { block, .. } => format!("d2h grads {block}"),
-            OpKind::D2hAct { .. } => "d2h checkpoint".into(),
-            OpKind::AccumulateGrads { block, .. } => format!("accumulate grads {block}"),
-            OpKind::EmbeddingForward { .. } => "fwd embedding".into(),
-            OpKind::LayerForward { block, .. } => format!("fwd {block}"),
-            OpKind::Head { .. } => "head fwd+bwd".into(),
-            OpKind::LayerBackward { block, .. } => format!("bwd {block}"),
-            OpKind::EmbeddingBackward { .. } => "bwd embedding".into(),
+            OpKind::H2d { .. } => "h2d".into(),
+            OpKind::D2h { .. } => "d2h".into(),
+            OpKind::Compute {
+                block,
+                pass: Pass::Forward,
+                ..
+            } => format!("fwd {block}"),
+            OpKind::Compute {
+                block,
+                pass: Pass::Backward,
+                ..
+            } => format!("bwd {block}"),
+            OpKind::Accumulate { block, .. } => format!("accumulate grads {block}"),
+            OpKind::HostAccumulate { block, .. } => format!("host accumulate grads {block}"),
+            OpKind::DeviceStats { block, .. } => format!("grad stats {block}"),
             OpKind::GradNorm { .. } => "grad norm".into(),
             OpKind::Optimizer { block, .. } => format!("adamw {block}"),
+            OpKind::DeviceUpdate { block, .. } => format!("device adamw {block}"),
         }
     }
 
@@ -346,16 +335,34 @@ impl OpKind {
         match self {
             OpKind::NvmeRead { .. } => "nvme-read",
             OpKind::NvmeWrite { .. } => "nvme-write",
-            OpKind::H2dParams { .. } | OpKind::H2dAct { .. } => "h2d",
-            OpKind::D2hGrads { .. } | OpKind::D2hAct { .. } => "d2h",
-            OpKind::AccumulateGrads { .. } => "accumulate",
-            OpKind::EmbeddingForward { .. } | OpKind::LayerForward { .. } => "forward",
-            OpKind::Head { .. } => "head",
-            OpKind::LayerBackward { .. } | OpKind::EmbeddingBackward { .. } => "backward",
-            OpKind::GradNorm { .. } => "grad-norm",
-            OpKind::Optimizer { .. } => "adamw",
+            OpKind::H2d { .. } => "h2d",
+            OpKind::D2h { .. } => "d2h",
+            OpKind::Accumulate { .. } | OpKind::HostAccumulate { .. } => "accumulate",
+            OpKind::Compute {
+                pass: Pass::Forward,
+                ..
+            } => "forward",
+            OpKind::Compute {
+                pass: Pass::Backward,
+                ..
+            } => "backward",
+            OpKind::DeviceStats { .. } | OpKind::GradNorm { .. } => "grad-norm",
+            OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => "adamw",
         }
     }
+
+    /// Every kind name [`OpKind::kind_name`] returns.
+    pub const KIND_NAMES: [&'static str; 9] = [
+        "nvme-read",
+        "nvme-write",
+        "h2d",
+        "d2h",
+        "accumulate",
+        "forward",
+        "backward",
+        "grad-norm",
+        "adamw",
+    ];
 }
 
 /// One operation of the schedule.
@@ -369,15 +376,26 @@ pub struct Op {
     pub deps: Vec<OpId>,
     /// Its buffer accesses.
     pub access: Vec<Access>,
-    /// Bytes it moves (copies and I/O) or the optimizer's parameter count × 4.
+    /// Bytes it moves (copies and I/O) or reads and writes (passes over gradients).
     pub bytes: u64,
     /// Floating-point operations (compute), for the cost model.
     pub flops: f64,
-    /// Parameters it updates (optimizer), for the cost model.
+    /// Parameters it updates (optimizer) or reduces (norm), for the cost model.
     pub params: u64,
-    /// Part of the parameter update (state reads, the norm, AdamW, write-backs): with a
-    /// delayed update these run apart from the step's compute, and alone in a flush.
+    /// Part of the parameter update (statistics, state reads, the norm, AdamW,
+    /// write-backs): with a delayed update these run apart from the step's compute, and
+    /// alone in a flush.
     pub update: bool,
+}
+
+/// The persistent buffers of one block that hold its state between steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHomes {
+    /// The working parameters the next step reads (an extent's current side when on
+    /// NVMe).
+    pub params: BufId,
+    /// Master parameters, m and v (an extent's current side when on NVMe).
+    pub state: BufId,
 }
 
 /// The static schedule and memory plan of one training step.
@@ -391,7 +409,7 @@ pub struct Plan {
     /// Prefetch depth used.
     pub depth: usize,
     /// The step's shape.
-    pub shape: super::StepShape,
+    pub shape: StepShape,
     /// The budgets checked against.
     pub budgets: Budgets,
     /// Operations, in canonical order.
@@ -408,6 +426,18 @@ pub struct Plan {
     pub peak: [u64; 3],
     /// Bytes per step over each link: NVMe read, NVMe write, H2D, D2H.
     pub link_bytes: [u64; 4],
+    /// Each block's persistent state buffers.
+    pub block_homes: Vec<BlockHomes>,
+    /// Per micro-batch: the host buffer the executor writes the tokens and targets into
+    /// before a step.
+    pub tokens_host: Vec<BufId>,
+    /// Per micro-batch: the host buffer the step leaves the per-position losses in.
+    pub losses_host: Vec<BufId>,
+    /// Per block: the host buffer holding the statistics of its device gradients after
+    /// an update, when the device computes them.
+    pub stats_host: Vec<Option<BufId>>,
+    /// The device scratch every program runs in.
+    pub scratch: BufId,
     /// Delayed update: pairs of persistent buffers (gradients being filled, gradients
     /// being applied) whose memory the executor exchanges after every step.
     pub swap_each_step: Vec<(BufId, BufId)>,
@@ -416,50 +446,281 @@ pub struct Plan {
     pub swap_on_update: Vec<(BufId, BufId)>,
 }
 
-/// Bytes rounded up to the 4096 O_DIRECT needs.
-fn raw_bytes(bytes: u64) -> u64 {
-    bytes.next_multiple_of(4096)
+impl Plan {
+    /// Operation `id`.
+    pub fn op(&self, id: OpId) -> &Op {
+        &self.ops[id.index()]
+    }
+
+    /// Buffer `id`.
+    pub fn buffer(&self, id: BufId) -> &BufferPlan {
+        &self.buffers[id.index()]
+    }
 }
 
-struct Builder {
+/// Bytes rounded up to the 4096 O_DIRECT needs.
+fn host_bytes(bytes: u64) -> u64 {
+    bytes.max(1).next_multiple_of(4096)
+}
+
+/// Per-block decisions, resolved and checked.
+struct Homes {
+    params: Tier,
+    grads: Tier,
+    state: Tier,
+    /// Of the block's input checkpoint (transformer blocks only).
+    ckpt: Tier,
+}
+
+/// One compute operation in the canonical sequence, before emission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compute {
+    /// The embedding's forward of a micro-batch.
+    Embed(usize),
+    /// Block `.0`'s forward.
+    Layer(usize, usize),
+    /// The head's forward and backward.
+    Head(usize),
+    /// Block `.0`'s backward.
+    LayerBack(usize, usize),
+    /// The embedding's backward.
+    EmbedBack(usize),
+}
+
+impl Compute {
+    fn micro(self) -> usize {
+        match self {
+            Compute::Embed(m) | Compute::Head(m) | Compute::EmbedBack(m) => m,
+            Compute::Layer(_, m) | Compute::LayerBack(_, m) => m,
+        }
+    }
+}
+
+/// Checkpoint buffers of one boundary of one micro-batch: the forward's device copy,
+/// where the backward reads it, and the host copy between.
+struct Ckpt {
+    fwd: BufId,
+    bwd: BufId,
+    host: Option<BufId>,
+}
+
+/// The planner's state while it builds one plan.
+struct Planner<'a> {
+    input: &'a PlanInput<'a>,
+    policy: &'a dyn Policy,
+    name: String,
+    shape: StepShape,
+    dims: Shape,
+    depth: usize,
+    blocks: &'a [BlockLayout],
+    homes: Vec<Homes>,
+    /// Index of the head block.
+    head: usize,
+    /// Transformer blocks.
+    layers: usize,
+    /// Bytes of a working parameter on the host, and of a device element.
+    pbytes: u64,
+    dbytes: u64,
     ops: Vec<Op>,
     buffers: Vec<BufferPlan>,
     extent_groups: Vec<Extent>,
+    // Stage 2: homes and fixed buffers.
+    scratch: BufId,
+    /// (current, next) working-parameter homes; equal unless delayed or on NVMe.
+    p_home: Vec<(BufId, BufId)>,
+    /// (current, next) optimizer-state homes.
+    s_home: Vec<(BufId, BufId)>,
+    /// Device gradient homes, and the set the update reads.
+    g_home_dev: Vec<Option<BufId>>,
+    g_apply_dev: Vec<Option<BufId>>,
+    /// Host gradients the backward fills, and the set the update reads.
+    g_host: Vec<Option<BufId>>,
+    g_apply_host: Vec<Option<BufId>>,
+    /// Tier of checkpoint i (the input of block i + 1).
+    ckpt_tier: Vec<Tier>,
+    ckpt_extent: Vec<Option<BufId>>,
+    norm_flag: Option<BufId>,
+    tokens_host: Vec<BufId>,
+    losses_host: Vec<BufId>,
+    stats_host: Vec<Option<BufId>>,
+    // Stage 3: the step's buffers.
+    seq: Vec<Compute>,
+    /// Device parameter buffer of block b at compute k.
+    dev_params: Vec<Vec<Option<BufId>>>,
+    /// Fetches to emit before compute k: (block, device buffer).
+    fetches: Vec<Vec<(usize, BufId)>>,
+    ckpts: Vec<Vec<Ckpt>>,
+    /// Checkpoint fetches before compute k: (boundary, micro-batch).
+    ckpt_fetch: Vec<Vec<(usize, usize)>>,
+    /// Activation gradients per micro-batch, per boundary.
+    dact: Vec<Vec<BufId>>,
+    /// Device tokens per micro-batch, and the compute before which they are copied.
+    tokens_dev: Vec<BufId>,
+    token_fetch: Vec<Vec<usize>>,
+    losses_dev: Vec<BufId>,
+    /// Device gradients per micro-batch, per block.
+    g_dev: Vec<Vec<BufId>>,
+    state_reads: Vec<Vec<usize>>,
+    s_stage: Vec<Option<BufId>>,
+    p_out_stage: Vec<Option<BufId>>,
+    stats_dev: Vec<Option<BufId>>,
 }
 
-impl Builder {
-    fn buffer(
-        &mut self,
-        name: String,
-        tier: Tier,
-        kind: BufKind,
-        elems: usize,
-        bytes: u64,
-    ) -> BufId {
+impl Plan {
+    /// Plans one training step of `input.model` under `policy`. Allocates nothing.
+    /// Does not check the budgets: see [`Plan::check_fits`].
+    pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
+        let mut p = Planner::new(input, policy)?;
+        p.home_buffers();
+        p.step_buffers();
+        p.emit();
+        p.finish()
+    }
+}
+
+impl<'a> Planner<'a> {
+    /// Stage 1: the step's shape and every block's homes, checked.
+    fn new(input: &'a PlanInput<'a>, policy: &'a dyn Policy) -> Result<Self, PlanError> {
+        let name = policy.name();
+        let shape = input.shape;
+        if shape.batch == 0 || shape.seq == 0 || shape.grad_accum == 0 {
+            return Err(PlanError::Invalid(
+                "batch, sequence length and gradient accumulation must be at least 1".into(),
+            ));
+        }
+        let dims = input
+            .model
+            .shape(shape.batch, shape.seq)
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        let blocks = input.model.blocks();
+        let nb = blocks.len();
+        let bad = |reason: String| PlanError::BadPolicy {
+            policy: name.clone(),
+            reason,
+        };
+        let mut homes = Vec::with_capacity(nb);
+        for b in 0..nb {
+            let h = Homes {
+                params: policy.home(input, b, TensorClass::Params),
+                grads: policy.home(input, b, TensorClass::Grads),
+                state: policy.home(input, b, TensorClass::Optimizer),
+                ckpt: policy.home(input, b, TensorClass::Checkpoints),
+            };
+            if h.grads == Tier::Nvme {
+                return Err(bad(format!("block {b}: gradients cannot live on NVMe")));
+            }
+            if (h.state == Tier::Device) != (h.grads == Tier::Device) {
+                return Err(bad(format!(
+                    "block {b}: gradients must live with the optimizer state's tier when that \
+                     is the device, and on the host otherwise (got gradients on {}, state on {})",
+                    h.grads, h.state
+                )));
+            }
+            if h.state == Tier::Device && h.params != Tier::Device {
+                return Err(bad(format!(
+                    "block {b}: optimizer state on the device needs the parameters there too"
+                )));
+            }
+            homes.push(h);
+        }
+        Ok(Planner {
+            input,
+            policy,
+            name,
+            shape,
+            dims,
+            depth: policy.prefetch_depth(input).max(1),
+            blocks,
+            homes,
+            head: nb - 1,
+            layers: nb - 2,
+            pbytes: shape.precision.param_bytes(),
+            dbytes: shape.device_dtype().size() as u64,
+            ops: Vec::new(),
+            buffers: Vec::new(),
+            extent_groups: Vec::new(),
+            scratch: BufId(0),
+            p_home: Vec::new(),
+            s_home: Vec::new(),
+            g_home_dev: vec![None; nb],
+            g_apply_dev: vec![None; nb],
+            g_host: vec![None; nb],
+            g_apply_host: vec![None; nb],
+            ckpt_tier: Vec::new(),
+            ckpt_extent: Vec::new(),
+            norm_flag: None,
+            tokens_host: Vec::new(),
+            losses_host: Vec::new(),
+            stats_host: vec![None; nb],
+            seq: Vec::new(),
+            dev_params: Vec::new(),
+            fetches: Vec::new(),
+            ckpts: Vec::new(),
+            ckpt_fetch: Vec::new(),
+            dact: Vec::new(),
+            tokens_dev: Vec::new(),
+            token_fetch: Vec::new(),
+            losses_dev: Vec::new(),
+            g_dev: Vec::new(),
+            state_reads: Vec::new(),
+            s_stage: vec![None; nb],
+            p_out_stage: vec![None; nb],
+            stats_dev: vec![None; nb],
+        })
+    }
+
+    fn nb(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn len(&self, b: usize) -> u64 {
+        self.blocks[b].len as u64
+    }
+
+    /// Bytes of one activation (B, T, width) on the device.
+    fn act_bytes(&self) -> u64 {
+        (self.dims.rows() * self.input.model.width()) as u64 * self.dbytes
+    }
+
+    fn buffer(&mut self, name: String, tier: Tier, bytes: u64) -> BufId {
+        let kind = match tier {
+            Tier::Device => BufKind::Device,
+            Tier::Host => BufKind::Host,
+            Tier::Nvme => unreachable!("NVMe data lives in extents"),
+        };
+        let bytes = if tier == Tier::Host {
+            host_bytes(bytes)
+        } else {
+            bytes
+        };
         self.buffers.push(BufferPlan {
             name,
             tier,
             kind,
-            elems,
             bytes,
             persistent: false,
             slot: None,
             live: None,
         });
-        self.buffers.len() - 1
+        BufId::of(self.buffers.len() - 1)
     }
 
-    fn persistent(
-        &mut self,
-        name: String,
-        tier: Tier,
-        kind: BufKind,
-        elems: usize,
-        bytes: u64,
-    ) -> BufId {
-        let id = self.buffer(name, tier, kind, elems, bytes);
-        self.buffers[id].persistent = true;
+    fn persistent(&mut self, name: String, tier: Tier, bytes: u64) -> BufId {
+        let id = self.buffer(name, tier, bytes);
+        self.buffers[id.index()].persistent = true;
         id
+    }
+
+    /// A home on `tier` (device or host), with a second one for the next step's copy
+    /// when `pair`.
+    fn home_pair(&mut self, name: &str, tier: Tier, bytes: u64, pair: bool) -> (BufId, BufId) {
+        let cur = self.persistent(format!("{name}@{tier}"), tier, bytes);
+        let next = if pair {
+            self.persistent(format!("{name}@{tier}'"), tier, bytes)
+        } else {
+            cur
+        };
+        (cur, next)
     }
 
     /// An extent group: one buffer per side.
@@ -480,13 +741,16 @@ impl Builder {
         });
         let group = self.extent_groups.len() - 1;
         let mut side = |side, label: &str| {
-            self.persistent(
-                format!("{name}{label}@nvme"),
-                Tier::Nvme,
-                BufKind::Extent { group, side },
-                0,
-                0,
-            )
+            self.buffers.push(BufferPlan {
+                name: format!("{name}{label}@nvme"),
+                tier: Tier::Nvme,
+                kind: BufKind::Extent { group, side },
+                bytes: 0,
+                persistent: true,
+                slot: None,
+                live: None,
+            });
+            BufId::of(self.buffers.len() - 1)
         };
         if paired {
             (
@@ -499,291 +763,103 @@ impl Builder {
         }
     }
 
-    fn op(
-        &mut self,
-        lane: Lane,
-        kind: OpKind,
-        access: Vec<Access>,
-        bytes: u64,
-        flops: f64,
-        params: u64,
-    ) -> OpId {
-        self.ops.push(Op {
-            kind,
-            lane,
-            deps: Vec::new(),
-            access,
-            bytes,
-            flops,
-            params,
-            update: false,
-        });
-        self.ops.len() - 1
-    }
-
-    /// Marks the operations from `first` on as part of the update.
-    fn mark_update(&mut self, first: OpId) {
-        for op in &mut self.ops[first..] {
-            op.update = true;
-        }
-    }
-}
-
-/// Per-block decisions, resolved and checked.
-struct Homes {
-    params: Tier,
-    grads: Tier,
-    state: Tier,
-    /// Of the block's input checkpoint (transformer blocks only).
-    ckpt: Tier,
-}
-
-/// One compute operation in the canonical sequence, before emission.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Compute {
-    Embed(usize),
-    Layer(usize, usize),
-    Head(usize),
-    LayerBack(usize, usize),
-    EmbedBack(usize),
-}
-
-impl Compute {
-    fn micro(self) -> usize {
-        match self {
-            Compute::Embed(m) | Compute::Head(m) | Compute::EmbedBack(m) => m,
-            Compute::Layer(_, m) | Compute::LayerBack(_, m) => m,
-        }
-    }
-
-    /// Blocks whose parameters it reads.
-    fn param_blocks(self, head: usize) -> Vec<usize> {
-        match self {
-            Compute::Embed(_) => vec![0],
-            Compute::Layer(b, _) | Compute::LayerBack(b, _) => vec![b],
-            Compute::Head(_) => vec![head, 0],
-            Compute::EmbedBack(_) => vec![],
-        }
-    }
-}
-
-impl Plan {
-    /// Plans one training step of `input.model` under `policy`. Allocates nothing.
-    /// Does not check the budgets: see [`Plan::check_fits`].
-    pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
-        let name = policy.name();
-        let shape = input.shape;
-        if shape.batch == 0 || shape.seq == 0 || shape.grad_accum == 0 {
-            return Err(PlanError::Invalid(
-                "batch, sequence length and gradient accumulation must be at least 1".into(),
-            ));
-        }
-        let dims = input
-            .model
-            .dims(shape.batch, shape.seq)
-            .map_err(|e| PlanError::Invalid(e.to_string()))?;
-        let depth = policy.prefetch_depth(input).max(1);
-        let blocks = input.model.blocks();
-        let nb = blocks.len();
-        let head = nb - 1;
-        let layers = nb - 2;
-        let bad = |reason: String| PlanError::BadPolicy {
-            policy: name.clone(),
-            reason,
-        };
-
-        // 1. Homes.
-        let mut homes = Vec::with_capacity(nb);
+    /// Stage 2a: homes of parameters, optimizer state and gradients, the checkpoint
+    /// tiers and extents, and the fixed buffers (scratch, tokens, losses, the norm flag).
+    fn home_buffers(&mut self) {
+        let nb = self.nb();
+        let model = self.input.model;
+        let target = self.shape.target;
+        let scratch = model
+            .scratch_bytes(self.dims, target, self.shape.device_dtype())
+            .max(update::grad_stats_scratch(self.blocks, target));
+        self.scratch = self.persistent("scratch@device".into(), Tier::Device, scratch as u64);
+        let delayed = self.shape.delayed_update;
         for b in 0..nb {
-            let h = Homes {
-                params: policy.home(input, b, TensorClass::Params),
-                grads: policy.home(input, b, TensorClass::Grads),
-                state: policy.home(input, b, TensorClass::Optimizer),
-                ckpt: policy.home(input, b, TensorClass::Checkpoints),
+            let len = self.len(b);
+            let (params, state, grads) = {
+                let h = &self.homes[b];
+                (h.params, h.state, h.grads)
             };
-            if h.grads == Tier::Nvme {
-                return Err(bad(format!("block {b}: gradients cannot live on NVMe")));
-            }
-            if h.state == Tier::Device && !shape.device_is_host {
-                return Err(bad(format!(
-                    "block {b}: optimizer state on the device needs the CPU device (the \
-                     optimizer runs on the CPU); use cpu-offload on a GPU"
-                )));
-            }
-            if (h.state == Tier::Device) != (h.grads == Tier::Device) {
-                return Err(bad(format!(
-                    "block {b}: gradients must live with the optimizer state's tier when that \
-                     is the device, and on the host otherwise (got gradients on {}, state on {})",
-                    h.grads, h.state
-                )));
-            }
-            if h.state == Tier::Device && h.params != Tier::Device {
-                return Err(bad(format!(
-                    "block {b}: optimizer state on the device needs the parameters there too"
-                )));
-            }
-            homes.push(h);
-        }
-
-        let mut bld = Builder {
-            ops: Vec::new(),
-            buffers: Vec::new(),
-            extent_groups: Vec::new(),
-        };
-        let pbytes = shape.precision.param_bytes();
-        let ebytes = shape.device_elem_bytes;
-        let (n, c) = (dims.rows(), dims.width);
-
-        // Fixed device working set.
-        let (act, stats, att) = scratch_elements(dims);
-        let fixed =
-            (act + 2 * n * c) as u64 * ebytes + (stats * 4 + att * 4) as u64 + 2 * n as u64 * 4;
-        bld.persistent(
-            "scratch@device".into(),
-            Tier::Device,
-            BufKind::DevFixed,
-            0,
-            fixed,
-        );
-
-        // Homes of parameters and optimizer state.
-        let mut p_home = Vec::with_capacity(nb);
-        let mut s_home = Vec::with_capacity(nb);
-        let mut g_home_dev = vec![None; nb];
-        // Gradients the update reads: the ones this step fills, or (delayed) the last step's.
-        let mut g_apply_dev: Vec<Option<BufId>> = vec![None; nb];
-        for (b, h) in homes.iter().enumerate() {
-            let len = blocks[b].len;
-            p_home.push(match h.params {
-                Tier::Device => {
-                    let mut home = |suffix: &str| {
-                        bld.persistent(
-                            format!("params[{b}]@device{suffix}"),
-                            Tier::Device,
-                            BufKind::DevParams,
-                            len,
-                            len as u64 * ebytes,
-                        )
-                    };
-                    let cur = home("");
-                    let next = if shape.delayed_update { home("'") } else { cur };
-                    (cur, next)
-                }
-                Tier::Host => {
-                    let bytes = raw_bytes(len as u64 * pbytes);
-                    let mut home = |suffix: &str| {
-                        bld.persistent(
-                            format!("params[{b}]@host{suffix}"),
-                            Tier::Host,
-                            BufKind::Raw,
-                            bytes as usize,
-                            bytes,
-                        )
-                    };
-                    let cur = home("");
-                    let next = if shape.delayed_update { home("'") } else { cur };
-                    (cur, next)
-                }
-                Tier::Nvme => bld.extents(
+            let p = match params {
+                Tier::Device => self.home_pair(
+                    &format!("params[{b}]"),
+                    Tier::Device,
+                    len * self.dbytes,
+                    delayed,
+                ),
+                Tier::Host => self.home_pair(
+                    &format!("params[{b}]"),
+                    Tier::Host,
+                    len * self.pbytes,
+                    delayed,
+                ),
+                Tier::Nvme => self.extents(
                     format!("params.{b}"),
-                    len as u64 * pbytes,
+                    len * self.pbytes,
                     true,
                     b,
                     TensorClass::Params,
                 ),
-            });
-            s_home.push(match h.state {
+            };
+            self.p_home.push(p);
+            let s = match state {
                 Tier::Device | Tier::Host => {
-                    let bytes = raw_bytes(12 * len as u64);
-                    let id = bld.persistent(
-                        format!("adam[{b}]@{}", h.state),
-                        h.state,
-                        BufKind::Raw,
-                        bytes as usize,
-                        bytes,
-                    );
-                    (id, id)
+                    self.home_pair(&format!("adam[{b}]"), state, 12 * len, false)
                 }
-                Tier::Nvme => bld.extents(
+                Tier::Nvme => self.extents(
                     format!("adam.{b}"),
-                    12 * len as u64,
+                    12 * len,
                     true,
                     b,
                     TensorClass::Optimizer,
                 ),
-            });
-            if h.grads == Tier::Device {
-                let mut home = |suffix: &str| {
-                    bld.persistent(
-                        format!("grads[{b}]@device{suffix}"),
-                        Tier::Device,
-                        BufKind::DevGrads,
-                        len,
-                        4 * len as u64,
-                    )
-                };
-                let fill = home("");
-                g_home_dev[b] = Some(fill);
-                g_apply_dev[b] = Some(if shape.delayed_update {
-                    home("'")
-                } else {
-                    fill
-                });
+            };
+            self.s_home.push(s);
+            match grads {
+                Tier::Device => {
+                    let (fill, apply) =
+                        self.home_pair(&format!("grads[{b}]"), Tier::Device, 4 * len, delayed);
+                    self.g_home_dev[b] = Some(fill);
+                    self.g_apply_dev[b] = Some(apply);
+                    self.stats_dev[b] =
+                        Some(self.buffer(format!("stats[{b}]@device"), Tier::Device, 16));
+                    self.stats_host[b] =
+                        Some(self.persistent(format!("stats[{b}]@host"), Tier::Host, 16));
+                }
+                Tier::Host => {
+                    // Transient, or (delayed) two persistent sets: one filled by this
+                    // step's backward while the update applies the other.
+                    let (fill, apply) = if delayed {
+                        self.home_pair(&format!("grads[{b}]"), Tier::Host, 4 * len, true)
+                    } else {
+                        let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, 4 * len);
+                        (id, id)
+                    };
+                    self.g_host[b] = Some(fill);
+                    self.g_apply_host[b] = Some(apply);
+                }
+                Tier::Nvme => unreachable!("refused in stage 1"),
             }
         }
-        // Host gradients: transient, or (delayed) two persistent sets, one filled by this
-        // step's backward while the update applies the other.
-        let mut g_apply_host: Vec<Option<BufId>> = vec![None; nb];
-        let g_host: Vec<Option<BufId>> = (0..nb)
-            .map(|b| {
-                (homes[b].grads == Tier::Host).then(|| {
-                    let bytes = raw_bytes(4 * blocks[b].len as u64);
-                    if shape.delayed_update {
-                        let mut home = |suffix: &str| {
-                            bld.persistent(
-                                format!("grads[{b}]@host{suffix}"),
-                                Tier::Host,
-                                BufKind::Raw,
-                                bytes as usize,
-                                bytes,
-                            )
-                        };
-                        let fill = home("");
-                        g_apply_host[b] = Some(home("'"));
-                        fill
-                    } else {
-                        let id = bld.buffer(
-                            format!("grads[{b}]@host"),
-                            Tier::Host,
-                            BufKind::Raw,
-                            bytes as usize,
-                            bytes,
-                        );
-                        g_apply_host[b] = Some(id);
-                        id
-                    }
-                })
-            })
-            .collect();
         // Checkpoint i is the input of block i + 1; the head's input stays on the device
         // (its forward and backward are one operation).
-        let ckpt_tier: Vec<Tier> = (0..=layers)
+        let layers = self.layers;
+        self.ckpt_tier = (0..=layers)
             .map(|i| {
                 if i == layers {
                     Tier::Device
                 } else {
-                    homes[i + 1].ckpt
+                    self.homes[i + 1].ckpt
                 }
             })
             .collect();
-        let ckpt_elems = n * c;
-        let ckpt_raw = raw_bytes(ckpt_elems as u64 * ebytes);
-        let ckpt_extent: Vec<Option<BufId>> = (0..=layers)
+        let act = self.act_bytes();
+        self.ckpt_extent = (0..=layers)
             .map(|i| {
-                (ckpt_tier[i] == Tier::Nvme).then(|| {
-                    bld.extents(
+                (self.ckpt_tier[i] == Tier::Nvme).then(|| {
+                    self.extents(
                         format!("ckpt.{i}"),
-                        ckpt_elems as u64 * ebytes,
+                        act,
                         false,
                         i + 1,
                         TensorClass::Checkpoints,
@@ -792,94 +868,188 @@ impl Plan {
                 })
             })
             .collect();
-        let norm_flag = shape
-            .needs_global_norm
-            .then(|| bld.persistent("global-norm".into(), Tier::Host, BufKind::Flag, 0, 0));
-
-        // 2. The compute sequence.
-        let mut seq = Vec::new();
-        for m in 0..shape.grad_accum {
-            seq.push(Compute::Embed(m));
-            for b in 1..=layers {
-                seq.push(Compute::Layer(b, m));
-            }
-            seq.push(Compute::Head(m));
-            for b in (1..=layers).rev() {
-                seq.push(Compute::LayerBack(b, m));
-            }
-            seq.push(Compute::EmbedBack(m));
+        if self.shape.needs_global_norm {
+            self.buffers.push(BufferPlan {
+                name: "global-norm".into(),
+                tier: Tier::Host,
+                kind: BufKind::Flag,
+                bytes: 0,
+                persistent: true,
+                slot: None,
+                live: None,
+            });
+            self.norm_flag = Some(BufId::of(self.buffers.len() - 1));
         }
-        let last_micro = shape.grad_accum - 1;
+        let rows = self.dims.rows() as u64;
+        for m in 0..self.shape.grad_accum {
+            let tokens = self.persistent(format!("tokens#{m}@host"), Tier::Host, 8 * rows);
+            let losses = self.persistent(format!("losses#{m}@host"), Tier::Host, 4 * rows);
+            self.tokens_host.push(tokens);
+            self.losses_host.push(losses);
+        }
+    }
 
-        // Device parameter buffers per use group: consecutive uses of a streamed block
-        // share one fetch; with Release::AfterBackward one fetch serves a micro-batch.
-        // fetch_at[k]: fetches to emit before compute k.
-        let mut dev_params: Vec<Vec<BufId>> = vec![vec![usize::MAX; nb]; seq.len()];
-        let mut fetches: Vec<Vec<(usize, BufId)>> = vec![Vec::new(); seq.len()];
-        for b in 0..nb {
-            let uses: Vec<usize> = (0..seq.len())
-                .filter(|&k| seq[k].param_blocks(head).contains(&b))
+    /// Stage 2b: the compute sequence, and the step's transient buffers: device
+    /// parameter copies per use group with their fetch positions, checkpoints, activation
+    /// gradients, tokens and losses, gradients per micro-batch, optimizer-state staging.
+    fn step_buffers(&mut self) {
+        let (nb, layers) = (self.nb(), self.layers);
+        let micros = self.shape.grad_accum;
+        for m in 0..micros {
+            self.seq.push(Compute::Embed(m));
+            for b in 1..=layers {
+                self.seq.push(Compute::Layer(b, m));
+            }
+            self.seq.push(Compute::Head(m));
+            for b in (1..=layers).rev() {
+                self.seq.push(Compute::LayerBack(b, m));
+            }
+            self.seq.push(Compute::EmbedBack(m));
+        }
+        let n = self.seq.len();
+        self.dev_params = vec![vec![None; nb]; n];
+        self.fetches = vec![Vec::new(); n];
+        self.ckpt_fetch = vec![Vec::new(); n];
+        self.token_fetch = vec![Vec::new(); n];
+        self.state_reads = vec![Vec::new(); n];
+        self.param_groups();
+        self.checkpoints();
+        let act = self.act_bytes();
+        let rows = self.dims.rows() as u64;
+        for m in 0..micros {
+            let dact: Vec<BufId> = (0..=layers)
+                .map(|i| self.buffer(format!("dact[{i}]#{m}@device"), Tier::Device, act))
                 .collect();
-            if homes[b].params == Tier::Device {
+            self.dact.push(dact);
+            let tokens = self.buffer(format!("tokens#{m}@device"), Tier::Device, 8 * rows);
+            self.tokens_dev.push(tokens);
+            let embed = self.position(Compute::Embed(m));
+            self.token_fetch[embed.saturating_sub(self.depth)].push(m);
+            let losses = self.buffer(format!("losses#{m}@device"), Tier::Device, 4 * rows);
+            self.losses_dev.push(losses);
+            // Gradients: a device buffer per micro-batch (or the device home).
+            let grads: Vec<BufId> = (0..nb)
+                .map(|b| match self.g_home_dev[b] {
+                    Some(id) if m == 0 => id,
+                    _ => self.buffer(
+                        format!("grads[{b}]#{m}@device"),
+                        Tier::Device,
+                        4 * self.len(b),
+                    ),
+                })
+                .collect();
+            self.g_dev.push(grads);
+        }
+        // Optimizer state reads (NVMe homes), emitted `depth` computes before the
+        // backward that completes the block's gradients.
+        for b in 0..nb {
+            let len = self.len(b);
+            if self.homes[b].state == Tier::Nvme {
+                // With a global-norm barrier the reads are emitted with the updates, after
+                // the norm, so that only `depth` blocks are staged at once.
+                if self.norm_flag.is_none() && !self.shape.delayed_update {
+                    let at = self.completes(b).saturating_sub(self.depth);
+                    self.state_reads[at].push(b);
+                }
+                self.s_stage[b] =
+                    Some(self.buffer(format!("adam[{b}]@host"), Tier::Host, 12 * len));
+            }
+            if self.homes[b].params == Tier::Nvme
+                || (self.homes[b].params == Tier::Device && self.homes[b].state != Tier::Device)
+            {
+                self.p_out_stage[b] =
+                    Some(self.buffer(format!("params[{b}]>@host"), Tier::Host, len * self.pbytes));
+            }
+        }
+    }
+
+    /// The position of `c` in the compute sequence.
+    fn position(&self, c: Compute) -> usize {
+        self.seq
+            .iter()
+            .position(|&x| x == c)
+            .expect("in the sequence")
+    }
+
+    /// The compute that completes block `b`'s gradients (its last micro-batch's
+    /// backward).
+    fn completes(&self, b: usize) -> usize {
+        let last = self.shape.grad_accum - 1;
+        self.position(if b == self.head {
+            Compute::Head(last)
+        } else if b == 0 {
+            Compute::EmbedBack(last)
+        } else {
+            Compute::LayerBack(b, last)
+        })
+    }
+
+    /// Blocks whose parameters compute `c` reads: its own, and the tied one's.
+    fn param_blocks(&self, c: Compute) -> Vec<usize> {
+        let own = match c {
+            Compute::Embed(_) => Some(0),
+            Compute::Layer(b, _) | Compute::LayerBack(b, _) => Some(b),
+            Compute::Head(_) => Some(self.head),
+            // The embedding's backward reads no parameters.
+            Compute::EmbedBack(_) => None,
+        };
+        own.into_iter()
+            .chain(own.and_then(|b| self.input.model.tied(b)))
+            .collect()
+    }
+
+    /// Device parameter buffers per use group: consecutive uses of a streamed block
+    /// share one fetch; with [`Release::AfterBackward`] one fetch serves a micro-batch.
+    fn param_groups(&mut self) {
+        for b in 0..self.nb() {
+            let uses: Vec<usize> = (0..self.seq.len())
+                .filter(|&k| self.param_blocks(self.seq[k]).contains(&b))
+                .collect();
+            if self.homes[b].params == Tier::Device {
                 for &k in &uses {
-                    dev_params[k][b] = p_home[b].0;
+                    self.dev_params[k][b] = Some(self.p_home[b].0);
                 }
                 continue;
             }
-            let keep = policy.release(input, b) == Release::AfterBackward;
+            let keep = self.policy.release(self.input, b) == Release::AfterBackward;
             let mut group: Vec<usize> = Vec::new();
-            let flush = |group: &mut Vec<usize>,
-                         bld: &mut Builder,
-                         dev_params: &mut Vec<Vec<BufId>>,
-                         fetches: &mut Vec<Vec<(usize, BufId)>>| {
-                if group.is_empty() {
-                    return;
-                }
-                let len = blocks[b].len;
-                let id = bld.buffer(
-                    format!("params[{b}]@device"),
-                    Tier::Device,
-                    BufKind::DevParams,
-                    len,
-                    len as u64 * ebytes,
-                );
-                for &k in group.iter() {
-                    dev_params[k][b] = id;
-                }
-                fetches[group[0].saturating_sub(depth)].push((b, id));
-                group.clear();
-            };
             for &k in &uses {
                 let joins = group.last().is_some_and(|&prev| {
-                    k == prev + 1 || (keep && seq[prev].micro() == seq[k].micro())
+                    k == prev + 1 || (keep && self.seq[prev].micro() == self.seq[k].micro())
                 });
                 if !joins {
-                    flush(&mut group, &mut bld, &mut dev_params, &mut fetches);
+                    self.param_group(b, &mut group);
                 }
                 group.push(k);
             }
-            flush(&mut group, &mut bld, &mut dev_params, &mut fetches);
+            self.param_group(b, &mut group);
         }
+    }
 
-        // Checkpoint buffers per micro-batch: the forward's device copy, and where the
-        // backward reads it.
-        struct Ckpt {
-            fwd: BufId,
-            bwd: BufId,
-            host: Option<BufId>,
+    fn param_group(&mut self, b: usize, group: &mut Vec<usize>) {
+        if group.is_empty() {
+            return;
         }
-        let mut ckpts: Vec<Vec<Ckpt>> = Vec::new();
-        for m in 0..shape.grad_accum {
+        let id = self.buffer(
+            format!("params[{b}]@device"),
+            Tier::Device,
+            self.len(b) * self.dbytes,
+        );
+        for &k in group.iter() {
+            self.dev_params[k][b] = Some(id);
+        }
+        self.fetches[group[0].saturating_sub(self.depth)].push((b, id));
+        group.clear();
+    }
+
+    /// Checkpoint buffers per micro-batch, and their fetches for the backward.
+    fn checkpoints(&mut self) {
+        let act = self.act_bytes();
+        for m in 0..self.shape.grad_accum {
             let mut row = Vec::new();
-            for (i, &tier) in ckpt_tier.iter().enumerate() {
-                let fwd = bld.buffer(
-                    format!("ckpt[{i}]#{m}@device"),
-                    Tier::Device,
-                    BufKind::DevAct,
-                    ckpt_elems,
-                    ckpt_elems as u64 * ebytes,
-                );
-                row.push(match tier {
+            for i in 0..=self.layers {
+                let fwd = self.buffer(format!("ckpt[{i}]#{m}@device"), Tier::Device, act);
+                row.push(match self.ckpt_tier[i] {
                     Tier::Device => Ckpt {
                         fwd,
                         bwd: fwd,
@@ -887,300 +1057,87 @@ impl Plan {
                     },
                     _ => Ckpt {
                         fwd,
-                        bwd: bld.buffer(
-                            format!("ckpt[{i}]#{m}<@device"),
-                            Tier::Device,
-                            BufKind::DevAct,
-                            ckpt_elems,
-                            ckpt_elems as u64 * ebytes,
-                        ),
-                        host: Some(bld.buffer(
-                            format!("ckpt[{i}]#{m}@host"),
-                            Tier::Host,
-                            BufKind::Raw,
-                            ckpt_raw as usize,
-                            ckpt_raw,
-                        )),
+                        bwd: self.buffer(format!("ckpt[{i}]#{m}<@device"), Tier::Device, act),
+                        host: Some(self.buffer(format!("ckpt[{i}]#{m}@host"), Tier::Host, act)),
                     },
                 });
             }
-            ckpts.push(row);
+            self.ckpts.push(row);
         }
-        // Checkpoint fetches for the backward, emitted `depth` computes ahead.
-        let mut ckpt_fetch: Vec<Vec<(usize, usize)>> = vec![Vec::new(); seq.len()];
-        for (k, op) in seq.iter().enumerate() {
-            if let Compute::LayerBack(b, m) = *op {
+        // Fetched `depth` computes ahead of the backward, not before the forward that
+        // produces them.
+        for k in 0..self.seq.len() {
+            if let Compute::LayerBack(b, m) = self.seq[k] {
                 let i = b - 1;
-                if ckpt_tier[i] != Tier::Device {
-                    // Not before the forward that produces it has been emitted.
+                if self.ckpt_tier[i] != Tier::Device {
                     let producer = if i == 0 {
                         Compute::Embed(m)
                     } else {
                         Compute::Layer(i, m)
                     };
-                    let made = seq
-                        .iter()
-                        .position(|&x| x == producer)
-                        .expect("in the sequence");
-                    ckpt_fetch[k.saturating_sub(depth).max(made + 1)].push((i, m));
+                    let made = self.position(producer);
+                    self.ckpt_fetch[k.saturating_sub(self.depth).max(made + 1)].push((i, m));
                 }
             }
         }
-        // Gradients: a device buffer per micro-batch (or the device home).
-        let mut g_dev: Vec<Vec<BufId>> = Vec::new();
-        for m in 0..shape.grad_accum {
-            g_dev.push(
-                (0..nb)
-                    .map(|b| match g_home_dev[b] {
-                        Some(id) if m == 0 => id,
-                        _ => bld.buffer(
-                            format!("grads[{b}]#{m}@device"),
-                            Tier::Device,
-                            BufKind::DevGrads,
-                            blocks[b].len,
-                            4 * blocks[b].len as u64,
-                        ),
-                    })
-                    .collect(),
-            );
-        }
-        // Optimizer state reads (NVMe homes), emitted `depth` computes before the backward
-        // that completes the block's gradients.
-        let completes = |b: usize| -> usize {
-            let target = if b == head {
-                Compute::Head(last_micro)
-            } else if b == 0 {
-                Compute::EmbedBack(last_micro)
-            } else {
-                Compute::LayerBack(b, last_micro)
-            };
-            seq.iter()
-                .position(|&x| x == target)
-                .expect("in the sequence")
-        };
-        let mut state_reads: Vec<Vec<usize>> = vec![Vec::new(); seq.len()];
-        let mut s_stage = vec![None; nb];
-        let mut p_out_stage = vec![None; nb];
-        for b in 0..nb {
-            let len = blocks[b].len as u64;
-            if homes[b].state == Tier::Nvme {
-                // With a global-norm barrier the reads are emitted with the updates,
-                // after the norm (below), so that only `depth` blocks are staged at once.
-                if norm_flag.is_none() && !shape.delayed_update {
-                    state_reads[completes(b).saturating_sub(depth)].push(b);
-                }
-                let bytes = raw_bytes(12 * len);
-                s_stage[b] = Some(bld.buffer(
-                    format!("adam[{b}]@host"),
-                    Tier::Host,
-                    BufKind::Raw,
-                    bytes as usize,
-                    bytes,
-                ));
-            }
-            if matches!(homes[b].params, Tier::Nvme)
-                || (homes[b].params == Tier::Device && homes[b].state != Tier::Device)
-            {
-                let bytes = raw_bytes(len * pbytes);
-                p_out_stage[b] = Some(bld.buffer(
-                    format!("params[{b}]>@host"),
-                    Tier::Host,
-                    BufKind::Raw,
-                    bytes as usize,
-                    bytes,
-                ));
-            }
-        }
+    }
 
-        // Blocks whose optimizer state is updated in place (host or device homes) wait for
-        // every NVMe transfer of the step when there are any, so that a failed transfer
-        // leaves every block as it was (NVMe homes are protected by their A/B sides).
-        let any_nvme = homes
+    fn op(&mut self, lane: Lane, kind: OpKind, access: Vec<Access>) -> OpId {
+        self.ops.push(Op {
+            kind,
+            lane,
+            deps: Vec::new(),
+            access,
+            bytes: 0,
+            flops: 0.0,
+            params: 0,
+            update: false,
+        });
+        OpId::of(self.ops.len() - 1)
+    }
+
+    /// A copy or I/O of `bytes`.
+    fn transfer(&mut self, lane: Lane, kind: OpKind, access: Vec<Access>, bytes: u64) -> OpId {
+        let id = self.op(lane, kind, access);
+        self.ops[id.index()].bytes = bytes;
+        id
+    }
+
+    /// Marks the operations from `first` on as part of the update.
+    fn mark_update(&mut self, first: usize) {
+        for op in &mut self.ops[first..] {
+            op.update = true;
+        }
+    }
+
+    /// Stage 3: every operation, in canonical order.
+    fn emit(&mut self) {
+        let nb = self.nb();
+        let delayed = self.shape.delayed_update;
+        let last_micro = self.shape.grad_accum - 1;
+        let any_nvme = self
+            .homes
             .iter()
             .any(|h| h.params == Tier::Nvme || h.state == Tier::Nvme)
-            || ckpt_tier.contains(&Tier::Nvme);
-        let deferred = |b: usize| any_nvme && homes[b].state != Tier::Nvme;
-
-        // 3. Emission in canonical order.
-        let fl = flops(dims);
-        let mut opt_pending: Vec<usize> = Vec::new();
-        let mut deferred_opts: Vec<usize> = Vec::new();
-        let emit_fetch_params = |bld: &mut Builder, b: usize, to: BufId| {
-            let len = blocks[b].len as u64;
-            let from = match homes[b].params {
-                Tier::Host => p_home[b].0,
-                Tier::Nvme => {
-                    let bytes = raw_bytes(len * pbytes);
-                    let stage = bld.buffer(
-                        format!("params[{b}]<@host"),
-                        Tier::Host,
-                        BufKind::Raw,
-                        bytes as usize,
-                        bytes,
-                    );
-                    bld.op(
-                        Lane::NvmeRead,
-                        OpKind::NvmeRead {
-                            from: p_home[b].0,
-                            into: stage,
-                        },
-                        vec![Access::Read(p_home[b].0), Access::Write(stage)],
-                        len * pbytes,
-                        0.0,
-                        0,
-                    );
-                    stage
-                }
-                Tier::Device => unreachable!("device-resident parameters are not fetched"),
-            };
-            bld.op(
-                Lane::H2d,
-                OpKind::H2dParams {
-                    block: b,
-                    from,
-                    to,
-                    with_update: false,
-                },
-                vec![Access::Read(from), Access::Write(to)],
-                len * pbytes,
-                0.0,
-                0,
-            );
-        };
-        let emit_optimizer = |bld: &mut Builder, b: usize| {
-            let len = blocks[b].len as u64;
-            let h = &homes[b];
-            let first = bld.ops.len();
-            let grads = g_apply_host[b].or(g_apply_dev[b]).unwrap_or(g_dev[0][b]);
-            let state = s_stage[b].unwrap_or(s_home[b].0);
-            let params_out = p_out_stage[b].unwrap_or(p_home[b].1);
-            let mut access = vec![
-                Access::Read(grads),
-                Access::Write(state),
-                Access::Write(params_out),
-            ];
-            if let Some(flag) = norm_flag {
-                access.push(Access::Read(flag));
-            }
-            bld.op(
-                Lane::Cpu,
-                OpKind::Optimizer {
-                    block: b,
-                    grads,
-                    state,
-                    params_out,
-                },
-                access,
-                16 * len,
-                0.0,
-                len,
-            );
-            if h.state == Tier::Nvme {
-                let next = s_home[b].1;
-                bld.op(
-                    Lane::NvmeWrite,
-                    OpKind::NvmeWrite {
-                        from: state,
-                        to: next,
-                        with_update: true,
-                    },
-                    vec![Access::Read(state), Access::Write(next)],
-                    12 * len,
-                    0.0,
-                    0,
-                );
-            }
-            match h.params {
-                Tier::Nvme => {
-                    let next = p_home[b].1;
-                    bld.op(
-                        Lane::NvmeWrite,
-                        OpKind::NvmeWrite {
-                            from: params_out,
-                            to: next,
-                            with_update: true,
-                        },
-                        vec![Access::Read(params_out), Access::Write(next)],
-                        len * pbytes,
-                        0.0,
-                        0,
-                    );
-                }
-                Tier::Device if h.state != Tier::Device => {
-                    let to = p_home[b].1;
-                    bld.op(
-                        Lane::H2d,
-                        OpKind::H2dParams {
-                            block: b,
-                            from: params_out,
-                            to,
-                            with_update: true,
-                        },
-                        vec![Access::Read(params_out), Access::Write(to)],
-                        len * pbytes,
-                        0.0,
-                        0,
-                    );
-                }
-                _ => {}
-            }
-            bld.mark_update(first);
-        };
-        // A state read of an NVMe-homed block into its host staging, `depth` blocks ahead
-        // of its update (wherever the updates are placed). With a delayed update, nothing this step computes waits for the update's I/O,
-        // so its reads go on the write lane, behind nothing the compute lane needs.
-        let update_read_lane = if shape.delayed_update {
-            Lane::NvmeWrite
-        } else {
-            Lane::NvmeRead
-        };
-        let read_state = |bld: &mut Builder, b: usize| {
-            if let Some(stage) = s_stage[b] {
-                let len = blocks[b].len as u64;
-                let first = bld.ops.len();
-                bld.op(
-                    update_read_lane,
-                    OpKind::NvmeRead {
-                        from: s_home[b].0,
-                        into: stage,
-                    },
-                    vec![Access::Read(s_home[b].0), Access::Write(stage)],
-                    12 * len,
-                    0.0,
-                    0,
-                );
-                bld.mark_update(first);
-            }
-        };
-        let emit_norm = |bld: &mut Builder| {
-            if let Some(flag) = norm_flag {
-                let grads: Vec<(usize, BufId)> = (0..nb)
-                    .map(|b| (b, g_apply_host[b].or(g_apply_dev[b]).unwrap_or(g_dev[0][b])))
-                    .collect();
-                let mut access: Vec<Access> = grads.iter().map(|&(_, g)| Access::Read(g)).collect();
-                access.push(Access::Write(flag));
-                let total: u64 = blocks.iter().map(|b| b.len as u64).sum();
-                let first = bld.op(
-                    Lane::Cpu,
-                    OpKind::GradNorm { grads },
-                    access,
-                    4 * total,
-                    0.0,
-                    total / 4,
-                );
-                bld.mark_update(first);
-            }
-        };
+            || self.ckpt_tier.contains(&Tier::Nvme);
+        // Blocks whose optimizer state is updated in place (host or device homes) wait
+        // for every NVMe transfer of the step when there are any, so that a failed
+        // transfer leaves every block as it was (NVMe homes are protected by their A/B
+        // sides).
+        let deferred = |p: &Self, b: usize| any_nvme && p.homes[b].state != Tier::Nvme;
+        let mut pending: Vec<usize> = Vec::new();
+        let mut deferred_updates: Vec<usize> = Vec::new();
         // A delayed update applies the last step's gradients block by block in forward
         // order, spread evenly over this step's compute sequence, which it overlaps.
-        let delayed_order: Vec<usize> = if shape.delayed_update {
-            (0..nb).filter(|&b| !deferred(b)).collect()
+        let delayed_order: Vec<usize> = if delayed {
+            (0..nb).filter(|&b| !deferred(self, b)).collect()
         } else {
             Vec::new()
         };
+        let steps = self.seq.len();
         let updates_before = |k: usize| -> std::ops::Range<usize> {
             let n = delayed_order.len();
-            let at = |i: usize| i * seq.len() / n.max(1);
+            let at = |i: usize| i * steps / n.max(1);
             (0..n).filter(|&i| at(i) == k).fold(n..n, |r, i| {
                 if r.is_empty() {
                     i..i + 1
@@ -1189,680 +1146,593 @@ impl Plan {
                 }
             })
         };
-        for k in 0..seq.len() {
-            if shape.delayed_update {
+        for k in 0..steps {
+            if delayed {
                 if k == 0 {
-                    emit_norm(&mut bld);
-                    for &b in delayed_order.iter().take(depth) {
-                        read_state(&mut bld, b);
+                    self.emit_norm();
+                    for &b in delayed_order.iter().take(self.depth) {
+                        self.read_state(b);
                     }
                 }
                 for i in updates_before(k) {
-                    emit_optimizer(&mut bld, delayed_order[i]);
-                    if let Some(&next) = delayed_order.get(i + depth) {
-                        read_state(&mut bld, next);
+                    self.emit_update(delayed_order[i]);
+                    if let Some(&next) = delayed_order.get(i + self.depth) {
+                        self.read_state(next);
                     }
                 }
             }
-            for b in std::mem::take(&mut state_reads[k]) {
-                read_state(&mut bld, b);
+            for b in std::mem::take(&mut self.state_reads[k]) {
+                self.read_state(b);
             }
-            for (i, m) in std::mem::take(&mut ckpt_fetch[k]) {
-                let ck = &ckpts[m][i];
-                let host = ck.host.expect("offloaded");
-                let from = match ckpt_extent[i] {
-                    Some(extent) => {
-                        let stage = bld.buffer(
-                            format!("ckpt[{i}]#{m}<@host"),
-                            Tier::Host,
-                            BufKind::Raw,
-                            ckpt_raw as usize,
-                            ckpt_raw,
-                        );
-                        bld.op(
-                            Lane::NvmeRead,
-                            OpKind::NvmeRead {
-                                from: extent,
-                                into: stage,
-                            },
-                            vec![Access::Read(extent), Access::Write(stage)],
-                            ckpt_elems as u64 * ebytes,
-                            0.0,
-                            0,
-                        );
-                        stage
+            for (i, m) in std::mem::take(&mut self.ckpt_fetch[k]) {
+                self.fetch_checkpoint(i, m);
+            }
+            for m in std::mem::take(&mut self.token_fetch[k]) {
+                let (from, to) = (self.tokens_host[m], self.tokens_dev[m]);
+                let bytes = 8 * self.dims.rows() as u64;
+                self.copy_in(from, to, bytes, None, false);
+            }
+            for (b, to) in std::mem::take(&mut self.fetches[k]) {
+                self.fetch_params(b, to);
+            }
+            let step = self.seq[k];
+            self.emit_compute(k, step);
+            // After the compute: checkpoint copies out, gradient copies out, updates.
+            let m = step.micro();
+            match step {
+                Compute::Embed(_) => self.save_checkpoint(0, m),
+                Compute::Layer(b, _) => self.save_checkpoint(b, m),
+                _ => {}
+            }
+            let finished = match step {
+                Compute::Head(_) => Some(self.head),
+                Compute::LayerBack(b, _) => Some(b),
+                Compute::EmbedBack(_) => Some(0),
+                _ => None,
+            };
+            // The head also completes (its part of) the tied block's gradients, but the
+            // tied block finishes with its own backward.
+            if let Some(b) = finished {
+                self.gradients_out(b, m);
+                if m == last_micro {
+                    if deferred(self, b) {
+                        deferred_updates.push(b);
+                    } else if delayed {
+                        // Applied during the next step.
+                    } else if self.norm_flag.is_some() {
+                        pending.push(b);
+                    } else {
+                        self.emit_update(b);
                     }
-                    None => host,
-                };
-                bld.op(
-                    Lane::H2d,
-                    OpKind::H2dAct { from, to: ck.bwd },
-                    vec![Access::Read(from), Access::Write(ck.bwd)],
-                    ckpt_elems as u64 * ebytes,
-                    0.0,
-                    0,
+                }
+            }
+        }
+        if !delayed {
+            self.emit_norm();
+        }
+        for &b in pending.iter().take(self.depth) {
+            self.read_state(b);
+        }
+        for (i, &b) in pending.iter().enumerate() {
+            self.emit_update(b);
+            if let Some(&next) = pending.get(i + self.depth) {
+                self.read_state(next);
+            }
+        }
+        if !deferred_updates.is_empty() {
+            // After every NVMe transfer of the step.
+            let nvme: Vec<OpId> = (0..self.ops.len())
+                .filter(|&o| matches!(self.ops[o].lane, Lane::NvmeRead | Lane::NvmeWrite))
+                .map(OpId::of)
+                .collect();
+            for b in deferred_updates {
+                let first = self.ops.len();
+                self.emit_update(b);
+                self.ops[first].deps.extend(&nvme);
+            }
+        }
+    }
+
+    /// A host-to-device copy of `bytes` from `from` into `to`.
+    fn copy_in(
+        &mut self,
+        from: BufId,
+        to: BufId,
+        bytes: u64,
+        convert: Option<(Dtype, Dtype)>,
+        with_update: bool,
+    ) {
+        self.transfer(
+            Lane::H2d,
+            OpKind::H2d {
+                from,
+                to,
+                bytes,
+                convert,
+                with_update,
+            },
+            vec![Access::Read(from), Access::Write(to)],
+            bytes,
+        );
+    }
+
+    /// A device-to-host copy of `bytes` from `from` into `to`.
+    fn copy_out(&mut self, from: BufId, to: BufId, bytes: u64) {
+        self.transfer(
+            Lane::D2h,
+            OpKind::D2h { from, to, bytes },
+            vec![Access::Read(from), Access::Write(to)],
+            bytes,
+        );
+    }
+
+    fn nvme_read(&mut self, lane: Lane, from: BufId, into: BufId, bytes: u64) {
+        self.transfer(
+            lane,
+            OpKind::NvmeRead { from, into },
+            vec![Access::Read(from), Access::Write(into)],
+            bytes,
+        );
+    }
+
+    fn nvme_write(&mut self, from: BufId, to: BufId, bytes: u64, with_update: bool) {
+        self.transfer(
+            Lane::NvmeWrite,
+            OpKind::NvmeWrite {
+                from,
+                to,
+                with_update,
+            },
+            vec![Access::Read(from), Access::Write(to)],
+            bytes,
+        );
+    }
+
+    /// How working parameters convert on their way to the device.
+    fn param_conversion(&self) -> Option<(Dtype, Dtype)> {
+        let (host, device) = (self.shape.precision.dtype(), self.shape.device_dtype());
+        (host != device).then_some((host, device))
+    }
+
+    /// Block `b`'s working parameters from their home to the device buffer `to`.
+    fn fetch_params(&mut self, b: usize, to: BufId) {
+        let bytes = self.len(b) * self.pbytes;
+        let from = match self.homes[b].params {
+            Tier::Host => self.p_home[b].0,
+            Tier::Nvme => {
+                let stage = self.buffer(format!("params[{b}]<@host"), Tier::Host, bytes);
+                self.nvme_read(Lane::NvmeRead, self.p_home[b].0, stage, bytes);
+                stage
+            }
+            Tier::Device => unreachable!("device-resident parameters are not fetched"),
+        };
+        self.copy_in(from, to, bytes, self.param_conversion(), false);
+    }
+
+    /// Checkpoint `i` of micro-batch `m` back to the device for the backward.
+    fn fetch_checkpoint(&mut self, i: usize, m: usize) {
+        let act = self.act_bytes();
+        let (host, bwd) = {
+            let ck = &self.ckpts[m][i];
+            (ck.host.expect("offloaded"), ck.bwd)
+        };
+        let from = match self.ckpt_extent[i] {
+            Some(extent) => {
+                let stage = self.buffer(format!("ckpt[{i}]#{m}<@host"), Tier::Host, act);
+                self.nvme_read(Lane::NvmeRead, extent, stage, act);
+                stage
+            }
+            None => host,
+        };
+        self.copy_in(from, bwd, act, None, false);
+    }
+
+    /// After the forward producing checkpoint `i` of micro-batch `m`: its copy out (and
+    /// on to NVMe) when it does not stay on the device.
+    fn save_checkpoint(&mut self, i: usize, m: usize) {
+        let act = self.act_bytes();
+        let (fwd, host) = {
+            let ck = &self.ckpts[m][i];
+            (ck.fwd, ck.host)
+        };
+        if let Some(host) = host {
+            self.copy_out(fwd, host, act);
+            if let Some(extent) = self.ckpt_extent[i] {
+                self.nvme_write(host, extent, act, false);
+            }
+        }
+    }
+
+    /// Compute `k` of the sequence, with its buffers bound.
+    fn emit_compute(&mut self, k: usize, step: Compute) {
+        let (head, layers) = (self.head, self.layers);
+        let m = step.micro();
+        let params = |p: &Self, b: usize| p.dev_params[k][b].expect("fetched for this compute");
+        let (block, pass, binds, losses_out) = match step {
+            Compute::Embed(_) => (
+                0,
+                Pass::Forward,
+                Binds {
+                    params: Some(params(self, 0)),
+                    output: Some(self.ckpts[m][0].fwd),
+                    tokens: Some(self.tokens_dev[m]),
+                    ..Binds::default()
+                },
+                false,
+            ),
+            Compute::Layer(b, _) => (
+                b,
+                Pass::Forward,
+                Binds {
+                    params: Some(params(self, b)),
+                    input: Some(self.ckpts[m][b - 1].fwd),
+                    output: Some(self.ckpts[m][b].fwd),
+                    ..Binds::default()
+                },
+                false,
+            ),
+            Compute::Head(_) => {
+                let tied = self.input.model.tied(head);
+                (
+                    head,
+                    Pass::Backward,
+                    Binds {
+                        params: Some(params(self, head)),
+                        grads: Some(self.g_dev[m][head]),
+                        tied_params: tied.map(|t| params(self, t)),
+                        tied_grads: tied.map(|t| self.g_dev[m][t]),
+                        input: Some(self.ckpts[m][layers].fwd),
+                        d_input: Some(self.dact[m][layers]),
+                        tokens: Some(self.tokens_dev[m]),
+                        losses: Some(self.losses_dev[m]),
+                        ..Binds::default()
+                    },
+                    true,
+                )
+            }
+            Compute::LayerBack(b, _) => (
+                b,
+                Pass::Backward,
+                Binds {
+                    params: Some(params(self, b)),
+                    grads: Some(self.g_dev[m][b]),
+                    input: Some(self.ckpts[m][b - 1].bwd),
+                    d_output: Some(self.dact[m][b]),
+                    d_input: Some(self.dact[m][b - 1]),
+                    ..Binds::default()
+                },
+                false,
+            ),
+            Compute::EmbedBack(_) => (
+                0,
+                Pass::Backward,
+                Binds {
+                    grads: Some(self.g_dev[m][0]),
+                    d_output: Some(self.dact[m][0]),
+                    tokens: Some(self.tokens_dev[m]),
+                    ..Binds::default()
+                },
+                false,
+            ),
+        };
+        let mut access: Vec<Access> = Vec::new();
+        for r in [
+            binds.params,
+            binds.tied_params,
+            binds.input,
+            binds.d_output,
+            binds.tokens,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            access.push(Access::Read(r));
+        }
+        for w in [
+            binds.grads,
+            binds.tied_grads,
+            binds.output,
+            binds.d_input,
+            binds.losses,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            access.push(Access::Write(w));
+        }
+        access.push(Access::Write(self.scratch));
+        let id = self.op(
+            Lane::Compute,
+            OpKind::Compute {
+                block,
+                micro: m,
+                pass,
+                binds,
+            },
+            access,
+        );
+        self.ops[id.index()].flops = self.input.model.flops(block, pass, self.dims);
+        if losses_out {
+            let rows = self.dims.rows() as u64;
+            self.copy_out(self.losses_dev[m], self.losses_host[m], 4 * rows);
+        }
+    }
+
+    /// After micro-batch `m`'s backward finished block `b`'s gradients: accumulation on
+    /// the device, or the copy to the host (added to the host gradients after the first
+    /// micro-batch).
+    fn gradients_out(&mut self, b: usize, m: usize) {
+        let bytes = 4 * self.len(b);
+        if let (Some(home), true) = (self.g_home_dev[b], m > 0) {
+            let from = self.g_dev[m][b];
+            let id = self.op(
+                Lane::Compute,
+                OpKind::Accumulate {
+                    block: b,
+                    from,
+                    to: home,
+                },
+                vec![
+                    Access::Read(from),
+                    Access::Write(home),
+                    Access::Write(self.scratch),
+                ],
+            );
+            self.ops[id.index()].flops = self.len(b) as f64;
+        }
+        if let Some(host) = self.g_host[b] {
+            let from = self.g_dev[m][b];
+            if m == 0 {
+                self.copy_out(from, host, bytes);
+            } else {
+                let stage = self.buffer(format!("grads[{b}]#{m}>@host"), Tier::Host, bytes);
+                self.copy_out(from, stage, bytes);
+                let id = self.op(
+                    Lane::Cpu,
+                    OpKind::HostAccumulate {
+                        block: b,
+                        from: stage,
+                        to: host,
+                    },
+                    vec![Access::Read(stage), Access::Write(host)],
+                );
+                // Reads both, writes one.
+                self.ops[id.index()].bytes = 3 * bytes;
+            }
+        }
+    }
+
+    /// A state read of an NVMe-homed block into its host staging, `depth` blocks ahead of
+    /// its update. With a delayed update nothing this step computes waits for the
+    /// update's I/O, so its reads go on the write lane, behind nothing the compute lane
+    /// needs.
+    fn read_state(&mut self, b: usize) {
+        if let Some(stage) = self.s_stage[b] {
+            let lane = if self.shape.delayed_update {
+                Lane::NvmeWrite
+            } else {
+                Lane::NvmeRead
+            };
+            let first = self.ops.len();
+            self.nvme_read(lane, self.s_home[b].0, stage, 12 * self.len(b));
+            self.mark_update(first);
+        }
+    }
+
+    /// The statistics of device-homed block `b`'s gradients, computed on the device and
+    /// copied to the host (part of the update).
+    fn device_stats(&mut self, b: usize) {
+        let (Some(stats), Some(host)) = (self.stats_dev[b], self.stats_host[b]) else {
+            return;
+        };
+        let first = self.ops.len();
+        let grads = self.g_apply_dev[b].expect("device gradients");
+        let id = self.op(
+            Lane::Compute,
+            OpKind::DeviceStats {
+                block: b,
+                grads,
+                stats,
+            },
+            vec![
+                Access::Read(grads),
+                Access::Write(stats),
+                Access::Write(self.scratch),
+            ],
+        );
+        self.ops[id.index()].bytes = 4 * self.len(b);
+        self.copy_out(stats, host, 16);
+        self.mark_update(first);
+    }
+
+    /// The global norm over every block, when the step needs it (part of the update);
+    /// the device-homed blocks' statistics first.
+    fn emit_norm(&mut self) {
+        let Some(flag) = self.norm_flag else {
+            return;
+        };
+        let nb = self.nb();
+        for b in 0..nb {
+            self.device_stats(b);
+        }
+        let sources: Vec<(usize, GradSource)> = (0..nb)
+            .map(|b| match (self.g_apply_host[b], self.stats_host[b]) {
+                (Some(grads), _) => (b, GradSource::Host(grads)),
+                (None, Some(stats)) => (b, GradSource::Stats(stats)),
+                (None, None) => unreachable!("every block's gradients are on the host or device"),
+            })
+            .collect();
+        let mut access: Vec<Access> = sources
+            .iter()
+            .map(|&(_, s)| match s {
+                GradSource::Host(g) | GradSource::Stats(g) => Access::Read(g),
+            })
+            .collect();
+        access.push(Access::Write(flag));
+        let total: u64 = (0..nb).map(|b| self.len(b)).sum();
+        let first = self.ops.len();
+        let id = self.op(Lane::Cpu, OpKind::GradNorm { sources }, access);
+        self.ops[id.index()].bytes = 4 * total;
+        self.mark_update(first);
+    }
+
+    /// AdamW on block `b` and the write-backs of its state and parameters.
+    fn emit_update(&mut self, b: usize) {
+        let len = self.len(b);
+        let first = self.ops.len();
+        let flag = self.norm_flag;
+        if self.homes[b].state == Tier::Device {
+            if flag.is_none() {
+                self.device_stats(b);
+            }
+            let grads = self.g_apply_dev[b].expect("device gradients");
+            let (state, params) = (self.s_home[b].0, self.p_home[b].1);
+            let mut access = vec![
+                Access::Read(grads),
+                Access::Write(state),
+                Access::Write(params),
+                Access::Write(self.scratch),
+            ];
+            access.extend(flag.map(Access::Read));
+            let id = self.op(
+                Lane::Compute,
+                OpKind::DeviceUpdate {
+                    block: b,
+                    grads,
+                    state,
+                    params,
+                },
+                access,
+            );
+            self.ops[id.index()].params = len;
+            self.mark_update(first);
+            return;
+        }
+        let grads = self.g_apply_host[b].expect("host gradients");
+        let state = self.s_stage[b].unwrap_or(self.s_home[b].0);
+        let params_out = self.p_out_stage[b].unwrap_or(self.p_home[b].1);
+        let mut access = vec![
+            Access::Read(grads),
+            Access::Write(state),
+            Access::Write(params_out),
+        ];
+        access.extend(flag.map(Access::Read));
+        let id = self.op(
+            Lane::Cpu,
+            OpKind::Optimizer {
+                block: b,
+                grads,
+                state,
+                params_out,
+            },
+            access,
+        );
+        self.ops[id.index()].params = len;
+        if self.homes[b].state == Tier::Nvme {
+            self.nvme_write(state, self.s_home[b].1, 12 * len, true);
+        }
+        match self.homes[b].params {
+            Tier::Nvme => self.nvme_write(params_out, self.p_home[b].1, len * self.pbytes, true),
+            Tier::Device => {
+                let to = self.p_home[b].1;
+                self.copy_in(
+                    params_out,
+                    to,
+                    len * self.pbytes,
+                    self.param_conversion(),
+                    true,
                 );
             }
-            for (b, to) in std::mem::take(&mut fetches[k]) {
-                emit_fetch_params(&mut bld, b, to);
-            }
-            let step = seq[k];
-            let m = step.micro();
-            let params_of = |b: usize| dev_params[k][b];
-            match step {
-                Compute::Embed(m) => {
-                    let (params, output) = (params_of(0), ckpts[m][0].fwd);
-                    bld.op(
-                        Lane::Compute,
-                        OpKind::EmbeddingForward {
-                            micro: m,
-                            params,
-                            output,
-                        },
-                        vec![Access::Read(params), Access::Write(output)],
-                        0,
-                        fl.embedding,
-                        0,
-                    );
-                }
-                Compute::Layer(b, m) => {
-                    let (params, input, output) =
-                        (params_of(b), ckpts[m][b - 1].fwd, ckpts[m][b].fwd);
-                    bld.op(
-                        Lane::Compute,
-                        OpKind::LayerForward {
-                            block: b,
-                            micro: m,
-                            params,
-                            input,
-                            output,
-                        },
-                        vec![
-                            Access::Read(params),
-                            Access::Read(input),
-                            Access::Write(output),
-                        ],
-                        0,
-                        fl.layer_forward,
-                        0,
-                    );
-                }
-                Compute::Head(m) => {
-                    let (params, embedding) = (params_of(head), params_of(0));
-                    let (grads, embedding_grads) = (g_dev[m][head], g_dev[m][0]);
-                    let input = ckpts[m][layers].fwd;
-                    bld.op(
-                        Lane::Compute,
-                        OpKind::Head {
-                            micro: m,
-                            params,
-                            embedding,
-                            grads,
-                            embedding_grads,
-                            input,
-                        },
-                        vec![
-                            Access::Read(params),
-                            Access::Read(embedding),
-                            Access::Read(input),
-                            Access::Write(grads),
-                            Access::Write(embedding_grads),
-                        ],
-                        0,
-                        fl.head,
-                        0,
-                    );
-                }
-                Compute::LayerBack(b, m) => {
-                    let (params, grads, input) = (params_of(b), g_dev[m][b], ckpts[m][b - 1].bwd);
-                    bld.op(
-                        Lane::Compute,
-                        OpKind::LayerBackward {
-                            block: b,
-                            micro: m,
-                            params,
-                            grads,
-                            input,
-                        },
-                        vec![
-                            Access::Read(params),
-                            Access::Read(input),
-                            Access::Write(grads),
-                        ],
-                        0,
-                        fl.layer_backward,
-                        0,
-                    );
-                }
-                Compute::EmbedBack(m) => {
-                    let grads = g_dev[m][0];
-                    bld.op(
-                        Lane::Compute,
-                        OpKind::EmbeddingBackward { micro: m, grads },
-                        vec![Access::Write(grads)],
-                        0,
-                        fl.embedding,
-                        0,
-                    );
-                }
-            }
-            // After the compute: checkpoint copies out, gradient copies out, updates.
-            if let Compute::Embed(_) | Compute::Layer(..) = step {
-                let i = match step {
-                    Compute::Embed(_) => 0,
-                    Compute::Layer(b, _) => b,
-                    _ => unreachable!(),
-                };
-                let ck = &ckpts[m][i];
-                if let Some(host) = ck.host {
-                    bld.op(
-                        Lane::D2h,
-                        OpKind::D2hAct {
-                            from: ck.fwd,
-                            to: host,
-                        },
-                        vec![Access::Read(ck.fwd), Access::Write(host)],
-                        ckpt_elems as u64 * ebytes,
-                        0.0,
-                        0,
-                    );
-                    if let Some(extent) = ckpt_extent[i] {
-                        bld.op(
-                            Lane::NvmeWrite,
-                            OpKind::NvmeWrite {
-                                from: host,
-                                to: extent,
-                                with_update: false,
-                            },
-                            vec![Access::Read(host), Access::Write(extent)],
-                            ckpt_elems as u64 * ebytes,
-                            0.0,
-                            0,
-                        );
-                    }
-                }
-            }
-            let finished: Vec<usize> = match step {
-                Compute::Head(_) => vec![head],
-                Compute::LayerBack(b, _) => vec![b],
-                Compute::EmbedBack(_) => vec![0],
-                _ => vec![],
-            };
-            for b in finished {
-                if let (Some(home), true) = (g_home_dev[b], m > 0) {
-                    let from = g_dev[m][b];
-                    bld.op(
-                        Lane::Compute,
-                        OpKind::AccumulateGrads {
-                            block: b,
-                            from,
-                            to: home,
-                        },
-                        vec![Access::Read(from), Access::Write(home)],
-                        4 * blocks[b].len as u64,
-                        blocks[b].len as f64,
-                        0,
-                    );
-                }
-                if let Some(host) = g_host[b] {
-                    let from = g_dev[m][b];
-                    bld.op(
-                        Lane::D2h,
-                        OpKind::D2hGrads {
-                            block: b,
-                            from,
-                            to: host,
-                            accumulate: m > 0,
-                        },
-                        vec![Access::Read(from), Access::Write(host)],
-                        4 * blocks[b].len as u64,
-                        0.0,
-                        0,
-                    );
-                }
-                if m == last_micro && shape.delayed_update {
-                    if deferred(b) {
-                        deferred_opts.push(b);
-                    }
-                } else if m == last_micro {
-                    if deferred(b) {
-                        deferred_opts.push(b);
-                    } else if norm_flag.is_some() {
-                        opt_pending.push(b);
-                    } else {
-                        emit_optimizer(&mut bld, b);
-                    }
-                }
-            }
+            Tier::Host => {}
         }
-        if !shape.delayed_update {
-            emit_norm(&mut bld);
-        }
-        for &b in opt_pending.iter().take(depth) {
-            read_state(&mut bld, b);
-        }
-        for (i, &b) in opt_pending.iter().enumerate() {
-            emit_optimizer(&mut bld, b);
-            if let Some(&next) = opt_pending.get(i + depth) {
-                read_state(&mut bld, next);
-            }
-        }
-        if !deferred_opts.is_empty() {
-            // After every NVMe transfer of the step.
-            let nvme_ops: Vec<OpId> = (0..bld.ops.len())
-                .filter(|&o| matches!(bld.ops[o].lane, Lane::NvmeRead | Lane::NvmeWrite))
-                .collect();
-            for b in deferred_opts {
-                let first = bld.ops.len();
-                emit_optimizer(&mut bld, b);
-                bld.ops[first].deps.extend(&nvme_ops);
-            }
-        }
+        self.mark_update(first);
+    }
 
-        let swap_on_update: Vec<(BufId, BufId)> = p_home
+    /// Stage 4: dependencies, the memory plan, peaks, lanes and link bytes.
+    fn finish(self) -> Result<Plan, PlanError> {
+        let nb = self.nb();
+        let swap_on_update: Vec<(BufId, BufId)> = self
+            .p_home
             .iter()
             .enumerate()
-            .filter(|&(b, &(cur, next))| cur != next && homes[b].params != Tier::Nvme)
+            .filter(|&(b, &(cur, next))| cur != next && self.homes[b].params != Tier::Nvme)
             .map(|(_, &pair)| pair)
             .collect();
         let swap_each_step: Vec<(BufId, BufId)> = (0..nb)
             .flat_map(|b| {
                 [
-                    g_host[b].zip(g_apply_host[b]),
-                    g_home_dev[b].zip(g_apply_dev[b]),
+                    self.g_host[b].zip(self.g_apply_host[b]),
+                    self.g_home_dev[b].zip(self.g_apply_dev[b]),
                 ]
             })
             .flatten()
             .filter(|(fill, apply)| fill != apply)
             .collect();
-
-        // 4. Dependencies from accesses, then the memory plan.
-        let mut ops = bld.ops;
-        let mut buffers = bld.buffers;
-        derive_dependencies(&mut ops, buffers.len());
-        let slots = allocate(&mut ops, &mut buffers)?;
+        let mut ops = self.ops;
+        let mut buffers = self.buffers;
+        super::memory::derive_dependencies(&mut ops, buffers.len());
+        let slots = super::memory::allocate(&mut ops, &mut buffers);
         let mut peak = [0u64; 3];
-        for s in &slots {
-            peak[s.tier.index()] += s.bytes;
+        for tier in [Tier::Device, Tier::Host] {
+            peak[tier.index()] = super::memory::arena_bytes(&slots, tier);
         }
-        for e in &bld.extent_groups {
+        for e in &self.extent_groups {
             peak[Tier::Nvme.index()] +=
                 e.bytes.next_multiple_of(4096) * if e.paired { 2 } else { 1 };
         }
         let mut lanes: [Vec<OpId>; 6] = Default::default();
         let mut link_bytes = [0u64; 4];
         for (id, op) in ops.iter().enumerate() {
-            lanes[op.lane.index()].push(id);
-            match op.kind {
-                OpKind::NvmeRead { .. } => link_bytes[0] += op.bytes,
-                OpKind::NvmeWrite { .. } => link_bytes[1] += op.bytes,
-                OpKind::H2dParams { .. } | OpKind::H2dAct { .. } => link_bytes[2] += op.bytes,
-                OpKind::D2hGrads { .. } | OpKind::D2hAct { .. } => link_bytes[3] += op.bytes,
-                _ => {}
+            lanes[op.lane.index()].push(OpId::of(id));
+            let link = match op.kind {
+                OpKind::NvmeRead { .. } => Some(0),
+                OpKind::NvmeWrite { .. } => Some(1),
+                OpKind::H2d { .. } => Some(2),
+                OpKind::D2h { .. } => Some(3),
+                _ => None,
+            };
+            if let Some(link) = link {
+                link_bytes[link] += op.bytes;
             }
         }
+        let layers = self.layers;
         let homes = (0..nb)
             .map(|b| {
-                let h = &homes[b];
-                [
-                    h.params,
-                    h.grads,
-                    h.state,
-                    if b >= 1 && b <= layers {
-                        ckpt_tier[b - 1]
-                    } else {
-                        Tier::Device
-                    },
-                ]
+                let h = &self.homes[b];
+                let ckpt = if b >= 1 && b <= layers {
+                    self.ckpt_tier[b - 1]
+                } else {
+                    Tier::Device
+                };
+                [h.params, h.grads, h.state, ckpt]
+            })
+            .collect();
+        let block_homes = (0..nb)
+            .map(|b| BlockHomes {
+                params: self.p_home[b].0,
+                state: self.s_home[b].0,
             })
             .collect();
         Ok(Plan {
-            policy: name,
+            policy: self.name,
             homes,
-            depth,
-            shape,
-            budgets: input.budgets,
+            depth: self.depth,
+            shape: self.shape,
+            budgets: self.input.budgets,
             ops,
             lanes,
             buffers,
             slots,
-            extent_groups: bld.extent_groups,
+            extent_groups: self.extent_groups,
             peak,
             link_bytes,
+            block_homes,
+            tokens_host: self.tokens_host,
+            losses_host: self.losses_host,
+            stats_host: self.stats_host,
+            scratch: self.scratch,
             swap_each_step,
             swap_on_update,
         })
     }
-
-    /// The first tier whose peak exceeds its budget, if any.
-    pub fn first_overflow(&self) -> Option<Tier> {
-        Tier::ALL
-            .into_iter()
-            .find(|t| self.peak[t.index()] > self.budget(*t))
-    }
-
-    fn budget(&self, tier: Tier) -> u64 {
-        match tier {
-            Tier::Device => self.budgets.device,
-            Tier::Host => self.budgets.host,
-            Tier::Nvme => self.budgets.nvme,
-        }
-    }
-
-    /// How many tiers are over budget.
-    pub fn overflow_count(&self) -> usize {
-        Tier::ALL
-            .into_iter()
-            .filter(|t| self.peak[t.index()] > self.budget(*t))
-            .count()
-    }
-
-    /// Total bytes over budget, across tiers (0 when it fits).
-    pub fn shortfall(&self) -> u64 {
-        Tier::ALL
-            .into_iter()
-            .map(|t| self.peak[t.index()].saturating_sub(self.budget(t)))
-            .sum()
-    }
-
-    /// Bytes a tier holds for a class, summed over blocks (what `strata plan` reports):
-    /// homes and per-step buffers of that class at their largest.
-    pub fn bytes_by_class(&self) -> Vec<(TensorClass, [u64; 3])> {
-        let mut out: Vec<(TensorClass, [u64; 3])> =
-            TensorClass::ALL.iter().map(|&c| (c, [0; 3])).collect();
-        for b in &self.buffers {
-            let class = if b.name.starts_with("params") {
-                TensorClass::Params
-            } else if b.name.starts_with("grads") {
-                TensorClass::Grads
-            } else if b.name.starts_with("adam") {
-                TensorClass::Optimizer
-            } else if b.name.starts_with("ckpt") {
-                TensorClass::Checkpoints
-            } else {
-                continue;
-            };
-            let bytes = match b.kind {
-                BufKind::Extent { group, side } => {
-                    let e = &self.extent_groups[group];
-                    if side == ExtentSide::Next {
-                        0
-                    } else {
-                        e.bytes.next_multiple_of(4096) * if e.paired { 2 } else { 1 }
-                    }
-                }
-                _ => b.bytes,
-            };
-            out.iter_mut().find(|(c, _)| *c == class).expect("listed").1[b.tier.index()] += bytes;
-        }
-        out
-    }
-
-    /// `Ok` when every tier's peak is within its budget; otherwise the refusal, naming
-    /// the tier, the shortfall, and what would fit: a lower prefetch depth, a smaller
-    /// micro-batch, or another built-in policy.
-    pub fn check_fits(&self, input: &PlanInput<'_>) -> Result<(), PlanError> {
-        let Some(tier) = self.first_overflow() else {
-            return Ok(());
-        };
-        let mut suggestions = Vec::new();
-        let fits = |shape: super::StepShape, policy: &dyn Policy| {
-            let alt = PlanInput { shape, ..*input };
-            Plan::build(&alt, policy)
-                .ok()
-                .filter(|p| p.first_overflow().is_none())
-        };
-        // Same policy family, lower depth.
-        if self.depth > 1 {
-            for depth in (1..self.depth).rev() {
-                let fixed = FixedDepth {
-                    name: self.policy.clone(),
-                    homes: self.homes.clone(),
-                    depth,
-                };
-                if fits(input.shape, &fixed).is_some() {
-                    suggestions.push(format!("prefetch depth {depth} fits (--prefetch {depth})"));
-                    break;
-                }
-            }
-        }
-        // Smaller micro-batch (with more accumulation, the same tokens per step).
-        let mut batch = input.shape.batch;
-        while batch > 1 {
-            batch /= 2;
-            let shape = super::StepShape {
-                batch,
-                grad_accum: input.shape.grad_accum * (input.shape.batch / batch).max(1),
-                ..input.shape
-            };
-            let fixed = FixedDepth {
-                name: self.policy.clone(),
-                homes: self.homes.clone(),
-                depth: self.depth,
-            };
-            if fits(shape, &fixed).is_some() {
-                suggestions.push(format!(
-                    "batch {batch} with --grad-accum {} fits (same tokens per step)",
-                    shape.grad_accum
-                ));
-                break;
-            }
-        }
-        // Other policies.
-        let mut others = Vec::new();
-        for policy in super::Auto::candidates(input) {
-            if policy.name() != self.policy && fits(input.shape, policy.as_ref()).is_some() {
-                let name = policy.name();
-                let family = name.split('(').next().unwrap_or(&name).to_string();
-                if !others.contains(&family) {
-                    others.push(family);
-                }
-            }
-        }
-        if !others.is_empty() {
-            suggestions.push(format!("policies that fit: {}", others.join(", ")));
-        }
-        if suggestions.is_empty() {
-            suggestions.push(format!(
-                "raise the {tier} budget to at least {}",
-                super::fmt_bytes(self.peak[tier.index()])
-            ));
-        }
-        Err(PlanError::DoesNotFit {
-            policy: self.policy.clone(),
-            tier,
-            need_bytes: self.peak[tier.index()],
-            budget_bytes: self.budget(tier),
-            suggestions,
-        })
-    }
-}
-
-/// A plan's homes with another prefetch depth (for suggestions).
-#[derive(Debug)]
-struct FixedDepth {
-    name: String,
-    homes: Vec<[Tier; 4]>,
-    depth: usize,
-}
-
-impl Policy for FixedDepth {
-    fn name(&self) -> String {
-        self.name.clone()
-    }
-    fn home(&self, input: &PlanInput<'_>, block: usize, class: TensorClass) -> Tier {
-        let h = self.homes[block];
-        match class {
-            TensorClass::Params => h[0],
-            TensorClass::Grads => h[1],
-            TensorClass::Optimizer => h[2],
-            TensorClass::Checkpoints => {
-                if matches!(input.block_kind(block), BlockKind::Transformer { .. }) {
-                    h[3]
-                } else {
-                    Tier::Device
-                }
-            }
-        }
-    }
-    fn prefetch_depth(&self, _: &PlanInput<'_>) -> usize {
-        self.depth
-    }
-}
-
-/// Floating-point operations of each compute operation.
-struct Flops {
-    embedding: f64,
-    layer_forward: f64,
-    layer_backward: f64,
-    head: f64,
-}
-
-fn flops(dims: crate::model::Dims) -> Flops {
-    let (n, c, v) = (dims.rows() as f64, dims.width as f64, dims.vocab as f64);
-    let (b, t) = (dims.batch as f64, dims.seq as f64);
-    // Matrix products: qkv 3c², proj c², fc 4c², proj 4c² -> 12c² multiply-adds per row;
-    // attention: two T×T×C products per sequence.
-    let fwd = 2.0 * n * 12.0 * c * c + 2.0 * 2.0 * b * t * t * c;
-    Flops {
-        embedding: n * c,
-        layer_forward: fwd,
-        // Backward: recompute the forward, then twice the forward's products.
-        layer_backward: 3.0 * fwd,
-        // The head's forward (n×c×v) and backward (two such products).
-        head: 2.0 * n * c * v * 3.0,
-    }
-}
-
-/// Read-after-write, write-after-read and write-after-write edges, from the accesses.
-fn derive_dependencies(ops: &mut [Op], buffers: usize) {
-    let mut last_writer: Vec<Option<OpId>> = vec![None; buffers];
-    let mut readers: Vec<Vec<OpId>> = vec![Vec::new(); buffers];
-    for (id, op) in ops.iter_mut().enumerate() {
-        let mut deps = std::mem::take(&mut op.deps);
-        for a in op.access.iter().copied() {
-            match a {
-                Access::Read(b) => {
-                    deps.extend(last_writer[b]);
-                    readers[b].push(id);
-                }
-                Access::Write(b) => {
-                    deps.extend(last_writer[b]);
-                    deps.append(&mut readers[b]);
-                    last_writer[b] = Some(id);
-                }
-            }
-        }
-        deps.retain(|&d| d != id);
-        deps.sort_unstable();
-        deps.dedup();
-        op.deps = deps;
-    }
-}
-
-/// Interval allocation of transient buffers into shared slots; persistent buffers get a
-/// slot each. Adds the reuse edges.
-fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Result<Vec<SlotPlan>, PlanError> {
-    let mut users: Vec<Vec<OpId>> = vec![Vec::new(); buffers.len()];
-    for (id, op) in ops.iter().enumerate() {
-        for a in &op.access {
-            let (Access::Read(b) | Access::Write(b)) = *a;
-            if users[b].last() != Some(&id) {
-                users[b].push(id);
-            }
-        }
-    }
-    for (b, u) in users.iter().enumerate() {
-        if let (Some(&first), Some(&last)) = (u.first(), u.last()) {
-            buffers[b].live = Some((first, last));
-            if !buffers[b].persistent {
-                let first_access = ops[first]
-                    .access
-                    .iter()
-                    .find(|a| matches!(a, Access::Read(x) | Access::Write(x) if *x == b));
-                assert!(
-                    matches!(first_access, Some(Access::Write(_))),
-                    "planner bug: transient buffer {} is read before it is written",
-                    buffers[b].name
-                );
-            }
-        }
-    }
-    let mut slots: Vec<SlotPlan> = Vec::new();
-    // Current occupant of each slot.
-    let mut occupant: Vec<Option<BufId>> = Vec::new();
-    let mut order: Vec<BufId> = (0..buffers.len()).collect();
-    order.sort_by_key(|&b| buffers[b].live.map_or(usize::MAX, |l| l.0));
-    for b in order {
-        let buf = &buffers[b];
-        if matches!(buf.kind, BufKind::Extent { .. } | BufKind::Flag) {
-            continue;
-        }
-        if buf.persistent || buf.live.is_none() {
-            slots.push(SlotPlan {
-                tier: buf.tier,
-                kind: buf.kind,
-                elems: buf.elems,
-                bytes: buf.bytes,
-            });
-            occupant.push(None);
-            buffers[b].slot = Some(slots.len() - 1);
-            continue;
-        }
-        let (first, _) = buf.live.expect("live");
-        let free: Vec<usize> = (0..slots.len())
-            .filter(|&s| {
-                slots[s].tier == buf.tier
-                    && slots[s].kind == buf.kind
-                    && occupant[s].is_some_and(|o| buffers[o].live.expect("live").1 < first)
-            })
-            .collect();
-        // Share only between buffers of similar size (within 2x), so that a small
-        // long-lived buffer never pins a large slot and a large one never inflates a
-        // small slot many times over.
-        let similar = |s: usize| slots[s].elems <= 2 * buf.elems && 2 * slots[s].elems >= buf.elems;
-        let fitting = free
-            .iter()
-            .copied()
-            .filter(|&s| similar(s) && slots[s].elems >= buf.elems)
-            .min_by_key(|&s| slots[s].elems);
-        let chosen = fitting.or_else(|| {
-            free.iter()
-                .copied()
-                .filter(|&s| similar(s))
-                .max_by_key(|&s| slots[s].elems)
-        });
-        let slot = match chosen {
-            Some(s) => {
-                let prev = occupant[s].expect("occupied");
-                for &u in &users[prev] {
-                    if u < first && !ops[first].deps.contains(&u) {
-                        ops[first].deps.push(u);
-                    }
-                }
-                if slots[s].elems < buf.elems {
-                    slots[s].elems = buf.elems;
-                    slots[s].bytes = buf.bytes;
-                }
-                s
-            }
-            None => {
-                slots.push(SlotPlan {
-                    tier: buf.tier,
-                    kind: buf.kind,
-                    elems: buf.elems,
-                    bytes: buf.bytes,
-                });
-                occupant.push(None);
-                slots.len() - 1
-            }
-        };
-        occupant[slot] = Some(b);
-        buffers[b].slot = Some(slot);
-    }
-    for op in ops.iter_mut() {
-        op.deps.sort_unstable();
-        op.deps.dedup();
-    }
-    Ok(slots)
 }

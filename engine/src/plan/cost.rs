@@ -7,7 +7,18 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::build::{Lane, OpKind, Plan};
+use super::build::{OpKind, Plan};
+use crate::device::Lane;
+use crate::model::Target;
+
+/// A modelling factor: on the CPU device, whether the compute lane and the CPU optimizer
+/// lane are simulated on one timeline, since both run on all of the machine's cores.
+/// Without it an offloaded update looks free on a 2-core machine, where it is not.
+pub const CPU_DEVICE_SHARES_CORES: bool = true;
+
+/// Bytes AdamW moves per parameter (f32 gradient read; master, m and v read and
+/// written): the other passes over gradients are timed at the bandwidth this implies.
+pub const ADAM_BYTES_PER_PARAM: f64 = 28.0;
 
 /// Rates of this machine's links and processors (bytes and operations per second).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -77,33 +88,48 @@ impl CostModel {
         match op.kind {
             OpKind::NvmeRead { .. } => op.bytes as f64 / self.nvme_read_bytes_per_s,
             OpKind::NvmeWrite { .. } => op.bytes as f64 / self.nvme_write_bytes_per_s,
-            OpKind::H2dParams { .. } | OpKind::H2dAct { .. } => {
-                op.bytes as f64 / self.h2d_bytes_per_s
-            }
-            OpKind::D2hGrads { .. } | OpKind::D2hAct { .. } => {
-                op.bytes as f64 / self.d2h_bytes_per_s
-            }
-            OpKind::Optimizer { .. } | OpKind::GradNorm { .. } => {
+            OpKind::H2d { .. } => op.bytes as f64 / self.h2d_bytes_per_s,
+            OpKind::D2h { .. } => op.bytes as f64 / self.d2h_bytes_per_s,
+            OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => {
                 op.params as f64 / self.adam_params_per_s
             }
-            _ => op.flops / self.compute_flops,
+            // Other memory-bound passes over gradients, on the CPU or the device: at the
+            // bandwidth AdamW reaches.
+            OpKind::GradNorm { .. }
+            | OpKind::DeviceStats { .. }
+            | OpKind::HostAccumulate { .. } => {
+                op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
+            }
+            OpKind::Compute { .. } | OpKind::Accumulate { .. } => op.flops / self.compute_flops,
         }
     }
 
     /// Simulates `plan`'s step.
+    ///
+    /// On the CPU device the compute stream's kernels and the CPU optimizer's run on
+    /// the same cores, each using all of them: the simulation gives the two lanes one
+    /// timeline there ([`CPU_DEVICE_SHARES_CORES`]).
     pub fn predict(&self, plan: &Plan) -> Prediction {
         let mut end = vec![0.0f64; plan.ops.len()];
         let mut lane_free = [0.0f64; 6];
         let mut lane_busy = [0.0f64; 6];
+        let shared = CPU_DEVICE_SHARES_CORES && plan.shape.target == Target::Cpu;
+        let timeline = |lane: Lane| {
+            if shared && lane == Lane::Cpu {
+                Lane::Compute.index()
+            } else {
+                lane.index()
+            }
+        };
         // The canonical order is a topological order consistent with every lane's order.
         for (id, op) in plan.ops.iter().enumerate() {
-            let ready = op.deps.iter().map(|&d| end[d]).fold(0.0, f64::max);
-            let lane = op.lane.index();
-            let start = ready.max(lane_free[lane]);
+            let ready = op.deps.iter().map(|&d| end[d.index()]).fold(0.0, f64::max);
+            let line = timeline(op.lane);
+            let start = ready.max(lane_free[line]);
             let d = self.duration(op);
             end[id] = start + d;
-            lane_free[lane] = end[id];
-            lane_busy[lane] += d;
+            lane_free[line] = end[id];
+            lane_busy[op.lane.index()] += d;
         }
         Prediction {
             step_seconds: end.iter().copied().fold(0.0, f64::max),

@@ -14,15 +14,19 @@
 
 mod build;
 mod cost;
+mod fit;
+mod memory;
 
 use std::fmt;
 
+pub use crate::device::Lane;
 pub use build::{
-    Access, BufId, BufKind, BufferPlan, Extent, ExtentSide, Lane, Op, OpId, OpKind, Plan, SlotPlan,
+    Access, Binds, BufId, BufKind, BufferPlan, Extent, ExtentSide, GradSource, Op, OpId, OpKind,
+    Plan, SlotId, SlotPlan,
 };
 pub use cost::{CostModel, Prediction};
 
-use crate::model::{BlockKind, Model};
+use crate::model::{BlockKind, Dtype, Model, Target};
 
 /// A tier of strata's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -107,9 +111,15 @@ pub enum Precision {
 impl Precision {
     /// Bytes of one working parameter.
     pub fn param_bytes(self) -> u64 {
+        self.dtype().size() as u64
+    }
+
+    /// The dtype of the working parameters.
+    pub fn dtype(self) -> Dtype {
         match self {
-            Precision::Fp32 => 4,
-            Precision::Bf16 | Precision::Fp16 => 2,
+            Precision::Fp32 => Dtype::F32,
+            Precision::Bf16 => Dtype::Bf16,
+            Precision::Fp16 => Dtype::F16,
         }
     }
 }
@@ -160,12 +170,9 @@ pub struct StepShape {
     /// parameters before step t-1's update, which the CPU applies meanwhile, so the
     /// update overlaps the forward and backward instead of following them.
     pub delayed_update: bool,
-    /// Bytes of one element of a device parameter or activation buffer (4 on the CPU
-    /// device, whose kernels compute in f32; the working dtype's size on a GPU).
-    pub device_elem_bytes: u64,
-    /// Whether the device's buffers are host memory the CPU optimizer can update in place
-    /// (the CPU device). Optimizer state lives on the device only then.
-    pub device_is_host: bool,
+    /// The device's kernels: the CPU device computes in f32 whatever the working dtype;
+    /// a GPU computes in the working dtype.
+    pub target: Target,
 }
 
 impl StepShape {
@@ -179,8 +186,20 @@ impl StepShape {
             precision: Precision::Fp32,
             needs_global_norm: false,
             delayed_update: false,
-            device_elem_bytes: 4,
-            device_is_host: true,
+            target: Target::Cpu,
+        }
+    }
+
+    /// The same step on `target`'s kernels.
+    pub fn on(self, target: Target) -> Self {
+        StepShape { target, ..self }
+    }
+
+    /// The dtype of the device's parameters and activations.
+    pub fn device_dtype(&self) -> Dtype {
+        match self.target {
+            Target::Cpu => Dtype::F32,
+            Target::Cuda => self.precision.dtype(),
         }
     }
 
@@ -254,8 +273,8 @@ impl<'a> PlanInput<'a> {
 /// so a user policy is a few lines (see `examples/custom_policy.rs`).
 ///
 /// Rules the planner enforces, with an error naming the block: gradients live on the
-/// device or the host, never on NVMe; optimizer state on the device needs gradients on
-/// the device and a device whose memory the CPU can update (the CPU device).
+/// device or the host, never on NVMe; optimizer state on the device needs gradients and
+/// parameters there too (the device runs AdamW then).
 pub trait Policy: fmt::Debug + Send + Sync {
     /// A short name for reports (`nvme-offload(depth 2)`).
     fn name(&self) -> String;

@@ -214,7 +214,31 @@ impl Default for IoStats {
     }
 }
 
+/// The byte and chunk counters of [`IoStats`] without its histograms: cheap to take
+/// between steps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IoCounters {
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Bytes written.
+    pub written_bytes: u64,
+    /// Chunks that used registered (fixed) buffers.
+    pub fixed_chunks: u64,
+    /// Chunks that used plain buffers.
+    pub plain_chunks: u64,
+}
+
 impl IoStats {
+    /// The counters alone.
+    pub fn counters(&self) -> IoCounters {
+        IoCounters {
+            read_bytes: self.read_bytes,
+            written_bytes: self.written_bytes,
+            fixed_chunks: self.fixed_chunks,
+            plain_chunks: self.plain_chunks,
+        }
+    }
+
     pub(crate) fn record_chunk(&mut self, kind: OpKind, len_bytes: usize, latency: Duration) {
         let ns = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX).max(1);
         match kind {
@@ -251,6 +275,9 @@ pub(crate) trait Backend: Send + Sync {
 
     /// A copy of the counters.
     fn stats(&self) -> IoStats;
+
+    /// The byte and chunk counters alone (no histogram is copied).
+    fn counters(&self) -> IoCounters;
 
     /// Zeroes the counters.
     fn reset_stats(&self);

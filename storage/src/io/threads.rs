@@ -269,6 +269,14 @@ impl<S: Syscalls> Backend for ThreadIo<S> {
             .clone()
     }
 
+    fn counters(&self) -> super::IoCounters {
+        self.shared
+            .stats
+            .lock()
+            .expect("stats lock poisoned")
+            .counters()
+    }
+
     fn reset_stats(&self) {
         *self.shared.stats.lock().expect("stats lock poisoned") = IoStats::default();
     }

@@ -126,6 +126,10 @@ impl Backend for UringIo {
         self.stats.lock().expect("stats lock poisoned").clone()
     }
 
+    fn counters(&self) -> super::IoCounters {
+        self.stats.lock().expect("stats lock poisoned").counters()
+    }
+
     fn reset_stats(&self) {
         *self.stats.lock().expect("stats lock poisoned") = IoStats::default();
     }

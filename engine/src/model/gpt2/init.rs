@@ -1,6 +1,6 @@
 //! GPT-2's initialisation for training from scratch, deterministic in a seed.
 
-use super::{BlockKind, Model};
+use crate::model::{BlockKind, BlockLayout};
 
 /// SplitMix64: a small, well-mixed generator, enough for initial weights.
 struct SplitMix64(u64);
@@ -26,12 +26,14 @@ impl SplitMix64 {
     }
 }
 
-/// See [`Model::init_params`].
-pub(super) fn gpt2_init(model: &Model, seed: u64) -> Vec<Vec<f32>> {
+/// GPT-2's initialisation for training from scratch (Hugging Face's rule): weights and
+/// embeddings normal with deviation 0.02, the residual projections' 0.02 / sqrt(2
+/// layers), biases 0, LayerNorm weights 1. Deterministic in `seed`.
+pub(super) fn gpt2_init(blocks: &[BlockLayout], layers: usize, seed: u64) -> Vec<Vec<f32>> {
     const STD: f64 = 0.02;
-    let layers = model.config().layers.max(1) as f64;
-    let mut params = model.zero_params();
-    for (block, buffer) in model.blocks().iter().zip(&mut params) {
+    let layers = layers.max(1) as f64;
+    let mut params: Vec<Vec<f32>> = blocks.iter().map(|b| vec![0.0; b.len]).collect();
+    for (block, buffer) in blocks.iter().zip(&mut params) {
         // One stream per block, so a block's values do not depend on the others' sizes.
         let index = match block.kind {
             BlockKind::Embedding => 0,
@@ -65,6 +67,7 @@ pub(super) fn gpt2_init(model: &Model, seed: u64) -> Vec<Vec<f32>> {
 mod tests {
     use super::super::Gpt2Config;
     use super::*;
+    use crate::model::Model;
 
     #[test]
     fn init_is_deterministic_and_shaped_like_gpt2() {

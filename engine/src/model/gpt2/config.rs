@@ -2,7 +2,7 @@
 
 use strata_kernels::reference::gpt2_model::Gpt2Shape;
 
-use super::ModelError;
+use crate::model::ModelError;
 
 /// The shape of a GPT-2 model. The rest of the architecture is fixed: pre-LayerNorm
 /// blocks (eps 1e-5), 4x MLP with tanh-approximated GELU, learned position embedding,

@@ -1,0 +1,625 @@
+//! The lanes of a step: one thread each, taking its operations in plan order.
+//!
+//! A host lane (NVMe reads, NVMe writes, the CPU optimizer) waits for each operation's
+//! dependencies to be done (on the host: a stream operation's event), then runs it. A
+//! stream lane (H2D, compute, D2H) waits only until each dependency has been *issued*
+//! (a host operation done, a stream operation submitted), turns dependencies on other
+//! streams into stream waits on their events, and submits its operation to the device;
+//! dependencies on its own stream are kept by the stream's order. The compute lane keeps
+//! at most `run_ahead` operations in flight on the device.
+//!
+//! An error or a panic in any operation marks the step failed: every lane stops at its
+//! next wait (reporting an abort, which the step does not show), and the step returns
+//! the first real error, naming the lane and the operation.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, GradStats, Grads, State, grad_stats};
+use strata_kernels::isa::Isa;
+use strata_kernels::program::{Scalars, read_stats};
+
+use super::{ExecError, Executor, Norm, StepShared, panic_message};
+use crate::device::{Bindings, Device, Event, Lane, cast, cast_mut};
+use crate::model::{Bind, Pass, TensorSpec};
+use crate::plan::{Binds, BufId, GradSource, OpId, OpKind, Precision};
+
+/// What a lane reports when it stopped because another failed.
+const ABORTED: &str = "aborted after another lane failed";
+
+/// Whether `e` only says the lane stopped for another's failure.
+pub(super) fn is_abort(e: &ExecError) -> bool {
+    matches!(e, ExecError::BadInput(s) if s == ABORTED)
+}
+
+/// Seeded waits for chaos runs (xorshift64*).
+struct Jitter(u64);
+
+impl Jitter {
+    fn delay(&mut self) -> Duration {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let r = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32;
+        if r & 1 == 0 {
+            Duration::ZERO
+        } else {
+            Duration::from_micros((r >> 1) % 2000)
+        }
+    }
+}
+
+impl Executor {
+    /// Runs `lane`'s operations of this step.
+    pub(super) fn run_lane(&self, lane: Lane, shared: &StepShared<'_>) -> Result<(), ExecError> {
+        let mut in_flight: VecDeque<OpId> = VecDeque::new();
+        let mut jitter = self
+            .chaos
+            .map(|seed| Jitter((seed ^ (lane.index() as u64 + 11).wrapping_mul(0x9e37_79b9)) | 1));
+        for &id in &self.plan.lanes[lane.index()] {
+            if self.ops[id.index()].issued.load(Ordering::Acquire) == shared.stamp {
+                continue; // not part of this run
+            }
+            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                if lane.is_stream() {
+                    self.submit_op(lane, id, shared, &mut in_flight)
+                } else {
+                    if let Some(j) = &mut jitter {
+                        std::thread::sleep(j.delay());
+                    }
+                    self.run_host_op(id, shared)
+                }
+            }))
+            .unwrap_or_else(|panic| {
+                Err(ExecError::Panicked {
+                    lane,
+                    op: self.plan.op(id).kind.label(),
+                    message: panic_message(&*panic),
+                })
+            });
+            if let Err(e) = result {
+                self.failed.store(true, Ordering::SeqCst);
+                self.notify();
+                return Err(e);
+            }
+            self.ops[id.index()]
+                .issued
+                .store(shared.stamp, Ordering::Release);
+            self.notify();
+        }
+        Ok(())
+    }
+
+    fn notify(&self) {
+        drop(self.wake.0.lock().unwrap_or_else(|e| e.into_inner()));
+        self.wake.1.notify_all();
+    }
+
+    /// Waits until operation `d` has been issued in this step (done, for a host
+    /// operation; submitted, for a stream one); an abort when another lane failed.
+    fn wait_issued(&self, d: OpId, shared: &StepShared<'_>) -> Result<(), ExecError> {
+        let issued = || self.ops[d.index()].issued.load(Ordering::Acquire) == shared.stamp;
+        if issued() {
+            return Ok(());
+        }
+        let mut guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if self.failed.load(Ordering::SeqCst) {
+                return Err(ExecError::BadInput(ABORTED.into()));
+            }
+            if issued() {
+                return Ok(());
+            }
+            guard = self
+                .wake
+                .1
+                .wait_timeout(guard, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// The event of stream operation `d`, once issued (none when it had nothing to do).
+    fn event_of(&self, d: OpId) -> Option<Event> {
+        self.ops[d.index()]
+            .event
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Submits stream operation `id` once its dependencies are issued.
+    fn submit_op(
+        &self,
+        lane: Lane,
+        id: OpId,
+        shared: &StepShared<'_>,
+        in_flight: &mut VecDeque<OpId>,
+    ) -> Result<(), ExecError> {
+        let mut after = Vec::new();
+        for &d in &shared.deps[id.index()] {
+            let dep_lane = self.plan.op(d).lane;
+            if dep_lane == lane {
+                continue; // the stream's own order
+            }
+            self.wait_issued(d, shared)?;
+            if dep_lane.is_stream()
+                && let Some(e) = self.event_of(d)
+            {
+                after.push(e);
+            }
+        }
+        if lane == Lane::Compute {
+            while in_flight.len() >= self.run_ahead {
+                let oldest = in_flight.pop_front().expect("non-empty");
+                if let Some(e) = self.event_of(oldest) {
+                    e.wait()
+                        .map_err(self.device_error(self.plan.op(oldest).kind.label()))?;
+                }
+            }
+        }
+        let label = || self.plan.op(id).kind.label();
+        let start = match self.device {
+            Device::Cuda(_) => Some(
+                self.device
+                    .record(lane)
+                    .map_err(self.device_error(label()))?,
+            ),
+            Device::Cpu(_) => None,
+        };
+        let event = self.submit(id, &after, shared)?;
+        let state = &self.ops[id.index()];
+        *state.start.lock().unwrap_or_else(|e| e.into_inner()) = start;
+        let has_event = event.is_some();
+        *state.event.lock().unwrap_or_else(|e| e.into_inner()) = event;
+        if lane == Lane::Compute && has_event {
+            in_flight.push_back(id);
+        }
+        Ok(())
+    }
+
+    fn skipped(&self) -> bool {
+        self.norm.lock().unwrap_or_else(|e| e.into_inner()).skip
+    }
+
+    /// Binds a compute operation's buffers.
+    fn bindings(&self, binds: &Binds) -> Bindings {
+        let rows = self.plan.shape.batch * self.plan.shape.seq;
+        let mut out = Bindings::default();
+        let mut bind = |at: Bind, buf: Option<BufId>| {
+            if let Some(buf) = buf {
+                out.set(at as u8, self.device_range(buf));
+            }
+        };
+        bind(Bind::Params, binds.params);
+        bind(Bind::Grads, binds.grads);
+        bind(Bind::TiedParams, binds.tied_params);
+        bind(Bind::TiedGrads, binds.tied_grads);
+        bind(Bind::Input, binds.input);
+        bind(Bind::Output, binds.output);
+        bind(Bind::DOutput, binds.d_output);
+        bind(Bind::DInput, binds.d_input);
+        bind(Bind::Losses, binds.losses);
+        bind(Bind::Scratch, Some(self.plan.scratch));
+        if let Some(tokens) = binds.tokens {
+            let r = self.device_range(tokens);
+            out.set(Bind::Tokens as u8, r.sub(0, 4 * rows));
+            out.set(Bind::Targets as u8, r.sub(4 * rows, 4 * rows));
+        }
+        out
+    }
+
+    /// AdamW's constants for this step, with and without weight decay, gradients scaled
+    /// by `coef / update_loss_scale`.
+    fn adam_steps(&self, shared: &StepShared<'_>, coef: f32) -> Result<[AdamStep; 2], ExecError> {
+        let hp = shared.params.adam;
+        let scale = coef / shared.update_loss_scale;
+        let adam_err = |source| ExecError::Adam {
+            op: "AdamW constants".into(),
+            source,
+        };
+        let decayed = AdamStep::new(&hp, shared.adam_step, scale).map_err(adam_err)?;
+        let plain = AdamStep::new(
+            &AdamW {
+                weight_decay: 0.0,
+                ..hp
+            },
+            shared.adam_step,
+            scale,
+        )
+        .map_err(adam_err)?;
+        Ok([decayed, plain])
+    }
+
+    /// Submits stream operation `id` after `after`; its event, or none when it had
+    /// nothing to do (an update's copy in a skipped step).
+    fn submit(
+        &self,
+        id: OpId,
+        after: &[Event],
+        shared: &StepShared<'_>,
+    ) -> Result<Option<Event>, ExecError> {
+        let op = self.plan.op(id);
+        let err = self.device_error(op.kind.label());
+        let shape = self.plan.shape;
+        let rows = shape.batch * shape.seq;
+        let event = match op.kind {
+            OpKind::H2d {
+                from,
+                to,
+                bytes,
+                convert,
+                with_update,
+            } => {
+                if with_update && self.skipped() {
+                    return Ok(None);
+                }
+                let bytes = bytes as usize;
+                let device_bytes = convert.map_or(bytes, |(a, b)| bytes / a.size() * b.size());
+                let src = self.host_range(from).prefix(bytes);
+                let dst = self.device_range(to).sub(0, device_bytes);
+                self.device
+                    .copy_to_device(&self.host, src, dst, convert, after)
+            }
+            OpKind::D2h { from, to, bytes } => {
+                let bytes = bytes as usize;
+                let src = self.device_range(from).sub(0, bytes);
+                let dst = self.host_range(to).prefix(bytes);
+                self.device.copy_to_host(src, &self.host, dst, after)
+            }
+            OpKind::Compute {
+                block,
+                pass,
+                ref binds,
+                ..
+            } => {
+                let scalars = Scalars {
+                    dloss: shared.params.loss_scale / (rows * shape.grad_accum) as f32,
+                    ..Scalars::default()
+                };
+                let program = match pass {
+                    Pass::Forward => &self.programs.forward[block],
+                    Pass::Backward => &self.programs.backward[block],
+                };
+                self.device
+                    .run_program(program, &self.bindings(binds), &scalars, after)
+            }
+            OpKind::Accumulate { block, from, to } => {
+                let mut b = Bindings::default();
+                b.set(Bind::Grads as u8, self.device_range(to));
+                b.set(Bind::GradsIn as u8, self.device_range(from));
+                self.device.run_program(
+                    &self.programs.accumulate[block],
+                    &b,
+                    &Scalars::default(),
+                    after,
+                )
+            }
+            OpKind::DeviceStats {
+                block,
+                grads,
+                stats,
+            } => {
+                let mut b = Bindings::default();
+                b.set(Bind::Grads as u8, self.device_range(grads));
+                b.set(Bind::Stats as u8, self.device_range(stats));
+                b.set(Bind::Scratch as u8, self.device_range(self.plan.scratch));
+                let scalars = Scalars {
+                    stats_scale: 1.0 / shared.update_loss_scale,
+                    ..Scalars::default()
+                };
+                self.device
+                    .run_program(&self.programs.stats[block], &b, &scalars, after)
+            }
+            OpKind::DeviceUpdate {
+                block,
+                grads,
+                state,
+                params,
+            } => {
+                let Norm { coef, skip, .. } = *self.norm.lock().unwrap_or_else(|e| e.into_inner());
+                let [decayed, plain] = self.adam_steps(shared, coef)?;
+                let scalars = Scalars {
+                    adam: Some(decayed),
+                    adam_no_decay: Some(plain),
+                    skip_update: skip,
+                    ..Scalars::default()
+                };
+                let mut b = Bindings::default();
+                b.set(Bind::Grads as u8, self.device_range(grads));
+                b.set(Bind::State as u8, self.device_range(state));
+                b.set(Bind::Params as u8, self.device_range(params));
+                b.set(Bind::Scratch as u8, self.device_range(self.plan.scratch));
+                let program = self.programs.update[block]
+                    .as_ref()
+                    .expect("an update program for a block whose state is on the device");
+                self.device.run_program(program, &b, &scalars, after)
+            }
+            _ => unreachable!("{} is not a stream operation", op.kind.label()),
+        };
+        event.map(Some).map_err(err)
+    }
+
+    /// Waits for host operation `id`'s dependencies, then runs it, recording its span.
+    fn run_host_op(&self, id: OpId, shared: &StepShared<'_>) -> Result<(), ExecError> {
+        for &d in &shared.deps[id.index()] {
+            self.wait_issued(d, shared)?;
+            if self.plan.op(d).lane.is_stream()
+                && let Some(e) = self.event_of(d)
+            {
+                e.wait()
+                    .map_err(self.device_error(self.plan.op(d).kind.label()))?;
+            }
+        }
+        let ns = |t: Instant| t.saturating_duration_since(shared.start).as_nanos() as u64;
+        let started = Instant::now();
+        self.host_op(id, shared)?;
+        let ended = Instant::now();
+        let span = &self.ops[id.index()].span;
+        span[0].store(ns(started), Ordering::Relaxed);
+        span[1].store(ns(ended).max(ns(started) + 1), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// A host operation itself.
+    fn host_op(&self, id: OpId, shared: &StepShared<'_>) -> Result<(), ExecError> {
+        let op = self.plan.op(id);
+        let label = || op.kind.label();
+        let lane = op.lane;
+        let err = |source| ExecError::Device {
+            op: label(),
+            source,
+        };
+        let storage = |source| ExecError::Storage {
+            op: label(),
+            source,
+        };
+        match op.kind {
+            OpKind::NvmeRead { from, into } => {
+                let store = self
+                    .store
+                    .as_ref()
+                    .expect("a plan with extents has a store");
+                let lease = self
+                    .host
+                    .lease(lane, self.host_range(into), true)
+                    .map_err(err)?;
+                store
+                    .read(self.extent(from), lease)
+                    .wait()
+                    .0
+                    .map_err(storage)
+            }
+            OpKind::NvmeWrite {
+                from,
+                to,
+                with_update,
+            } => {
+                if with_update && self.skipped() {
+                    return Ok(());
+                }
+                let store = self
+                    .store
+                    .as_ref()
+                    .expect("a plan with extents has a store");
+                let lease = self
+                    .host
+                    .lease(lane, self.host_range(from), false)
+                    .map_err(err)?;
+                store
+                    .write(self.extent(to), lease)
+                    .wait()
+                    .0
+                    .map_err(storage)
+            }
+            OpKind::HostAccumulate { block, from, to } => {
+                let bytes = 4 * self.model.blocks()[block].len;
+                let src = self
+                    .host
+                    .read(lane, self.host_range(from).prefix(bytes))
+                    .map_err(err)?;
+                let mut dst = self
+                    .host
+                    .write(lane, self.host_range(to).prefix(bytes))
+                    .map_err(err)?;
+                strata_kernels::ops::add_inplace(
+                    &self.cpu,
+                    cast_mut::<f32>(&mut dst),
+                    cast::<f32>(&src),
+                );
+                Ok(())
+            }
+            OpKind::GradNorm { ref sources } => {
+                let scale = 1.0 / shared.update_loss_scale;
+                let mut total = GradStats::default();
+                for &(block, source) in sources {
+                    let stats = match source {
+                        GradSource::Host(grads) => {
+                            let bytes = 4 * self.model.blocks()[block].len;
+                            let g = self
+                                .host
+                                .read(lane, self.host_range(grads).prefix(bytes))
+                                .map_err(err)?;
+                            grad_stats(
+                                self.cpu.isa,
+                                self.optimizer_threads,
+                                Grads::F32(cast::<f32>(&g)),
+                                scale,
+                            )
+                            .map_err(|source| ExecError::Adam {
+                                op: label(),
+                                source,
+                            })?
+                        }
+                        GradSource::Stats(stats) => {
+                            let bytes = self
+                                .host
+                                .read(lane, self.host_range(stats).prefix(16))
+                                .map_err(err)?;
+                            read_stats(&bytes)
+                        }
+                    };
+                    total = total.merge(stats);
+                }
+                let norm = total.norm();
+                let clip = shared.params.clip;
+                let coef = if clip > 0.0 && norm > clip {
+                    (clip / (norm + 1e-6)) as f32
+                } else {
+                    1.0
+                };
+                *self.norm.lock().unwrap_or_else(|e| e.into_inner()) = Norm {
+                    norm,
+                    coef,
+                    skip: total.non_finite,
+                };
+                Ok(())
+            }
+            OpKind::Optimizer {
+                block,
+                grads,
+                state,
+                params_out,
+            } => self.host_adamw(block, grads, state, params_out, shared),
+            _ => unreachable!("{} is not a host operation", label()),
+        }
+    }
+
+    /// AdamW on the CPU over block `block`: gradients, state and the new working
+    /// parameters in the host arena.
+    fn host_adamw(
+        &self,
+        block: usize,
+        grads: BufId,
+        state: BufId,
+        params_out: BufId,
+        shared: &StepShared<'_>,
+    ) -> Result<(), ExecError> {
+        let label = || format!("adamw {block}");
+        let Norm { coef, skip, .. } = *self.norm.lock().unwrap_or_else(|e| e.into_inner());
+        if skip {
+            return Ok(());
+        }
+        let len = self.model.blocks()[block].len;
+        let err = |source| ExecError::Device {
+            op: label(),
+            source,
+        };
+        let adam_err = |source| ExecError::Adam {
+            op: label(),
+            source,
+        };
+        let g = self
+            .host
+            .read(Lane::Cpu, self.host_range(grads).prefix(4 * len))
+            .map_err(err)?;
+        let gslice = cast::<f32>(&g);
+        if !self.plan.shape.needs_global_norm {
+            let s = grad_stats(
+                self.cpu.isa,
+                self.optimizer_threads,
+                Grads::F32(gslice),
+                1.0 / shared.update_loss_scale,
+            )
+            .map_err(adam_err)?;
+            self.block_stats.lock().unwrap_or_else(|e| e.into_inner())[block] = Some(s);
+        }
+        let steps = self.adam_steps(shared, coef)?;
+        let mut st = self
+            .host
+            .write(Lane::Cpu, self.host_range(state).prefix(12 * len))
+            .map_err(err)?;
+        let f = cast_mut::<f32>(&mut st);
+        let (master, rest) = f.split_at_mut(len);
+        let (m, v) = rest.split_at_mut(len);
+        let precision = self.plan.shape.precision;
+        let pbytes = precision.param_bytes() as usize;
+        let mut out = self
+            .host
+            .write(Lane::Cpu, self.host_range(params_out).prefix(len * pbytes))
+            .map_err(err)?;
+        let tensors = &self.model.blocks()[block].tensors;
+        let (isa, threads) = (self.cpu.isa, self.optimizer_threads);
+        let update = |out: WorkingOut<'_>, master: &mut [f32], m: &mut [f32], v: &mut [f32]| {
+            update_block(
+                tensors,
+                [&steps[0], &steps[1]],
+                isa,
+                threads,
+                master,
+                m,
+                v,
+                gslice,
+                out,
+            )
+            .map_err(adam_err)
+        };
+        match precision {
+            Precision::Fp32 => {
+                update(WorkingOut::None, master, m, v)?;
+                cast_mut::<f32>(&mut out).copy_from_slice(master);
+            }
+            Precision::Bf16 => update(WorkingOut::Bf16(cast_mut::<bf16>(&mut out)), master, m, v)?,
+            Precision::Fp16 => update(WorkingOut::F16(cast_mut::<f16>(&mut out)), master, m, v)?,
+        }
+        Ok(())
+    }
+}
+
+/// Where the optimizer writes a block's new working parameters, if anywhere.
+enum WorkingOut<'a> {
+    None,
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+/// AdamW over one block, tensor by tensor: `steps[0]` (with weight decay) for tensors
+/// that decay, `steps[1]` for the others. Alignment gaps are left alone (zero).
+#[allow(clippy::too_many_arguments)]
+fn update_block(
+    tensors: &[TensorSpec],
+    steps: [&AdamStep; 2],
+    isa: Isa,
+    threads: usize,
+    mut master: &mut [f32],
+    mut m: &mut [f32],
+    mut v: &mut [f32],
+    mut grads: &[f32],
+    mut out: WorkingOut<'_>,
+) -> Result<(), strata_kernels::adamw::AdamError> {
+    fn cut<'a, T>(s: &mut &'a mut [T], skip: usize, take: usize) -> &'a mut [T] {
+        let (_, rest) = std::mem::take(s).split_at_mut(skip);
+        let (now, rest) = rest.split_at_mut(take);
+        *s = rest;
+        now
+    }
+    let mut done = 0;
+    for t in tensors {
+        let (skip, take) = (t.slot.offset - done, t.slot.len);
+        done = t.slot.offset + take;
+        let (_, g) = grads.split_at(skip);
+        let (g_now, g_rest) = g.split_at(take);
+        grads = g_rest;
+        let copy = match &mut out {
+            WorkingOut::None => CopyOut::None,
+            WorkingOut::Bf16(o) => CopyOut::Bf16(cut(o, skip, take)),
+            WorkingOut::F16(o) => CopyOut::F16(cut(o, skip, take)),
+        };
+        let step = if t.decays() { steps[0] } else { steps[1] };
+        step.apply(
+            isa,
+            threads,
+            cut(&mut master, skip, take),
+            State::F32 {
+                m: cut(&mut m, skip, take),
+                v: cut(&mut v, skip, take),
+            },
+            Grads::F32(g_now),
+            copy,
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,386 @@
+//! A whole model resident on one device, for whole-model passes: evaluation, tests that
+//! compare a family's programs with reference data, and the calibration's timing.
+//!
+//! Every block's parameters and gradients, every block boundary's activation, the
+//! activation gradients, tokens, losses and the scratch are ranges of one device
+//! allocation; host data goes through a pinned staging arena. The same programs run as
+//! under the executor, on the same device interface; only the schedule is the plain one
+//! (every block in order, nothing streamed).
+
+use strata_kernels::program::{Dtype, Scalars, Target};
+
+use crate::device::{Bindings, Device, DeviceRange, Event, Lane, Program, cast};
+use crate::error::EngineError;
+use crate::memory::{ARENA_ALIGN, DeviceBuffer, HostArena, HostRange};
+use crate::model::{Bind, Model, ModelError, Pass, Shape};
+use crate::plan::Precision;
+
+/// A model with every buffer on one device.
+pub struct Runner {
+    model: Model,
+    device: Device,
+    shape: Shape,
+    dtype: Dtype,
+    precision: Precision,
+    _memory: DeviceBuffer,
+    staging: HostArena,
+    params: Vec<DeviceRange>,
+    grads: Vec<DeviceRange>,
+    /// acts[i]: the input of block i + 1 (acts[0]: the embedding's output).
+    acts: Vec<DeviceRange>,
+    dact: [DeviceRange; 2],
+    tokens: DeviceRange,
+    losses: DeviceRange,
+    scratch: DeviceRange,
+    forward: Vec<Program>,
+    backward: Vec<Program>,
+    has_forward: bool,
+}
+
+/// Hands out consecutive aligned ranges of a size to be allocated.
+struct Layout {
+    next: usize,
+}
+
+impl Layout {
+    fn take(&mut self, bytes: usize) -> DeviceRange {
+        let r = DeviceRange::new(self.next, bytes);
+        self.next = (self.next + bytes).next_multiple_of(ARENA_ALIGN);
+        r
+    }
+}
+
+fn device_err(op: &'static str) -> impl FnOnce(EngineError) -> ModelError {
+    move |e| ModelError::BadInput(format!("{op}: {e}"))
+}
+
+impl Runner {
+    /// Bytes of device memory a runner of `model` for batches of `batch` × `seq` needs
+    /// on `target` with parameters and activations of `dtype`.
+    pub fn device_bytes(
+        model: &Model,
+        batch: usize,
+        seq: usize,
+        target: Target,
+        dtype: Dtype,
+    ) -> Result<usize, ModelError> {
+        let shape = model.shape(batch, seq)?;
+        Ok(Self::layout(model, shape, target, dtype).0.next)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn layout(
+        model: &Model,
+        shape: Shape,
+        target: Target,
+        dtype: Dtype,
+    ) -> (
+        Layout,
+        Vec<DeviceRange>,
+        Vec<DeviceRange>,
+        Vec<DeviceRange>,
+        [DeviceRange; 2],
+        DeviceRange,
+        DeviceRange,
+        DeviceRange,
+    ) {
+        let mut l = Layout { next: 0 };
+        let blocks = model.blocks();
+        let params = blocks
+            .iter()
+            .map(|b| l.take(b.len * dtype.size()))
+            .collect();
+        let grads = blocks.iter().map(|b| l.take(b.len * 4)).collect();
+        let act = shape.rows() * model.width() * dtype.size();
+        let acts = (0..=model.layers()).map(|_| l.take(act)).collect();
+        let dact = [l.take(act), l.take(act)];
+        let tokens = l.take(8 * shape.rows());
+        let losses = l.take(4 * shape.rows());
+        let stats = crate::model::update::grad_stats_scratch(blocks, target);
+        let scratch = l.take(model.scratch_bytes(shape, target, dtype).max(stats));
+        (l, params, grads, acts, dact, tokens, losses, scratch)
+    }
+
+    /// `model` on `device` for batches of `batch` × `seq`, with working parameters in
+    /// `precision` (the CPU device computes in f32 whatever it is; a GPU in its dtype).
+    pub fn new(
+        model: Model,
+        device: Device,
+        batch: usize,
+        seq: usize,
+        precision: Precision,
+    ) -> Result<Self, ModelError> {
+        let shape = model.shape(batch, seq)?;
+        let target = device.target();
+        let dtype = match target {
+            Target::Cpu => Dtype::F32,
+            Target::Cuda => precision.dtype(),
+        };
+        let (l, params, grads, acts, dact, tokens, losses, scratch) =
+            Self::layout(&model, shape, target, dtype);
+        let memory = device
+            .alloc(l.next.max(1))
+            .map_err(device_err("allocating the model's memory"))?;
+        let base = memory.arena_offset_bytes();
+        let shift = |r: DeviceRange| DeviceRange::new(base + r.offset_bytes, r.len_bytes);
+        let largest = model.blocks().iter().map(|b| b.len).max().unwrap_or(0);
+        let staging_bytes = (4 * largest)
+            .max(8 * shape.rows())
+            .max(shape.rows() * model.vocab() * 4)
+            .max(acts_bytes(&acts));
+        let staging = HostArena::new("runner staging", staging_bytes, &device.pinning())
+            .map_err(device_err("allocating host staging"))?;
+        let nb = model.blocks().len();
+        let program = |b, pass| -> Program { model.program(b, pass, shape, target, dtype).into() };
+        Ok(Runner {
+            forward: (0..nb).map(|b| program(b, Pass::Forward)).collect(),
+            backward: (0..nb).map(|b| program(b, Pass::Backward)).collect(),
+            params: params.into_iter().map(shift).collect(),
+            grads: grads.into_iter().map(shift).collect(),
+            acts: acts.into_iter().map(shift).collect(),
+            dact: dact.map(shift),
+            tokens: shift(tokens),
+            losses: shift(losses),
+            scratch: shift(scratch),
+            _memory: memory,
+            staging,
+            model,
+            device,
+            shape,
+            dtype,
+            precision,
+            has_forward: false,
+        })
+    }
+
+    /// The model on a CPU device sized for it.
+    pub fn on_cpu(model: Model, batch: usize, seq: usize) -> Result<Self, ModelError> {
+        let bytes = Self::device_bytes(&model, batch, seq, Target::Cpu, Dtype::F32)?;
+        let device = crate::device::CpuDevice::new(crate::device::CpuDeviceConfig {
+            memory_budget_bytes: bytes.max(1),
+            ..Default::default()
+        })?;
+        Runner::new(model, Device::Cpu(device), batch, seq, Precision::Fp32)
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Copies host bytes to a device range and waits.
+    fn upload(
+        &self,
+        bytes: &[u8],
+        dst: DeviceRange,
+        convert: crate::device::Convert,
+    ) -> Result<(), ModelError> {
+        let range = HostRange::new(0, bytes.len());
+        self.staging
+            .write(Lane::Cpu, range)
+            .map_err(device_err("staging"))?
+            .copy_from_slice(bytes);
+        self.device
+            .copy_to_device(&self.staging, range, dst, convert, &[])
+            .and_then(|e| e.wait())
+            .map_err(device_err("copying to the device"))
+    }
+
+    /// A device range's bytes, as f32 (converted from `dtype`).
+    fn download(&self, src: DeviceRange, dtype: Dtype) -> Result<Vec<f32>, ModelError> {
+        let range = HostRange::new(0, src.len_bytes);
+        self.device
+            .copy_to_host(src, &self.staging, range, &[])
+            .and_then(|e| e.wait())
+            .map_err(device_err("copying to the host"))?;
+        let bytes = self
+            .staging
+            .read(Lane::Cpu, range)
+            .map_err(device_err("staging"))?;
+        Ok(match dtype {
+            Dtype::Bf16 => cast::<half::bf16>(&bytes)
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            Dtype::F16 => cast::<half::f16>(&bytes)
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            _ => cast::<f32>(&bytes).to_vec(),
+        })
+    }
+
+    /// Loads `params` (one f32 buffer per block), rounded to the working precision.
+    pub fn load(&mut self, params: &[Vec<f32>]) -> Result<(), ModelError> {
+        if params.len() != self.model.blocks().len()
+            || params
+                .iter()
+                .zip(self.model.blocks())
+                .any(|(p, b)| p.len() != b.len)
+        {
+            return Err(ModelError::BadInput(format!(
+                "parameters do not match the model's {} blocks",
+                self.model.blocks().len()
+            )));
+        }
+        let cpu = strata_kernels::ops::Cpu::default();
+        for (p, &dst) in params.iter().zip(&self.params) {
+            let mut rounded = vec![0.0f32; p.len()];
+            strata_kernels::program::round_into_f32(&cpu, self.precision.dtype(), p, &mut rounded);
+            match self.dtype {
+                Dtype::Bf16 => {
+                    let v: Vec<half::bf16> =
+                        rounded.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    self.upload(crate::device::bytes_of(&v), dst, None)?;
+                }
+                Dtype::F16 => {
+                    let v: Vec<half::f16> =
+                        rounded.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    self.upload(crate::device::bytes_of(&v), dst, None)?;
+                }
+                _ => self.upload(crate::device::bytes_of(&rounded), dst, None)?,
+            }
+        }
+        self.has_forward = false;
+        Ok(())
+    }
+
+    /// Bindings of block `b`'s program.
+    fn bindings(&self, b: usize, pass: Pass) -> Bindings {
+        let layers = self.model.layers();
+        let rows = self.shape.rows();
+        let mut out = Bindings::default();
+        out.set(Bind::Params as u8, self.params[b]);
+        out.set(Bind::Grads as u8, self.grads[b]);
+        if let Some(t) = self.model.tied(b) {
+            out.set(Bind::TiedParams as u8, self.params[t]);
+            out.set(Bind::TiedGrads as u8, self.grads[t]);
+        }
+        out.set(Bind::Scratch as u8, self.scratch);
+        out.set(Bind::Tokens as u8, self.tokens.sub(0, 4 * rows));
+        out.set(Bind::Targets as u8, self.tokens.sub(4 * rows, 4 * rows));
+        out.set(Bind::Losses as u8, self.losses);
+        if b > 0 {
+            out.set(Bind::Input as u8, self.acts[b - 1]);
+        }
+        if b <= layers {
+            out.set(Bind::Output as u8, self.acts[b]);
+        }
+        if pass == Pass::Backward {
+            // The gradient of the head's input is dact[layers % 2]; block b reads
+            // dact[b % 2] (its output's) and writes dact[(b - 1) % 2].
+            if b <= layers {
+                out.set(Bind::DOutput as u8, self.dact[b % 2]);
+            }
+            if b > 0 {
+                out.set(Bind::DInput as u8, self.dact[(b - 1) % 2]);
+            }
+        }
+        out
+    }
+
+    fn run(&self, b: usize, pass: Pass, scalars: &Scalars) -> Result<Event, ModelError> {
+        let program = match pass {
+            Pass::Forward => &self.forward[b],
+            Pass::Backward => &self.backward[b],
+        };
+        self.device
+            .run_program(program, &self.bindings(b, pass), scalars, &[])
+            .map_err(device_err("running a program"))
+    }
+
+    /// Runs every block forward on `tokens` (B × T, row-major) and returns the mean
+    /// cross-entropy against `targets`; leaves the per-position losses (and, where the
+    /// family keeps them, the logits) for [`Runner::losses`] and [`Runner::logits`].
+    pub fn forward(&mut self, tokens: &[u32], targets: &[u32]) -> Result<f32, ModelError> {
+        self.has_forward = false;
+        let n = self.shape.rows();
+        if tokens.len() != n || targets.len() != n {
+            return Err(ModelError::BadInput(format!(
+                "{} tokens and {} targets given for a batch of {n}",
+                tokens.len(),
+                targets.len()
+            )));
+        }
+        self.model.check_tokens(tokens)?;
+        self.model.check_tokens(targets)?;
+        let mut ids = tokens.to_vec();
+        ids.extend_from_slice(targets);
+        self.upload(crate::device::bytes_of(&ids), self.tokens, None)?;
+        let mut last = None;
+        for b in 0..self.model.blocks().len() {
+            last = Some(self.run(b, Pass::Forward, &Scalars::default())?);
+        }
+        if let Some(e) = last {
+            e.wait().map_err(device_err("the forward pass"))?;
+        }
+        self.has_forward = true;
+        let losses = self.losses()?;
+        let sum: f64 = losses.iter().map(|&l| f64::from(l)).sum();
+        Ok((sum / n as f64) as f32)
+    }
+
+    /// Each position's loss after [`Runner::forward`].
+    pub fn losses(&self) -> Result<Vec<f32>, ModelError> {
+        self.download(self.losses, Dtype::F32)
+    }
+
+    /// The logits (B × T × vocab) after [`Runner::forward`], where the family keeps them.
+    pub fn logits(&self) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(t) = self
+            .model
+            .family()
+            .logits(self.shape, self.device.target(), self.dtype)
+        else {
+            return Ok(None);
+        };
+        self.download(self.scratch.sub(t.offset_bytes, t.bytes()), t.dtype)
+            .map(Some)
+    }
+
+    /// After [`Runner::forward`], the gradient of the mean loss with respect to every
+    /// parameter: one f32 buffer per block. Each block recomputes its forward from its
+    /// input.
+    pub fn backward(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
+        if !self.has_forward {
+            return Err(ModelError::BadInput(
+                "backward needs a forward pass first".into(),
+            ));
+        }
+        let scalars = Scalars {
+            dloss: 1.0 / self.shape.rows() as f32,
+            ..Scalars::default()
+        };
+        let nb = self.model.blocks().len();
+        let mut last = None;
+        for b in (0..nb).rev() {
+            last = Some(self.run(b, Pass::Backward, &scalars)?);
+        }
+        if let Some(e) = last {
+            e.wait().map_err(device_err("the backward pass"))?;
+        }
+        // The head's backward overwrote the logits with their gradient.
+        self.has_forward = false;
+        self.grads
+            .iter()
+            .map(|&g| self.download(g, Dtype::F32))
+            .collect()
+    }
+}
+
+fn acts_bytes(acts: &[DeviceRange]) -> usize {
+    acts.first().map_or(0, |a| a.len_bytes)
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        if let Err(e) = self.device.synchronize() {
+            log::error!("draining the device before dropping a runner failed: {e}");
+        }
+    }
+}

@@ -1,0 +1,958 @@
+//! GPT-2, the first model family: its shape ([`Gpt2Config`]), its blocks and tensors with
+//! Hugging Face's names (`wte.weight`, `h.3.attn.c_attn.weight`, `ln_f.weight`; linear
+//! weights stored (in, out) as `Conv1D` stores them), its `config.json`, its
+//! initialisation, and each block's forward and backward as programs of kernels.
+//!
+//! Blocks: the embedding (`wte`, `wpe`), one block per transformer layer (pre-LayerNorm,
+//! causal attention, 4x MLP with tanh-approximated GELU), and the head (`ln_f`, with the
+//! output projection tied to `wte`: the head reads, and its backward adds to, the
+//! embedding block's `wte` and its gradient).
+//!
+//! Programs keep only block inputs between passes: a layer's backward recomputes its
+//! forward from its input into the scratch, then runs the backward kernels. The scratch is
+//! one region shared by every block (they run one after another on one stream); the
+//! head's buffers overlay the layers'.
+//!
+//! This is the only place in the engine that knows GPT-2's operations.
+
+mod config;
+mod init;
+
+pub use config::{Gpt2Config, PRESETS};
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+use strata_kernels::ops::WeightLayout;
+use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, attention_scratch_bytes};
+
+use super::layout::{BlockKind, BlockLayout, Slot};
+use super::{Bind, Family, ModelError, Pass, Shape};
+
+/// The prefix Hugging Face's `GPT2LMHeadModel` puts before the body's tensor names.
+pub const PREFIX: &str = "transformer.";
+
+/// GPT-2 of one shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpt2 {
+    config: Gpt2Config,
+    blocks: Vec<BlockLayout>,
+    embedding: EmbeddingSlots,
+    layer: Option<LayerSlots>,
+    head: HeadSlots,
+}
+
+impl Gpt2 {
+    /// The family member of shape `config`.
+    pub fn new(config: Gpt2Config) -> Result<Self, ModelError> {
+        config.validate()?;
+        let blocks = block_layouts(&config);
+        let last = blocks.len() - 1;
+        Ok(Gpt2 {
+            config,
+            embedding: EmbeddingSlots::of(&blocks[0]),
+            layer: (config.layers > 0).then(|| LayerSlots::of(&blocks[1])),
+            head: HeadSlots::of(&blocks[last]),
+            blocks,
+        })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &Gpt2Config {
+        &self.config
+    }
+
+    /// Reads a GPT-2 `config.json`, refusing options strata does not implement.
+    pub fn from_hf_config(path: &Path, json: &Value) -> Result<Self, ModelError> {
+        Gpt2::new(parse_config(path, json)?)
+    }
+
+    fn layer(&self) -> &LayerSlots {
+        self.layer
+            .as_ref()
+            .expect("a model with layers has their slots")
+    }
+
+    /// Where each intermediate activation of a block lives in the scratch.
+    fn scratch(&self, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
+        Scratch::new(&self.config, shape, target, dtype)
+    }
+}
+
+impl Family for Gpt2 {
+    fn name(&self) -> &'static str {
+        "gpt2"
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.config;
+        format!(
+            "GPT-2 ({} layers, {} wide, {} heads, vocab {}, context {})",
+            c.layers, c.width, c.heads, c.vocab, c.ctx
+        )
+    }
+
+    fn blocks(&self) -> &[BlockLayout] {
+        &self.blocks
+    }
+
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+
+    fn context(&self) -> usize {
+        self.config.ctx
+    }
+
+    fn width(&self) -> usize {
+        self.config.width
+    }
+
+    fn tied(&self, block: usize) -> Option<usize> {
+        (block == self.blocks.len() - 1).then_some(0)
+    }
+
+    fn check_shape(&self, shape: Shape) -> Result<(), ModelError> {
+        // The largest buffers a batch needs: logits (rows x vocab), the MLP's activations
+        // (rows x 4C), attention scores (B x heads x T x T). Their sizes must fit.
+        let c = self.config;
+        let fits = shape
+            .batch
+            .checked_mul(shape.seq)
+            .and_then(|rows| {
+                rows.checked_mul(c.vocab)?;
+                rows.checked_mul(4)?.checked_mul(c.width)?.checked_mul(8)
+            })
+            .and_then(|_| {
+                shape
+                    .batch
+                    .checked_mul(c.heads)?
+                    .checked_mul(shape.seq)?
+                    .checked_mul(shape.seq)?
+                    .checked_mul(8)
+            });
+        if fits.is_none() {
+            return Err(ModelError::BadInput(format!(
+                "a batch of {} x {} tokens is too large: its activations would have more \
+                 elements than this machine can address",
+                shape.batch, shape.seq
+            )));
+        }
+        Ok(())
+    }
+
+    fn scratch_bytes(&self, shape: Shape, target: Target, dtype: Dtype) -> usize {
+        self.scratch(shape, target, dtype).bytes
+    }
+
+    fn program(
+        &self,
+        block: usize,
+        pass: Pass,
+        shape: Shape,
+        target: Target,
+        dtype: Dtype,
+    ) -> Vec<Kernel> {
+        let s = self.scratch(shape, target, dtype);
+        let p = Program {
+            shape,
+            config: self.config,
+            dtype,
+            s,
+            len: self.blocks[block].len,
+            tied_len: self.blocks[0].len,
+            out: Vec::new(),
+        };
+        match self.blocks[block].kind {
+            BlockKind::Embedding => p.embedding(&self.embedding, pass),
+            BlockKind::Transformer { .. } => p.layer(self.layer(), pass),
+            BlockKind::Head => p.head(&self.head, self.embedding.wte, pass),
+        }
+    }
+
+    fn logits(&self, shape: Shape, target: Target, dtype: Dtype) -> Option<TensorRef> {
+        Some(self.scratch(shape, target, dtype).logits)
+    }
+
+    fn init_params(&self, seed: u64) -> Vec<Vec<f32>> {
+        init::gpt2_init(&self.blocks, self.config.layers, seed)
+    }
+
+    fn hf_prefix(&self, _block: usize) -> &'static str {
+        PREFIX
+    }
+
+    fn hf_ignored(&self, name: &str) -> bool {
+        let name = name.strip_prefix(PREFIX).unwrap_or(name);
+        name == "lm_head.weight"
+            || name.ends_with(".attn.bias")
+            || name.ends_with(".attn.masked_bias")
+    }
+
+    fn hf_config(&self) -> Value {
+        config_json(&self.config)
+    }
+
+    fn param_count(&self) -> usize {
+        self.config.param_count()
+    }
+}
+
+/// The layouts of every block, in order: embedding, `layers` transformer blocks, head.
+fn block_layouts(config: &Gpt2Config) -> Vec<BlockLayout> {
+    let (c, v, ctx) = (config.width, config.vocab, config.ctx);
+    let mut blocks = vec![BlockLayout::build(
+        BlockKind::Embedding,
+        "",
+        &[("wte.weight", vec![v, c]), ("wpe.weight", vec![ctx, c])],
+    )];
+    for layer in 0..config.layers {
+        blocks.push(BlockLayout::build(
+            BlockKind::Transformer { layer },
+            &format!("h.{layer}."),
+            &[
+                ("ln_1.weight", vec![c]),
+                ("ln_1.bias", vec![c]),
+                ("attn.c_attn.weight", vec![c, 3 * c]),
+                ("attn.c_attn.bias", vec![3 * c]),
+                ("attn.c_proj.weight", vec![c, c]),
+                ("attn.c_proj.bias", vec![c]),
+                ("ln_2.weight", vec![c]),
+                ("ln_2.bias", vec![c]),
+                ("mlp.c_fc.weight", vec![c, 4 * c]),
+                ("mlp.c_fc.bias", vec![4 * c]),
+                ("mlp.c_proj.weight", vec![4 * c, c]),
+                ("mlp.c_proj.bias", vec![c]),
+            ],
+        ));
+    }
+    blocks.push(BlockLayout::build(
+        BlockKind::Head,
+        "",
+        &[("ln_f.weight", vec![c]), ("ln_f.bias", vec![c])],
+    ));
+    blocks
+}
+
+/// The embedding block's tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EmbeddingSlots {
+    /// Token embedding (V, C); also the output head's weight.
+    wte: Slot,
+    /// Position embedding (ctx, C).
+    wpe: Slot,
+}
+
+impl EmbeddingSlots {
+    fn of(layout: &BlockLayout) -> Self {
+        EmbeddingSlots {
+            wte: layout.slot_of("wte.weight"),
+            wpe: layout.slot_of("wpe.weight"),
+        }
+    }
+}
+
+/// A transformer block's tensors (the same offsets in every layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LayerSlots {
+    ln_1_weight: Slot,
+    ln_1_bias: Slot,
+    /// (C, 3C)
+    c_attn_weight: Slot,
+    c_attn_bias: Slot,
+    /// (C, C)
+    attn_proj_weight: Slot,
+    attn_proj_bias: Slot,
+    ln_2_weight: Slot,
+    ln_2_bias: Slot,
+    /// (C, 4C)
+    c_fc_weight: Slot,
+    c_fc_bias: Slot,
+    /// (4C, C)
+    mlp_proj_weight: Slot,
+    mlp_proj_bias: Slot,
+}
+
+impl LayerSlots {
+    fn of(layout: &BlockLayout) -> Self {
+        LayerSlots {
+            ln_1_weight: layout.slot_of("ln_1.weight"),
+            ln_1_bias: layout.slot_of("ln_1.bias"),
+            c_attn_weight: layout.slot_of("attn.c_attn.weight"),
+            c_attn_bias: layout.slot_of("attn.c_attn.bias"),
+            attn_proj_weight: layout.slot_of("attn.c_proj.weight"),
+            attn_proj_bias: layout.slot_of("attn.c_proj.bias"),
+            ln_2_weight: layout.slot_of("ln_2.weight"),
+            ln_2_bias: layout.slot_of("ln_2.bias"),
+            c_fc_weight: layout.slot_of("mlp.c_fc.weight"),
+            c_fc_bias: layout.slot_of("mlp.c_fc.bias"),
+            mlp_proj_weight: layout.slot_of("mlp.c_proj.weight"),
+            mlp_proj_bias: layout.slot_of("mlp.c_proj.bias"),
+        }
+    }
+}
+
+/// The head block's tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct HeadSlots {
+    ln_f_weight: Slot,
+    ln_f_bias: Slot,
+}
+
+impl HeadSlots {
+    fn of(layout: &BlockLayout) -> Self {
+        HeadSlots {
+            ln_f_weight: layout.slot_of("ln_f.weight"),
+            ln_f_bias: layout.slot_of("ln_f.bias"),
+        }
+    }
+}
+
+/// The scratch: every intermediate activation of one block for one batch shape, at its
+/// offset. A layer's buffers and the head's overlay each other (the head runs alone).
+#[derive(Debug, Clone, Copy)]
+struct Scratch {
+    ln1: TensorRef,
+    ln1_mean: TensorRef,
+    ln1_rstd: TensorRef,
+    qkv: TensorRef,
+    atty: TensorRef,
+    att: TensorRef,
+    proj: TensorRef,
+    res2: TensorRef,
+    ln2: TensorRef,
+    ln2_mean: TensorRef,
+    ln2_rstd: TensorRef,
+    fch: TensorRef,
+    fch_gelu: TensorRef,
+    attention: TensorRef,
+    d_c: TensorRef,
+    d_c2: TensorRef,
+    d_qkv: TensorRef,
+    d_fch: TensorRef,
+    d_fch_gelu: TensorRef,
+    lnf: TensorRef,
+    lnf_mean: TensorRef,
+    lnf_rstd: TensorRef,
+    head_d_c: TensorRef,
+    /// (B, T, V): logits after the head's forward; their gradient after its backward.
+    logits: TensorRef,
+    /// Bytes of the whole region.
+    bytes: usize,
+}
+
+/// Hands out consecutive 256-byte-aligned tensors of the scratch.
+struct Carve {
+    next: usize,
+}
+
+impl Carve {
+    fn take(&mut self, len: usize, dtype: Dtype) -> TensorRef {
+        let t = TensorRef::new(Bind::Scratch as u8, self.next, len, dtype);
+        self.next = (self.next + t.bytes()).next_multiple_of(256);
+        t
+    }
+}
+
+impl Scratch {
+    fn new(config: &Gpt2Config, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
+        let (n, c, v) = (shape.rows(), config.width, config.vocab);
+        let att = shape.batch * config.heads * shape.seq * shape.seq;
+        let f32 = Dtype::F32;
+        let mut layer = Carve { next: 0 };
+        let mut l = |len, dt| layer.take(len, dt);
+        let (ln1, ln1_mean, ln1_rstd) = (l(n * c, dtype), l(n, f32), l(n, f32));
+        let (qkv, atty, att, proj) = (
+            l(3 * n * c, dtype),
+            l(n * c, dtype),
+            l(att, dtype),
+            l(n * c, dtype),
+        );
+        let (res2, ln2, ln2_mean, ln2_rstd) =
+            (l(n * c, dtype), l(n * c, dtype), l(n, f32), l(n, f32));
+        let (fch, fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));
+        let attention_bytes =
+            attention_scratch_bytes(target, dtype, shape.batch, shape.seq, c, config.heads);
+        let attention = l(attention_bytes, Dtype::U8);
+        let (d_c, d_c2, d_qkv) = (l(n * c, dtype), l(n * c, dtype), l(3 * n * c, dtype));
+        let (d_fch, d_fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));
+        let mut head = Carve { next: 0 };
+        let mut h = |len, dt| head.take(len, dt);
+        let (lnf, lnf_mean, lnf_rstd) = (h(n * c, dtype), h(n, f32), h(n, f32));
+        let (head_d_c, logits) = (h(n * c, dtype), h(n * v, dtype));
+        Scratch {
+            ln1,
+            ln1_mean,
+            ln1_rstd,
+            qkv,
+            atty,
+            att,
+            proj,
+            res2,
+            ln2,
+            ln2_mean,
+            ln2_rstd,
+            fch,
+            fch_gelu,
+            attention,
+            d_c,
+            d_c2,
+            d_qkv,
+            d_fch,
+            d_fch_gelu,
+            lnf,
+            lnf_mean,
+            lnf_rstd,
+            head_d_c,
+            logits,
+            bytes: layer.next.max(head.next),
+        }
+    }
+}
+
+/// Builds one block's program.
+struct Program {
+    shape: Shape,
+    config: Gpt2Config,
+    dtype: Dtype,
+    s: Scratch,
+    /// Elements of the block's buffer.
+    len: usize,
+    /// Elements of the tied block's (the embedding's) buffer.
+    tied_len: usize,
+    out: Vec<Kernel>,
+}
+
+impl Program {
+    /// `slot` of the buffer bound at `bind`, in the working dtype (parameters).
+    fn param(&self, bind: Bind, slot: Slot) -> TensorRef {
+        TensorRef::new(
+            bind as u8,
+            slot.offset * self.dtype.size(),
+            slot.len,
+            self.dtype,
+        )
+    }
+
+    /// `slot` of a gradient buffer (f32).
+    fn grad(&self, bind: Bind, slot: Slot) -> TensorRef {
+        TensorRef::new(bind as u8, slot.offset * 4, slot.len, Dtype::F32)
+    }
+
+    /// A whole activation buffer (B, T, C).
+    fn act(&self, bind: Bind) -> TensorRef {
+        TensorRef::new(
+            bind as u8,
+            0,
+            self.shape.rows() * self.config.width,
+            self.dtype,
+        )
+    }
+
+    /// Token ids (B, T) bound at `bind`.
+    fn ids(&self, bind: Bind) -> TensorRef {
+        TensorRef::new(bind as u8, 0, self.shape.rows(), Dtype::U32)
+    }
+
+    fn push(&mut self, k: Kernel) {
+        self.out.push(k);
+    }
+
+    fn embedding(mut self, e: &EmbeddingSlots, pass: Pass) -> Vec<Kernel> {
+        let (b, t, c) = (self.shape.batch, self.shape.seq, self.config.width);
+        match pass {
+            Pass::Forward => self.push(Kernel::Encoder {
+                out: self.act(Bind::Output),
+                tokens: self.ids(Bind::Tokens),
+                wte: self.param(Bind::Params, e.wte),
+                wpe: self.param(Bind::Params, e.wpe),
+                b,
+                t,
+                c,
+            }),
+            // The head zeroes this block's gradients (it adds to `wte`'s first).
+            Pass::Backward => self.push(Kernel::EncoderBackward {
+                dwte: self.grad(Bind::Grads, e.wte),
+                dwpe: self.grad(Bind::Grads, e.wpe),
+                dout: self.act(Bind::DOutput),
+                tokens: self.ids(Bind::Tokens),
+                b,
+                t,
+                c,
+            }),
+        }
+        self.out
+    }
+
+    /// Everything of a layer's forward except the last residual add: leaves `res2` and
+    /// `proj` (the MLP's output) in the scratch.
+    fn layer_body(&mut self, l: &LayerSlots) {
+        let s = self.s;
+        let (n, c) = (self.shape.rows(), self.config.width);
+        let x = self.act(Bind::Input);
+        let p = |slot| self.param(Bind::Params, slot);
+        let io = WeightLayout::InOut;
+        let kernels = [
+            Kernel::LayerNorm {
+                out: s.ln1,
+                mean: s.ln1_mean,
+                rstd: s.ln1_rstd,
+                inp: x,
+                weight: p(l.ln_1_weight),
+                bias: p(l.ln_1_bias),
+                n,
+                c,
+            },
+            Kernel::Matmul {
+                out: s.qkv,
+                inp: s.ln1,
+                weight: p(l.c_attn_weight),
+                bias: Some(p(l.c_attn_bias)),
+                layout: io,
+                n,
+                c,
+                oc: 3 * c,
+            },
+            Kernel::Attention {
+                out: s.atty,
+                att: s.att,
+                qkv: s.qkv,
+                scratch: s.attention,
+                b: self.shape.batch,
+                t: self.shape.seq,
+                c,
+                nh: self.config.heads,
+            },
+            Kernel::Matmul {
+                out: s.proj,
+                inp: s.atty,
+                weight: p(l.attn_proj_weight),
+                bias: Some(p(l.attn_proj_bias)),
+                layout: io,
+                n,
+                c,
+                oc: c,
+            },
+            Kernel::Residual {
+                out: s.res2,
+                a: x,
+                b: s.proj,
+            },
+            Kernel::LayerNorm {
+                out: s.ln2,
+                mean: s.ln2_mean,
+                rstd: s.ln2_rstd,
+                inp: s.res2,
+                weight: p(l.ln_2_weight),
+                bias: p(l.ln_2_bias),
+                n,
+                c,
+            },
+            Kernel::Matmul {
+                out: s.fch,
+                inp: s.ln2,
+                weight: p(l.c_fc_weight),
+                bias: Some(p(l.c_fc_bias)),
+                layout: io,
+                n,
+                c,
+                oc: 4 * c,
+            },
+            Kernel::Gelu {
+                out: s.fch_gelu,
+                inp: s.fch,
+            },
+            Kernel::Matmul {
+                out: s.proj,
+                inp: s.fch_gelu,
+                weight: p(l.mlp_proj_weight),
+                bias: Some(p(l.mlp_proj_bias)),
+                layout: io,
+                n,
+                c: 4 * c,
+                oc: c,
+            },
+        ];
+        self.out.extend(kernels);
+    }
+
+    fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
+        let s = self.s;
+        if pass == Pass::Forward {
+            self.layer_body(l);
+            let out = self.act(Bind::Output);
+            self.push(Kernel::Residual {
+                out,
+                a: s.res2,
+                b: s.proj,
+            });
+            return self.out;
+        }
+        // Backward: recompute the forward from the input, then every gradient, into
+        // zeroed parameter gradients.
+        let (n, c) = (self.shape.rows(), self.config.width);
+        self.push(Kernel::Zero {
+            t: TensorRef::new(Bind::Grads as u8, 0, self.len, Dtype::F32),
+        });
+        self.layer_body(l);
+        let (x, dout, dx) = (
+            self.act(Bind::Input),
+            self.act(Bind::DOutput),
+            self.act(Bind::DInput),
+        );
+        let p = |slot| self.param(Bind::Params, slot);
+        let g = |slot| self.grad(Bind::Grads, slot);
+        let io = WeightLayout::InOut;
+        let kernels = [
+            // out = res2 + mlp(ln2(res2)): dout reaches the MLP's output and res2 directly.
+            Kernel::MatmulBackward {
+                dinp: s.d_fch_gelu,
+                dweight: g(l.mlp_proj_weight),
+                dbias: Some(g(l.mlp_proj_bias)),
+                dout,
+                inp: s.fch_gelu,
+                weight: p(l.mlp_proj_weight),
+                layout: io,
+                n,
+                c: 4 * c,
+                oc: c,
+            },
+            Kernel::GeluBackward {
+                dinp: s.d_fch,
+                inp: s.fch,
+                dout: s.d_fch_gelu,
+            },
+            Kernel::MatmulBackward {
+                dinp: s.d_c,
+                dweight: g(l.c_fc_weight),
+                dbias: Some(g(l.c_fc_bias)),
+                dout: s.d_fch,
+                inp: s.ln2,
+                weight: p(l.c_fc_weight),
+                layout: io,
+                n,
+                c,
+                oc: 4 * c,
+            },
+            // d_c2 becomes the gradient of res2: dout plus what flows back through ln_2.
+            Kernel::Copy {
+                dst: s.d_c2,
+                src: dout,
+            },
+            Kernel::LayerNormBackward {
+                dinp: s.d_c2,
+                dweight: g(l.ln_2_weight),
+                dbias: g(l.ln_2_bias),
+                dout: s.d_c,
+                inp: s.res2,
+                weight: p(l.ln_2_weight),
+                mean: s.ln2_mean,
+                rstd: s.ln2_rstd,
+                n,
+                c,
+            },
+            // res2 = x + attn(ln1(x)).
+            Kernel::MatmulBackward {
+                dinp: s.d_c,
+                dweight: g(l.attn_proj_weight),
+                dbias: Some(g(l.attn_proj_bias)),
+                dout: s.d_c2,
+                inp: s.atty,
+                weight: p(l.attn_proj_weight),
+                layout: io,
+                n,
+                c,
+                oc: c,
+            },
+            Kernel::AttentionBackward {
+                dqkv: s.d_qkv,
+                dout: s.d_c,
+                qkv: s.qkv,
+                att: s.att,
+                scratch: s.attention,
+                b: self.shape.batch,
+                t: self.shape.seq,
+                c,
+                nh: self.config.heads,
+            },
+            Kernel::MatmulBackward {
+                dinp: s.d_c,
+                dweight: g(l.c_attn_weight),
+                dbias: Some(g(l.c_attn_bias)),
+                dout: s.d_qkv,
+                inp: s.ln1,
+                weight: p(l.c_attn_weight),
+                layout: io,
+                n,
+                c,
+                oc: 3 * c,
+            },
+            Kernel::Copy {
+                dst: dx,
+                src: s.d_c2,
+            },
+            Kernel::LayerNormBackward {
+                dinp: dx,
+                dweight: g(l.ln_1_weight),
+                dbias: g(l.ln_1_bias),
+                dout: s.d_c,
+                inp: x,
+                weight: p(l.ln_1_weight),
+                mean: s.ln1_mean,
+                rstd: s.ln1_rstd,
+                n,
+                c,
+            },
+        ];
+        self.out.extend(kernels);
+        self.out
+    }
+
+    fn head(mut self, h: &HeadSlots, wte: Slot, pass: Pass) -> Vec<Kernel> {
+        let s = self.s;
+        let (n, c, v) = (self.shape.rows(), self.config.width, self.config.vocab);
+        let x = self.act(Bind::Input);
+        let targets = self.ids(Bind::Targets);
+        let oi = WeightLayout::OutIn;
+        if pass == Pass::Backward {
+            // Every micro-batch's gradients start from zero; the head is the first to
+            // write the tied embedding's.
+            self.push(Kernel::Zero {
+                t: TensorRef::new(Bind::Grads as u8, 0, self.len, Dtype::F32),
+            });
+            self.push(Kernel::Zero {
+                t: TensorRef::new(Bind::TiedGrads as u8, 0, self.tied_len, Dtype::F32),
+            });
+        }
+        let forward = [
+            Kernel::LayerNorm {
+                out: s.lnf,
+                mean: s.lnf_mean,
+                rstd: s.lnf_rstd,
+                inp: x,
+                weight: self.param(Bind::Params, h.ln_f_weight),
+                bias: self.param(Bind::Params, h.ln_f_bias),
+                n,
+                c,
+            },
+            Kernel::Matmul {
+                out: s.logits,
+                inp: s.lnf,
+                weight: self.param(Bind::TiedParams, wte),
+                bias: None,
+                layout: oi,
+                n,
+                c,
+                oc: v,
+            },
+            Kernel::CrossEntropy {
+                losses: TensorRef::new(Bind::Losses as u8, 0, n, Dtype::F32),
+                logits: s.logits,
+                targets,
+                n,
+                v,
+            },
+        ];
+        self.out.extend(forward);
+        if pass == Pass::Forward {
+            return self.out;
+        }
+        let dx = self.act(Bind::DInput);
+        let backward = [
+            Kernel::CrossEntropyBackward {
+                logits: s.logits,
+                targets,
+                n,
+                v,
+            },
+            Kernel::MatmulBackward {
+                dinp: s.head_d_c,
+                dweight: self.grad(Bind::TiedGrads, wte),
+                dbias: None,
+                dout: s.logits,
+                inp: s.lnf,
+                weight: self.param(Bind::TiedParams, wte),
+                layout: oi,
+                n,
+                c,
+                oc: v,
+            },
+            Kernel::Zero { t: dx },
+            Kernel::LayerNormBackward {
+                dinp: dx,
+                dweight: self.grad(Bind::Grads, h.ln_f_weight),
+                dbias: self.grad(Bind::Grads, h.ln_f_bias),
+                dout: s.head_d_c,
+                inp: x,
+                weight: self.param(Bind::Params, h.ln_f_weight),
+                mean: s.lnf_mean,
+                rstd: s.lnf_rstd,
+                n,
+                c,
+            },
+        ];
+        self.out.extend(backward);
+        self.out
+    }
+}
+
+/// Reads a GPT-2 `config.json` (already parsed), refusing options strata does not
+/// implement.
+fn parse_config(path: &Path, json: &Value) -> Result<Gpt2Config, ModelError> {
+    let unsupported = |message: String| ModelError::UnsupportedConfig {
+        path: path.to_path_buf(),
+        message,
+    };
+    let int = |keys: &[&str]| -> Result<usize, ModelError> {
+        keys.iter()
+            .find_map(|k| json.get(*k).and_then(Value::as_u64))
+            .map(|v| v as usize)
+            .ok_or_else(|| unsupported(format!("no integer `{}`", keys[0])))
+    };
+    let config = Gpt2Config {
+        layers: int(&["n_layer"])?,
+        heads: int(&["n_head"])?,
+        width: int(&["n_embd"])?,
+        vocab: int(&["vocab_size"])?,
+        ctx: int(&["n_positions", "n_ctx"])?,
+    };
+    let text_of = |key: &str| json.get(key).and_then(Value::as_str);
+    let flag = |key: &str, default: bool| json.get(key).and_then(Value::as_bool).unwrap_or(default);
+    let activation = text_of("activation_function").unwrap_or("gelu_new");
+    if !matches!(activation, "gelu_new" | "gelu_pytorch_tanh") {
+        return Err(unsupported(format!(
+            "activation_function `{activation}`; strata implements GELU's tanh approximation \
+             (`gelu_new`)"
+        )));
+    }
+    let eps = json
+        .get("layer_norm_epsilon")
+        .and_then(Value::as_f64)
+        .unwrap_or(1e-5);
+    if (eps - 1e-5).abs() > 1e-12 {
+        return Err(unsupported(format!(
+            "layer_norm_epsilon {eps}; strata uses 1e-5"
+        )));
+    }
+    match json.get("n_inner") {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_u64() == Some(4 * config.width as u64) => {}
+        Some(v) => return Err(unsupported(format!("n_inner {v}; strata uses 4 × n_embd"))),
+    }
+    for (key, default, wanted) in [
+        ("tie_word_embeddings", true, true),
+        ("scale_attn_weights", true, true),
+        ("scale_attn_by_inverse_layer_idx", false, false),
+        ("add_cross_attention", false, false),
+    ] {
+        if flag(key, default) != wanted {
+            return Err(unsupported(format!(
+                "{key} is {}; strata needs {wanted}",
+                !wanted
+            )));
+        }
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+/// `config.json` for `config`, as transformers' `GPT2Config` writes it (no dropout: strata
+/// trains without).
+pub fn config_json(config: &Gpt2Config) -> Value {
+    json!({
+        "activation_function": "gelu_new",
+        "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": 1e-5,
+        "model_type": "gpt2",
+        "n_embd": config.width,
+        "n_head": config.heads,
+        "n_inner": null,
+        "n_layer": config.layers,
+        "n_positions": config.ctx,
+        "vocab_size": config.vocab,
+        "scale_attn_weights": true,
+        "scale_attn_by_inverse_layer_idx": false,
+        "reorder_and_upcast_attn": false,
+        "tie_word_embeddings": true,
+        "torch_dtype": "float32",
+        "use_cache": true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::layout::TENSOR_ALIGN_ELEMENTS;
+
+    #[test]
+    fn layouts_cover_every_parameter_once_aligned_and_disjoint() {
+        for config in [
+            Gpt2Config::tiny(),
+            Gpt2Config::gpt2(),
+            Gpt2Config::new(3, 3, 9, 7, 5),
+        ] {
+            let blocks = block_layouts(&config);
+            assert_eq!(blocks.len(), config.layers + 2);
+            let total: usize = blocks.iter().map(|b| b.param_count()).sum();
+            assert_eq!(total, config.param_count());
+            for block in &blocks {
+                let mut end = 0;
+                for t in &block.tensors {
+                    assert_eq!(t.slot.offset % TENSOR_ALIGN_ELEMENTS, 0);
+                    assert!(t.slot.offset >= end);
+                    assert_eq!(t.slot.len, t.shape.iter().product::<usize>());
+                    end = t.slot.range().end;
+                }
+                assert!(end <= block.len && block.len % TENSOR_ALIGN_ELEMENTS == 0);
+            }
+            let a = LayerSlots::of(&blocks[1]);
+            let b = LayerSlots::of(&blocks[config.layers]);
+            assert_eq!(a.mlp_proj_weight, b.mlp_proj_weight);
+            assert_eq!(
+                blocks[1].tensor("h.0.ln_1.bias").unwrap().shape,
+                vec![config.width]
+            );
+        }
+    }
+
+    #[test]
+    fn programs_stay_inside_their_buffers() {
+        let gpt = Gpt2::new(Gpt2Config::new(2, 4, 64, 96, 32)).unwrap();
+        let shape = Shape { batch: 2, seq: 16 };
+        for target in [Target::Cpu, Target::Cuda] {
+            let dtype = if target == Target::Cpu {
+                Dtype::F32
+            } else {
+                Dtype::Bf16
+            };
+            let scratch = gpt.scratch_bytes(shape, target, dtype);
+            for (b, block) in gpt.blocks().iter().enumerate() {
+                for pass in [Pass::Forward, Pass::Backward] {
+                    for k in gpt.program(b, pass, shape, target, dtype) {
+                        k.for_each_tensor(|t, _| {
+                            let limit = match t.buf {
+                                x if x == Bind::Scratch as u8 => scratch,
+                                x if x == Bind::Params as u8 => block.len * dtype.size(),
+                                x if x == Bind::Grads as u8 => block.len * 4,
+                                x if x == Bind::TiedParams as u8 => {
+                                    gpt.blocks[0].len * dtype.size()
+                                }
+                                x if x == Bind::TiedGrads as u8 => gpt.blocks[0].len * 4,
+                                _ => usize::MAX,
+                            };
+                            assert!(
+                                t.offset_bytes + t.bytes() <= limit,
+                                "block {b} {pass:?} {}: {t:?} past {limit}",
+                                k.name()
+                            );
+                        });
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! The programs every family shares, built from a block's layout alone: AdamW over a
+//! block's tensors (on the device, where its optimizer state lives there), the
+//! statistics of a block's gradients (for the global norm and the overflow check), and
+//! the accumulation of one micro-batch's gradients into another's.
+//!
+//! Optimizer state is one f32 buffer per block: the master parameters, then m, then v,
+//! each the block's length (alignment gaps included, and left zero).
+
+use strata_kernels::program::{Dtype, Kernel, TensorRef, grad_stats_scratch_bytes};
+
+use super::{Bind, BlockLayout, Target};
+
+/// AdamW over every tensor of `block`: master parameters, m and v in [`Bind::State`],
+/// gradients in [`Bind::Grads`], the new working parameters written to [`Bind::Params`]
+/// in `params_dtype`, rounded to `precision`. Tensors that decay ([`TensorSpec::decays`]
+/// (super::TensorSpec::decays)) use the constants with weight decay.
+pub fn adamw_program(block: &BlockLayout, params_dtype: Dtype, precision: Dtype) -> Vec<Kernel> {
+    let len = block.len;
+    let state = |part: usize, offset: usize, n: usize| {
+        TensorRef::new(Bind::State as u8, (part * len + offset) * 4, n, Dtype::F32)
+    };
+    block
+        .tensors
+        .iter()
+        .map(|t| {
+            let (offset, n) = (t.slot.offset, t.slot.len);
+            Kernel::AdamW {
+                params: state(0, offset, n),
+                m: state(1, offset, n),
+                v: state(2, offset, n),
+                grads: TensorRef::new(Bind::Grads as u8, offset * 4, n, Dtype::F32),
+                copy_out: Some(TensorRef::new(
+                    Bind::Params as u8,
+                    offset * params_dtype.size(),
+                    n,
+                    params_dtype,
+                )),
+                round: precision,
+                decay: t.decays(),
+            }
+        })
+        .collect()
+}
+
+/// The statistics of `block`'s gradients ([`Bind::Grads`]) into [`Bind::Stats`], with
+/// the reduction's scratch at the start of [`Bind::Scratch`].
+pub fn grad_stats_program(block: &BlockLayout, target: Target) -> Vec<Kernel> {
+    vec![Kernel::GradStats {
+        grads: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
+        out: TensorRef::new(Bind::Stats as u8, 0, 16, Dtype::U8),
+        scratch: TensorRef::new(
+            Bind::Scratch as u8,
+            0,
+            grad_stats_scratch_bytes(target, block.len),
+            Dtype::U8,
+        ),
+    }]
+}
+
+/// Bytes of scratch [`grad_stats_program`] needs for the largest of `blocks`.
+pub fn grad_stats_scratch(blocks: &[BlockLayout], target: Target) -> usize {
+    blocks
+        .iter()
+        .map(|b| grad_stats_scratch_bytes(target, b.len))
+        .max()
+        .unwrap_or(0)
+}
+
+/// `Grads += GradsIn` over `block`'s length (f32).
+pub fn accumulate_program(block: &BlockLayout) -> Vec<Kernel> {
+    vec![Kernel::AddF32 {
+        dst: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
+        src: TensorRef::new(Bind::GradsIn as u8, 0, block.len, Dtype::F32),
+    }]
+}

@@ -1,0 +1,184 @@
+//! Whether a plan fits its budgets, and when it does not, the refusal: which tier, by how
+//! much, and what would fit instead (a lower prefetch depth, a smaller micro-batch with
+//! more accumulation, other built-in policies).
+
+use super::build::{BufKind, ExtentSide, Plan};
+use super::{PlanError, PlanInput, Policy, TensorClass, Tier};
+use crate::model::BlockKind;
+
+impl Plan {
+    /// The first tier whose peak exceeds its budget, if any.
+    pub fn first_overflow(&self) -> Option<Tier> {
+        Tier::ALL
+            .into_iter()
+            .find(|t| self.peak[t.index()] > self.budget(*t))
+    }
+
+    fn budget(&self, tier: Tier) -> u64 {
+        match tier {
+            Tier::Device => self.budgets.device,
+            Tier::Host => self.budgets.host,
+            Tier::Nvme => self.budgets.nvme,
+        }
+    }
+
+    /// How many tiers are over budget.
+    pub fn overflow_count(&self) -> usize {
+        Tier::ALL
+            .into_iter()
+            .filter(|t| self.peak[t.index()] > self.budget(*t))
+            .count()
+    }
+
+    /// Total bytes over budget, across tiers (0 when it fits).
+    pub fn shortfall(&self) -> u64 {
+        Tier::ALL
+            .into_iter()
+            .map(|t| self.peak[t.index()].saturating_sub(self.budget(t)))
+            .sum()
+    }
+
+    /// Bytes a tier holds for a class, summed over blocks (what `strata plan` reports):
+    /// homes and per-step buffers of that class at their largest.
+    pub fn bytes_by_class(&self) -> Vec<(TensorClass, [u64; 3])> {
+        let mut out: Vec<(TensorClass, [u64; 3])> =
+            TensorClass::ALL.iter().map(|&c| (c, [0; 3])).collect();
+        for b in &self.buffers {
+            let class = if b.name.starts_with("params") {
+                TensorClass::Params
+            } else if b.name.starts_with("grads") {
+                TensorClass::Grads
+            } else if b.name.starts_with("adam") {
+                TensorClass::Optimizer
+            } else if b.name.starts_with("ckpt") {
+                TensorClass::Checkpoints
+            } else {
+                continue;
+            };
+            let bytes = match b.kind {
+                BufKind::Extent { group, side } => {
+                    let e = &self.extent_groups[group];
+                    if side == ExtentSide::Next {
+                        0
+                    } else {
+                        e.bytes.next_multiple_of(4096) * if e.paired { 2 } else { 1 }
+                    }
+                }
+                _ => b.bytes,
+            };
+            out.iter_mut().find(|(c, _)| *c == class).expect("listed").1[b.tier.index()] += bytes;
+        }
+        out
+    }
+
+    /// `Ok` when every tier's peak is within its budget; otherwise the refusal, naming
+    /// the tier, the shortfall, and what would fit: a lower prefetch depth, a smaller
+    /// micro-batch, or another built-in policy.
+    pub fn check_fits(&self, input: &PlanInput<'_>) -> Result<(), PlanError> {
+        let Some(tier) = self.first_overflow() else {
+            return Ok(());
+        };
+        let mut suggestions = Vec::new();
+        let fits = |shape: super::StepShape, policy: &dyn Policy| {
+            let alt = PlanInput { shape, ..*input };
+            Plan::build(&alt, policy)
+                .ok()
+                .filter(|p| p.first_overflow().is_none())
+        };
+        // Same policy family, lower depth.
+        if self.depth > 1 {
+            for depth in (1..self.depth).rev() {
+                let fixed = FixedDepth {
+                    name: self.policy.clone(),
+                    homes: self.homes.clone(),
+                    depth,
+                };
+                if fits(input.shape, &fixed).is_some() {
+                    suggestions.push(format!("prefetch depth {depth} fits (--prefetch {depth})"));
+                    break;
+                }
+            }
+        }
+        // Smaller micro-batch (with more accumulation, the same tokens per step).
+        let mut batch = input.shape.batch;
+        while batch > 1 {
+            batch /= 2;
+            let shape = super::StepShape {
+                batch,
+                grad_accum: input.shape.grad_accum * (input.shape.batch / batch).max(1),
+                ..input.shape
+            };
+            let fixed = FixedDepth {
+                name: self.policy.clone(),
+                homes: self.homes.clone(),
+                depth: self.depth,
+            };
+            if fits(shape, &fixed).is_some() {
+                suggestions.push(format!(
+                    "batch {batch} with --grad-accum {} fits (same tokens per step)",
+                    shape.grad_accum
+                ));
+                break;
+            }
+        }
+        // Other policies.
+        let mut others = Vec::new();
+        for policy in super::Auto::candidates(input) {
+            if policy.name() != self.policy && fits(input.shape, policy.as_ref()).is_some() {
+                let name = policy.name();
+                let family = name.split('(').next().unwrap_or(&name).to_string();
+                if !others.contains(&family) {
+                    others.push(family);
+                }
+            }
+        }
+        if !others.is_empty() {
+            suggestions.push(format!("policies that fit: {}", others.join(", ")));
+        }
+        if suggestions.is_empty() {
+            suggestions.push(format!(
+                "raise the {tier} budget to at least {}",
+                super::fmt_bytes(self.peak[tier.index()])
+            ));
+        }
+        Err(PlanError::DoesNotFit {
+            policy: self.policy.clone(),
+            tier,
+            need_bytes: self.peak[tier.index()],
+            budget_bytes: self.budget(tier),
+            suggestions,
+        })
+    }
+}
+
+/// A plan's homes with another prefetch depth (for suggestions).
+#[derive(Debug)]
+struct FixedDepth {
+    name: String,
+    homes: Vec<[Tier; 4]>,
+    depth: usize,
+}
+
+impl Policy for FixedDepth {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn home(&self, input: &PlanInput<'_>, block: usize, class: TensorClass) -> Tier {
+        let h = self.homes[block];
+        match class {
+            TensorClass::Params => h[0],
+            TensorClass::Grads => h[1],
+            TensorClass::Optimizer => h[2],
+            TensorClass::Checkpoints => {
+                if matches!(input.block_kind(block), BlockKind::Transformer { .. }) {
+                    h[3]
+                } else {
+                    Tier::Device
+                }
+            }
+        }
+    }
+    fn prefetch_depth(&self, _: &PlanInput<'_>) -> usize {
+        self.depth
+    }
+}

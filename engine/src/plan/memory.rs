@@ -1,0 +1,172 @@
+//! The planner's last stage: dependencies derived from each operation's reads and writes,
+//! and the memory plan by liveness analysis.
+//!
+//! Every transient buffer is live from its first to its last use in the canonical order.
+//! Transient buffers of one tier whose lifetimes do not overlap share a physical slot
+//! (interval allocation, best fit among slots within 2x of the buffer's size, so a small
+//! long-lived buffer never pins a large slot); a reuse adds dependencies from the
+//! previous occupant's users to the new occupant's first use, so a slot is reused only
+//! once every reader of the previous occupant has finished. Persistent buffers have slots
+//! of their own. Slots are then laid out one after another in their tier's arena. Every
+//! edge points backwards in the canonical order, so the lanes cannot deadlock.
+
+use super::Tier;
+use super::build::{Access, BufId, BufKind, BufferPlan, Op, OpId, SlotId, SlotPlan};
+
+/// Device slots start at multiples of this (what CUDA's allocator guarantees).
+pub const DEVICE_ALIGN: u64 = 256;
+/// Host slots start at multiples of this (O_DIRECT).
+pub const HOST_ALIGN: u64 = 4096;
+
+fn align(tier: Tier) -> u64 {
+    if tier == Tier::Device {
+        DEVICE_ALIGN
+    } else {
+        HOST_ALIGN
+    }
+}
+
+/// Read-after-write, write-after-read and write-after-write edges, from the accesses.
+pub(super) fn derive_dependencies(ops: &mut [Op], buffers: usize) {
+    let mut last_writer: Vec<Option<OpId>> = vec![None; buffers];
+    let mut readers: Vec<Vec<OpId>> = vec![Vec::new(); buffers];
+    for (id, op) in ops.iter_mut().enumerate() {
+        let id = OpId::of(id);
+        let mut deps = std::mem::take(&mut op.deps);
+        for a in op.access.iter().copied() {
+            let b = a.buf().index();
+            match a {
+                Access::Read(_) => {
+                    deps.extend(last_writer[b]);
+                    readers[b].push(id);
+                }
+                Access::Write(_) => {
+                    deps.extend(last_writer[b]);
+                    deps.append(&mut readers[b]);
+                    last_writer[b] = Some(id);
+                }
+            }
+        }
+        deps.retain(|&d| d != id);
+        deps.sort_unstable();
+        deps.dedup();
+        op.deps = deps;
+    }
+}
+
+/// Interval allocation of transient buffers into shared slots; persistent buffers get a
+/// slot each. Adds the reuse edges and lays the slots out in their arenas.
+pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPlan> {
+    let mut users: Vec<Vec<OpId>> = vec![Vec::new(); buffers.len()];
+    for (id, op) in ops.iter().enumerate() {
+        let id = OpId::of(id);
+        for a in &op.access {
+            let b = a.buf().index();
+            if users[b].last() != Some(&id) {
+                users[b].push(id);
+            }
+        }
+    }
+    for (b, u) in users.iter().enumerate() {
+        if let (Some(&first), Some(&last)) = (u.first(), u.last()) {
+            buffers[b].live = Some((first, last));
+            if !buffers[b].persistent {
+                let first_access = ops[first.index()]
+                    .access
+                    .iter()
+                    .find(|a| a.buf().index() == b);
+                assert!(
+                    matches!(first_access, Some(Access::Write(_))),
+                    "planner bug: transient buffer {} is read before it is written",
+                    buffers[b].name
+                );
+            }
+        }
+    }
+    let mut slots: Vec<SlotPlan> = Vec::new();
+    // Current occupant of each slot.
+    let mut occupant: Vec<Option<BufId>> = Vec::new();
+    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    order.sort_by_key(|&b| buffers[b].live.map_or(u32::MAX, |l| l.0.0));
+    for b in order {
+        let buf = &buffers[b];
+        if matches!(buf.kind, BufKind::Extent { .. } | BufKind::Flag) {
+            continue;
+        }
+        let new_slot = |slots: &mut Vec<SlotPlan>, occupant: &mut Vec<Option<BufId>>| {
+            slots.push(SlotPlan {
+                tier: buf.tier,
+                bytes: buf.bytes,
+                offset_bytes: 0,
+            });
+            occupant.push(None);
+            slots.len() - 1
+        };
+        if buf.persistent || buf.live.is_none() {
+            let s = new_slot(&mut slots, &mut occupant);
+            buffers[b].slot = Some(SlotId::of(s));
+            continue;
+        }
+        let (first, _) = buf.live.expect("live");
+        let free: Vec<usize> = (0..slots.len())
+            .filter(|&s| {
+                slots[s].tier == buf.tier
+                    && occupant[s].is_some_and(|o| buffers[o.index()].live.expect("live").1 < first)
+            })
+            .collect();
+        // Share only between buffers of similar size (within 2x), so that a small
+        // long-lived buffer never pins a large slot and a large one never inflates a
+        // small slot many times over.
+        let similar = |s: usize| slots[s].bytes <= 2 * buf.bytes && 2 * slots[s].bytes >= buf.bytes;
+        let fitting = free
+            .iter()
+            .copied()
+            .filter(|&s| similar(s) && slots[s].bytes >= buf.bytes)
+            .min_by_key(|&s| slots[s].bytes);
+        let chosen = fitting.or_else(|| {
+            free.iter()
+                .copied()
+                .filter(|&s| similar(s))
+                .max_by_key(|&s| slots[s].bytes)
+        });
+        let slot = match chosen {
+            Some(s) => {
+                let prev = occupant[s].expect("occupied");
+                let first_op = &mut ops[first.index()];
+                for &u in &users[prev.index()] {
+                    if u < first && !first_op.deps.contains(&u) {
+                        first_op.deps.push(u);
+                    }
+                }
+                slots[s].bytes = slots[s].bytes.max(buf.bytes);
+                s
+            }
+            None => new_slot(&mut slots, &mut occupant),
+        };
+        occupant[slot] = Some(BufId::of(b));
+        buffers[b].slot = Some(SlotId::of(slot));
+    }
+    for op in ops.iter_mut() {
+        op.deps.sort_unstable();
+        op.deps.dedup();
+    }
+    // Lay each tier's slots out, in order, aligned.
+    let mut next = [0u64; 3];
+    for slot in &mut slots {
+        let end = &mut next[slot.tier.index()];
+        slot.offset_bytes = end.next_multiple_of(align(slot.tier));
+        *end = slot.offset_bytes + slot.bytes;
+    }
+    slots
+}
+
+/// Bytes of `tier`'s arena: the end of its last slot, aligned.
+pub(super) fn arena_bytes(slots: &[SlotPlan], tier: Tier) -> u64 {
+    slots
+        .iter()
+        .filter(|s| s.tier == tier)
+        .map(|s| s.offset_bytes + s.bytes)
+        .max()
+        .unwrap_or(0)
+        .next_multiple_of(align(tier))
+}
