@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use strata::engine::exec::{ExecConfig, Executor, StepParams};
 use strata::engine::kernels::adamw::AdamW;
-use strata::engine::model::{BlockKind, CpuBackend, Gpt2Config, Model};
+use strata::engine::model::{BlockKind, Gpt2Config, Model};
 use strata::engine::plan::{
     AllOnDevice, Budgets, CostModel, CpuOffload, ParamOffload, Plan, PlanInput, Policy, StepShape,
     TensorClass, Tier,
@@ -36,7 +36,7 @@ impl Policy for PinnedEnds {
 /// Trains 3 steps of `plan` on one batch and returns the master parameters.
 fn train(model: &Model, plan: Plan) -> Result<Vec<Vec<f32>>, Box<dyn std::error::Error>> {
     let config = ExecConfig::default();
-    let mut exec = Executor::new(model.clone(), plan, CpuBackend::default(), &config)?;
+    let mut exec = Executor::on_cpu(model.clone(), plan, &config)?;
     exec.load(&model.init_params(7), None)?;
     let n = exec.plan().shape.batch * exec.plan().shape.seq;
     let tokens: Vec<u32> = (0..=n as u32).map(|i| i * 7 % 4093).collect();

@@ -7,7 +7,7 @@ use strata::engine::checkpoint::{self, Checkpoint, TrainerState};
 use strata::engine::exec::{ExecConfig, Executor, StepParams};
 use strata::engine::kernels::adamw::AdamW;
 use strata::engine::model::data::{Batch, TokenData};
-use strata::engine::model::{CpuBackend, Gpt2Config, Model, weights};
+use strata::engine::model::{Gpt2Config, Model, weights};
 use strata::engine::plan::{Auto, Budgets, PlanInput, StepShape};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -23,7 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("plan {}: peak bytes per tier {:?}", plan.policy, plan.peak);
 
     let config = ExecConfig::with_nvme(vec![dir.clone()]);
-    let mut exec = Executor::new(model.clone(), plan, CpuBackend::default(), &config)?;
+    let mut exec = Executor::on_cpu(model.clone(), plan, &config)?;
     exec.load(&model.init_params(1337), None)?;
     let mut adam = AdamW::default();
     (adam.lr, adam.beta2, adam.weight_decay) = (3e-3, 0.95, 0.1);

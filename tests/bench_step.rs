@@ -91,9 +91,18 @@ fn every_policy_has_a_row_and_json() {
         nvme["link_bytes_per_step"][0].as_u64().unwrap() > 0,
         "nvme reads"
     );
+    // Everything on the device: the host sends only the batch, 2 x 16 token ids and as
+    // many targets of 4 bytes, and nothing comes back but the losses (2 x 16 x 4 bytes)
+    // and the gradient statistics of the 4 blocks (16 bytes each).
     assert_eq!(
-        policies[0]["link_bytes_per_step"][2], 0,
-        "no h2d on the device"
+        policies[0]["link_bytes_per_step"][2],
+        2 * 2 * 16 * 4,
+        "only tokens and targets go to the device"
+    );
+    assert_eq!(
+        policies[0]["link_bytes_per_step"][3],
+        2 * 16 * 4 + 4 * 16,
+        "only the losses and gradient statistics come back"
     );
 
     let trace: serde_json::Value =

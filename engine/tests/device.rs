@@ -224,7 +224,7 @@ fn a_missing_dependency_is_an_ordering_violation_not_a_race() {
         }
         other => panic!("expected an ordering violation, got {other}"),
     }
-    assert!(error.to_string().contains("missing an event dependency"));
+    assert!(error.to_string().contains("missing a dependency"));
     // The failed copy gave its slot back.
     assert!(pool.try_acquire().is_some());
     release_tx.send(()).unwrap();

@@ -9,9 +9,9 @@ use std::path::Path;
 use model_support::golden_dir;
 use safetensors::{Dtype, View};
 use strata_engine::model::weights::{
-    self, config_json, load_config, load_pretrained, load_safetensors, save_pretrained,
+    load_config, load_pretrained, load_safetensors, save_pretrained,
 };
-use strata_engine::model::{Gpt2Config, Model, ModelError};
+use strata_engine::model::{Gpt2Config, Model, ModelError, gpt2};
 
 /// A tensor to write into a test file.
 struct Raw {
@@ -71,7 +71,7 @@ fn tiny() -> Model {
 #[test]
 fn load_save_load_is_bit_exact_and_looks_like_save_pretrained() {
     let (model, params) = load_pretrained(&golden_dir()).unwrap();
-    assert_eq!(*model.config(), Gpt2Config::tiny());
+    assert_eq!(model, Model::new(Gpt2Config::tiny()).unwrap());
     let dir = tempfile::tempdir().unwrap();
     save_pretrained(&model, &params, dir.path()).unwrap();
     let (again, reloaded) = load_pretrained(dir.path()).unwrap();
@@ -98,7 +98,7 @@ fn load_save_load_is_bit_exact_and_looks_like_save_pretrained() {
     }
     assert_eq!(
         load_config(&dir.path().join("config.json")).unwrap(),
-        Gpt2Config::tiny()
+        Model::new(Gpt2Config::tiny()).unwrap()
     );
     assert!(!dir.path().join("model.safetensors.partial").exists());
 }
@@ -108,7 +108,7 @@ fn hub_name_variants_and_buffers_are_accepted() {
     let (_, golden_params) = load_pretrained(&golden_dir()).unwrap();
     let mut tensors: HashMap<String, Raw> = golden_tensors()
         .into_iter()
-        .map(|(n, r)| (n.strip_prefix(weights::PREFIX).unwrap().to_string(), r))
+        .map(|(n, r)| (n.strip_prefix(gpt2::PREFIX).unwrap().to_string(), r))
         .collect();
     // Older checkpoints carry the causal mask and a masked-bias constant per layer, and
     // some the tied head.
@@ -251,12 +251,12 @@ fn bad_paths_and_configs_are_clear() {
     assert!(message.contains("config.json: No such file"), "{message}");
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("config.json");
-    let mut json = config_json(&Gpt2Config::tiny());
+    let mut json = gpt2::config_json(&Gpt2Config::tiny());
     json["activation_function"] = "relu".into();
     std::fs::write(&config, json.to_string()).unwrap();
     let message = load_config(&config).unwrap_err().to_string();
     assert!(message.contains("activation_function `relu`"), "{message}");
-    let mut json = config_json(&Gpt2Config::tiny());
+    let mut json = gpt2::config_json(&Gpt2Config::tiny());
     json["n_head"] = 3.into();
     std::fs::write(&config, json.to_string()).unwrap();
     let message = load_config(&config).unwrap_err().to_string();
@@ -303,11 +303,11 @@ fn shapes_too_large_to_address_are_config_errors() {
 fn batches_too_large_to_address_are_input_errors() {
     let model = Model::new(Gpt2Config::tiny()).unwrap();
     for (batch, seq) in [(usize::MAX / 4, 8), (usize::MAX, 1), (1 << 62, 2)] {
-        let error = model.dims(batch, seq).unwrap_err();
+        let error = model.shape(batch, seq).unwrap_err();
         assert!(
             matches!(error, ModelError::BadInput(_)),
             "{batch} x {seq}: {error}"
         );
     }
-    model.dims(2, 16).unwrap();
+    model.shape(2, 16).unwrap();
 }

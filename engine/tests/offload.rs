@@ -13,7 +13,7 @@ use strata_engine::exec::Runner;
 use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
-use strata_engine::model::weights::{self, load_pretrained};
+use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Gpt2Config, Model, gpt2};
 use strata_engine::plan::{
     AllOnDevice, Auto, Budgets, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanError, PlanInput,

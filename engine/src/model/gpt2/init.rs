@@ -66,7 +66,6 @@ pub(super) fn gpt2_init(blocks: &[BlockLayout], layers: usize, seed: u64) -> Vec
 #[cfg(test)]
 mod tests {
     use super::super::Gpt2Config;
-    use super::*;
     use crate::model::Model;
 
     #[test]
