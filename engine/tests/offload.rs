@@ -21,6 +21,11 @@ use strata_engine::plan::{
 };
 use strata_engine::storage::FaultPlan;
 
+/// No chaos, then three seeds of it: the CPU device delays every stream operation, and
+/// the executor every host operation, by a seeded random 0 to 2 ms, so that a dependency
+/// missing from a plan shows as a wrong result or an ordering violation.
+const CHAOS: [Option<u64>; 4] = [None, Some(1), Some(2), Some(3)];
+
 const UNLIMITED: Budgets = Budgets {
     device: u64::MAX / 4,
     host: u64::MAX / 4,
@@ -96,6 +101,17 @@ fn train(
     steps: usize,
     step_params: StepParams,
 ) -> Run {
+    train_with(model, shape, policy, steps, step_params, None)
+}
+
+fn train_with(
+    model: &Model,
+    shape: StepShape,
+    policy: &dyn Policy,
+    steps: usize,
+    step_params: StepParams,
+    chaos: Option<u64>,
+) -> Run {
     let input = PlanInput {
         model,
         shape,
@@ -105,6 +121,7 @@ fn train(
     let nvme = tempfile::tempdir().unwrap();
     let config = ExecConfig {
         nvme_dirs: vec![nvme.path().to_path_buf()],
+        chaos,
         ..ExecConfig::default()
     };
     let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
@@ -178,8 +195,11 @@ fn every_policy_and_depth_trains_bit_identically() {
             reference.losses
         );
         for policy in all_policies() {
-            let run = train(&model, shape, policy.as_ref(), 5, hyper(1e-3));
-            assert_bit_identical(&reference, &run, &format!("{config:?} {}", policy.name()));
+            for chaos in CHAOS {
+                let run = train_with(&model, shape, policy.as_ref(), 5, hyper(1e-3), chaos);
+                let what = format!("{config:?} {} chaos {chaos:?}", policy.name());
+                assert_bit_identical(&reference, &run, &what);
+            }
         }
     }
 }
@@ -215,8 +235,11 @@ fn accumulation_clipping_and_bf16_are_policy_independent() {
                 checkpoints: Tier::Nvme,
             }),
         ] {
-            let run = train(&model, shape, policy.as_ref(), 4, params);
-            assert_bit_identical(&reference, &run, &format!("{precision} {}", policy.name()));
+            for chaos in CHAOS {
+                let run = train_with(&model, shape, policy.as_ref(), 4, params, chaos);
+                let what = format!("{precision} {} chaos {chaos:?}", policy.name());
+                assert_bit_identical(&reference, &run, &what);
+            }
         }
     }
 }
@@ -261,8 +284,11 @@ fn a_delayed_update_is_one_step_stale_and_policy_independent() {
                 checkpoints: Tier::Nvme,
             }),
         ] {
-            let run = train(&model, shape, policy.as_ref(), 5, params);
-            assert_bit_identical(&reference, &run, &format!("delayed {}", policy.name()));
+            for chaos in CHAOS {
+                let run = train_with(&model, shape, policy.as_ref(), 5, params, chaos);
+                let what = format!("delayed {} chaos {chaos:?}", policy.name());
+                assert_bit_identical(&reference, &run, &what);
+            }
         }
     }
 }
@@ -422,41 +448,45 @@ fn measured_peaks_stay_within_the_plan_and_the_plan_within_budget() {
         let tight = PlanInput { budgets, ..input };
         let plan = Plan::build(&tight, policy.as_ref()).unwrap();
         plan.check_fits(&tight).unwrap();
-        let nvme = tempfile::tempdir().unwrap();
-        let config = ExecConfig {
-            nvme_dirs: vec![nvme.path().into()],
-            ..ExecConfig::default()
-        };
-        let mut exec = Executor::on_cpu(model.clone(), plan.clone(), &config).unwrap();
-        exec.load(&model.init_params(3), None).unwrap();
-        let data = batches(96, 64, 3, 2, 5);
-        for step in &data {
-            let refs: Vec<(&[u32], &[u32])> = step.iter().map(|(t, y)| (&t[..], &y[..])).collect();
-            exec.step(&refs, &hyper(1e-3)).unwrap();
-        }
-        let (live, allocated) = (exec.peak_live(), exec.allocated());
-        for tier in Tier::ALL {
-            let i = tier.index();
-            assert!(
-                live[i] <= plan.peak[i],
-                "{}: measured live {tier} {} > plan {}",
-                policy.name(),
-                live[i],
-                plan.peak[i]
-            );
-            assert_eq!(
-                allocated[i],
-                plan.peak[i],
-                "{}: allocated {tier}",
-                policy.name()
-            );
-            assert!(plan.peak[i] <= [budgets.device, budgets.host, budgets.nvme][i]);
-        }
-        // Streaming really shares memory: the device holds less than all of the params.
-        if policy.name().starts_with("nvme") {
-            let all_params: u64 = model.blocks().iter().map(|b| b.len as u64 * 4).sum();
-            assert!(plan.peak[0] < 16 * all_params, "{}", policy.name());
-            assert!(live[1] > 0, "host buffers were in use");
+        for chaos in CHAOS {
+            let nvme = tempfile::tempdir().unwrap();
+            let config = ExecConfig {
+                nvme_dirs: vec![nvme.path().into()],
+                chaos,
+                ..ExecConfig::default()
+            };
+            let mut exec = Executor::on_cpu(model.clone(), plan.clone(), &config).unwrap();
+            exec.load(&model.init_params(3), None).unwrap();
+            let data = batches(96, 64, 3, 2, 5);
+            for step in &data {
+                let refs: Vec<(&[u32], &[u32])> =
+                    step.iter().map(|(t, y)| (&t[..], &y[..])).collect();
+                exec.step(&refs, &hyper(1e-3)).unwrap();
+            }
+            let (live, allocated) = (exec.peak_live(), exec.allocated());
+            for tier in Tier::ALL {
+                let i = tier.index();
+                assert!(
+                    live[i] <= plan.peak[i],
+                    "{}: measured live {tier} {} > plan {}",
+                    policy.name(),
+                    live[i],
+                    plan.peak[i]
+                );
+                assert_eq!(
+                    allocated[i],
+                    plan.peak[i],
+                    "{}: allocated {tier}",
+                    policy.name()
+                );
+                assert!(plan.peak[i] <= [budgets.device, budgets.host, budgets.nvme][i]);
+            }
+            // Streaming really shares memory: the device holds less than all of the params.
+            if policy.name().starts_with("nvme") {
+                let all_params: u64 = model.blocks().iter().map(|b| b.len as u64 * 4).sum();
+                assert!(plan.peak[0] < 16 * all_params, "{}", policy.name());
+                assert!(live[1] > 0, "host buffers were in use");
+            }
         }
     }
 }
@@ -544,32 +574,21 @@ fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
     let refs = |s: usize| -> Vec<(&[u32], &[u32])> {
         data[s].iter().map(|(t, y)| (&t[..], &y[..])).collect()
     };
-    for (kind, faults, delayed) in [
-        (
-            "bit flips",
-            FaultPlan {
-                bitflip_per_million: 200_000,
-                ..FaultPlan::seeded(1)
-            },
-            false,
-        ),
-        (
-            "EIO",
-            FaultPlan {
-                eio_per_million: 100_000,
-                ..FaultPlan::seeded(2)
-            },
-            false,
-        ),
-        (
-            "EIO, delayed update",
-            FaultPlan {
-                eio_per_million: 100_000,
-                ..FaultPlan::seeded(3)
-            },
-            true,
-        ),
-    ] {
+    let cases = [
+        ("bit flips", 200_000, 0, 1, false),
+        ("EIO", 0, 100_000, 2, false),
+        ("EIO, delayed update", 0, 100_000, 3, true),
+    ];
+    for ((kind, bitflips, eio, seed, delayed), chaos) in cases
+        .into_iter()
+        .flat_map(|case| CHAOS.map(|chaos| (case, chaos)))
+    {
+        let faults = FaultPlan {
+            bitflip_per_million: bitflips,
+            eio_per_million: eio,
+            ..FaultPlan::seeded(seed)
+        };
+        let kind = format!("{kind}, chaos {chaos:?}");
         let shape = if delayed {
             StepShape::cpu(2, 16).delayed()
         } else {
@@ -594,6 +613,7 @@ fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
             nvme_dirs: vec![nvme.path().into()],
             faults: Some(faults.clone()),
             io: strata_engine::storage::BackendChoice::Threads,
+            chaos,
             ..ExecConfig::default()
         };
         let mut exec = Executor::on_cpu(model.clone(), plan.clone(), &config).unwrap();

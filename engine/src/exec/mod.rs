@@ -126,8 +126,10 @@ pub struct ExecConfig {
     /// How many operations the compute lane may have submitted and not yet completed
     /// (at least 1).
     pub run_ahead: usize,
-    /// When set, the host lanes too wait a seeded random 0 to 2 ms before each
-    /// operation (as the CPU device's streams do under `STRATA_DEVICE_CHAOS`).
+    /// Chaos (tests): when set, the host lanes wait a seeded random 0 to 2 ms before
+    /// each operation, and a CPU device opened by [`Executor::on_cpu`] delays its stream
+    /// operations the same way (see `crate::device`'s CPU device). The default is
+    /// `STRATA_DEVICE_CHAOS`.
     pub chaos: Option<u64>,
 }
 
@@ -449,6 +451,7 @@ impl Executor {
     pub fn on_cpu(model: Model, plan: Plan, config: &ExecConfig) -> Result<Self, ExecError> {
         let device = CpuDevice::new(CpuDeviceConfig {
             memory_budget_bytes: plan.peak[Tier::Device.index()].max(1) as usize,
+            chaos: config.chaos,
             ..CpuDeviceConfig::default()
         })
         .map_err(|source| ExecError::Device {
