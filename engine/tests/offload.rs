@@ -742,3 +742,62 @@ fn calibration_measures_every_rate_and_plans_with_them() {
     let (_, plan, _) = Auto { cost }.choose(&input).unwrap();
     assert!(cost.predict(&plan).step_seconds > 0.0);
 }
+
+#[test]
+fn a_panic_in_any_lane_ends_the_step_with_an_error_naming_it() {
+    let model = Model::new(small()).unwrap();
+    let data = batches(96, 32, 1, 1, 5);
+    let shape = StepShape::cpu(2, 16);
+    let input = PlanInput {
+        model: &model,
+        shape,
+        budgets: UNLIMITED,
+    };
+    let plan = Plan::build(
+        &input,
+        &NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Nvme,
+        },
+    )
+    .unwrap();
+    // One operation of every lane of the plan: the first of each.
+    let mut firsts = Vec::new();
+    for lane in strata_engine::plan::Lane::ALL {
+        if let Some(&id) = plan.lanes[lane.index()].first() {
+            firsts.push((lane, plan.op(id).kind.label()));
+        }
+    }
+    assert_eq!(firsts.len(), 6, "the plan uses every lane");
+    for (lane, label) in firsts {
+        let (model, plan, refs) = (model.clone(), plan.clone(), data[0].clone());
+        let (send, recv) = std::sync::mpsc::channel();
+        let panic_at = label.clone();
+        std::thread::spawn(move || {
+            let nvme = tempfile::tempdir().unwrap();
+            let config = ExecConfig {
+                nvme_dirs: vec![nvme.path().into()],
+                panic_at: Some(panic_at),
+                ..ExecConfig::default()
+            };
+            let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
+            exec.load(&model.init_params(1), None).unwrap();
+            let refs: Vec<(&[u32], &[u32])> = refs.iter().map(|(t, y)| (&t[..], &y[..])).collect();
+            let _ = send.send(exec.step(&refs, &hyper(1e-3)).map(|_| ()));
+        });
+        // The other lanes stop: the step ends, it does not hang.
+        let err = recv
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("{lane} {label}: the step hung after a panic"))
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(&err, ExecError::Panicked { lane: l, op, .. } if *l == lane && *op == label),
+            "{lane} {label}: {text}"
+        );
+        assert!(
+            text.contains(&lane.to_string()) && text.contains(&label),
+            "{text}"
+        );
+    }
+}

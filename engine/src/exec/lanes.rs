@@ -64,6 +64,11 @@ impl Executor {
                 continue; // not part of this run
             }
             let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                if let Some(label) = &self.panic_at
+                    && *label == self.plan.op(id).kind.label()
+                {
+                    panic!("injected panic");
+                }
                 if lane.is_stream() {
                     self.submit_op(lane, id, shared, &mut in_flight)
                 } else {

@@ -131,6 +131,9 @@ pub struct ExecConfig {
     /// operations the same way (see `crate::device`'s CPU device). The default is
     /// `STRATA_DEVICE_CHAOS`.
     pub chaos: Option<u64>,
+    /// Fault injection (tests): the operation with this label (`adamw 2`, `fwd 1`)
+    /// panics when its lane reaches it, as a bug in it would.
+    pub panic_at: Option<String>,
 }
 
 impl Default for ExecConfig {
@@ -142,6 +145,7 @@ impl Default for ExecConfig {
             optimizer_threads: strata_kernels::parallel::max_threads(),
             run_ahead: 4,
             chaos: crate::device::chaos_from_env(),
+            panic_at: None,
         }
     }
 }
@@ -268,6 +272,7 @@ pub struct Executor {
     optimizer_threads: usize,
     run_ahead: usize,
     chaos: Option<u64>,
+    panic_at: Option<String>,
     store: Option<TensorStore>,
     /// Per extent group: (side A, side B) (equal for single extents).
     extents: Vec<(ExtentId, ExtentId)>,
@@ -415,6 +420,7 @@ impl Executor {
             optimizer_threads: config.optimizer_threads.max(1),
             run_ahead: config.run_ahead.max(1),
             chaos: config.chaos,
+            panic_at: config.panic_at.clone(),
             store,
             extents,
             generation: 0,
