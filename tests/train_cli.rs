@@ -411,3 +411,50 @@ fn plan_answers_for_a_13b_model_without_allocating() {
         start.elapsed()
     );
 }
+
+#[test]
+fn device_cuda_without_a_gpu_is_one_line_naming_what_is_missing() {
+    let probe = strata::engine::kernels::cuda::probe();
+    if probe.require_all().is_ok() {
+        println!("skipped: a GPU is here; scripts/gpu-check runs --device cuda");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = golden();
+    let data = model.join("tokens.bin");
+    let runs: [Vec<&str>; 3] = [
+        vec!["train", "--device", "cuda", "--steps", "1"],
+        vec!["bench", "step", "--device", "cuda", "--model", "tiny", "--steps", "1"],
+        vec![
+            "eval",
+            "--device",
+            "cuda",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+        ],
+    ];
+    for args in runs {
+        let mut args = args;
+        let nvme = dir.path().to_str().unwrap();
+        if args[0] != "eval" {
+            args.extend(["--nvme", nvme]);
+        }
+        let out = strata(&args);
+        // The refusal names what is missing, never an unbuilt feature.
+        assert_one_line_error(&out, &["CUDA is not usable here"]);
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("not built"), "{}: {stderr}", args.join(" "));
+        let missing = !probe.driver || !probe.nvrtc || !probe.cublas;
+        assert!(
+            !missing || stderr.contains("could not be loaded"),
+            "{}: {stderr}",
+            args.join(" ")
+        );
+    }
+}
