@@ -424,7 +424,9 @@ fn device_cuda_without_a_gpu_is_one_line_naming_what_is_missing() {
     let data = model.join("tokens.bin");
     let runs: [Vec<&str>; 3] = [
         vec!["train", "--device", "cuda", "--steps", "1"],
-        vec!["bench", "step", "--device", "cuda", "--model", "tiny", "--steps", "1"],
+        vec![
+            "bench", "step", "--device", "cuda", "--model", "tiny", "--steps", "1",
+        ],
         vec![
             "eval",
             "--device",
@@ -449,7 +451,11 @@ fn device_cuda_without_a_gpu_is_one_line_naming_what_is_missing() {
         // The refusal names what is missing, never an unbuilt feature.
         assert_one_line_error(&out, &["CUDA is not usable here"]);
         let stderr = text(&out.stderr);
-        assert!(!stderr.contains("not built"), "{}: {stderr}", args.join(" "));
+        assert!(
+            !stderr.contains("not built"),
+            "{}: {stderr}",
+            args.join(" ")
+        );
         let missing = !probe.driver || !probe.nvrtc || !probe.cublas;
         assert!(
             !missing || stderr.contains("could not be loaded"),

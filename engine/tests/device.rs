@@ -409,7 +409,7 @@ fn select_says_which_device_and_why() {
 fn gpu_or_skip(budget_bytes: usize) -> Option<Device> {
     // These tests only copy, so they need only the driver.
     if let Err(why) = strata_engine::kernels::cuda::probe().require_driver() {
-        println!("skipping: no GPU: {}", why.reason);
+        println!("skipped: no GPU: {}", why.reason);
         return None;
     }
     Some(Device::Cuda(
@@ -510,4 +510,234 @@ fn gpu_times_copies_in_both_directions_at_once() {
             .all(|(i, &b)| b == (i % 13) as u8)
     );
     println!("16 MiB: H2D {upload_time:?}, H2D+D2H {both_time:?}");
+}
+
+// Programs and copies between a host arena and device ranges: the interface the executor
+// uses, on both devices.
+
+use strata_engine::device::{Bindings, DeviceRange};
+use strata_engine::kernels::ops::{self, Cpu};
+use strata_engine::kernels::program::{Dtype, Kernel, Scalars, TensorRef};
+use strata_engine::memory::{HostArena, HostRange};
+
+const N: usize = 4099;
+
+/// The input values, their host arena, and a device with room for two f32 tensors of N.
+fn program_rig(device: Device) -> (Vec<f32>, HostArena, Device, [DeviceRange; 2]) {
+    let input: Vec<f32> = (0..N).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+    let host = HostArena::new("test", 2 * 4 * N, &device.pinning()).unwrap();
+    host.write(Lane::Cpu, HostRange::new(0, 4 * N))
+        .unwrap()
+        .copy_from_slice(strata_engine::device::bytes_of(&input));
+    let a = DeviceRange::of(&device.alloc(4 * N).unwrap());
+    let b = DeviceRange::of(&device.alloc(4 * N).unwrap());
+    (input, host, device, [a, b])
+}
+
+/// out = gelu(in), bound at indices 0 (out) and 1 (in).
+fn gelu_program(dtype: Dtype) -> strata_engine::device::Program {
+    vec![Kernel::Gelu {
+        out: TensorRef::new(0, 0, N, dtype),
+        inp: TensorRef::new(1, 0, N, dtype),
+    }]
+    .into()
+}
+
+/// Upload, a program, download, each ordered after the last by events only.
+fn upload_gelu_download(
+    device: &Device,
+    host: &HostArena,
+    a: DeviceRange,
+    b: DeviceRange,
+) -> Vec<f32> {
+    let (src, dst) = (HostRange::new(0, 4 * N), HostRange::new(4 * N, 4 * N));
+    let up = device.copy_to_device(host, src, a, None, &[]).unwrap();
+    let mut bind = Bindings::default();
+    bind.set(0, b);
+    bind.set(1, a);
+    let run = device
+        .run_program(&gelu_program(Dtype::F32), &bind, &Scalars::default(), &[up])
+        .unwrap();
+    let down = device.copy_to_host(b, host, dst, &[run]).unwrap();
+    down.wait().unwrap();
+    let bytes = host.read(Lane::Cpu, dst).unwrap();
+    strata_engine::device::cast::<f32>(&bytes).to_vec()
+}
+
+#[test]
+fn a_program_runs_between_its_copies_ordered_by_events() {
+    // Slow copies: a program that did not wait for the upload would read zeros.
+    let (input, host, device, [a, b]) = program_rig(cpu_device(Duration::from_millis(50)));
+    let got = upload_gelu_download(&device, &host, a, b);
+    let mut want = vec![0.0; N];
+    ops::gelu_forward(&Cpu::default(), &mut want, &input);
+    assert_eq!(got, want);
+    assert_eq!(device.copied_bytes(), [4 * N as u64, 4 * N as u64]);
+}
+
+#[test]
+fn a_program_that_forgot_its_upload_is_an_ordering_violation() {
+    let (_, host, device, [a, b]) = program_rig(cpu_device(Duration::from_millis(200)));
+    let up = device
+        .copy_to_device(&host, HostRange::new(0, 4 * N), a, None, &[])
+        .unwrap();
+    let mut bind = Bindings::default();
+    bind.set(0, b);
+    bind.set(1, a);
+    // The upload holds its write view for 200 ms; the program reads the same bytes.
+    std::thread::sleep(Duration::from_millis(50));
+    let run = device
+        .run_program(&gelu_program(Dtype::F32), &bind, &Scalars::default(), &[])
+        .unwrap();
+    let error = run.wait().unwrap_err();
+    assert!(
+        matches!(
+            cause(&error),
+            EngineError::OrderingViolation {
+                lane: Lane::Compute,
+                other_lane: Lane::H2d,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    let _ = up.wait();
+}
+
+#[test]
+fn a_host_arena_range_is_checked_against_the_copies_using_it() {
+    let (_, host, device, [a, _]) = program_rig(cpu_device(Duration::from_millis(200)));
+    let src = HostRange::new(0, 4 * N);
+    let up = device.copy_to_device(&host, src, a, None, &[]).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    // The copy reads the range: a host lane writing it now is refused, reading is shared.
+    assert!(matches!(
+        host.write(Lane::Cpu, src),
+        Err(EngineError::OrderingViolation {
+            other_lane: Lane::H2d,
+            ..
+        })
+    ));
+    assert!(host.read(Lane::Cpu, src).is_ok());
+    up.wait().unwrap();
+    assert!(host.write(Lane::Cpu, src).is_ok());
+}
+
+#[test]
+fn the_cpu_device_widens_bf16_and_fp16_on_the_way_in() {
+    let device = cpu_device(Duration::ZERO);
+    let values: Vec<f32> = (0..N).map(|i| i as f32 * 0.125 - 7.0).collect();
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let host = HostArena::new("test", 2 * N, &device.pinning()).unwrap();
+        let range = HostRange::new(0, 2 * N);
+        {
+            let mut bytes = host.write(Lane::Cpu, range).unwrap();
+            for (i, v) in values.iter().enumerate() {
+                let b = match dtype {
+                    Dtype::Bf16 => half::bf16::from_f32(*v).to_le_bytes(),
+                    _ => half::f16::from_f32(*v).to_le_bytes(),
+                };
+                bytes[2 * i..2 * i + 2].copy_from_slice(&b);
+            }
+        }
+        let dev = DeviceRange::of(&device.alloc(4 * N).unwrap());
+        device
+            .copy_to_device(&host, range, dev, Some((dtype, Dtype::F32)), &[])
+            .unwrap()
+            .wait()
+            .unwrap();
+        let back = HostArena::new("back", 4 * N, &device.pinning()).unwrap();
+        let all = HostRange::new(0, 4 * N);
+        device
+            .copy_to_host(dev, &back, all, &[])
+            .unwrap()
+            .wait()
+            .unwrap();
+        let got = back.read(Lane::Cpu, all).unwrap();
+        let want: Vec<f32> = values
+            .iter()
+            .map(|&v| match dtype {
+                Dtype::Bf16 => half::bf16::from_f32(v).to_f32(),
+                _ => half::f16::from_f32(v).to_f32(),
+            })
+            .collect();
+        let same = strata_engine::device::cast::<f32>(&got)
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{dtype}: widened values differ from half's");
+    }
+}
+
+#[test]
+fn a_tensor_outside_its_binding_is_refused_naming_the_kernel() {
+    let (_, _, device, [a, b]) = program_rig(cpu_device(Duration::ZERO));
+    let mut bind = Bindings::default();
+    bind.set(0, b.sub(0, 4 * (N - 1)));
+    bind.set(1, a);
+    let error = device
+        .run_program(&gelu_program(Dtype::F32), &bind, &Scalars::default(), &[])
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(
+        matches!(
+            cause(&error),
+            EngineError::ProgramBinding { kernel: "gelu", .. }
+        ),
+        "{error}"
+    );
+}
+
+#[test]
+fn chaos_reorders_the_streams_but_not_the_results() {
+    for seed in [1, 2, 3] {
+        let device = Device::Cpu(
+            CpuDevice::new(CpuDeviceConfig {
+                memory_budget_bytes: 1 << 20,
+                chaos: Some(seed),
+                ..CpuDeviceConfig::default()
+            })
+            .unwrap(),
+        );
+        let (input, host, device, [a, b]) = program_rig(device);
+        let got = upload_gelu_download(&device, &host, a, b);
+        let mut want = vec![0.0; N];
+        ops::gelu_forward(&Cpu::default(), &mut want, &input);
+        assert_eq!(got, want, "seed {seed}");
+    }
+}
+
+#[test]
+fn gpu_a_program_runs_between_its_copies_ordered_by_events() {
+    if let Err(why) = strata_engine::kernels::cuda::probe().require_all() {
+        println!("skipped: {why}");
+        return;
+    }
+    let device = Device::Cuda(
+        CudaDevice::new(CudaDeviceConfig {
+            ordinal: 0,
+            memory_budget_bytes: 1 << 20,
+            needs_kernels: true,
+        })
+        .expect("the probe found a GPU"),
+    );
+    let (input, host, device, [a, b]) = program_rig(device);
+    assert_eq!(host.locking(), &HostLocking::CudaRegistered);
+    let got = upload_gelu_download(&device, &host, a, b);
+    let mut want = vec![0.0; N];
+    ops::gelu_forward(&Cpu::default(), &mut want, &input);
+    let err: f64 = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| f64::from(g - w).powi(2))
+        .sum::<f64>()
+        .sqrt()
+        / want
+            .iter()
+            .map(|w| f64::from(*w).powi(2))
+            .sum::<f64>()
+            .sqrt();
+    assert!(err < 1e-5, "relative error {err:.2e}");
+    assert_eq!(device.copied_bytes(), [4 * N as u64, 4 * N as u64]);
 }
