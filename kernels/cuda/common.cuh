@@ -1,14 +1,22 @@
-// What every kernel file shares: the bf16 storage type and its conversions, written with
-// bit operations so that NVRTC compiles them without the toolkit's headers (no
-// cuda_bf16.h), and warp and block reductions. The kernel files are compiled as one
-// program, after this one.
+// What every kernel file shares: the bf16 and fp16 storage types and their conversions,
+// written with bit operations (bf16) and PTX instructions (fp16) so that NVRTC compiles
+// them without the toolkit's headers (no cuda_bf16.h or cuda_fp16.h), and warp and block
+// reductions. The kernel files are compiled as one program, after this one.
 //
 // Conventions: tensors are row-major; shapes are stated above each kernel; `T` is the
-// working type of activations and parameters (float or bf16); parameter gradients and
-// per-row statistics are always float. Every kernel has an extern "C" entry point per
-// type, named `<kernel>_f32` and `<kernel>_bf16`.
+// working type of activations and parameters (float, bf16 or f16); parameter gradients
+// and per-row statistics are always float. Every typed kernel has an extern "C" entry
+// point per type, named `<kernel>_f32`, `<kernel>_bf16` and `<kernel>_f16`; the others
+// (optimizer, gradient statistics, f32 accumulation) have one, under their own name.
+// Every pointer argument is a raw device address inside the caller's memory; no kernel
+// allocates.
 
 struct bf16 {
+    unsigned short bits;
+};
+
+// IEEE half precision, as its bits.
+struct f16 {
     unsigned short bits;
 };
 
@@ -16,6 +24,13 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 
 __device__ __forceinline__ float to_float(bf16 x) {
     return __uint_as_float(((unsigned int)x.bits) << 16);
+}
+
+// Exact: every fp16 value is a float.
+__device__ __forceinline__ float to_float(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
 }
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
@@ -32,6 +47,14 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
     }
     u += 0x7fffu + ((u >> 16) & 1u);
     r.bits = (unsigned short)(u >> 16);
+    return r;
+}
+
+// Round to nearest, ties to even, by the conversion instruction: overflow gives infinity,
+// subnormals are kept, NaN stays NaN (as the CPU casts do).
+template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
     return r;
 }
 
@@ -112,6 +135,6 @@ __device__ void column_sums_accumulate(float* out, const T* inp, int n, int c) {
     }
 }
 
-// Instantiates `BODY` as extern "C" kernels for float and bf16. BODY(T, SUFFIX) expands
-// to one kernel definition.
-#define FOR_EACH_TYPE(BODY) BODY(float, f32) BODY(bf16, bf16)
+// Instantiates `BODY` as extern "C" kernels for float, bf16 and f16. BODY(T, SUFFIX)
+// expands to the kernel definitions of one type.
+#define FOR_EACH_TYPE(BODY) BODY(float, f32) BODY(bf16, bf16) BODY(f16, f16)

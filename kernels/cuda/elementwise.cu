@@ -1,5 +1,5 @@
-// Elementwise kernels: GELU (tanh approximation), the residual add, and casts between
-// f32 and the 16-bit formats. One thread per element.
+// Elementwise kernels: GELU (tanh approximation), the residual add, and the f32
+// accumulation of gradients. One thread per element.
 
 #define GELU_SCALE 0.7978845608028654f
 
@@ -54,39 +54,10 @@ __device__ void residual_forward(T* out, const T* a, const T* b, long long n) {
     }
 FOR_EACH_TYPE(ELEMENTWISE_KERNELS)
 
-// out: (N) bf16  inp: (N) f32.
-extern "C" __global__ void cast_f32_to_bf16(bf16* out, const float* inp, long long n) {
+// dst: (N) f32 += src: (N) f32 (gradient accumulation).
+extern "C" __global__ void add_f32(float* dst, const float* src, long long n) {
     long long i = global_index();
     if (i < n) {
-        out[i] = from_float<bf16>(inp[i]);
-    }
-}
-
-// out: (N) f32  inp: (N) bf16. Exact.
-extern "C" __global__ void cast_bf16_to_f32(float* out, const bf16* inp, long long n) {
-    long long i = global_index();
-    if (i < n) {
-        out[i] = to_float(inp[i]);
-    }
-}
-
-// out: (N) fp16 bits  inp: (N) f32. The conversion instruction by PTX, so that no toolkit
-// header is needed.
-extern "C" __global__ void cast_f32_to_f16(unsigned short* out, const float* inp, long long n) {
-    long long i = global_index();
-    if (i < n) {
-        unsigned short h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(inp[i]));
-        out[i] = h;
-    }
-}
-
-// out: (N) f32  inp: (N) fp16 bits. Exact.
-extern "C" __global__ void cast_f16_to_f32(float* out, const unsigned short* inp, long long n) {
-    long long i = global_index();
-    if (i < n) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(inp[i]));
-        out[i] = f;
+        dst[i] = dst[i] + src[i];
     }
 }

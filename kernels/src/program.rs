@@ -307,7 +307,8 @@ pub enum Kernel {
         dout: TensorRef,
         /// (B, T, 3C).
         qkv: TensorRef,
-        /// (B, NH, T, T).
+        /// (B, NH, T, T), zero above the diagonal, as [`Kernel::Attention`] leaves it
+        /// (the CUDA kernels read it whole).
         att: TensorRef,
         /// [`attention_scratch_bytes`] bytes (U8).
         scratch: TensorRef,
@@ -453,6 +454,18 @@ pub enum KernelError {
     /// AdamW ran without constants in the scalars.
     #[error("AdamW ran without its step constants")]
     NoAdamStep,
+    /// A tensor's address is not a multiple of what the kernel needs.
+    #[error("{kernel}: tensor {what} starts at {address:#x}, not a multiple of {align} bytes")]
+    Misaligned {
+        /// The kernel.
+        kernel: &'static str,
+        /// Which tensor.
+        what: &'static str,
+        /// Its address.
+        address: u64,
+        /// The alignment it needs, in bytes.
+        align: usize,
+    },
     /// A CUDA call failed.
     #[error(transparent)]
     Cuda(#[from] crate::cuda::CudaError),
@@ -708,8 +721,7 @@ pub fn program_flops(kernels: &[Kernel]) -> f64 {
 /// Bytes of scratch [`Kernel::Attention`] and [`Kernel::AttentionBackward`] need on
 /// `target` for a batch of `b` × `t` tokens, `c` channels in `nh` heads, activations of
 /// `dtype`: on the CPU the backward's softmax gradient (B, NH, T, T) in f32; on CUDA the
-/// per-head Q, K, V and output and their gradients (7 × B T C in `dtype`), the scores
-/// in f32 and the gradient of the scaled scores (B, NH, T, T in `dtype`).
+/// regions of [`attention_scratch_layout`].
 pub fn attention_scratch_bytes(
     target: Target,
     dtype: Dtype,
@@ -718,24 +730,96 @@ pub fn attention_scratch_bytes(
     c: usize,
     nh: usize,
 ) -> usize {
-    let scores = b * nh * t * t;
     match target {
-        Target::Cpu => scores * 4,
-        Target::Cuda => {
-            let align = |x: usize| x.next_multiple_of(256);
-            7 * align(b * t * c * dtype.size()) + align(scores * 4) + align(scores * dtype.size())
-        }
+        Target::Cpu => b * nh * t * t * 4,
+        Target::Cuda => attention_scratch_layout(dtype, b, t, c, nh).total_bytes,
     }
 }
 
+/// Where each region of the CUDA attention kernels' scratch starts, in bytes from the
+/// scratch's start (see [`attention_scratch_layout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionScratchLayout {
+    /// Q per head, (B, NH, T, HS) in the working dtype.
+    pub q: usize,
+    /// K per head, likewise.
+    pub k: usize,
+    /// V per head, likewise.
+    pub v: usize,
+    /// The output per head (forward), or its gradient (backward), likewise.
+    pub y: usize,
+    /// The gradient of Q per head, likewise.
+    pub dq: usize,
+    /// The gradient of K per head, likewise.
+    pub dk: usize,
+    /// The gradient of V per head, likewise.
+    pub dv: usize,
+    /// The scaled scores Q K^T (forward) or the gradient of the probabilities (backward),
+    /// (B, NH, T, T) in f32.
+    pub scores: usize,
+    /// The gradient of the scaled scores, (B, NH, T, T) in the working dtype.
+    pub dscores: usize,
+    /// Bytes of the whole scratch.
+    pub total_bytes: usize,
+}
+
+/// The CUDA attention kernels' scratch, for activations of `dtype` (f32, bf16 or f16):
+/// seven (B, T, C) tensors of `dtype` (q, k, v, y, dq, dk, dv), the f32 scores
+/// (B, NH, T, T), then the scores' gradient (B, NH, T, T) of `dtype`, in that order, each
+/// starting at a multiple of 256 bytes from the scratch's start. The forward uses q, k,
+/// v, y and the scores; the backward all of them. The scratch itself must start at a
+/// multiple of 4 bytes (256 is best: cuBLAS is fastest on aligned operands).
+pub fn attention_scratch_layout(
+    dtype: Dtype,
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) -> AttentionScratchLayout {
+    let align = |x: usize| x.next_multiple_of(ATTENTION_SCRATCH_ALIGN);
+    let head_bytes = align(b * t * c * dtype.size());
+    let scores = b * nh * t * t;
+    let region = |i: usize| i * head_bytes;
+    AttentionScratchLayout {
+        q: region(0),
+        k: region(1),
+        v: region(2),
+        y: region(3),
+        dq: region(4),
+        dk: region(5),
+        dv: region(6),
+        scores: region(7),
+        dscores: region(7) + align(scores * 4),
+        total_bytes: region(7) + align(scores * 4) + align(scores * dtype.size()),
+    }
+}
+
+/// The alignment, in bytes, of each region of [`attention_scratch_layout`].
+pub const ATTENTION_SCRATCH_ALIGN: usize = 256;
+
 /// Bytes of scratch [`Kernel::GradStats`] needs on `target` over `len` gradients: none
-/// on the CPU; on CUDA one f64 partial sum and one flag per block of the reduction (at
-/// most 1024 blocks).
+/// on the CPU; on CUDA one f64 partial sum per block of the first pass of the reduction
+/// ([`grad_stats_blocks`]). The scratch must start at a multiple of 8 bytes.
 pub fn grad_stats_scratch_bytes(target: Target, len: usize) -> usize {
     match target {
         Target::Cpu => 0,
-        Target::Cuda => 16 * len.div_ceil(256).clamp(1, 1024),
+        Target::Cuda => 8 * grad_stats_blocks(len),
     }
+}
+
+/// Threads per block of the CUDA gradient statistics (`GRAD_STATS_THREADS` in
+/// `kernels/cuda/adamw.cu`).
+pub const GRAD_STATS_THREADS: usize = 256;
+
+/// The most blocks the first pass of the CUDA gradient statistics runs.
+pub const GRAD_STATS_MAX_BLOCKS: usize = 1024;
+
+/// Blocks of the first pass of the CUDA gradient statistics over `len` gradients: one per
+/// [`GRAD_STATS_THREADS`] gradients, at least 1 and at most [`GRAD_STATS_MAX_BLOCKS`]
+/// (each thread then visits several). Fixed by `len` alone, so the order of the sum is.
+pub fn grad_stats_blocks(len: usize) -> usize {
+    len.div_ceil(GRAD_STATS_THREADS)
+        .clamp(1, GRAD_STATS_MAX_BLOCKS)
 }
 
 /// Resolves tensors to memory for [`run_cpu`].
@@ -1246,6 +1330,42 @@ mod tests {
         // SAFETY: inside the vectors.
         let e = unsafe { run_cpu(&k, &Cpu::default(), &Scalars::default(), &mem) }.unwrap_err();
         assert!(e.to_string().contains("out"), "{e}");
+    }
+
+    #[test]
+    fn attention_scratch_regions_are_aligned_disjoint_and_inside() {
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            for (b, t, c, nh) in [(1, 1, 4, 1), (2, 7, 22, 2), (3, 37, 48, 3)] {
+                let l = attention_scratch_layout(dtype, b, t, c, nh);
+                let (heads, scores) = (b * t * c * dtype.size(), b * nh * t * t);
+                let regions = [
+                    (l.q, heads),
+                    (l.k, heads),
+                    (l.v, heads),
+                    (l.y, heads),
+                    (l.dq, heads),
+                    (l.dk, heads),
+                    (l.dv, heads),
+                    (l.scores, scores * 4),
+                    (l.dscores, scores * dtype.size()),
+                ];
+                let mut end = 0;
+                for (start, bytes) in regions {
+                    assert_eq!(start % ATTENTION_SCRATCH_ALIGN, 0);
+                    assert!(start >= end, "regions overlap");
+                    end = start + bytes;
+                }
+                assert!(end <= l.total_bytes);
+                assert_eq!(
+                    attention_scratch_bytes(Target::Cuda, dtype, b, t, c, nh),
+                    l.total_bytes
+                );
+            }
+        }
+        assert_eq!(grad_stats_blocks(0), 1);
+        assert_eq!(grad_stats_blocks(257), 2);
+        assert_eq!(grad_stats_blocks(1 << 30), GRAD_STATS_MAX_BLOCKS);
+        assert_eq!(grad_stats_scratch_bytes(Target::Cuda, 257), 16);
     }
 
     #[test]

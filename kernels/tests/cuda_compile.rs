@@ -1,7 +1,9 @@
 //! The CUDA kernels compile with NVRTC to machine code for the architectures strata's
-//! GPU machines have (sm_90: H100, H200) and the oldest CUDA 13 supports (sm_75). Runs
-//! wherever NVRTC can be loaded, no GPU needed, and says why it skips elsewhere. CI
-//! installs NVRTC from PyPI for it (see `.ci/run`).
+//! GPU machines have (sm_90: H100, H200) and the oldest CUDA 13 supports (sm_75), and
+//! the cubin holds every entry point the runner loads (each typed kernel in f32, bf16
+//! and f16; AdamW, the gradient statistics and the f32 accumulation once). Runs wherever
+//! NVRTC can be loaded, no GPU needed, and says why it skips elsewhere. CI installs NVRTC
+//! from PyPI for it (see `.ci/run`).
 
 use strata_kernels::cuda::{probe, program};
 
@@ -21,13 +23,19 @@ fn every_kernel_compiles_with_nvrtc() {
             cubin.starts_with(b"\x7fELF"),
             "sm_{major}{minor}: not an ELF image"
         );
-        for name in program::entry_points() {
+        let names = program::entry_points();
+        for name in &names {
             let symbol = [name.as_bytes(), b"\0"].concat();
             assert!(
                 cubin.windows(symbol.len()).any(|w| w == symbol),
                 "sm_{major}{minor}: no kernel {name}"
             );
         }
+        println!(
+            "sm_{major}{minor}: {} bytes of cubin, all {} entry points present",
+            cubin.len(),
+            names.len()
+        );
         // Cached: a second call returns the same compilation.
         assert!(std::sync::Arc::ptr_eq(
             &cubin,

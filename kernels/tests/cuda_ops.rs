@@ -1,16 +1,35 @@
-//! Every CUDA kernel against the CPU kernel of the same name, on random inputs of odd
-//! sizes: in f32, ‖cuda − cpu‖ / ‖cpu‖ < 1e-5; in bf16 (inputs rounded to bf16 for both
-//! sides), < 1e-2. Each test runs where a GPU and the CUDA libraries are present and
-//! prints why it skips elsewhere.
+//! Every kernel of a program run by `CudaKernels::run` on the GPU against `run_cpu` on
+//! the same inputs, at odd sizes, in each working type: f32 within ‖cuda − cpu‖ / ‖cpu‖
+//! < 1e-5; bf16 and f16 (inputs representable in the type, the CPU computing in f32 on
+//! those values) within 1e-2 for working-type outputs. Also: AdamW against the scalar
+//! reference (every copy-out kind, with and without decay, the skip flag) and its
+//! working copies against `half` bit for bit; the gradient statistics against the CPU's
+//! (sum within 1e-12, flag exact, with an infinity and a NaN); and that a kernel run
+//! twice gives the same bits.
+//!
+//! Tensors lie in one device allocation per case, as in the engine's arena, at offsets
+//! that are multiples of 256 bytes; each tensor's address is the allocation's plus its
+//! offset. Scratch starts filled with 0xff bytes (NaN), so a read before a write shows.
+//! Each test runs where a GPU and the CUDA libraries are present and prints why it skips
+//! elsewhere. `src/cuda/run/tests.rs` checks every launch's arguments and every product's
+//! operands without a GPU.
 
-use std::sync::Arc;
+// Element-wise checks index several parallel arrays at once; an index reads best.
+#![allow(clippy::needless_range_loop)]
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, DevicePtrMut};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use strata_kernels::cuda::{AttentionScratch, CudaFloat, CudaKernels, probe};
+use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, grad_stats};
+use strata_kernels::cuda::{CudaKernels, probe};
+use strata_kernels::isa::Isa;
 use strata_kernels::ops::{self, Cpu, WeightLayout};
+use strata_kernels::program::{
+    Access, CpuMemory, Dtype, Kernel, Scalars, Target, TensorRef, attention_scratch_bytes,
+    grad_stats_scratch_bytes, read_stats, run_cpu,
+};
+use strata_kernels::reference;
 
 /// The kernels on GPU 0, or `None` (after saying why) when CUDA is not usable here.
 fn gpu() -> Option<CudaKernels> {
@@ -23,613 +42,945 @@ fn gpu() -> Option<CudaKernels> {
     Some(CudaKernels::new(stream).expect("the kernels load"))
 }
 
-/// Host values in and out of a device type.
-trait Host: CudaFloat {
-    /// Tolerance of ‖cuda − cpu‖ / ‖cpu‖ for outputs of this type.
-    const TOLERANCE: f64;
-    fn from_f32(x: f32) -> Self;
-    fn to_f32(self) -> f32;
-}
+const WORKING: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
 
-impl Host for f32 {
-    const TOLERANCE: f64 = 1e-5;
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
+/// Tolerance of working-type outputs in bf16 and f16.
+const LOW_PRECISION: f64 = 1e-2;
 
-impl Host for bf16 {
-    const TOLERANCE: f64 = 1e-2;
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
+const CPU: Cpu = Cpu {
+    isa: Isa::Portable,
+    threads: 1,
+};
+
+/// `x` rounded to `dtype` (nearest even), as f32.
+fn round(dtype: Dtype, x: f32) -> f32 {
+    match dtype {
+        Dtype::Bf16 => bf16::from_f32(x).to_f32(),
+        Dtype::F16 => f16::from_f32(x).to_f32(),
+        _ => x,
     }
 }
 
-/// Random values, already representable in `T` (so CPU and GPU see the same inputs).
-fn random<T: Host>(rng: &mut StdRng, len: usize, scale: f32) -> Vec<f32> {
+/// Random values in [-scale, scale), representable in `dtype`.
+fn random(rng: &mut StdRng, dtype: Dtype, len: usize, scale: f32) -> Vec<f32> {
     (0..len)
-        .map(|_| T::from_f32(rng.random_range(-scale..scale)).to_f32())
+        .map(|_| round(dtype, rng.random_range(-scale..scale)))
         .collect()
 }
 
-fn up<T: Host>(stream: &Arc<CudaStream>, host: &[f32]) -> CudaSlice<T> {
-    let converted: Vec<T> = host.iter().map(|&x| T::from_f32(x)).collect();
-    stream.clone_htod(&converted).unwrap()
+fn encode(dtype: Dtype, values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * dtype.size());
+    for &x in values {
+        match dtype {
+            Dtype::F32 => out.extend(x.to_le_bytes()),
+            Dtype::Bf16 => out.extend(bf16::from_f32(x).to_bits().to_le_bytes()),
+            Dtype::F16 => out.extend(f16::from_f32(x).to_bits().to_le_bytes()),
+            other => panic!("{other} is not a float type"),
+        }
+    }
+    out
 }
 
-fn down<T: Host>(stream: &Arc<CudaStream>, dev: &CudaSlice<T>) -> Vec<f32> {
-    stream
-        .clone_dtoh(dev)
-        .unwrap()
-        .into_iter()
-        .map(T::to_f32)
+/// The values of `t` in `image`, as f32.
+fn decode(image: &[u8], t: &TensorRef) -> Vec<f32> {
+    let bytes = &image[t.byte_range()];
+    match t.dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+        Dtype::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f32())
+            .collect(),
+        other => panic!("{other} is not a float type"),
+    }
+}
+
+/// The bits of the 16-bit values of `t` in `image`.
+fn bits16(image: &[u8], t: &TensorRef) -> Vec<u16> {
+    image[t.byte_range()]
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes(b.try_into().unwrap()))
         .collect()
 }
 
-#[track_caller]
-fn check(what: &str, got: &[f32], want: &[f32], tolerance: f64) {
-    assert_eq!(got.len(), want.len(), "{what}");
+/// One runner's memory for a case: tensors laid out in one byte image (binding 0), each
+/// at a multiple of 256 bytes, activations and parameters in the runner's working type
+/// (always f32 on the CPU).
+struct Side {
+    target: Target,
+    work: Dtype,
+    image: Vec<u8>,
+}
+
+impl Side {
+    fn new(target: Target, work: Dtype) -> Self {
+        // Nothing at offset 0: offsets are exercised.
+        Side {
+            target,
+            work,
+            image: vec![0; 256],
+        }
+    }
+
+    /// The dtype of activations and parameters on this side.
+    fn working(&self) -> Dtype {
+        match self.target {
+            Target::Cpu => Dtype::F32,
+            Target::Cuda => self.work,
+        }
+    }
+
+    fn place(&mut self, len: usize, dtype: Dtype, bytes: &[u8]) -> TensorRef {
+        assert_eq!(bytes.len(), len * dtype.size());
+        let offset = self.image.len().next_multiple_of(256);
+        self.image.resize(offset, 0);
+        self.image.extend_from_slice(bytes);
+        TensorRef::new(0, offset, len, dtype)
+    }
+
+    /// An activation or parameter (in the working type).
+    fn act(&mut self, values: &[f32]) -> TensorRef {
+        let dtype = self.working();
+        self.place(values.len(), dtype, &encode(dtype, values))
+    }
+
+    /// An f32 tensor (gradients, statistics).
+    fn f32s(&mut self, values: &[f32]) -> TensorRef {
+        self.place(values.len(), Dtype::F32, &encode(Dtype::F32, values))
+    }
+
+    fn u32s(&mut self, values: &[u32]) -> TensorRef {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.place(values.len(), Dtype::U32, &bytes)
+    }
+
+    /// `bytes` bytes of scratch, filled with 0xff (NaN as floats).
+    fn scratch(&mut self, bytes: usize) -> TensorRef {
+        self.place(bytes, Dtype::U8, &vec![0xff; bytes])
+    }
+
+    /// Attention's scratch on this side.
+    fn attention_scratch(&mut self, b: usize, t: usize, c: usize, nh: usize) -> TensorRef {
+        let dtype = self.working();
+        self.scratch(attention_scratch_bytes(self.target, dtype, b, t, c, nh))
+    }
+}
+
+/// Host memory for `run_cpu`: the image in 8-byte words.
+struct HostImage {
+    start: *mut u8,
+    len: usize,
+}
+
+impl CpuMemory for HostImage {
+    fn address(&self, t: &TensorRef) -> *mut u8 {
+        assert!(
+            t.offset_bytes + t.bytes() <= self.len,
+            "{t:?} outside the image"
+        );
+        // SAFETY: inside the image (checked above).
+        unsafe { self.start.add(t.offset_bytes) }
+    }
+}
+
+/// Runs `kernel` on the CPU over a copy of `image`, and returns the image after.
+fn run_host(kernel: &Kernel, image: &[u8], scalars: &Scalars) -> Vec<u8> {
+    let mut words: Vec<u64> = image
+        .chunks(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            u64::from_le_bytes(w)
+        })
+        .collect();
+    let memory = HostImage {
+        start: words.as_mut_ptr().cast::<u8>(),
+        len: image.len(),
+    };
+    // SAFETY: every tensor lies inside the image (checked by `address`), at a multiple of
+    // 256 bytes from an 8-byte-aligned start; the words are ours alone for the call.
+    unsafe { run_cpu(kernel, &CPU, scalars, &memory) }.unwrap();
+    let mut out: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    out.truncate(image.len());
+    out
+}
+
+/// Runs `kernel` on the GPU over a copy of `image` in one device allocation, and returns
+/// the image after.
+fn run_gpu(k: &CudaKernels, kernel: &Kernel, image: &[u8], scalars: &Scalars) -> Vec<u8> {
+    let s = k.stream();
+    let mut memory = s.clone_htod(image).unwrap();
+    {
+        let (base, _written) = memory.device_ptr_mut(s);
+        let address = |t: &TensorRef| {
+            assert!(t.offset_bytes + t.bytes() <= image.len(), "{t:?} outside");
+            base + t.offset_bytes as u64
+        };
+        // SAFETY: every tensor lies inside the allocation (checked above), which lives
+        // until the copy back below has waited for the stream; only this stream uses it.
+        unsafe { k.run(kernel, scalars, &address) }.unwrap_or_else(|e| panic!("{e}"));
+    }
+    s.clone_dtoh(&memory).unwrap()
+}
+
+/// ‖got − want‖ / ‖want‖.
+fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
     let (mut diff, mut norm) = (0.0f64, 0.0f64);
     for (&g, &w) in got.iter().zip(want) {
         diff += (g as f64 - w as f64).powi(2);
         norm += (w as f64).powi(2);
     }
-    let err = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
-    println!("{what}: relative error {err:.2e}");
-    assert!(
-        err < tolerance,
-        "{what}: relative error {err:.3e} above {tolerance:e}"
-    );
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-const CPU: Cpu = Cpu {
-    isa: strata_kernels::isa::Isa::Portable,
-    threads: 1,
-};
-
-fn encoder<T: Host>(k: &CudaKernels) {
-    let s = k.stream();
-    let mut rng = StdRng::seed_from_u64(1);
-    let (b, t, c, v) = (3, 37, 50, 101);
-    let tokens: Vec<u32> = (0..b * t).map(|_| rng.random_range(0..v as u32)).collect();
-    let (wte, wpe) = (
-        random::<T>(&mut rng, v * c, 1.0),
-        random::<T>(&mut rng, (t + 5) * c, 1.0),
-    );
-    let dout = random::<T>(&mut rng, b * t * c, 1.0);
-    let (dwte0, dwpe0) = (
-        random::<f32>(&mut rng, v * c, 1.0),
-        random::<f32>(&mut rng, (t + 5) * c, 1.0),
-    );
-    let mut out = vec![0.0; b * t * c];
-    ops::encoder_forward(&CPU, &mut out, &tokens, &wte, &wpe, b, t, c);
-    let (mut dwte, mut dwpe) = (dwte0.clone(), dwpe0.clone());
-    ops::encoder_backward(&CPU, &mut dwte, &mut dwpe, &dout, &tokens, b, t, c);
-
-    let tok = s.clone_htod(&tokens).unwrap();
-    let mut out_d = up::<T>(s, &vec![0.0; b * t * c]);
-    let (wte_d, wpe_d) = (up::<T>(s, &wte), up::<T>(s, &wpe));
-    k.encoder_forward(
-        &mut out_d.as_view_mut(),
-        &tok.as_view(),
-        &wte_d.as_view(),
-        &wpe_d.as_view(),
-        b,
-        t,
-        c,
-    )
-    .unwrap();
-    check(
-        &format!("encoder_forward {}", T::SUFFIX),
-        &down(s, &out_d),
-        &out,
-        T::TOLERANCE,
-    );
-    let (mut dwte_d, mut dwpe_d) = (up::<f32>(s, &dwte0), up::<f32>(s, &dwpe0));
-    let dout_d = up::<T>(s, &dout);
-    k.encoder_backward(
-        &mut dwte_d.as_view_mut(),
-        &mut dwpe_d.as_view_mut(),
-        &dout_d.as_view(),
-        &tok.as_view(),
-        b,
-        t,
-        c,
-    )
-    .unwrap();
-    check(
-        &format!("encoder_backward dwte {}", T::SUFFIX),
-        &down(s, &dwte_d),
-        &dwte,
-        1e-5,
-    );
-    check(
-        &format!("encoder_backward dwpe {}", T::SUFFIX),
-        &down(s, &dwpe_d),
-        &dwpe,
-        1e-5,
-    );
-}
-
-fn layernorm<T: Host>(k: &CudaKernels) {
-    let s = k.stream();
-    let mut rng = StdRng::seed_from_u64(2);
-    for (n, c) in [(1, 7), (77, 50), (130, 768)] {
-        let inp = random::<T>(&mut rng, n * c, 2.0);
-        let (w, bias) = (random::<T>(&mut rng, c, 1.5), random::<T>(&mut rng, c, 0.5));
-        let dout = random::<T>(&mut rng, n * c, 1.0);
-        let dinp0 = random::<T>(&mut rng, n * c, 1.0);
-        let (dw0, db0) = (
-            random::<f32>(&mut rng, c, 1.0),
-            random::<f32>(&mut rng, c, 1.0),
-        );
-        let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
-        ops::layernorm_forward(&CPU, &mut out, &mut mean, &mut rstd, &inp, &w, &bias, n, c);
-        let (mut dinp, mut dw, mut db) = (dinp0.clone(), dw0.clone(), db0.clone());
-        ops::layernorm_backward(
-            &CPU, &mut dinp, &mut dw, &mut db, &dout, &inp, &w, &mean, &rstd, n, c,
-        );
-
-        let (inp_d, w_d, b_d) = (up::<T>(s, &inp), up::<T>(s, &w), up::<T>(s, &bias));
-        let mut out_d = up::<T>(s, &vec![0.0; n * c]);
-        let (mut mean_d, mut rstd_d) = (up::<f32>(s, &vec![0.0; n]), up::<f32>(s, &vec![0.0; n]));
-        k.layernorm_forward(
-            &mut out_d.as_view_mut(),
-            &mut mean_d.as_view_mut(),
-            &mut rstd_d.as_view_mut(),
-            &inp_d.as_view(),
-            &w_d.as_view(),
-            &b_d.as_view(),
-            n,
-            c,
-        )
-        .unwrap();
-        let tag = format!("{} n={n} c={c}", T::SUFFIX);
-        check(
-            &format!("layernorm_forward out {tag}"),
-            &down(s, &out_d),
-            &out,
-            T::TOLERANCE,
-        );
-        check(
-            &format!("layernorm_forward mean {tag}"),
-            &down(s, &mean_d),
-            &mean,
-            1e-5,
-        );
-        check(
-            &format!("layernorm_forward rstd {tag}"),
-            &down(s, &rstd_d),
-            &rstd,
-            1e-5,
-        );
-        let mut dinp_d = up::<T>(s, &dinp0);
-        let (mut dw_d, mut db_d) = (up::<f32>(s, &dw0), up::<f32>(s, &db0));
-        let dout_d = up::<T>(s, &dout);
-        // Both sides use the CPU's statistics, so only the backward kernels differ.
-        let (mean_h, rstd_h) = (up::<f32>(s, &mean), up::<f32>(s, &rstd));
-        k.layernorm_backward(
-            &mut dinp_d.as_view_mut(),
-            &mut dw_d.as_view_mut(),
-            &mut db_d.as_view_mut(),
-            &dout_d.as_view(),
-            &inp_d.as_view(),
-            &w_d.as_view(),
-            &mean_h.as_view(),
-            &rstd_h.as_view(),
-            n,
-            c,
-        )
-        .unwrap();
-        check(
-            &format!("layernorm_backward dinp {tag}"),
-            &down(s, &dinp_d),
-            &dinp,
-            T::TOLERANCE,
-        );
-        check(
-            &format!("layernorm_backward dweight {tag}"),
-            &down(s, &dw_d),
-            &dw,
-            1e-5,
-        );
-        check(
-            &format!("layernorm_backward dbias {tag}"),
-            &down(s, &db_d),
-            &db,
-            1e-5,
-        );
-    }
-}
-
-fn matmul<T: Host>(k: &CudaKernels) {
-    let s = k.stream();
-    let mut rng = StdRng::seed_from_u64(3);
-    for (n, c, oc) in [(1, 1, 1), (77, 50, 150), (130, 64, 257)] {
-        for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
-            for with_bias in [true, false] {
-                let inp = random::<T>(&mut rng, n * c, 1.0);
-                let w = random::<T>(&mut rng, c * oc, 1.0);
-                let bias = with_bias.then(|| random::<T>(&mut rng, oc, 1.0));
-                let dout = random::<T>(&mut rng, n * oc, 1.0);
-                let (dw0, db0) = (
-                    random::<f32>(&mut rng, c * oc, 1.0),
-                    random::<f32>(&mut rng, oc, 1.0),
-                );
-                let mut out = vec![0.0; n * oc];
-                ops::matmul_forward(&CPU, &mut out, &inp, &w, bias.as_deref(), layout, n, c, oc);
-                let (mut dinp, mut dw, mut db) = (vec![0.0; n * c], dw0.clone(), db0.clone());
-                let db_opt = with_bias.then_some(db.as_mut_slice());
-                ops::matmul_backward(
-                    &CPU, &mut dinp, &mut dw, db_opt, &dout, &inp, &w, layout, n, c, oc,
-                );
-
-                let tag = format!("{} {layout:?} bias={with_bias} {n}x{c}x{oc}", T::SUFFIX);
-                let (inp_d, w_d) = (up::<T>(s, &inp), up::<T>(s, &w));
-                let bias_d = bias.as_deref().map(|b| up::<T>(s, b));
-                let mut out_d = up::<T>(s, &vec![0.0; n * oc]);
-                let bias_v = bias_d.as_ref().map(|b| b.as_view());
-                k.matmul_forward(
-                    &mut out_d.as_view_mut(),
-                    &inp_d.as_view(),
-                    &w_d.as_view(),
-                    bias_v.as_ref(),
-                    layout,
-                    n,
-                    c,
-                    oc,
-                )
-                .unwrap();
-                check(
-                    &format!("matmul_forward {tag}"),
-                    &down(s, &out_d),
-                    &out,
-                    T::TOLERANCE,
-                );
-                let mut dinp_d = up::<T>(s, &vec![0.0; n * c]);
-                let (mut dw_d, mut db_d) = (up::<f32>(s, &dw0), up::<f32>(s, &db0));
-                let dout_d = up::<T>(s, &dout);
-                let mut db_v = db_d.as_view_mut();
-                let db_opt = with_bias.then_some(&mut db_v);
-                k.matmul_backward(
-                    &mut dinp_d.as_view_mut(),
-                    &mut dw_d.as_view_mut(),
-                    db_opt,
-                    &dout_d.as_view(),
-                    &inp_d.as_view(),
-                    &w_d.as_view(),
-                    layout,
-                    n,
-                    c,
-                    oc,
-                )
-                .unwrap();
-                check(
-                    &format!("matmul_backward dinp {tag}"),
-                    &down(s, &dinp_d),
-                    &dinp,
-                    T::TOLERANCE,
-                );
-                check(
-                    &format!("matmul_backward dweight {tag}"),
-                    &down(s, &dw_d),
-                    &dw,
-                    T::TOLERANCE.min(1e-3),
-                );
-                check(
-                    &format!("matmul_backward dbias {tag}"),
-                    &down(s, &db_d),
-                    &db,
-                    1e-5,
-                );
-            }
+/// The written tensors of `kernel`, in its order.
+fn written(kernel: &Kernel) -> Vec<TensorRef> {
+    let mut out = Vec::new();
+    kernel.for_each_tensor(|t, access| {
+        if access == Access::Write {
+            out.push(*t);
         }
-    }
+    });
+    out
 }
 
-fn attention<T: Host>(k: &CudaKernels) {
-    let s = k.stream();
-    let mut rng = StdRng::seed_from_u64(4);
-    for (b, t, c, nh) in [(1, 1, 4, 1), (2, 37, 48, 3), (1, 130, 64, 4)] {
-        let qkv = random::<T>(&mut rng, b * t * 3 * c, 2.0);
-        let dout = random::<T>(&mut rng, b * t * c, 1.0);
-        let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
-        ops::attention_forward(&CPU, &mut out, &mut att, &qkv, b, t, c, nh);
-        let (mut dqkv, mut scratch) = (vec![0.0; b * t * 3 * c], vec![0.0; b * nh * t * t]);
-        ops::attention_backward(
-            &CPU,
-            &mut dqkv,
-            &mut scratch,
-            &dout,
-            &qkv,
-            &att,
-            b,
-            t,
-            c,
-            nh,
+/// Builds the case with `build` for each runner, runs both, and compares every written
+/// float tensor: working-type outputs within 1e-5 (f32) or [`LOW_PRECISION`], f32
+/// outputs within `f32_tolerance`. Returns the GPU's kernel and images (before, after).
+fn compare(
+    k: &CudaKernels,
+    what: &str,
+    work: Dtype,
+    scalars: &Scalars,
+    f32_tolerance: f64,
+    mut build: impl FnMut(&mut Side) -> Kernel,
+) -> (Kernel, Vec<u8>, Vec<u8>) {
+    let mut cpu = Side::new(Target::Cpu, work);
+    let cpu_kernel = build(&mut cpu);
+    let mut gpu = Side::new(Target::Cuda, work);
+    let gpu_kernel = build(&mut gpu);
+    let cpu_after = run_host(&cpu_kernel, &cpu.image, scalars);
+    let gpu_after = run_gpu(k, &gpu_kernel, &gpu.image, scalars);
+    let tag = format!("{what} {work}");
+    for (c, g) in written(&cpu_kernel).iter().zip(written(&gpu_kernel)) {
+        if !g.dtype.is_float() {
+            continue; // scratch and statistics records
+        }
+        let tolerance = match g.dtype {
+            Dtype::F32 if work == Dtype::F32 => 1e-5,
+            Dtype::F32 => f32_tolerance,
+            _ => LOW_PRECISION,
+        };
+        let err = relative_error(&decode(&gpu_after, &g), &decode(&cpu_after, c));
+        println!(
+            "{tag} (tensor of {} {}): relative error {err:.2e}",
+            g.len, g.dtype
         );
-
-        let tag = format!("{} b={b} t={t} c={c} nh={nh}", T::SUFFIX);
-        let mut work = AttentionScratch::<T>::new(s, b, t, c, nh).unwrap();
-        let qkv_d = up::<T>(s, &qkv);
-        let mut out_d = up::<T>(s, &vec![0.0; b * t * c]);
-        let mut att_d = up::<T>(s, &vec![0.0; b * nh * t * t]);
-        k.attention_forward(
-            &mut out_d.as_view_mut(),
-            &mut att_d.as_view_mut(),
-            &qkv_d.as_view(),
-            &mut work,
-            b,
-            t,
-            c,
-            nh,
-        )
-        .unwrap();
-        check(
-            &format!("attention_forward out {tag}"),
-            &down(s, &out_d),
-            &out,
-            T::TOLERANCE,
-        );
-        check(
-            &format!("attention_forward att {tag}"),
-            &down(s, &att_d),
-            &att,
-            T::TOLERANCE,
-        );
-        // The backward pass from the CPU's probabilities, so only the backward differs.
-        let att_h = up::<T>(s, &att);
-        let dout_d = up::<T>(s, &dout);
-        let mut dqkv_d = up::<T>(s, &vec![0.0; b * t * 3 * c]);
-        k.attention_backward(
-            &mut dqkv_d.as_view_mut(),
-            &dout_d.as_view(),
-            &qkv_d.as_view(),
-            &att_h.as_view(),
-            &mut work,
-            b,
-            t,
-            c,
-            nh,
-        )
-        .unwrap();
-        check(
-            &format!("attention_backward {tag}"),
-            &down(s, &dqkv_d),
-            &dqkv,
-            T::TOLERANCE,
+        assert!(
+            err < tolerance,
+            "{tag}: tensor of {} {}: relative error {err:.3e} above {tolerance:e}",
+            g.len,
+            g.dtype
         );
     }
+    (gpu_kernel, gpu.image, gpu_after)
 }
 
-fn elementwise<T: Host>(k: &CudaKernels) {
-    let s = k.stream();
-    let mut rng = StdRng::seed_from_u64(5);
-    for n in [1, 7, 4097, 1_000_003] {
-        let inp = random::<T>(&mut rng, n, 6.0);
-        let other = random::<T>(&mut rng, n, 1.0);
-        let (mut out, mut din, mut sum) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        ops::gelu_forward(&CPU, &mut out, &inp);
-        ops::gelu_backward(&CPU, &mut din, &inp, &other);
-        ops::residual_forward(&CPU, &mut sum, &inp, &other);
-        let (inp_d, other_d) = (up::<T>(s, &inp), up::<T>(s, &other));
-        let mut out_d = up::<T>(s, &vec![0.0; n]);
-        k.gelu_forward(&mut out_d.as_view_mut(), &inp_d.as_view())
-            .unwrap();
-        check(
-            &format!("gelu_forward {} n={n}", T::SUFFIX),
-            &down(s, &out_d),
-            &out,
-            T::TOLERANCE,
-        );
-        k.gelu_backward(
-            &mut out_d.as_view_mut(),
-            &inp_d.as_view(),
-            &other_d.as_view(),
-        )
-        .unwrap();
-        check(
-            &format!("gelu_backward {} n={n}", T::SUFFIX),
-            &down(s, &out_d),
-            &din,
-            T::TOLERANCE,
-        );
-        k.residual_forward(
-            &mut out_d.as_view_mut(),
-            &inp_d.as_view(),
-            &other_d.as_view(),
-        )
-        .unwrap();
-        check(
-            &format!("residual_forward {} n={n}", T::SUFFIX),
-            &down(s, &out_d),
-            &sum,
-            T::TOLERANCE,
-        );
-    }
-}
-
-fn crossentropy<T: Host>(k: &CudaKernels) {
-    let s = k.stream();
-    let mut rng = StdRng::seed_from_u64(6);
-    for (n, v) in [(1, 1), (37, 101), (5, 50257)] {
-        let logits = random::<T>(&mut rng, n * v, 8.0);
-        let targets: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
-        let dloss = 1.0 / n as f32;
-        let mut losses = vec![0.0; n];
-        ops::crossentropy_forward(&CPU, &mut losses, &logits, &targets, n, v);
-        let mut dlogits = logits.clone();
-        ops::crossentropy_backward_inplace(&CPU, &mut dlogits, &targets, dloss, n, v);
-        let tag = format!("{} n={n} v={v}", T::SUFFIX);
-        let tg = s.clone_htod(&targets).unwrap();
-        let mut logits_d = up::<T>(s, &logits);
-        let mut losses_d = up::<f32>(s, &vec![0.0; n]);
-        k.crossentropy_forward(
-            &mut losses_d.as_view_mut(),
-            &logits_d.as_view(),
-            &tg.as_view(),
-            n,
-            v,
-        )
-        .unwrap();
-        check(
-            &format!("crossentropy_forward {tag}"),
-            &down(s, &losses_d),
-            &losses,
-            1e-5,
-        );
-        k.crossentropy_backward(&mut logits_d.as_view_mut(), &tg.as_view(), dloss, n, v)
-            .unwrap();
-        check(
-            &format!("crossentropy_backward {tag}"),
-            &down(s, &logits_d),
-            &dlogits,
-            T::TOLERANCE,
-        );
+fn scalars() -> Scalars {
+    Scalars {
+        dloss: 0.125,
+        stats_scale: 0.5,
+        ..Scalars::default()
     }
 }
 
 #[test]
 fn encoder_matches_cpu() {
     let Some(k) = gpu() else { return };
-    encoder::<f32>(&k);
-    encoder::<bf16>(&k);
+    let mut rng = StdRng::seed_from_u64(1);
+    for w in WORKING {
+        for (b, t, c, v) in [(3, 37, 50, 101), (1, 1, 1, 1), (2, 7, 22, 13)] {
+            let tokens: Vec<u32> = (0..b * t).map(|_| rng.random_range(0..v as u32)).collect();
+            let wte = random(&mut rng, w, v * c, 1.0);
+            let wpe = random(&mut rng, w, (t + 5) * c, 1.0);
+            let dout = random(&mut rng, w, b * t * c, 1.0);
+            let dwte = random(&mut rng, Dtype::F32, v * c, 1.0);
+            let dwpe = random(&mut rng, Dtype::F32, (t + 5) * c, 1.0);
+            let what = format!("encoder b={b} t={t} c={c} v={v}");
+            compare(&k, &what, w, &scalars(), 1e-5, |s| Kernel::Encoder {
+                out: s.act(&vec![0.0; b * t * c]),
+                tokens: s.u32s(&tokens),
+                wte: s.act(&wte),
+                wpe: s.act(&wpe),
+                b,
+                t,
+                c,
+            });
+            let what = format!("encoder-backward b={b} t={t} c={c} v={v}");
+            compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                Kernel::EncoderBackward {
+                    dwte: s.f32s(&dwte),
+                    dwpe: s.f32s(&dwpe),
+                    dout: s.act(&dout),
+                    tokens: s.u32s(&tokens),
+                    b,
+                    t,
+                    c,
+                }
+            });
+        }
+    }
 }
 
 #[test]
 fn layernorm_matches_cpu() {
     let Some(k) = gpu() else { return };
-    layernorm::<f32>(&k);
-    layernorm::<bf16>(&k);
+    let mut rng = StdRng::seed_from_u64(2);
+    for w in WORKING {
+        for (n, c) in [(1, 7), (77, 50), (130, 768), (22, 1)] {
+            let inp = random(&mut rng, w, n * c, 2.0);
+            let weight = random(&mut rng, w, c, 1.5);
+            let bias = random(&mut rng, w, c, 0.5);
+            let dout = random(&mut rng, w, n * c, 1.0);
+            let dinp = random(&mut rng, w, n * c, 1.0);
+            let dweight = random(&mut rng, Dtype::F32, c, 1.0);
+            let dbias = random(&mut rng, Dtype::F32, c, 1.0);
+            let what = format!("layernorm n={n} c={c}");
+            compare(&k, &what, w, &scalars(), 1e-5, |s| Kernel::LayerNorm {
+                out: s.act(&vec![0.0; n * c]),
+                mean: s.f32s(&vec![0.0; n]),
+                rstd: s.f32s(&vec![0.0; n]),
+                inp: s.act(&inp),
+                weight: s.act(&weight),
+                bias: s.act(&bias),
+                n,
+                c,
+            });
+            // Both sides use the CPU's statistics, so only the backward kernels differ.
+            let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+            ops::layernorm_forward(
+                &CPU, &mut out, &mut mean, &mut rstd, &inp, &weight, &bias, n, c,
+            );
+            let what = format!("layernorm-backward n={n} c={c}");
+            compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                Kernel::LayerNormBackward {
+                    dinp: s.act(&dinp),
+                    dweight: s.f32s(&dweight),
+                    dbias: s.f32s(&dbias),
+                    dout: s.act(&dout),
+                    inp: s.act(&inp),
+                    weight: s.act(&weight),
+                    mean: s.f32s(&mean),
+                    rstd: s.f32s(&rstd),
+                    n,
+                    c,
+                }
+            });
+        }
+    }
 }
 
 #[test]
 fn matmul_matches_cpu() {
     let Some(k) = gpu() else { return };
-    matmul::<f32>(&k);
-    matmul::<bf16>(&k);
+    let mut rng = StdRng::seed_from_u64(3);
+    for w in WORKING {
+        // Weight gradients from 16-bit operands: cuBLAS may accumulate tensor-core
+        // products in its own order and rounding.
+        let dweight_tolerance = if w == Dtype::F32 { 1e-5 } else { 1e-3 };
+        for (n, c, oc) in [(1, 1, 1), (7, 22, 13), (77, 50, 150), (130, 64, 257)] {
+            for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+                for with_bias in [true, false] {
+                    let inp = random(&mut rng, w, n * c, 1.0);
+                    let weight = random(&mut rng, w, c * oc, 1.0);
+                    let bias = random(&mut rng, w, oc, 1.0);
+                    let dout = random(&mut rng, w, n * oc, 1.0);
+                    let dweight = random(&mut rng, Dtype::F32, c * oc, 1.0);
+                    let dbias = random(&mut rng, Dtype::F32, oc, 1.0);
+                    let tag = format!("{layout:?} bias={with_bias} {n}x{c}x{oc}");
+                    compare(&k, &format!("matmul {tag}"), w, &scalars(), 1e-5, |s| {
+                        Kernel::Matmul {
+                            out: s.act(&vec![0.0; n * oc]),
+                            inp: s.act(&inp),
+                            weight: s.act(&weight),
+                            bias: with_bias.then(|| s.act(&bias)),
+                            layout,
+                            n,
+                            c,
+                            oc,
+                        }
+                    });
+                    compare(
+                        &k,
+                        &format!("matmul-backward {tag}"),
+                        w,
+                        &scalars(),
+                        dweight_tolerance,
+                        |s| Kernel::MatmulBackward {
+                            // Overwritten: NaN beforehand shows a read.
+                            dinp: s.act(&vec![f32::NAN; n * c]),
+                            dweight: s.f32s(&dweight),
+                            dbias: with_bias.then(|| s.f32s(&dbias)),
+                            dout: s.act(&dout),
+                            inp: s.act(&inp),
+                            weight: s.act(&weight),
+                            layout,
+                            n,
+                            c,
+                            oc,
+                        },
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]
 fn attention_matches_cpu() {
     let Some(k) = gpu() else { return };
-    attention::<f32>(&k);
-    attention::<bf16>(&k);
+    let mut rng = StdRng::seed_from_u64(4);
+    for w in WORKING {
+        for (b, t, c, nh) in [(1, 1, 4, 1), (2, 37, 48, 3), (1, 130, 64, 4), (3, 7, 22, 2)] {
+            let qkv = random(&mut rng, w, b * t * 3 * c, 2.0);
+            let dout = random(&mut rng, w, b * t * c, 1.0);
+            let tag = format!("b={b} t={t} c={c} nh={nh}");
+            compare(&k, &format!("attention {tag}"), w, &scalars(), 1e-5, |s| {
+                Kernel::Attention {
+                    out: s.act(&vec![0.0; b * t * c]),
+                    att: s.act(&vec![0.0; b * nh * t * t]),
+                    qkv: s.act(&qkv),
+                    scratch: s.attention_scratch(b, t, c, nh),
+                    b,
+                    t,
+                    c,
+                    nh,
+                }
+            });
+            // The backward from the CPU's probabilities (rounded to the working type),
+            // so only the backward differs.
+            let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+            ops::attention_forward(&CPU, &mut out, &mut att, &qkv, b, t, c, nh);
+            let att: Vec<f32> = att.iter().map(|&x| round(w, x)).collect();
+            compare(
+                &k,
+                &format!("attention-backward {tag}"),
+                w,
+                &scalars(),
+                1e-5,
+                |s| Kernel::AttentionBackward {
+                    dqkv: s.act(&vec![f32::NAN; b * t * 3 * c]),
+                    dout: s.act(&dout),
+                    qkv: s.act(&qkv),
+                    att: s.act(&att),
+                    scratch: s.attention_scratch(b, t, c, nh),
+                    b,
+                    t,
+                    c,
+                    nh,
+                },
+            );
+        }
+    }
 }
 
 #[test]
-fn gelu_and_residual_match_cpu() {
+fn elementwise_kernels_match_cpu() {
     let Some(k) = gpu() else { return };
-    elementwise::<f32>(&k);
-    elementwise::<bf16>(&k);
+    let mut rng = StdRng::seed_from_u64(5);
+    for w in WORKING {
+        for n in [1, 7, 22, 4097, 1_000_003] {
+            let inp = random(&mut rng, w, n, 6.0);
+            let other = random(&mut rng, w, n, 1.0);
+            let acc = random(&mut rng, Dtype::F32, n, 1.0);
+            let what = format!("n={n}");
+            compare(&k, &format!("gelu {what}"), w, &scalars(), 1e-5, |s| {
+                Kernel::Gelu {
+                    out: s.act(&vec![0.0; n]),
+                    inp: s.act(&inp),
+                }
+            });
+            compare(
+                &k,
+                &format!("gelu-backward {what}"),
+                w,
+                &scalars(),
+                1e-5,
+                |s| Kernel::GeluBackward {
+                    dinp: s.act(&vec![0.0; n]),
+                    inp: s.act(&inp),
+                    dout: s.act(&other),
+                },
+            );
+            compare(&k, &format!("residual {what}"), w, &scalars(), 1e-5, |s| {
+                Kernel::Residual {
+                    out: s.act(&vec![0.0; n]),
+                    a: s.act(&inp),
+                    b: s.act(&other),
+                }
+            });
+            compare(&k, &format!("add {what}"), w, &scalars(), 1e-5, |s| {
+                Kernel::AddF32 {
+                    dst: s.f32s(&acc),
+                    src: s.f32s(&other),
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn zero_and_copy_match_cpu_bit_for_bit() {
+    let Some(k) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(8);
+    for w in WORKING {
+        for n in [1, 7, 22, 4097] {
+            let values = random(&mut rng, w, n, 3.0);
+            let other = random(&mut rng, w, n, 3.0);
+            for zero in [true, false] {
+                let mut cpu = Side::new(Target::Cpu, w);
+                let mut gpu = Side::new(Target::Cuda, w);
+                let build = |s: &mut Side| {
+                    let dst = s.act(&values);
+                    if zero {
+                        Kernel::Zero { t: dst }
+                    } else {
+                        Kernel::Copy {
+                            dst,
+                            src: s.act(&other),
+                        }
+                    }
+                };
+                let (ck, gk) = (build(&mut cpu), build(&mut gpu));
+                let cpu_after = run_host(&ck, &cpu.image, &scalars());
+                let gpu_after = run_gpu(&k, &gk, &gpu.image, &scalars());
+                let (ct, gt) = (written(&ck)[0], written(&gk)[0]);
+                let (got, want) = (decode(&gpu_after, &gt), decode(&cpu_after, &ct));
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} {w} n={n}",
+                    ck.name()
+                );
+            }
+        }
+    }
 }
 
 #[test]
 fn crossentropy_matches_cpu() {
     let Some(k) = gpu() else { return };
-    crossentropy::<f32>(&k);
-    crossentropy::<bf16>(&k);
+    let mut rng = StdRng::seed_from_u64(6);
+    for w in WORKING {
+        for (n, v) in [(1, 1), (7, 22), (37, 101), (5, 50257)] {
+            let logits = random(&mut rng, w, n * v, 8.0);
+            let targets: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+            let scalars = Scalars {
+                dloss: 1.0 / n as f32,
+                ..scalars()
+            };
+            let tag = format!("n={n} v={v}");
+            compare(&k, &format!("crossentropy {tag}"), w, &scalars, 1e-5, |s| {
+                Kernel::CrossEntropy {
+                    losses: s.f32s(&vec![0.0; n]),
+                    logits: s.act(&logits),
+                    targets: s.u32s(&targets),
+                    n,
+                    v,
+                }
+            });
+            compare(
+                &k,
+                &format!("crossentropy-backward {tag}"),
+                w,
+                &scalars,
+                1e-5,
+                |s| Kernel::CrossEntropyBackward {
+                    logits: s.act(&logits),
+                    targets: s.u32s(&targets),
+                    n,
+                    v,
+                },
+            );
+        }
+    }
+}
+
+/// Parameters, moments and gradients of `n` elements, over several decades.
+fn adam_inputs(rng: &mut StdRng, n: usize) -> [Vec<f32>; 4] {
+    let p: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let m: Vec<f32> = (0..n).map(|_| rng.random_range(-1e-2..1e-2)).collect();
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(0.0..1e-4)).collect();
+    let g: Vec<f32> = (0..n)
+        .map(|i| {
+            if i % 97 == 0 {
+                0.0
+            } else {
+                rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-4..2))
+            }
+        })
+        .collect();
+    [p, m, v, g]
+}
+
+/// The copy-out kinds: (copy_out dtype, round).
+const COPIES: [(Option<Dtype>, Dtype); 6] = [
+    (None, Dtype::F32),
+    (Some(Dtype::Bf16), Dtype::Bf16),
+    (Some(Dtype::F16), Dtype::F16),
+    (Some(Dtype::F32), Dtype::F32),
+    (Some(Dtype::F32), Dtype::Bf16),
+    (Some(Dtype::F32), Dtype::F16),
+];
+
+/// An AdamW kernel over `inputs` in a fresh GPU image.
+fn adam_case(
+    inputs: &[Vec<f32>; 4],
+    copy: Option<Dtype>,
+    round_to: Dtype,
+    decay: bool,
+) -> (Side, Kernel) {
+    let n = inputs[0].len();
+    let mut s = Side::new(Target::Cuda, Dtype::F32);
+    let kernel = Kernel::AdamW {
+        params: s.f32s(&inputs[0]),
+        m: s.f32s(&inputs[1]),
+        v: s.f32s(&inputs[2]),
+        grads: s.f32s(&inputs[3]),
+        copy_out: copy.map(|dtype| {
+            let bytes = vec![0u8; n * dtype.size()];
+            s.place(n, dtype, &bytes)
+        }),
+        round: round_to,
+        decay,
+    };
+    (s, kernel)
 }
 
 #[test]
-fn casts_match_cpu_bit_for_bit() {
+fn adamw_matches_the_reference() {
     let Some(k) = gpu() else { return };
-    let s = k.stream();
-    let mut rng = StdRng::seed_from_u64(7);
-    let mut x: Vec<f32> = (0..100_003)
+    let mut rng = StdRng::seed_from_u64(9);
+    let hp = AdamW::default();
+    let no_decay = AdamW {
+        weight_decay: 0.0,
+        ..hp
+    };
+    let scalars = Scalars {
+        adam: Some(AdamStep::new(&hp, 7, 0.5).unwrap()),
+        adam_no_decay: Some(AdamStep::new(&no_decay, 7, 0.5).unwrap()),
+        ..Scalars::default()
+    };
+    for n in [1, 7, 22, 4097, 1_000_003] {
+        let inputs = adam_inputs(&mut rng, n);
+        for (copy, round_to) in COPIES {
+            for decay in [true, false] {
+                let tag = format!("adamw n={n} copy={copy:?} round={round_to} decay={decay}");
+                let (side, kernel) = adam_case(&inputs, copy, round_to, decay);
+                let after = run_gpu(&k, &kernel, &side.image, &scalars);
+                let Kernel::AdamW {
+                    params,
+                    m,
+                    v,
+                    copy_out,
+                    ..
+                } = kernel
+                else {
+                    unreachable!()
+                };
+                let step = if decay {
+                    scalars.adam
+                } else {
+                    scalars.adam_no_decay
+                }
+                .unwrap();
+                let [mut p_ref, mut m_ref, mut v_ref, g] = inputs.clone();
+                reference::adamw::step(
+                    &step,
+                    &mut p_ref,
+                    &mut m_ref,
+                    &mut v_ref,
+                    Grads::F32(&g),
+                    CopyOut::None,
+                );
+                let (p_got, m_got, v_got) = (
+                    decode(&after, &params),
+                    decode(&after, &m),
+                    decode(&after, &v),
+                );
+                let mut exact = 0;
+                for i in 0..n {
+                    let (p, mm, vv) = (p_ref[i], m_ref[i], v_ref[i]);
+                    assert!(
+                        (p_got[i] - p).abs() <= 1e-6 * p.abs() + 1e-9,
+                        "{tag}: p[{i}] {} vs {p}",
+                        p_got[i]
+                    );
+                    let m_scale = mm.abs() + inputs[1][i].abs() + (g[i] * 0.5).abs();
+                    assert!(
+                        (m_got[i] - mm).abs() <= 1e-6 * m_scale,
+                        "{tag}: m[{i}] {} vs {mm}",
+                        m_got[i]
+                    );
+                    assert!(
+                        (v_got[i] - vv).abs() <= 1e-6 * vv.abs(),
+                        "{tag}: v[{i}] {} vs {vv}",
+                        v_got[i]
+                    );
+                    exact += usize::from(
+                        p_got[i].to_bits() == p.to_bits()
+                            && m_got[i].to_bits() == mm.to_bits()
+                            && v_got[i].to_bits() == vv.to_bits(),
+                    );
+                }
+                println!("{tag}: {exact} of {n} elements bit-exact with the reference");
+                // The working copy is the GPU's own new parameters, rounded.
+                if let Some(out) = copy_out {
+                    let expected: Vec<u16> = match out.dtype {
+                        Dtype::Bf16 => p_got.iter().map(|&x| bf16::from_f32(x).to_bits()).collect(),
+                        Dtype::F16 => p_got.iter().map(|&x| f16::from_f32(x).to_bits()).collect(),
+                        _ => Vec::new(),
+                    };
+                    if out.dtype == Dtype::F32 {
+                        let got = decode(&after, &out);
+                        for i in 0..n {
+                            let want = round(round_to, p_got[i]);
+                            assert_eq!(got[i].to_bits(), want.to_bits(), "{tag}: copy[{i}]");
+                        }
+                    } else {
+                        assert_eq!(bits16(&after, &out), expected, "{tag}: copy");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn adamw_skips_and_rounds_edge_cases_as_half_does() {
+    let Some(k) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(10);
+    // With the skip flag nothing changes, constants or not.
+    let inputs = adam_inputs(&mut rng, 4097);
+    let (side, kernel) = adam_case(&inputs, Some(Dtype::Bf16), Dtype::Bf16, true);
+    let skip = Scalars {
+        skip_update: true,
+        ..Scalars::default()
+    };
+    assert_eq!(run_gpu(&k, &kernel, &side.image, &skip), side.image);
+    // With lr 0 and no decay a step leaves non-zero parameters as they are, so the
+    // working copies are the conversions of arbitrary bit patterns.
+    let frozen = AdamW {
+        lr: 0.0,
+        weight_decay: 0.0,
+        ..AdamW::default()
+    };
+    let step = AdamStep::new(&frozen, 1, 1.0).unwrap();
+    let scalars = Scalars {
+        adam: Some(step),
+        ..Scalars::default()
+    };
+    let mut p: Vec<f32> = (0..100_003)
         .map(|_| f32::from_bits(rng.random::<u32>()))
-        .filter(|v| !v.is_nan())
         .collect();
-    x.extend([
+    p.extend([
         0.0,
         -0.0,
         f32::INFINITY,
         f32::NEG_INFINITY,
+        65504.0,
         65520.0,
         1e-8,
+        5.9604645e-8,
         f32::MAX,
-    ]);
-    let n = x.len();
-    let cpu = Cpu::default();
-    let (mut bf, mut h) = (vec![bf16::ZERO; n], vec![f16::ZERO; n]);
-    ops::f32_to_bf16(&cpu, &mut bf, &x);
-    ops::f32_to_f16(&cpu, &mut h, &x);
-    let x_d = s.clone_htod(&x).unwrap();
-    let mut bf_d = s.alloc_zeros::<bf16>(n).unwrap();
-    let mut h_d = s.alloc_zeros::<f16>(n).unwrap();
-    k.f32_to_bf16(&mut bf_d.as_view_mut(), &x_d.as_view())
-        .unwrap();
-    k.f32_to_f16(&mut h_d.as_view_mut(), &x_d.as_view())
-        .unwrap();
-    let (bf_got, h_got) = (s.clone_dtoh(&bf_d).unwrap(), s.clone_dtoh(&h_d).unwrap());
-    assert!(
-        bf_got
-            .iter()
-            .zip(&bf)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "f32_to_bf16"
-    );
-    assert!(
-        h_got
-            .iter()
-            .zip(&h)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "f32_to_f16"
-    );
-    let mut back_d = s.alloc_zeros::<f32>(n).unwrap();
-    k.bf16_to_f32(&mut back_d.as_view_mut(), &bf_d.as_view())
-        .unwrap();
-    let want: Vec<f32> = bf.iter().map(|v| v.to_f32()).collect();
-    assert!(
-        s.clone_dtoh(&back_d)
-            .unwrap()
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits())
-    );
-    k.f16_to_f32(&mut back_d.as_view_mut(), &h_d.as_view())
-        .unwrap();
-    let want: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
-    assert!(
-        s.clone_dtoh(&back_d)
-            .unwrap()
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits())
-    );
-    // NaN payloads may differ between the two, but NaN must stay NaN both ways.
-    let nans = [
+        f32::MIN_POSITIVE,
+        1.0 + f32::EPSILON,
         f32::NAN,
-        -f32::NAN,
         f32::from_bits(0x7f80_0001),
         f32::from_bits(0xffc1_2345),
-    ];
-    let nan_d = s.clone_htod(&nans).unwrap();
-    let mut nan_bf = s.alloc_zeros::<bf16>(nans.len()).unwrap();
-    let mut nan_h = s.alloc_zeros::<f16>(nans.len()).unwrap();
-    k.f32_to_bf16(&mut nan_bf.as_view_mut(), &nan_d.as_view())
-        .unwrap();
-    k.f32_to_f16(&mut nan_h.as_view_mut(), &nan_d.as_view())
-        .unwrap();
-    assert!(
-        s.clone_dtoh(&nan_bf).unwrap().iter().all(|v| v.is_nan()),
-        "bf16 NaN"
-    );
-    assert!(
-        s.clone_dtoh(&nan_h).unwrap().iter().all(|v| v.is_nan()),
-        "f16 NaN"
-    );
-    let mut nan_back = s.alloc_zeros::<f32>(nans.len()).unwrap();
-    k.bf16_to_f32(&mut nan_back.as_view_mut(), &nan_bf.as_view())
-        .unwrap();
-    assert!(s.clone_dtoh(&nan_back).unwrap().iter().all(|v| v.is_nan()));
-    k.f16_to_f32(&mut nan_back.as_view_mut(), &nan_h.as_view())
-        .unwrap();
-    assert!(s.clone_dtoh(&nan_back).unwrap().iter().all(|v| v.is_nan()));
+    ]);
+    let n = p.len();
+    let inputs = [p.clone(), vec![0.0; n], vec![0.0; n], vec![1e-3; n]];
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        let (side, kernel) = adam_case(&inputs, Some(dtype), dtype, true);
+        let after = run_gpu(&k, &kernel, &side.image, &scalars);
+        let Kernel::AdamW {
+            params, copy_out, ..
+        } = kernel
+        else {
+            unreachable!()
+        };
+        let p_got = decode(&after, &params);
+        let copies = bits16(&after, &copy_out.unwrap());
+        for i in 0..n {
+            let x = p[i];
+            if x.is_nan() {
+                let copy_is_nan = match dtype {
+                    Dtype::Bf16 => bf16::from_bits(copies[i]).is_nan(),
+                    _ => f16::from_bits(copies[i]).is_nan(),
+                };
+                assert!(p_got[i].is_nan() && copy_is_nan, "{dtype}: NaN at {i}");
+                continue;
+            }
+            if x != 0.0 {
+                assert_eq!(p_got[i].to_bits(), x.to_bits(), "{dtype}: p[{i}] moved");
+            }
+            let want = match dtype {
+                Dtype::Bf16 => bf16::from_f32(p_got[i]).to_bits(),
+                _ => f16::from_f32(p_got[i]).to_bits(),
+            };
+            assert_eq!(
+                copies[i],
+                want,
+                "{dtype}: copy of {:e} ({:#x})",
+                x,
+                x.to_bits()
+            );
+        }
+    }
+}
+
+#[test]
+fn grad_stats_match_cpu() {
+    let Some(k) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(12);
+    let scale = 0.5;
+    let scalars = Scalars {
+        stats_scale: scale,
+        ..Scalars::default()
+    };
+    for n in [0, 1, 7, 22, 4097, 1_000_003] {
+        let base: Vec<f32> = (0..n)
+            .map(|_| rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-6..3)))
+            .collect();
+        let mut cases = vec![("finite", base.clone())];
+        if n > 0 {
+            for (name, bad) in [("inf", f32::INFINITY), ("nan", f32::NAN)] {
+                let mut g = base.clone();
+                g[n / 2] = bad;
+                cases.push((name, g));
+            }
+        }
+        for (name, g) in cases {
+            let mut s = Side::new(Target::Cuda, Dtype::F32);
+            let kernel = Kernel::GradStats {
+                grads: s.f32s(&g),
+                out: s.scratch(16),
+                scratch: s.scratch(grad_stats_scratch_bytes(Target::Cuda, n)),
+            };
+            let after = run_gpu(&k, &kernel, &s.image, &scalars);
+            let Kernel::GradStats { out, .. } = kernel else {
+                unreachable!()
+            };
+            let got = read_stats(&after[out.byte_range()]);
+            let flag = f64::from_le_bytes(after[out.offset_bytes + 8..][..8].try_into().unwrap());
+            let want = grad_stats(Isa::active(), 1, Grads::F32(&g), scale).unwrap();
+            let tag = format!("grad-stats n={n} {name}");
+            println!("{tag}: {} vs {}", got.sum_squares, want.sum_squares);
+            assert_eq!(got.non_finite, want.non_finite, "{tag}: flag");
+            assert_eq!(flag, if want.non_finite { 1.0 } else { 0.0 }, "{tag}: flag");
+            if want.sum_squares.is_finite() {
+                let err = (got.sum_squares - want.sum_squares).abs();
+                assert!(err <= 1e-12 * want.sum_squares, "{tag}: sum error {err:e}");
+            } else {
+                assert!(
+                    !got.sum_squares.is_finite()
+                        && got.sum_squares.is_nan() == want.sum_squares.is_nan(),
+                    "{tag}: sum {}",
+                    got.sum_squares
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn kernels_repeat_bit_for_bit() {
+    let Some(k) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(13);
+    for w in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+        let (b, t, c, nh, v) = (2, 37, 48, 3, 50257);
+        let (n, oc) = (b * t, 4 * c);
+        let qkv = random(&mut rng, w, n * 3 * c, 2.0);
+        let dout = random(&mut rng, w, n * c, 1.0);
+        let att = random(&mut rng, w, b * nh * t * t, 1.0);
+        let inp = random(&mut rng, w, n * c, 1.0);
+        let weight = random(&mut rng, w, c * oc, 1.0);
+        let dout_oc = random(&mut rng, w, n * oc, 1.0);
+        let logits = random(&mut rng, w, 5 * v, 8.0);
+        let targets: Vec<u32> = (0..5).map(|_| rng.random_range(0..v as u32)).collect();
+        let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..101)).collect();
+        let mut s = Side::new(Target::Cuda, w);
+        let kernels = [
+            Kernel::AttentionBackward {
+                dqkv: s.act(&vec![0.0; n * 3 * c]),
+                dout: s.act(&dout),
+                qkv: s.act(&qkv),
+                att: s.act(&att),
+                scratch: s.attention_scratch(b, t, c, nh),
+                b,
+                t,
+                c,
+                nh,
+            },
+            Kernel::MatmulBackward {
+                dinp: s.act(&vec![0.0; n * c]),
+                dweight: s.f32s(&vec![0.0; c * oc]),
+                dbias: Some(s.f32s(&vec![0.0; oc])),
+                dout: s.act(&dout_oc),
+                inp: s.act(&inp),
+                weight: s.act(&weight),
+                layout: WeightLayout::InOut,
+                n,
+                c,
+                oc,
+            },
+            Kernel::LayerNormBackward {
+                dinp: s.act(&vec![0.0; n * c]),
+                dweight: s.f32s(&vec![0.0; c]),
+                dbias: s.f32s(&vec![0.0; c]),
+                dout: s.act(&dout),
+                inp: s.act(&inp),
+                weight: s.act(&weight[..c]),
+                mean: s.f32s(&vec![0.1; n]),
+                rstd: s.f32s(&vec![1.5; n]),
+                n,
+                c,
+            },
+            Kernel::EncoderBackward {
+                dwte: s.f32s(&vec![0.0; 101 * c]),
+                dwpe: s.f32s(&vec![0.0; t * c]),
+                dout: s.act(&dout),
+                tokens: s.u32s(&tokens),
+                b,
+                t,
+                c,
+            },
+            Kernel::CrossEntropyBackward {
+                logits: s.act(&logits),
+                targets: s.u32s(&targets),
+                n: 5,
+                v,
+            },
+            Kernel::GradStats {
+                grads: s.f32s(&random(&mut rng, Dtype::F32, 300_001, 1.0)),
+                out: s.scratch(16),
+                scratch: s.scratch(grad_stats_scratch_bytes(Target::Cuda, 300_001)),
+            },
+        ];
+        for kernel in &kernels {
+            let first = run_gpu(&k, kernel, &s.image, &scalars());
+            let second = run_gpu(&k, kernel, &s.image, &scalars());
+            assert_ne!(first, s.image, "{} {w} wrote nothing", kernel.name());
+            assert!(first == second, "{} {w}: two runs differ", kernel.name());
+        }
+    }
 }

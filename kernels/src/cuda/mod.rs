@@ -1,7 +1,8 @@
 //! CUDA support: which CUDA libraries this machine has ([`probe`]) and what GPUs
-//! ([`describe_driver`]), the kernel sources
-//! and their compilation by NVRTC ([`program`]), and GPT-2's kernels on a stream
-//! ([`CudaKernels`]).
+//! ([`describe_driver`]), the kernel sources and their compilation by NVRTC
+//! ([`program`]), and the runner of programs' kernels on a stream
+//! ([`CudaKernels::run`]: its checks and launch sequences in `run.rs`, the CUDA calls
+//! they are made of in `ops.rs`).
 //!
 //! cudarc loads libcuda, libnvrtc and libcublas at run time and panics on the first call
 //! into a library that is absent, so every GPU path asks [`probe`] first.
@@ -9,12 +10,14 @@
 mod ops;
 mod probe;
 pub mod program;
+mod run;
 
-pub use ops::{AttentionScratch, CudaFloat, CudaKernels};
+pub use ops::CudaKernels;
 pub use probe::{
     CUBLAS_LIBRARY, CudaLibraries, CudaUnavailable, DriverReport, GpuInfo, NVRTC_LIBRARY,
     describe_driver, probe,
 };
+pub use run::CudaFloat;
 
 /// Why a CUDA operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -18,7 +18,7 @@ use cudarc::nvrtc::{result, sys};
 use super::CudaError;
 
 /// The kernel sources, in compilation order: (file name, text).
-pub const SOURCES: [(&str, &str); 7] = [
+pub const SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("../../cuda/common.cuh")),
     ("encoder.cu", include_str!("../../cuda/encoder.cu")),
     ("layernorm.cu", include_str!("../../cuda/layernorm.cu")),
@@ -29,9 +29,14 @@ pub const SOURCES: [(&str, &str); 7] = [
         "crossentropy.cu",
         include_str!("../../cuda/crossentropy.cu"),
     ),
+    ("adamw.cu", include_str!("../../cuda/adamw.cu")),
 ];
 
-/// Kernels with one entry point per working type: `<name>_f32` and `<name>_bf16`.
+/// The suffixes of the working types' entry points (f32, bf16, f16).
+pub const TYPE_SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
+
+/// Kernels with one entry point per working type: `<name>_<suffix>` for each of
+/// [`TYPE_SUFFIXES`].
 pub const TYPED_KERNELS: [&str; 18] = [
     "encoder_forward",
     "encoder_backward_wte",
@@ -53,21 +58,22 @@ pub const TYPED_KERNELS: [&str; 18] = [
     "crossentropy_backward",
 ];
 
-/// Kernels with one entry point, under their own name.
-pub const CAST_KERNELS: [&str; 4] = [
-    "cast_f32_to_bf16",
-    "cast_bf16_to_f32",
-    "cast_f32_to_f16",
-    "cast_f16_to_f32",
+/// Kernels with one entry point, under their own name: f32 gradient accumulation, the
+/// AdamW step and the two passes of the gradient statistics.
+pub const UNTYPED_KERNELS: [&str; 4] = [
+    "add_f32",
+    "adamw_step",
+    "grad_stats_partials",
+    "grad_stats_total",
 ];
 
 /// Every entry point the program must define.
 pub fn entry_points() -> Vec<String> {
     let typed = TYPED_KERNELS
         .iter()
-        .flat_map(|k| ["f32", "bf16"].map(|s| format!("{k}_{s}")));
+        .flat_map(|k| TYPE_SUFFIXES.map(|s| format!("{k}_{s}")));
     typed
-        .chain(CAST_KERNELS.iter().map(|k| k.to_string()))
+        .chain(UNTYPED_KERNELS.iter().map(|k| k.to_string()))
         .collect()
 }
 
@@ -97,12 +103,29 @@ pub fn compile(major: i32, minor: i32) -> Result<Arc<Vec<u8>>, CudaError> {
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     cache
         .entry((major, minor))
-        .or_insert_with(|| compile_uncached(major, minor).map(Arc::new))
+        .or_insert_with(|| compile_uncached(major, minor, Output::Cubin).map(Arc::new))
         .clone()
         .map_err(CudaError::Compile)
 }
 
-fn compile_uncached(major: i32, minor: i32) -> Result<Vec<u8>, String> {
+/// What a compilation produces.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Output {
+    /// Machine code for `sm_<major><minor>`.
+    Cubin,
+    /// PTX for `compute_<major><minor>`.
+    Ptx,
+}
+
+/// The program as PTX text for compute capability `major.minor`, compiled afresh: for
+/// inspection (its `.entry` lines are the kernels' parameter lists) and tests, which
+/// check launches against them. Needs NVRTC only.
+pub fn ptx(major: i32, minor: i32) -> Result<String, CudaError> {
+    let bytes = compile_uncached(major, minor, Output::Ptx).map_err(CudaError::Compile)?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn compile_uncached(major: i32, minor: i32, output: Output) -> Result<Vec<u8>, String> {
     if !super::probe().nvrtc {
         return Err(
             "NVRTC (libnvrtc.so.13) could not be loaded; install the CUDA 13 runtime \
@@ -118,14 +141,21 @@ fn compile_uncached(major: i32, minor: i32) -> Result<Vec<u8>, String> {
     let source = CString::new(program_source()).expect("the sources hold no NUL byte");
     let program = result::create_program(&source, Some(c"strata_kernels.cu"))
         .map_err(|e| format!("nvrtcCreateProgram: {e}"))?;
+    let arch = match output {
+        Output::Cubin => "sm",
+        Output::Ptx => "compute",
+    };
     let options = [
-        format!("--gpu-architecture=sm_{major}{minor}"),
+        format!("--gpu-architecture={arch}_{major}{minor}"),
         "--std=c++17".to_string(),
     ];
     // SAFETY: `program` was created just above and is destroyed once, at the end.
     let compiled = unsafe { result::compile_program(program, &options) };
     let out = match compiled {
-        Ok(()) => cubin(program),
+        Ok(()) => match output {
+            Output::Cubin => cubin(program),
+            Output::Ptx => ptx_text(program),
+        },
         Err(e) => {
             // SAFETY: as above; the log exists after a compilation attempt.
             let log = unsafe { result::get_program_log(program) }
@@ -154,6 +184,13 @@ fn cubin(program: sys::nvrtcProgram) -> Result<Vec<u8>, String> {
         .result()
         .map_err(|e| format!("nvrtcGetCUBIN: {e}"))?;
     Ok(image)
+}
+
+/// The PTX of a successfully compiled program.
+fn ptx_text(program: sys::nvrtcProgram) -> Result<Vec<u8>, String> {
+    // SAFETY: `program` is a live, compiled program.
+    let chars = unsafe { result::get_ptx(program) }.map_err(|e| format!("nvrtcGetPTX: {e}"))?;
+    Ok(text(&chars).into_bytes())
 }
 
 /// A NUL-terminated C string from NVRTC, as text.
