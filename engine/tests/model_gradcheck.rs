@@ -3,23 +3,44 @@
 //! 1. The scalar reference model, run in f64, against central differences of its own
 //!    forward pass, on sampled elements of every parameter tensor: checks the backward
 //!    math.
-//! 2. The engine's model (fast f32 kernels, backward recomputing each block from its
-//!    checkpoint) against those same finite differences, and whole tensors against the f64
-//!    reference gradient: checks the fast kernels, the block wiring and the tied head.
+//! 2. The engine's model (its block programs on the CPU device through a whole-model
+//!    [`Runner`](strata_engine::exec::Runner): fast f32 kernels, backward recomputing each
+//!    block from its input) against those same finite differences, and whole tensors
+//!    against the f64 reference gradient: checks the fast kernels, the block wiring and the
+//!    tied head.
 
 mod model_support;
 
 use model_support::{golden_dir, rel_err};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use strata_engine::kernels::reference::gpt2_model::{self as reference, Weights};
+use strata_engine::exec::Runner;
+use strata_engine::kernels::reference::gpt2_model::{self as reference, Gpt2Shape, Weights};
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights::load_pretrained;
-use strata_engine::model::{CpuBackend, Gpt2Config, Model};
+use strata_engine::model::{Gpt2Config, Model};
+
+/// The reference model's shape of `model`, a GPT-2: its five numbers, the heads read
+/// from the `config.json` the family writes (a [`Model`] does not expose them).
+fn reference_shape(model: &Model) -> Gpt2Shape {
+    let hf = model.family().hf_config();
+    let heads = hf["n_head"]
+        .as_u64()
+        .expect("a GPT-2 config.json has n_head") as usize;
+    let config = Gpt2Config::new(
+        model.layers(),
+        heads,
+        model.width(),
+        model.vocab(),
+        model.context(),
+    );
+    assert_eq!(&Model::new(config).unwrap(), model, "{config:?}");
+    config.shape()
+}
 
 /// The model's parameters as the reference model's f64 tensors.
 fn to_reference(model: &Model, params: &[Vec<f32>]) -> Weights<f64> {
-    let mut w = Weights::zeros(model.config().shape());
+    let mut w = Weights::zeros(reference_shape(model));
     for (block, buffer) in model.blocks().iter().zip(params) {
         for t in &block.tensors {
             let dst = w
@@ -33,7 +54,7 @@ fn to_reference(model: &Model, params: &[Vec<f32>]) -> Weights<f64> {
 
 /// The model's parameters as the reference model's f32 tensors.
 fn to_reference32(model: &Model, params: &[Vec<f32>]) -> Weights<f32> {
-    let mut w = Weights::zeros(model.config().shape());
+    let mut w = Weights::zeros(reference_shape(model));
     for (block, buffer) in model.blocks().iter().zip(params) {
         for t in &block.tensors {
             *w.get_mut(&t.name).unwrap() = buffer[t.slot.range()].to_vec();
@@ -43,7 +64,7 @@ fn to_reference32(model: &Model, params: &[Vec<f32>]) -> Weights<f32> {
 }
 
 fn check_model(model: &Model, params: &[Vec<f32>], batch: usize, seq: usize, tokens: &Batch) {
-    let shape = model.config().shape();
+    let shape = reference_shape(model);
     let (x, y) = (&tokens.inputs, &tokens.targets);
     let w = to_reference(model, params);
     let (out, ref_grads) = reference::backward(shape, &w, x, y, batch, seq);
@@ -51,16 +72,16 @@ fn check_model(model: &Model, params: &[Vec<f32>], batch: usize, seq: usize, tok
     let w32 = to_reference32(model, params);
     let (_, mut ref32_grads) = reference::backward(shape, &w32, x, y, batch, seq);
 
-    let be = CpuBackend::default();
-    let mut ws = model.workspace(&be, batch, seq).unwrap();
-    let loss = model.forward(&be, params, &mut ws, x, y).unwrap();
+    let mut runner = Runner::on_cpu(model.clone(), batch, seq).unwrap();
+    runner.load(params).unwrap();
+    let loss = runner.forward(x, y).unwrap();
     assert!(
         (loss as f64 - out.loss).abs() < 1e-5 * out.loss.abs(),
         "loss {loss} vs {}",
         out.loss
     );
-    let mut grads = model.alloc_grads(&be).unwrap();
-    model.backward(&be, params, &mut grads, &mut ws).unwrap();
+    let grads = runner.backward().unwrap();
+    assert_eq!(grads.len(), model.blocks().len());
 
     let mut rng = StdRng::seed_from_u64(11);
     let (mut worst_ref, mut worst_fast, mut worst_tensor) = (0.0f64, 0.0f64, 0.0f64);
@@ -122,7 +143,7 @@ fn gradients_match_finite_differences_on_the_golden_model() {
     let (model, params) = load_pretrained(&dir).unwrap();
     let data = TokenData::open(&dir.join("tokens.bin")).unwrap();
     let mut batch = Batch::default();
-    data.read_batch(0, 2, 16, model.config().vocab, &mut batch)
+    data.read_batch(0, 2, 16, model.vocab(), &mut batch)
         .unwrap();
     check_model(&model, &params, 2, 16, &batch);
 }

@@ -1,9 +1,16 @@
-//! What the model tests share: the reference data's location, reading its tensors, and
-//! relative errors.
+//! What the model tests share: the reference data's location, reading its tensors,
+//! relative errors, a whole-model runner on a CPU device of a given instruction set and
+//! thread count, and one forward and backward pass through a runner.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+
+use strata_engine::device::{CpuDevice, CpuDeviceConfig, Device};
+use strata_engine::exec::Runner;
+use strata_engine::kernels::ops::Cpu;
+use strata_engine::model::{Dtype, Model, Target};
+use strata_engine::plan::Precision;
 
 /// `tests/data/gpt2-tiny` (see its README).
 pub fn golden_dir() -> PathBuf {
@@ -37,4 +44,51 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
         norm += (w as f64).powi(2);
     }
     (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// `model` on a CPU device of its own, sized for batches of `batch` × `seq`, whose
+/// kernels use `cpu`'s instruction set and threads; fp32 throughout.
+pub fn cpu_runner(model: &Model, batch: usize, seq: usize, cpu: Cpu) -> Runner {
+    let bytes = Runner::device_bytes(model, batch, seq, Target::Cpu, Dtype::F32).unwrap();
+    let device = CpuDevice::new(CpuDeviceConfig {
+        memory_budget_bytes: bytes,
+        cpu,
+        ..CpuDeviceConfig::default()
+    })
+    .unwrap();
+    Runner::new(
+        model.clone(),
+        Device::Cpu(device),
+        batch,
+        seq,
+        Precision::Fp32,
+    )
+    .unwrap()
+}
+
+/// What one forward and backward pass gives.
+pub struct PassOut {
+    /// The mean loss.
+    pub loss: f32,
+    /// The logits (B × T × vocab), read after the forward.
+    pub logits: Vec<f32>,
+    /// The gradient of the mean loss, one f32 buffer per block.
+    pub grads: Vec<Vec<f32>>,
+}
+
+/// One forward on `inputs` against `targets`, the logits, then the backward, on the
+/// parameters `runner` holds.
+pub fn forward_backward(runner: &mut Runner, inputs: &[u32], targets: &[u32]) -> PassOut {
+    let loss = runner.forward(inputs, targets).unwrap();
+    // The head's backward overwrites the logits with their gradient: read them first.
+    let logits = runner
+        .logits()
+        .unwrap()
+        .expect("GPT-2 keeps its logits in the scratch");
+    let grads = runner.backward().unwrap();
+    PassOut {
+        loss,
+        logits,
+        grads,
+    }
 }
