@@ -556,7 +556,13 @@ fn upload_gelu_download(
     bind.set(0, b);
     bind.set(1, a);
     let run = device
-        .run_program(&gelu_program(Dtype::F32), &bind, &Scalars::default(), &[up])
+        .run_program(
+            Lane::Compute,
+            &gelu_program(Dtype::F32),
+            &bind,
+            &Scalars::default(),
+            &[up],
+        )
         .unwrap();
     let down = device.copy_to_host(b, host, dst, &[run]).unwrap();
     down.wait().unwrap();
@@ -587,7 +593,13 @@ fn a_program_that_forgot_its_upload_is_an_ordering_violation() {
     // The upload holds its write view for 200 ms; the program reads the same bytes.
     std::thread::sleep(Duration::from_millis(50));
     let run = device
-        .run_program(&gelu_program(Dtype::F32), &bind, &Scalars::default(), &[])
+        .run_program(
+            Lane::Compute,
+            &gelu_program(Dtype::F32),
+            &bind,
+            &Scalars::default(),
+            &[],
+        )
         .unwrap();
     let error = run.wait().unwrap_err();
     assert!(
@@ -676,7 +688,13 @@ fn a_tensor_outside_its_binding_is_refused_naming_the_kernel() {
     bind.set(0, b.sub(0, 4 * (N - 1)));
     bind.set(1, a);
     let error = device
-        .run_program(&gelu_program(Dtype::F32), &bind, &Scalars::default(), &[])
+        .run_program(
+            Lane::Compute,
+            &gelu_program(Dtype::F32),
+            &bind,
+            &Scalars::default(),
+            &[],
+        )
         .unwrap()
         .wait()
         .unwrap_err();

@@ -200,7 +200,7 @@ pub struct StepSample {
     /// Mean loss over the step's tokens.
     pub loss: f32,
     /// Busy seconds per lane: nvme, h2d, compute, d2h, cpu-optimizer.
-    pub lane_busy_s: [f64; 6],
+    pub lane_busy_s: [f64; Lane::COUNT],
     /// Seconds the compute lane waited for other lanes.
     pub compute_stall_s: f64,
     /// Bytes over NVMe read, NVMe write, H2D, D2H.

@@ -3,9 +3,9 @@
 //!
 //! Its "device memory" is one host mapping of the budget (backed lazily, as operations
 //! touch it), sub-allocated by a [`DeviceArena`] exactly as GPU memory is. Its streams are
-//! three worker threads (compute, host-to-device, device-to-host), each running its
-//! lane's operations in order; its events are completion flags. Programs run the CPU
-//! kernels (`strata_kernels::program::run_cpu`) on the compute stream; copies between a
+//! four worker threads (compute, update, host-to-device, device-to-host), each running
+//! its lane's operations in order; its events are completion flags. Programs run the CPU
+//! kernels (`strata_kernels::program::run_cpu`) on the compute and update streams; copies between a
 //! [`HostArena`] and device ranges run on the copy streams (widening bf16 or fp16 host
 //! parameters to the f32 the CPU computes in). Copies can be slowed down on purpose (a
 //! fixed latency and a byte rate), so tests can hold a copy in flight.
@@ -270,11 +270,12 @@ impl CpuDevice {
         Ok(Transfer::new(Event::Cpu(event), dst, src.clone()))
     }
 
-    /// Runs `program` on the compute stream after `after`: each kernel's tensors are
+    /// Runs `program` on kernel stream `lane` after `after`: each kernel's tensors are
     /// resolved through `bindings`, checked to lie inside their bound range, registered
     /// with the view checker for the kernel's run, and computed by the CPU kernels.
     pub fn run_program(
         &self,
+        lane: Lane,
         program: &Program,
         bindings: &Bindings,
         scalars: &Scalars,
@@ -285,7 +286,7 @@ impl CpuDevice {
         }
         let (program, bindings, scalars) = (Arc::clone(program), *bindings, *scalars);
         self.submit(
-            Lane::Compute,
+            lane,
             after,
             Box::new(move |access| {
                 for kernel in program.iter() {

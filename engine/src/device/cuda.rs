@@ -44,16 +44,17 @@ pub struct CudaDeviceConfig {
     pub needs_kernels: bool,
 }
 
-/// One GPU with its three streams and its memory arena.
+/// One GPU with its four streams and its memory arena.
 pub struct CudaDevice {
     name: String,
     gpu_name: String,
     ctx: Arc<CudaContext>,
     /// Indexed by [`Lane::stream_index`].
-    streams: [Arc<CudaStream>; 3],
+    streams: [Arc<CudaStream>; 4],
     arena: DeviceArena,
-    /// strata's kernels on the compute stream, when the device was opened for them.
-    kernels: Option<CudaKernels>,
+    /// strata's kernels on the compute and the update stream, when the device was opened
+    /// for them.
+    kernels: Option<[CudaKernels; 2]>,
     /// Bytes copied host to device, device to host.
     copied: [AtomicU64; 2],
 }
@@ -110,7 +111,7 @@ impl CudaDevice {
             ctx.new_stream()
                 .map_err(EngineError::cuda("cuStreamCreate"))
         };
-        let streams = [new_stream()?, new_stream()?, new_stream()?];
+        let streams = [new_stream()?, new_stream()?, new_stream()?, new_stream()?];
         let name = format!("cuda:{}", config.ordinal);
         let ptr = if config.memory_budget_bytes == 0 {
             0
@@ -141,10 +142,12 @@ impl CudaDevice {
             }),
         );
         let kernels = if config.needs_kernels {
-            Some(
-                CudaKernels::new(Arc::clone(&streams[0]))
-                    .map_err(|source| EngineError::CudaKernels { source })?,
-            )
+            let on = |lane: Lane| {
+                let index = lane.stream_index().expect("a stream");
+                CudaKernels::new(Arc::clone(&streams[index]))
+                    .map_err(|source| EngineError::CudaKernels { source })
+            };
+            Some([on(Lane::Compute)?, on(Lane::Update)?])
         } else {
             None
         };
@@ -208,10 +211,12 @@ impl CudaDevice {
         &self.streams[index]
     }
 
-    /// Runs `program` on the compute stream after `after`, each tensor at the address of
-    /// its binding plus its offset; the event (timed) completes with the last kernel.
+    /// Runs `program` on kernel stream `lane` (compute or update) after `after`, each
+    /// tensor at the address of its binding plus its offset; the event (timed) completes
+    /// with the last kernel.
     pub fn run_program(
         &self,
+        lane: Lane,
         program: &Program,
         bindings: &Bindings,
         scalars: &Scalars,
@@ -221,10 +226,11 @@ impl CudaDevice {
             device: self.name.clone(),
             what: "programs (it was opened for copies only, without NVRTC and cuBLAS)",
         })?;
+        let kernels = &kernels[usize::from(lane == Lane::Update)];
         for b in bindings.0.iter().flatten() {
             self.check_range(*b)?;
         }
-        let stream = self.stream(Lane::Compute);
+        let stream = self.stream(lane);
         self.wait_events(stream, after)?;
         self.ctx
             .bind_to_thread()
@@ -265,7 +271,7 @@ impl CudaDevice {
                 }
             })?;
         }
-        self.record(Lane::Compute)
+        self.record(lane)
     }
 
     /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`. The

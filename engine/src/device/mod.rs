@@ -6,11 +6,12 @@
 //!
 //! - memory: the device arena ([`DeviceArena`], one allocation of the budget); host
 //!   memory is a [`HostArena`] (page-locked, registered with the GPU and io_uring);
-//! - three streams ([`Lane::Compute`], [`Lane::H2d`], [`Lane::D2h`]), each running its
-//!   work in order; work on different streams is ordered only by [`Event`]s: every
+//! - four streams ([`Lane::Compute`], [`Lane::Update`], [`Lane::H2d`], [`Lane::D2h`]),
+//!   each running its work in order; work on different streams is ordered only by [`Event`]s: every
 //!   operation takes the events it must come after and returns the one that completes
 //!   with it;
-//! - operations: a program of kernels over bound device ranges ([`Device::run_program`]),
+//! - operations: a program of kernels over bound device ranges, on the compute or the
+//!   update stream ([`Device::run_program`]),
 //!   copies between host-arena and device ranges ([`Device::copy_to_device`],
 //!   [`Device::copy_to_host`]), and copies through pinned pool slots held by a
 //!   [`Transfer`] until they complete (the pinned-pool benchmarks);
@@ -48,9 +49,9 @@ use crate::memory::{
     ArenaStats, DeviceArena, DeviceBuffer, HostArena, HostRange, Pinning, SlotLease,
 };
 
-/// The lanes a training step runs on. Three are a device's streams (compute, copies each
-/// way); three are the executor's host threads (NVMe reads, NVMe writes, the CPU
-/// optimizer). Each runs its work in order.
+/// The lanes a training step runs on. Four are a device's streams (compute, the update of
+/// device-homed optimizer state, copies each way); three are the executor's host threads
+/// (NVMe reads, NVMe writes, the CPU optimizer). Each runs its work in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Lane {
     /// NVMe reads (the io_uring thread does the I/O).
@@ -65,21 +66,28 @@ pub enum Lane {
     D2h,
     /// The CPU optimizer (and other host arithmetic on gradients).
     Cpu,
+    /// The device's second kernel stream: AdamW and gradient statistics of optimizer
+    /// state that lives on the device, beside the backward of the blocks before.
+    Update,
 }
 
 impl Lane {
+    /// How many lanes there are.
+    pub const COUNT: usize = 7;
+
     /// Every lane, in index order.
-    pub const ALL: [Lane; 6] = [
+    pub const ALL: [Lane; Lane::COUNT] = [
         Lane::NvmeRead,
         Lane::NvmeWrite,
         Lane::H2d,
         Lane::Compute,
         Lane::D2h,
         Lane::Cpu,
+        Lane::Update,
     ];
 
     /// The device's streams.
-    pub const STREAMS: [Lane; 3] = [Lane::Compute, Lane::H2d, Lane::D2h];
+    pub const STREAMS: [Lane; 4] = [Lane::Compute, Lane::H2d, Lane::D2h, Lane::Update];
 
     /// The lane's position in [`Lane::ALL`].
     pub fn index(self) -> usize {
@@ -97,6 +105,7 @@ impl Lane {
             Lane::Compute => Some(0),
             Lane::H2d => Some(1),
             Lane::D2h => Some(2),
+            Lane::Update => Some(3),
             _ => None,
         }
     }
@@ -111,6 +120,7 @@ impl fmt::Display for Lane {
             Lane::Compute => "compute",
             Lane::D2h => "d2h",
             Lane::Cpu => "cpu-optimizer",
+            Lane::Update => "device-update",
         })
     }
 }
@@ -286,18 +296,24 @@ impl Device {
         }
     }
 
-    /// Runs `program` on the compute stream after `after`, each tensor resolved through
-    /// `bindings`, with `scalars`; the event completes when the last kernel has.
+    /// Runs `program` on kernel stream `lane` ([`Lane::Compute`] or [`Lane::Update`])
+    /// after `after`, each tensor resolved through `bindings`, with `scalars`; the event
+    /// completes when the last kernel has.
     pub fn run_program(
         &self,
+        lane: Lane,
         program: &Program,
         bindings: &Bindings,
         scalars: &Scalars,
         after: &[Event],
     ) -> Result<Event, EngineError> {
+        assert!(
+            matches!(lane, Lane::Compute | Lane::Update),
+            "programs run on the compute or the update stream, not {lane}"
+        );
         match self {
-            Device::Cpu(d) => d.run_program(program, bindings, scalars, after),
-            Device::Cuda(d) => d.run_program(program, bindings, scalars, after),
+            Device::Cpu(d) => d.run_program(lane, program, bindings, scalars, after),
+            Device::Cuda(d) => d.run_program(lane, program, bindings, scalars, after),
         }
     }
 

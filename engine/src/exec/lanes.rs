@@ -290,13 +290,14 @@ impl Executor {
                     Pass::Backward => &self.programs.backward[block],
                 };
                 self.device
-                    .run_program(program, &self.bindings(binds), &scalars, after)
+                    .run_program(op.lane, program, &self.bindings(binds), &scalars, after)
             }
             OpKind::Accumulate { block, from, to } => {
                 let mut b = Bindings::default();
                 b.set(Bind::Grads as u8, self.device_range(to));
                 b.set(Bind::GradsIn as u8, self.device_range(from));
                 self.device.run_program(
+                    op.lane,
                     &self.programs.accumulate[block],
                     &b,
                     &Scalars::default(),
@@ -311,13 +312,16 @@ impl Executor {
                 let mut b = Bindings::default();
                 b.set(Bind::Grads as u8, self.device_range(grads));
                 b.set(Bind::Stats as u8, self.device_range(stats));
-                b.set(Bind::Scratch as u8, self.device_range(self.plan.scratch));
+                b.set(
+                    Bind::Scratch as u8,
+                    self.device_range(self.plan.stats_scratch),
+                );
                 let scalars = Scalars {
                     stats_scale: 1.0 / shared.update_loss_scale,
                     ..Scalars::default()
                 };
                 self.device
-                    .run_program(&self.programs.stats[block], &b, &scalars, after)
+                    .run_program(op.lane, &self.programs.stats[block], &b, &scalars, after)
             }
             OpKind::DeviceUpdate {
                 block,
@@ -337,11 +341,11 @@ impl Executor {
                 b.set(Bind::Grads as u8, self.device_range(grads));
                 b.set(Bind::State as u8, self.device_range(state));
                 b.set(Bind::Params as u8, self.device_range(params));
-                b.set(Bind::Scratch as u8, self.device_range(self.plan.scratch));
                 let program = self.programs.update[block]
                     .as_ref()
                     .expect("an update program for a block whose state is on the device");
-                self.device.run_program(program, &b, &scalars, after)
+                self.device
+                    .run_program(op.lane, program, &b, &scalars, after)
             }
             _ => unreachable!("{} is not a stream operation", op.kind.label()),
         };

@@ -188,7 +188,7 @@ pub struct StepReport {
     /// Wall time.
     pub seconds: f64,
     /// Busy seconds per lane ([`Lane::index`]).
-    pub lane_busy: [f64; 6],
+    pub lane_busy: [f64; Lane::COUNT],
     /// Seconds the compute lane's device stream sat idle between its operations.
     pub compute_stall: f64,
     /// Bytes this step moved over NVMe read, NVMe write, H2D and D2H, as the NVMe tier
@@ -1023,7 +1023,7 @@ impl Executor {
         seconds: f64,
         shared: &StepShared<'_>,
     ) -> Result<StepReport, ExecError> {
-        let mut lane_busy = [0.0; 6];
+        let mut lane_busy = [0.0; Lane::COUNT];
         let mut records = Vec::with_capacity(self.plan.ops.len());
         let mut hist = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
         let mut spans: Vec<Option<(u64, u64)>> = Vec::with_capacity(self.plan.ops.len());

@@ -290,7 +290,13 @@ impl Runner {
             Pass::Backward => &self.backward[b],
         };
         self.device
-            .run_program(program, &self.bindings(b, pass), scalars, &[])
+            .run_program(
+                Lane::Compute,
+                program,
+                &self.bindings(b, pass),
+                scalars,
+                &[],
+            )
             .map_err(device_err("running a program"))
     }
 

@@ -415,7 +415,7 @@ pub struct Plan {
     /// Operations, in canonical order.
     pub ops: Vec<Op>,
     /// Each lane's operations, in order (indexed by [`Lane::index`]).
-    pub lanes: [Vec<OpId>; 6],
+    pub lanes: [Vec<OpId>; Lane::COUNT],
     /// Logical buffers.
     pub buffers: Vec<BufferPlan>,
     /// Physical slots.
@@ -436,8 +436,10 @@ pub struct Plan {
     /// Per block: the host buffer holding the statistics of its device gradients after
     /// an update, when the device computes them.
     pub stats_host: Vec<Option<BufId>>,
-    /// The device scratch every program runs in.
+    /// The device scratch every program of the compute stream runs in.
     pub scratch: BufId,
+    /// The device scratch of the gradient statistics on the update stream.
+    pub stats_scratch: BufId,
     /// Delayed update: pairs of persistent buffers (gradients being filled, gradients
     /// being applied) whose memory the executor exchanges after every step.
     pub swap_each_step: Vec<(BufId, BufId)>,
@@ -526,6 +528,7 @@ struct Planner<'a> {
     extent_groups: Vec<Extent>,
     // Stage 2: homes and fixed buffers.
     scratch: BufId,
+    stats_scratch: BufId,
     /// (current, next) working-parameter homes; equal unless delayed or on NVMe.
     p_home: Vec<(BufId, BufId)>,
     /// (current, next) optimizer-state homes.
@@ -640,6 +643,7 @@ impl<'a> Planner<'a> {
             buffers: Vec::new(),
             extent_groups: Vec::new(),
             scratch: BufId(0),
+            stats_scratch: BufId(0),
             p_home: Vec::new(),
             s_home: Vec::new(),
             g_home_dev: vec![None; nb],
@@ -769,10 +773,12 @@ impl<'a> Planner<'a> {
         let nb = self.nb();
         let model = self.input.model;
         let target = self.shape.target;
-        let scratch = model
-            .scratch_bytes(self.dims, target, self.shape.device_dtype())
-            .max(update::grad_stats_scratch(self.blocks, target));
+        let scratch = model.scratch_bytes(self.dims, target, self.shape.device_dtype());
         self.scratch = self.persistent("scratch@device".into(), Tier::Device, scratch as u64);
+        // The update stream's own, so that statistics do not wait for the compute stream.
+        let stats = update::grad_stats_scratch(self.blocks, target).max(8);
+        self.stats_scratch =
+            self.persistent("stats-scratch@device".into(), Tier::Device, stats as u64);
         let delayed = self.shape.delayed_update;
         for b in 0..nb {
             let len = self.len(b);
@@ -1472,11 +1478,7 @@ impl<'a> Planner<'a> {
                     from,
                     to: home,
                 },
-                vec![
-                    Access::Read(from),
-                    Access::Write(home),
-                    Access::Write(self.scratch),
-                ],
+                vec![Access::Read(from), Access::Write(home)],
             );
             self.ops[id.index()].flops = self.len(b) as f64;
         }
@@ -1528,7 +1530,7 @@ impl<'a> Planner<'a> {
         let first = self.ops.len();
         let grads = self.g_apply_dev[b].expect("device gradients");
         let id = self.op(
-            Lane::Compute,
+            Lane::Update,
             OpKind::DeviceStats {
                 block: b,
                 grads,
@@ -1537,7 +1539,7 @@ impl<'a> Planner<'a> {
             vec![
                 Access::Read(grads),
                 Access::Write(stats),
-                Access::Write(self.scratch),
+                Access::Write(self.stats_scratch),
             ],
         );
         self.ops[id.index()].bytes = 4 * self.len(b);
@@ -1591,11 +1593,10 @@ impl<'a> Planner<'a> {
                 Access::Read(grads),
                 Access::Write(state),
                 Access::Write(params),
-                Access::Write(self.scratch),
             ];
             access.extend(flag.map(Access::Read));
             let id = self.op(
-                Lane::Compute,
+                Lane::Update,
                 OpKind::DeviceUpdate {
                     block: b,
                     grads,
@@ -1680,7 +1681,7 @@ impl<'a> Planner<'a> {
             peak[Tier::Nvme.index()] +=
                 e.bytes.next_multiple_of(4096) * if e.paired { 2 } else { 1 };
         }
-        let mut lanes: [Vec<OpId>; 6] = Default::default();
+        let mut lanes: [Vec<OpId>; Lane::COUNT] = Default::default();
         let mut link_bytes = [0u64; 4];
         for (id, op) in ops.iter().enumerate() {
             lanes[op.lane.index()].push(OpId::of(id));
@@ -1731,6 +1732,7 @@ impl<'a> Planner<'a> {
             losses_host: self.losses_host,
             stats_host: self.stats_host,
             scratch: self.scratch,
+            stats_scratch: self.stats_scratch,
             swap_each_step,
             swap_on_update,
         })

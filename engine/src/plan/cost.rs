@@ -11,8 +11,9 @@ use super::build::{OpKind, Plan};
 use crate::device::Lane;
 use crate::model::Target;
 
-/// A modelling factor: on the CPU device, whether the compute lane and the CPU optimizer
-/// lane are simulated on one timeline, since both run on all of the machine's cores.
+/// A modelling factor: on the CPU device, whether the compute lane, the update lane and
+/// the CPU optimizer lane are simulated on one timeline, since all run on all of the
+/// machine's cores.
 /// Without it an offloaded update looks free on a 2-core machine, where it is not.
 pub const CPU_DEVICE_SHARES_CORES: bool = true;
 
@@ -68,7 +69,7 @@ pub struct Prediction {
     /// Seconds the compute lane is busy.
     pub compute_seconds: f64,
     /// Busy seconds per lane ([`Lane::index`]).
-    pub lane_seconds: [f64; 6],
+    pub lane_seconds: [f64; Lane::COUNT],
 }
 
 impl Prediction {
@@ -106,16 +107,16 @@ impl CostModel {
 
     /// Simulates `plan`'s step.
     ///
-    /// On the CPU device the compute stream's kernels and the CPU optimizer's run on
-    /// the same cores, each using all of them: the simulation gives the two lanes one
-    /// timeline there ([`CPU_DEVICE_SHARES_CORES`]).
+    /// On the CPU device the compute stream's kernels, the update stream's and the CPU
+    /// optimizer's run on the same cores, each using all of them: the simulation gives
+    /// the three lanes one timeline there ([`CPU_DEVICE_SHARES_CORES`]).
     pub fn predict(&self, plan: &Plan) -> Prediction {
         let mut end = vec![0.0f64; plan.ops.len()];
-        let mut lane_free = [0.0f64; 6];
-        let mut lane_busy = [0.0f64; 6];
+        let mut lane_free = [0.0f64; Lane::COUNT];
+        let mut lane_busy = [0.0f64; Lane::COUNT];
         let shared = CPU_DEVICE_SHARES_CORES && plan.shape.target == Target::Cpu;
         let timeline = |lane: Lane| {
-            if shared && lane == Lane::Cpu {
+            if shared && matches!(lane, Lane::Cpu | Lane::Update) {
                 Lane::Compute.index()
             } else {
                 lane.index()
