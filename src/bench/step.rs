@@ -199,12 +199,16 @@ pub struct StepSample {
     pub seconds: f64,
     /// Mean loss over the step's tokens.
     pub loss: f32,
-    /// Busy seconds per lane: nvme, h2d, compute, d2h, cpu-optimizer.
+    /// Busy seconds per lane, in `Lane::ALL` order: nvme-read, nvme-write, h2d,
+    /// compute, d2h, cpu-optimizer, device-update.
     pub lane_busy_s: [f64; Lane::COUNT],
     /// Seconds the compute lane waited for other lanes.
     pub compute_stall_s: f64,
     /// Bytes over NVMe read, NVMe write, H2D, D2H.
     pub link_bytes: [u64; 4],
+    /// NVMe chunks moved through io_uring's registered (fixed) buffers, and through
+    /// plain ones.
+    pub nvme_fixed_plain_chunks: [u64; 2],
 }
 
 impl From<&StepReport> for StepSample {
@@ -215,6 +219,7 @@ impl From<&StepReport> for StepSample {
             lane_busy_s: r.lane_busy,
             compute_stall_s: r.compute_stall,
             link_bytes: r.link_bytes,
+            nvme_fixed_plain_chunks: r.fixed_chunks,
         }
     }
 }
@@ -861,6 +866,7 @@ pub fn render(report: &StepBenchReport) -> String {
         "nvme write/step",
         "h2d/step",
         "d2h/step",
+        "nvme fixed/plain chunks",
     ]);
     for p in &report.policies {
         time.row([
@@ -878,6 +884,15 @@ pub fn render(report: &StepBenchReport) -> String {
         row.extend(p.peak_planned.iter().map(|&b| format_bytes(b)));
         row.extend(p.peak_measured[..2].iter().map(|&b| format_bytes(b)));
         row.extend(p.link_bytes_per_step.iter().map(|&b| format_bytes(b)));
+        let median_step = p.steps.iter().min_by(|a, b| {
+            (a.seconds - p.step_s_median)
+                .abs()
+                .total_cmp(&(b.seconds - p.step_s_median).abs())
+        });
+        row.push(median_step.map_or("-".into(), |s| {
+            let [fixed, plain] = s.nvme_fixed_plain_chunks;
+            format!("{fixed}/{plain}")
+        }));
         memory.row(row);
     }
     let mut out = time.render();
@@ -894,7 +909,9 @@ pub fn render(report: &StepBenchReport) -> String {
     out.push_str(&memory.render());
     out.push_str(
         "peak: planned per tier; measured: the most bytes of buffers live at once; per step: \
-         bytes moved over each link in the median step.\n",
+         bytes moved over each link in the median step, as the NVMe tier and the device's \
+         copies counted them; fixed: NVMe chunks through io_uring's registered buffers (the \
+         pinned host arena).\n",
     );
     out.push_str(&format!(
         "losses bit-identical across policies (invariant 1): {}\n",

@@ -27,12 +27,9 @@ use crate::device::{Bindings, Device, Event, Lane, cast, cast_mut};
 use crate::model::{Bind, Pass, TensorSpec};
 use crate::plan::{Binds, BufId, GradSource, OpId, OpKind, Precision};
 
-/// What a lane reports when it stopped because another failed.
-const ABORTED: &str = "aborted after another lane failed";
-
 /// Whether `e` only says the lane stopped for another's failure.
 pub(super) fn is_abort(e: &ExecError) -> bool {
-    matches!(e, ExecError::BadInput(s) if s == ABORTED)
+    matches!(e, ExecError::Aborted)
 }
 
 /// Seeded waits for chaos runs (xorshift64*).
@@ -113,7 +110,7 @@ impl Executor {
         let mut guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if self.failed.load(Ordering::SeqCst) {
-                return Err(ExecError::BadInput(ABORTED.into()));
+                return Err(ExecError::Aborted);
             }
             if issued() {
                 return Ok(());

@@ -103,6 +103,10 @@ pub enum ExecError {
     /// The model refused something (a shape, a program).
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// A lane stopped because another failed (never the error a step returns: that is
+    /// the other lane's).
+    #[error("aborted after another lane failed")]
+    Aborted,
 }
 
 /// AdamW's first and second moments, one buffer per block.

@@ -10,7 +10,6 @@
 use strata_kernels::program::{Dtype, Scalars, Target};
 
 use crate::device::{Bindings, Device, DeviceRange, Event, Lane, Program, cast};
-use crate::error::EngineError;
 use crate::memory::{ARENA_ALIGN, DeviceBuffer, HostArena, HostRange};
 use crate::model::{Bind, Model, ModelError, Pass, Shape};
 use crate::plan::Precision;
@@ -48,10 +47,6 @@ impl Layout {
         self.next = (self.next + bytes).next_multiple_of(ARENA_ALIGN);
         r
     }
-}
-
-fn device_err(op: &'static str) -> impl FnOnce(EngineError) -> ModelError {
-    move |e| ModelError::BadInput(format!("{op}: {e}"))
 }
 
 impl Runner {
@@ -118,9 +113,7 @@ impl Runner {
         };
         let (l, params, grads, acts, dact, tokens, losses, scratch) =
             Self::layout(&model, shape, target, dtype);
-        let memory = device
-            .alloc(l.next.max(1))
-            .map_err(device_err("allocating the model's memory"))?;
+        let memory = device.alloc(l.next.max(1)).map_err(ModelError::Device)?;
         let base = memory.arena_offset_bytes();
         let shift = |r: DeviceRange| DeviceRange::new(base + r.offset_bytes, r.len_bytes);
         let largest = model.blocks().iter().map(|b| b.len).max().unwrap_or(0);
@@ -129,7 +122,7 @@ impl Runner {
             .max(shape.rows() * model.vocab() * 4)
             .max(acts_bytes(&acts));
         let staging = HostArena::new("runner staging", staging_bytes, &device.pinning())
-            .map_err(device_err("allocating host staging"))?;
+            .map_err(ModelError::Device)?;
         let nb = model.blocks().len();
         let program = |b, pass| -> Program { model.program(b, pass, shape, target, dtype).into() };
         Ok(Runner {
@@ -183,12 +176,12 @@ impl Runner {
         let range = HostRange::new(0, bytes.len());
         self.staging
             .write(Lane::Cpu, range)
-            .map_err(device_err("staging"))?
+            .map_err(ModelError::Device)?
             .copy_from_slice(bytes);
         self.device
             .copy_to_device(&self.staging, range, dst, convert, &[])
             .and_then(|e| e.wait())
-            .map_err(device_err("copying to the device"))
+            .map_err(ModelError::Device)
     }
 
     /// A device range's bytes, as f32 (converted from `dtype`).
@@ -197,11 +190,11 @@ impl Runner {
         self.device
             .copy_to_host(src, &self.staging, range, &[])
             .and_then(|e| e.wait())
-            .map_err(device_err("copying to the host"))?;
+            .map_err(ModelError::Device)?;
         let bytes = self
             .staging
             .read(Lane::Cpu, range)
-            .map_err(device_err("staging"))?;
+            .map_err(ModelError::Device)?;
         Ok(match dtype {
             Dtype::Bf16 => cast::<half::bf16>(&bytes)
                 .iter()
@@ -297,7 +290,7 @@ impl Runner {
                 scalars,
                 &[],
             )
-            .map_err(device_err("running a program"))
+            .map_err(ModelError::Device)
     }
 
     /// Runs every block forward on `tokens` (B × T, row-major) and returns the mean
@@ -323,7 +316,7 @@ impl Runner {
             last = Some(self.run(b, Pass::Forward, &Scalars::default())?);
         }
         if let Some(e) = last {
-            e.wait().map_err(device_err("the forward pass"))?;
+            e.wait().map_err(ModelError::Device)?;
         }
         self.has_forward = true;
         let losses = self.losses()?;
@@ -368,7 +361,7 @@ impl Runner {
             last = Some(self.run(b, Pass::Backward, &scalars)?);
         }
         if let Some(e) = last {
-            e.wait().map_err(device_err("the backward pass"))?;
+            e.wait().map_err(ModelError::Device)?;
         }
         // The head's backward overwrote the logits with their gradient.
         self.has_forward = false;

@@ -42,8 +42,8 @@ pub struct TensorSpec {
 }
 
 impl TensorSpec {
-    /// Whether AdamW's weight decay applies (GPT-2 practice, and the reference data's:
-    /// tensors of two or more dimensions, not biases or LayerNorm parameters).
+    /// Whether AdamW's weight decay applies (common practice, and the reference data's:
+    /// tensors of two or more dimensions, not biases or normalisation weights).
     pub fn decays(&self) -> bool {
         self.shape.len() >= 2
     }
