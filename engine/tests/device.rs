@@ -695,8 +695,6 @@ fn a_tensor_outside_its_binding_is_refused_naming_the_kernel() {
             &Scalars::default(),
             &[],
         )
-        .unwrap()
-        .wait()
         .unwrap_err();
     assert!(
         matches!(

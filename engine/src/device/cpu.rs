@@ -39,7 +39,9 @@ use strata_storage::IoBuf;
 
 use super::access::AccessTable;
 use super::event::{CpuEvent, Event};
-use super::{Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits};
+use super::{
+    Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits, check_bindings,
+};
 use crate::error::EngineError;
 use crate::memory::{
     DeviceArena, DeviceBuffer, HostArena, HostMapping, HostRange, Pinning, SlotLease,
@@ -281,8 +283,8 @@ impl CpuDevice {
         scalars: &Scalars,
         after: &[Event],
     ) -> Result<Event, EngineError> {
-        for b in bindings.0.iter().flatten() {
-            self.check_range(*b)?;
+        for kernel in program.iter() {
+            check_bindings(&self.shared.arena, kernel, bindings)?;
         }
         let (program, bindings, scalars) = (Arc::clone(program), *bindings, *scalars);
         self.submit(
@@ -308,7 +310,7 @@ impl CpuDevice {
         convert: Convert,
         after: &[Event],
     ) -> Result<Event, EngineError> {
-        self.check_range(dst)?;
+        self.shared.arena.check_range(dst.bytes())?;
         check_conversion(convert, src.len_bytes, dst.len_bytes);
         let host = host.clone();
         let delay = self.copy_time(dst.len_bytes);
@@ -335,7 +337,7 @@ impl CpuDevice {
         dst: HostRange,
         after: &[Event],
     ) -> Result<Event, EngineError> {
-        self.check_range(src)?;
+        self.shared.arena.check_range(src.bytes())?;
         assert_eq!(
             src.len_bytes, dst.len_bytes,
             "a copy between ranges of equal length"
@@ -363,17 +365,6 @@ impl CpuDevice {
             self.shared.copied[0].load(Ordering::Relaxed),
             self.shared.copied[1].load(Ordering::Relaxed),
         ]
-    }
-
-    fn check_range(&self, range: DeviceRange) -> Result<(), EngineError> {
-        let budget = self.shared.arena.stats().budget_bytes;
-        if range.offset_bytes > budget || range.len_bytes > budget - range.offset_bytes {
-            return Err(EngineError::ForeignResource {
-                device: self.name.clone(),
-                what: "a range outside its memory",
-            });
-        }
-        Ok(())
     }
 
     /// An event that completes when everything submitted to `lane` so far has.
@@ -616,26 +607,8 @@ impl CpuAccess<'_> {
         bindings: &Bindings,
         scalars: &Scalars,
     ) -> Result<(), EngineError> {
-        let mut unbound = None;
-        kernel.for_each_tensor(|t, _| {
-            let fits = bindings.get(t.buf).is_some_and(|r| {
-                t.offset_bytes
-                    .checked_add(t.bytes())
-                    .is_some_and(|e| e <= r.len_bytes)
-            });
-            if !fits && unbound.is_none() {
-                unbound = Some(*t);
-            }
-        });
-        if let Some(t) = unbound {
-            return Err(EngineError::ProgramBinding {
-                kernel: kernel.name(),
-                tensor: format!("{t:?}"),
-                bound: bindings.get(t.buf).map(|r| r.len_bytes),
-            });
-        }
         let resolve = |t: &TensorRef| {
-            let r = bindings.get(t.buf).expect("checked above");
+            let r = bindings.get(t.buf).expect("checked at submission");
             r.offset_bytes + t.offset_bytes
         };
         let mut ranges = Vec::with_capacity(12);
@@ -648,8 +621,8 @@ impl CpuAccess<'_> {
             base: self.shared.base,
             bindings,
         };
-        // SAFETY: every tensor lies inside its bound range (checked above), every bound
-        // range inside the arena's allocation (checked at submission), and the view
+        // SAFETY: every tensor lies inside its bound range and every bound range inside the
+        // arena's allocation (both checked at submission), and the view
         // checker holds every tensor's bytes for this kernel: no other operation writes
         // them, nor reads those this kernel writes, until `end` below. The kernel's own
         // written tensors overlap none of its others (programs are built so; the CPU

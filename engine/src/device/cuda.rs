@@ -27,7 +27,9 @@ use strata_kernels::program::{Scalars, TensorRef};
 use strata_storage::IoBuf;
 
 use super::event::{CudaEventRef, Event};
-use super::{Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits};
+use super::{
+    Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits, check_bindings,
+};
 use crate::error::EngineError;
 use crate::memory::{DeviceArena, DeviceBuffer, HostArena, HostRange, Pinning, SlotLease};
 
@@ -227,8 +229,8 @@ impl CudaDevice {
             what: "programs (it was opened for copies only, without NVRTC and cuBLAS)",
         })?;
         let kernels = &kernels[usize::from(lane == Lane::Update)];
-        for b in bindings.0.iter().flatten() {
-            self.check_range(*b)?;
+        for kernel in program.iter() {
+            check_bindings(&self.arena, kernel, bindings)?;
         }
         let stream = self.stream(lane);
         self.wait_events(stream, after)?;
@@ -237,30 +239,12 @@ impl CudaDevice {
             .map_err(EngineError::cuda("binding the context"))?;
         let base = self.arena_base();
         for kernel in program.iter() {
-            let mut unbound = None;
-            kernel.for_each_tensor(|t, _| {
-                let fits = bindings.get(t.buf).is_some_and(|r| {
-                    t.offset_bytes
-                        .checked_add(t.bytes())
-                        .is_some_and(|e| e <= r.len_bytes)
-                });
-                if !fits && unbound.is_none() {
-                    unbound = Some(*t);
-                }
-            });
-            if let Some(t) = unbound {
-                return Err(EngineError::ProgramBinding {
-                    kernel: kernel.name(),
-                    tensor: format!("{t:?}"),
-                    bound: bindings.get(t.buf).map(|r| r.len_bytes),
-                });
-            }
             let address = |t: &TensorRef| {
                 let r = bindings.get(t.buf).expect("bound (checked)");
                 base + (r.offset_bytes + t.offset_bytes) as u64
             };
-            // SAFETY: every tensor lies inside its bound range (checked above), every bound
-            // range inside the arena's allocation (checked above), which lives as long as
+            // SAFETY: every tensor lies inside its bound range and every bound range inside
+            // the arena's allocation (both checked above), which lives as long as
             // this device; the plan orders every other access to those ranges by events
             // the compute stream waited for above, and the kernel reads and writes only
             // its tensors.
@@ -297,7 +281,7 @@ impl CudaDevice {
             src.len_bytes, dst.len_bytes,
             "a copy between ranges of equal length"
         );
-        self.check_range(dst)?;
+        self.arena.check_range(dst.bytes())?;
         let host_ptr = host.address(src);
         let stream = self.stream(Lane::H2d);
         self.wait_events(stream, after)?;
@@ -333,7 +317,7 @@ impl CudaDevice {
             src.len_bytes, dst.len_bytes,
             "a copy between ranges of equal length"
         );
-        self.check_range(src)?;
+        self.arena.check_range(src.bytes())?;
         let host_ptr = host.address(dst);
         let stream = self.stream(Lane::D2h);
         self.wait_events(stream, after)?;
@@ -366,17 +350,6 @@ impl CudaDevice {
     /// The device address of the arena's first byte.
     fn arena_base(&self) -> u64 {
         self.arena.base_address()
-    }
-
-    fn check_range(&self, range: DeviceRange) -> Result<(), EngineError> {
-        let budget = self.arena.stats().budget_bytes;
-        if range.offset_bytes > budget || range.len_bytes > budget - range.offset_bytes {
-            return Err(EngineError::ForeignResource {
-                device: self.name.clone(),
-                what: "a range outside its memory",
-            });
-        }
-        Ok(())
     }
 
     /// The device address of `buffer`'s first byte, for kernel arguments.

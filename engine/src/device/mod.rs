@@ -164,6 +164,38 @@ impl DeviceRange {
     }
 }
 
+/// `Ok` when every bound range lies in `arena` and every tensor of `kernel` inside the
+/// range bound for it; else an error naming the kernel and the tensor. Both devices check
+/// a program with this before it touches memory.
+pub(crate) fn check_bindings(
+    arena: &DeviceArena,
+    kernel: &Kernel,
+    bindings: &Bindings,
+) -> Result<(), EngineError> {
+    for b in bindings.0.iter().flatten() {
+        arena.check_range(b.bytes())?;
+    }
+    let mut unbound = None;
+    kernel.for_each_tensor(|t, _| {
+        let fits = bindings.get(t.buf).is_some_and(|r| {
+            t.offset_bytes
+                .checked_add(t.bytes())
+                .is_some_and(|end| end <= r.len_bytes)
+        });
+        if !fits && unbound.is_none() {
+            unbound = Some(*t);
+        }
+    });
+    match unbound {
+        None => Ok(()),
+        Some(t) => Err(EngineError::ProgramBinding {
+            kernel: kernel.name(),
+            tensor: format!("{t:?}"),
+            bound: bindings.get(t.buf).map(|r| r.len_bytes),
+        }),
+    }
+}
+
 /// Most buffers a program may bind.
 pub const MAX_BINDINGS: usize = 16;
 

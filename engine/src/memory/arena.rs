@@ -92,6 +92,18 @@ impl DeviceArena {
         }
     }
 
+    /// `Ok` when `range` (bytes from the arena's start) lies inside the arena.
+    pub fn check_range(&self, range: std::ops::Range<usize>) -> Result<(), EngineError> {
+        let budget = self.inner.budget_bytes;
+        if range.start > range.end || range.end > budget {
+            return Err(EngineError::ForeignResource {
+                device: self.inner.device.clone(),
+                what: "a range outside its memory",
+            });
+        }
+        Ok(())
+    }
+
     /// The device address of the arena's first byte (a `CUdeviceptr`, or a host address
     /// on the CPU device).
     pub(crate) fn base_address(&self) -> u64 {

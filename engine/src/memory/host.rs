@@ -7,10 +7,10 @@
 //! slots or arenas.
 
 use std::ptr::NonNull;
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Mutex, Once};
 
 use cudarc::driver::{CudaContext, sys};
-use strata_storage::{HUGE_PAGE_BYTES, IoRegion};
+use strata_storage::{HUGE_PAGE_BYTES, IoRegion, TensorStore};
 
 use super::pinned::{HostLocking, Pinning};
 use crate::error::EngineError;
@@ -25,6 +25,8 @@ pub(crate) struct HostMapping {
     /// Set when something may still use the memory after this value is gone (a
     /// registration that could not be undone): then it is left mapped, not unmapped.
     leak: bool,
+    /// Stores the mapping is registered with; unregistered before it is unmapped.
+    registered_with: Mutex<Vec<TensorStore>>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; its users hand out disjoint
@@ -91,6 +93,7 @@ impl HostMapping {
             },
             cuda: None,
             leak: false,
+            registered_with: Mutex::new(Vec::new()),
         })
     }
 
@@ -145,16 +148,25 @@ impl HostMapping {
         }
     }
 
+    /// Registers the whole mapping with `store`'s io_uring backend as fixed buffers (the
+    /// threaded backend accepts and ignores this); it is unregistered before the mapping
+    /// is unmapped, and left mapped if that fails.
+    pub(crate) fn register_with(&self, store: &TensorStore) -> Result<(), EngineError> {
+        let mut registered = self
+            .registered_with
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the region is this mapping, which stays mapped until Drop, and Drop
+        // unregisters it from every store in `registered_with` first (leaking the mapping
+        // when one cannot be undone).
+        unsafe { store.register_region(self.io_region()) }?;
+        registered.push(store.clone());
+        Ok(())
+    }
+
     /// How the memory is locked.
     pub(crate) fn locking(&self) -> &HostLocking {
         &self.locking
-    }
-
-    /// Leaves the memory mapped when this is dropped: for when a registration of it
-    /// (with io_uring, say) could not be undone, so the kernel may still write into it,
-    /// and reusing its addresses would be unsafe. Leaking is the safe failure.
-    pub(crate) fn leak_on_drop(&mut self) {
-        self.leak = true;
     }
 
     /// Touches every page so unlocked memory does not fault on the hot path.
@@ -172,6 +184,23 @@ impl HostMapping {
 
 impl Drop for HostMapping {
     fn drop(&mut self) {
+        // Whoever owns the mapping holds every lease of it, so no I/O into it is in
+        // flight; io_uring still holds its pages until each store unregisters them.
+        let region = self.io_region();
+        let stores = self
+            .registered_with
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner());
+        for store in stores.drain(..) {
+            if let Err(e) = store.unregister_region(region) {
+                log::error!(
+                    "unregistering {} bytes of host memory from a store failed: {e}; leaving \
+                     them mapped, since io_uring may still hold them",
+                    self.len_bytes
+                );
+                self.leak = true;
+            }
+        }
         let raw = self.ptr.as_ptr().cast::<libc::c_void>();
         if let Some(ctx) = &self.cuda {
             // The mapping's owner outlives every copy from or into it (pool leases hold

@@ -16,9 +16,9 @@
 //! This file holds the arena's `unsafe`: views of the mapping and the I/O lease.
 
 use std::ops::{Deref, DerefMut, Range};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use strata_storage::{IoBuf, IoRegion, TensorStore};
+use strata_storage::{IoBuf, TensorStore};
 
 use super::host::HostMapping;
 use super::pinned::{HostLocking, Pinning};
@@ -70,8 +70,6 @@ struct Inner {
     mapping: HostMapping,
     len_bytes: usize,
     accesses: AccessTable,
-    /// Stores the mapping is registered with; unregistered before it is unmapped.
-    registered_with: Mutex<Vec<TensorStore>>,
 }
 
 impl HostArena {
@@ -90,7 +88,6 @@ impl HostArena {
                 mapping,
                 len_bytes,
                 accesses: AccessTable::new(format!("host arena '{name}'")),
-                registered_with: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -109,17 +106,7 @@ impl HostArena {
     /// ranges use fixed buffers (the threaded backend accepts and ignores this). The
     /// arena keeps a clone of the store and unregisters before its memory is unmapped.
     pub fn register_with(&self, store: &TensorStore) -> Result<(), EngineError> {
-        let mut registered = self
-            .inner
-            .registered_with
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the region is this arena's mapping, which stays mapped until Inner
-        // drops; Inner's Drop unregisters it from every store in `registered_with` before
-        // the mapping is unmapped (and leaks it if it cannot).
-        unsafe { store.register_region(self.inner.mapping.io_region()) }?;
-        registered.push(store.clone());
-        Ok(())
+        self.inner.mapping.register_with(store)
     }
 
     fn check(&self, range: HostRange) {
@@ -210,31 +197,6 @@ impl std::fmt::Debug for HostArena {
             .field("len_bytes", &self.inner.len_bytes)
             .field("locking", self.inner.mapping.locking())
             .finish()
-    }
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        // No lease is left (each holds the arena), so no I/O into it is in flight.
-        let region: IoRegion = self.mapping.io_region();
-        let stores = self
-            .registered_with
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut registered = false;
-        for store in stores.drain(..) {
-            if let Err(e) = store.unregister_region(region) {
-                log::error!(
-                    "host arena '{}': unregistering from a store failed: {e}; leaving its \
-                     memory mapped, since io_uring may still hold it",
-                    self.name
-                );
-                registered = true;
-            }
-        }
-        if registered {
-            self.mapping.leak_on_drop();
-        }
     }
 }
 

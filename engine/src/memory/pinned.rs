@@ -106,8 +106,6 @@ struct PoolInner {
     wakeup: Condvar,
     /// Wait times of acquires that found the pool empty, in nanoseconds.
     wait_ns: Mutex<Histogram<u64>>,
-    /// Stores the mapping is registered with; unregistered before it is unmapped.
-    registered_with: Mutex<Vec<TensorStore>>,
 }
 
 /// A snapshot of a pool's counters.
@@ -208,7 +206,6 @@ impl PinnedPool {
                 sleep_lock: Mutex::new(()),
                 wakeup: Condvar::new(),
                 wait_ns: Mutex::new(wait_ns),
-                registered_with: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -329,17 +326,7 @@ impl PinnedPool {
     /// backend accepts this and ignores it.) The pool keeps a clone of the store and
     /// unregisters from it before its memory is unmapped.
     pub fn register_with(&self, store: &TensorStore) -> Result<(), EngineError> {
-        let mut registered = self
-            .inner
-            .registered_with
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the region is this pool's mapping, which stays mapped until PoolInner
-        // drops, and PoolInner's Drop unregisters it from every store in
-        // `registered_with` before the mapping is unmapped.
-        unsafe { store.register_region(self.io_region()) }?;
-        registered.push(store.clone());
-        Ok(())
+        self.inner.mapping.register_with(store)
     }
 
     /// The whole mapping as an I/O region. It stays mapped while this pool or any of
@@ -390,31 +377,6 @@ impl std::fmt::Debug for PinnedPool {
             .field("slot_count", &self.inner.slot_count)
             .field("locking", self.inner.mapping.locking())
             .finish()
-    }
-}
-
-impl Drop for PoolInner {
-    fn drop(&mut self) {
-        // No lease is left (each holds the pool), so no I/O into the slots is in flight.
-        let region = self.mapping.io_region();
-        let stores = self
-            .registered_with
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut registered = false;
-        for store in stores.drain(..) {
-            if let Err(e) = store.unregister_region(region) {
-                log::error!(
-                    "pinned pool '{}': unregistering from a store failed: {e}; leaving its \
-                     memory mapped, since io_uring may still hold it",
-                    self.name
-                );
-                registered = true;
-            }
-        }
-        if registered {
-            self.mapping.leak_on_drop();
-        }
     }
 }
 
