@@ -2,7 +2,7 @@
 //!
 //! A host lane (NVMe reads, NVMe writes, the CPU optimizer) waits for each operation's
 //! dependencies to be done (on the host: a stream operation's event), then runs it. A
-//! stream lane (H2D, compute, D2H) waits only until each dependency has been *issued*
+//! stream lane (H2D, compute, update, D2H) waits only until each dependency has been *issued*
 //! (a host operation done, a stream operation submitted), turns dependencies on other
 //! streams into stream waits on their events, and submits its operation to the device;
 //! dependencies on its own stream are kept by the stream's order. The compute lane keeps

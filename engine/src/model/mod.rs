@@ -4,7 +4,7 @@
 //! - A family supplies its blocks and tensors with their Hugging Face names
 //!   ([`layout`]), parses and writes its `config.json`, initialises parameters, and gives
 //!   each block's forward and backward as a *program*: a list of
-//!   [`Kernel`](strata_kernels::program::Kernel)s over the buffers named by [`Bind`]
+//!   [`Kernel`]s over the buffers named by [`Bind`]
 //!   (the block's parameters, its gradients, its input and output activations, the
 //!   scratch, ...). The planner asks a family only for sizes and FLOPs; the executor
 //!   binds the buffers of each operation and hands the program to the device.

@@ -12,8 +12,8 @@ use super::{Bind, BlockLayout, Target};
 
 /// AdamW over every tensor of `block`: master parameters, m and v in [`Bind::State`],
 /// gradients in [`Bind::Grads`], the new working parameters written to [`Bind::Params`]
-/// in `params_dtype`, rounded to `precision`. Tensors that decay ([`TensorSpec::decays`]
-/// (super::TensorSpec::decays)) use the constants with weight decay.
+/// in `params_dtype`, rounded to `precision`. Tensors that decay
+/// ([`TensorSpec::decays`](super::TensorSpec::decays)) use the constants with weight decay.
 pub fn adamw_program(block: &BlockLayout, params_dtype: Dtype, precision: Dtype) -> Vec<Kernel> {
     let len = block.len;
     let state = |part: usize, offset: usize, n: usize| {

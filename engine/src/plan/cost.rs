@@ -109,7 +109,7 @@ impl CostModel {
     ///
     /// On the CPU device the compute stream's kernels, the update stream's and the CPU
     /// optimizer's run on the same cores, each using all of them: the simulation gives
-    /// the three lanes one timeline there ([`CPU_DEVICE_SHARES_CORES`]).
+    /// the three lanes one timeline there (`CPU_DEVICE_SHARES_CORES`).
     pub fn predict(&self, plan: &Plan) -> Prediction {
         let mut end = vec![0.0f64; plan.ops.len()];
         let mut lane_free = [0.0f64; Lane::COUNT];
