@@ -25,8 +25,8 @@ enum Command {
     /// Train or fine-tune a GPT-2 under a swap policy (no arguments: the built-in demo).
     Train(Box<strata::train_config::TrainArgs>),
     /// Will a model train here, and how: bytes per tier, peak per policy, predicted step
-    /// time, the policy auto picks. Takes train's flags; allocates nothing.
-    Plan(Box<strata::train_config::TrainArgs>),
+    /// time, the policy auto picks. Allocates nothing; exits 1 when no policy fits.
+    Plan(Box<strata::train_config::PlanArgs>),
     /// Show a GPT-2 configuration (named, or any size) and its blocks; --init writes one.
     Model(strata::model_info::ModelArgs),
     /// Report what this machine offers strata (CPU, memory, I/O, GPUs) and what to fix.

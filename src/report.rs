@@ -10,10 +10,11 @@ pub use strata_storage::format_bytes;
 
 /// Parses a byte size such as `4GiB`, `1MiB`, `512k`, `4096` or `1.5G`.
 ///
-/// Binary multiples are used for every suffix (`K`, `KB`, `KiB` all mean 1024), since
-/// every size strata takes is a buffer or file size.
+/// Units say what they mean: `KiB`, `MiB`, `GiB`, `TiB` are powers of 1024 and `KB`, `MB`,
+/// `GB`, `TB` powers of 1000 (so `24GB` is 24 * 10^9 bytes, what a drive's label says);
+/// a bare `K`, `M`, `G` or `T` is taken as binary, as buffer sizes usually are.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
-    parse_scaled(text, 1024).map_err(|e| format!("{e} (examples: 4096, 64KiB, 1MiB, 4GiB)"))
+    parse_scaled(text, 1024).map_err(|e| format!("{e} (examples: 4096, 64KiB, 1MiB, 4GiB, 500GB)"))
 }
 
 /// Parses a count such as `64M`, `1.5G`, `100000` or `7k`, with decimal multiples.
@@ -31,13 +32,22 @@ fn parse_scaled(text: &str, base: u64) -> Result<u64, String> {
         .replace('_', "")
         .parse()
         .map_err(|_| format!("'{text}' is not a number with an optional unit"))?;
-    let power = match suffix.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 1,
-        "m" | "mb" | "mib" => 2,
-        "g" | "gb" | "gib" => 3,
-        "t" | "tb" | "tib" => 4,
-        other => return Err(format!("unknown unit '{other}' in '{text}'")),
+    let suffix = suffix.trim().to_ascii_lowercase();
+    // "KB", "MB", ... are decimal whatever the base; "KiB", ... binary.
+    let (stem, base) = match suffix.strip_suffix("ib") {
+        Some(stem) => (stem.to_string(), 1024),
+        None => match suffix.strip_suffix('b') {
+            Some(stem) if !stem.is_empty() => (stem.to_string(), 1000),
+            _ => (suffix.clone(), base),
+        },
+    };
+    let power = match stem.as_str() {
+        "" | "b" if suffix.len() <= 1 => 0,
+        "k" => 1,
+        "m" => 2,
+        "g" => 3,
+        "t" => 4,
+        _ => return Err(format!("unknown unit '{suffix}' in '{text}'")),
     };
     let value = number * (base as f64).powi(power);
     if !value.is_finite() || value < 0.0 || value > u64::MAX as f64 {
@@ -341,6 +351,14 @@ mod tests {
         assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
         assert_eq!(parse_bytes("64k"), Ok(64 << 10));
         assert_eq!(parse_bytes("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_bytes("24GB"), Ok(24_000_000_000));
+        assert_eq!(parse_bytes("24gb"), Ok(24_000_000_000));
+        assert_eq!(parse_bytes("24GiB"), Ok(24 << 30));
+        assert_eq!(parse_bytes("1TB"), Ok(1_000_000_000_000));
+        assert_eq!(parse_bytes("512B"), Ok(512));
+        assert_eq!(parse_bytes("3KB"), Ok(3000));
+        assert!(parse_bytes("3iB").is_err());
+        assert!(parse_bytes("3xB").is_err());
         assert_eq!(parse_count("64M"), Ok(64_000_000));
         assert_eq!(parse_count("100_003"), Ok(100_003));
         assert!(parse_bytes("4 parsecs").is_err());

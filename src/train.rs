@@ -111,10 +111,65 @@ fn model_of(cfg: &TrainConfig) -> Result<(Model, Vec<Vec<f32>>), Error> {
     Ok(weights::load_pretrained(Path::new(&cfg.model))?)
 }
 
+/// The budgets of a run and where they come from.
+#[derive(Debug, Clone)]
+pub struct RunBudgets {
+    /// The budgets the plan must fit.
+    pub budgets: Budgets,
+    /// The folders of the NVMe tier.
+    pub nvme_dirs: Vec<PathBuf>,
+    /// Free bytes in those folders now.
+    pub nvme_free: u64,
+    /// Whether the NVMe budget was stated (`--nvme-mem`) rather than taken from the
+    /// free space.
+    pub nvme_stated: bool,
+}
+
+impl RunBudgets {
+    /// Where the NVMe budget comes from, in words, with the folders.
+    pub fn nvme_source(&self) -> String {
+        let dirs = self
+            .nvme_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        if self.nvme_stated {
+            format!("stated; {} free in {dirs}", fmt_bytes(self.nvme_free))
+        } else {
+            format!("90% of free space in {dirs}")
+        }
+    }
+
+    /// Refuses a plan whose NVMe peak is more than the folders' free space (a stated
+    /// budget can be larger than the drive, which `strata plan` may ask about, but a
+    /// run would fail part-way with "no space left").
+    pub fn check_free(&self, plan: &Plan) -> Result<(), Error> {
+        let need = plan.peak[Tier::Nvme.index()];
+        if need > self.nvme_free {
+            return Err(format!(
+                "plan {} needs {} of NVMe but {} has only {} free; free space there, \
+                 or give more folders with --nvme",
+                plan.policy,
+                fmt_bytes(need),
+                self.nvme_dirs
+                    .iter()
+                    .map(|d| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                fmt_bytes(self.nvme_free)
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
+
 /// The budgets of a configuration on `target`, and the folders of the NVMe tier. With
 /// no device budget stated it is what the device has: the available RAM for the CPU
-/// device, the GPU's memory less 1 GiB for CUDA's own (its context, cuBLAS).
-pub fn budgets_of(cfg: &TrainConfig, target: Target) -> Result<(Budgets, Vec<PathBuf>), Error> {
+/// device, the GPU's memory less 1 GiB for CUDA's own (its context, cuBLAS). With no
+/// NVMe budget stated it is 90% of the folders' free space.
+pub fn budgets_of(cfg: &TrainConfig, target: Target) -> Result<RunBudgets, Error> {
     let ram = crate::doctor::meminfo_bytes("MemAvailable").unwrap_or(8 << 30);
     let device_default = match target {
         Target::Cpu => ram,
@@ -137,7 +192,7 @@ pub fn budgets_of(cfg: &TrainConfig, target: Target) -> Result<(Budgets, Vec<Pat
     } else {
         cfg.nvme.clone()
     };
-    let mut nvme = 0u64;
+    let mut free = 0u64;
     for d in &dirs {
         std::fs::create_dir_all(d).map_err(|e| format!("--nvme {}: {e}", d.display()))?;
         if strata_engine::storage::is_tmpfs(d) {
@@ -147,17 +202,20 @@ pub fn budgets_of(cfg: &TrainConfig, target: Target) -> Result<(Budgets, Vec<Pat
             )
             .into());
         }
-        nvme += strata_engine::storage::available_bytes(d)?;
+        free += strata_engine::storage::available_bytes(d)?;
     }
-    // Leave room on the drives for checkpoints and everything else.
-    Ok((
-        Budgets {
+    let stated = cfg.nvme_mem_bytes()?;
+    Ok(RunBudgets {
+        budgets: Budgets {
             device,
             host,
-            nvme: nvme / 10 * 9,
+            // Leave room on the drives for checkpoints and everything else.
+            nvme: stated.unwrap_or(free / 10 * 9),
         },
-        dirs,
-    ))
+        nvme_dirs: dirs,
+        nvme_free: free,
+        nvme_stated: stated.is_some(),
+    })
 }
 
 /// The step shape of a configuration, for `target`'s kernels.
@@ -243,7 +301,8 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     }
 
     // Plan.
-    let (budgets, nvme_dirs) = budgets_of(&cfg, target)?;
+    let run_budgets = budgets_of(&cfg, target)?;
+    let (budgets, nvme_dirs) = (run_budgets.budgets, &run_budgets.nvme_dirs);
     let shape = shape_of(&cfg, target);
     let input = PlanInput {
         model: &model,
@@ -259,6 +318,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         nvme_dirs.first().map(|d| d.as_path()),
     )?;
     let plan = plan_of(&cfg, &input, cost)?;
+    run_budgets.check_free(&plan)?;
     let predicted = cost.predict(&plan);
     // The device, with the plan's device memory as its budget.
     let (device, why) = select(
@@ -356,10 +416,16 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     exec.set_steps(state.step - state.skipped_steps);
     install_interrupt_handler();
 
+    // Appended to (a resumed run continues its log), a line per step, flushed as it is
+    // written so that a killed run's log has every step it finished.
     let mut jsonl = match &cfg.log_jsonl {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).map_err(|e| format!("--log-jsonl {}: {e}", p.display()))?,
-        )),
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("--log-jsonl {}: {e}", p.display()))?,
+        ),
         None => None,
     };
     let tokens_per_step = shape.tokens();
@@ -437,7 +503,9 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
                 "nvme_read_bytes": report.link_bytes[0], "nvme_write_bytes": report.link_bytes[1],
                 "h2d_bytes": report.link_bytes[2], "d2h_bytes": report.link_bytes[3],
             });
-            writeln!(w, "{line}")?;
+            // One write per line: with O_APPEND a line is never split by a crash.
+            w.write_all(format!("{line}\n").as_bytes())
+                .map_err(|e| format!("--log-jsonl: {e}"))?;
         }
         if let Some(trace) = &cfg.trace
             && step == cfg.trace_step.max(first_step)
@@ -486,9 +554,6 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     bar.finish_and_clear();
     if let Some(p) = &last_params {
         exec.flush(p)?;
-    }
-    if let Some(w) = jsonl.as_mut() {
-        w.flush()?;
     }
     if interrupted {
         writeln!(

@@ -83,6 +83,10 @@ pub struct TrainConfig {
     /// Directories for swap files, one per drive (striped). Empty: the training loop
     /// picks one (the system temporary directory, or `target/` when that is tmpfs).
     pub nvme: Vec<PathBuf>,
+    /// The NVMe budget across the `nvme` directories, as a size. None (written `"all"`):
+    /// 90% of their free space.
+    #[serde(with = "size_or_all")]
+    pub nvme_mem: Option<String>,
     /// The swap policy: one of [`POLICIES`].
     pub policy: String,
     /// How many blocks ahead parameters are fetched. None: the policy decides.
@@ -157,6 +161,7 @@ impl Default for TrainConfig {
             device_mem: Some("16MiB".to_string()),
             host_mem: Some("8MiB".to_string()),
             nvme: Vec::new(),
+            nvme_mem: None,
             policy: "auto".to_string(),
             prefetch: None,
             steps: 600,
@@ -190,7 +195,8 @@ impl Default for TrainConfig {
     }
 }
 
-/// The word for "no budget stated" in `device_mem` and `host_mem`: None in the config.
+/// The word for "no budget stated" in `device_mem`, `host_mem` and `nvme_mem`: None in
+/// the config.
 pub const ALL_MEMORY: &str = "all";
 
 /// A memory budget in TOML and on the command line: a size, or `"all"` for None, so that
@@ -248,12 +254,13 @@ impl Kind {
 }
 
 /// Every key, in the order `--print-config` writes them and `validate` checks them.
-const KEYS: [(&str, Kind); 33] = [
+const KEYS: [(&str, Kind); 34] = [
     ("model", Kind::Text),
     ("data", Kind::Path),
     ("device_mem", Kind::Size),
     ("host_mem", Kind::Size),
     ("nvme", Kind::Paths),
+    ("nvme_mem", Kind::Size),
     (
         "policy",
         Kind::Choice("one of auto, all-on-device, cpu-offload, param-offload, nvme-offload"),
@@ -732,6 +739,7 @@ impl TrainConfig {
         }
         self.device_mem_bytes()?;
         self.host_mem_bytes()?;
+        self.nvme_mem_bytes()?;
         if let Some(dir) = self.nvme.iter().find(|d| !d.is_dir()) {
             return Err(invalid(
                 "nvme",
@@ -862,6 +870,11 @@ impl TrainConfig {
         size_bytes("host_mem", self.host_mem.as_deref())
     }
 
+    /// `nvme_mem` in bytes; None when not set.
+    pub fn nvme_mem_bytes(&self) -> Result<Option<u64>, ConfigError> {
+        size_bytes("nvme_mem", self.nvme_mem.as_deref())
+    }
+
     /// The learning rate of optimizer step `step`, counted from 1: a linear rise from 0
     /// over `warmup_steps` (step `warmup_steps` has the full `lr`), then `lr` (constant)
     /// or half a cosine down to `lr * min_lr_ratio` at step `steps` and after.
@@ -933,6 +946,121 @@ fn flag_help() -> Vec<(String, String)> {
         .collect()
 }
 
+/// The flags that shape a step, shared by `strata train` and `strata plan`: the model,
+/// the budgets, the batch, the precision, the device.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct StepFlags {
+    /// A preset (tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a directory
+    /// holding config.json and model.safetensors [default: small].
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Device memory budget, such as 48MiB or 20GiB; all: what the device has
+    /// [default: 16MiB].
+    #[arg(long, value_name = "SIZE")]
+    pub device_mem: Option<String>,
+    /// Pinned host memory budget, such as 16GiB; all: no limit stated [default: 8MiB].
+    #[arg(long, value_name = "SIZE")]
+    pub host_mem: Option<String>,
+    /// NVMe budget across the --nvme directories, such as 900GB or 1TiB; all: 90% of
+    /// their free space [default: all].
+    #[arg(long, value_name = "SIZE")]
+    pub nvme_mem: Option<String>,
+    /// A directory for swap files, on an NVMe drive; repeat for several drives, striped
+    /// [default: the temporary directory, or target/ when that is tmpfs].
+    #[arg(long, value_name = "PATH")]
+    pub nvme: Vec<PathBuf>,
+    /// How many blocks ahead parameters are fetched [default: the policy decides].
+    #[arg(long, value_name = "BLOCKS")]
+    pub prefetch: Option<usize>,
+    /// Sequences per micro-batch [default: 8].
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Tokens per sequence, at most the model's context [default: 64].
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Micro-batches accumulated into one optimizer step [default: 1].
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Largest global gradient norm; 0 disables clipping [default: 1.0].
+    #[arg(long, allow_negative_numbers = true)]
+    pub clip: Option<f64>,
+    /// Working precision on the device; master weights and Adam state stay fp32
+    /// [default: fp32].
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
+    /// After the warm-up, overlap each optimizer update with the next step's compute
+    /// (updates one step late); --delayed-update=false turns it off [default: false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub delayed_update: Option<bool>,
+    /// Where to compute: a GPU when CUDA is usable (auto), the CPU, or a GPU or nothing
+    /// [default: auto].
+    #[arg(long, value_parser = DEVICES)]
+    pub device: Option<String>,
+}
+
+impl StepFlags {
+    /// Writes every flag given into `config`; adds their keys to `set`.
+    fn apply(&self, config: &mut TrainConfig, set: &mut BTreeSet<&'static str>) {
+        macro_rules! take {
+            ($($field:ident),*) => {$(
+                if let Some(value) = &self.$field {
+                    config.$field = value.clone();
+                    set.insert(stringify!($field));
+                }
+            )*};
+        }
+        take!(
+            model,
+            batch,
+            seq,
+            grad_accum,
+            clip,
+            dtype,
+            delayed_update,
+            device
+        );
+        for (key, flag, setting) in [
+            ("device_mem", &self.device_mem, &mut config.device_mem),
+            ("host_mem", &self.host_mem, &mut config.host_mem),
+            ("nvme_mem", &self.nvme_mem, &mut config.nvme_mem),
+        ] {
+            if let Some(text) = flag {
+                *setting = size_setting(text);
+                set.insert(key);
+            }
+        }
+        if let Some(prefetch) = self.prefetch {
+            config.prefetch = Some(prefetch);
+            set.insert("prefetch");
+        }
+        if !self.nvme.is_empty() {
+            config.nvme = self.nvme.clone();
+            set.insert("nvme");
+        }
+    }
+}
+
+/// Reads `--config` (or the defaults), lets `apply` write the flags given, and validates,
+/// naming where a value at fault came from.
+fn resolve_with(
+    config_file: Option<&Path>,
+    apply: impl FnOnce(&mut TrainConfig) -> BTreeSet<&'static str>,
+) -> Result<TrainConfig, ConfigError> {
+    let (mut config, from_file) = match config_file {
+        Some(path) => TrainConfig::read_file(path)?,
+        None => (TrainConfig::default(), BTreeSet::new()),
+    };
+    let from_flags = apply(&mut config);
+    config.validate().map_err(|e| {
+        e.located(|key| match config_file {
+            _ if from_flags.contains(key) => Origin::Flag,
+            Some(path) if from_file.contains(key) => Origin::File(path.to_path_buf()),
+            _ => Origin::Default,
+        })
+    })?;
+    Ok(config)
+}
+
 /// Arguments of `strata train`. Every setting can come from `--config FILE` and from its
 /// flag; a flag given wins over the file, which wins over the default.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -943,44 +1071,20 @@ pub struct TrainArgs {
     /// Print the merged settings as TOML, every key with its help, and exit.
     #[arg(long)]
     pub print_config: bool,
-    /// A preset (tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a directory
-    /// holding config.json and model.safetensors [default: small].
-    #[arg(long)]
-    pub model: Option<String>,
+    /// The flags that shape a step.
+    #[command(flatten)]
+    pub step: StepFlags,
     /// Token data: an llm.c token file (*.bin), or any other file read as one token per
     /// byte [default: the built-in corpus].
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
-    /// Device memory budget, such as 48MiB or 20GiB; all: what the device has
-    /// [default: 16MiB].
-    #[arg(long, value_name = "SIZE")]
-    pub device_mem: Option<String>,
-    /// Pinned host memory budget, such as 16GiB; all: no limit stated [default: 8MiB].
-    #[arg(long, value_name = "SIZE")]
-    pub host_mem: Option<String>,
-    /// A directory for swap files, on an NVMe drive; repeat for several drives, striped
-    /// [default: the temporary directory, or target/ when that is tmpfs].
-    #[arg(long, value_name = "PATH")]
-    pub nvme: Vec<PathBuf>,
     /// Swap policy: where parameters, gradients, optimizer state and activations live
     /// [default: auto].
     #[arg(long, value_parser = POLICIES)]
     pub policy: Option<String>,
-    /// How many blocks ahead parameters are fetched [default: the policy decides].
-    #[arg(long, value_name = "BLOCKS")]
-    pub prefetch: Option<usize>,
     /// Optimizer steps [default: 600].
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Sequences per micro-batch [default: 8].
-    #[arg(long)]
-    pub batch: Option<usize>,
-    /// Tokens per sequence, at most the model's context [default: 64].
-    #[arg(long)]
-    pub seq: Option<usize>,
-    /// Micro-batches accumulated into one optimizer step [default: 1].
-    #[arg(long)]
-    pub grad_accum: Option<usize>,
     /// Peak learning rate [default: 3e-3].
     #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
@@ -1006,24 +1110,9 @@ pub struct TrainArgs {
     /// AdamW epsilon [default: 1e-8].
     #[arg(long, allow_negative_numbers = true)]
     pub eps: Option<f64>,
-    /// Largest global gradient norm; 0 disables clipping [default: 1.0].
-    #[arg(long, allow_negative_numbers = true)]
-    pub clip: Option<f64>,
-    /// Working precision on the device; master weights and Adam state stay fp32
-    /// [default: fp32].
-    #[arg(long, value_enum)]
-    pub dtype: Option<Dtype>,
     /// Seed of the initial weights and of anything else random [default: 1337].
     #[arg(long)]
     pub seed: Option<u64>,
-    /// After the warm-up, overlap each optimizer update with the next step's compute
-    /// (updates one step late); --delayed-update=false turns it off [default: false].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
-    pub delayed_update: Option<bool>,
-    /// Where to compute: a GPU when CUDA is usable (auto), the CPU, or a GPU or nothing
-    /// [default: auto].
-    #[arg(long, value_parser = DEVICES)]
-    pub device: Option<String>,
     /// Directory of checkpoints [default: none written].
     #[arg(long, value_name = "DIR")]
     pub checkpoint_dir: Option<PathBuf>,
@@ -1036,7 +1125,8 @@ pub struct TrainArgs {
     /// Directory to save the trained model in (config.json + model.safetensors).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
-    /// File to append one JSON line of metrics per step to.
+    /// File to append one JSON line of metrics per step to (created if missing; each
+    /// line written as its step ends, so a killed run's log keeps every finished step).
     #[arg(long, value_name = "FILE")]
     pub log_jsonl: Option<PathBuf>,
     /// File to write a Chrome trace (for Perfetto) of step --trace-step to.
@@ -1058,24 +1148,13 @@ impl TrainArgs {
     /// given; checked with [`TrainConfig::validate`], an error naming where the value at
     /// fault came from.
     pub fn resolve(&self) -> Result<TrainConfig, ConfigError> {
-        let (mut config, from_file) = match &self.config {
-            Some(path) => TrainConfig::read_file(path)?,
-            None => (TrainConfig::default(), BTreeSet::new()),
-        };
-        let from_flags = self.apply(&mut config);
-        config.validate().map_err(|e| {
-            e.located(|key| match &self.config {
-                _ if from_flags.contains(key) => Origin::Flag,
-                Some(path) if from_file.contains(key) => Origin::File(path.clone()),
-                _ => Origin::Default,
-            })
-        })?;
-        Ok(config)
+        resolve_with(self.config.as_deref(), |config| self.apply(config))
     }
 
     /// Writes every flag given into `config`; returns their keys.
     fn apply(&self, config: &mut TrainConfig) -> BTreeSet<&'static str> {
         let mut set = BTreeSet::new();
+        self.step.apply(config, &mut set);
         macro_rules! take {
             ($($field:ident),*) => {$(
                 if let Some(value) = &self.$field {
@@ -1093,12 +1172,8 @@ impl TrainArgs {
             )*};
         }
         take!(
-            model,
             policy,
             steps,
-            batch,
-            seq,
-            grad_accum,
             lr,
             lr_schedule,
             warmup_steps,
@@ -1107,39 +1182,44 @@ impl TrainArgs {
             beta1,
             beta2,
             eps,
-            clip,
-            dtype,
             seed,
-            delayed_update,
-            device,
             checkpoint_every,
             keep_checkpoints,
             trace_step,
             eval_every
         );
-        for (key, flag, setting) in [
-            ("device_mem", &self.device_mem, &mut config.device_mem),
-            ("host_mem", &self.host_mem, &mut config.host_mem),
-        ] {
-            if let Some(text) = flag {
-                *setting = size_setting(text);
-                set.insert(key);
-            }
-        }
-        take_some!(
-            data,
-            prefetch,
-            checkpoint_dir,
-            out,
-            log_jsonl,
-            trace,
-            resume
-        );
-        if !self.nvme.is_empty() {
-            config.nvme = self.nvme.clone();
-            set.insert("nvme");
-        }
+        take_some!(data, checkpoint_dir, out, log_jsonl, trace, resume);
         set
+    }
+}
+
+/// Arguments of `strata plan`: the flags that shape a step (as `strata train` takes them,
+/// from `--config FILE` too), and where to write the answer as JSON.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PlanArgs {
+    /// A TOML file of settings (keys as in --print-config); flags given override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print the merged settings as TOML, every key with its help, and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// The flags that shape a step.
+    #[command(flatten)]
+    pub step: StepFlags,
+    /// Also write the answer as JSON to FILE: params, and per policy whether it fits,
+    /// its peak bytes per tier and predicted step seconds, and the policy auto picks.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+impl PlanArgs {
+    /// The settings `strata train` would run with the same flags and file.
+    pub fn resolve(&self) -> Result<TrainConfig, ConfigError> {
+        resolve_with(self.config.as_deref(), |config| {
+            let mut set = BTreeSet::new();
+            self.step.apply(config, &mut set);
+            set
+        })
     }
 }
 

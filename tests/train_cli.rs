@@ -299,6 +299,57 @@ fn ctrl_c_finishes_the_step_checkpoints_and_exits_0() {
 }
 
 #[test]
+fn a_killed_run_keeps_its_log_and_leaves_no_swap_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log.jsonl");
+    let mut args = small_run(dir.path(), &["--steps", "100000"]);
+    args.extend(["--log-jsonl".to_string(), log.to_str().unwrap().to_string()]);
+    let lines = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("every line is whole JSON"))
+            .collect()
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while lines().len() < 3 {
+        assert!(
+            start.elapsed().as_secs() < 120,
+            "no 3 steps logged in 2 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // The swap files are open and in use now, yet have no name in the folder.
+    let nvme = dir.path().join("nvme");
+    let names = || -> Vec<String> {
+        std::fs::read_dir(&nvme)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+    assert!(names().is_empty(), "{:?}", names());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let logged = lines();
+    assert!(logged.len() >= 3);
+    for (i, line) in logged.iter().enumerate() {
+        assert_eq!(line["step"], i as u64 + 1, "{line}");
+    }
+    assert!(names().is_empty(), "a killed run left {:?}", names());
+    // The next run appends to the log.
+    let mut again = small_run(dir.path(), &["--steps", "2"]);
+    again.extend(["--log-jsonl".to_string(), log.to_str().unwrap().to_string()]);
+    run_ok(&again);
+    assert_eq!(lines().len(), logged.len() + 2);
+}
+
+#[test]
 fn bad_input_gets_one_line_naming_what_to_fix() {
     let dir = tempfile::tempdir().unwrap();
     let d = |s: &str| dir.path().join(s).to_str().unwrap().to_string();
@@ -409,6 +460,110 @@ fn plan_answers_for_a_13b_model_without_allocating() {
         start.elapsed().as_secs() < 20,
         "plan took {:?}",
         start.elapsed()
+    );
+}
+
+#[test]
+fn plan_takes_an_nvme_budget_writes_json_and_fails_when_nothing_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("plan.json");
+    // A budget far beyond this machine's drive: plan answers for the drive named.
+    let out = strata(&[
+        "plan",
+        "--model",
+        "gpt2-xl",
+        "--device-mem",
+        "24GB",
+        "--host-mem",
+        "8GiB",
+        "--nvme-mem",
+        "1TB",
+        "--batch",
+        "4",
+        "--seq",
+        "1024",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    assert!(s.contains("nvme 931.32 GiB (stated;"), "{s}");
+    let answer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(answer["params"], 1_557_611_200u64);
+    assert_eq!(answer["budgets"]["device"], 24_000_000_000u64);
+    assert_eq!(answer["budgets"]["host"], 8u64 << 30);
+    assert_eq!(answer["budgets"]["nvme"], 1_000_000_000_000u64);
+    let policies = answer["policies"].as_array().unwrap();
+    assert_eq!(policies.len(), 4, "{answer}");
+    for p in policies {
+        let peak = &p["peak_bytes"];
+        assert!(peak["device"].as_u64().unwrap() > 0 && p["step_seconds"].as_f64().unwrap() > 0.0);
+        let fits = peak["device"].as_u64().unwrap() <= 24_000_000_000
+            && peak["host"].as_u64().unwrap() <= 8 << 30
+            && peak["nvme"].as_u64().unwrap() <= 1_000_000_000_000;
+        assert_eq!(p["fits"].as_bool().unwrap(), fits, "{p}");
+    }
+    // With 8 GiB of host memory only NVMe offload fits, and auto picks it.
+    let auto = answer["auto"].as_str().unwrap();
+    assert!(auto.starts_with("nvme-offload"), "{answer}");
+
+    // Nothing fits: exit 1, every short tier named in one refusal.
+    let out = strata(&[
+        "plan",
+        "--model",
+        "gpt2",
+        "--device-mem",
+        "1MiB",
+        "--host-mem",
+        "1MiB",
+        "--nvme-mem",
+        "1MiB",
+    ]);
+    assert!(!out.status.success());
+    assert!(text(&out.stdout).contains("nvme-offload(depth 2)"));
+    assert_one_line_error(&out, &["no plan fits", "tier needs"]);
+    // A policy short on two tiers says so in one refusal.
+    let out = strata(&[
+        "train",
+        "--policy",
+        "cpu-offload",
+        "--device-mem",
+        "64KiB",
+        "--host-mem",
+        "64KiB",
+    ]);
+    assert_one_line_error(&out, &["device tier needs", "and the host tier needs"]);
+
+    // Plan's help lists plan's flags only; --print-config works.
+    let help = text(&strata(&["plan", "--help"]).stdout);
+    assert!(
+        help.contains("--nvme-mem") && help.contains("--json"),
+        "{help}"
+    );
+    for train_only in [
+        "--steps",
+        "--lr",
+        "--out",
+        "--resume",
+        "--log-jsonl",
+        "--policy",
+    ] {
+        assert!(!help.contains(train_only), "{train_only} in {help}");
+    }
+    let out = strata(&[
+        "plan",
+        "--print-config",
+        "--nvme-mem",
+        "2TB",
+        "--batch",
+        "3",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    assert!(
+        s.contains("nvme_mem = \"2TB\"") && s.contains("batch = 3"),
+        "{s}"
     );
 }
 

@@ -271,7 +271,7 @@ fn bad_sizes_from_file_and_flag() {
         message,
         format!(
             "{}: `device_mem` is not a size: unknown unit 'parsecs' in '48 parsecs' \
-             (examples: 4096, 64KiB, 1MiB, 4GiB)",
+             (examples: 4096, 64KiB, 1MiB, 4GiB, 500GB)",
             path.display()
         )
     );
@@ -281,7 +281,7 @@ fn bad_sizes_from_file_and_flag() {
     assert_eq!(
         e.to_string(),
         "--host-mem is not a size: 'lots' is not a number with an optional unit \
-         (examples: 4096, 64KiB, 1MiB, 4GiB)"
+         (examples: 4096, 64KiB, 1MiB, 4GiB, 500GB)"
     );
     let unlimited = args(&["--device-mem", "all"]).resolve().expect("valid");
     assert_eq!(unlimited.device_mem, None);

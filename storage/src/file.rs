@@ -63,11 +63,23 @@ fn file_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) 
     }
 }
 
+/// What becomes of a new swap file's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Name {
+    /// The file keeps its name while open and is removed when dropped.
+    Kept,
+    /// The name is removed as soon as the file is open: its space belongs to the open
+    /// descriptors, and the kernel frees it when the process ends, however it ends (a
+    /// run killed with SIGKILL leaves nothing behind).
+    Unlinked,
+}
+
 /// Creates a new swap file of `len_bytes` at `path` (which must not exist), preallocated.
 pub(crate) fn create(
     path: &Path,
     len_bytes: u64,
     direct: DirectIo,
+    name: Name,
 ) -> Result<SwapFile, StorageError> {
     let file = OpenOptions::new()
         .read(true)
@@ -84,8 +96,14 @@ pub(crate) fn create(
         direct: false,
         remove_on_drop: true,
     };
-    preallocate(&swap.file, path, len_bytes)?;
+    // O_DIRECT reopens by name, so before the name goes; the blocks are allocated after,
+    // so that only an empty file can ever be left behind by a kill in between.
     use_direct_io(&mut swap, direct)?;
+    if name == Name::Unlinked {
+        std::fs::remove_file(path).map_err(file_error("cannot unlink swap file", path))?;
+        swap.remove_on_drop = false;
+    }
+    preallocate(&swap.file, path, len_bytes)?;
     Ok(swap)
 }
 
@@ -254,7 +272,7 @@ pub fn probe_direct_io(dir: &Path) -> Result<DirectIoSupport, StorageError> {
     );
     let block = DIRECT_IO_ALIGN as u64;
     // Removed again when `swap` drops, whatever happens below.
-    let swap = create(&dir.join(name), block, DirectIo::Off)?;
+    let swap = create(&dir.join(name), block, DirectIo::Off, Name::Kept)?;
     let path = &swap.path;
     let (file, alignment) = match open_direct(path)? {
         DirectOpen::Opened { file, alignment } => (file, alignment),
@@ -463,7 +481,7 @@ mod tests {
     fn created_file_is_preallocated_and_removed_on_drop() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("a.swap");
-        let swap = create(&path, 1 << 20, DirectIo::Auto).unwrap();
+        let swap = create(&path, 1 << 20, DirectIo::Auto, Name::Kept).unwrap();
         let meta = std::fs::metadata(&path).unwrap();
         assert_eq!(meta.len(), 1 << 20);
         assert!(
@@ -471,7 +489,7 @@ mod tests {
             "blocks are allocated, not sparse"
         );
         assert!(
-            create(&path, 4096, DirectIo::Auto).is_err(),
+            create(&path, 4096, DirectIo::Auto, Name::Kept).is_err(),
             "never overwrites"
         );
         drop(swap);
@@ -500,7 +518,7 @@ mod tests {
     fn dio_alignment_is_read_or_unknown() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("b.swap");
-        let _swap = create(&path, 8192, DirectIo::Auto).unwrap();
+        let _swap = create(&path, 8192, DirectIo::Auto, Name::Kept).unwrap();
         match dio_alignment(&path).unwrap() {
             DioAlignment::Known {
                 memory_bytes,

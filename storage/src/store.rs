@@ -330,8 +330,14 @@ impl TensorStore {
         let mut files = Vec::with_capacity(file_count);
         for (i, dir) in config.dirs.iter().enumerate() {
             let path = dir.join(format!("{stem}.{i}.swap"));
-            let mut swap = file::create(&path, per_file, config.direct_io)?;
-            swap.remove_on_drop = !config.persist;
+            let name = if config.persist {
+                file::Name::Kept
+            } else {
+                file::Name::Unlinked
+            };
+            let mut swap = file::create(&path, per_file, config.direct_io, name)?;
+            // A persisted store's files outlive it; the others have no name left.
+            swap.remove_on_drop = false;
             files.push(swap);
         }
         let manifest_path = config
@@ -762,7 +768,9 @@ impl TensorStore {
         self.inner.checksums
     }
 
-    /// The swap files.
+    /// The swap files' paths. A store that is not persisted removed these names as it
+    /// opened the files (so that nothing is left if the process is killed): the paths
+    /// then only say where the space is, for messages.
     pub fn paths(&self) -> Vec<PathBuf> {
         self.inner.files.iter().map(|f| f.path.clone()).collect()
     }

@@ -3,7 +3,7 @@
 //! more accumulation, other built-in policies).
 
 use super::build::{BufKind, ExtentSide, Plan};
-use super::{PlanError, PlanInput, Policy, TensorClass, Tier};
+use super::{PlanError, PlanInput, Policy, Shortfall, TensorClass, Tier};
 use crate::model::BlockKind;
 
 impl Plan {
@@ -75,9 +75,9 @@ impl Plan {
     /// the tier, the shortfall, and what would fit: a lower prefetch depth, a smaller
     /// micro-batch, or another built-in policy.
     pub fn check_fits(&self, input: &PlanInput<'_>) -> Result<(), PlanError> {
-        let Some(tier) = self.first_overflow() else {
+        if self.first_overflow().is_none() {
             return Ok(());
-        };
+        }
         let mut suggestions = Vec::new();
         let fits = |shape: super::StepShape, policy: &dyn Policy| {
             let alt = PlanInput { shape, ..*input };
@@ -135,17 +135,31 @@ impl Plan {
         if !others.is_empty() {
             suggestions.push(format!("policies that fit: {}", others.join(", ")));
         }
+        let short: Vec<Shortfall> = Tier::ALL
+            .into_iter()
+            .filter(|t| self.peak[t.index()] > self.budget(*t))
+            .map(|t| Shortfall {
+                tier: t,
+                need_bytes: self.peak[t.index()],
+                budget_bytes: self.budget(t),
+            })
+            .collect();
         if suggestions.is_empty() {
-            suggestions.push(format!(
-                "raise the {tier} budget to at least {}",
-                super::fmt_bytes(self.peak[tier.index()])
-            ));
+            let raise: Vec<String> = short
+                .iter()
+                .map(|s| {
+                    format!(
+                        "the {} budget to at least {}",
+                        s.tier,
+                        super::fmt_bytes(s.need_bytes)
+                    )
+                })
+                .collect();
+            suggestions.push(format!("raise {}", raise.join(" and ")));
         }
         Err(PlanError::DoesNotFit {
             policy: self.policy.clone(),
-            tier,
-            need_bytes: self.peak[tier.index()],
-            budget_bytes: self.budget(tier),
+            short,
             suggestions,
         })
     }

@@ -528,30 +528,47 @@ pub enum PlanError {
         /// What is wrong, naming the block.
         reason: String,
     },
-    /// The plan needs more of a tier than its budget.
+    /// The plan needs more of one or more tiers than their budgets.
     #[error(
-        "plan {policy} does not fit: the {tier} tier needs {need} but the budget is {budget} \
-         ({short} short){suggestions}",
-        need = fmt_bytes(*need_bytes),
-        budget = fmt_bytes(*budget_bytes),
-        short = fmt_bytes(need_bytes - budget_bytes),
+        "plan {policy} does not fit: {tiers}{suggestions}",
+        tiers = short.iter().map(ToString::to_string).collect::<Vec<_>>().join(", and "),
         suggestions = if suggestions.is_empty() { String::new() } else { format!("; {}", suggestions.join("; ")) }
     )]
     DoesNotFit {
         /// The policy's name.
         policy: String,
-        /// The first tier over budget.
-        tier: Tier,
-        /// Bytes the plan needs there.
-        need_bytes: u64,
-        /// The budget.
-        budget_bytes: u64,
+        /// Every tier over budget, fastest tier first.
+        short: Vec<Shortfall>,
         /// What would fit instead.
         suggestions: Vec<String>,
     },
     /// The step cannot be planned at all (bad shape).
     #[error("{0}")]
     Invalid(String),
+}
+
+/// A tier a plan needs more of than its budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shortfall {
+    /// The tier.
+    pub tier: Tier,
+    /// Bytes the plan needs there.
+    pub need_bytes: u64,
+    /// The budget.
+    pub budget_bytes: u64,
+}
+
+impl fmt::Display for Shortfall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the {} tier needs {} but the budget is {} ({} short)",
+            self.tier,
+            fmt_bytes(self.need_bytes),
+            fmt_bytes(self.budget_bytes),
+            fmt_bytes(self.need_bytes.saturating_sub(self.budget_bytes))
+        )
+    }
 }
 
 /// Bytes in binary units, for messages.
