@@ -330,6 +330,11 @@ fn examine_folder(path: &Path) -> FolderReport {
         return report;
     }
     report.tmpfs = is_tmpfs(path);
+    if let Some(why) = crate::train::swap_folder_refusal(path) {
+        // The answer `train` gives, whatever the O_DIRECT probe would say.
+        report.verdict = format!("not usable: {why}");
+        return report;
+    }
     report.free_bytes = available_bytes(path).ok();
     let free = report.free_bytes.map_or_else(
         || "free space unknown".into(),
@@ -350,10 +355,6 @@ fn examine_folder(path: &Path) -> FolderReport {
         Ok(support) => {
             report.usable = true;
             let verdict = match &support {
-                _ if report.tmpfs => format!(
-                    "works, but it is RAM, not a drive: swap files here take the host memory \
-                     the pinned pool and the optimizer need ({free}); pass --nvme on an SSD"
-                ),
                 DirectIoSupport::Direct { .. } if fs == "overlay" => format!(
                     "works, with O_DIRECT, but on a container's overlay filesystem ({free}); \
                      for full speed mount a folder of the drive as a volume and use that"

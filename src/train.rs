@@ -74,6 +74,20 @@ pub fn default_scratch_dir() -> PathBuf {
     }
 }
 
+/// Why a folder cannot hold the NVMe tier's swap files, if it cannot: tmpfs is RAM, not a
+/// drive (swap files there take the memory the host tier needs; some kernels refuse it
+/// O_DIRECT, newer ones accept it). The one answer `train`, `bench step` and `doctor`
+/// give.
+pub fn swap_folder_refusal(dir: &Path) -> Option<String> {
+    strata_engine::storage::is_tmpfs(dir).then(|| {
+        format!(
+            "{} is on tmpfs, which is RAM, not a drive: swap files there would take the \
+             memory the host tier needs; give a folder on a real disk (such as /var/tmp)",
+            dir.display()
+        )
+    })
+}
+
 /// A GPT-2 shape written `LAYERSxWIDTH` (`40x5120`: heads of 128 channels, GPT-2's
 /// vocabulary and context), for planning sizes that have no preset.
 fn custom_shape(name: &str) -> Option<Gpt2Config> {
@@ -195,12 +209,8 @@ pub fn budgets_of(cfg: &TrainConfig, target: Target) -> Result<RunBudgets, Error
     let mut free = 0u64;
     for d in &dirs {
         std::fs::create_dir_all(d).map_err(|e| format!("--nvme {}: {e}", d.display()))?;
-        if strata_engine::storage::is_tmpfs(d) {
-            return Err(format!(
-                "--nvme {}: tmpfs is RAM, not a drive, and refuses O_DIRECT; give a folder on a real disk",
-                d.display()
-            )
-            .into());
+        if let Some(why) = swap_folder_refusal(d) {
+            return Err(format!("--nvme {why}").into());
         }
         free += strata_engine::storage::available_bytes(d)?;
     }
@@ -216,6 +226,49 @@ pub fn budgets_of(cfg: &TrainConfig, target: Target) -> Result<RunBudgets, Error
         nvme_free: free,
         nvme_stated: stated.is_some(),
     })
+}
+
+/// Refuses to resume a checkpoint under settings that change what its data position
+/// means: the batch, the sequence length, the accumulation, or the data file.
+fn check_resume_settings(
+    path: &Path,
+    saved: &serde_json::Value,
+    cfg: &TrainConfig,
+) -> Result<(), Error> {
+    let Ok(saved) = serde_json::from_value::<TrainConfig>(saved.clone()) else {
+        // A checkpoint from before settings were recorded: nothing to compare.
+        return Ok(());
+    };
+    let data = |d: &Option<PathBuf>| {
+        d.as_ref().map_or("the built-in corpus".to_string(), |p| {
+            p.display().to_string()
+        })
+    };
+    let mut changed = Vec::new();
+    for (name, then, now) in [
+        ("--batch", saved.batch.to_string(), cfg.batch.to_string()),
+        ("--seq", saved.seq.to_string(), cfg.seq.to_string()),
+        (
+            "--grad-accum",
+            saved.grad_accum.to_string(),
+            cfg.grad_accum.to_string(),
+        ),
+        ("--data", data(&saved.data), data(&cfg.data)),
+    ] {
+        if then != now {
+            changed.push(format!("{name} {then} (now {now})"));
+        }
+    }
+    if changed.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "--resume {}: the checkpoint was trained with {}; its data position counts batches \
+         of those, so resume with the same settings",
+        path.display(),
+        changed.join(", ")
+    )
+    .into())
 }
 
 /// The step shape of a configuration, for `target`'s kernels.
@@ -373,6 +426,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
                 )
                 .into());
             }
+            check_resume_settings(path, &ckpt.state.config, &cfg)?;
             (ckpt.params, Some((ckpt.m, ckpt.v)), ckpt.state)
         }
         None => {

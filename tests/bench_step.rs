@@ -230,8 +230,18 @@ fn bad_arguments_are_clear_errors() {
         assert!(!out.status.success());
         let (_, stderr) = text(&out);
         assert!(
-            stderr.contains("tmpfs") && stderr.contains("O_DIRECT"),
+            stderr.contains("tmpfs") && stderr.contains("not a drive"),
             "{stderr}"
+        );
+        // doctor gives the same answer about the folder: one probe, one answer.
+        let out = strata()
+            .args(["doctor", "--nvme", "/dev/shm"])
+            .output()
+            .unwrap();
+        let (stdout, _) = text(&out);
+        assert!(
+            stdout.contains("not usable: /dev/shm is on tmpfs, which is RAM, not a drive"),
+            "{stdout}"
         );
     }
 

@@ -350,6 +350,33 @@ fn a_killed_run_keeps_its_log_and_leaves_no_swap_files() {
 }
 
 #[test]
+fn resume_under_other_batch_or_data_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ck");
+    let mut first = small_run(dir.path(), &["--steps", "1"]);
+    first.extend(["--checkpoint-dir".into(), ckpt.to_str().unwrap().into()]);
+    run_ok(&first);
+    let saved = ckpt.join("step-00000001");
+    let data = dir.path().join("other.txt");
+    std::fs::write(&data, "some other text ".repeat(200)).unwrap();
+    let nvme = dir.path().join("nvme");
+    let resume = |batch: &str, seq: &str, extra: &[&str]| {
+        let mut args = vec!["train", "--steps", "2", "--batch", batch, "--seq", seq];
+        args.extend(["--nvme", nvme.to_str().unwrap()]);
+        args.extend(["--resume", saved.to_str().unwrap()]);
+        args.extend(extra);
+        strata(&args)
+    };
+    assert_one_line_error(&resume("4", "32", &[]), &["--batch 2 (now 4)"]);
+    assert_one_line_error(
+        &resume("2", "16", &["--data", data.to_str().unwrap()]),
+        &["--seq 32 (now 16)", "--data the built-in corpus (now"],
+    );
+    let same = resume("2", "32", &[]);
+    assert!(same.status.success(), "{}", text(&same.stderr));
+}
+
+#[test]
 fn bad_input_gets_one_line_naming_what_to_fix() {
     let dir = tempfile::tempdir().unwrap();
     let d = |s: &str| dir.path().join(s).to_str().unwrap().to_string();

@@ -30,7 +30,6 @@ use strata_engine::plan::{
     AllOnDevice, Budgets, CostModel, Lane, NvmeOffload, Plan, PlanInput, Policy, Precision,
     Prediction, StepShape, Tier,
 };
-use strata_storage::is_tmpfs;
 
 use super::adam::load_average;
 use crate::doctor::{cpu_model, meminfo_bytes};
@@ -500,8 +499,8 @@ fn refs(batches: &[(Vec<u32>, Vec<u32>)]) -> Vec<(&[u32], &[u32])> {
     batches.iter().map(|(t, y)| (&t[..], &y[..])).collect()
 }
 
-/// Refuses an NVMe folder the tier cannot use: missing, or tmpfs (no O_DIRECT, and RAM
-/// rather than a drive).
+/// Refuses an NVMe folder the tier cannot use: missing, or tmpfs (RAM rather than a
+/// drive).
 fn check_nvme_dir(dir: &Path) -> Result<(), String> {
     if !dir.is_dir() {
         return Err(format!(
@@ -509,15 +508,10 @@ fn check_nvme_dir(dir: &Path) -> Result<(), String> {
             dir.display()
         ));
     }
-    if is_tmpfs(dir) {
-        return Err(format!(
-            "--nvme {} is on tmpfs (RAM): the NVMe tier reads with O_DIRECT, which tmpfs \
-             refuses, and it would measure memory, not a drive; pass --nvme a folder on a \
-             real filesystem (e.g. --nvme /var/tmp)",
-            dir.display()
-        ));
+    match crate::train::swap_folder_refusal(dir) {
+        Some(why) => Err(format!("--nvme {why}")),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 fn budgets(args: &StepArgs, host_default: Option<u64>) -> Budgets {
