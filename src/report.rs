@@ -59,6 +59,14 @@ fn parse_scaled(text: &str, base: u64) -> Result<u64, String> {
     Ok(value as u64)
 }
 
+/// The process's peak resident memory (VmHWM in /proc/self/status), if known.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// The median of `values` (the mean of the middle two for an even count); NaN for none.
 pub fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();

@@ -723,7 +723,8 @@ fn summary(
     let median = crate::report::median(&secs);
     let stall: Vec<f64> = reports.iter().map(|r| r.stall_fraction()).collect();
     let plan = exec.plan();
-    let live = exec.peak_live();
+    let live = exec.peak_measured();
+    let median_report = &reports[crate::report::median_index(&secs)];
     let mut t = Table::new(["", "value"]);
     t.row(["policy".to_string(), plan.policy.clone()]);
     t.row(["steps".to_string(), reports.len().to_string()]);
@@ -741,7 +742,14 @@ fn summary(
         format!("{:.1}%", 100.0 * crate::report::median(&stall)),
     ]);
     for (i, name) in ["nvme read", "nvme write", "h2d", "d2h"].iter().enumerate() {
-        t.row([format!("{name} per step"), fmt_bytes(plan.link_bytes[i])]);
+        t.row([
+            format!("{name} per step (measured / plan)"),
+            format!(
+                "{} / {}",
+                fmt_bytes(median_report.link_bytes[i]),
+                fmt_bytes(plan.link_bytes[i])
+            ),
+        ]);
     }
     for tier in Tier::ALL {
         t.row([
@@ -754,6 +762,12 @@ fn summary(
                     [plan.budgets.device, plan.budgets.host, plan.budgets.nvme][tier.index()]
                 )
             ),
+        ]);
+    }
+    if let Some(rss) = crate::report::peak_rss_bytes() {
+        t.row([
+            "process peak RSS (all memory, VmHWM)".to_string(),
+            fmt_bytes(rss),
         ]);
     }
     for (kind, count, p50, p99, _) in exec.latency_summary() {

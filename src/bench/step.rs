@@ -265,8 +265,9 @@ pub struct PolicyResult {
     pub link_bytes_planned: [u64; 4],
     /// Planned peak bytes per tier: device, host, NVMe.
     pub peak_planned: [u64; 3],
-    /// Measured peak per tier: live buffers for device and host, the extents handed out
-    /// for NVMe.
+    /// Measured peak per tier: the arenas' high-water marks (the end of the highest
+    /// range a kernel, copy or host lane used) for device and host, the most bytes that
+    /// extents written to held at once for NVMe.
     pub peak_measured: [u64; 3],
     /// The cost model's prediction for the plan.
     pub predicted: Prediction,
@@ -360,8 +361,9 @@ pub struct ScaleReport {
     pub state_over_host_budget: f64,
     /// Planned peak per tier.
     pub peak_planned: [u64; 3],
-    /// Measured peak per tier: live buffers for device and host, the extents handed out
-    /// for NVMe.
+    /// Measured peak per tier: the arenas' high-water marks (the end of the highest
+    /// range a kernel, copy or host lane used) for device and host, the most bytes that
+    /// extents written to held at once for NVMe.
     pub peak_measured: [u64; 3],
     /// Tokens per second, median of the steps after the first `--warmup`.
     pub tokens_per_s: f64,
@@ -690,7 +692,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     };
     let finish = |rig: &mut Rig| {
         let executor = rig.executor.take().expect("started");
-        rig.peak_measured = executor.peak_live();
+        rig.peak_measured = executor.peak_measured();
         rig.latency = latencies(&executor);
     };
     if schedule == "interleaved" {
@@ -851,11 +853,12 @@ pub fn render(report: &StepBenchReport) -> String {
     ]);
     let mut memory = Table::new([
         "policy",
-        "peak device",
-        "peak host",
-        "peak nvme",
+        "plan device",
+        "plan host",
+        "plan nvme",
         "measured device",
         "measured host",
+        "measured nvme",
         "nvme read/step",
         "nvme write/step",
         "h2d/step",
@@ -876,7 +879,7 @@ pub fn render(report: &StepBenchReport) -> String {
         ]);
         let mut row = vec![p.policy.clone()];
         row.extend(p.peak_planned.iter().map(|&b| format_bytes(b)));
-        row.extend(p.peak_measured[..2].iter().map(|&b| format_bytes(b)));
+        row.extend(p.peak_measured.iter().map(|&b| format_bytes(b)));
         row.extend(p.link_bytes_per_step.iter().map(|&b| format_bytes(b)));
         let median_step = p.steps.iter().min_by(|a, b| {
             (a.seconds - p.step_s_median)
@@ -1051,7 +1054,7 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
         steps.push(StepSample::from(&report));
     }
     machine.load_average[1] = load_average();
-    let peak_measured = executor.peak_live();
+    let peak_measured = executor.peak_measured();
     drop(executor);
     let timed: Vec<f64> = steps
         .iter()

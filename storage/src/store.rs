@@ -162,6 +162,8 @@ struct Extent {
     crc: Option<u32>,
     readers: u32,
     writing: bool,
+    /// Whether a write to it ever started (its bytes on the drive hold data).
+    used: bool,
 }
 
 #[derive(Debug, Default)]
@@ -171,6 +173,10 @@ struct Table {
     by_name: HashMap<String, u32>,
     /// Free runs of the logical space as (start, length), sorted, never adjacent.
     free_runs: Vec<(u64, u64)>,
+    /// Allocated bytes of the live extents that were ever written to.
+    used_bytes: u64,
+    /// The most `used_bytes` ever were.
+    used_high_water_bytes: u64,
 }
 
 impl Table {
@@ -463,8 +469,13 @@ impl TensorStore {
                 crc: e.crc32c,
                 readers: 0,
                 writing: false,
+                used: state != ExtentState::Unwritten,
             });
+            if state != ExtentState::Unwritten {
+                table.used_bytes += allocated_bytes;
+            }
         }
+        table.used_high_water_bytes = table.used_bytes;
         used.sort_unstable();
         let mut cursor = 0;
         for (start, len) in used {
@@ -524,6 +535,7 @@ impl TensorStore {
             crc: None,
             readers: 0,
             writing: false,
+            used: false,
         }))
     }
 
@@ -537,11 +549,15 @@ impl TensorStore {
                 reason: "it cannot be freed while a transfer is in flight",
             });
         }
-        let (name, offset, allocated) = (
+        let (name, offset, allocated, used) = (
             extent.name.clone(),
             extent.offset_bytes,
             extent.allocated_bytes,
+            extent.used,
         );
+        if used {
+            table.used_bytes -= allocated;
+        }
         table.by_name.remove(&name);
         table.slots[id.index as usize].1 = None;
         table.free_indexes.push(id.index);
@@ -672,6 +688,7 @@ impl TensorStore {
         let mut table = self.table();
         let all_direct = self.inner.all_direct;
         let e = table.get_mut(id).ok_or_else(|| stale(id))?;
+        let mut newly_used = false;
         if (buf.capacity_bytes() as u64) < e.allocated_bytes {
             return Err(StorageError::BadBuffer {
                 extent: e.name.clone(),
@@ -702,6 +719,8 @@ impl TensorStore {
                 }
                 e.writing = true;
                 e.state = ExtentState::Unwritten;
+                newly_used = !e.used;
+                e.used = true;
             }
             OpKind::Read => {
                 if e.writing {
@@ -728,12 +747,17 @@ impl TensorStore {
                 e.readers += 1;
             }
         }
-        Ok((
+        let claimed = (
             e.offset_bytes,
             e.allocated_bytes,
             e.len_bytes as usize,
             e.crc,
-        ))
+        );
+        if newly_used {
+            table.used_bytes += claimed.1;
+            table.used_high_water_bytes = table.used_high_water_bytes.max(table.used_bytes);
+        }
+        Ok(claimed)
     }
 
     /// Registers memory so that transfers of buffers inside it use io_uring's fixed
@@ -783,6 +807,12 @@ impl TensorStore {
     /// Bytes not taken by any extent.
     pub fn free_bytes(&self) -> u64 {
         self.table().free_bytes()
+    }
+
+    /// The most bytes that extents written to held at once, measured as writes start:
+    /// the drive space the store really used, where the extents handed out may be more.
+    pub fn written_high_water_bytes(&self) -> u64 {
+        self.table().used_high_water_bytes
     }
 
     /// The backend's byte and chunk counters (cheap: no histogram is copied).

@@ -299,7 +299,6 @@ pub struct Executor {
     failed: AtomicBool,
     wake: (Mutex<()>, Condvar),
     stamp: u64,
-    peak_live: Mutex<[u64; 3]>,
     histograms: Mutex<Vec<(&'static str, Histogram<u64>)>>,
 }
 
@@ -446,7 +445,6 @@ impl Executor {
             failed: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
             stamp: 0,
-            peak_live: Mutex::new([0; 3]),
             histograms: Mutex::new(histograms),
             programs,
             host,
@@ -511,15 +509,26 @@ impl Executor {
         ]
     }
 
-    /// The most bytes of logical buffers live at once per tier, from the times the
-    /// operations that use them ran (persistent buffers included); for NVMe, what the
-    /// store has handed out to extents.
-    pub fn peak_live(&self) -> [u64; 3] {
-        let mut out = *self.peak_live.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(store) = &self.store {
-            out[Tier::Nvme.index()] = store.capacity_bytes() - store.free_bytes();
-        }
-        out
+    /// Measured peaks per tier ([`Tier::index`]): for the device and the host arena, the
+    /// end of the highest range a kernel, a copy or a host lane used, counted where each
+    /// range was checked before use; for NVMe, the most bytes that extents written to
+    /// held at once, counted by the store as writes started. Compare with the plan's
+    /// `peak`, which these do not read.
+    pub fn peak_measured(&self) -> [u64; 3] {
+        let device = self
+            .device
+            .arena()
+            .used_high_water_bytes()
+            .saturating_sub(self.device_mem.arena_offset_bytes());
+        let nvme = self
+            .store
+            .as_ref()
+            .map_or(0, TensorStore::written_high_water_bytes);
+        [
+            device as u64,
+            self.host.used_high_water_bytes() as u64,
+            nvme,
+        ]
     }
 
     /// The NVMe tier's I/O counters, if there is one.
@@ -1057,11 +1066,6 @@ impl Executor {
                 prev_end = e;
             }
         }
-        let live = self.live_peaks(&spans);
-        let mut peak = self.peak_live.lock().unwrap_or_else(|e| e.into_inner());
-        for t in 0..3 {
-            peak[t] = peak[t].max(live[t]);
-        }
         Ok(StepReport {
             loss,
             grad_norm,
@@ -1121,41 +1125,6 @@ impl Executor {
             }
             (Event::Cuda(_), None) => Ok(None),
         }
-    }
-
-    /// The most bytes of logical buffers live at once per tier during this run, from the
-    /// operations' spans: a transient buffer is live from the start of its first use to
-    /// the end of its last; persistent buffers always.
-    fn live_peaks(&self, spans: &[Option<(u64, u64)>]) -> [u64; 3] {
-        let mut base = [0u64; 3];
-        let mut changes: Vec<(u64, i64, usize)> = Vec::new();
-        for b in &self.plan.buffers {
-            if b.slot.is_none() {
-                continue;
-            }
-            let t = b.tier.index();
-            if b.persistent {
-                base[t] += b.bytes;
-                continue;
-            }
-            let Some((first, last)) = b.live else {
-                continue;
-            };
-            let (Some((s, _)), Some((_, e))) = (spans[first.index()], spans[last.index()]) else {
-                continue;
-            };
-            changes.push((s, b.bytes as i64, t));
-            changes.push((e, -(b.bytes as i64), t));
-        }
-        // Frees before allocations at the same instant.
-        changes.sort_by_key(|&(time, delta, _)| (time, delta));
-        let mut now = base.map(|x| x as i64);
-        let mut peak = base;
-        for (_, delta, t) in changes {
-            now[t] += delta;
-            peak[t] = peak[t].max(now[t].max(0) as u64);
-        }
-        peak
     }
 }
 

@@ -12,6 +12,7 @@
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::EngineError;
@@ -34,6 +35,8 @@ struct ArenaInner {
     base_address: u64,
     /// Owns the memory; dropped (and the memory freed) after the last buffer.
     _memory: Box<dyn Any + Send + Sync>,
+    /// The end of the highest range a kernel or copy has used ([`DeviceArena::check_range`]).
+    used_high_water: AtomicUsize,
     state: Mutex<FreeList>,
 }
 
@@ -82,6 +85,7 @@ impl DeviceArena {
                 budget_bytes,
                 base_address,
                 _memory: memory,
+                used_high_water: AtomicUsize::new(0),
                 state: Mutex::new(FreeList {
                     free,
                     in_use_bytes: 0,
@@ -101,7 +105,17 @@ impl DeviceArena {
                 what: "a range outside its memory",
             });
         }
+        self.inner
+            .used_high_water
+            .fetch_max(range.end, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// The end of the highest range any kernel or copy has used, in bytes from the
+    /// arena's start: the memory the work really needed, counted as it was submitted
+    /// (every kernel binding and copy is checked with [`DeviceArena::check_range`]).
+    pub fn used_high_water_bytes(&self) -> usize {
+        self.inner.used_high_water.load(Ordering::Relaxed)
     }
 
     /// The device address of the arena's first byte (a `CUdeviceptr`, or a host address

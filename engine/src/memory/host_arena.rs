@@ -17,6 +17,7 @@
 
 use std::ops::{Deref, DerefMut, Range};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use strata_storage::{IoBuf, TensorStore};
 
@@ -70,6 +71,8 @@ struct Inner {
     mapping: HostMapping,
     len_bytes: usize,
     accesses: AccessTable,
+    /// The end of the highest range any lane has used.
+    used_high_water: AtomicUsize,
 }
 
 impl HostArena {
@@ -88,6 +91,7 @@ impl HostArena {
                 mapping,
                 len_bytes,
                 accesses: AccessTable::new(format!("host arena '{name}'")),
+                used_high_water: AtomicUsize::new(0),
             }),
         })
     }
@@ -117,6 +121,15 @@ impl HostArena {
             self.inner.name,
             self.inner.len_bytes
         );
+        self.inner
+            .used_high_water
+            .fetch_max(range.offset_bytes + range.len_bytes, Ordering::Relaxed);
+    }
+
+    /// The end of the highest range any lane has read, written or leased, in bytes from
+    /// the arena's start: the memory the work really needed, counted as it was used.
+    pub fn used_high_water_bytes(&self) -> usize {
+        self.inner.used_high_water.load(Ordering::Relaxed)
     }
 
     /// The address of `range`'s first byte, after checking it lies in the arena.

@@ -304,6 +304,18 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// The link the operation moves bytes over, as an index of `Plan::link_bytes` and
+    /// `StepReport::link_bytes`: NVMe read 0, NVMe write 1, H2D 2, D2H 3.
+    pub fn link(&self) -> Option<usize> {
+        match self {
+            OpKind::NvmeRead { .. } => Some(0),
+            OpKind::NvmeWrite { .. } => Some(1),
+            OpKind::H2d { .. } => Some(2),
+            OpKind::D2h { .. } => Some(3),
+            _ => None,
+        }
+    }
+
     /// A short label for traces (`fwd 3`, `h2d 2`).
     pub fn label(&self) -> String {
         match self {
@@ -1685,14 +1697,7 @@ impl<'a> Planner<'a> {
         let mut link_bytes = [0u64; 4];
         for (id, op) in ops.iter().enumerate() {
             lanes[op.lane.index()].push(OpId::of(id));
-            let link = match op.kind {
-                OpKind::NvmeRead { .. } => Some(0),
-                OpKind::NvmeWrite { .. } => Some(1),
-                OpKind::H2d { .. } => Some(2),
-                OpKind::D2h { .. } => Some(3),
-                _ => None,
-            };
-            if let Some(link) = link {
+            if let Some(link) = op.kind.link() {
                 link_bytes[link] += op.bytes;
             }
         }
