@@ -469,7 +469,7 @@ fn measured_peaks_and_bytes_agree_with_the_plan() {
                 for r in &report.records {
                     // By what the operation did (an NVMe read may run on the H2D lane,
                     // chained to its copy).
-                    let link = match r.label.as_str() {
+                    let link = match r.label.what {
                         "nvme read" => 0,
                         "nvme write" => 1,
                         "h2d" => 2,
@@ -848,7 +848,7 @@ fn a_panic_in_any_lane_ends_the_step_with_an_error_naming_it() {
     let mut firsts = Vec::new();
     for lane in strata_engine::plan::Lane::ALL {
         if let Some(&id) = plan.lanes[lane.index()].first() {
-            firsts.push((lane, plan.op(id).kind.label()));
+            firsts.push((lane, plan.op(id).kind.label().to_string()));
         }
     }
     assert_eq!(firsts.len(), 6, "the plan uses every lane");

@@ -29,10 +29,14 @@ struct Counting;
 static COUNTING: AtomicBool = AtomicBool::new(false);
 static BIG_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 static LARGEST: AtomicUsize = AtomicUsize::new(0);
+static ALL_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 
 // SAFETY: forwards to the system allocator; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALL_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
         if COUNTING.load(Ordering::Relaxed) && layout.size() >= BIG && !inside_gemm() {
             BIG_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
             LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
@@ -108,11 +112,18 @@ fn steps_after_the_first_allocate_no_buffers() {
         exec.load(&model.init_params(1), None).unwrap();
         exec.step(&batches, &params).unwrap();
         BIG_ALLOCATIONS.store(0, Ordering::SeqCst);
+        ALL_ALLOCATIONS.store(0, Ordering::SeqCst);
         COUNTING.store(true, Ordering::SeqCst);
         for _ in 0..4 {
             exec.step(&batches, &params).unwrap();
         }
         COUNTING.store(false, Ordering::SeqCst);
+        let ops = exec.plan().ops.len();
+        println!(
+            "{}: {} allocations of any size in 4 steps of {ops} operations",
+            policy.name(),
+            ALL_ALLOCATIONS.load(Ordering::SeqCst)
+        );
         let count = BIG_ALLOCATIONS.load(Ordering::SeqCst);
         assert_eq!(
             count,

@@ -52,7 +52,9 @@ impl Jitter {
 impl Executor {
     /// Runs `lane`'s operations of this step.
     pub(super) fn run_lane(&self, lane: Lane, shared: &StepShared<'_>) -> Result<(), ExecError> {
-        let mut in_flight: VecDeque<OpId> = VecDeque::new();
+        // Reused from operation to operation: the hot path allocates nothing per op.
+        let mut in_flight: VecDeque<OpId> = VecDeque::with_capacity(self.run_ahead + 1);
+        let mut after: Vec<Event> = Vec::with_capacity(16);
         let mut jitter = self
             .chaos
             .map(|seed| Jitter((seed ^ (lane.index() as u64 + 11).wrapping_mul(0x9e37_79b9)) | 1));
@@ -62,12 +64,12 @@ impl Executor {
             }
             let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
                 if let Some(label) = &self.panic_at
-                    && *label == self.plan.op(id).kind.label()
+                    && *label == self.plan.op(id).kind.label().to_string()
                 {
                     panic!("injected panic");
                 }
                 if lane.is_stream() {
-                    self.submit_op(lane, id, shared, &mut in_flight)
+                    self.submit_op(lane, id, shared, &mut in_flight, &mut after)
                 } else {
                     if let Some(j) = &mut jitter {
                         std::thread::sleep(j.delay());
@@ -78,7 +80,7 @@ impl Executor {
             .unwrap_or_else(|panic| {
                 Err(ExecError::Panicked {
                     lane,
-                    op: self.plan.op(id).kind.label(),
+                    op: self.plan.op(id).kind.label().to_string(),
                     message: panic_message(&*panic),
                 })
             });
@@ -140,8 +142,9 @@ impl Executor {
         id: OpId,
         shared: &StepShared<'_>,
         in_flight: &mut VecDeque<OpId>,
+        after: &mut Vec<Event>,
     ) -> Result<(), ExecError> {
-        let mut after = Vec::new();
+        after.clear();
         for &d in &shared.deps[id.index()] {
             let dep_lane = self.plan.op(d).lane;
             if dep_lane == lane {
@@ -172,7 +175,7 @@ impl Executor {
             ),
             Device::Cpu(_) => None,
         };
-        let event = self.submit(id, &after, shared)?;
+        let event = self.submit(id, after, shared)?;
         let state = &self.ops[id.index()];
         *state.start.lock().unwrap_or_else(|e| e.into_inner()) = start;
         let has_event = event.is_some();
@@ -373,7 +376,7 @@ impl Executor {
     /// A host operation itself.
     fn host_op(&self, id: OpId, shared: &StepShared<'_>) -> Result<(), ExecError> {
         let op = self.plan.op(id);
-        let label = || op.kind.label();
+        let label = || op.kind.label().to_string();
         let lane = op.lane;
         let err = |source| ExecError::Device {
             op: label(),

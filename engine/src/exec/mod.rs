@@ -31,11 +31,13 @@ mod calibrate;
 mod lanes;
 mod runner;
 mod trace;
+mod workers;
 
 pub use calibrate::calibrate;
 pub use runner::Runner;
 pub use trace::OpRecord;
 
+use std::fmt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -107,6 +109,9 @@ pub enum ExecError {
     /// the other lane's).
     #[error("aborted after another lane failed")]
     Aborted,
+    /// The lanes' threads could not be started.
+    #[error("starting the lane threads: {0}")]
+    Threads(String),
 }
 
 /// AdamW's first and second moments, one buffer per block.
@@ -300,6 +305,8 @@ pub struct Executor {
     wake: (Mutex<()>, Condvar),
     stamp: u64,
     histograms: Mutex<Vec<(&'static str, Histogram<u64>)>>,
+    /// The threads the lanes run on, started with the executor and reused by every step.
+    lane_threads: workers::LaneThreads,
 }
 
 /// A failure's message from a panic payload.
@@ -445,6 +452,7 @@ impl Executor {
             failed: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
             stamp: 0,
+            lane_threads: workers::LaneThreads::start()?,
             histograms: Mutex::new(histograms),
             programs,
             host,
@@ -587,9 +595,12 @@ impl Executor {
         HostRange::new(slot.offset_bytes as usize, b.bytes as usize)
     }
 
-    fn device_error(&self, op: impl Into<String>) -> impl FnOnce(EngineError) -> ExecError {
-        let op = op.into();
-        move |source| ExecError::Device { op, source }
+    /// Wraps a device error with the operation's name, made only if there is an error.
+    fn device_error(&self, op: impl fmt::Display) -> impl FnOnce(EngineError) -> ExecError {
+        move |source| ExecError::Device {
+            op: op.to_string(),
+            source,
+        }
     }
 
     /// A host staging arena for loading and exporting: `bytes`, pinned as the device
@@ -926,31 +937,10 @@ impl Executor {
             start: Instant::now(),
             origin,
         };
-        let this = &*self;
-        let errors: Vec<ExecError> = std::thread::scope(|scope| {
-            let handles: Vec<_> = Lane::ALL
-                .iter()
-                .filter(|lane| !this.plan.lanes[lane.index()].is_empty())
-                .map(|&lane| {
-                    let shared = &shared;
-                    std::thread::Builder::new()
-                        .name(format!("strata-{lane}"))
-                        .spawn_scoped(scope, move || this.run_lane(lane, shared))
-                        .expect("spawning a lane thread")
-                })
-                .collect();
-            handles
-                .into_iter()
-                .filter_map(|h| match h.join() {
-                    Ok(result) => result.err(),
-                    Err(panic) => Some(ExecError::Panicked {
-                        lane: Lane::Cpu,
-                        op: "its loop".into(),
-                        message: panic_message(&*panic),
-                    }),
-                })
-                .collect()
-        });
+        let lanes = Lane::ALL
+            .into_iter()
+            .filter(|lane| !self.plan.lanes[lane.index()].is_empty());
+        let errors = self.lane_threads.run_step(self, &shared, lanes);
         // Whatever happened, nothing the step queued may still run when it returns.
         let drained = self.device.synchronize();
         let seconds = shared.start.elapsed().as_secs_f64();

@@ -3,13 +3,13 @@
 use serde_json::{Value, json};
 
 use super::StepReport;
-use crate::plan::Lane;
+use crate::plan::{Lane, OpLabel};
 
 /// When one operation ran, relative to the step's start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpRecord {
     /// What it did (`fwd 3`, `nvme read`).
-    pub label: String,
+    pub label: OpLabel,
     /// Its lane.
     pub lane: Lane,
     /// Start, nanoseconds after the step began.
@@ -39,7 +39,7 @@ impl StepReport {
         }));
         for r in &self.records {
             events.push(json!({
-                "name": r.label,
+                "name": r.label.to_string(),
                 "cat": r.lane.to_string(),
                 "ph": "X",
                 "pid": 1,

@@ -192,6 +192,24 @@ pub enum GradSource {
     Stats(BufId),
 }
 
+/// An operation's label, shown as `fwd 3` or `h2d`: what it does and the block, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpLabel {
+    /// What the operation does (`fwd`, `nvme read`).
+    pub what: &'static str,
+    /// The block it works on.
+    pub block: Option<usize>,
+}
+
+impl fmt::Display for OpLabel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.block {
+            Some(b) => write!(f, "{} {b}", self.what),
+            None => f.write_str(self.what),
+        }
+    }
+}
+
 /// What an operation does.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OpKind {
@@ -316,30 +334,31 @@ impl OpKind {
         }
     }
 
-    /// A short label for traces (`fwd 3`, `h2d 2`).
-    pub fn label(&self) -> String {
-        match self {
-            OpKind::NvmeRead { .. } => "nvme read".into(),
-            OpKind::NvmeWrite { .. } => "nvme write".into(),
-            OpKind::H2d { .. } => "h2d".into(),
-            OpKind::D2h { .. } => "d2h".into(),
+    /// A short label for traces and messages (`fwd 3`, `h2d`); made without allocating.
+    pub fn label(&self) -> OpLabel {
+        let (what, block) = match *self {
+            OpKind::NvmeRead { .. } => ("nvme read", None),
+            OpKind::NvmeWrite { .. } => ("nvme write", None),
+            OpKind::H2d { .. } => ("h2d", None),
+            OpKind::D2h { .. } => ("d2h", None),
             OpKind::Compute {
                 block,
                 pass: Pass::Forward,
                 ..
-            } => format!("fwd {block}"),
+            } => ("fwd", Some(block)),
             OpKind::Compute {
                 block,
                 pass: Pass::Backward,
                 ..
-            } => format!("bwd {block}"),
-            OpKind::Accumulate { block, .. } => format!("accumulate grads {block}"),
-            OpKind::HostAccumulate { block, .. } => format!("host accumulate grads {block}"),
-            OpKind::DeviceStats { block, .. } => format!("grad stats {block}"),
-            OpKind::GradNorm { .. } => "grad norm".into(),
-            OpKind::Optimizer { block, .. } => format!("adamw {block}"),
-            OpKind::DeviceUpdate { block, .. } => format!("device adamw {block}"),
-        }
+            } => ("bwd", Some(block)),
+            OpKind::Accumulate { block, .. } => ("accumulate grads", Some(block)),
+            OpKind::HostAccumulate { block, .. } => ("host accumulate grads", Some(block)),
+            OpKind::DeviceStats { block, .. } => ("grad stats", Some(block)),
+            OpKind::GradNorm { .. } => ("grad norm", None),
+            OpKind::Optimizer { block, .. } => ("adamw", Some(block)),
+            OpKind::DeviceUpdate { block, .. } => ("device adamw", Some(block)),
+        };
+        OpLabel { what, block }
     }
 
     /// The kind's name, for per-kind histograms.

@@ -22,7 +22,7 @@ use std::fmt;
 pub use crate::device::Lane;
 pub use build::{
     Access, Binds, BufId, BufKind, BufferPlan, Extent, ExtentSide, GradSource, Op, OpId, OpKind,
-    Plan, SlotId, SlotPlan,
+    OpLabel, Plan, SlotId, SlotPlan,
 };
 pub use cost::{CostModel, Prediction};
 

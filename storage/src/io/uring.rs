@@ -38,6 +38,12 @@ enum Request {
 // SAFETY: RawOp is Send (see its impl); IoRegion is an address range.
 unsafe impl Send for Request {}
 
+/// The most transfers the channel to the ring thread holds, and the most the thread
+/// keeps waiting for ring slots.
+fn queue_limit(queue_depth: usize) -> usize {
+    queue_depth.max(64)
+}
+
 /// The io_uring backend's handle, held by the store.
 pub(crate) struct UringIo {
     sender: Option<Sender<Request>>,
@@ -55,7 +61,7 @@ impl UringIo {
         assert!(block_bytes > 0 && queue_depth > 0);
         let block_bytes = block_bytes.min(u32::MAX as usize & !4095);
         let stats = Arc::new(Mutex::new(IoStats::default()));
-        let (sender, receiver) = crossbeam::channel::bounded::<Request>(queue_depth.max(64));
+        let (sender, receiver) = crossbeam::channel::bounded::<Request>(queue_limit(queue_depth));
         let (ready_tx, ready_rx) = crossbeam::channel::bounded(1);
         let thread_stats = Arc::clone(&stats);
         let thread = std::thread::Builder::new()
@@ -189,6 +195,9 @@ struct RingThread {
     slots: Vec<Option<Chunk>>,
     free_slots: Vec<usize>,
     in_flight: usize,
+    /// Transfers taken from the channel and not yet wholly submitted; at most
+    /// [`queue_limit`], so that the queue is bounded end to end: past it, the ring
+    /// thread stops taking requests and submitters wait on the channel.
     pending: VecDeque<Pending>,
     /// Slots whose chunk must be submitted again (short transfer or EINTR/EAGAIN).
     resubmit: VecDeque<usize>,
@@ -224,7 +233,7 @@ impl RingThread {
             slots: (0..queue_depth).map(|_| None).collect(),
             free_slots: (0..queue_depth).rev().collect(),
             in_flight: 0,
-            pending: VecDeque::new(),
+            pending: VecDeque::with_capacity(queue_limit(queue_depth)),
             resubmit: VecDeque::new(),
             control: VecDeque::new(),
             completions: Vec::with_capacity(queue_depth),
@@ -250,7 +259,7 @@ impl RingThread {
             }
             // Take everything already queued, so one submission carries as much as the
             // queue depth allows.
-            while open {
+            while open && self.pending.len() < queue_limit(self.queue_depth) {
                 match receiver.try_recv() {
                     Ok(request) => self.take(request),
                     Err(crossbeam::channel::TryRecvError::Empty) => break,
