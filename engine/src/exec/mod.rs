@@ -7,8 +7,9 @@
 //!   one of them, at the offset the plan gave its slot. A step allocates no buffer.
 //! - The programs are built once: each block's forward and backward from the model
 //!   family, and the shared update programs (`crate::model::update`).
-//! - A step runs one thread per lane (module `lanes`). The host lanes (NVMe reads, NVMe writes,
-//!   the CPU optimizer) run their operations; the stream lanes (H2D, compute, update, D2H) submit
+//! - A step runs each lane on its thread (module `lanes`; the threads live as long as the
+//!   executor, module `workers`). The host lanes (NVMe reads, NVMe writes, the CPU
+//!   optimizer) run their operations; the stream lanes (H2D, compute, update, D2H) submit
 //!   theirs to the device's streams and go on. Completion is an event, never a return:
 //!   a dependency on another stream is a stream wait on its event; a host operation that
 //!   needs a stream's result waits on the event on the host; a stream operation that
