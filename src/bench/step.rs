@@ -905,10 +905,11 @@ pub fn render(report: &StepBenchReport) -> String {
     out.push('\n');
     out.push_str(&memory.render());
     out.push_str(
-        "peak: planned per tier; measured: the most bytes of buffers live at once; per step: \
-         bytes moved over each link in the median step, as the NVMe tier and the device's \
-         copies counted them; fixed: NVMe chunks through io_uring's registered buffers (the \
-         pinned host arena).\n",
+        "plan: the plan's peak per tier; measured: the arenas' high-water marks (the highest \
+         byte a kernel, copy or host lane used) and the bytes of NVMe extents written; per \
+         step: bytes moved over each link in the median step, as the NVMe tier and the \
+         device's copies counted them (the plan's are in the JSON); fixed: NVMe chunks \
+         through io_uring's registered buffers (the pinned host arena).\n",
     );
     out.push_str(&format!(
         "losses bit-identical across policies (invariant 1): {}\n",
