@@ -827,6 +827,80 @@ fn calibration_measures_every_rate_and_plans_with_them() {
     assert!(cost.predict(&plan).step_seconds > 0.0);
 }
 
+/// Invariant 4 at every position of a step, for the policy whose state is homed on NVMe
+/// (A/B extents that swap only when a whole step succeeded): whichever operation fails,
+/// the parameters, m and v are as before the step, no step is counted, and the same step
+/// retried gives what a run without the failure gives. (With state homed on the host or
+/// the device, a failure after an earlier block's in-place update leaves that block
+/// updated: per-block commit is not built yet.)
+#[test]
+fn a_failure_at_any_operation_of_an_nvme_offloaded_step_changes_nothing() {
+    let model = Model::new(small()).unwrap();
+    let data = batches(96, 32, 4, 1, 7);
+    let refs = |s: usize| -> Vec<(&[u32], &[u32])> {
+        data[s].iter().map(|(t, y)| (&t[..], &y[..])).collect()
+    };
+    for (delayed, checkpoints) in [(false, Tier::Host), (false, Tier::Nvme), (true, Tier::Host)] {
+        let shape = if delayed {
+            StepShape::cpu(2, 16).delayed()
+        } else {
+            StepShape::cpu(2, 16)
+        };
+        let input = PlanInput {
+            model: &model,
+            shape,
+            budgets: UNLIMITED,
+        };
+        let policy = NvmeOffload {
+            depth: 2,
+            checkpoints,
+        };
+        let plan = Plan::build(&input, &policy).unwrap();
+        // Steps before the one that fails: two, so a delayed update has one pending.
+        let good = 2;
+        let run = |fail_at: Option<usize>| {
+            let nvme = tempfile::tempdir().unwrap();
+            let mut exec = Executor::on_cpu(
+                model.clone(),
+                plan.clone(),
+                &ExecConfig::with_nvme(vec![nvme.path().into()]),
+            )
+            .unwrap();
+            exec.load(&model.init_params(9), None).unwrap();
+            for s in 0..good {
+                exec.step(&refs(s), &hyper(1e-2)).unwrap();
+            }
+            if let Some(op) = fail_at {
+                let before = exec.export().unwrap();
+                let steps = exec.steps();
+                exec.fail_next_at(op);
+                let name = format!("{} {}", plan.policy, plan.ops[op].kind.label());
+                let err = exec.step(&refs(good), &hyper(1e-2)).unwrap_err();
+                assert!(matches!(err, ExecError::Injected { .. }), "{name}: {err}");
+                let after = exec.export().unwrap();
+                assert_eq!(before.0, after.0, "{name}: parameters changed");
+                assert_eq!(before.1, after.1, "{name}: m changed");
+                assert_eq!(before.2, after.2, "{name}: v changed");
+                assert_eq!(exec.steps(), steps, "{name}: the failed step was counted");
+            }
+            for s in good..good + 2 {
+                exec.step(&refs(s), &hyper(1e-2)).unwrap();
+            }
+            exec.export().unwrap()
+        };
+        let clean = run(None);
+        for op in 0..plan.ops.len() {
+            assert_eq!(
+                run(Some(op)),
+                clean,
+                "{}, delayed {delayed}: after a failure at {} and a retry",
+                plan.policy,
+                plan.ops[op].kind.label()
+            );
+        }
+    }
+}
+
 #[test]
 fn a_panic_in_any_lane_ends_the_step_with_an_error_naming_it() {
     let model = Model::new(small()).unwrap();

@@ -68,6 +68,11 @@ impl Executor {
                 {
                     panic!("injected panic");
                 }
+                if shared.fail_at == Some(id.index()) {
+                    return Err(ExecError::Injected {
+                        op: self.plan.op(id).kind.label().to_string(),
+                    });
+                }
                 if lane.is_stream() {
                     self.submit_op(lane, id, shared, &mut in_flight, &mut after)
                 } else {

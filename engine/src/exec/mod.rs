@@ -110,6 +110,12 @@ pub enum ExecError {
     /// the other lane's).
     #[error("aborted after another lane failed")]
     Aborted,
+    /// A failure injected by [`Executor::fail_next_at`].
+    #[error("injected failure in {op}")]
+    Injected {
+        /// The operation.
+        op: String,
+    },
     /// The lanes' threads could not be started.
     #[error("starting the lane threads: {0}")]
     Threads(String),
@@ -254,6 +260,8 @@ struct StepShared<'a> {
     /// A timed event recorded on the compute stream at the start (a GPU times its
     /// operations against it).
     origin: Option<Event>,
+    /// The operation that fails on purpose in this run ([`Executor::fail_next_at`]).
+    fail_at: Option<usize>,
 }
 
 /// Per-operation state of the step being run.
@@ -283,6 +291,7 @@ pub struct Executor {
     run_ahead: usize,
     chaos: Option<u64>,
     panic_at: Option<String>,
+    fail_at: Option<usize>,
     store: Option<TensorStore>,
     /// Per extent group: (side A, side B) (equal for single extents).
     extents: Vec<(ExtentId, ExtentId)>,
@@ -432,6 +441,7 @@ impl Executor {
             run_ahead: config.run_ahead.max(1),
             chaos: config.chaos,
             panic_at: config.panic_at.clone(),
+            fail_at: None,
             store,
             extents,
             generation: 0,
@@ -868,6 +878,13 @@ impl Executor {
         Ok(Some(report))
     }
 
+    /// Fault injection (tests): in the next step or flush only, the operation at index
+    /// `op` of the plan fails with [`ExecError::Injected`] when its lane reaches it,
+    /// instead of running.
+    pub fn fail_next_at(&mut self, op: usize) {
+        self.fail_at = Some(op);
+    }
+
     /// Whether a delayed update is waiting to be applied.
     pub fn has_pending_update(&self) -> bool {
         self.pending.is_some()
@@ -937,6 +954,7 @@ impl Executor {
             update_loss_scale,
             start: Instant::now(),
             origin,
+            fail_at: self.fail_at.take(),
         };
         let lanes = Lane::ALL
             .into_iter()
