@@ -1,0 +1,357 @@
+//! The Llama family's CPU kernels (RMSNorm, RoPE, SwiGLU, grouped-query attention)
+//! against their scalar references in f64, element by element with `atol + rtol * |ref|`,
+//! on odd sizes, every instruction set this CPU has, one and several threads; the
+//! references' backward passes against central finite differences of their forward
+//! passes in f64; and the kernels' invariants (grouped-query attention with KV = H is
+//! GPT-2's attention on the same heads; RoPE keeps each pair's norm and its table is
+//! the cosines and sines of position × inverse frequency).
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use strata_kernels::isa::Isa;
+use strata_kernels::ops::{self, Cpu};
+use strata_kernels::reference::llama::{self as rl, GqaDims};
+
+fn cpus() -> Vec<Cpu> {
+    let mut out = Vec::new();
+    for isa in Isa::supported() {
+        out.push(Cpu::single(isa));
+        out.push(Cpu { isa, threads: 3 });
+    }
+    out
+}
+
+fn random(rng: &mut StdRng, len: usize, scale: f32) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+fn random64(rng: &mut StdRng, len: usize, scale: f64) -> Vec<f64> {
+    (0..len).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+fn wide(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+/// Asserts `|got - want| <= atol + rtol |want|` everywhere, naming the worst element.
+#[track_caller]
+fn check(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = (0.0f64, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let excess = (g as f64 - w).abs() - (atol + rtol * w.abs());
+        if excess > worst.0 || g.is_nan() {
+            worst = (excess.max(f64::MIN_POSITIVE), i);
+        }
+    }
+    if worst.0 > 0.0 {
+        let i = worst.1;
+        panic!(
+            "{what}: element {i} is {} but the reference says {}",
+            got[i], want[i]
+        );
+    }
+}
+
+/// Asserts an analytic gradient equals central differences of `loss` at `x`, within
+/// `1e-6 + 1e-5 |fd|`.
+#[track_caller]
+fn check_fd(what: &str, x: &[f64], analytic: &[f64], mut loss: impl FnMut(&[f64]) -> f64) {
+    let step = 1e-6;
+    let mut x = x.to_vec();
+    for i in 0..x.len() {
+        let keep = x[i];
+        x[i] = keep + step;
+        let up = loss(&x);
+        x[i] = keep - step;
+        let down = loss(&x);
+        x[i] = keep;
+        let fd = (up - down) / (2.0 * step);
+        assert!(
+            (analytic[i] - fd).abs() <= 1e-6 + 1e-5 * fd.abs(),
+            "{what}: element {i}: analytic {} but finite differences {fd}",
+            analytic[i]
+        );
+    }
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+#[test]
+fn rmsnorm_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(11);
+    // (3, 67): a row tail; (48, 12): Qwen3's per-head q/k norm, rows of head_dim 12;
+    // (5, 1): one channel.
+    for (n, c, eps) in [(3, 67, 1e-6), (48, 12, 1e-6), (5, 1, 1e-5), (40, 130, 1e-5)] {
+        let inp = random(&mut rng, n * c, 2.0);
+        let weight = random(&mut rng, c, 1.5);
+        let dout = random(&mut rng, n * c, 1.0);
+        let dinp0 = random(&mut rng, n * c, 0.5);
+        let dweight0 = random(&mut rng, c, 0.5);
+        let (mut out_w, mut rstd_w) = (vec![0.0; n * c], vec![0.0; n]);
+        rl::rmsnorm_forward(&mut out_w, &mut rstd_w, &wide(&inp), &wide(&weight), eps, n, c);
+        let (mut dinp_w, mut dweight_w) = (wide(&dinp0), wide(&dweight0));
+        rl::rmsnorm_backward(
+            &mut dinp_w,
+            &mut dweight_w,
+            &wide(&dout),
+            &wide(&inp),
+            &wide(&weight),
+            &rstd_w,
+            n,
+            c,
+        );
+        for cpu in cpus() {
+            let (mut out, mut rstd) = (vec![f32::NAN; n * c], vec![f32::NAN; n]);
+            ops::rmsnorm_forward(&cpu, &mut out, &mut rstd, &inp, &weight, eps as f32, n, c);
+            check("rmsnorm_forward out", &out, &out_w, 1e-6, 1e-5);
+            check("rmsnorm_forward rstd", &rstd, &rstd_w, 0.0, 1e-5);
+            let (mut dinp, mut dweight) = (dinp0.clone(), dweight0.clone());
+            ops::rmsnorm_backward(
+                &cpu,
+                &mut dinp,
+                &mut dweight,
+                &dout,
+                &inp,
+                &weight,
+                &rstd,
+                n,
+                c,
+            );
+            check("rmsnorm_backward dinp (accumulated)", &dinp, &dinp_w, 1e-5, 1e-5);
+            check("rmsnorm_backward dweight (accumulated)", &dweight, &dweight_w, 1e-5, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn rope_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(12);
+    for (b, t, h, d) in [(2, 13, 6, 12), (1, 5, 2, 2), (3, 70, 3, 64), (1, 1, 1, 8)] {
+        let half = d / 2;
+        let theta = 10_000.0;
+        let mut inv_freq = vec![0.0f32; half];
+        ops::rope_inv_freq(&mut inv_freq, theta, d);
+        let inv_freq_w = rl::rope_inv_freq(theta, d);
+        check("rope_inv_freq", &inv_freq, &inv_freq_w, 0.0, 1e-7);
+        // A table with rows past T, as a model's maximum context gives.
+        let rows = t + 3;
+        let positions: Vec<u32> = (0..rows as u32).collect();
+        let (mut cos, mut sin) = (vec![0.0f32; rows * half], vec![0.0f32; rows * half]);
+        ops::rope_table(&mut cos, &mut sin, &inv_freq, &positions);
+        let (mut cos_w, mut sin_w) = (vec![0.0f64; rows * half], vec![0.0f64; rows * half]);
+        rl::rope_table(&mut cos_w, &mut sin_w, &wide(&inv_freq), rows);
+        check("rope_table cos", &cos, &cos_w, 1e-5, 0.0);
+        check("rope_table sin", &sin, &sin_w, 1e-5, 0.0);
+        let inp = random(&mut rng, b * t * h * d, 2.0);
+        let dout = random(&mut rng, b * t * h * d, 1.0);
+        let (cos64, sin64) = (wide(&cos), wide(&sin));
+        let mut out_w = vec![0.0; inp.len()];
+        rl::rope_forward(&mut out_w, &wide(&inp), &cos64, &sin64, b, t, h, d);
+        let mut dinp_w = vec![0.0; inp.len()];
+        rl::rope_backward(&mut dinp_w, &wide(&dout), &cos64, &sin64, b, t, h, d);
+        // A rotation keeps each pair's length.
+        for (i, (&x, &y)) in wide(&inp).iter().zip(&out_w).enumerate() {
+            let row = i / d;
+            let j = i % d;
+            if j < half {
+                let (x2, y2) = (inp[row * d + j + half] as f64, out_w[row * d + j + half]);
+                let (before, after) = (x * x + x2 * x2, y * y + y2 * y2);
+                assert!((before - after).abs() < 1e-5 * (1.0 + before), "rope norm");
+            }
+        }
+        for cpu in cpus() {
+            let mut out = vec![f32::NAN; inp.len()];
+            ops::rope_forward(&cpu, &mut out, &inp, &cos, &sin, b, t, h, d);
+            check("rope_forward", &out, &out_w, 1e-6, 1e-5);
+            let mut dinp = vec![f32::NAN; inp.len()];
+            ops::rope_backward(&cpu, &mut dinp, &dout, &cos, &sin, b, t, h, d);
+            check("rope_backward", &dinp, &dinp_w, 1e-6, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn swiglu_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(13);
+    for n in [67, 1, 16, 40_003] {
+        let mut gate = random(&mut rng, n, 6.0);
+        if n > 2 {
+            // Far out on both sides, where sigmoid saturates.
+            gate[0] = -95.0;
+            gate[1] = 40.0;
+        }
+        let up = random(&mut rng, n, 2.0);
+        let dout = random(&mut rng, n, 1.0);
+        let mut out_w = vec![0.0; n];
+        rl::swiglu_forward(&mut out_w, &wide(&gate), &wide(&up));
+        let (mut dgate_w, mut dup_w) = (vec![0.0; n], vec![0.0; n]);
+        rl::swiglu_backward(&mut dgate_w, &mut dup_w, &wide(&dout), &wide(&gate), &wide(&up));
+        for cpu in cpus() {
+            let mut out = vec![f32::NAN; n];
+            ops::swiglu_forward(&cpu, &mut out, &gate, &up);
+            check("swiglu_forward", &out, &out_w, 1e-6, 1e-5);
+            let (mut dgate, mut dup) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+            ops::swiglu_backward(&cpu, &mut dgate, &mut dup, &dout, &gate, &up);
+            check("swiglu_backward dgate", &dgate, &dgate_w, 1e-6, 1e-5);
+            check("swiglu_backward dup", &dup, &dup_w, 1e-6, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn gqa_attention_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(14);
+    // T above 64 crosses the block boundary of the causal products.
+    for (b, t, h, kv, d) in [
+        (2, 13, 6, 2, 12),
+        (2, 13, 6, 6, 12),
+        (1, 70, 4, 1, 16),
+        (1, 1, 2, 1, 4),
+        (3, 9, 3, 3, 5),
+    ] {
+        let dims = GqaDims { b, t, h, kv, d };
+        let q = random(&mut rng, dims.q_len(), 2.0);
+        let k = random(&mut rng, dims.kv_len(), 2.0);
+        let v = random(&mut rng, dims.kv_len(), 2.0);
+        let dout = random(&mut rng, dims.q_len(), 1.0);
+        let (mut out_w, mut att_w) = (vec![0.0; dims.q_len()], vec![0.0; dims.att_len()]);
+        let (q64, k64, v64) = (wide(&q), wide(&k), wide(&v));
+        rl::gqa_attention_forward(&mut out_w, &mut att_w, &q64, &k64, &v64, dims);
+        let mut dq_w = vec![0.0; dims.q_len()];
+        let (mut dk_w, mut dv_w) = (vec![0.0; dims.kv_len()], vec![0.0; dims.kv_len()]);
+        let dout64 = wide(&dout);
+        rl::gqa_attention_backward(
+            &mut dq_w, &mut dk_w, &mut dv_w, &dout64, &q64, &k64, &v64, &att_w, dims,
+        );
+        for cpu in cpus() {
+            let mut out = vec![f32::NAN; dims.q_len()];
+            let mut att = vec![f32::NAN; dims.att_len()];
+            ops::gqa_attention_forward(&cpu, &mut out, &mut att, &q, &k, &v, dims);
+            check("gqa_attention_forward out", &out, &out_w, 1e-5, 1e-5);
+            check("gqa_attention_forward att", &att, &att_w, 1e-6, 1e-5);
+            let mut dq = vec![f32::NAN; dims.q_len()];
+            let (mut dk, mut dv) = (vec![f32::NAN; dims.kv_len()], vec![f32::NAN; dims.kv_len()]);
+            let mut scratch = vec![f32::NAN; dims.att_len()];
+            ops::gqa_attention_backward(
+                &cpu,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                &mut scratch,
+                &dout,
+                &q,
+                &k,
+                &v,
+                &att,
+                dims,
+            );
+            check("gqa_attention_backward dq", &dq, &dq_w, 1e-5, 1e-5);
+            check("gqa_attention_backward dk", &dk, &dk_w, 1e-5, 1e-5);
+            check("gqa_attention_backward dv", &dv, &dv_w, 1e-5, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn gqa_attention_with_as_many_kv_heads_is_gpt2_attention() {
+    let mut rng = StdRng::seed_from_u64(15);
+    let (b, t, nh, hs) = (2, 13, 3, 8);
+    let c = nh * hs;
+    let dims = GqaDims {
+        b,
+        t,
+        h: nh,
+        kv: nh,
+        d: hs,
+    };
+    let qkv = random(&mut rng, b * t * 3 * c, 2.0);
+    let part = |p: usize| -> Vec<f32> {
+        qkv.chunks_exact(3 * c)
+            .flat_map(|row| row[p * c..][..c].to_vec())
+            .collect()
+    };
+    let (q, k, v) = (part(0), part(1), part(2));
+    let cpu = Cpu::default();
+    let (mut out_g, mut att_g) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+    ops::attention_forward(&cpu, &mut out_g, &mut att_g, &qkv, b, t, c, nh);
+    let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+    ops::gqa_attention_forward(&cpu, &mut out, &mut att, &q, &k, &v, dims);
+    assert_eq!(out, out_g);
+    assert_eq!(att, att_g);
+}
+
+#[test]
+fn backward_passes_match_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(16);
+    // RMSNorm: loss = w . out.
+    let (n, c, eps) = (3, 5, 1e-6);
+    let inp = random64(&mut rng, n * c, 1.5);
+    let weight = random64(&mut rng, c, 1.5);
+    let w = random64(&mut rng, n * c, 1.0);
+    let forward = |inp: &[f64], weight: &[f64]| {
+        let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+        rl::rmsnorm_forward(&mut out, &mut rstd, inp, weight, eps, n, c);
+        (out, rstd)
+    };
+    let (_, rstd) = forward(&inp, &weight);
+    let (mut dinp, mut dweight) = (vec![0.0; n * c], vec![0.0; c]);
+    rl::rmsnorm_backward(&mut dinp, &mut dweight, &w, &inp, &weight, &rstd, n, c);
+    check_fd("rmsnorm dinp", &inp, &dinp, |x| dot(&w, &forward(x, &weight).0));
+    check_fd("rmsnorm dweight", &weight, &dweight, |x| dot(&w, &forward(&inp, x).0));
+
+    // RoPE: loss = w . out.
+    let (b, t, h, d) = (2, 3, 2, 4);
+    let (mut cos, mut sin) = (vec![0.0; t * d / 2], vec![0.0; t * d / 2]);
+    rl::rope_table(&mut cos, &mut sin, &rl::rope_inv_freq(100.0, d), t);
+    let x = random64(&mut rng, b * t * h * d, 1.0);
+    let w = random64(&mut rng, x.len(), 1.0);
+    let mut dx = vec![0.0; x.len()];
+    rl::rope_backward(&mut dx, &w, &cos, &sin, b, t, h, d);
+    check_fd("rope dinp", &x, &dx, |x| {
+        let mut out = vec![0.0; x.len()];
+        rl::rope_forward(&mut out, x, &cos, &sin, b, t, h, d);
+        dot(&w, &out)
+    });
+
+    // SwiGLU: loss = w . out.
+    let gate = random64(&mut rng, 9, 4.0);
+    let up = random64(&mut rng, 9, 2.0);
+    let w = random64(&mut rng, 9, 1.0);
+    let (mut dgate, mut dup) = (vec![0.0; 9], vec![0.0; 9]);
+    rl::swiglu_backward(&mut dgate, &mut dup, &w, &gate, &up);
+    let swiglu = |g: &[f64], u: &[f64]| {
+        let mut out = vec![0.0; 9];
+        rl::swiglu_forward(&mut out, g, u);
+        dot(&w, &out)
+    };
+    check_fd("swiglu dgate", &gate, &dgate, |x| swiglu(x, &up));
+    check_fd("swiglu dup", &up, &dup, |x| swiglu(&gate, x));
+
+    // Grouped-query attention, two query heads per key/value head: loss = w . out.
+    let dims = GqaDims {
+        b: 1,
+        t: 4,
+        h: 4,
+        kv: 2,
+        d: 3,
+    };
+    let q = random64(&mut rng, dims.q_len(), 1.0);
+    let k = random64(&mut rng, dims.kv_len(), 1.0);
+    let v = random64(&mut rng, dims.kv_len(), 1.0);
+    let w = random64(&mut rng, dims.q_len(), 1.0);
+    let attention = |q: &[f64], k: &[f64], v: &[f64]| {
+        let (mut out, mut att) = (vec![0.0; dims.q_len()], vec![0.0; dims.att_len()]);
+        rl::gqa_attention_forward(&mut out, &mut att, q, k, v, dims);
+        (out, att)
+    };
+    let (_, att) = attention(&q, &k, &v);
+    let mut dq = vec![0.0; dims.q_len()];
+    let (mut dk, mut dv) = (vec![0.0; dims.kv_len()], vec![0.0; dims.kv_len()]);
+    rl::gqa_attention_backward(&mut dq, &mut dk, &mut dv, &w, &q, &k, &v, &att, dims);
+    check_fd("attention dq", &q, &dq, |x| dot(&w, &attention(x, &k, &v).0));
+    check_fd("attention dk", &k, &dk, |x| dot(&w, &attention(&q, x, &v).0));
+    check_fd("attention dv", &v, &dv, |x| dot(&w, &attention(&q, &k, x).0));
+}
