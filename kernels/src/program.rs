@@ -1104,10 +1104,17 @@ pub fn gqa_attention_scratch_bytes(
 /// The attention scratch's regions in order, q, y and dq of `queries` elements of
 /// `dtype`, k, v, dk and dv of `keys` elements, the f32 scores and their `dtype` gradient
 /// of `scores` elements, each aligned to [`ATTENTION_SCRATCH_ALIGN`].
-fn scratch_layout(dtype: Dtype, queries: usize, keys: usize, scores: usize) -> AttentionScratchLayout {
+fn scratch_layout(
+    dtype: Dtype,
+    queries: usize,
+    keys: usize,
+    scores: usize,
+) -> AttentionScratchLayout {
     let align = |x: usize| x.next_multiple_of(ATTENTION_SCRATCH_ALIGN);
     let (q_bytes, k_bytes) = (align(queries * dtype.size()), align(keys * dtype.size()));
-    let sizes = [q_bytes, k_bytes, k_bytes, q_bytes, q_bytes, k_bytes, k_bytes];
+    let sizes = [
+        q_bytes, k_bytes, k_bytes, q_bytes, q_bytes, k_bytes, k_bytes,
+    ];
     let mut starts = [0usize; 7];
     let mut end = 0;
     for (start, size) in starts.iter_mut().zip(sizes) {

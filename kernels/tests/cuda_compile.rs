@@ -26,8 +26,15 @@ fn every_kernel_compiles_with_nvrtc() {
         let names = program::entry_points();
         // 25 typed kernels in three types, and four untyped ones.
         assert_eq!(names.len(), 25 * 3 + 4, "entry points");
-        for name in ["rmsnorm_forward_bf16", "rope_backward_f32", "swiglu_backward_bf16"] {
-            assert!(names.iter().any(|n| n == name), "{name} is not an entry point");
+        for name in [
+            "rmsnorm_forward_bf16",
+            "rope_backward_f32",
+            "swiglu_backward_bf16",
+        ] {
+            assert!(
+                names.iter().any(|n| n == name),
+                "{name} is not an entry point"
+            );
         }
         for name in &names {
             let symbol = [name.as_bytes(), b"\0"].concat();

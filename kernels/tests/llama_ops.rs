@@ -2,7 +2,8 @@
 //! against their scalar references in f64, element by element with `atol + rtol * |ref|`,
 //! on odd sizes, every instruction set this CPU has, one and several threads; the
 //! references' backward passes against central finite differences of their forward
-//! passes in f64; and the kernels' invariants (grouped-query attention with KV = H is
+//! passes in f64; `run_cpu` on their program variants against the direct calls; and the
+//! kernels' invariants (grouped-query attention with KV = H is
 //! GPT-2's attention on the same heads; RoPE keeps each pair's norm and its table is
 //! the cosines and sines of position × inverse frequency).
 
@@ -10,6 +11,10 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use strata_kernels::isa::Isa;
 use strata_kernels::ops::{self, Cpu};
+use strata_kernels::program::{
+    CpuMemory, Dtype, Kernel, KernelError, Scalars, Target, TensorRef, gqa_attention_scratch_bytes,
+    run_cpu,
+};
 use strata_kernels::reference::llama::{self as rl, GqaDims};
 
 fn cpus() -> Vec<Cpu> {
@@ -91,7 +96,15 @@ fn rmsnorm_matches_reference() {
         let dinp0 = random(&mut rng, n * c, 0.5);
         let dweight0 = random(&mut rng, c, 0.5);
         let (mut out_w, mut rstd_w) = (vec![0.0; n * c], vec![0.0; n]);
-        rl::rmsnorm_forward(&mut out_w, &mut rstd_w, &wide(&inp), &wide(&weight), eps, n, c);
+        rl::rmsnorm_forward(
+            &mut out_w,
+            &mut rstd_w,
+            &wide(&inp),
+            &wide(&weight),
+            eps,
+            n,
+            c,
+        );
         let (mut dinp_w, mut dweight_w) = (wide(&dinp0), wide(&dweight0));
         rl::rmsnorm_backward(
             &mut dinp_w,
@@ -120,8 +133,20 @@ fn rmsnorm_matches_reference() {
                 n,
                 c,
             );
-            check("rmsnorm_backward dinp (accumulated)", &dinp, &dinp_w, 1e-5, 1e-5);
-            check("rmsnorm_backward dweight (accumulated)", &dweight, &dweight_w, 1e-5, 1e-5);
+            check(
+                "rmsnorm_backward dinp (accumulated)",
+                &dinp,
+                &dinp_w,
+                1e-5,
+                1e-5,
+            );
+            check(
+                "rmsnorm_backward dweight (accumulated)",
+                &dweight,
+                &dweight_w,
+                1e-5,
+                1e-5,
+            );
         }
     }
 }
@@ -188,7 +213,13 @@ fn swiglu_matches_reference() {
         let mut out_w = vec![0.0; n];
         rl::swiglu_forward(&mut out_w, &wide(&gate), &wide(&up));
         let (mut dgate_w, mut dup_w) = (vec![0.0; n], vec![0.0; n]);
-        rl::swiglu_backward(&mut dgate_w, &mut dup_w, &wide(&dout), &wide(&gate), &wide(&up));
+        rl::swiglu_backward(
+            &mut dgate_w,
+            &mut dup_w,
+            &wide(&dout),
+            &wide(&gate),
+            &wide(&up),
+        );
         for cpu in cpus() {
             let mut out = vec![f32::NAN; n];
             ops::swiglu_forward(&cpu, &mut out, &gate, &up);
@@ -299,8 +330,12 @@ fn backward_passes_match_finite_differences() {
     let (_, rstd) = forward(&inp, &weight);
     let (mut dinp, mut dweight) = (vec![0.0; n * c], vec![0.0; c]);
     rl::rmsnorm_backward(&mut dinp, &mut dweight, &w, &inp, &weight, &rstd, n, c);
-    check_fd("rmsnorm dinp", &inp, &dinp, |x| dot(&w, &forward(x, &weight).0));
-    check_fd("rmsnorm dweight", &weight, &dweight, |x| dot(&w, &forward(&inp, x).0));
+    check_fd("rmsnorm dinp", &inp, &dinp, |x| {
+        dot(&w, &forward(x, &weight).0)
+    });
+    check_fd("rmsnorm dweight", &weight, &dweight, |x| {
+        dot(&w, &forward(&inp, x).0)
+    });
 
     // RoPE: loss = w . out.
     let (b, t, h, d) = (2, 3, 2, 4);
@@ -351,7 +386,321 @@ fn backward_passes_match_finite_differences() {
     let mut dq = vec![0.0; dims.q_len()];
     let (mut dk, mut dv) = (vec![0.0; dims.kv_len()], vec![0.0; dims.kv_len()]);
     rl::gqa_attention_backward(&mut dq, &mut dk, &mut dv, &w, &q, &k, &v, &att, dims);
-    check_fd("attention dq", &q, &dq, |x| dot(&w, &attention(x, &k, &v).0));
-    check_fd("attention dk", &k, &dk, |x| dot(&w, &attention(&q, x, &v).0));
-    check_fd("attention dv", &v, &dv, |x| dot(&w, &attention(&q, &k, x).0));
+    check_fd("attention dq", &q, &dq, |x| {
+        dot(&w, &attention(x, &k, &v).0)
+    });
+    check_fd("attention dk", &k, &dk, |x| {
+        dot(&w, &attention(&q, x, &v).0)
+    });
+    check_fd("attention dv", &v, &dv, |x| {
+        dot(&w, &attention(&q, &k, x).0)
+    });
+}
+
+/// Memory for [`run_cpu`]: one f32 vector per binding, each tensor at its offset.
+struct Buffers(Vec<Vec<f32>>);
+
+impl CpuMemory for Buffers {
+    fn address(&self, t: &TensorRef) -> *mut u8 {
+        let buf = &self.0[t.buf as usize];
+        assert!(t.offset_bytes + t.bytes() <= buf.len() * 4);
+        // SAFETY: inside the vector (checked above).
+        unsafe { buf.as_ptr().cast::<u8>().cast_mut().add(t.offset_bytes) }
+    }
+}
+
+impl Buffers {
+    /// A new binding holding `values` after `pad` elements of padding (so that offsets
+    /// are exercised), and the tensor of `values` in it.
+    fn add(&mut self, values: &[f32], pad: usize) -> TensorRef {
+        let mut buf = vec![f32::NAN; pad];
+        buf.extend_from_slice(values);
+        self.0.push(buf);
+        TensorRef::new((self.0.len() - 1) as u8, pad * 4, values.len(), Dtype::F32)
+    }
+
+    fn get(&self, t: &TensorRef) -> &[f32] {
+        &self.0[t.buf as usize][t.offset_bytes / 4..][..t.len]
+    }
+
+    fn run(&self, kernel: &Kernel, cpu: &Cpu) -> Result<(), KernelError> {
+        // SAFETY: every tensor lies inside its own vector; nothing else touches them.
+        unsafe { run_cpu(kernel, cpu, &Scalars::default(), self) }
+    }
+}
+
+#[test]
+fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let cpu = Cpu::default();
+    let mut m = Buffers(Vec::new());
+
+    // RMSNorm, forward then backward (accumulating into non-zero gradients).
+    let (n, c, eps) = (6, 67, 1e-6f32);
+    let inp = random(&mut rng, n * c, 2.0);
+    let weight = random(&mut rng, c, 1.0);
+    let dout = random(&mut rng, n * c, 1.0);
+    let dinp0 = random(&mut rng, n * c, 1.0);
+    let dweight0 = random(&mut rng, c, 1.0);
+    let (out_t, rstd_t) = (m.add(&vec![0.0; n * c], 3), m.add(&vec![0.0; n], 1));
+    let (inp_t, weight_t) = (m.add(&inp, 0), m.add(&weight, 5));
+    let (dout_t, dinp_t, dweight_t) = (m.add(&dout, 2), m.add(&dinp0, 0), m.add(&dweight0, 7));
+    m.run(
+        &Kernel::RmsNorm {
+            out: out_t,
+            rstd: rstd_t,
+            inp: inp_t,
+            weight: weight_t,
+            eps,
+            n,
+            c,
+        },
+        &cpu,
+    )
+    .unwrap();
+    let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+    ops::rmsnorm_forward(&cpu, &mut out, &mut rstd, &inp, &weight, eps, n, c);
+    assert_eq!((m.get(&out_t), m.get(&rstd_t)), (&out[..], &rstd[..]));
+    m.run(
+        &Kernel::RmsNormBackward {
+            dinp: dinp_t,
+            dweight: dweight_t,
+            dout: dout_t,
+            inp: inp_t,
+            weight: weight_t,
+            rstd: rstd_t,
+            n,
+            c,
+        },
+        &cpu,
+    )
+    .unwrap();
+    let (mut dinp, mut dweight) = (dinp0.clone(), dweight0.clone());
+    ops::rmsnorm_backward(
+        &cpu,
+        &mut dinp,
+        &mut dweight,
+        &dout,
+        &inp,
+        &weight,
+        &rstd,
+        n,
+        c,
+    );
+    assert_eq!(
+        (m.get(&dinp_t), m.get(&dweight_t)),
+        (&dinp[..], &dweight[..])
+    );
+
+    // RoPE, the tables side by side in one binding.
+    let (b, t, h, d) = (2, 13, 6, 12);
+    let half = d / 2;
+    let mut inv_freq = vec![0.0; half];
+    ops::rope_inv_freq(&mut inv_freq, 500_000.0, d);
+    let positions: Vec<u32> = (0..t as u32).collect();
+    let (mut cos, mut sin) = (vec![0.0; t * half], vec![0.0; t * half]);
+    ops::rope_table(&mut cos, &mut sin, &inv_freq, &positions);
+    let tables = m.add(&[cos.clone(), sin.clone()].concat(), 4);
+    let (cos_t, sin_t) = (tables.slice(0, t * half), tables.slice(t * half, t * half));
+    let x = random(&mut rng, b * t * h * d, 2.0);
+    let (x_t, y_t, dx_t) = (
+        m.add(&x, 1),
+        m.add(&vec![0.0; x.len()], 0),
+        m.add(&vec![0.0; x.len()], 0),
+    );
+    let rope = Kernel::Rope {
+        out: y_t,
+        inp: x_t,
+        cos: cos_t,
+        sin: sin_t,
+        b,
+        t,
+        h,
+        d,
+    };
+    m.run(&rope, &cpu).unwrap();
+    let back = Kernel::RopeBackward {
+        dinp: dx_t,
+        dout: x_t,
+        cos: cos_t,
+        sin: sin_t,
+        b,
+        t,
+        h,
+        d,
+    };
+    m.run(&back, &cpu).unwrap();
+    let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+    ops::rope_forward(&cpu, &mut y, &x, &cos, &sin, b, t, h, d);
+    ops::rope_backward(&cpu, &mut dx, &x, &cos, &sin, b, t, h, d);
+    assert_eq!((m.get(&y_t), m.get(&dx_t)), (&y[..], &dx[..]));
+
+    // SwiGLU.
+    let len = 1001;
+    let (gate, up, dout) = (
+        random(&mut rng, len, 5.0),
+        random(&mut rng, len, 2.0),
+        random(&mut rng, len, 1.0),
+    );
+    let (gate_t, up_t, dout_t) = (m.add(&gate, 0), m.add(&up, 3), m.add(&dout, 1));
+    let (out_t, dgate_t, dup_t) = (
+        m.add(&vec![0.0; len], 0),
+        m.add(&vec![0.0; len], 2),
+        m.add(&vec![0.0; len], 0),
+    );
+    m.run(
+        &Kernel::SwiGlu {
+            out: out_t,
+            gate: gate_t,
+            up: up_t,
+        },
+        &cpu,
+    )
+    .unwrap();
+    m.run(
+        &Kernel::SwiGluBackward {
+            dgate: dgate_t,
+            dup: dup_t,
+            dout: dout_t,
+            gate: gate_t,
+            up: up_t,
+        },
+        &cpu,
+    )
+    .unwrap();
+    let (mut out, mut dgate, mut dup) = (vec![0.0; len], vec![0.0; len], vec![0.0; len]);
+    ops::swiglu_forward(&cpu, &mut out, &gate, &up);
+    ops::swiglu_backward(&cpu, &mut dgate, &mut dup, &dout, &gate, &up);
+    assert_eq!(m.get(&out_t), &out[..]);
+    assert_eq!((m.get(&dgate_t), m.get(&dup_t)), (&dgate[..], &dup[..]));
+
+    // Grouped-query attention, forward and backward.
+    let dims = GqaDims {
+        b: 2,
+        t: 13,
+        h: 6,
+        kv: 2,
+        d: 12,
+    };
+    let (q, k, v) = (
+        random(&mut rng, dims.q_len(), 2.0),
+        random(&mut rng, dims.kv_len(), 2.0),
+        random(&mut rng, dims.kv_len(), 2.0),
+    );
+    let dout = random(&mut rng, dims.q_len(), 1.0);
+    let (q_t, k_t, v_t, dout_t) = (m.add(&q, 0), m.add(&k, 1), m.add(&v, 2), m.add(&dout, 3));
+    let (out_t, att_t) = (
+        m.add(&vec![0.0; dims.q_len()], 0),
+        m.add(&vec![0.0; dims.att_len()], 0),
+    );
+    let (dq_t, dk_t, dv_t) = (
+        m.add(&vec![0.0; dims.q_len()], 0),
+        m.add(&vec![0.0; dims.kv_len()], 1),
+        m.add(&vec![0.0; dims.kv_len()], 0),
+    );
+    let GqaDims { b, t, h, kv, d } = dims;
+    let bytes = gqa_attention_scratch_bytes(Target::Cpu, Dtype::F32, b, t, h, kv, d);
+    let scratch = m.add(&vec![f32::NAN; bytes / 4], 0);
+    let scratch = TensorRef {
+        dtype: Dtype::U8,
+        len: bytes,
+        ..scratch
+    };
+    m.run(
+        &Kernel::GqaAttention {
+            out: out_t,
+            att: att_t,
+            q: q_t,
+            k: k_t,
+            v: v_t,
+            scratch,
+            b,
+            t,
+            h,
+            kv,
+            d,
+        },
+        &cpu,
+    )
+    .unwrap();
+    let backward = Kernel::GqaAttentionBackward {
+        dq: dq_t,
+        dk: dk_t,
+        dv: dv_t,
+        dout: dout_t,
+        q: q_t,
+        k: k_t,
+        v: v_t,
+        att: att_t,
+        scratch,
+        b,
+        t,
+        h,
+        kv,
+        d,
+    };
+    m.run(&backward, &cpu).unwrap();
+    let (mut out, mut att) = (vec![0.0; dims.q_len()], vec![0.0; dims.att_len()]);
+    ops::gqa_attention_forward(&cpu, &mut out, &mut att, &q, &k, &v, dims);
+    let mut dq = vec![0.0; dims.q_len()];
+    let (mut dk, mut dv) = (vec![0.0; dims.kv_len()], vec![0.0; dims.kv_len()]);
+    let mut scratch_direct = vec![0.0; dims.att_len()];
+    ops::gqa_attention_backward(
+        &cpu,
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        &mut scratch_direct,
+        &dout,
+        &q,
+        &k,
+        &v,
+        &att,
+        dims,
+    );
+    assert_eq!((m.get(&out_t), m.get(&att_t)), (&out[..], &att[..]));
+    assert_eq!(m.get(&dq_t), &dq[..]);
+    assert_eq!((m.get(&dk_t), m.get(&dv_t)), (&dk[..], &dv[..]));
+
+    // Refusals: key/value heads that do not divide the query heads, and a scratch too
+    // small, are errors naming what is wrong.
+    let bad = |h: usize, kv: usize, scratch: TensorRef| Kernel::GqaAttentionBackward {
+        dq: dq_t,
+        dk: dk_t,
+        dv: dv_t,
+        dout: dout_t,
+        q: q_t,
+        k: k_t,
+        v: v_t,
+        att: att_t,
+        scratch,
+        b,
+        t,
+        h,
+        kv,
+        d,
+    };
+    let e = m.run(&bad(6, 4, scratch), &cpu).unwrap_err();
+    assert!(e.to_string().contains("query heads"), "{e}");
+    let e = m
+        .run(&bad(6, 2, scratch.slice(0, bytes - 4)), &cpu)
+        .unwrap_err();
+    assert!(e.to_string().contains("scratch"), "{e}");
+    assert!(
+        Kernel::GqaAttention {
+            out: out_t,
+            att: att_t,
+            q: q_t,
+            k: k_t,
+            v: v_t,
+            scratch,
+            b,
+            t,
+            h,
+            kv,
+            d
+        }
+        .flops()
+            > 0.0
+    );
 }

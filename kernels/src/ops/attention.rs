@@ -381,7 +381,16 @@ pub fn attention_backward(
                 dv: (dqkv_ptr.0.add(d.qkv_at(bi, h, 2)), ld),
                 accumulate_kv: false,
             };
-            head_backward(cpu, datt, &att[slab..][..t * t], view, grads, t, d.hs, scale);
+            head_backward(
+                cpu,
+                datt,
+                &att[slab..][..t * t],
+                view,
+                grads,
+                t,
+                d.hs,
+                scale,
+            );
         }
     });
 }

@@ -32,8 +32,8 @@ mod matmul;
 mod residual;
 mod rmsnorm;
 mod rope;
-mod swiglu;
 pub mod simd;
+mod swiglu;
 
 pub use attention::{
     attention_backward, attention_forward, gqa_attention_backward, gqa_attention_forward,

@@ -82,16 +82,22 @@ pub fn rmsnorm_backward(
             }
         },)
     });
-    par_rows(threads, c, simd::LANES, RowsMut::new(dweight, 1), |cols, dw| {
-        on_isa!(cpu.isa, {
-            for row in 0..n {
-                let x = &inp[row * c..][cols.clone()];
-                let d = &dout[row * c..][cols.clone()];
-                let s = rstd[row];
-                for j in 0..cols.len() {
-                    dw.data[j] += x[j] * s * d[j];
+    par_rows(
+        threads,
+        c,
+        simd::LANES,
+        RowsMut::new(dweight, 1),
+        |cols, dw| {
+            on_isa!(cpu.isa, {
+                for row in 0..n {
+                    let x = &inp[row * c..][cols.clone()];
+                    let d = &dout[row * c..][cols.clone()];
+                    let s = rstd[row];
+                    for j in 0..cols.len() {
+                        dw.data[j] += x[j] * s * d[j];
+                    }
                 }
-            }
-        },)
-    });
+            },)
+        },
+    );
 }

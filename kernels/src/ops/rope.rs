@@ -88,23 +88,32 @@ fn rotate(
     assert!(d.is_multiple_of(2), "an odd head dimension {d}");
     let (half, rows) = (d / 2, b * t * h);
     assert_eq!((out.len(), inp.len()), (rows * d, rows * d));
-    assert!(cos.len() >= t * half && sin.len() >= t * half, "a table of fewer than {t} rows");
+    assert!(
+        cos.len() >= t * half && sin.len() >= t * half,
+        "a table of fewer than {t} rows"
+    );
     if d == 0 {
         return;
     }
-    par_rows(cpu.threads_for(rows * d), rows, 1, RowsMut::new(out, d), |range, out| {
-        on_isa!(cpu.isa, {
-            for (i, row) in range.enumerate() {
-                let pos = (row / h) % t;
-                let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
-                let (x1, x2) = inp[row * d..][..d].split_at(half);
-                let (o1, o2) = out.data[i * d..][..d].split_at_mut(half);
-                for j in 0..half {
-                    let sj = sign * s[j];
-                    o1[j] = x1[j] * c[j] - x2[j] * sj;
-                    o2[j] = x2[j] * c[j] + x1[j] * sj;
+    par_rows(
+        cpu.threads_for(rows * d),
+        rows,
+        1,
+        RowsMut::new(out, d),
+        |range, out| {
+            on_isa!(cpu.isa, {
+                for (i, row) in range.enumerate() {
+                    let pos = (row / h) % t;
+                    let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+                    let (x1, x2) = inp[row * d..][..d].split_at(half);
+                    let (o1, o2) = out.data[i * d..][..d].split_at_mut(half);
+                    for j in 0..half {
+                        let sj = sign * s[j];
+                        o1[j] = x1[j] * c[j] - x2[j] * sj;
+                        o2[j] = x2[j] * c[j] + x1[j] * sj;
+                    }
                 }
-            }
-        },)
-    });
+            },)
+        },
+    );
 }

@@ -31,16 +31,22 @@ pub fn swiglu_backward(
     let n = dout.len();
     assert_eq!((dgate.len(), dup.len(), gate.len(), up.len()), (n, n, n, n));
     let parts = (RowsMut::new(dgate, 1), RowsMut::new(dup, 1));
-    par_rows(cpu.threads_for(n), n, simd::LANES, parts, |r, (dgate, dup)| {
-        let (dout, gate, up) = (&dout[r.clone()], &gate[r.clone()], &up[r]);
-        let (dgate, dup) = (dgate.data, dup.data);
-        on_isa!(cpu.isa, {
-            for i in 0..dgate.len() {
-                let g = gate[i];
-                let s = simd::sigmoid(g);
-                dup[i] = g * s * dout[i];
-                dgate[i] = s * (1.0 + g * (1.0 - s)) * up[i] * dout[i];
-            }
-        })
-    });
+    par_rows(
+        cpu.threads_for(n),
+        n,
+        simd::LANES,
+        parts,
+        |r, (dgate, dup)| {
+            let (dout, gate, up) = (&dout[r.clone()], &gate[r.clone()], &up[r]);
+            let (dgate, dup) = (dgate.data, dup.data);
+            on_isa!(cpu.isa, {
+                for i in 0..dgate.len() {
+                    let g = gate[i];
+                    let s = simd::sigmoid(g);
+                    dup[i] = g * s * dout[i];
+                    dgate[i] = s * (1.0 + g * (1.0 - s)) * up[i] * dout[i];
+                }
+            })
+        },
+    );
 }

@@ -34,7 +34,10 @@ pub fn rmsnorm_forward<R: Real>(
     n: usize,
     c: usize,
 ) {
-    assert_eq!((out.len(), inp.len(), rstd.len(), weight.len()), (n * c, n * c, n, c));
+    assert_eq!(
+        (out.len(), inp.len(), rstd.len(), weight.len()),
+        (n * c, n * c, n, c)
+    );
     for row in 0..n {
         let x = &inp[row * c..][..c];
         let mut squares = R::default();
@@ -257,7 +260,10 @@ pub fn gqa_attention_forward<R: Real>(
 ) {
     dims.check();
     let GqaDims { b, t, h, kv, d } = dims;
-    assert_eq!((q.len(), out.len(), att.len()), (dims.q_len(), dims.q_len(), dims.att_len()));
+    assert_eq!(
+        (q.len(), out.len(), att.len()),
+        (dims.q_len(), dims.q_len(), dims.att_len())
+    );
     assert_eq!((k.len(), v.len()), (dims.kv_len(), dims.kv_len()));
     let scale = r::<R>(1.0) / r::<R>(d as f64).sqrt();
     for bi in 0..b {
@@ -316,7 +322,10 @@ pub fn gqa_attention_backward<R: Real>(
 ) {
     dims.check();
     let GqaDims { b, t, h, kv, d } = dims;
-    assert_eq!((dq.len(), dout.len(), att.len()), (dims.q_len(), dims.q_len(), dims.att_len()));
+    assert_eq!(
+        (dq.len(), dout.len(), att.len()),
+        (dims.q_len(), dims.q_len(), dims.att_len())
+    );
     assert_eq!((dk.len(), dv.len()), (dims.kv_len(), dims.kv_len()));
     let scale = r::<R>(1.0) / r::<R>(d as f64).sqrt();
     dq.fill(R::default());

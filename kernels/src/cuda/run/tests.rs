@@ -589,7 +589,12 @@ fn samples(w: Dtype, l: &mut Layout) -> Vec<Kernel> {
             up: l.tensor(len, w),
         });
     }
-    for (b, t, h, kv, d) in [(2, 7, 6, 2, 12), (2, 5, 3, 3, 4), (1, 1, 2, 1, 4), (0, 3, 4, 2, 4)] {
+    for (b, t, h, kv, d) in [
+        (2, 7, 6, 2, 12),
+        (2, 5, 3, 3, 4),
+        (1, 1, 2, 1, 4),
+        (0, 3, 4, 2, 4),
+    ] {
         let scratch_bytes = gqa_attention_scratch_bytes(Target::Cuda, w, b, t, h, kv, d);
         let (q_len, kv_len) = (b * t * h * d, b * t * kv * d);
         out.push(Kernel::GqaAttention {
@@ -691,7 +696,12 @@ struct Region {
 /// key and score regions, and the working type; `None` for other kernels.
 fn attention_scratch(
     kernel: &Kernel,
-) -> Option<(&TensorRef, AttentionScratchLayout, (usize, usize, usize), Dtype)> {
+) -> Option<(
+    &TensorRef,
+    AttentionScratchLayout,
+    (usize, usize, usize),
+    Dtype,
+)> {
     match *kernel {
         Kernel::Attention {
             out: ref w,
@@ -1149,7 +1159,12 @@ fn named_tensors(kernel: &Kernel) -> Vec<(&'static str, u64)> {
             inp,
             weight,
             ..
-        } => vec![("out", out), ("rstd", rstd), ("inp", inp), ("weight", weight)],
+        } => vec![
+            ("out", out),
+            ("rstd", rstd),
+            ("inp", inp),
+            ("weight", weight),
+        ],
         Kernel::RmsNormBackward {
             dinp,
             dweight,
@@ -1167,11 +1182,7 @@ fn named_tensors(kernel: &Kernel) -> Vec<(&'static str, u64)> {
             ("rstd", rstd),
         ],
         Kernel::Rope {
-            out,
-            inp,
-            cos,
-            sin,
-            ..
+            out, inp, cos, sin, ..
         } => vec![("out", out), ("inp", inp), ("cos", cos), ("sin", sin)],
         Kernel::RopeBackward {
             dinp,
@@ -1304,12 +1315,8 @@ fn dimensions(kernel: &Kernel) -> Vec<(&'static str, usize)> {
         Kernel::SwiGlu { ref out, .. } => vec![("n", out.len)],
         Kernel::SwiGluBackward { ref dout, .. } => vec![("n", dout.len)],
         // attention_heads moves H query heads or KV key/value heads.
-        Kernel::GqaAttention {
-            b, t, h, kv, d, ..
-        }
-        | Kernel::GqaAttentionBackward {
-            b, t, h, kv, d, ..
-        } => vec![
+        Kernel::GqaAttention { b, t, h, kv, d, .. }
+        | Kernel::GqaAttentionBackward { b, t, h, kv, d, .. } => vec![
             ("b", b),
             ("t", t),
             ("nh", h),
@@ -1544,7 +1551,12 @@ fn the_products_launch_sequences_compute_what_the_cpu_computes() {
             nh,
         });
     }
-    for (b, t, h, kv, d) in [(1, 1, 2, 1, 4), (2, 7, 6, 2, 12), (1, 9, 3, 3, 5), (1, 22, 4, 1, 8)] {
+    for (b, t, h, kv, d) in [
+        (1, 1, 2, 1, 4),
+        (2, 7, 6, 2, 12),
+        (1, 9, 3, 3, 5),
+        (1, 22, 4, 1, 8),
+    ] {
         let bytes = gqa_attention_scratch_bytes(Target::Cuda, f, b, t, h, kv, d)
             .max(gqa_attention_scratch_bytes(Target::Cpu, f, b, t, h, kv, d));
         let (q_len, kv_len) = (b * t * h * d, b * t * kv * d);
