@@ -62,12 +62,13 @@ pub fn rmsnorm_backward(
                 let d = &dout[row * c..][..c];
                 let s = rstd[row];
                 // mean(weight * dout * norm), with norm = x * s.
+                // Over LANES independent accumulators, which the compiler vectorises.
                 let mut acc = [0.0f32; simd::LANES];
                 let body = c - c % simd::LANES;
                 for j0 in (0..body).step_by(simd::LANES) {
-                    for l in 0..simd::LANES {
+                    for (l, a) in acc.iter_mut().enumerate() {
                         let j = j0 + l;
-                        acc[l] += weight[j] * d[j] * x[j];
+                        *a += weight[j] * d[j] * x[j];
                     }
                 }
                 let mut sum = simd::sum(&acc);

@@ -692,16 +692,19 @@ struct Region {
     written: bool,
 }
 
-/// An attention kernel's scratch tensor, its layout, the element counts of its query,
-/// key and score regions, and the working type; `None` for other kernels.
-fn attention_scratch(
-    kernel: &Kernel,
-) -> Option<(
-    &TensorRef,
-    AttentionScratchLayout,
-    (usize, usize, usize),
-    Dtype,
-)> {
+/// An attention kernel's scratch: the tensor, its layout, the element counts of its
+/// query, key and score regions, and the working type.
+struct AttentionScratch<'a> {
+    tensor: &'a TensorRef,
+    layout: AttentionScratchLayout,
+    queries: usize,
+    keys: usize,
+    scores: usize,
+    dtype: Dtype,
+}
+
+/// `kernel`'s attention scratch; `None` for kernels other than attention.
+fn attention_scratch(kernel: &Kernel) -> Option<AttentionScratch<'_>> {
     match *kernel {
         Kernel::Attention {
             out: ref w,
@@ -720,12 +723,14 @@ fn attention_scratch(
             c,
             nh,
             ..
-        } => Some((
-            scratch,
-            attention_scratch_layout(w.dtype, b, t, c, nh),
-            (b * t * c, b * t * c, b * nh * t * t),
-            w.dtype,
-        )),
+        } => Some(AttentionScratch {
+            tensor: scratch,
+            layout: attention_scratch_layout(w.dtype, b, t, c, nh),
+            queries: b * t * c,
+            keys: b * t * c,
+            scores: b * nh * t * t,
+            dtype: w.dtype,
+        }),
         Kernel::GqaAttention {
             out: ref w,
             ref scratch,
@@ -745,12 +750,14 @@ fn attention_scratch(
             kv,
             d,
             ..
-        } => Some((
-            scratch,
-            gqa_attention_scratch_layout(w.dtype, b, t, h, kv, d),
-            (b * t * h * d, b * t * kv * d, b * h * t * t),
-            w.dtype,
-        )),
+        } => Some(AttentionScratch {
+            tensor: scratch,
+            layout: gqa_attention_scratch_layout(w.dtype, b, t, h, kv, d),
+            queries: b * t * h * d,
+            keys: b * t * kv * d,
+            scores: b * h * t * t,
+            dtype: w.dtype,
+        }),
         _ => None,
     }
 }
@@ -765,10 +772,11 @@ fn regions(kernel: &Kernel) -> Vec<Region> {
             written: access == Access::Write,
         })
     });
-    if let Some((scratch, s, (queries, keys, scores), w)) = attention_scratch(kernel) {
-        let start = address(scratch);
+    if let Some(a) = attention_scratch(kernel) {
+        let (s, scores, w) = (a.layout, a.scores, a.dtype);
+        let start = address(a.tensor);
         out.retain(|r| r.start != start);
-        let (heads, keys) = (queries * w.size(), keys * w.size());
+        let (heads, keys) = (a.queries * w.size(), a.keys * w.size());
         for (at, bytes) in [
             (s.q, heads),
             (s.k, keys),
@@ -1242,8 +1250,8 @@ fn named_tensors(kernel: &Kernel) -> Vec<(&'static str, u64)> {
         }
     };
     let mut out: Vec<(&'static str, u64)> = named.drain(..).map(|(n, t)| (n, address(t))).collect();
-    if let Some((scratch, s, ..)) = attention_scratch(kernel) {
-        let start = address(scratch);
+    if let Some(a) = attention_scratch(kernel) {
+        let (s, start) = (a.layout, address(a.tensor));
         for (name, at) in [
             ("q", s.q),
             ("k", s.k),
