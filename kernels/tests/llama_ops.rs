@@ -7,9 +7,11 @@
 //! GPT-2's attention on the same heads; RoPE keeps each pair's norm and its table is
 //! the cosines and sines of position × inverse frequency).
 
+mod ops_support;
+
+use ops_support::{check, cpus, random, wide};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use strata_kernels::isa::Isa;
 use strata_kernels::ops::{self, Cpu};
 use strata_kernels::program::{
     CpuMemory, Dtype, Kernel, KernelError, Scalars, Target, TensorRef, gqa_attention_scratch_bytes,
@@ -17,45 +19,8 @@ use strata_kernels::program::{
 };
 use strata_kernels::reference::llama::{self as rl, GqaDims};
 
-fn cpus() -> Vec<Cpu> {
-    let mut out = Vec::new();
-    for isa in Isa::supported() {
-        out.push(Cpu::single(isa));
-        out.push(Cpu { isa, threads: 3 });
-    }
-    out
-}
-
-fn random(rng: &mut StdRng, len: usize, scale: f32) -> Vec<f32> {
-    (0..len).map(|_| rng.random_range(-scale..scale)).collect()
-}
-
 fn random64(rng: &mut StdRng, len: usize, scale: f64) -> Vec<f64> {
     (0..len).map(|_| rng.random_range(-scale..scale)).collect()
-}
-
-fn wide(x: &[f32]) -> Vec<f64> {
-    x.iter().map(|&v| v as f64).collect()
-}
-
-/// Asserts `|got - want| <= atol + rtol |want|` everywhere, naming the worst element.
-#[track_caller]
-fn check(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let mut worst = (0.0f64, 0usize);
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let excess = (g as f64 - w).abs() - (atol + rtol * w.abs());
-        if excess > worst.0 || g.is_nan() {
-            worst = (excess.max(f64::MIN_POSITIVE), i);
-        }
-    }
-    if worst.0 > 0.0 {
-        let i = worst.1;
-        panic!(
-            "{what}: element {i} is {} but the reference says {}",
-            got[i], want[i]
-        );
-    }
 }
 
 /// Asserts an analytic gradient equals central differences of `loss` at `x`, within
@@ -623,7 +588,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         &cpu,
     )
     .unwrap();
-    let backward = Kernel::GqaAttentionBackward {
+    let gqa_backward = |h: usize, kv: usize, scratch: TensorRef| Kernel::GqaAttentionBackward {
         dq: dq_t,
         dk: dk_t,
         dv: dv_t,
@@ -639,6 +604,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         kv,
         d,
     };
+    let backward = gqa_backward(h, kv, scratch);
     m.run(&backward, &cpu).unwrap();
     let (mut out, mut att) = (vec![0.0; dims.q_len()], vec![0.0; dims.att_len()]);
     ops::gqa_attention_forward(&cpu, &mut out, &mut att, &q, &k, &v, dims);
@@ -664,26 +630,10 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
 
     // Refusals: key/value heads that do not divide the query heads, and a scratch too
     // small, are errors naming what is wrong.
-    let bad = |h: usize, kv: usize, scratch: TensorRef| Kernel::GqaAttentionBackward {
-        dq: dq_t,
-        dk: dk_t,
-        dv: dv_t,
-        dout: dout_t,
-        q: q_t,
-        k: k_t,
-        v: v_t,
-        att: att_t,
-        scratch,
-        b,
-        t,
-        h,
-        kv,
-        d,
-    };
-    let e = m.run(&bad(6, 4, scratch), &cpu).unwrap_err();
+    let e = m.run(&gqa_backward(6, 4, scratch), &cpu).unwrap_err();
     assert!(e.to_string().contains("query heads"), "{e}");
     let e = m
-        .run(&bad(6, 2, scratch.slice(0, bytes - 4)), &cpu)
+        .run(&gqa_backward(6, 2, scratch.slice(0, bytes - 4)), &cpu)
         .unwrap_err();
     assert!(e.to_string().contains("scratch"), "{e}");
     assert!(

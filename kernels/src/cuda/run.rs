@@ -1933,6 +1933,34 @@ pub(super) trait KernelQueue {
         }
     }
 
+    /// The start of both directions of grouped-query attention: the scratch's layout,
+    /// with q, k, v (B, T, heads, D) moved into its per-head regions (B, heads, T, D);
+    /// `None` when there is nothing to compute.
+    ///
+    /// # Safety
+    /// As for [`Self::gqa_attention_forward`].
+    unsafe fn gqa_heads<T: CudaFloat>(
+        &self,
+        [q, k, v]: [DevTensor; 3],
+        scratch: DevTensor,
+        dims: GqaDims,
+    ) -> Result<Option<AttentionScratchLayout>, CudaError> {
+        let GqaDims { b, t, h, kv, d } = dims;
+        if dims.q_len() == 0 || dims.att_len() == 0 {
+            return Ok(None);
+        }
+        let l = gqa_attention_scratch_layout(T::DTYPE, b, t, h, kv, d);
+        debug_assert!(scratch.len >= l.total_bytes);
+        let at = |region: usize| offset(scratch.ptr, region);
+        // SAFETY: q, k, v into their scratch regions, each of its tensor's length.
+        unsafe {
+            self.move_heads::<T>(q.ptr, at(l.q), dims, h, true)?;
+            self.move_heads::<T>(k.ptr, at(l.k), dims, kv, true)?;
+            self.move_heads::<T>(v.ptr, at(l.v), dims, kv, true)?;
+        }
+        Ok(Some(l))
+    }
+
     /// out: (B, T, H, D)  att: (B, H, T, T)  q: (B, T, H, D)  k, v: (B, T, KV, D)
     /// scratch: the regions of [`gqa_attention_scratch_layout`]. Per (batch, key/value
     /// head), the G = H / KV query heads that share it are one (G·T, D) matrix of the
@@ -1950,31 +1978,13 @@ pub(super) trait KernelQueue {
         dims: GqaDims,
     ) -> Result<(), CudaError> {
         let GqaDims { b, t, h, kv, d } = dims;
-        if dims.q_len() == 0 || dims.att_len() == 0 {
+        // SAFETY: the caller's promise, passed on.
+        let Some(l) = unsafe { self.gqa_heads::<T>([q, k, v], scratch, dims) }? else {
             return Ok(());
-        }
-        let l = gqa_attention_scratch_layout(T::DTYPE, b, t, h, kv, d);
-        debug_assert!(scratch.len >= l.total_bytes);
+        };
         let at = |region: usize| offset(scratch.ptr, region);
-        // SAFETY: q, k, v (B, T, heads, D) into their scratch regions (B, heads, T, D).
-        unsafe {
-            self.move_heads::<T>(q.ptr, at(l.q), dims, h, true)?;
-            self.move_heads::<T>(k.ptr, at(l.k), dims, kv, true)?;
-            self.move_heads::<T>(v.ptr, at(l.v), dims, kv, true)?;
-        }
-        let (g, ty) = (h / kv, T::DATA_TYPE);
-        let op = |ptr, ld, transposed| Operand {
-            ptr,
-            data_type: ty,
-            ld,
-            transposed,
-        };
-        let scores = Operand {
-            ptr: at(l.scores),
-            data_type: cudaDataType_t::CUDA_R_32F,
-            ld: t,
-            transposed: false,
-        };
+        let (g, op) = (h / kv, typed_operand::<T>);
+        let scores = f32_rows(at(l.scores), t);
         // Per group, column-major: scores^T (T, G·T) = k (T, D) @ q^T (D, G·T), scaled.
         // SAFETY: b·kv products over blocks at their strides, inside the k and q regions
         // and the f32 scores region (B·H·T·T).
@@ -2038,34 +2048,17 @@ pub(super) trait KernelQueue {
         dims: GqaDims,
     ) -> Result<(), CudaError> {
         let GqaDims { b, t, h, kv, d } = dims;
-        if dims.q_len() == 0 || dims.att_len() == 0 {
+        // SAFETY: the caller's promise, passed on.
+        let Some(l) = unsafe { self.gqa_heads::<T>([q, k, v], scratch, dims) }? else {
             return Ok(());
-        }
-        let l: AttentionScratchLayout = gqa_attention_scratch_layout(T::DTYPE, b, t, h, kv, d);
-        debug_assert!(scratch.len >= l.total_bytes);
+        };
         let at = |region: usize| offset(scratch.ptr, region);
         // The per-head output gradient goes in the y region, the probabilities' gradient
         // (f32) in the scores region.
-        // SAFETY: q, k, v, dout (B, T, heads, D) into their scratch regions.
-        unsafe {
-            self.move_heads::<T>(q.ptr, at(l.q), dims, h, true)?;
-            self.move_heads::<T>(k.ptr, at(l.k), dims, kv, true)?;
-            self.move_heads::<T>(v.ptr, at(l.v), dims, kv, true)?;
-            self.move_heads::<T>(dout.ptr, at(l.y), dims, h, true)?;
-        }
-        let (g, ty) = (h / kv, T::DATA_TYPE);
-        let op = |ptr, ld, transposed| Operand {
-            ptr,
-            data_type: ty,
-            ld,
-            transposed,
-        };
-        let datt = Operand {
-            ptr: at(l.scores),
-            data_type: cudaDataType_t::CUDA_R_32F,
-            ld: t,
-            transposed: false,
-        };
+        // SAFETY: dout (B, T, H, D) into the y region.
+        unsafe { self.move_heads::<T>(dout.ptr, at(l.y), dims, h, true) }?;
+        let (g, op) = (h / kv, typed_operand::<T>);
+        let datt = f32_rows(at(l.scores), t);
         // SAFETY: b·kv products over blocks at their strides inside the scratch regions
         // and att; every output is a scratch region distinct from its inputs.
         unsafe {
@@ -2189,6 +2182,26 @@ pub(super) trait KernelQueue {
                 &[Arg::Ptr(out.ptr), Arg::Ptr(scratch.ptr), int(blocks)],
             )
         }
+    }
+}
+
+/// A cuBLAS operand of the working type `T`.
+fn typed_operand<T: CudaFloat>(ptr: u64, ld: usize, transposed: bool) -> Operand {
+    Operand {
+        ptr,
+        data_type: T::DATA_TYPE,
+        ld,
+        transposed,
+    }
+}
+
+/// An f32 cuBLAS operand of rows of `ld` (attention's scores), not transposed.
+fn f32_rows(ptr: u64, ld: usize) -> Operand {
+    Operand {
+        ptr,
+        data_type: cudaDataType_t::CUDA_R_32F,
+        ld,
+        transposed: false,
     }
 }
 
