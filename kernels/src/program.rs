@@ -1879,6 +1879,45 @@ mod tests {
                 );
             }
         }
+        // Grouped-query attention: q, y, dq per query head, k, v, dk, dv per key/value
+        // head; with as many of each, GPT-2's layout exactly.
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for (b, t, h, kv, d) in [(1, 1, 1, 1, 4), (2, 13, 6, 2, 12), (3, 37, 4, 1, 16)] {
+                let l = gqa_attention_scratch_layout(dtype, b, t, h, kv, d);
+                let (queries, keys) = (b * t * h * d * dtype.size(), b * t * kv * d * dtype.size());
+                let scores = b * h * t * t;
+                let regions = [
+                    (l.q, queries),
+                    (l.k, keys),
+                    (l.v, keys),
+                    (l.y, queries),
+                    (l.dq, queries),
+                    (l.dk, keys),
+                    (l.dv, keys),
+                    (l.scores, scores * 4),
+                    (l.dscores, scores * dtype.size()),
+                ];
+                let mut end = 0;
+                for (start, bytes) in regions {
+                    assert_eq!(start % ATTENTION_SCRATCH_ALIGN, 0);
+                    assert!(start >= end, "regions overlap");
+                    end = start + bytes;
+                }
+                assert!(end <= l.total_bytes);
+                assert_eq!(
+                    gqa_attention_scratch_bytes(Target::Cuda, dtype, b, t, h, kv, d),
+                    l.total_bytes
+                );
+                assert_eq!(
+                    gqa_attention_scratch_bytes(Target::Cpu, dtype, b, t, h, kv, d),
+                    scores * 4
+                );
+                assert_eq!(
+                    gqa_attention_scratch_layout(dtype, b, t, h, h, d),
+                    attention_scratch_layout(dtype, b, t, h * d, h)
+                );
+            }
+        }
         assert_eq!(grad_stats_blocks(0), 1);
         assert_eq!(grad_stats_blocks(257), 2);
         assert_eq!(grad_stats_blocks(1 << 30), GRAD_STATS_MAX_BLOCKS);
