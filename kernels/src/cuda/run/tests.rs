@@ -1743,4 +1743,33 @@ fn refused_kernels_enqueue_nothing_and_say_why() {
     };
     let e = refuse(heads, scalars(), &address);
     assert!(matches!(e, KernelError::Shape { len: 5, .. }), "{e}");
+    // Key/value heads that do not divide the query heads; an odd head for RoPE.
+    let (b, t, h, kv, d) = (1, 2, 6, 4, 8);
+    let groups = Kernel::GqaAttention {
+        out: l.tensor(b * t * h * d, f),
+        att: l.tensor(b * h * t * t, f),
+        q: l.tensor(b * t * h * d, f),
+        k: l.tensor(b * t * kv * d, f),
+        v: l.tensor(b * t * kv * d, f),
+        scratch: l.tensor(1 << 16, Dtype::U8),
+        b,
+        t,
+        h,
+        kv,
+        d,
+    };
+    let e = refuse(groups, scalars(), &address);
+    assert!(matches!(e, KernelError::Shape { len: 6, .. }), "{e}");
+    let odd = Kernel::Rope {
+        out: l.tensor(2 * 3, f),
+        inp: l.tensor(2 * 3, f),
+        cos: l.tensor(2 * 3, f),
+        sin: l.tensor(2 * 3, f),
+        b: 1,
+        t: 2,
+        h: 1,
+        d: 3,
+    };
+    let e = refuse(odd, scalars(), &address);
+    assert!(matches!(e, KernelError::Shape { len: 3, .. }), "{e}");
 }
