@@ -1849,6 +1849,17 @@ mod tests {
         assert!(e.to_string().contains("out"), "{e}");
     }
 
+    /// Each (start, bytes) region aligned, after the one before, and inside `total`.
+    fn check_regions(regions: &[(usize, usize)], total: usize) {
+        let mut end = 0;
+        for &(start, bytes) in regions {
+            assert_eq!(start % ATTENTION_SCRATCH_ALIGN, 0);
+            assert!(start >= end, "regions overlap");
+            end = start + bytes;
+        }
+        assert!(end <= total);
+    }
+
     #[test]
     fn attention_scratch_regions_are_aligned_disjoint_and_inside() {
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
@@ -1866,13 +1877,7 @@ mod tests {
                     (l.scores, scores * 4),
                     (l.dscores, scores * dtype.size()),
                 ];
-                let mut end = 0;
-                for (start, bytes) in regions {
-                    assert_eq!(start % ATTENTION_SCRATCH_ALIGN, 0);
-                    assert!(start >= end, "regions overlap");
-                    end = start + bytes;
-                }
-                assert!(end <= l.total_bytes);
+                check_regions(&regions, l.total_bytes);
                 assert_eq!(
                     attention_scratch_bytes(Target::Cuda, dtype, b, t, c, nh),
                     l.total_bytes
@@ -1897,13 +1902,7 @@ mod tests {
                     (l.scores, scores * 4),
                     (l.dscores, scores * dtype.size()),
                 ];
-                let mut end = 0;
-                for (start, bytes) in regions {
-                    assert_eq!(start % ATTENTION_SCRATCH_ALIGN, 0);
-                    assert!(start >= end, "regions overlap");
-                    end = start + bytes;
-                }
-                assert!(end <= l.total_bytes);
+                check_regions(&regions, l.total_bytes);
                 assert_eq!(
                     gqa_attention_scratch_bytes(Target::Cuda, dtype, b, t, h, kv, d),
                     l.total_bytes
