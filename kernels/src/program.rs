@@ -5,14 +5,15 @@
 //! (`crate::cuda::CudaKernels::run`).
 //!
 //! A program never allocates: every buffer a kernel touches, scratch included, is a
-//! [`TensorRef`] into memory the caller planned ([`attention_scratch_bytes`] and
-//! [`grad_stats_scratch_bytes`] say how much the kernels that need scratch need, per
-//! [`Target`]). Values that change from step to step (the loss gradient, AdamW's step
+//! [`TensorRef`] into memory the caller planned ([`attention_scratch_bytes`],
+//! [`gqa_attention_scratch_bytes`] and [`grad_stats_scratch_bytes`] say how much the
+//! kernels that need scratch need, per [`Target`]). Values that change from step to step (the loss gradient, AdamW's step
 //! constants) are not in the program but in the [`Scalars`] passed with it.
 //!
 //! Semantics are those of the CPU kernels: row-major tensors; forward kernels overwrite
 //! their outputs; backward kernels accumulate (`+=`) into parameter gradients and
-//! overwrite activation gradients, except LayerNorm's input gradient, which accumulates.
+//! overwrite activation gradients, except LayerNorm's and RMSNorm's input gradients,
+//! which accumulate.
 //! Activations and parameters are in the target's working dtype (always f32 on the CPU),
 //! parameter gradients and per-row statistics in f32, token ids in u32.
 //!
@@ -24,6 +25,7 @@ use half::{bf16, f16};
 
 use crate::adamw::{AdamError, AdamStep, CopyOut, GradStats, Grads, State, grad_stats};
 use crate::ops::{self, Cpu, WeightLayout};
+use crate::reference::llama::GqaDims;
 
 /// The element type of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -138,7 +140,8 @@ pub enum Access {
 }
 
 /// One kernel launch. Shapes are in each variant's documentation; `n` is rows (B × T),
-/// `c` channels, `oc` output channels, `v` vocabulary, `nh` heads.
+/// `c` channels, `oc` output channels, `v` vocabulary, `nh` heads; for the Llama family's
+/// kernels `h` query heads, `kv` key/value heads and `d` channels per head.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Kernel {
     /// `t = 0`.
@@ -371,6 +374,172 @@ pub enum Kernel {
         /// Vocabulary.
         v: usize,
     },
+    /// out: (N, C) = `inp * rstd * weight`, `rstd = 1 / sqrt(mean(inp^2) + eps)` per row
+    /// (RMSNorm); rstd: (N) f32. Qwen3's per-head q/k norm is this kernel over the
+    /// B × T × H rows of D channels of q or k.
+    RmsNorm {
+        /// (N, C).
+        out: TensorRef,
+        /// (N) f32.
+        rstd: TensorRef,
+        /// (N, C).
+        inp: TensorRef,
+        /// (C).
+        weight: TensorRef,
+        /// Added to the mean square.
+        eps: f32,
+        /// Rows.
+        n: usize,
+        /// Channels.
+        c: usize,
+    },
+    /// dinp: (N, C) +=, dweight: (C) f32 += the gradients given dout (the input gradient
+    /// accumulates, as LayerNorm's: zero it first where nothing joins there, as for
+    /// Qwen3's q/k norm).
+    RmsNormBackward {
+        /// (N, C), accumulated.
+        dinp: TensorRef,
+        /// (C) f32, accumulated.
+        dweight: TensorRef,
+        /// (N, C).
+        dout: TensorRef,
+        /// (N, C).
+        inp: TensorRef,
+        /// (C).
+        weight: TensorRef,
+        /// (N) f32, from [`Kernel::RmsNorm`].
+        rstd: TensorRef,
+        /// Rows.
+        n: usize,
+        /// Channels.
+        c: usize,
+    },
+    /// Rotary position embeddings, Hugging Face's `rotate_half` form: out: (B, T, H, D)
+    /// from inp: (B, T, H, D), each row of D channels at position t, halves x1 and x2,
+    /// becoming `(x1 cos - x2 sin, x2 cos + x1 sin)` with row t of the tables (built by
+    /// the caller, e.g. with [`ops::rope_table`]; Llama 3's `rope_scaling` is in its
+    /// inverse frequencies). D even.
+    Rope {
+        /// (B, T, H, D).
+        out: TensorRef,
+        /// (B, T, H, D).
+        inp: TensorRef,
+        /// (at least T, D/2).
+        cos: TensorRef,
+        /// (at least T, D/2).
+        sin: TensorRef,
+        /// Batch.
+        b: usize,
+        /// Sequence.
+        t: usize,
+        /// Heads of the tensor (query or key/value heads).
+        h: usize,
+        /// Channels per head.
+        d: usize,
+    },
+    /// dinp: (B, T, H, D) = (overwritten) the gradient of [`Kernel::Rope`] given dout
+    /// (the inverse rotation).
+    RopeBackward {
+        /// (B, T, H, D), overwritten.
+        dinp: TensorRef,
+        /// (B, T, H, D).
+        dout: TensorRef,
+        /// (at least T, D/2).
+        cos: TensorRef,
+        /// (at least T, D/2).
+        sin: TensorRef,
+        /// Batch.
+        b: usize,
+        /// Sequence.
+        t: usize,
+        /// Heads of the tensor.
+        h: usize,
+        /// Channels per head.
+        d: usize,
+    },
+    /// out = silu(gate) * up, elementwise (the SiLU-gated MLP between its products).
+    SwiGlu {
+        /// Output.
+        out: TensorRef,
+        /// The gate projection, same length.
+        gate: TensorRef,
+        /// The up projection, same length.
+        up: TensorRef,
+    },
+    /// dgate, dup = (overwritten) the gradients of [`Kernel::SwiGlu`] given dout.
+    SwiGluBackward {
+        /// Overwritten.
+        dgate: TensorRef,
+        /// Overwritten.
+        dup: TensorRef,
+        /// The gradient of the forward's output.
+        dout: TensorRef,
+        /// The forward's gate input.
+        gate: TensorRef,
+        /// The forward's up input.
+        up: TensorRef,
+    },
+    /// Causal grouped-query attention scaled by 1/sqrt(D): out: (B, T, H, D) and att:
+    /// (B, H, T, T) (the softmax, zero above the diagonal, kept for the backward) from
+    /// q: (B, T, H, D) and k, v: (B, T, KV, D), KV dividing H; query head h reads
+    /// key/value head h / (H / KV). KV = H is multi-head attention.
+    GqaAttention {
+        /// (B, T, H, D).
+        out: TensorRef,
+        /// (B, H, T, T).
+        att: TensorRef,
+        /// (B, T, H, D).
+        q: TensorRef,
+        /// (B, T, KV, D).
+        k: TensorRef,
+        /// (B, T, KV, D).
+        v: TensorRef,
+        /// [`gqa_attention_scratch_bytes`] bytes (U8).
+        scratch: TensorRef,
+        /// Batch.
+        b: usize,
+        /// Sequence.
+        t: usize,
+        /// Query heads.
+        h: usize,
+        /// Key/value heads.
+        kv: usize,
+        /// Channels per head.
+        d: usize,
+    },
+    /// dq: (B, T, H, D), dk, dv: (B, T, KV, D) = (overwritten) the gradients of
+    /// [`Kernel::GqaAttention`] given dout: (B, T, H, D); a key/value head's gradients
+    /// add up over the query heads that share it.
+    GqaAttentionBackward {
+        /// (B, T, H, D), overwritten.
+        dq: TensorRef,
+        /// (B, T, KV, D), overwritten.
+        dk: TensorRef,
+        /// (B, T, KV, D), overwritten.
+        dv: TensorRef,
+        /// (B, T, H, D).
+        dout: TensorRef,
+        /// (B, T, H, D).
+        q: TensorRef,
+        /// (B, T, KV, D).
+        k: TensorRef,
+        /// (B, T, KV, D).
+        v: TensorRef,
+        /// (B, H, T, T), as [`Kernel::GqaAttention`] leaves it.
+        att: TensorRef,
+        /// [`gqa_attention_scratch_bytes`] bytes (U8).
+        scratch: TensorRef,
+        /// Batch.
+        b: usize,
+        /// Sequence.
+        t: usize,
+        /// Query heads.
+        h: usize,
+        /// Key/value heads.
+        kv: usize,
+        /// Channels per head.
+        d: usize,
+    },
     /// The sum of squares of `grads` (f32) each multiplied by [`Scalars::stats_scale`],
     /// and whether any is not finite: `out` holds two f64, the sum and 1.0 or 0.0. The
     /// sum is deterministic for a given target.
@@ -491,6 +660,14 @@ impl Kernel {
             Kernel::Residual { .. } => "residual",
             Kernel::CrossEntropy { .. } => "crossentropy",
             Kernel::CrossEntropyBackward { .. } => "crossentropy-backward",
+            Kernel::RmsNorm { .. } => "rmsnorm",
+            Kernel::RmsNormBackward { .. } => "rmsnorm-backward",
+            Kernel::Rope { .. } => "rope",
+            Kernel::RopeBackward { .. } => "rope-backward",
+            Kernel::SwiGlu { .. } => "swiglu",
+            Kernel::SwiGluBackward { .. } => "swiglu-backward",
+            Kernel::GqaAttention { .. } => "gqa-attention",
+            Kernel::GqaAttentionBackward { .. } => "gqa-attention-backward",
             Kernel::GradStats { .. } => "grad-stats",
             Kernel::AdamW { .. } => "adamw",
         }
@@ -654,6 +831,109 @@ impl Kernel {
                 f(logits, W);
                 f(targets, R);
             }
+            Kernel::RmsNorm {
+                out,
+                rstd,
+                inp,
+                weight,
+                ..
+            } => {
+                f(out, W);
+                f(rstd, W);
+                f(inp, R);
+                f(weight, R);
+            }
+            Kernel::RmsNormBackward {
+                dinp,
+                dweight,
+                dout,
+                inp,
+                weight,
+                rstd,
+                ..
+            } => {
+                f(dinp, W);
+                f(dweight, W);
+                f(dout, R);
+                f(inp, R);
+                f(weight, R);
+                f(rstd, R);
+            }
+            Kernel::Rope {
+                out: o,
+                inp: i,
+                cos,
+                sin,
+                ..
+            }
+            | Kernel::RopeBackward {
+                dinp: o,
+                dout: i,
+                cos,
+                sin,
+                ..
+            } => {
+                f(o, W);
+                f(i, R);
+                f(cos, R);
+                f(sin, R);
+            }
+            Kernel::SwiGlu { out, gate, up } => {
+                f(out, W);
+                f(gate, R);
+                f(up, R);
+            }
+            Kernel::SwiGluBackward {
+                dgate,
+                dup,
+                dout,
+                gate,
+                up,
+            } => {
+                f(dgate, W);
+                f(dup, W);
+                f(dout, R);
+                f(gate, R);
+                f(up, R);
+            }
+            Kernel::GqaAttention {
+                out,
+                att,
+                q,
+                k,
+                v,
+                scratch,
+                ..
+            } => {
+                f(out, W);
+                f(att, W);
+                f(scratch, W);
+                f(q, R);
+                f(k, R);
+                f(v, R);
+            }
+            Kernel::GqaAttentionBackward {
+                dq,
+                dk,
+                dv,
+                dout,
+                q,
+                k,
+                v,
+                att,
+                scratch,
+                ..
+            } => {
+                f(dq, W);
+                f(dk, W);
+                f(dv, W);
+                f(scratch, W);
+                f(dout, R);
+                f(q, R);
+                f(k, R);
+                f(v, R);
+                f(att, R);
+            }
             Kernel::GradStats {
                 grads,
                 out,
@@ -706,6 +986,15 @@ impl Kernel {
             Kernel::GeluBackward { dinp, .. } => 16.0 * dinp.len as f64,
             Kernel::Residual { out, .. } => out.len as f64,
             Kernel::AddF32 { dst, .. } => dst.len as f64,
+            // Q K^T and att V per query head: B × H × T × T × D multiply-adds each.
+            Kernel::GqaAttention { b, t, h, d, .. } => 4.0 * (b * t * t * h * d) as f64,
+            Kernel::GqaAttentionBackward { b, t, h, d, .. } => 8.0 * (b * t * t * h * d) as f64,
+            Kernel::RmsNorm { n, c, .. } => 4.0 * (n * c) as f64,
+            Kernel::RmsNormBackward { n, c, .. } => 8.0 * (n * c) as f64,
+            Kernel::Rope { out, .. } => 3.0 * out.len as f64,
+            Kernel::RopeBackward { dinp, .. } => 3.0 * dinp.len as f64,
+            Kernel::SwiGlu { out, .. } => 8.0 * out.len as f64,
+            Kernel::SwiGluBackward { dout, .. } => 14.0 * dout.len as f64,
             Kernel::GradStats { grads, .. } => 2.0 * grads.len as f64,
             Kernel::AdamW { params, .. } => 12.0 * params.len as f64,
             Kernel::Zero { .. } | Kernel::Copy { .. } => 0.0,
@@ -776,21 +1065,74 @@ pub fn attention_scratch_layout(
     c: usize,
     nh: usize,
 ) -> AttentionScratchLayout {
+    scratch_layout(dtype, b * t * c, b * t * c, b * nh * t * t)
+}
+
+/// The CUDA grouped-query attention kernels' scratch ([`Kernel::GqaAttention`],
+/// [`Kernel::GqaAttentionBackward`]) for activations of `dtype`: the regions and order of
+/// [`attention_scratch_layout`], with q, y and dq per query head (B, H, T, D), k, v, dk
+/// and dv per key/value head (B, KV, T, D), the scores and their gradient (B, H, T, T).
+pub fn gqa_attention_scratch_layout(
+    dtype: Dtype,
+    b: usize,
+    t: usize,
+    h: usize,
+    kv: usize,
+    d: usize,
+) -> AttentionScratchLayout {
+    scratch_layout(dtype, b * t * h * d, b * t * kv * d, b * h * t * t)
+}
+
+/// Bytes of scratch [`Kernel::GqaAttention`] and [`Kernel::GqaAttentionBackward`] need
+/// on `target`: on the CPU the backward's softmax gradient (B, H, T, T) in f32; on CUDA
+/// the regions of [`gqa_attention_scratch_layout`].
+pub fn gqa_attention_scratch_bytes(
+    target: Target,
+    dtype: Dtype,
+    b: usize,
+    t: usize,
+    h: usize,
+    kv: usize,
+    d: usize,
+) -> usize {
+    match target {
+        Target::Cpu => b * h * t * t * 4,
+        Target::Cuda => gqa_attention_scratch_layout(dtype, b, t, h, kv, d).total_bytes,
+    }
+}
+
+/// The attention scratch's regions in order, q, y and dq of `queries` elements of
+/// `dtype`, k, v, dk and dv of `keys` elements, the f32 scores and their `dtype` gradient
+/// of `scores` elements, each aligned to [`ATTENTION_SCRATCH_ALIGN`].
+fn scratch_layout(
+    dtype: Dtype,
+    queries: usize,
+    keys: usize,
+    scores: usize,
+) -> AttentionScratchLayout {
     let align = |x: usize| x.next_multiple_of(ATTENTION_SCRATCH_ALIGN);
-    let head_bytes = align(b * t * c * dtype.size());
-    let scores = b * nh * t * t;
-    let region = |i: usize| i * head_bytes;
+    let (q_bytes, k_bytes) = (align(queries * dtype.size()), align(keys * dtype.size()));
+    let sizes = [
+        q_bytes, k_bytes, k_bytes, q_bytes, q_bytes, k_bytes, k_bytes,
+    ];
+    let mut starts = [0usize; 7];
+    let mut end = 0;
+    for (start, size) in starts.iter_mut().zip(sizes) {
+        *start = end;
+        end += size;
+    }
+    let [q, k, v, y, dq, dk, dv] = starts;
     AttentionScratchLayout {
-        q: region(0),
-        k: region(1),
-        v: region(2),
-        y: region(3),
-        dq: region(4),
-        dk: region(5),
-        dv: region(6),
-        scores: region(7),
-        dscores: region(7) + align(scores * 4),
-        total_bytes: region(7) + align(scores * 4) + align(scores * dtype.size()),
+        q,
+        k,
+        v,
+        y,
+        dq,
+        dk,
+        dv,
+        scores: end,
+        dscores: end + align(scores * 4),
+        total_bytes: end + align(scores * 4) + align(scores * dtype.size()),
     }
 }
 
@@ -893,6 +1235,22 @@ pub unsafe fn run_cpu(
                 expected,
             })
         }
+    };
+    // The first `len` f32 of a byte scratch, which must hold them.
+    let scratch_f32 = |scratch: &TensorRef, len: usize| -> Result<TensorRef, KernelError> {
+        if scratch.bytes() < len * 4 {
+            return Err(KernelError::Shape {
+                kernel: name,
+                what: "scratch (bytes)",
+                len: scratch.bytes(),
+                expected: len * 4,
+            });
+        }
+        Ok(TensorRef {
+            len,
+            dtype: Dtype::F32,
+            ..*scratch
+        })
     };
     match kernel {
         Kernel::Zero { t } => bytes_mut(t).fill(0),
@@ -1078,20 +1436,7 @@ pub unsafe fn run_cpu(
             c,
             nh,
         } => {
-            let scores = b * nh * t * t;
-            if scratch.bytes() < scores * 4 {
-                return Err(KernelError::Shape {
-                    kernel: name,
-                    what: "scratch (bytes)",
-                    len: scratch.bytes(),
-                    expected: scores * 4,
-                });
-            }
-            let scratch = TensorRef {
-                len: scores,
-                dtype: Dtype::F32,
-                ..*scratch
-            };
+            let scratch = scratch_f32(scratch, b * nh * t * t)?;
             ops::attention_backward(
                 cpu,
                 f32s_mut(dqkv, "dqkv")?,
@@ -1144,6 +1489,157 @@ pub unsafe fn run_cpu(
             n,
             v,
         ),
+        &Kernel::RmsNorm {
+            ref out,
+            ref rstd,
+            ref inp,
+            ref weight,
+            eps,
+            n,
+            c,
+        } => ops::rmsnorm_forward(
+            cpu,
+            f32s_mut(out, "out")?,
+            f32s_mut(rstd, "rstd")?,
+            f32s(inp, "inp")?,
+            f32s(weight, "weight")?,
+            eps,
+            n,
+            c,
+        ),
+        &Kernel::RmsNormBackward {
+            ref dinp,
+            ref dweight,
+            ref dout,
+            ref inp,
+            ref weight,
+            ref rstd,
+            n,
+            c,
+        } => ops::rmsnorm_backward(
+            cpu,
+            f32s_mut(dinp, "dinp")?,
+            f32s_mut(dweight, "dweight")?,
+            f32s(dout, "dout")?,
+            f32s(inp, "inp")?,
+            f32s(weight, "weight")?,
+            f32s(rstd, "rstd")?,
+            n,
+            c,
+        ),
+        &Kernel::Rope {
+            ref out,
+            ref inp,
+            ref cos,
+            ref sin,
+            b,
+            t,
+            h,
+            d,
+        } => ops::rope_forward(
+            cpu,
+            f32s_mut(out, "out")?,
+            f32s(inp, "inp")?,
+            f32s(cos, "cos")?,
+            f32s(sin, "sin")?,
+            b,
+            t,
+            h,
+            d,
+        ),
+        &Kernel::RopeBackward {
+            ref dinp,
+            ref dout,
+            ref cos,
+            ref sin,
+            b,
+            t,
+            h,
+            d,
+        } => ops::rope_backward(
+            cpu,
+            f32s_mut(dinp, "dinp")?,
+            f32s(dout, "dout")?,
+            f32s(cos, "cos")?,
+            f32s(sin, "sin")?,
+            b,
+            t,
+            h,
+            d,
+        ),
+        Kernel::SwiGlu { out, gate, up } => ops::swiglu_forward(
+            cpu,
+            f32s_mut(out, "out")?,
+            f32s(gate, "gate")?,
+            f32s(up, "up")?,
+        ),
+        Kernel::SwiGluBackward {
+            dgate,
+            dup,
+            dout,
+            gate,
+            up,
+        } => ops::swiglu_backward(
+            cpu,
+            f32s_mut(dgate, "dgate")?,
+            f32s_mut(dup, "dup")?,
+            f32s(dout, "dout")?,
+            f32s(gate, "gate")?,
+            f32s(up, "up")?,
+        ),
+        &Kernel::GqaAttention {
+            ref out,
+            ref att,
+            ref q,
+            ref k,
+            ref v,
+            b,
+            t,
+            h,
+            kv,
+            d,
+            ..
+        } => ops::gqa_attention_forward(
+            cpu,
+            f32s_mut(out, "out")?,
+            f32s_mut(att, "att")?,
+            f32s(q, "q")?,
+            f32s(k, "k")?,
+            f32s(v, "v")?,
+            gqa_dims(name, b, t, h, kv, d)?,
+        ),
+        &Kernel::GqaAttentionBackward {
+            ref dq,
+            ref dk,
+            ref dv,
+            ref dout,
+            ref q,
+            ref k,
+            ref v,
+            ref att,
+            ref scratch,
+            b,
+            t,
+            h,
+            kv,
+            d,
+        } => {
+            let dims = gqa_dims(name, b, t, h, kv, d)?;
+            let scratch = scratch_f32(scratch, dims.att_len())?;
+            ops::gqa_attention_backward(
+                cpu,
+                f32s_mut(dq, "dq")?,
+                f32s_mut(dk, "dk")?,
+                f32s_mut(dv, "dv")?,
+                f32s_mut(&scratch, "scratch")?,
+                f32s(dout, "dout")?,
+                f32s(q, "q")?,
+                f32s(k, "k")?,
+                f32s(v, "v")?,
+                f32s(att, "att")?,
+                dims,
+            )
+        }
         Kernel::GradStats { grads, out, .. } => {
             expect(out, "out (bytes)", 16)?;
             let stats = grad_stats(
@@ -1218,6 +1714,27 @@ pub unsafe fn run_cpu(
         }
     }
     Ok(())
+}
+
+/// The dimensions of a grouped-query attention kernel, or an error unless `kv` divides
+/// `h` (both positive).
+pub fn gqa_dims(
+    kernel: &'static str,
+    b: usize,
+    t: usize,
+    h: usize,
+    kv: usize,
+    d: usize,
+) -> Result<GqaDims, KernelError> {
+    if kv == 0 || !h.is_multiple_of(kv) {
+        return Err(KernelError::Shape {
+            kernel,
+            what: "h (query heads, a positive multiple of kv)",
+            len: h,
+            expected: h.next_multiple_of(kv.max(1)).max(kv.max(1)),
+        });
+    }
+    Ok(GqaDims { b, t, h, kv, d })
 }
 
 /// `out` = `values` rounded to `precision` (nearest even), held as f32; exact for f32.
@@ -1332,6 +1849,17 @@ mod tests {
         assert!(e.to_string().contains("out"), "{e}");
     }
 
+    /// Each (start, bytes) region aligned, after the one before, and inside `total`.
+    fn check_regions(regions: &[(usize, usize)], total: usize) {
+        let mut end = 0;
+        for &(start, bytes) in regions {
+            assert_eq!(start % ATTENTION_SCRATCH_ALIGN, 0);
+            assert!(start >= end, "regions overlap");
+            end = start + bytes;
+        }
+        assert!(end <= total);
+    }
+
     #[test]
     fn attention_scratch_regions_are_aligned_disjoint_and_inside() {
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
@@ -1349,16 +1877,43 @@ mod tests {
                     (l.scores, scores * 4),
                     (l.dscores, scores * dtype.size()),
                 ];
-                let mut end = 0;
-                for (start, bytes) in regions {
-                    assert_eq!(start % ATTENTION_SCRATCH_ALIGN, 0);
-                    assert!(start >= end, "regions overlap");
-                    end = start + bytes;
-                }
-                assert!(end <= l.total_bytes);
+                check_regions(&regions, l.total_bytes);
                 assert_eq!(
                     attention_scratch_bytes(Target::Cuda, dtype, b, t, c, nh),
                     l.total_bytes
+                );
+            }
+        }
+        // Grouped-query attention: q, y, dq per query head, k, v, dk, dv per key/value
+        // head; with as many of each, GPT-2's layout exactly.
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            for (b, t, h, kv, d) in [(1, 1, 1, 1, 4), (2, 13, 6, 2, 12), (3, 37, 4, 1, 16)] {
+                let l = gqa_attention_scratch_layout(dtype, b, t, h, kv, d);
+                let (queries, keys) = (b * t * h * d * dtype.size(), b * t * kv * d * dtype.size());
+                let scores = b * h * t * t;
+                let regions = [
+                    (l.q, queries),
+                    (l.k, keys),
+                    (l.v, keys),
+                    (l.y, queries),
+                    (l.dq, queries),
+                    (l.dk, keys),
+                    (l.dv, keys),
+                    (l.scores, scores * 4),
+                    (l.dscores, scores * dtype.size()),
+                ];
+                check_regions(&regions, l.total_bytes);
+                assert_eq!(
+                    gqa_attention_scratch_bytes(Target::Cuda, dtype, b, t, h, kv, d),
+                    l.total_bytes
+                );
+                assert_eq!(
+                    gqa_attention_scratch_bytes(Target::Cpu, dtype, b, t, h, kv, d),
+                    scores * 4
+                );
+                assert_eq!(
+                    gqa_attention_scratch_layout(dtype, b, t, h, h, d),
+                    attention_scratch_layout(dtype, b, t, h * d, h)
                 );
             }
         }

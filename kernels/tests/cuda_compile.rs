@@ -1,7 +1,7 @@
 //! The CUDA kernels compile with NVRTC to machine code for the architectures strata's
 //! GPU machines have (sm_90: H100, H200) and the oldest CUDA 13 supports (sm_75), and
-//! the cubin holds every entry point the runner loads (each typed kernel in f32, bf16
-//! and f16; AdamW, the gradient statistics and the f32 accumulation once). Runs wherever
+//! the cubin holds every entry point the runner loads (each typed kernel, the Llama
+//! family's included, in f32, bf16 and f16; AdamW, the gradient statistics and the f32 accumulation once). Runs wherever
 //! NVRTC can be loaded, no GPU needed, and says why it skips elsewhere. CI installs NVRTC
 //! from PyPI for it (see `.ci/run`).
 
@@ -24,6 +24,18 @@ fn every_kernel_compiles_with_nvrtc() {
             "sm_{major}{minor}: not an ELF image"
         );
         let names = program::entry_points();
+        // 25 typed kernels in three types, and four untyped ones.
+        assert_eq!(names.len(), 25 * 3 + 4, "entry points");
+        for name in [
+            "rmsnorm_forward_bf16",
+            "rope_backward_f32",
+            "swiglu_backward_bf16",
+        ] {
+            assert!(
+                names.iter().any(|n| n == name),
+                "{name} is not an entry point"
+            );
+        }
         for name in &names {
             let symbol = [name.as_bytes(), b"\0"].concat();
             assert!(

@@ -5,7 +5,8 @@
 //! reference (every copy-out kind, with and without decay, the skip flag) and its
 //! working copies against `half` bit for bit; the gradient statistics against the CPU's
 //! (sum within 1e-12, flag exact, with an infinity and a NaN); and that a kernel run
-//! twice gives the same bits.
+//! twice gives the same bits. The Llama family's kernels (RMSNorm, RoPE, SwiGLU,
+//! grouped-query attention) likewise.
 //!
 //! Tensors lie in one device allocation per case, as in the engine's arena, at offsets
 //! that are multiples of 256 bytes; each tensor's address is the allocation's plus its
@@ -27,9 +28,10 @@ use strata_kernels::isa::Isa;
 use strata_kernels::ops::{self, Cpu, WeightLayout};
 use strata_kernels::program::{
     Access, CpuMemory, Dtype, Kernel, Scalars, Target, TensorRef, attention_scratch_bytes,
-    grad_stats_scratch_bytes, read_stats, run_cpu,
+    gqa_attention_scratch_bytes, grad_stats_scratch_bytes, read_stats, run_cpu,
 };
 use strata_kernels::reference;
+use strata_kernels::reference::llama::GqaDims;
 
 /// The kernels on GPU 0, or `None` (after saying why) when CUDA is not usable here.
 fn gpu() -> Option<CudaKernels> {
@@ -169,6 +171,23 @@ impl Side {
     fn attention_scratch(&mut self, b: usize, t: usize, c: usize, nh: usize) -> TensorRef {
         let dtype = self.working();
         self.scratch(attention_scratch_bytes(self.target, dtype, b, t, c, nh))
+    }
+}
+
+impl Side {
+    /// Grouped-query attention's scratch on this side.
+    fn gqa_scratch(&mut self, dims: GqaDims) -> TensorRef {
+        let GqaDims { b, t, h, kv, d } = dims;
+        let dtype = self.working();
+        self.scratch(gqa_attention_scratch_bytes(
+            self.target,
+            dtype,
+            b,
+            t,
+            h,
+            kv,
+            d,
+        ))
     }
 }
 
@@ -532,6 +551,213 @@ fn elementwise_kernels_match_cpu() {
                     src: s.f32s(&other),
                 }
             });
+        }
+    }
+}
+
+#[test]
+fn rmsnorm_matches_cpu() {
+    let Some(k) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(21);
+    for w in WORKING {
+        // (78, 12): Qwen3's q/k norm, rows of one head.
+        for (n, c) in [(1, 7), (77, 50), (130, 768), (22, 1), (78, 12)] {
+            let inp = random(&mut rng, w, n * c, 2.0);
+            let weight = random(&mut rng, w, c, 1.5);
+            let dout = random(&mut rng, w, n * c, 1.0);
+            let dinp = random(&mut rng, w, n * c, 1.0);
+            let dweight = random(&mut rng, Dtype::F32, c, 1.0);
+            let eps = 1e-6;
+            let what = format!("rmsnorm n={n} c={c}");
+            compare(&k, &what, w, &scalars(), 1e-5, |s| Kernel::RmsNorm {
+                out: s.act(&vec![0.0; n * c]),
+                rstd: s.f32s(&vec![0.0; n]),
+                inp: s.act(&inp),
+                weight: s.act(&weight),
+                eps,
+                n,
+                c,
+            });
+            // Both sides use the CPU's statistics, so only the backward kernels differ.
+            let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+            ops::rmsnorm_forward(&CPU, &mut out, &mut rstd, &inp, &weight, eps, n, c);
+            let what = format!("rmsnorm-backward n={n} c={c}");
+            compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                Kernel::RmsNormBackward {
+                    dinp: s.act(&dinp),
+                    dweight: s.f32s(&dweight),
+                    dout: s.act(&dout),
+                    inp: s.act(&inp),
+                    weight: s.act(&weight),
+                    rstd: s.f32s(&rstd),
+                    n,
+                    c,
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(k) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(22);
+    for w in WORKING {
+        for (b, t, h, d) in [
+            (1, 1, 1, 2),
+            (2, 13, 6, 12),
+            (1, 130, 4, 64),
+            (3, 7, 2, 128),
+        ] {
+            let half = d / 2;
+            let mut inv_freq = vec![0.0; half];
+            ops::rope_inv_freq(&mut inv_freq, 10_000.0, d);
+            // A table longer than T, as a model's context gives.
+            let positions: Vec<u32> = (0..t as u32 + 5).collect();
+            let (mut cos, mut sin) = (
+                vec![0.0; positions.len() * half],
+                vec![0.0; positions.len() * half],
+            );
+            ops::rope_table(&mut cos, &mut sin, &inv_freq, &positions);
+            let cos: Vec<f32> = cos.iter().map(|&x| round(w, x)).collect();
+            let sin: Vec<f32> = sin.iter().map(|&x| round(w, x)).collect();
+            let len = b * t * h * d;
+            let x = random(&mut rng, w, len, 2.0);
+            let tag = format!("b={b} t={t} h={h} d={d}");
+            compare(&k, &format!("rope {tag}"), w, &scalars(), 1e-5, |s| {
+                Kernel::Rope {
+                    out: s.act(&vec![f32::NAN; len]),
+                    inp: s.act(&x),
+                    cos: s.act(&cos),
+                    sin: s.act(&sin),
+                    b,
+                    t,
+                    h,
+                    d,
+                }
+            });
+            compare(
+                &k,
+                &format!("rope-backward {tag}"),
+                w,
+                &scalars(),
+                1e-5,
+                |s| Kernel::RopeBackward {
+                    dinp: s.act(&vec![f32::NAN; len]),
+                    dout: s.act(&x),
+                    cos: s.act(&cos),
+                    sin: s.act(&sin),
+                    b,
+                    t,
+                    h,
+                    d,
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn swiglu_matches_cpu() {
+    let Some(k) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(23);
+    for w in WORKING {
+        for n in [1, 7, 22, 4097, 1_000_003] {
+            let gate = random(&mut rng, w, n, 6.0);
+            let up = random(&mut rng, w, n, 2.0);
+            let dout = random(&mut rng, w, n, 1.0);
+            let what = format!("n={n}");
+            compare(&k, &format!("swiglu {what}"), w, &scalars(), 1e-5, |s| {
+                Kernel::SwiGlu {
+                    out: s.act(&vec![f32::NAN; n]),
+                    gate: s.act(&gate),
+                    up: s.act(&up),
+                }
+            });
+            compare(
+                &k,
+                &format!("swiglu-backward {what}"),
+                w,
+                &scalars(),
+                1e-5,
+                |s| Kernel::SwiGluBackward {
+                    dgate: s.act(&vec![f32::NAN; n]),
+                    dup: s.act(&vec![f32::NAN; n]),
+                    dout: s.act(&dout),
+                    gate: s.act(&gate),
+                    up: s.act(&up),
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn gqa_attention_matches_cpu() {
+    let Some(k) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(24);
+    for w in WORKING {
+        for (b, t, h, kv, d) in [
+            (1, 1, 2, 1, 4),
+            (2, 13, 6, 2, 12),
+            (2, 13, 6, 6, 12),
+            (1, 130, 8, 2, 64),
+            (3, 37, 4, 1, 16),
+        ] {
+            let dims = GqaDims { b, t, h, kv, d };
+            let q = random(&mut rng, w, dims.q_len(), 2.0);
+            let kk = random(&mut rng, w, dims.kv_len(), 2.0);
+            let v = random(&mut rng, w, dims.kv_len(), 2.0);
+            let dout = random(&mut rng, w, dims.q_len(), 1.0);
+            let tag = format!("b={b} t={t} h={h} kv={kv} d={d}");
+            compare(
+                &k,
+                &format!("gqa-attention {tag}"),
+                w,
+                &scalars(),
+                1e-5,
+                |s| Kernel::GqaAttention {
+                    out: s.act(&vec![f32::NAN; dims.q_len()]),
+                    att: s.act(&vec![f32::NAN; dims.att_len()]),
+                    q: s.act(&q),
+                    k: s.act(&kk),
+                    v: s.act(&v),
+                    scratch: s.gqa_scratch(dims),
+                    b,
+                    t,
+                    h,
+                    kv,
+                    d,
+                },
+            );
+            // The backward from the CPU's probabilities (rounded to the working type),
+            // so only the backward differs.
+            let (mut out, mut att) = (vec![0.0; dims.q_len()], vec![0.0; dims.att_len()]);
+            ops::gqa_attention_forward(&CPU, &mut out, &mut att, &q, &kk, &v, dims);
+            let att: Vec<f32> = att.iter().map(|&x| round(w, x)).collect();
+            compare(
+                &k,
+                &format!("gqa-attention-backward {tag}"),
+                w,
+                &scalars(),
+                1e-5,
+                |s| Kernel::GqaAttentionBackward {
+                    dq: s.act(&vec![f32::NAN; dims.q_len()]),
+                    dk: s.act(&vec![f32::NAN; dims.kv_len()]),
+                    dv: s.act(&vec![f32::NAN; dims.kv_len()]),
+                    dout: s.act(&dout),
+                    q: s.act(&q),
+                    k: s.act(&kk),
+                    v: s.act(&v),
+                    att: s.act(&att),
+                    scratch: s.gqa_scratch(dims),
+                    b,
+                    t,
+                    h,
+                    kv,
+                    d,
+                },
+            );
         }
     }
 }
@@ -918,6 +1144,13 @@ fn kernels_repeat_bit_for_bit() {
         let logits = random(&mut rng, w, 5 * v, 8.0);
         let targets: Vec<u32> = (0..5).map(|_| rng.random_range(0..v as u32)).collect();
         let tokens: Vec<u32> = (0..n).map(|_| rng.random_range(0..101)).collect();
+        let gqa = GqaDims {
+            b,
+            t,
+            h: nh,
+            kv: 1,
+            d: c / nh,
+        };
         let mut s = Side::new(Target::Cuda, w);
         let kernels = [
             Kernel::AttentionBackward {
@@ -974,6 +1207,32 @@ fn kernels_repeat_bit_for_bit() {
                 grads: s.f32s(&random(&mut rng, Dtype::F32, 300_001, 1.0)),
                 out: s.scratch(16),
                 scratch: s.scratch(grad_stats_scratch_bytes(Target::Cuda, 300_001)),
+            },
+            Kernel::RmsNormBackward {
+                dinp: s.act(&vec![0.0; n * c]),
+                dweight: s.f32s(&vec![0.0; c]),
+                dout: s.act(&dout),
+                inp: s.act(&inp),
+                weight: s.act(&weight[..c]),
+                rstd: s.f32s(&vec![1.5; n]),
+                n,
+                c,
+            },
+            Kernel::GqaAttentionBackward {
+                dq: s.act(&vec![0.0; n * c]),
+                dk: s.act(&vec![0.0; n * c / nh]),
+                dv: s.act(&vec![0.0; n * c / nh]),
+                dout: s.act(&dout),
+                q: s.act(&qkv[..n * c]),
+                k: s.act(&qkv[n * c..][..n * c / nh]),
+                v: s.act(&qkv[2 * n * c..][..n * c / nh]),
+                att: s.act(&att),
+                scratch: s.gqa_scratch(gqa),
+                b,
+                t,
+                h: nh,
+                kv: 1,
+                d: c / nh,
             },
         ];
         for kernel in &kernels {

@@ -5,49 +5,13 @@
 //! The reference runs in f64 on the same f32 inputs, so the tolerance measures the fast
 //! kernel's own rounding.
 
+mod ops_support;
+
+use ops_support::{check, cpus, random, wide};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use strata_kernels::isa::Isa;
 use strata_kernels::ops::{self, Cpu, WeightLayout};
 use strata_kernels::reference::{cast as rc, gpt2 as rk};
-
-/// Every (instruction set, thread count) pair to run each kernel under.
-fn cpus() -> Vec<Cpu> {
-    let mut out = Vec::new();
-    for isa in Isa::supported() {
-        out.push(Cpu::single(isa));
-        out.push(Cpu { isa, threads: 3 });
-    }
-    out
-}
-
-fn random(rng: &mut StdRng, len: usize, scale: f32) -> Vec<f32> {
-    (0..len).map(|_| rng.random_range(-scale..scale)).collect()
-}
-
-fn wide(x: &[f32]) -> Vec<f64> {
-    x.iter().map(|&v| v as f64).collect()
-}
-
-/// Asserts `|got - want| <= atol + rtol |want|` everywhere, naming the worst element.
-#[track_caller]
-fn check(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let mut worst = (0.0f64, 0usize);
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let excess = (g as f64 - w).abs() - (atol + rtol * w.abs());
-        if excess > worst.0 || g.is_nan() {
-            worst = (excess.max(f64::MIN_POSITIVE), i);
-        }
-    }
-    if worst.0 > 0.0 {
-        let i = worst.1;
-        panic!(
-            "{what}: element {i} is {} but the reference says {}",
-            got[i], want[i]
-        );
-    }
-}
 
 #[test]
 fn encoder_matches_reference() {

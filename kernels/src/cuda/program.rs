@@ -18,7 +18,7 @@ use cudarc::nvrtc::{result, sys};
 use super::CudaError;
 
 /// The kernel sources, in compilation order: (file name, text).
-pub const SOURCES: [(&str, &str); 8] = [
+pub const SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("../../cuda/common.cuh")),
     ("encoder.cu", include_str!("../../cuda/encoder.cu")),
     ("layernorm.cu", include_str!("../../cuda/layernorm.cu")),
@@ -30,6 +30,7 @@ pub const SOURCES: [(&str, &str); 8] = [
         include_str!("../../cuda/crossentropy.cu"),
     ),
     ("adamw.cu", include_str!("../../cuda/adamw.cu")),
+    ("llama.cu", include_str!("../../cuda/llama.cu")),
 ];
 
 /// The suffixes of the working types' entry points (f32, bf16, f16).
@@ -37,7 +38,7 @@ pub const TYPE_SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
 
 /// Kernels with one entry point per working type: `<name>_<suffix>` for each of
 /// [`TYPE_SUFFIXES`].
-pub const TYPED_KERNELS: [&str; 18] = [
+pub const TYPED_KERNELS: [&str; 25] = [
     "encoder_forward",
     "encoder_backward_wte",
     "encoder_backward_wpe",
@@ -56,6 +57,13 @@ pub const TYPED_KERNELS: [&str; 18] = [
     "residual_forward",
     "crossentropy_forward",
     "crossentropy_backward",
+    "rmsnorm_forward",
+    "rmsnorm_backward_input",
+    "rmsnorm_backward_weight",
+    "rope_forward",
+    "rope_backward",
+    "swiglu_forward",
+    "swiglu_backward",
 ];
 
 /// Kernels with one entry point, under their own name: f32 gradient accumulation, the

@@ -19,9 +19,11 @@ use super::CudaError;
 use crate::adamw::AdamStep;
 use crate::ops::WeightLayout;
 use crate::program::{
-    Dtype, GRAD_STATS_THREADS, Kernel, KernelError, Scalars, Target, TensorRef,
-    attention_scratch_bytes, attention_scratch_layout, grad_stats_blocks, grad_stats_scratch_bytes,
+    AttentionScratchLayout, Dtype, GRAD_STATS_THREADS, Kernel, KernelError, Scalars, Target,
+    TensorRef, attention_scratch_bytes, attention_scratch_layout, gqa_attention_scratch_bytes,
+    gqa_attention_scratch_layout, gqa_dims, grad_stats_blocks, grad_stats_scratch_bytes,
 };
+use crate::reference::llama::GqaDims;
 
 /// A working type of the CUDA kernels (activations and parameters): `f32`, `bf16` or
 /// `f16`.
@@ -332,6 +334,14 @@ fn working_tensor(kernel: &Kernel) -> Option<(&TensorRef, &'static str)> {
         Kernel::Residual { out, .. } => (out, "out"),
         Kernel::CrossEntropy { logits, .. } => (logits, "logits"),
         Kernel::CrossEntropyBackward { logits, .. } => (logits, "logits"),
+        Kernel::RmsNorm { out, .. } => (out, "out"),
+        Kernel::RmsNormBackward { dinp, .. } => (dinp, "dinp"),
+        Kernel::Rope { out, .. } => (out, "out"),
+        Kernel::RopeBackward { dinp, .. } => (dinp, "dinp"),
+        Kernel::SwiGlu { out, .. } => (out, "out"),
+        Kernel::SwiGluBackward { dgate, .. } => (dgate, "dgate"),
+        Kernel::GqaAttention { out, .. } => (out, "out"),
+        Kernel::GqaAttentionBackward { dq, .. } => (dq, "dq"),
         Kernel::Zero { .. }
         | Kernel::Copy { .. }
         | Kernel::AddF32 { .. }
@@ -855,6 +865,273 @@ pub(super) trait KernelQueue {
                         )
                     }?;
                 }
+            }
+            Kernel::RmsNorm {
+                ref out,
+                ref rstd,
+                ref inp,
+                ref weight,
+                eps,
+                n,
+                c,
+            } => {
+                let out = r.tensor(out, "out", w, n * c)?;
+                let rstd = r.tensor(rstd, "rstd", Dtype::F32, n)?;
+                let inp = r.tensor(inp, "inp", w, n * c)?;
+                let weight = r.tensor(weight, "weight", w, c)?;
+                // SAFETY: rmsnorm_forward_<T>(T* out, float* rstd, const T* inp, const T*
+                // weight, float eps, int n, int c): warp `row` < n touches row `row` (c
+                // elements) of out and inp, rstd[row], and c of weight (lengths checked).
+                unsafe {
+                    self.launch(
+                        "rmsnorm_forward",
+                        T::SUFFIX,
+                        per_row_warp(n),
+                        &[
+                            Arg::Ptr(out.ptr),
+                            Arg::Ptr(rstd.ptr),
+                            Arg::Ptr(inp.ptr),
+                            Arg::Ptr(weight.ptr),
+                            Arg::Float(eps),
+                            int(n),
+                            int(c),
+                        ],
+                    )
+                }?;
+            }
+            Kernel::RmsNormBackward {
+                ref dinp,
+                ref dweight,
+                ref dout,
+                ref inp,
+                ref weight,
+                ref rstd,
+                n,
+                c,
+            } => {
+                let dinp = r.tensor(dinp, "dinp", w, n * c)?;
+                let dweight = r.tensor(dweight, "dweight", Dtype::F32, c)?;
+                let dout = r.tensor(dout, "dout", w, n * c)?;
+                let inp = r.tensor(inp, "inp", w, n * c)?;
+                let weight = r.tensor(weight, "weight", w, c)?;
+                let rstd = r.tensor(rstd, "rstd", Dtype::F32, n)?;
+                // SAFETY: rmsnorm_backward_input_<T>(T* dinp, const T* dout, const T* inp,
+                // const T* weight, const float* rstd, int n, int c): warp `row` < n
+                // touches row `row` of dinp, dout and inp, c of weight and rstd[row].
+                unsafe {
+                    self.launch(
+                        "rmsnorm_backward_input",
+                        T::SUFFIX,
+                        per_row_warp(n),
+                        &[
+                            Arg::Ptr(dinp.ptr),
+                            Arg::Ptr(dout.ptr),
+                            Arg::Ptr(inp.ptr),
+                            Arg::Ptr(weight.ptr),
+                            Arg::Ptr(rstd.ptr),
+                            int(n),
+                            int(c),
+                        ],
+                    )
+                }?;
+                // SAFETY: rmsnorm_backward_weight_<T>(float* dweight, const T* dout,
+                // const T* inp, const float* rstd, int n, int c): block (32, 32) per 32
+                // columns; touches columns below c of dweight and of the n rows of dout
+                // and inp, and n of rstd.
+                unsafe {
+                    self.launch(
+                        "rmsnorm_backward_weight",
+                        T::SUFFIX,
+                        per_column_tile(c),
+                        &[
+                            Arg::Ptr(dweight.ptr),
+                            Arg::Ptr(dout.ptr),
+                            Arg::Ptr(inp.ptr),
+                            Arg::Ptr(rstd.ptr),
+                            int(n),
+                            int(c),
+                        ],
+                    )
+                }?;
+            }
+            Kernel::Rope {
+                out: ref o,
+                inp: ref i,
+                ref cos,
+                ref sin,
+                b,
+                t,
+                h,
+                d,
+            }
+            | Kernel::RopeBackward {
+                dinp: ref o,
+                dout: ref i,
+                ref cos,
+                ref sin,
+                b,
+                t,
+                h,
+                d,
+            } => {
+                let forward = matches!(kernel, Kernel::Rope { .. });
+                let (out_name, inp_name) = if forward {
+                    ("out", "inp")
+                } else {
+                    ("dinp", "dout")
+                };
+                if !d.is_multiple_of(2) {
+                    return Err(r.shape("d (channels per head, even)", d, d + 1));
+                }
+                let rows = b * t * h;
+                let o = r.tensor(o, out_name, w, rows * d)?;
+                let i = r.tensor(i, inp_name, w, rows * d)?;
+                let cos = r.tensor_at_least(cos, "cos", w, t * d / 2)?;
+                let sin = r.tensor_at_least(sin, "sin", w, t * d / 2)?;
+                let name = if forward {
+                    "rope_forward"
+                } else {
+                    "rope_backward"
+                };
+                // SAFETY: rope_forward_<T> and rope_backward_<T>(T* out, const T* inp,
+                // const T* cos, const T* sin, int rows, int t, int h, int half): thread
+                // i < rows·half touches pair i of row i / half of out and inp (rows·d
+                // elements each) and rows below t of the (at least t·half) tables.
+                unsafe {
+                    self.launch(
+                        name,
+                        T::SUFFIX,
+                        per_element(rows * d / 2),
+                        &[
+                            Arg::Ptr(o.ptr),
+                            Arg::Ptr(i.ptr),
+                            Arg::Ptr(cos.ptr),
+                            Arg::Ptr(sin.ptr),
+                            int(rows),
+                            int(t),
+                            int(h),
+                            int(d / 2),
+                        ],
+                    )
+                }?;
+            }
+            Kernel::SwiGlu {
+                ref out,
+                ref gate,
+                ref up,
+            } => {
+                let out = r.tensor(out, "out", w, out.len)?;
+                let gate = r.tensor(gate, "gate", w, out.len)?;
+                let up = r.tensor(up, "up", w, out.len)?;
+                // SAFETY: swiglu_forward_<T>(T* out, const T* gate, const T* up,
+                // long long n) touches n elements of each (lengths checked above).
+                unsafe {
+                    self.launch(
+                        "swiglu_forward",
+                        T::SUFFIX,
+                        per_element(out.len),
+                        &[
+                            Arg::Ptr(out.ptr),
+                            Arg::Ptr(gate.ptr),
+                            Arg::Ptr(up.ptr),
+                            long(out.len),
+                        ],
+                    )
+                }?;
+            }
+            Kernel::SwiGluBackward {
+                ref dgate,
+                ref dup,
+                ref dout,
+                ref gate,
+                ref up,
+            } => {
+                let n = dout.len;
+                let dgate = r.tensor(dgate, "dgate", w, n)?;
+                let dup = r.tensor(dup, "dup", w, n)?;
+                let dout = r.tensor(dout, "dout", w, n)?;
+                let gate = r.tensor(gate, "gate", w, n)?;
+                let up = r.tensor(up, "up", w, n)?;
+                // SAFETY: swiglu_backward_<T>(T* dgate, T* dup, const T* dout, const T*
+                // gate, const T* up, long long n) touches n elements of each (checked).
+                unsafe {
+                    self.launch(
+                        "swiglu_backward",
+                        T::SUFFIX,
+                        per_element(n),
+                        &[
+                            Arg::Ptr(dgate.ptr),
+                            Arg::Ptr(dup.ptr),
+                            Arg::Ptr(dout.ptr),
+                            Arg::Ptr(gate.ptr),
+                            Arg::Ptr(up.ptr),
+                            long(n),
+                        ],
+                    )
+                }?;
+            }
+            Kernel::GqaAttention {
+                ref out,
+                ref att,
+                ref q,
+                ref k,
+                ref v,
+                ref scratch,
+                b,
+                t,
+                h,
+                kv,
+                d,
+            } => {
+                let dims = gqa_dims(r.kernel, b, t, h, kv, d)?;
+                let out = r.tensor(out, "out", w, dims.q_len())?;
+                let att = r.tensor(att, "att", w, dims.att_len())?;
+                let q = r.tensor(q, "q", w, dims.q_len())?;
+                let k = r.tensor(k, "k", w, dims.kv_len())?;
+                let v = r.tensor(v, "v", w, dims.kv_len())?;
+                let bytes = gqa_attention_scratch_bytes(Target::Cuda, w, b, t, h, kv, d);
+                let scratch = r.scratch(scratch, "scratch (bytes)", bytes, 4)?;
+                // SAFETY: as above.
+                unsafe { self.gqa_attention_forward::<T>(out, att, [q, k, v], scratch, dims) }?;
+            }
+            Kernel::GqaAttentionBackward {
+                ref dq,
+                ref dk,
+                ref dv,
+                ref dout,
+                ref q,
+                ref k,
+                ref v,
+                ref att,
+                ref scratch,
+                b,
+                t,
+                h,
+                kv,
+                d,
+            } => {
+                let dims = gqa_dims(r.kernel, b, t, h, kv, d)?;
+                let dq = r.tensor(dq, "dq", w, dims.q_len())?;
+                let dk = r.tensor(dk, "dk", w, dims.kv_len())?;
+                let dv = r.tensor(dv, "dv", w, dims.kv_len())?;
+                let dout = r.tensor(dout, "dout", w, dims.q_len())?;
+                let q = r.tensor(q, "q", w, dims.q_len())?;
+                let k = r.tensor(k, "k", w, dims.kv_len())?;
+                let v = r.tensor(v, "v", w, dims.kv_len())?;
+                let att = r.tensor(att, "att", w, dims.att_len())?;
+                let bytes = gqa_attention_scratch_bytes(Target::Cuda, w, b, t, h, kv, d);
+                let scratch = r.scratch(scratch, "scratch (bytes)", bytes, 4)?;
+                // SAFETY: as above.
+                unsafe {
+                    self.gqa_attention_backward::<T>(
+                        [dq, dk, dv],
+                        dout,
+                        [q, k, v],
+                        att,
+                        scratch,
+                        dims,
+                    )
+                }?;
             }
             Kernel::Zero { .. }
             | Kernel::Copy { .. }
@@ -1617,6 +1894,253 @@ pub(super) trait KernelQueue {
         }
     }
 
+    /// Moves `heads` heads of D channels between a (B, T, heads, D) tensor and a
+    /// (B, heads, T, D) one: `to_heads` gathers `rows` into `heads_ptr`, otherwise
+    /// scatters `heads_ptr` into `rows`.
+    ///
+    /// # Safety
+    /// Both address B × T × heads × D elements of T, not overlapping, with the properties
+    /// [`super::CudaKernels::run`] requires.
+    unsafe fn move_heads<T: CudaFloat>(
+        &self,
+        rows: u64,
+        heads_ptr: u64,
+        dims: GqaDims,
+        heads: usize,
+        to_heads: bool,
+    ) -> Result<(), CudaError> {
+        let (dst, src) = if to_heads {
+            (heads_ptr, rows)
+        } else {
+            (rows, heads_ptr)
+        };
+        // SAFETY: attention_heads_<T>(T* out, const T* inp, int b, int t, int nh, int hs,
+        // int to_heads): B·T·heads·D elements of each, the caller's promise.
+        unsafe {
+            self.heads_launch::<T>(
+                "attention_heads",
+                dims.b * dims.t * heads * dims.d,
+                &[
+                    Arg::Ptr(dst),
+                    Arg::Ptr(src),
+                    int(dims.b),
+                    int(dims.t),
+                    int(heads),
+                    int(dims.d),
+                    Arg::Int(i32::from(to_heads)),
+                ],
+            )
+        }
+    }
+
+    /// The start of both directions of grouped-query attention: the scratch's layout,
+    /// with q, k, v (B, T, heads, D) moved into its per-head regions (B, heads, T, D);
+    /// `None` when there is nothing to compute.
+    ///
+    /// # Safety
+    /// As for [`Self::gqa_attention_forward`].
+    unsafe fn gqa_heads<T: CudaFloat>(
+        &self,
+        [q, k, v]: [DevTensor; 3],
+        scratch: DevTensor,
+        dims: GqaDims,
+    ) -> Result<Option<AttentionScratchLayout>, CudaError> {
+        let GqaDims { b, t, h, kv, d } = dims;
+        if dims.q_len() == 0 || dims.att_len() == 0 {
+            return Ok(None);
+        }
+        let l = gqa_attention_scratch_layout(T::DTYPE, b, t, h, kv, d);
+        debug_assert!(scratch.len >= l.total_bytes);
+        let at = |region: usize| offset(scratch.ptr, region);
+        // SAFETY: q, k, v into their scratch regions, each of its tensor's length.
+        unsafe {
+            self.move_heads::<T>(q.ptr, at(l.q), dims, h, true)?;
+            self.move_heads::<T>(k.ptr, at(l.k), dims, kv, true)?;
+            self.move_heads::<T>(v.ptr, at(l.v), dims, kv, true)?;
+        }
+        Ok(Some(l))
+    }
+
+    /// out: (B, T, H, D)  att: (B, H, T, T)  q: (B, T, H, D)  k, v: (B, T, KV, D)
+    /// scratch: the regions of [`gqa_attention_scratch_layout`]. Per (batch, key/value
+    /// head), the G = H / KV query heads that share it are one (G·T, D) matrix of the
+    /// per-head q, so each product is one batched cuBLAS call over B·KV groups.
+    ///
+    /// # Safety
+    /// The tensors have these shapes, scratch at least the layout's bytes, and the
+    /// properties [`super::CudaKernels::run`] requires.
+    unsafe fn gqa_attention_forward<T: CudaFloat>(
+        &self,
+        out: DevTensor,
+        att: DevTensor,
+        [q, k, v]: [DevTensor; 3],
+        scratch: DevTensor,
+        dims: GqaDims,
+    ) -> Result<(), CudaError> {
+        let GqaDims { b, t, h, kv, d } = dims;
+        // SAFETY: the caller's promise, passed on.
+        let Some(l) = unsafe { self.gqa_heads::<T>([q, k, v], scratch, dims) }? else {
+            return Ok(());
+        };
+        let at = |region: usize| offset(scratch.ptr, region);
+        let (g, op) = (h / kv, typed_operand::<T>);
+        let scores = f32_rows(at(l.scores), t);
+        // Per group, column-major: scores^T (T, G·T) = k (T, D) @ q^T (D, G·T), scaled.
+        // SAFETY: b·kv products over blocks at their strides, inside the k and q regions
+        // and the f32 scores region (B·H·T·T).
+        unsafe {
+            self.gemm(
+                t,
+                g * t,
+                d,
+                op(at(l.k), d, true),
+                op(at(l.q), d, false),
+                scores,
+                1.0 / (d as f32).sqrt(),
+                0.0,
+                Some((b * kv, t * d, g * t * d, g * t * t)),
+            )
+        }?;
+        let rows = b * h * t;
+        // SAFETY: softmax_causal_forward_<T>(T* att, const float* scores, int rows,
+        // int t): warp `row` < rows touches row `row` (t elements) of att and scores.
+        unsafe {
+            self.launch(
+                "softmax_causal_forward",
+                T::SUFFIX,
+                per_row_warp(rows),
+                &[Arg::Ptr(att.ptr), Arg::Ptr(at(l.scores)), int(rows), int(t)],
+            )
+        }?;
+        // Per group, column-major: y^T (D, G·T) = v^T (D, T) @ att^T (T, G·T).
+        // SAFETY: b·kv products inside v, att and y.
+        unsafe {
+            self.gemm(
+                d,
+                g * t,
+                t,
+                op(at(l.v), d, false),
+                op(att.ptr, t, false),
+                op(at(l.y), d, false),
+                1.0,
+                0.0,
+                Some((b * kv, t * d, g * t * t, g * t * d)),
+            )
+        }?;
+        // SAFETY: y (B, H, T, D) into out (B, T, H, D).
+        unsafe { self.move_heads::<T>(out.ptr, at(l.y), dims, h, false) }
+    }
+
+    /// dq: (B, T, H, D) =  dk, dv: (B, T, KV, D) =  dout: (B, T, H, D)  q, k, v and att
+    /// as in [`Self::gqa_attention_forward`]  scratch: the regions of
+    /// [`gqa_attention_scratch_layout`]. The products over a group's G·T rows add the key
+    /// and value gradients of its query heads up.
+    ///
+    /// # Safety
+    /// As for [`Self::gqa_attention_forward`].
+    unsafe fn gqa_attention_backward<T: CudaFloat>(
+        &self,
+        [dq, dk, dv]: [DevTensor; 3],
+        dout: DevTensor,
+        [q, k, v]: [DevTensor; 3],
+        att: DevTensor,
+        scratch: DevTensor,
+        dims: GqaDims,
+    ) -> Result<(), CudaError> {
+        let GqaDims { b, t, h, kv, d } = dims;
+        // SAFETY: the caller's promise, passed on.
+        let Some(l) = unsafe { self.gqa_heads::<T>([q, k, v], scratch, dims) }? else {
+            return Ok(());
+        };
+        let at = |region: usize| offset(scratch.ptr, region);
+        // The per-head output gradient goes in the y region, the probabilities' gradient
+        // (f32) in the scores region.
+        // SAFETY: dout (B, T, H, D) into the y region.
+        unsafe { self.move_heads::<T>(dout.ptr, at(l.y), dims, h, true) }?;
+        let (g, op) = (h / kv, typed_operand::<T>);
+        let datt = f32_rows(at(l.scores), t);
+        // SAFETY: b·kv products over blocks at their strides inside the scratch regions
+        // and att; every output is a scratch region distinct from its inputs.
+        unsafe {
+            // datt^T (T, G·T) = v (T, D) @ dy^T (D, G·T), in f32.
+            self.gemm(
+                t,
+                g * t,
+                d,
+                op(at(l.v), d, true),
+                op(at(l.y), d, false),
+                datt,
+                1.0,
+                0.0,
+                Some((b * kv, t * d, g * t * d, g * t * t)),
+            )?;
+            // dv^T (D, T) = dy^T (D, G·T) @ att (G·T, T): the group's heads add up.
+            self.gemm(
+                d,
+                t,
+                g * t,
+                op(at(l.y), d, false),
+                op(att.ptr, t, true),
+                op(at(l.dv), d, false),
+                1.0,
+                0.0,
+                Some((b * kv, g * t * d, g * t * t, t * d)),
+            )?;
+        }
+        let rows = b * h * t;
+        // SAFETY: softmax_causal_backward_<T>(T* dpre, const float* datt, const T* att,
+        // int rows, int t, float scale): warp `row` < rows touches row `row` (t elements)
+        // of dpre, datt and att.
+        unsafe {
+            self.launch(
+                "softmax_causal_backward",
+                T::SUFFIX,
+                per_row_warp(rows),
+                &[
+                    Arg::Ptr(at(l.dscores)),
+                    Arg::Ptr(at(l.scores)),
+                    Arg::Ptr(att.ptr),
+                    int(rows),
+                    int(t),
+                    Arg::Float(1.0 / (d as f32).sqrt()),
+                ],
+            )
+        }?;
+        // SAFETY: as above, into the distinct scratch regions dq and dk.
+        unsafe {
+            // dq^T (D, G·T) = k^T (D, T) @ dpre^T (T, G·T).
+            self.gemm(
+                d,
+                g * t,
+                t,
+                op(at(l.k), d, false),
+                op(at(l.dscores), t, false),
+                op(at(l.dq), d, false),
+                1.0,
+                0.0,
+                Some((b * kv, t * d, g * t * t, g * t * d)),
+            )?;
+            // dk^T (D, T) = q^T (D, G·T) @ dpre (G·T, T): the group's heads add up.
+            self.gemm(
+                d,
+                t,
+                g * t,
+                op(at(l.q), d, false),
+                op(at(l.dscores), t, true),
+                op(at(l.dk), d, false),
+                1.0,
+                0.0,
+                Some((b * kv, g * t * d, g * t * t, t * d)),
+            )?;
+        }
+        // SAFETY: the per-head gradients (B, heads, T, D) into dq, dk, dv (B, T, heads, D).
+        unsafe {
+            self.move_heads::<T>(dq.ptr, at(l.dq), dims, h, false)?;
+            self.move_heads::<T>(dk.ptr, at(l.dk), dims, kv, false)?;
+            self.move_heads::<T>(dv.ptr, at(l.dv), dims, kv, false)
+        }
+    }
+
     /// out: two f64 (sum of squares of grads × scale, non-finite flag)  grads: (N) f32
     /// scratch: [`grad_stats_scratch_bytes`] bytes, 8-aligned.
     ///
@@ -1658,6 +2182,26 @@ pub(super) trait KernelQueue {
                 &[Arg::Ptr(out.ptr), Arg::Ptr(scratch.ptr), int(blocks)],
             )
         }
+    }
+}
+
+/// A cuBLAS operand of the working type `T`.
+fn typed_operand<T: CudaFloat>(ptr: u64, ld: usize, transposed: bool) -> Operand {
+    Operand {
+        ptr,
+        data_type: T::DATA_TYPE,
+        ld,
+        transposed,
+    }
+}
+
+/// An f32 cuBLAS operand of rows of `ld` (attention's scores), not transposed.
+fn f32_rows(ptr: u64, ld: usize) -> Operand {
+    Operand {
+        ptr,
+        data_type: cudaDataType_t::CUDA_R_32F,
+        ld,
+        transposed: false,
     }
 }
 

@@ -1,4 +1,4 @@
-//! Fast CPU kernels of GPT-2's forward and backward passes, in f32, and casts between
+//! Fast CPU kernels of GPT-2's and the Llama family's forward and backward passes, in f32, and casts between
 //! f32, bf16 and fp16. Each has a scalar twin in [`crate::reference`] that tests compare
 //! it with, element by element, on odd sizes.
 //!
@@ -12,7 +12,8 @@
 //! Conventions, shared with the reference: row-major tensors with shapes stated at the
 //! top of each kernel; forward kernels overwrite their outputs; backward kernels
 //! accumulate (`+=`) into parameter gradients and overwrite activation gradients, except
-//! LayerNorm's input gradient, which accumulates (the residual stream joins there).
+//! LayerNorm's and RMSNorm's input gradients, which accumulate (the residual stream
+//! joins there).
 //!
 //! This module holds no CUDA code and no model logic.
 
@@ -29,9 +30,14 @@ mod gelu;
 mod layernorm;
 mod matmul;
 mod residual;
+mod rmsnorm;
+mod rope;
 pub mod simd;
+mod swiglu;
 
-pub use attention::{attention_backward, attention_forward};
+pub use attention::{
+    attention_backward, attention_forward, gqa_attention_backward, gqa_attention_forward,
+};
 pub use cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use crossentropy::{crossentropy_backward_inplace, crossentropy_forward};
 pub use encoder::{encoder_backward, encoder_forward};
@@ -39,6 +45,9 @@ pub use gelu::{gelu_backward, gelu_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use matmul::{inside_gemm, matmul_backward, matmul_forward};
 pub use residual::{add_inplace, residual_forward};
+pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+pub use rope::{rope_backward, rope_forward, rope_inv_freq, rope_table};
+pub use swiglu::{swiglu_backward, swiglu_forward};
 
 /// How a linear layer's weight is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -15,6 +15,7 @@
 
 use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
 
+use super::llama::{self, GqaDims};
 use crate::ops::WeightLayout;
 
 /// The float types the reference runs in: `f32` and `f64`.
@@ -301,7 +302,9 @@ pub fn matmul_backward<R: Real>(
 /// out: (B, T, C)  att: (B, NH, T, T)  qkv: (B, T, 3C) holding Q, K, V side by side, each
 /// split into NH heads of C/NH channels.
 /// Causal self-attention: `att[b, h, t, :]` is the softmax over `t2 <= t` of
-/// `q(t) . k(t2) / sqrt(hs)` (zero for `t2 > t`), and `out[b, t, h] = sum att * v`.
+/// `q(t) . k(t2) / sqrt(hs)` (zero for `t2 > t`), and `out[b, t, h] = sum att * v`:
+/// grouped-query attention ([`llama::gqa_attention_forward`]) with as many key/value
+/// heads as query heads, on Q, K and V taken apart.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<R: Real>(
     out: &mut [R],
@@ -314,50 +317,12 @@ pub fn attention_forward<R: Real>(
 ) {
     assert_eq!(c % nh, 0);
     assert_eq!(qkv.len(), b * t * 3 * c);
-    assert_eq!(out.len(), b * t * c);
-    assert_eq!(att.len(), b * nh * t * t);
-    let hs = c / nh;
-    let scale = R::from_f64(1.0) / r::<R>(hs as f64).sqrt();
-    for bi in 0..b {
-        for ti in 0..t {
-            for h in 0..nh {
-                let q = &qkv[(bi * t + ti) * 3 * c + h * hs..][..hs];
-                let a = &mut att[((bi * nh + h) * t + ti) * t..][..t];
-                let mut max = R::from_f64(f64::NEG_INFINITY);
-                for t2 in 0..=ti {
-                    let k = &qkv[(bi * t + t2) * 3 * c + c + h * hs..][..hs];
-                    let mut dot = R::default();
-                    for i in 0..hs {
-                        dot += q[i] * k[i];
-                    }
-                    a[t2] = dot * scale;
-                    if a[t2] > max {
-                        max = a[t2];
-                    }
-                }
-                let mut sum = R::default();
-                for t2 in 0..=ti {
-                    a[t2] = (a[t2] - max).exp();
-                    sum += a[t2];
-                }
-                for t2 in 0..t {
-                    a[t2] = if t2 <= ti { a[t2] / sum } else { R::default() };
-                }
-                let o = &mut out[(bi * t + ti) * c + h * hs..][..hs];
-                o.fill(R::default());
-                for t2 in 0..=ti {
-                    let v = &qkv[(bi * t + t2) * 3 * c + 2 * c + h * hs..][..hs];
-                    for i in 0..hs {
-                        o[i] += a[t2] * v[i];
-                    }
-                }
-            }
-        }
-    }
+    let [q, k, v] = split_qkv(qkv, c);
+    llama::gqa_attention_forward(out, att, &q, &k, &v, heads(b, t, c, nh));
 }
 
 /// dqkv: (B, T, 3C) =  dout: (B, T, C)  qkv: (B, T, 3C)  att: (B, NH, T, T) from the
-/// forward pass.
+/// forward pass ([`llama::gqa_attention_backward`], its gradients put side by side).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<R: Real>(
     dqkv: &mut [R],
@@ -369,45 +334,37 @@ pub fn attention_backward<R: Real>(
     c: usize,
     nh: usize,
 ) {
-    assert_eq!(dqkv.len(), b * t * 3 * c);
-    let hs = c / nh;
-    let scale = R::from_f64(1.0) / r::<R>(hs as f64).sqrt();
-    dqkv.fill(R::default());
-    let mut datt = vec![R::default(); t];
-    for bi in 0..b {
-        for ti in 0..t {
-            for h in 0..nh {
-                let a = &att[((bi * nh + h) * t + ti) * t..][..t];
-                let d = &dout[(bi * t + ti) * c + h * hs..][..hs];
-                // out = att @ v: gradients of att and of v.
-                for t2 in 0..=ti {
-                    let v_at = (bi * t + t2) * 3 * c + 2 * c + h * hs;
-                    let mut acc = R::default();
-                    for i in 0..hs {
-                        acc += qkv[v_at + i] * d[i];
-                        dqkv[v_at + i] += a[t2] * d[i];
-                    }
-                    datt[t2] = acc;
-                }
-                // softmax: dpre = att * (datt - sum(att * datt)).
-                let mut dot = R::default();
-                for t2 in 0..=ti {
-                    dot += a[t2] * datt[t2];
-                }
-                // pre = scale * q . k: gradients of q and k.
-                let q_at = (bi * t + ti) * 3 * c + h * hs;
-                for t2 in 0..=ti {
-                    let dpre = a[t2] * (datt[t2] - dot) * scale;
-                    let k_at = (bi * t + t2) * 3 * c + c + h * hs;
-                    for i in 0..hs {
-                        let (q, k) = (qkv[q_at + i], qkv[k_at + i]);
-                        dqkv[q_at + i] += dpre * k;
-                        dqkv[k_at + i] += dpre * q;
-                    }
-                }
-            }
+    assert_eq!(c % nh, 0);
+    assert_eq!((dqkv.len(), qkv.len()), (b * t * 3 * c, b * t * 3 * c));
+    let [q, k, v] = split_qkv(qkv, c);
+    let [mut dq, mut dk, mut dv] = [0, 1, 2].map(|_| vec![R::default(); b * t * c]);
+    let dims = heads(b, t, c, nh);
+    llama::gqa_attention_backward(&mut dq, &mut dk, &mut dv, dout, &q, &k, &v, att, dims);
+    for (row, d) in dqkv.chunks_exact_mut(3 * c).enumerate() {
+        for (part, grad) in [&dq, &dk, &dv].into_iter().enumerate() {
+            d[part * c..][..c].copy_from_slice(&grad[row * c..][..c]);
         }
     }
+}
+
+/// GPT-2's NH heads of C/NH channels as grouped-query attention's dimensions.
+fn heads(b: usize, t: usize, c: usize, nh: usize) -> GqaDims {
+    GqaDims {
+        b,
+        t,
+        h: nh,
+        kv: nh,
+        d: c / nh,
+    }
+}
+
+/// Q, K and V, each (B, T, C), from qkv: (B, T, 3C).
+fn split_qkv<R: Real>(qkv: &[R], c: usize) -> [Vec<R>; 3] {
+    [0, 1, 2].map(|part| {
+        qkv.chunks_exact(3 * c)
+            .flat_map(|row| row[part * c..][..c].iter().copied())
+            .collect()
+    })
 }
 
 /// sqrt(2 / pi), the constant of GPT-2's tanh-approximated GELU.

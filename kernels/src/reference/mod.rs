@@ -6,3 +6,4 @@ pub mod adamw;
 pub mod cast;
 pub mod gpt2;
 pub mod gpt2_model;
+pub mod llama;

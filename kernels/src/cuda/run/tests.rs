@@ -531,6 +531,102 @@ fn samples(w: Dtype, l: &mut Layout) -> Vec<Kernel> {
             b: l.tensor(len, w),
         });
     }
+    for (n, c) in [(7, 22), (1, 1), (0, 5)] {
+        out.push(Kernel::RmsNorm {
+            out: l.tensor(n * c, w),
+            rstd: l.tensor(n, f32_),
+            inp: l.tensor(n * c, w),
+            weight: l.tensor(c, w),
+            eps: 1e-6,
+            n,
+            c,
+        });
+        out.push(Kernel::RmsNormBackward {
+            dinp: l.tensor(n * c, w),
+            dweight: l.tensor(c, f32_),
+            dout: l.tensor(n * c, w),
+            inp: l.tensor(n * c, w),
+            weight: l.tensor(c, w),
+            rstd: l.tensor(n, f32_),
+            n,
+            c,
+        });
+    }
+    for (b, t, h, d) in [(2, 7, 3, 12), (1, 1, 1, 2), (0, 3, 2, 4)] {
+        let len = b * t * h * d;
+        out.push(Kernel::Rope {
+            out: l.tensor(len, w),
+            inp: l.tensor(len, w),
+            cos: l.tensor((t + 2) * d / 2, w),
+            sin: l.tensor((t + 2) * d / 2, w),
+            b,
+            t,
+            h,
+            d,
+        });
+        out.push(Kernel::RopeBackward {
+            dinp: l.tensor(len, w),
+            dout: l.tensor(len, w),
+            cos: l.tensor(t * d / 2, w),
+            sin: l.tensor(t * d / 2, w),
+            b,
+            t,
+            h,
+            d,
+        });
+    }
+    for len in [4097, 0] {
+        out.push(Kernel::SwiGlu {
+            out: l.tensor(len, w),
+            gate: l.tensor(len, w),
+            up: l.tensor(len, w),
+        });
+        out.push(Kernel::SwiGluBackward {
+            dgate: l.tensor(len, w),
+            dup: l.tensor(len, w),
+            dout: l.tensor(len, w),
+            gate: l.tensor(len, w),
+            up: l.tensor(len, w),
+        });
+    }
+    for (b, t, h, kv, d) in [
+        (2, 7, 6, 2, 12),
+        (2, 5, 3, 3, 4),
+        (1, 1, 2, 1, 4),
+        (0, 3, 4, 2, 4),
+    ] {
+        let scratch_bytes = gqa_attention_scratch_bytes(Target::Cuda, w, b, t, h, kv, d);
+        let (q_len, kv_len) = (b * t * h * d, b * t * kv * d);
+        out.push(Kernel::GqaAttention {
+            out: l.tensor(q_len, w),
+            att: l.tensor(b * h * t * t, w),
+            q: l.tensor(q_len, w),
+            k: l.tensor(kv_len, w),
+            v: l.tensor(kv_len, w),
+            scratch: l.tensor(scratch_bytes, Dtype::U8),
+            b,
+            t,
+            h,
+            kv,
+            d,
+        });
+        out.push(Kernel::GqaAttentionBackward {
+            dq: l.tensor(q_len, w),
+            dk: l.tensor(kv_len, w),
+            dv: l.tensor(kv_len, w),
+            dout: l.tensor(q_len, w),
+            q: l.tensor(q_len, w),
+            k: l.tensor(kv_len, w),
+            v: l.tensor(kv_len, w),
+            att: l.tensor(b * h * t * t, w),
+            scratch: l.tensor(scratch_bytes, Dtype::U8),
+            b,
+            t,
+            h,
+            kv,
+            d,
+        });
+    }
     for (n, v) in [(7, 22), (0, 3)] {
         out.push(Kernel::CrossEntropy {
             losses: l.tensor(n, f32_),
@@ -596,6 +692,76 @@ struct Region {
     written: bool,
 }
 
+/// An attention kernel's scratch: the tensor, its layout, the element counts of its
+/// query, key and score regions, and the working type.
+struct AttentionScratch<'a> {
+    tensor: &'a TensorRef,
+    layout: AttentionScratchLayout,
+    queries: usize,
+    keys: usize,
+    scores: usize,
+    dtype: Dtype,
+}
+
+/// `kernel`'s attention scratch; `None` for kernels other than attention.
+fn attention_scratch(kernel: &Kernel) -> Option<AttentionScratch<'_>> {
+    match *kernel {
+        Kernel::Attention {
+            out: ref w,
+            ref scratch,
+            b,
+            t,
+            c,
+            nh,
+            ..
+        }
+        | Kernel::AttentionBackward {
+            dqkv: ref w,
+            ref scratch,
+            b,
+            t,
+            c,
+            nh,
+            ..
+        } => Some(AttentionScratch {
+            tensor: scratch,
+            layout: attention_scratch_layout(w.dtype, b, t, c, nh),
+            queries: b * t * c,
+            keys: b * t * c,
+            scores: b * nh * t * t,
+            dtype: w.dtype,
+        }),
+        Kernel::GqaAttention {
+            out: ref w,
+            ref scratch,
+            b,
+            t,
+            h,
+            kv,
+            d,
+            ..
+        }
+        | Kernel::GqaAttentionBackward {
+            dq: ref w,
+            ref scratch,
+            b,
+            t,
+            h,
+            kv,
+            d,
+            ..
+        } => Some(AttentionScratch {
+            tensor: scratch,
+            layout: gqa_attention_scratch_layout(w.dtype, b, t, h, kv, d),
+            queries: b * t * h * d,
+            keys: b * t * kv * d,
+            scores: b * h * t * t,
+            dtype: w.dtype,
+        }),
+        _ => None,
+    }
+}
+
 /// The regions of `kernel`'s tensors, attention's scratch cut into its layout's regions.
 fn regions(kernel: &Kernel) -> Vec<Region> {
     let mut out = Vec::new();
@@ -606,40 +772,19 @@ fn regions(kernel: &Kernel) -> Vec<Region> {
             written: access == Access::Write,
         })
     });
-    let attention = match *kernel {
-        Kernel::Attention {
-            ref out,
-            ref scratch,
-            b,
-            t,
-            c,
-            nh,
-            ..
-        } => Some((out.dtype, scratch, b, t, c, nh)),
-        Kernel::AttentionBackward {
-            ref dqkv,
-            ref scratch,
-            b,
-            t,
-            c,
-            nh,
-            ..
-        } => Some((dqkv.dtype, scratch, b, t, c, nh)),
-        _ => None,
-    };
-    if let Some((w, scratch, b, t, c, nh)) = attention {
-        let start = address(scratch);
+    if let Some(a) = attention_scratch(kernel) {
+        let (s, scores, w) = (a.layout, a.scores, a.dtype);
+        let start = address(a.tensor);
         out.retain(|r| r.start != start);
-        let s = attention_scratch_layout(w, b, t, c, nh);
-        let (heads, scores) = (b * t * c * w.size(), b * nh * t * t);
+        let (heads, keys) = (a.queries * w.size(), a.keys * w.size());
         for (at, bytes) in [
             (s.q, heads),
-            (s.k, heads),
-            (s.v, heads),
+            (s.k, keys),
+            (s.v, keys),
             (s.y, heads),
             (s.dq, heads),
-            (s.dk, heads),
-            (s.dv, heads),
+            (s.dk, keys),
+            (s.dv, keys),
             (s.scores, scores * 4),
             (s.dscores, scores * w.size()),
         ] {
@@ -1016,6 +1161,81 @@ fn named_tensors(kernel: &Kernel) -> Vec<(&'static str, u64)> {
             out,
             scratch,
         } => vec![("grads", grads), ("out", out), ("scratch", scratch)],
+        Kernel::RmsNorm {
+            out,
+            rstd,
+            inp,
+            weight,
+            ..
+        } => vec![
+            ("out", out),
+            ("rstd", rstd),
+            ("inp", inp),
+            ("weight", weight),
+        ],
+        Kernel::RmsNormBackward {
+            dinp,
+            dweight,
+            dout,
+            inp,
+            weight,
+            rstd,
+            ..
+        } => vec![
+            ("dinp", dinp),
+            ("dweight", dweight),
+            ("dout", dout),
+            ("inp", inp),
+            ("weight", weight),
+            ("rstd", rstd),
+        ],
+        Kernel::Rope {
+            out, inp, cos, sin, ..
+        } => vec![("out", out), ("inp", inp), ("cos", cos), ("sin", sin)],
+        Kernel::RopeBackward {
+            dinp,
+            dout,
+            cos,
+            sin,
+            ..
+        } => vec![("dinp", dinp), ("dout", dout), ("cos", cos), ("sin", sin)],
+        Kernel::SwiGlu { out, gate, up } => vec![("out", out), ("gate", gate), ("up", up)],
+        Kernel::SwiGluBackward {
+            dgate,
+            dup,
+            dout,
+            gate,
+            up,
+        } => vec![
+            ("dgate", dgate),
+            ("dup", dup),
+            ("dout", dout),
+            ("gate", gate),
+            ("up", up),
+        ],
+        Kernel::GqaAttention {
+            out, att, q, k, v, ..
+        } => vec![("out", out), ("att", att), ("q", q), ("k", k), ("v", v)],
+        Kernel::GqaAttentionBackward {
+            dq,
+            dk,
+            dv,
+            dout,
+            q,
+            k,
+            v,
+            att,
+            ..
+        } => vec![
+            ("dq", dq),
+            ("dk", dk),
+            ("dv", dv),
+            ("dout", dout),
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("att", att),
+        ],
         Kernel::AdamW {
             params,
             m,
@@ -1030,30 +1250,8 @@ fn named_tensors(kernel: &Kernel) -> Vec<(&'static str, u64)> {
         }
     };
     let mut out: Vec<(&'static str, u64)> = named.drain(..).map(|(n, t)| (n, address(t))).collect();
-    let attention = match *kernel {
-        Kernel::Attention {
-            ref out,
-            ref scratch,
-            b,
-            t,
-            c,
-            nh,
-            ..
-        } => Some((out.dtype, scratch, b, t, c, nh)),
-        Kernel::AttentionBackward {
-            ref dqkv,
-            ref scratch,
-            b,
-            t,
-            c,
-            nh,
-            ..
-        } => Some((dqkv.dtype, scratch, b, t, c, nh)),
-        _ => None,
-    };
-    if let Some((w, scratch, b, t, c, nh)) = attention {
-        let s = attention_scratch_layout(w, b, t, c, nh);
-        let start = address(scratch);
+    if let Some(a) = attention_scratch(kernel) {
+        let (s, start) = (a.layout, address(a.tensor));
         for (name, at) in [
             ("q", s.q),
             ("k", s.k),
@@ -1116,6 +1314,24 @@ fn dimensions(kernel: &Kernel) -> Vec<(&'static str, usize)> {
             vec![("n", grads.len), ("count", grad_stats_blocks(grads.len))]
         }
         Kernel::AdamW { ref params, .. } => vec![("n", params.len)],
+        Kernel::RmsNorm { n, c, .. } | Kernel::RmsNormBackward { n, c, .. } => {
+            vec![("n", n), ("c", c)]
+        }
+        Kernel::Rope { b, t, h, d, .. } | Kernel::RopeBackward { b, t, h, d, .. } => {
+            vec![("rows", b * t * h), ("t", t), ("h", h), ("half", d / 2)]
+        }
+        Kernel::SwiGlu { ref out, .. } => vec![("n", out.len)],
+        Kernel::SwiGluBackward { ref dout, .. } => vec![("n", dout.len)],
+        // attention_heads moves H query heads or KV key/value heads.
+        Kernel::GqaAttention { b, t, h, kv, d, .. }
+        | Kernel::GqaAttentionBackward { b, t, h, kv, d, .. } => vec![
+            ("b", b),
+            ("t", t),
+            ("nh", h),
+            ("nh", kv),
+            ("hs", d),
+            ("rows", b * h * t),
+        ],
         Kernel::Zero { .. } | Kernel::Copy { .. } => vec![],
     }
 }
@@ -1124,8 +1340,11 @@ fn dimensions(kernel: &Kernel) -> Vec<(&'static str, usize)> {
 /// be handed: its own name, except where the `.cu` names the role differently.
 fn accepted_names<'a>(kernel_name: &str, param: &'a str) -> Vec<&'a str> {
     match (kernel_name, param) {
-        ("attention_heads", "out") => vec!["out", "y"],
-        ("attention_heads", "inp") => vec!["y", "dout"],
+        // GPT-2's attention merges y into out and splits dout into y; grouped-query
+        // attention also moves q, k, v (tensors to regions of those names) and dq, dk,
+        // dv (regions to tensors of those names).
+        ("attention_heads", "out") => vec!["out", "y", "q", "k", "v", "dq", "dk", "dv"],
+        ("attention_heads", "inp") => vec!["y", "dout", "q", "k", "v", "dq", "dk", "dv"],
         ("softmax_causal_backward", "dpre") => vec!["dscores"],
         ("softmax_causal_backward", "datt") => vec!["scores"],
         ("grad_stats_partials" | "grad_stats_total", "partials") => vec!["scratch"],
@@ -1205,12 +1424,15 @@ fn every_launch_hands_each_parameter_the_tensor_or_size_of_its_name() {
                                 assert_eq!(value, want, "{ctx}");
                             }
                             _ => {
-                                let want = dims
+                                // A name may have several values (grouped-query
+                                // attention's head counts); the argument must be one.
+                                let wants: Vec<i64> = dims
                                     .iter()
-                                    .find(|(n, _)| n == param)
-                                    .unwrap_or_else(|| panic!("{ctx}: no dimension so named"))
-                                    .1;
-                                assert_eq!(value, want as i64, "{ctx}");
+                                    .filter(|(n, _)| n == param)
+                                    .map(|&(_, v)| v as i64)
+                                    .collect();
+                                assert!(!wants.is_empty(), "{ctx}: no dimension so named");
+                                assert!(wants.contains(&value), "{ctx}: not one of {wants:?}");
                             }
                         }
                     }
@@ -1221,6 +1443,10 @@ fn every_launch_hands_each_parameter_the_tensor_or_size_of_its_name() {
                                 1.0 / (hs as f32).sqrt()
                             }
                             ("crossentropy_backward", "dloss") => s.dloss,
+                            ("rmsnorm_forward", "eps") => match kernel {
+                                Kernel::RmsNorm { eps, .. } => eps,
+                                _ => panic!("{ctx}: eps outside RmsNorm"),
+                            },
                             ("grad_stats_partials", "scale") => s.stats_scale,
                             _ => panic!("{ctx}: an unexpected float"),
                         };
@@ -1333,6 +1559,45 @@ fn the_products_launch_sequences_compute_what_the_cpu_computes() {
             nh,
         });
     }
+    for (b, t, h, kv, d) in [
+        (1, 1, 2, 1, 4),
+        (2, 7, 6, 2, 12),
+        (1, 9, 3, 3, 5),
+        (1, 22, 4, 1, 8),
+    ] {
+        let bytes = gqa_attention_scratch_bytes(Target::Cuda, f, b, t, h, kv, d)
+            .max(gqa_attention_scratch_bytes(Target::Cpu, f, b, t, h, kv, d));
+        let (q_len, kv_len) = (b * t * h * d, b * t * kv * d);
+        kernels.push(Kernel::GqaAttention {
+            out: l.tensor(q_len, f),
+            att: l.tensor(b * h * t * t, f),
+            q: l.tensor(q_len, f),
+            k: l.tensor(kv_len, f),
+            v: l.tensor(kv_len, f),
+            scratch: l.tensor(bytes, Dtype::U8),
+            b,
+            t,
+            h,
+            kv,
+            d,
+        });
+        kernels.push(Kernel::GqaAttentionBackward {
+            dq: l.tensor(q_len, f),
+            dk: l.tensor(kv_len, f),
+            dv: l.tensor(kv_len, f),
+            dout: l.tensor(q_len, f),
+            q: l.tensor(q_len, f),
+            k: l.tensor(kv_len, f),
+            v: l.tensor(kv_len, f),
+            att: l.tensor(b * h * t * t, f),
+            scratch: l.tensor(bytes, Dtype::U8),
+            b,
+            t,
+            h,
+            kv,
+            d,
+        });
+    }
     let mut inputs = Buffers::new(&l);
     for kernel in &kernels {
         kernel.for_each_tensor(|t, _| {
@@ -1347,7 +1612,9 @@ fn the_products_launch_sequences_compute_what_the_cpu_computes() {
         });
         // The backward's probabilities are zero above the diagonal, as the forward
         // leaves them.
-        if let &Kernel::AttentionBackward { ref att, t, .. } = kernel {
+        if let &Kernel::AttentionBackward { ref att, t, .. }
+        | &Kernel::GqaAttentionBackward { ref att, t, .. } = kernel
+        {
             let mut a = inputs.read_f32(att);
             for (i, x) in a.iter_mut().enumerate() {
                 if i % t > (i / t) % t {
@@ -1476,4 +1743,33 @@ fn refused_kernels_enqueue_nothing_and_say_why() {
     };
     let e = refuse(heads, scalars(), &address);
     assert!(matches!(e, KernelError::Shape { len: 5, .. }), "{e}");
+    // Key/value heads that do not divide the query heads; an odd head for RoPE.
+    let (b, t, h, kv, d) = (1, 2, 6, 4, 8);
+    let groups = Kernel::GqaAttention {
+        out: l.tensor(b * t * h * d, f),
+        att: l.tensor(b * h * t * t, f),
+        q: l.tensor(b * t * h * d, f),
+        k: l.tensor(b * t * kv * d, f),
+        v: l.tensor(b * t * kv * d, f),
+        scratch: l.tensor(1 << 16, Dtype::U8),
+        b,
+        t,
+        h,
+        kv,
+        d,
+    };
+    let e = refuse(groups, scalars(), &address);
+    assert!(matches!(e, KernelError::Shape { len: 6, .. }), "{e}");
+    let odd = Kernel::Rope {
+        out: l.tensor(2 * 3, f),
+        inp: l.tensor(2 * 3, f),
+        cos: l.tensor(2 * 3, f),
+        sin: l.tensor(2 * 3, f),
+        b: 1,
+        t: 2,
+        h: 1,
+        d: 3,
+    };
+    let e = refuse(odd, scalars(), &address);
+    assert!(matches!(e, KernelError::Shape { len: 3, .. }), "{e}");
 }
