@@ -712,17 +712,42 @@ impl TrainConfig {
                     ),
                 ));
             }
-            for file in ["config.json", "model.safetensors"] {
-                if !dir.join(file).is_file() {
-                    return Err(invalid(
-                        "model",
-                        format!(
-                            "names the directory {} but it has no {file}; save a model \
-                             there with save_pretrained or `strata model --init DIR`",
-                            dir.display()
-                        ),
-                    ));
-                }
+            let config = dir.join("config.json");
+            if !config.is_file() {
+                return Err(invalid(
+                    "model",
+                    format!(
+                        "names the directory {} but it has no config.json; save a model \
+                         there with save_pretrained or `strata model --init DIR`",
+                        dir.display()
+                    ),
+                ));
+            }
+            // A family strata does not run is said first, whatever the weights' format.
+            strata_engine::model::weights::load_config(&config)
+                .map_err(|e| invalid("model", e.to_string()))?;
+            if !dir.join("model.safetensors").is_file() {
+                let resave = "transformers' AutoModelForCausalLM.from_pretrained(DIR)\
+                              .save_pretrained(OUT, max_shard_size=\"1000GB\")";
+                let why = if dir.join("model.safetensors.index.json").is_file() {
+                    format!(
+                        "holds a sharded checkpoint (model.safetensors.index.json); strata \
+                         reads one model.safetensors: write one with {resave}"
+                    )
+                } else if dir.join("pytorch_model.bin").is_file() {
+                    format!(
+                        "holds pytorch_model.bin, a pickle (loading one runs code); strata \
+                         reads safetensors only: convert it with {resave}"
+                    )
+                } else {
+                    "has no model.safetensors; save a model there with save_pretrained or \
+                     `strata model --init DIR`"
+                        .to_string()
+                };
+                return Err(invalid(
+                    "model",
+                    format!("names the directory {} but it {why}", dir.display()),
+                ));
             }
         }
         if let Some(data) = &self.data

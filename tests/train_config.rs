@@ -387,6 +387,42 @@ fn paths_that_must_exist() {
         .resolve()
         .expect_err("refused");
     assert!(e.to_string().contains("but it has no config.json"), "{e}");
+
+    // What a Hugging Face folder holds decides the message: an unsupported family first,
+    // then pickled or sharded weights, each with what to do.
+    let model = |dir: &Path| {
+        args(&["--model", dir.to_str().expect("UTF-8")])
+            .resolve()
+            .expect_err("refused")
+            .to_string()
+    };
+    let llama = tempfile::tempdir().expect("temp dir");
+    fs::write(
+        llama.path().join("config.json"),
+        r#"{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}"#,
+    )
+    .expect("write");
+    let e = model(llama.path());
+    assert!(
+        e.contains("model_type is `llama` (LlamaForCausalLM); strata runs these families: gpt2"),
+        "{e}"
+    );
+    let gpt2 = tempfile::tempdir().expect("temp dir");
+    fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gpt2-tiny/config.json"),
+        gpt2.path().join("config.json"),
+    )
+    .expect("copy");
+    fs::write(gpt2.path().join("pytorch_model.bin"), b"pickle").expect("write");
+    let e = model(gpt2.path());
+    assert!(
+        e.contains("pytorch_model.bin, a pickle") && e.contains("save_pretrained"),
+        "{e}"
+    );
+    fs::remove_file(gpt2.path().join("pytorch_model.bin")).expect("remove");
+    fs::write(gpt2.path().join("model.safetensors.index.json"), b"{}").expect("write");
+    let e = model(gpt2.path());
+    assert!(e.contains("a sharded checkpoint"), "{e}");
 }
 
 #[test]

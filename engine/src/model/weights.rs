@@ -57,9 +57,22 @@ pub fn load_config(path: &Path) -> Result<Model, ModelError> {
         serde_json::from_str(&text).map_err(|e| unsupported(format!("not valid JSON: {e}")))?;
     match json.get("model_type").and_then(Value::as_str) {
         None | Some("gpt2") => Ok(Model::of(Gpt2::from_hf_config(path, &json)?)),
-        Some(kind) => Err(unsupported(format!(
-            "model_type is `{kind}`; strata runs these families: gpt2"
-        ))),
+        Some(kind) => {
+            let architectures = json
+                .get("architectures")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .filter(|a| !a.is_empty())
+                .map_or(String::new(), |a| format!(" ({a})"));
+            Err(unsupported(format!(
+                "model_type is `{kind}`{architectures}; strata runs these families: gpt2"
+            )))
+        }
     }
 }
 
