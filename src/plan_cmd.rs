@@ -3,9 +3,13 @@
 //! built-in policy and prints the bytes per tier and tensor class, each plan's peak per
 //! tier against the budgets, its predicted step time, and the policy `auto` picks. It
 //! allocates nothing, so a 13B model is answered in well under a second.
+//!
+//! [`report`] finds the answers (as data: the Python module returns them as a dict);
+//! [`render`] prints them as the command does.
 
 use std::io::Write;
 
+use serde::Serialize;
 use strata_engine::device::{DeviceChoice, choose_target};
 use strata_engine::model::Target;
 use strata_engine::plan::{Auto, CostModel, Plan, PlanInput, Policy, TensorClass, fmt_bytes};
@@ -16,8 +20,124 @@ use crate::train_config::TrainArgs;
 
 type Error = Box<dyn std::error::Error>;
 
-/// `strata plan`.
-pub fn run(args: &TrainArgs, out: &mut impl Write) -> Result<(), Error> {
+/// Everything `strata plan` answers.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanReport {
+    /// The model as named (a preset, a shape or a directory).
+    pub model: String,
+    /// Its parameter count.
+    pub params: u64,
+    /// Its shape, in words.
+    pub description: String,
+    /// Parameters, gradients and AdamW state at 16 bytes per parameter.
+    pub training_state_bytes: u64,
+    /// Sequences per micro-batch.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Micro-batches per step.
+    pub grad_accum: usize,
+    /// The working precision.
+    pub precision: String,
+    /// Budgets per tier, in bytes: device, host, NVMe.
+    pub budgets: TierBytes,
+    /// The folders the NVMe budget is 90% of the free space of.
+    pub nvme_dirs: Vec<String>,
+    /// The rates the predictions use.
+    pub rates: Rates,
+    /// One row per built-in policy.
+    pub policies: Vec<PolicyRow>,
+    /// What `auto` picks (none when nothing fits).
+    pub auto: Option<AutoChoice>,
+    /// Why nothing fits, when nothing does.
+    pub no_fit: Option<String>,
+}
+
+/// Bytes per tier.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct TierBytes {
+    /// GPU (or simulated device) memory.
+    pub device: u64,
+    /// Pinned host memory.
+    pub host: u64,
+    /// The NVMe tier.
+    pub nvme: u64,
+}
+
+impl TierBytes {
+    fn of(bytes: [u64; 3]) -> Self {
+        TierBytes {
+            device: bytes[0],
+            host: bytes[1],
+            nvme: bytes[2],
+        }
+    }
+}
+
+/// The cost model's rates.
+#[derive(Debug, Clone, Serialize)]
+pub struct Rates {
+    /// Where they come from.
+    pub source: String,
+    /// Compute, FLOP/s.
+    pub compute_flops: f64,
+    /// NVMe reads, bytes/s.
+    pub nvme_read_bytes_per_s: f64,
+    /// NVMe writes, bytes/s.
+    pub nvme_write_bytes_per_s: f64,
+    /// Host-device copies, bytes/s.
+    pub copy_bytes_per_s: f64,
+    /// CPU AdamW, parameters/s.
+    pub adam_params_per_s: f64,
+}
+
+/// One policy's plan.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyRow {
+    /// The policy's name.
+    pub policy: String,
+    /// Whether the plan fits the budgets.
+    pub fits: bool,
+    /// The first tier it overflows, if any.
+    pub overflows: Option<String>,
+    /// Its peak per tier.
+    pub peak_bytes: TierBytes,
+    /// Predicted seconds per step.
+    pub step_seconds: f64,
+    /// Predicted tokens per second.
+    pub tokens_per_s: f64,
+}
+
+/// The plan `auto` picks.
+#[derive(Debug, Clone, Serialize)]
+pub struct AutoChoice {
+    /// The policy.
+    pub policy: String,
+    /// How many candidates were planned.
+    pub candidates: usize,
+    /// Predicted seconds per step.
+    pub step_seconds: f64,
+    /// All-on-device compute time over the step time.
+    pub overlap_efficiency: f64,
+    /// Bytes of each tensor class per tier.
+    pub by_class: Vec<ClassRow>,
+    /// The device working set (one block's activations).
+    pub scratch_bytes: u64,
+    /// The plan's peak per tier.
+    pub peak_bytes: TierBytes,
+}
+
+/// One tensor class's bytes per tier.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClassRow {
+    /// The class, in words.
+    pub class: String,
+    /// Bytes per tier.
+    pub bytes: TierBytes,
+}
+
+/// Plans the step `args` describes under every built-in policy and under `auto`.
+pub fn report(args: &TrainArgs) -> Result<PlanReport, Error> {
     let cfg = args.resolve()?;
     let model = crate::train::model_shape(&cfg)?;
     // A plan for a GPU needs no GPU here: `--device cuda` plans for CUDA's kernels.
@@ -34,113 +154,173 @@ pub fn run(args: &TrainArgs, out: &mut impl Write) -> Result<(), Error> {
     };
     let cost = CostModel::default();
     let params = model.param_count() as u64;
-    writeln!(
-        out,
-        "model {}: {:.3} B params, {}; training state {} (16 B/param)",
-        cfg.model,
-        params as f64 / 1e9,
-        model.describe(),
-        fmt_bytes(16 * params)
-    )?;
-    writeln!(
-        out,
-        "step: {} x {} tokens x {} micro-batches, {}; budgets: device {}, host {}, nvme {} (90% of \
-         free space in {})",
-        shape.batch,
-        shape.seq,
-        shape.grad_accum,
-        shape.precision,
-        fmt_bytes(budgets.device),
-        fmt_bytes(budgets.host),
-        fmt_bytes(budgets.nvme),
-        dirs.iter()
-            .map(|d| d.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    )?;
-    writeln!(
-        out,
-        "rates ({}): {:.0} GFLOP/s compute, NVMe {:.1}/{:.1} GB/s read/write, copies {:.1} GB/s, AdamW {:.2} G params/s\n",
-        cost.source,
-        cost.compute_flops / 1e9,
-        cost.nvme_read_bytes_per_s / 1e9,
-        cost.nvme_write_bytes_per_s / 1e9,
-        cost.h2d_bytes_per_s / 1e9,
-        cost.adam_params_per_s / 1e9
-    )?;
 
     let mut policies: Vec<Box<dyn Policy>> = Vec::new();
     for name in strata_engine::plan::BUILTIN_POLICIES {
         policies.extend(named_policy(name, cfg.prefetch)?);
     }
-    let mut table = Table::new([
-        "policy", "fits", "device", "host", "nvme", "s/step", "tokens/s",
-    ]);
+    let mut rows = Vec::new();
     for policy in &policies {
         let plan = Plan::build(&input, policy.as_ref())?;
         let p = cost.predict(&plan);
-        let fits = match plan.first_overflow() {
-            None => "yes".to_string(),
-            Some(t) => format!("no: {t}"),
-        };
-        table.row([
-            plan.policy.clone(),
-            fits,
-            fmt_bytes(plan.peak[0]),
-            fmt_bytes(plan.peak[1]),
-            fmt_bytes(plan.peak[2]),
-            format!("{:.3}", p.step_seconds),
-            format!("{:.0}", shape.tokens() as f64 / p.step_seconds),
-        ]);
+        let overflow = plan.first_overflow();
+        rows.push(PolicyRow {
+            policy: plan.policy.clone(),
+            fits: overflow.is_none(),
+            overflows: overflow.map(|t| t.to_string()),
+            peak_bytes: TierBytes::of(plan.peak),
+            step_seconds: p.step_seconds,
+            tokens_per_s: shape.tokens() as f64 / p.step_seconds,
+        });
     }
-    write!(out, "{}", table.render())?;
-    match (Auto { cost }).choose(&input) {
+    let choice = match (Auto { cost }).choose(&input) {
         Ok((_, plan, candidates)) => {
             let p = cost.predict(&plan);
-            writeln!(
-                out,
-                "\nauto picks {} (of {} candidates): predicted {:.3} s/step, overlap efficiency {:.2}",
-                plan.policy,
-                candidates.len(),
-                p.step_seconds,
-                p.overlap_efficiency()
-            )?;
+            let by_class = plan
+                .bytes_by_class()
+                .into_iter()
+                .map(|(class, bytes)| ClassRow {
+                    class: match class {
+                        TensorClass::Params => "working params",
+                        TensorClass::Grads => "gradients",
+                        TensorClass::Optimizer => "master params + Adam m, v",
+                        TensorClass::Checkpoints => "activation checkpoints",
+                    }
+                    .to_string(),
+                    bytes: TierBytes::of(bytes),
+                })
+                .collect();
+            Ok(AutoChoice {
+                policy: plan.policy.clone(),
+                candidates: candidates.len(),
+                step_seconds: p.step_seconds,
+                overlap_efficiency: p.overlap_efficiency(),
+                by_class,
+                scratch_bytes: plan.buffer(plan.scratch).bytes,
+                peak_bytes: TierBytes::of(plan.peak),
+            })
+        }
+        Err(e) => Err(e.to_string()),
+    };
+    Ok(PlanReport {
+        model: cfg.model.to_string(),
+        params,
+        description: model.describe(),
+        training_state_bytes: 16 * params,
+        batch: shape.batch,
+        seq: shape.seq,
+        grad_accum: shape.grad_accum,
+        precision: shape.precision.to_string(),
+        budgets: TierBytes {
+            device: budgets.device,
+            host: budgets.host,
+            nvme: budgets.nvme,
+        },
+        nvme_dirs: dirs.iter().map(|d| d.display().to_string()).collect(),
+        rates: Rates {
+            source: cost.source.to_string(),
+            compute_flops: cost.compute_flops,
+            nvme_read_bytes_per_s: cost.nvme_read_bytes_per_s,
+            nvme_write_bytes_per_s: cost.nvme_write_bytes_per_s,
+            copy_bytes_per_s: cost.h2d_bytes_per_s,
+            adam_params_per_s: cost.adam_params_per_s,
+        },
+        policies: rows,
+        no_fit: choice.as_ref().err().cloned(),
+        auto: choice.ok(),
+    })
+}
+
+/// The report as `strata plan` prints it.
+pub fn render(r: &PlanReport) -> String {
+    let mut out = String::new();
+    let b = &r.budgets;
+    out += &format!(
+        "model {}: {:.3} B params, {}; training state {} (16 B/param)\n",
+        r.model,
+        r.params as f64 / 1e9,
+        r.description,
+        fmt_bytes(r.training_state_bytes)
+    );
+    out += &format!(
+        "step: {} x {} tokens x {} micro-batches, {}; budgets: device {}, host {}, nvme {} (90% of \
+         free space in {})\n",
+        r.batch,
+        r.seq,
+        r.grad_accum,
+        r.precision,
+        fmt_bytes(b.device),
+        fmt_bytes(b.host),
+        fmt_bytes(b.nvme),
+        r.nvme_dirs.join(", ")
+    );
+    let rates = &r.rates;
+    out += &format!(
+        "rates ({}): {:.0} GFLOP/s compute, NVMe {:.1}/{:.1} GB/s read/write, copies {:.1} GB/s, AdamW {:.2} G params/s\n\n",
+        rates.source,
+        rates.compute_flops / 1e9,
+        rates.nvme_read_bytes_per_s / 1e9,
+        rates.nvme_write_bytes_per_s / 1e9,
+        rates.copy_bytes_per_s / 1e9,
+        rates.adam_params_per_s / 1e9
+    );
+    let mut table = Table::new([
+        "policy", "fits", "device", "host", "nvme", "s/step", "tokens/s",
+    ]);
+    for row in &r.policies {
+        table.row([
+            row.policy.clone(),
+            match &row.overflows {
+                None => "yes".to_string(),
+                Some(t) => format!("no: {t}"),
+            },
+            fmt_bytes(row.peak_bytes.device),
+            fmt_bytes(row.peak_bytes.host),
+            fmt_bytes(row.peak_bytes.nvme),
+            format!("{:.3}", row.step_seconds),
+            format!("{:.0}", row.tokens_per_s),
+        ]);
+    }
+    out += &table.render();
+    match (&r.auto, &r.no_fit) {
+        (Some(auto), _) => {
+            out += &format!(
+                "\nauto picks {} (of {} candidates): predicted {:.3} s/step, overlap efficiency {:.2}\n",
+                auto.policy, auto.candidates, auto.step_seconds, auto.overlap_efficiency
+            );
             let mut by_class = Table::new(["tensor class", "device", "host", "nvme"]);
-            for (class, bytes) in plan.bytes_by_class() {
-                let name = match class {
-                    TensorClass::Params => "working params",
-                    TensorClass::Grads => "gradients",
-                    TensorClass::Optimizer => "master params + Adam m, v",
-                    TensorClass::Checkpoints => "activation checkpoints",
-                };
+            for row in &auto.by_class {
                 by_class.row([
-                    name.to_string(),
-                    fmt_bytes(bytes[0]),
-                    fmt_bytes(bytes[1]),
-                    fmt_bytes(bytes[2]),
+                    row.class.clone(),
+                    fmt_bytes(row.bytes.device),
+                    fmt_bytes(row.bytes.host),
+                    fmt_bytes(row.bytes.nvme),
                 ]);
             }
-            let scratch = plan.buffer(plan.scratch).bytes;
             by_class.row([
                 "device working set (one block's activations)".to_string(),
-                fmt_bytes(scratch),
+                fmt_bytes(auto.scratch_bytes),
                 "-".into(),
                 "-".into(),
             ]);
             by_class.row([
                 "peak".to_string(),
-                fmt_bytes(plan.peak[0]),
-                fmt_bytes(plan.peak[1]),
-                fmt_bytes(plan.peak[2]),
+                fmt_bytes(auto.peak_bytes.device),
+                fmt_bytes(auto.peak_bytes.host),
+                fmt_bytes(auto.peak_bytes.nvme),
             ]);
-            write!(out, "{}", by_class.render())?;
-            writeln!(
-                out,
-                "(class rows count each class's buffers; buffers with disjoint lifetimes share \
-                 memory, so the peak can be lower than their sum)"
-            )?;
+            out += &by_class.render();
+            out += "(class rows count each class's buffers; buffers with disjoint lifetimes share \
+                    memory, so the peak can be lower than their sum)\n";
         }
-        Err(e) => writeln!(out, "\nno plan fits: {e}")?,
+        (None, e) => out += &format!("\nno plan fits: {}\n", e.as_deref().unwrap_or("")),
     }
+    out
+}
+
+/// `strata plan`.
+pub fn run(args: &TrainArgs, out: &mut impl Write) -> Result<(), Error> {
+    let r = report(args)?;
+    write!(out, "{}", render(&r))?;
     Ok(())
 }
