@@ -23,8 +23,9 @@ non-contiguous tensor or a CUDA tensor raise ValueError or TypeError.
 
 from . import _native
 
-#: Defaults: the store's, which this machine's sweep (``strata bench nvme --sweep``)
-#: found at or near its best (benches/results/).
+#: Defaults: the tensor store's own (StoreConfig::new), the setting of the recorded
+#: ``strata bench nvme`` run (benches/results/nvme-vm-virtio-ext4.json) and of DeepNVMe's
+#: ds_io. A ``strata bench nvme --sweep`` on the target drive says whether another is better.
 DEFAULT_QUEUE_DEPTH = 32
 DEFAULT_BLOCK_SIZE = 1 << 20
 
