@@ -59,6 +59,8 @@ class CPUAdamW(torch.optim.Optimizer):
         ):
             if value:
                 raise ValueError(f"CPUAdamW does not support {name}=True")
+        if state == "bf16":
+            raise ValueError("state='bf16' (bf16 moments) is not built yet; use 'fp32' or 'q8'")
         if state not in STATES:
             raise ValueError(f"state={state!r} is not one of {', '.join(map(repr, STATES))}")
         if isinstance(lr, torch.Tensor):

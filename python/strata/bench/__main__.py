@@ -50,6 +50,10 @@ def _adam_impls(threads):
 
         impls.append((f"strata CPUAdamW(state={state!r})", bytes_per_param, build, None))
     try:
+        CPUAdamW([torch.nn.Parameter(torch.zeros(1))], state="bf16")
+    except ValueError as e:
+        impls.append(("strata CPUAdamW(state='bf16')", 20.0, None, f"ValueError: {e}"))
+    try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         def build_ds(params):
