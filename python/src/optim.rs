@@ -83,20 +83,9 @@ pub fn adamw_step(
             vec![m, v]
         }
         4 => {
+            let views = q8_views(&state, n, true, "8-bit state of the parameter")?;
             let names = ["m codes", "m scales", "v codes", "v scales"];
-            let mut views = Vec::new();
-            for (obj, name) in state.iter().zip(names) {
-                let x = view_mut(obj, name)?;
-                let (dtype, count) = if name.ends_with("codes") {
-                    (Dtype::U8, n)
-                } else {
-                    (Dtype::F32, q8::scale_count(n))
-                };
-                expect_dtype(&x, name, &[dtype])?;
-                expect_numel(&x, name, count, "8-bit state of the parameter")?;
-                written.push((x, name));
-                views.push(x);
-            }
+            written.extend(views.iter().copied().zip(names));
             views
         }
         k => {
@@ -177,6 +166,29 @@ pub fn adamw_step(
     result.map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// The four tensors of 8-bit state for `n` parameters (m codes, m scales, v codes,
+/// v scales), checked for dtype and length; writable ones when `writable`.
+fn q8_views(objs: &[Bound<'_, PyAny>], n: usize, writable: bool, of: &str) -> PyResult<Vec<View>> {
+    let names = ["m codes", "m scales", "v codes", "v scales"];
+    let mut views = Vec::new();
+    for (obj, name) in objs.iter().zip(names) {
+        let x = if writable {
+            view_mut(obj, name)?
+        } else {
+            view(obj, name)?
+        };
+        let (dtype, count) = if name.ends_with("codes") {
+            (Dtype::U8, n)
+        } else {
+            (Dtype::F32, q8::scale_count(n))
+        };
+        expect_dtype(&x, name, &[dtype])?;
+        expect_numel(&x, name, count, of)?;
+        views.push(x);
+    }
+    Ok(views)
+}
+
 /// Converts fp32 moments to 8-bit state, or back (`to_q8` false), for state dicts.
 #[pyfunction]
 pub fn q8_convert(
@@ -202,23 +214,7 @@ pub fn q8_convert(
     if q8_state.len() != 4 {
         return Err(PyValueError::new_err("8-bit state is four tensors"));
     }
-    let names = ["m codes", "m scales", "v codes", "v scales"];
-    let mut q = Vec::new();
-    for (obj, name) in q8_state.iter().zip(names) {
-        let x = if to_q8 {
-            view_mut(obj, name)?
-        } else {
-            view(obj, name)?
-        };
-        let (dtype, count) = if name.ends_with("codes") {
-            (Dtype::U8, n)
-        } else {
-            (Dtype::F32, q8::scale_count(n))
-        };
-        expect_dtype(&x, name, &[dtype])?;
-        expect_numel(&x, name, count, "8-bit state of the moments")?;
-        q.push(x);
-    }
+    let q = q8_views(&q8_state, n, to_q8, "8-bit state of the moments")?;
     let all: Vec<&View> = [&mv, &vv].into_iter().chain(q.iter()).collect();
     for (i, a) in all.iter().enumerate() {
         if all[i + 1..].iter().any(|b| a.overlaps(b)) {

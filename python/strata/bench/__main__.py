@@ -41,9 +41,10 @@ def _adam_impls(threads):
     from strata.optim import CPUAdamW
 
     impls = []
-    for state, bytes_per_param in (("fp32", 28.0), ("q8", 4 + 4 + 4 + 4 + 2 * 2 * 4 / 256 * 2)):
+    for state, bytes_per_param in (("fp32", 28.0), ("q8", 4 + 4 + 4 + 2 + 2 + 2 * 2 * 4 / 256)):
         # fp32: read p, g, m, v and write p, m, v (4 B each). q8: p read and written, g
-        # read, 1 B codes of m and of sqrt(v) read and written, a 4 B scale per 256 each.
+        # read, 1 B codes of m and of sqrt(v) read and written, and per 256 parameters a
+        # 4 B scale of each read and written.
         def build(params, state=state):
             opt = CPUAdamW(params, state=state, threads=threads, **HP)
             return opt.step
