@@ -1,0 +1,56 @@
+//! `strata.plan(...)` and `strata.doctor()`: the CLI's answers, found by the same library
+//! functions (`strata::plan_cmd::report`, `strata::doctor::examine`) and handed to Python
+//! as JSON text (which `strata/__init__.py` turns into dicts), with the CLI's printout.
+
+use clap::Parser;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use strata::doctor::DoctorArgs;
+use strata::train_config::PlanArgs;
+
+/// `strata plan`'s flags, parsed as the command line parses them.
+#[derive(Debug, Parser)]
+#[command(name = "strata.plan", no_binary_name = true)]
+struct PlanFlags {
+    #[command(flatten)]
+    args: PlanArgs,
+}
+
+fn with_text(mut value: serde_json::Value, text: String) -> PyResult<String> {
+    if let Some(object) = value.as_object_mut() {
+        object.insert("text".into(), serde_json::Value::String(text));
+    }
+    serde_json::to_string(&value).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Plans a step for the flags `argv` (as `strata plan` takes them); JSON.
+#[pyfunction]
+pub fn plan_json(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
+    let flags = PlanFlags::try_parse_from(&argv)
+        .map_err(|e| PyValueError::new_err(e.render().to_string().trim().to_string()))?;
+    let report = py
+        .detach(move || {
+            let cfg = flags.args.resolve().map_err(|e| e.to_string())?;
+            strata::plan_cmd::report(&cfg).map_err(|e| e.to_string())
+        })
+        .map_err(PyValueError::new_err)?;
+    let text = strata::plan_cmd::render(&report);
+    let value = serde_json::to_value(&report).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    with_text(value, text)
+}
+
+/// What `strata doctor` finds for these swap folders; JSON.
+#[pyfunction]
+pub fn doctor_json(py: Python<'_>, nvme: Vec<std::path::PathBuf>) -> PyResult<String> {
+    let args = DoctorArgs { nvme, json: None };
+    let report = py.detach(move || strata::doctor::examine(&args));
+    let text = strata::doctor::render(&report);
+    let value = serde_json::to_value(&report).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    with_text(value, text)
+}
+
+/// Bytes from a size such as "4GiB", read as the CLI reads sizes.
+#[pyfunction]
+pub fn parse_bytes(text: &str) -> PyResult<u64> {
+    strata::report::parse_bytes(text).map_err(PyValueError::new_err)
+}
