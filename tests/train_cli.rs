@@ -311,12 +311,22 @@ fn a_killed_run_keeps_its_log_and_leaves_no_swap_files() {
             .map(|l| serde_json::from_str(l).expect("every line is whole JSON"))
             .collect()
     };
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    /// Kills the run when dropped, so that a failed assertion leaves no run behind.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Killed(
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let start = std::time::Instant::now();
     while lines().len() < 3 {
         assert!(
@@ -334,8 +344,8 @@ fn a_killed_run_keeps_its_log_and_leaves_no_swap_files() {
             .collect()
     };
     assert!(names().is_empty(), "{:?}", names());
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     let logged = lines();
     assert!(logged.len() >= 3);
     for (i, line) in logged.iter().enumerate() {
