@@ -542,7 +542,7 @@ fn plan_takes_an_nvme_budget_writes_json_and_fails_when_nothing_fits() {
         assert_eq!(p["fits"].as_bool().unwrap(), fits, "{p}");
     }
     // With 8 GiB of host memory only NVMe offload fits, and auto picks it.
-    let auto = answer["auto"].as_str().unwrap();
+    let auto = answer["auto"]["policy"].as_str().unwrap();
     assert!(auto.starts_with("nvme-offload"), "{answer}");
 
     // Nothing fits: exit 1, every short tier named in one refusal.
