@@ -147,7 +147,8 @@ class Store:
 
     @property
     def files(self):
-        """The swap files."""
+        """The swap files' paths. Their names are removed as soon as the store opens them
+        (a killed process leaves nothing behind), so these say where the space is."""
         return self._store.files
 
     def io_counters(self):

@@ -66,13 +66,28 @@ def test_pinned_buffers_are_used_in_place_through_registered_memory(swap_dir):
             assert fixed > 0 and plain == 0, (fixed, plain)
 
 
+def _open_swap_file(path):
+    """A store's swap file, opened for writing. Its name is removed as soon as the store
+    opens it (so that a killed process leaves nothing behind): it is reached through this
+    process's own descriptor for it."""
+    path = str(path)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target in (path, path + " (deleted)"):
+            return open(f"/proc/self/fd/{fd}", "r+b")
+    raise FileNotFoundError(path)
+
+
 def test_a_corrupted_swap_file_fails_the_read_naming_the_extent(swap_dir):
     with Store(swap_dir, "8MiB") as store:
         assert store.checksums
         x = torch.arange(4096, dtype=torch.float32)
         store.write("x", x).wait()
         (path,) = store.files
-        with open(path, "r+b") as f:
+        with _open_swap_file(path) as f:
             f.seek(100)
             byte = f.read(1)
             f.seek(100)
