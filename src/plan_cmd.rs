@@ -168,12 +168,7 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
     for policy in &policies {
         let plan = Plan::build(&input, policy.as_ref())?;
         let p = cost.predict(&plan);
-        let budget = [budgets.device, budgets.host, budgets.nvme];
-        let short: Vec<String> = Tier::ALL
-            .into_iter()
-            .filter(|t| plan.peak[t.index()] > budget[t.index()])
-            .map(|t| t.to_string())
-            .collect();
+        let short: Vec<String> = plan.short_tiers().map(|t| t.to_string()).collect();
         rows.push(PolicyRow {
             policy: plan.policy.clone(),
             fits: short.is_empty(),

@@ -140,14 +140,18 @@ pub struct RunBudgets {
 }
 
 impl RunBudgets {
-    /// Where the NVMe budget comes from, in words, with the folders.
-    pub fn nvme_source(&self) -> String {
-        let dirs = self
-            .nvme_dirs
+    /// The NVMe folders, for messages.
+    pub fn dirs_text(&self) -> String {
+        self.nvme_dirs
             .iter()
             .map(|d| d.display().to_string())
             .collect::<Vec<_>>()
-            .join(", ");
+            .join(", ")
+    }
+
+    /// Where the NVMe budget comes from, in words, with the folders.
+    pub fn nvme_source(&self) -> String {
+        let dirs = self.dirs_text();
         if self.nvme_stated {
             format!("stated; {} free in {dirs}", fmt_bytes(self.nvme_free))
         } else {
@@ -166,11 +170,7 @@ impl RunBudgets {
                  or give more folders with --nvme",
                 plan.policy,
                 fmt_bytes(need),
-                self.nvme_dirs
-                    .iter()
-                    .map(|d| d.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                self.dirs_text(),
                 fmt_bytes(self.nvme_free)
             )
             .into());
@@ -404,11 +404,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         fmt_bytes(plan.peak[1]),
         fmt_bytes(budgets.host),
         fmt_bytes(plan.peak[2]),
-        nvme_dirs
-            .iter()
-            .map(|d| d.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
+        run_budgets.dirs_text(),
         predicted.step_seconds
     )?;
 

@@ -7,11 +7,16 @@ use super::{PlanError, PlanInput, Policy, Shortfall, TensorClass, Tier};
 use crate::model::BlockKind;
 
 impl Plan {
-    /// The first tier whose peak exceeds its budget, if any.
-    pub fn first_overflow(&self) -> Option<Tier> {
+    /// The tiers whose peak exceeds their budget, fastest tier first.
+    pub fn short_tiers(&self) -> impl Iterator<Item = Tier> + '_ {
         Tier::ALL
             .into_iter()
-            .find(|t| self.peak[t.index()] > self.budget(*t))
+            .filter(|t| self.peak[t.index()] > self.budget(*t))
+    }
+
+    /// The first tier whose peak exceeds its budget, if any.
+    pub fn first_overflow(&self) -> Option<Tier> {
+        self.short_tiers().next()
     }
 
     fn budget(&self, tier: Tier) -> u64 {
@@ -24,10 +29,7 @@ impl Plan {
 
     /// How many tiers are over budget.
     pub fn overflow_count(&self) -> usize {
-        Tier::ALL
-            .into_iter()
-            .filter(|t| self.peak[t.index()] > self.budget(*t))
-            .count()
+        self.short_tiers().count()
     }
 
     /// Total bytes over budget, across tiers (0 when it fits).
@@ -135,9 +137,8 @@ impl Plan {
         if !others.is_empty() {
             suggestions.push(format!("policies that fit: {}", others.join(", ")));
         }
-        let short: Vec<Shortfall> = Tier::ALL
-            .into_iter()
-            .filter(|t| self.peak[t.index()] > self.budget(*t))
+        let short: Vec<Shortfall> = self
+            .short_tiers()
             .map(|t| Shortfall {
                 tier: t,
                 need_bytes: self.peak[t.index()],
