@@ -1,7 +1,9 @@
 //! The offload engine's invariants (DESIGN.md section 4), on the CPU device:
 //! 1. parameters are bit-identical after 5 steps whatever the policy and prefetch depth;
 //! 2. measured peak per tier <= plan <= budget, and a plan over budget is refused;
-//! 4. an NVMe fault during a step is an error from the step, with parameters as before.
+//! 4. a failure during a step (an NVMe fault, an operation's error, a lane's panic) is an
+//!    error from the step, with every block wholly as before it or wholly updated, its
+//!    step counter saying which, and a retry applying no update twice.
 //!
 //! Invariant 3 (no allocation after the first step) is in `offload_alloc.rs`, alone in
 //! its process so that other tests' allocations do not count.
@@ -10,7 +12,7 @@ mod model_support;
 
 use model_support::{golden_dir, read_f32_tensors, rel_err};
 use strata_engine::exec::Runner;
-use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams};
+use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights::load_pretrained;
@@ -650,27 +652,154 @@ fn a_plan_over_budget_is_refused_naming_the_tier_and_what_fits() {
     assert!(short.len() >= 2, "{short:?}");
 }
 
+/// Master parameters, m and v of every block.
+type State = strata_engine::exec::TrainingState;
+
+/// Invariant 4 after a failed step: every block is wholly as before the step (`before`)
+/// or wholly as the step leaves it in a run without the failure (`clean`), and its step
+/// counter says which; the executor's own counter did not move. Returns which blocks
+/// committed.
+fn assert_blocks_whole(
+    what: &str,
+    exec: &Executor,
+    before: &State,
+    clean: &State,
+    steps: u64,
+) -> Vec<bool> {
+    assert_eq!(exec.steps(), steps, "{what}: the failed step was counted");
+    let after = exec.export().unwrap();
+    let counts = exec.block_steps();
+    counts
+        .iter()
+        .enumerate()
+        .map(|(b, &n)| {
+            let (want, when) = match n {
+                n if n == steps => (before, "before"),
+                n if n == steps + 1 => (clean, "after"),
+                n => panic!("{what}: block {b} counts {n} steps, the executor {steps}"),
+            };
+            assert!(
+                after.0[b] == want.0[b],
+                "{what}: block {b}'s parameters are not those {when} the step its counter says"
+            );
+            assert!(
+                after.1[b] == want.1[b],
+                "{what}: block {b}'s m is not that {when} the step"
+            );
+            assert!(
+                after.2[b] == want.2[b],
+                "{what}: block {b}'s v is not that {when} the step"
+            );
+            n == steps + 1
+        })
+        .collect()
+}
+
+/// After a retry of a failed step: every block counts the step once, the blocks that had
+/// committed kept their update (not applied twice), and with none committed the retry
+/// gives exactly the clean step. Then one more step must equal that of a fresh executor
+/// loaded with the exported state: the working copies (on whatever tier) were rewritten
+/// from the masters.
+#[allow(clippy::too_many_arguments)]
+fn assert_retry_applies_once(
+    what: &str,
+    exec: &mut Executor,
+    committed: &[bool],
+    clean: &State,
+    steps: u64,
+    model: &Model,
+    plan: &Plan,
+    next: &[(&[u32], &[u32])],
+) {
+    assert_eq!(exec.steps(), steps + 1, "{what}");
+    assert!(
+        exec.block_steps().iter().all(|&n| n == steps + 1),
+        "{what}: {:?}",
+        exec.block_steps()
+    );
+    let retried = exec.export().unwrap();
+    if committed.iter().any(|&c| c) {
+        for (b, _) in committed.iter().enumerate().filter(|(_, c)| **c) {
+            assert!(
+                retried.0[b] == clean.0[b]
+                    && retried.1[b] == clean.1[b]
+                    && retried.2[b] == clean.2[b],
+                "{what}: block {b}, committed before the failure, changed in the retry"
+            );
+        }
+    } else {
+        assert!(
+            &retried == clean,
+            "{what}: the retried step differs from a clean one"
+        );
+    }
+    if exec.has_pending_update() {
+        return; // a delayed update's working copies are checked by the clean comparison
+    }
+    let nvme = tempfile::tempdir().unwrap();
+    let mut fresh = Executor::on_cpu(
+        model.clone(),
+        plan.clone(),
+        &ExecConfig::with_nvme(vec![nvme.path().into()]),
+    )
+    .unwrap();
+    fresh
+        .load(&retried.0, Some((&retried.1, &retried.2)))
+        .unwrap();
+    fresh.set_steps(steps + 1);
+    exec.step(next, &hyper(1e-2)).unwrap();
+    fresh.step(next, &hyper(1e-2)).unwrap();
+    assert!(
+        exec.export().unwrap() == fresh.export().unwrap(),
+        "{what}: the step after the retry differs from one on the exported state (stale working parameters)"
+    );
+}
+
 #[test]
-fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
+fn an_nvme_fault_fails_the_step_and_commits_each_block_whole() {
     let model = Model::new(small()).unwrap();
-    let data = batches(96, 32, 2, 1, 5);
+    let data = batches(96, 32, 3, 1, 5);
     let refs = |s: usize| -> Vec<(&[u32], &[u32])> {
         data[s].iter().map(|(t, y)| (&t[..], &y[..])).collect()
     };
     let cases = [
-        ("bit flips", 200_000, 0, 1, false),
-        ("EIO", 0, 100_000, 2, false),
-        ("EIO, delayed update", 0, 100_000, 3, true),
+        (
+            "bit flips",
+            FaultPlan {
+                bitflip_per_million: 200_000,
+                ..FaultPlan::seeded(1)
+            },
+            false,
+        ),
+        (
+            "EIO",
+            FaultPlan {
+                eio_per_million: 100_000,
+                ..FaultPlan::seeded(2)
+            },
+            false,
+        ),
+        (
+            "ENOSPC",
+            FaultPlan {
+                enospc_per_million: 300_000,
+                ..FaultPlan::seeded(4)
+            },
+            false,
+        ),
+        (
+            "EIO, delayed update",
+            FaultPlan {
+                eio_per_million: 100_000,
+                ..FaultPlan::seeded(3)
+            },
+            true,
+        ),
     ];
-    for ((kind, bitflips, eio, seed, delayed), chaos) in cases
+    for ((kind, faults, delayed), chaos) in cases
         .into_iter()
-        .flat_map(|case| CHAOS.map(|chaos| (case, chaos)))
+        .flat_map(|case| CHAOS.map(|chaos| (case.clone(), chaos)))
     {
-        let faults = FaultPlan {
-            bitflip_per_million: bitflips,
-            eio_per_million: eio,
-            ..FaultPlan::seeded(seed)
-        };
         let kind = format!("{kind}, chaos {chaos:?}");
         let shape = if delayed {
             StepShape::cpu(2, 16).delayed()
@@ -690,6 +819,23 @@ fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
             },
         )
         .unwrap();
+        let init = model.init_params(9);
+        // A clean run of the same plan: the state before and after the second step.
+        let clean = |steps: usize| {
+            let nvme = tempfile::tempdir().unwrap();
+            let mut e = Executor::on_cpu(
+                model.clone(),
+                plan.clone(),
+                &ExecConfig::with_nvme(vec![nvme.path().into()]),
+            )
+            .unwrap();
+            e.load(&init, None).unwrap();
+            for s in 0..steps {
+                e.step(&refs(s), &hyper(1e-2)).unwrap();
+            }
+            e.export().unwrap()
+        };
+        let (before, after) = (clean(1), clean(2));
         let nvme = tempfile::tempdir().unwrap();
         faults.pause(true);
         let config = ExecConfig {
@@ -700,40 +846,28 @@ fn an_nvme_fault_fails_the_step_and_leaves_the_parameters_as_they_were() {
             ..ExecConfig::default()
         };
         let mut exec = Executor::on_cpu(model.clone(), plan.clone(), &config).unwrap();
-        let init = model.init_params(9);
         exec.load(&init, None).unwrap();
         // A first good step, so the fault hits a step with state to lose.
         exec.step(&refs(0), &hyper(1e-2)).unwrap();
-        let before = exec.export().unwrap();
         faults.pause(false);
         let err = exec.step(&refs(1), &hyper(1e-2)).unwrap_err();
         assert!(matches!(err, ExecError::Storage { .. }), "{kind}: {err}");
         assert!(!faults.injected().is_empty());
         faults.pause(true);
-        let after = exec.export().unwrap();
-        assert_eq!(
-            before.0, after.0,
-            "{kind}: parameters changed by a failed step"
-        );
-        assert_eq!(before.1, after.1, "{kind}: m changed by a failed step");
-        assert_eq!(before.2, after.2, "{kind}: v changed by a failed step");
         // A delayed update applies the first step's gradients during the second step.
-        let applied = if delayed { 0 } else { 1 };
-        assert_eq!(exec.steps(), applied);
-        // The same step, retried without faults, gives what a run without the fault gives.
+        let steps = if delayed { 0 } else { 1 };
+        let committed = assert_blocks_whole(&kind, &exec, &before, &after, steps);
+        // The same step, retried without faults.
         exec.step(&refs(1), &hyper(1e-2)).unwrap();
-        let retried = exec.export().unwrap();
-        let clean = {
-            let plan = Plan::build(&input, &AllOnDevice).unwrap();
-            let mut e = Executor::on_cpu(model.clone(), plan, &ExecConfig::default()).unwrap();
-            e.load(&init, None).unwrap();
-            e.step(&refs(0), &hyper(1e-2)).unwrap();
-            e.step(&refs(1), &hyper(1e-2)).unwrap();
-            e.export().unwrap()
-        };
-        assert_eq!(
-            retried, clean,
-            "{kind}: the retried step differs from a clean run"
+        assert_retry_applies_once(
+            &kind,
+            &mut exec,
+            &committed,
+            &after,
+            steps,
+            &model,
+            &plan,
+            &refs(2),
         );
     }
 }
@@ -834,13 +968,30 @@ fn calibration_measures_every_rate_and_plans_with_them() {
 /// the device, a failure after an earlier block's in-place update leaves that block
 /// updated: per-block commit is not built yet.)
 #[test]
-fn a_failure_at_any_operation_of_an_nvme_offloaded_step_changes_nothing() {
+fn a_failure_at_any_operation_commits_each_block_whole_under_every_policy() {
     let model = Model::new(small()).unwrap();
-    let data = batches(96, 32, 4, 1, 7);
+    let data = batches(96, 32, 5, 1, 7);
     let refs = |s: usize| -> Vec<(&[u32], &[u32])> {
         data[s].iter().map(|(t, y)| (&t[..], &y[..])).collect()
     };
-    for (delayed, checkpoints) in [(false, Tier::Host), (false, Tier::Nvme), (true, Tier::Host)] {
+    let policies: [Box<dyn Policy>; 5] = [
+        Box::new(AllOnDevice),
+        Box::new(CpuOffload),
+        Box::new(ParamOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        }),
+        Box::new(NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        }),
+        Box::new(NvmeOffload {
+            depth: 1,
+            checkpoints: Tier::Nvme,
+        }),
+    ];
+    let init = model.init_params(9);
+    for (policy, delayed) in policies.iter().flat_map(|p| [(p, false), (p, true)]) {
         let shape = if delayed {
             StepShape::cpu(2, 16).delayed()
         } else {
@@ -851,14 +1002,10 @@ fn a_failure_at_any_operation_of_an_nvme_offloaded_step_changes_nothing() {
             shape,
             budgets: UNLIMITED,
         };
-        let policy = NvmeOffload {
-            depth: 2,
-            checkpoints,
-        };
-        let plan = Plan::build(&input, &policy).unwrap();
+        let plan = Plan::build(&input, policy.as_ref()).unwrap();
         // Steps before the one that fails: two, so a delayed update has one pending.
         let good = 2;
-        let run = |fail_at: Option<usize>| {
+        let start = |steps: usize| {
             let nvme = tempfile::tempdir().unwrap();
             let mut exec = Executor::on_cpu(
                 model.clone(),
@@ -866,38 +1013,74 @@ fn a_failure_at_any_operation_of_an_nvme_offloaded_step_changes_nothing() {
                 &ExecConfig::with_nvme(vec![nvme.path().into()]),
             )
             .unwrap();
-            exec.load(&model.init_params(9), None).unwrap();
-            for s in 0..good {
+            exec.load(&init, None).unwrap();
+            for s in 0..steps {
                 exec.step(&refs(s), &hyper(1e-2)).unwrap();
             }
-            if let Some(op) = fail_at {
-                let before = exec.export().unwrap();
-                let steps = exec.steps();
-                exec.fail_next_at(op);
-                let name = format!("{} {}", plan.policy, plan.ops[op].kind.label());
-                let err = exec.step(&refs(good), &hyper(1e-2)).unwrap_err();
-                assert!(matches!(err, ExecError::Injected { .. }), "{name}: {err}");
-                let after = exec.export().unwrap();
-                assert_eq!(before.0, after.0, "{name}: parameters changed");
-                assert_eq!(before.1, after.1, "{name}: m changed");
-                assert_eq!(before.2, after.2, "{name}: v changed");
-                assert_eq!(exec.steps(), steps, "{name}: the failed step was counted");
-            }
-            for s in good..good + 2 {
-                exec.step(&refs(s), &hyper(1e-2)).unwrap();
-            }
-            exec.export().unwrap()
+            (exec, nvme)
         };
-        let clean = run(None);
+        let (before, after) = (
+            start(good).0.export().unwrap(),
+            start(good + 1).0.export().unwrap(),
+        );
+        let steps = start(good).0.steps();
+        // Outcomes by position: (no block committed, some, all).
+        let mut outcomes = [0usize; 3];
         for op in 0..plan.ops.len() {
-            assert_eq!(
-                run(Some(op)),
-                clean,
-                "{}, delayed {delayed}: after a failure at {} and a retry",
-                plan.policy,
-                plan.ops[op].kind.label()
-            );
+            // Every operation returns an error; the update's also panic.
+            let faults: &[Fault] = if plan.ops[op].update {
+                &[Fault::Error, Fault::Panic]
+            } else {
+                &[Fault::Error]
+            };
+            for &fault in faults {
+                let what = format!(
+                    "{}, delayed {delayed}: {fault:?} at {} ({op})",
+                    plan.policy,
+                    plan.ops[op].kind.label()
+                );
+                let (mut exec, _nvme) = start(good);
+                exec.fail_next_at(op, fault);
+                let err = exec.step(&refs(good), &hyper(1e-2)).unwrap_err();
+                match fault {
+                    Fault::Error => {
+                        assert!(matches!(err, ExecError::Injected { .. }), "{what}: {err}")
+                    }
+                    Fault::Panic => {
+                        assert!(matches!(err, ExecError::Panicked { .. }), "{what}: {err}")
+                    }
+                }
+                let committed = assert_blocks_whole(&what, &exec, &before, &after, steps);
+                let n = committed.iter().filter(|&&c| c).count();
+                outcomes[if n == 0 {
+                    0
+                } else if n < committed.len() {
+                    1
+                } else {
+                    2
+                }] += 1;
+                exec.step(&refs(good), &hyper(1e-2)).unwrap();
+                assert_retry_applies_once(
+                    &what,
+                    &mut exec,
+                    &committed,
+                    &after,
+                    steps,
+                    &model,
+                    &plan,
+                    &refs(good + 1),
+                );
+            }
         }
+        // The table of outcomes in the note (`--nocapture` shows it).
+        eprintln!(
+            "{}, delayed {delayed}: {} operations; failures leaving no block committed {}, some {}, all {}",
+            plan.policy,
+            plan.ops.len(),
+            outcomes[0],
+            outcomes[1],
+            outcomes[2]
+        );
     }
 }
 

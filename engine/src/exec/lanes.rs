@@ -22,10 +22,10 @@ use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, GradStats, Grads, State, g
 use strata_kernels::isa::Isa;
 use strata_kernels::program::{Scalars, read_stats};
 
-use super::{ExecError, Executor, Norm, StepShared, panic_message};
+use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
 use crate::device::{Bindings, Device, Event, Lane, cast, cast_mut};
 use crate::model::{Bind, Pass, TensorSpec};
-use crate::plan::{Binds, BufId, GradSource, OpId, OpKind, Precision};
+use crate::plan::{Binds, BufId, GradSource, OpId, OpKind, Precision, Tier};
 
 /// Whether `e` only says the lane stopped for another's failure.
 pub(super) fn is_abort(e: &ExecError) -> bool {
@@ -68,10 +68,14 @@ impl Executor {
                 {
                     panic!("injected panic");
                 }
-                if shared.fail_at == Some(id.index()) {
-                    return Err(ExecError::Injected {
-                        op: self.plan.op(id).kind.label().to_string(),
-                    });
+                match shared.fail_at {
+                    Some((at, Fault::Error)) if at == id.index() => {
+                        return Err(ExecError::Injected {
+                            op: self.plan.op(id).kind.label().to_string(),
+                        });
+                    }
+                    Some((at, Fault::Panic)) if at == id.index() => panic!("injected panic"),
+                    _ => {}
                 }
                 if lane.is_stream() {
                     self.submit_op(lane, id, shared, &mut in_flight, &mut after)
@@ -334,6 +338,9 @@ impl Executor {
                 state,
                 params,
             } => {
+                if self.applied[block].load(Ordering::Acquire) >= shared.adam_step {
+                    return Ok(None); // committed before a failure: a retry skips it
+                }
                 let Norm { coef, skip, .. } = *self.norm.lock().unwrap_or_else(|e| e.into_inner());
                 let [decayed, plain] = self.adam_steps(shared, coef)?;
                 let scalars = Scalars {
@@ -402,7 +409,7 @@ impl Executor {
                     .lease(lane, self.host_range(into), true)
                     .map_err(err)?;
                 store
-                    .read(self.extent(from), lease)
+                    .read(self.extent(from)?, lease)
                     .wait()
                     .0
                     .map_err(storage)
@@ -424,7 +431,7 @@ impl Executor {
                     .lease(lane, self.host_range(from), false)
                     .map_err(err)?;
                 store
-                    .write(self.extent(to), lease)
+                    .write(self.extent(to)?, lease)
                     .wait()
                     .0
                     .map_err(storage)
@@ -498,6 +505,19 @@ impl Executor {
                 state,
                 params_out,
             } => self.host_adamw(block, grads, state, params_out, shared),
+            OpKind::Commit { block } => {
+                if self.skipped() {
+                    return Ok(());
+                }
+                self.extents
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .commit(&self.plan, block);
+                if self.plan.homes[block][2] == Tier::Nvme {
+                    self.applied[block].store(shared.adam_step, Ordering::Release);
+                }
+                Ok(())
+            }
             _ => unreachable!("{} is not a host operation", label()),
         }
     }
@@ -555,6 +575,12 @@ impl Executor {
             .host
             .write(Lane::Cpu, self.host_range(params_out).prefix(len * pbytes))
             .map_err(err)?;
+        if self.applied[block].load(Ordering::Acquire) >= shared.adam_step {
+            // Committed before a failure of this step: the retry applies nothing again,
+            // and writes the working parameters anew from the master copy.
+            super::write_working(precision, master, &mut out);
+            return Ok(());
+        }
         let tensors = &self.model.blocks()[block].tensors;
         let (isa, threads) = (self.cpu.isa, self.optimizer_threads);
         let update = |out: WorkingOut<'_>, master: &mut [f32], m: &mut [f32], v: &mut [f32]| {
@@ -578,6 +604,10 @@ impl Executor {
             }
             Precision::Bf16 => update(WorkingOut::Bf16(cast_mut::<bf16>(&mut out)), master, m, v)?,
             Precision::Fp16 => update(WorkingOut::F16(cast_mut::<f16>(&mut out)), master, m, v)?,
+        }
+        if self.plan.homes[block][2] == Tier::Host {
+            // Updated in place: applied now (NVMe-homed state counts at its commit).
+            self.applied[block].store(shared.adam_step, Ordering::Release);
         }
         Ok(())
     }

@@ -15,11 +15,15 @@
 //!   needs a stream's result waits on the event on the host; a stream operation that
 //!   needs a host operation's result is submitted only once it is done. The compute lane
 //!   runs at most [`ExecConfig::run_ahead`] operations ahead of the device.
-//! - Data homed on NVMe that a step rewrites has A/B extents; the step reads the current
-//!   side and writes the other, and the sides swap only after every operation of the
-//!   step succeeded. Host- and device-homed state is updated only after every NVMe
-//!   transfer of the step when the plan has any (the planner orders it so). A step failed
-//!   by the NVMe tier therefore returns an error with every parameter as it was.
+//! - Each block's update commits on its own. NVMe-homed data is shadow-paged: the update
+//!   writes the block's new state (and working parameters) to spare extents, checksummed,
+//!   and the block's commit operation makes them current (a pair of extents swapped at
+//!   the step's end only for working parameters a delayed update rewrites). Host- and
+//!   device-homed state is updated in place by one operation. Each block counts the
+//!   updates applied to it ([`Executor::block_steps`]): a step that fails leaves every
+//!   block wholly as before it or wholly updated, and a retry of the step applies no
+//!   block's update twice (a block that committed only rewrites its working parameters
+//!   from its master copy, in case they were not written).
 //! - A failure or a panic on any lane ends the step with an error naming the lane and
 //!   the operation; the other lanes stop at their next wait, and the device is drained
 //!   before the step returns.
@@ -58,12 +62,15 @@ use crate::device::{
 use crate::error::EngineError;
 use crate::memory::{DeviceBuffer, HostArena, HostRange};
 use crate::model::{Model, ModelError, Pass, update};
-use crate::plan::{BufId, BufKind, ExtentSide, OpId, Plan, Precision, SlotId, Tier};
+use crate::plan::{
+    BufId, BufKind, ExtentKind, ExtentSide, OpId, OpKind, Plan, Precision, SlotId, Tier,
+};
 
 /// Why a step (or setting up the executor) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
-    /// An NVMe transfer failed; the step changed nothing.
+    /// An NVMe transfer failed; blocks that committed before it keep their update
+    /// ([`Executor::block_steps`]), the others are as before the step.
     #[error("{op}: {source}")]
     Storage {
         /// The operation.
@@ -261,7 +268,7 @@ struct StepShared<'a> {
     /// operations against it).
     origin: Option<Event>,
     /// The operation that fails on purpose in this run ([`Executor::fail_next_at`]).
-    fail_at: Option<usize>,
+    fail_at: Option<(usize, Fault)>,
 }
 
 /// Per-operation state of the step being run.
@@ -291,14 +298,18 @@ pub struct Executor {
     run_ahead: usize,
     chaos: Option<u64>,
     panic_at: Option<String>,
-    fail_at: Option<usize>,
+    fail_at: Option<(usize, Fault)>,
     store: Option<TensorStore>,
-    /// Per extent group: (side A, side B) (equal for single extents).
-    extents: Vec<(ExtentId, ExtentId)>,
+    /// Where each NVMe extent group's data is, and the spares.
+    extents: Mutex<ExtentTable>,
     /// Which side of each pair is current: A when even.
     generation: u64,
-    /// Steps applied (AdamW's step counter).
+    /// Steps applied to every block (AdamW's step counter after a step that succeeded).
     steps: u64,
+    /// Per block, the updates applied to its optimizer state: `steps`, or `steps + 1`
+    /// for a block that committed the update of a step that then failed (a retry does
+    /// not apply it again, and rewrites its working parameters from the master copy).
+    applied: Vec<AtomicU64>,
     /// Dependencies for a whole step, a step without the update, and the update alone:
     /// a skipped operation's dependents wait for its own dependencies instead, so that
     /// orderings through it (slot reuse) still hold.
@@ -317,6 +328,94 @@ pub struct Executor {
     histograms: Mutex<Vec<(&'static str, Histogram<u64>)>>,
     /// The threads the lanes run on, started with the executor and reused by every step.
     lane_threads: workers::LaneThreads,
+}
+
+/// How an operation fails on purpose ([`Executor::fail_next_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// It returns an error.
+    Error,
+    /// Its lane panics.
+    Panic,
+}
+
+/// Where each NVMe extent group's data is ([`crate::plan::ExtentKind`]), and the spares
+/// shadow paging writes to.
+#[derive(Debug, Default)]
+struct ExtentTable {
+    /// Per group: its extent (single, shadow-paged: the current one), or side A (pair).
+    cur: Vec<ExtentId>,
+    /// Per group: side B (pair), or the spare this step's update wrote (shadow-paged,
+    /// until the block commits).
+    other: Vec<Option<ExtentId>>,
+    /// Free spares, per allocated size.
+    spares: Vec<(u64, Vec<ExtentId>)>,
+}
+
+impl ExtentTable {
+    /// Allocates every group's extents and the plan's spares in `store`.
+    fn allocate(store: &TensorStore, plan: &Plan) -> Result<Self, StorageError> {
+        let mut table = ExtentTable::default();
+        for g in &plan.extent_groups {
+            let (a, b) = match g.kind {
+                ExtentKind::Pair => (".a", Some(".b")),
+                _ => ("", None),
+            };
+            table
+                .cur
+                .push(store.allocate(&format!("{}{a}", g.name), g.bytes)?);
+            table.other.push(match b {
+                Some(b) => Some(store.allocate(&format!("{}{b}", g.name), g.bytes)?),
+                None => None,
+            });
+        }
+        for (i, &(bytes, n)) in plan.spares.iter().enumerate() {
+            let ids = (0..n)
+                .map(|j| store.allocate(&format!("spare.{i}.{j}"), bytes))
+                .collect::<Result<Vec<_>, _>>()?;
+            table.spares.push((bytes, ids));
+        }
+        Ok(table)
+    }
+
+    fn take_spare(&mut self, bytes: u64) -> Option<ExtentId> {
+        self.spares
+            .iter_mut()
+            .find(|(b, _)| *b == bytes)
+            .and_then(|(_, ids)| ids.pop())
+    }
+
+    fn put_spare(&mut self, bytes: u64, id: ExtentId) {
+        match self.spares.iter_mut().find(|(b, _)| *b == bytes) {
+            Some((_, ids)) => ids.push(id),
+            None => self.spares.push((bytes, vec![id])),
+        }
+    }
+
+    /// Makes the spare block `block`'s update wrote to each of its shadow-paged groups
+    /// current; the old extents become spares.
+    fn commit(&mut self, plan: &Plan, block: usize) {
+        for (g, e) in plan.extent_groups.iter().enumerate() {
+            if e.block == block
+                && e.kind == ExtentKind::Shadow
+                && let Some(new) = self.other[g].take()
+            {
+                let old = std::mem::replace(&mut self.cur[g], new);
+                self.put_spare(e.allocated_bytes(), old);
+            }
+        }
+    }
+
+    /// Gives back the spares a failed step wrote to but never committed.
+    fn unstage(&mut self, plan: &Plan) {
+        for (g, e) in plan.extent_groups.iter().enumerate() {
+            if e.kind == ExtentKind::Shadow
+                && let Some(id) = self.other[g].take()
+            {
+                self.put_spare(e.allocated_bytes(), id);
+            }
+        }
+    }
 }
 
 /// A failure's message from a panic payload.
@@ -362,7 +461,7 @@ impl Executor {
         )
         .map_err(setup)?;
         let (store, extents) = if plan.extent_groups.is_empty() {
-            (None, Vec::new())
+            (None, ExtentTable::default())
         } else if config.nvme_dirs.is_empty() {
             return Err(ExecError::BadInput(format!(
                 "plan {} keeps data on NVMe, but no folder for swap files was given",
@@ -376,20 +475,7 @@ impl Executor {
             cfg.faults = config.faults.clone();
             let store = TensorStore::create(cfg).map_err(ExecError::Tier)?;
             host.register_with(&store).map_err(setup)?;
-            let mut extents = Vec::new();
-            for g in &plan.extent_groups {
-                let a = store
-                    .allocate(&format!("{}.a", g.name), g.bytes)
-                    .map_err(ExecError::Tier)?;
-                let b = if g.paired {
-                    store
-                        .allocate(&format!("{}.b", g.name), g.bytes)
-                        .map_err(ExecError::Tier)?
-                } else {
-                    a
-                };
-                extents.push((a, b));
-            }
+            let extents = ExtentTable::allocate(&store, &plan).map_err(ExecError::Tier)?;
             (Some(store), extents)
         };
         let target = shape.target;
@@ -443,9 +529,10 @@ impl Executor {
             panic_at: config.panic_at.clone(),
             fail_at: None,
             store,
-            extents,
+            extents: Mutex::new(extents),
             generation: 0,
             steps: 0,
+            applied: (0..nb).map(|_| AtomicU64::new(0)).collect(),
             slot_of: plan.buffers.iter().map(|b| b.slot).collect(),
             deps: [
                 effective_deps(&plan, |_| true),
@@ -516,6 +603,19 @@ impl Executor {
     /// Sets the optimizer step counter (resuming from a checkpoint).
     pub fn set_steps(&mut self, steps: u64) {
         self.steps = steps;
+        for a in &self.applied {
+            a.store(steps, Ordering::Relaxed);
+        }
+    }
+
+    /// Per block, the updates applied to its optimizer state. After a step that
+    /// succeeded, each equals [`Executor::steps`]; after one that failed, a block whose
+    /// update had committed counts one more (and a retry of the step skips its AdamW).
+    pub fn block_steps(&self) -> Vec<u64> {
+        self.applied
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// Bytes allocated per tier at setup ([`Tier::index`]): the device range, the host
@@ -572,19 +672,36 @@ impl Executor {
             .collect()
     }
 
-    fn extent(&self, buf: BufId) -> ExtentId {
+    /// The extent an operation on `buf` touches. The `Next` side of a shadow-paged group
+    /// takes a spare (kept until the block commits or the next step starts).
+    fn extent(&self, buf: BufId) -> Result<ExtentId, ExecError> {
         let BufKind::Extent { group, side } = self.plan.buffer(buf).kind else {
             panic!("buffer {} is not an extent", self.plan.buffer(buf).name);
         };
-        let (a, b) = self.extents[group];
+        let kind = self.plan.extent_groups[group].kind;
+        let mut table = self.extents.lock().unwrap_or_else(|e| e.into_inner());
         let current_is_a = self.generation.is_multiple_of(2);
-        match side {
-            ExtentSide::Single => a,
-            ExtentSide::Current if current_is_a => a,
-            ExtentSide::Current => b,
-            ExtentSide::Next if current_is_a => b,
-            ExtentSide::Next => a,
-        }
+        let (cur, other) = (table.cur[group], table.other[group]);
+        Ok(match (kind, side) {
+            (ExtentKind::Pair, ExtentSide::Current) if !current_is_a => other.expect("pair"),
+            (ExtentKind::Pair, ExtentSide::Next) if current_is_a => other.expect("pair"),
+            (ExtentKind::Shadow, ExtentSide::Next) => match other {
+                Some(staged) => staged,
+                None => {
+                    let bytes = self.plan.extent_groups[group].allocated_bytes();
+                    let spare = table.take_spare(bytes).ok_or_else(|| {
+                        ExecError::BadInput(format!(
+                            "no spare extent of {bytes} bytes for {}: the plan's spares are \
+                             all held (a planning error)",
+                            self.plan.extent_groups[group].name
+                        ))
+                    })?;
+                    table.other[group] = Some(spare);
+                    spare
+                }
+            },
+            _ => cur,
+        })
     }
 
     /// Where buffer `buf` lives in the device arena.
@@ -736,7 +853,7 @@ impl Executor {
                         .read(Lane::Cpu, src)
                         .map_err(self.device_error("loading"))?,
                 );
-                let (r, _) = store.write(self.extent(home), buf).wait();
+                let (r, _) = store.write(self.extent(home)?, buf).wait();
                 r.map_err(|source| ExecError::Storage {
                     op: format!("writing {name}"),
                     source,
@@ -762,7 +879,7 @@ impl Executor {
                     let store = self.store.as_ref().expect("store");
                     let (r, buf) = store
                         .read(
-                            self.extent(home),
+                            self.extent(home)?,
                             AlignedBuf::zeroed((12 * len).next_multiple_of(4096)),
                         )
                         .wait();
@@ -879,10 +996,11 @@ impl Executor {
     }
 
     /// Fault injection (tests): in the next step or flush only, the operation at index
-    /// `op` of the plan fails with [`ExecError::Injected`] when its lane reaches it,
-    /// instead of running.
-    pub fn fail_next_at(&mut self, op: usize) {
-        self.fail_at = Some(op);
+    /// `op` of the plan fails when its lane reaches it, instead of running: with
+    /// [`ExecError::Injected`], or by panicking ([`Fault::Panic`]; the step returns
+    /// [`ExecError::Panicked`]).
+    pub fn fail_next_at(&mut self, op: usize, fault: Fault) {
+        self.fail_at = Some((op, fault));
     }
 
     /// Whether a delayed update is waiting to be applied.
@@ -920,6 +1038,10 @@ impl Executor {
             .fill(None);
         self.stamp += 1;
         self.failed.store(false, Ordering::SeqCst);
+        self.extents
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .unstage(&self.plan);
         for (id, op) in self.plan.ops.iter().enumerate() {
             let state = &self.ops[id];
             state.span[0].store(0, Ordering::Relaxed);
@@ -962,6 +1084,21 @@ impl Executor {
         let errors = self.lane_threads.run_step(self, &shared, lanes);
         // Whatever happened, nothing the step queued may still run when it returns.
         let drained = self.device.synchronize();
+        let skipped = self.norm.lock().unwrap_or_else(|e| e.into_inner()).skip;
+        if drained.is_ok() && !skipped {
+            // The device's updates that ran are applied, whatever failed after them.
+            for (id, op) in self.plan.ops.iter().enumerate() {
+                if let OpKind::DeviceUpdate { block, .. } = op.kind
+                    && self.ops[id]
+                        .event
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .is_some()
+                {
+                    self.applied[block].store(shared.adam_step, Ordering::Relaxed);
+                }
+            }
+        }
         let seconds = shared.start.elapsed().as_secs_f64();
         if let Some(first) = errors.into_iter().find(|e| !lanes::is_abort(e)) {
             return Err(first);

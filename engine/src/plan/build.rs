@@ -7,9 +7,11 @@
 //!    (device- or host-resident) and NVMe extents, and the step's transient buffers:
 //!    device parameter copies per use group, checkpoints, activation gradients,
 //!    per-micro-batch gradients, staging. Data homed on NVMe that a step rewrites
-//!    (working parameters, optimizer state) has two extents, A and B: a step reads the
-//!    current side and writes the other, and the sides swap only when the whole step
-//!    succeeded, so a failed step leaves the previous state intact.
+//!    (working parameters, optimizer state) is shadow-paged ([`ExtentKind::Shadow`]): a
+//!    block's update writes its new data to a spare extent of the same size, and the
+//!    block's commit operation flips the group to it, the old extent becoming the spare;
+//!    NVMe holds the state once plus a spare per size (an A/B pair only for working
+//!    parameters a delayed update rewrites while the step still reads them).
 //! 3. Emission ([`Planner::emit`]), in one canonical order, a topological order of the
 //!    step: the compute sequence (forward blocks, the head's forward and backward,
 //!    backward blocks), with fetches placed `depth` compute operations ahead of their use
@@ -73,7 +75,7 @@ pub enum BufKind {
     Device,
     /// Bytes in the pinned host arena (4096-aligned, for O_DIRECT).
     Host,
-    /// One NVMe extent, or one side of an A/B pair.
+    /// One NVMe extent group, the side an operation touches.
     Extent {
         /// Index into [`Plan::extent_groups`].
         group: usize,
@@ -89,10 +91,26 @@ pub enum BufKind {
 pub enum ExtentSide {
     /// The group has one extent.
     Single,
-    /// The side holding the state before this step.
+    /// The extent holding the data before this step's update.
     Current,
-    /// The side this step writes; current after the step commits.
+    /// The extent this step's update writes; current once the block commits (shadow) or
+    /// the step ends (pair).
     Next,
+}
+
+/// How an extent group keeps its data from step to step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExtentKind {
+    /// One extent, written and read within a step (activation checkpoints).
+    Single,
+    /// Two extents, A and B: a step reads one and writes the other, and they swap after
+    /// a step that applied an update. For working parameters a delayed update rewrites
+    /// while the same step's compute still reads the old ones.
+    Pair,
+    /// Shadow paging: the update writes the new data to a spare extent of the same size
+    /// (from [`Plan::spares`]); the block's [`OpKind::Commit`] makes it current and the
+    /// old one a spare. A failed step leaves every uncommitted block's old extent in place.
+    Shadow,
 }
 
 /// Extents on the NVMe tier that belong together.
@@ -102,12 +120,40 @@ pub struct Extent {
     pub name: String,
     /// Bytes of one extent.
     pub bytes: u64,
-    /// A/B pair (state rewritten every step) or one extent (checkpoints).
-    pub paired: bool,
+    /// How it is kept across steps.
+    pub kind: ExtentKind,
     /// The block.
     pub block: usize,
     /// The class of its data.
     pub class: TensorClass,
+}
+
+impl Extent {
+    /// Bytes one extent of the group takes in a swap file (rounded up to 4096).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.bytes.next_multiple_of(4096)
+    }
+
+    /// Bytes the group's own extents take (a pair two, spares not counted).
+    pub fn stored_bytes(&self) -> u64 {
+        self.allocated_bytes() * if self.kind == ExtentKind::Pair { 2 } else { 1 }
+    }
+}
+
+/// The spares shadow paging needs: for each allocated size of the shadow-paged groups,
+/// as many as one block has groups of that size (a block's commit holds them until it
+/// flips; the NVMe write lane commits block by block, in order).
+fn spare_extents(groups: &[Extent]) -> Vec<(u64, usize)> {
+    let mut per_block: std::collections::BTreeMap<(usize, u64), usize> = Default::default();
+    for g in groups.iter().filter(|g| g.kind == ExtentKind::Shadow) {
+        *per_block.entry((g.block, g.allocated_bytes())).or_default() += 1;
+    }
+    let mut spares: std::collections::BTreeMap<u64, usize> = Default::default();
+    for ((_, bytes), n) in per_block {
+        let most = spares.entry(bytes).or_default();
+        *most = (*most).max(n);
+    }
+    spares.into_iter().collect()
 }
 
 /// One logical buffer.
@@ -319,6 +365,14 @@ pub enum OpKind {
         /// Device working parameters, written.
         params: BufId,
     },
+    /// Makes a block's update durable (NVMe write lane, after the block's NVMe writes):
+    /// each shadow-paged group of the block the update wrote becomes current, its old
+    /// extent a spare, and the block counts the step as applied when its optimizer state
+    /// is on NVMe. Skipped with the update.
+    Commit {
+        /// Block.
+        block: usize,
+    },
 }
 
 impl OpKind {
@@ -357,6 +411,7 @@ impl OpKind {
             OpKind::GradNorm { .. } => ("grad norm", None),
             OpKind::Optimizer { block, .. } => ("adamw", Some(block)),
             OpKind::DeviceUpdate { block, .. } => ("device adamw", Some(block)),
+            OpKind::Commit { block } => ("commit", Some(block)),
         };
         OpLabel { what, block }
     }
@@ -379,11 +434,12 @@ impl OpKind {
             } => "backward",
             OpKind::DeviceStats { .. } | OpKind::GradNorm { .. } => "grad-norm",
             OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => "adamw",
+            OpKind::Commit { .. } => "commit",
         }
     }
 
     /// Every kind name [`OpKind::kind_name`] returns.
-    pub const KIND_NAMES: [&'static str; 9] = [
+    pub const KIND_NAMES: [&'static str; 10] = [
         "nvme-read",
         "nvme-write",
         "h2d",
@@ -393,6 +449,7 @@ impl OpKind {
         "backward",
         "grad-norm",
         "adamw",
+        "commit",
     ];
 }
 
@@ -453,6 +510,9 @@ pub struct Plan {
     pub slots: Vec<SlotPlan>,
     /// NVMe extent groups.
     pub extent_groups: Vec<Extent>,
+    /// Spare extents for shadow paging: (bytes of each, how many), one entry per size of
+    /// the shadow-paged groups, as many as one block's commit can hold at once.
+    pub spares: Vec<(u64, usize)>,
     /// Peak bytes per tier ([`Tier::index`]): the sum of the tier's slots (and extents).
     pub peak: [u64; 3],
     /// Bytes per step over each link: NVMe read, NVMe write, H2D, D2H.
@@ -763,14 +823,14 @@ impl<'a> Planner<'a> {
         &mut self,
         name: String,
         bytes: u64,
-        paired: bool,
+        kind: ExtentKind,
         block: usize,
         class: TensorClass,
     ) -> (BufId, BufId) {
         self.extent_groups.push(Extent {
             name: name.clone(),
             bytes,
-            paired,
+            kind,
             block,
             class,
         });
@@ -787,14 +847,14 @@ impl<'a> Planner<'a> {
             });
             BufId::of(self.buffers.len() - 1)
         };
-        if paired {
+        if kind == ExtentKind::Single {
+            let id = side(ExtentSide::Single, "");
+            (id, id)
+        } else {
             (
                 side(ExtentSide::Current, ".cur"),
                 side(ExtentSide::Next, ".next"),
             )
-        } else {
-            let id = side(ExtentSide::Single, "");
-            (id, id)
         }
     }
 
@@ -833,7 +893,11 @@ impl<'a> Planner<'a> {
                 Tier::Nvme => self.extents(
                     format!("params.{b}"),
                     len * self.pbytes,
-                    true,
+                    if delayed {
+                        ExtentKind::Pair
+                    } else {
+                        ExtentKind::Shadow
+                    },
                     b,
                     TensorClass::Params,
                 ),
@@ -846,7 +910,7 @@ impl<'a> Planner<'a> {
                 Tier::Nvme => self.extents(
                     format!("adam.{b}"),
                     12 * len,
-                    true,
+                    ExtentKind::Shadow,
                     b,
                     TensorClass::Optimizer,
                 ),
@@ -897,7 +961,7 @@ impl<'a> Planner<'a> {
                     self.extents(
                         format!("ckpt.{i}"),
                         act,
-                        false,
+                        ExtentKind::Single,
                         i + 1,
                         TensorClass::Checkpoints,
                     )
@@ -1152,22 +1216,11 @@ impl<'a> Planner<'a> {
         let nb = self.nb();
         let delayed = self.shape.delayed_update;
         let last_micro = self.shape.grad_accum - 1;
-        let any_nvme = self
-            .homes
-            .iter()
-            .any(|h| h.params == Tier::Nvme || h.state == Tier::Nvme)
-            || self.ckpt_tier.contains(&Tier::Nvme);
-        // Blocks whose optimizer state is updated in place (host or device homes) wait
-        // for every NVMe transfer of the step when there are any, so that a failed
-        // transfer leaves every block as it was (NVMe homes are protected by their A/B
-        // sides).
-        let deferred = |p: &Self, b: usize| any_nvme && p.homes[b].state != Tier::Nvme;
         let mut pending: Vec<usize> = Vec::new();
-        let mut deferred_updates: Vec<usize> = Vec::new();
         // A delayed update applies the last step's gradients block by block in forward
         // order, spread evenly over this step's compute sequence, which it overlaps.
         let delayed_order: Vec<usize> = if delayed {
-            (0..nb).filter(|&b| !deferred(self, b)).collect()
+            (0..nb).collect()
         } else {
             Vec::new()
         };
@@ -1232,9 +1285,7 @@ impl<'a> Planner<'a> {
             if let Some(b) = finished {
                 self.gradients_out(b, m);
                 if m == last_micro {
-                    if deferred(self, b) {
-                        deferred_updates.push(b);
-                    } else if delayed {
+                    if delayed {
                         // Applied during the next step.
                     } else if self.norm_flag.is_some() {
                         pending.push(b);
@@ -1254,18 +1305,6 @@ impl<'a> Planner<'a> {
             self.emit_update(b);
             if let Some(&next) = pending.get(i + self.depth) {
                 self.read_state(next);
-            }
-        }
-        if !deferred_updates.is_empty() {
-            // After every NVMe transfer of the step.
-            let nvme: Vec<OpId> = (0..self.ops.len())
-                .filter(|&o| matches!(self.ops[o].lane, Lane::NvmeRead | Lane::NvmeWrite))
-                .map(OpId::of)
-                .collect();
-            for b in deferred_updates {
-                let first = self.ops.len();
-                self.emit_update(b);
-                self.ops[first].deps.extend(&nvme);
             }
         }
     }
@@ -1663,8 +1702,17 @@ impl<'a> Planner<'a> {
         if self.homes[b].state == Tier::Nvme {
             self.nvme_write(state, self.s_home[b].1, 12 * len, true);
         }
+        let mut commit = Vec::new();
+        if self.homes[b].state == Tier::Nvme {
+            commit.push(self.s_home[b].1);
+        }
         match self.homes[b].params {
-            Tier::Nvme => self.nvme_write(params_out, self.p_home[b].1, len * self.pbytes, true),
+            Tier::Nvme => {
+                self.nvme_write(params_out, self.p_home[b].1, len * self.pbytes, true);
+                if !self.shape.delayed_update {
+                    commit.push(self.p_home[b].1);
+                }
+            }
             Tier::Device => {
                 let to = self.p_home[b].1;
                 self.copy_in(
@@ -1676,6 +1724,11 @@ impl<'a> Planner<'a> {
                 );
             }
             Tier::Host => {}
+        }
+        if !commit.is_empty() {
+            // After the block's writes (write after write on their extents).
+            let access = commit.into_iter().map(Access::Write).collect();
+            self.op(Lane::NvmeWrite, OpKind::Commit { block: b }, access);
         }
         self.mark_update(first);
     }
@@ -1708,10 +1761,13 @@ impl<'a> Planner<'a> {
         for tier in [Tier::Device, Tier::Host] {
             peak[tier.index()] = super::memory::arena_bytes(&slots, tier);
         }
-        for e in &self.extent_groups {
-            peak[Tier::Nvme.index()] +=
-                e.bytes.next_multiple_of(4096) * if e.paired { 2 } else { 1 };
-        }
+        let spares = spare_extents(&self.extent_groups);
+        peak[Tier::Nvme.index()] = self
+            .extent_groups
+            .iter()
+            .map(Extent::stored_bytes)
+            .chain(spares.iter().map(|&(bytes, n)| bytes * n as u64))
+            .sum();
         let mut lanes: [Vec<OpId>; Lane::COUNT] = Default::default();
         let mut link_bytes = [0u64; 4];
         for (id, op) in ops.iter().enumerate() {
@@ -1749,6 +1805,7 @@ impl<'a> Planner<'a> {
             buffers,
             slots,
             extent_groups: self.extent_groups,
+            spares,
             peak,
             link_bytes,
             block_homes,

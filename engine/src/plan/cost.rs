@@ -102,6 +102,8 @@ impl CostModel {
                 op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
             }
             OpKind::Compute { .. } | OpKind::Accumulate { .. } => op.flops / self.compute_flops,
+            // Bookkeeping: no bytes move.
+            OpKind::Commit { .. } => 0.0,
         }
     }
 

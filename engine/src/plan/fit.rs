@@ -2,7 +2,7 @@
 //! much, and what would fit instead (a lower prefetch depth, a smaller micro-batch with
 //! more accumulation, other built-in policies).
 
-use super::build::{BufKind, ExtentSide, Plan};
+use super::build::{BufKind, ExtentKind, ExtentSide, Plan};
 use super::{PlanError, PlanInput, Policy, Shortfall, TensorClass, Tier};
 use crate::model::BlockKind;
 
@@ -59,16 +59,28 @@ impl Plan {
             };
             let bytes = match b.kind {
                 BufKind::Extent { group, side } => {
-                    let e = &self.extent_groups[group];
                     if side == ExtentSide::Next {
                         0
                     } else {
-                        e.bytes.next_multiple_of(4096) * if e.paired { 2 } else { 1 }
+                        self.extent_groups[group].stored_bytes()
                     }
                 }
                 _ => b.bytes,
             };
             out.iter_mut().find(|(c, _)| *c == class).expect("listed").1[b.tier.index()] += bytes;
+        }
+        // Shadow paging's spares, with the class of the groups of their size.
+        for &(bytes, n) in &self.spares {
+            if let Some(g) = self
+                .extent_groups
+                .iter()
+                .find(|g| g.kind == ExtentKind::Shadow && g.allocated_bytes() == bytes)
+            {
+                out.iter_mut()
+                    .find(|(c, _)| *c == g.class)
+                    .expect("listed")
+                    .1[Tier::Nvme.index()] += bytes * n as u64;
+            }
         }
         out
     }

@@ -21,8 +21,8 @@ use std::fmt;
 
 pub use crate::device::Lane;
 pub use build::{
-    Access, Binds, BufId, BufKind, BufferPlan, Extent, ExtentSide, GradSource, Op, OpId, OpKind,
-    OpLabel, Plan, SlotId, SlotPlan,
+    Access, Binds, BufId, BufKind, BufferPlan, Extent, ExtentKind, ExtentSide, GradSource, Op,
+    OpId, OpKind, OpLabel, Plan, SlotId, SlotPlan,
 };
 pub use cost::{CostModel, Prediction};
 
