@@ -30,12 +30,16 @@ static COUNTING: AtomicBool = AtomicBool::new(false);
 static BIG_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 static LARGEST: AtomicUsize = AtomicUsize::new(0);
 static ALL_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+static GEMM_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 
 // SAFETY: forwards to the system allocator; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if COUNTING.load(Ordering::Relaxed) {
             ALL_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+            if inside_gemm() {
+                GEMM_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+            }
         }
         if COUNTING.load(Ordering::Relaxed) && layout.size() >= BIG && !inside_gemm() {
             BIG_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
@@ -113,6 +117,7 @@ fn steps_after_the_first_allocate_no_buffers() {
         exec.step(&batches, &params).unwrap();
         BIG_ALLOCATIONS.store(0, Ordering::SeqCst);
         ALL_ALLOCATIONS.store(0, Ordering::SeqCst);
+        GEMM_ALLOCATIONS.store(0, Ordering::SeqCst);
         COUNTING.store(true, Ordering::SeqCst);
         for _ in 0..4 {
             exec.step(&batches, &params).unwrap();
@@ -120,9 +125,10 @@ fn steps_after_the_first_allocate_no_buffers() {
         COUNTING.store(false, Ordering::SeqCst);
         let ops = exec.plan().ops.len();
         println!(
-            "{}: {} allocations of any size in 4 steps of {ops} operations",
+            "{}: {} allocations of any size in 4 steps of {ops} operations, {} of them inside gemm",
             policy.name(),
-            ALL_ALLOCATIONS.load(Ordering::SeqCst)
+            ALL_ALLOCATIONS.load(Ordering::SeqCst),
+            GEMM_ALLOCATIONS.load(Ordering::SeqCst)
         );
         let count = BIG_ALLOCATIONS.load(Ordering::SeqCst);
         assert_eq!(

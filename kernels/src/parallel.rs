@@ -83,19 +83,60 @@ pub fn for_each_range<F>(len: usize, threads: usize, align: usize, f: F)
 where
     F: Fn(Range<usize>) + Sync,
 {
-    let mut ranges = split_ranges(len, threads, align);
-    let Some(first) = ranges.next() else { return };
-    if ranges.len == first.end {
-        f(first);
-        return;
+    for_each_split(len, threads, align, (), &|(), _| ((), ()), &|r, ()| f(r));
+}
+
+/// Runs `f(range, piece)` for each range of [`split_ranges`]`(len, threads, align)`, where
+/// `piece` is the part of `data` that `split` cuts out for it (`split(data, n)` gives the
+/// first `n` of `data`'s rows and the rest), and returns when all have finished.
+///
+/// The ranges are halved recursively with `rayon::join` inside the pool, whose jobs live
+/// on the stack: a call allocates nothing (a scope's spawned jobs are boxed, one heap
+/// allocation each, thousands per training step). With one range it runs on the calling
+/// thread.
+pub fn for_each_split<S, F>(
+    len: usize,
+    threads: usize,
+    align: usize,
+    data: S,
+    split: &(dyn Fn(S, usize) -> (S, S) + Sync),
+    f: &F,
+) where
+    S: Send,
+    F: Fn(Range<usize>, S) + Sync,
+{
+    let step = split_ranges(len, threads, align).step.max(1);
+    let parts = len.div_ceil(step);
+    match parts {
+        0 => {}
+        1 => f(0..len, data),
+        _ => pool().install(|| halves(0, parts, step, len, data, split, f)),
     }
-    let f = &f;
-    scope(|s| {
-        for range in ranges {
-            s.spawn(move |_| f(range));
-        }
-        f(first);
-    });
+}
+
+/// Parts `a..b` of `step` elements (the last ends at `len`), halved until one is left.
+fn halves<S, F>(
+    a: usize,
+    b: usize,
+    step: usize,
+    len: usize,
+    data: S,
+    split: &(dyn Fn(S, usize) -> (S, S) + Sync),
+    f: &F,
+) where
+    S: Send,
+    F: Fn(Range<usize>, S) + Sync,
+{
+    let start = a * step;
+    if b - a == 1 {
+        return f(start..(b * step).min(len), data);
+    }
+    let m = (a + b) / 2;
+    let (left, right) = split(data, m * step - start);
+    rayon::join(
+        || halves(a, m, step, len, left, split, f),
+        || halves(m, b, step, len, right, split, f),
+    );
 }
 
 #[cfg(test)]

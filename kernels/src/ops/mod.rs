@@ -144,22 +144,14 @@ where
     S: SplitRows,
     F: Fn(Range<usize>, S) + Sync,
 {
-    let mut ranges = parallel::split_ranges(row_count, threads, align);
-    let Some(first) = ranges.next() else { return };
-    if first.end == row_count {
-        f(first, parts);
-        return;
-    }
-    let f = &f;
-    parallel::scope(|s| {
-        let (mine, mut rest) = parts.split_rows(first.len());
-        for range in ranges {
-            let (head, tail) = rest.split_rows(range.len());
-            rest = tail;
-            s.spawn(move |_| f(range, head));
-        }
-        f(first, mine);
-    });
+    parallel::for_each_split(
+        row_count,
+        threads,
+        align,
+        parts,
+        &|parts: S, rows| parts.split_rows(rows),
+        &f,
+    );
 }
 
 /// Runs `f(range, &mut out[range])` over contiguous pieces of `out` that start at
