@@ -511,8 +511,8 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         };
         let report = exec.step(&refs, &step_params).map_err(|e| match e {
             ExecError::Storage { .. } => format!(
-                "step {step}: {e}; the parameters are as they were before this step (rerun, \
-                 or --resume from the last checkpoint)"
+                "step {step}: {e}; the run stops here, and what it trained after its last \
+                 checkpoint is not kept (--resume from that checkpoint, or rerun)"
             ),
             e => format!("step {step}: {e}"),
         })?;

@@ -766,7 +766,7 @@ fn an_nvme_fault_fails_the_step_and_commits_each_block_whole() {
         (
             "bit flips",
             FaultPlan {
-                bitflip_per_million: 200_000,
+                bitflip_per_million: 500_000,
                 ..FaultPlan::seeded(1)
             },
             false,
@@ -774,7 +774,7 @@ fn an_nvme_fault_fails_the_step_and_commits_each_block_whole() {
         (
             "EIO",
             FaultPlan {
-                eio_per_million: 100_000,
+                eio_per_million: 300_000,
                 ..FaultPlan::seeded(2)
             },
             false,
@@ -782,7 +782,7 @@ fn an_nvme_fault_fails_the_step_and_commits_each_block_whole() {
         (
             "ENOSPC",
             FaultPlan {
-                enospc_per_million: 300_000,
+                enospc_per_million: 600_000,
                 ..FaultPlan::seeded(4)
             },
             false,
@@ -790,7 +790,7 @@ fn an_nvme_fault_fails_the_step_and_commits_each_block_whole() {
         (
             "EIO, delayed update",
             FaultPlan {
-                eio_per_million: 100_000,
+                eio_per_million: 300_000,
                 ..FaultPlan::seeded(3)
             },
             true,
@@ -850,7 +850,10 @@ fn an_nvme_fault_fails_the_step_and_commits_each_block_whole() {
         // A first good step, so the fault hits a step with state to lose.
         exec.step(&refs(0), &hyper(1e-2)).unwrap();
         faults.pause(false);
-        let err = exec.step(&refs(1), &hyper(1e-2)).unwrap_err();
+        let result = exec.step(&refs(1), &hyper(1e-2));
+        let Err(err) = result else {
+            panic!("{kind}: no failure; injected {:?}", faults.injected());
+        };
         assert!(matches!(err, ExecError::Storage { .. }), "{kind}: {err}");
         assert!(!faults.injected().is_empty());
         faults.pause(true);

@@ -160,6 +160,9 @@ struct Extent {
     allocated_bytes: u64,
     state: ExtentState,
     crc: Option<u32>,
+    /// The length and checksum of a head the last write also checksummed on its own
+    /// ([`TensorStore::write_with_head`]).
+    head: Option<(u64, Option<u32>)>,
     readers: u32,
     writing: bool,
     /// Whether a write to it ever started (its bytes on the drive hold data).
@@ -467,6 +470,7 @@ impl TensorStore {
                 allocated_bytes,
                 state,
                 crc: e.crc32c,
+                head: None,
                 readers: 0,
                 writing: false,
                 used: state != ExtentState::Unwritten,
@@ -533,6 +537,7 @@ impl TensorStore {
             allocated_bytes,
             state: ExtentState::Unwritten,
             crc: None,
+            head: None,
             readers: 0,
             writing: false,
             used: false,
@@ -619,16 +624,36 @@ impl TensorStore {
     /// least that rounded up to 4096) to the extent. The buffer comes back from
     /// [`Pending::wait`], also on error.
     pub fn write<B: IoBuf>(&self, id: ExtentId, buf: B) -> Pending<B> {
-        self.start_transfer(OpKind::Write, id, buf)
+        self.start_transfer(OpKind::Write, id, buf, None)
+    }
+
+    /// Like [`TensorStore::write`], and also checksums the first `head_bytes` on their
+    /// own, so that [`TensorStore::read_head`] can read and verify them alone (the
+    /// master parameters at the head of a block's optimizer state).
+    pub fn write_with_head<B: IoBuf>(&self, id: ExtentId, buf: B, head_bytes: u64) -> Pending<B> {
+        self.start_transfer(OpKind::Write, id, buf, Some(head_bytes))
     }
 
     /// Reads the extent into `buf` (which must hold its length rounded up to 4096) and
     /// verifies its checksum. The buffer comes back from [`Pending::wait`].
     pub fn read<B: IoBuf>(&self, id: ExtentId, buf: B) -> Pending<B> {
-        self.start_transfer(OpKind::Read, id, buf)
+        self.start_transfer(OpKind::Read, id, buf, None)
     }
 
-    fn start_transfer<B: IoBuf>(&self, kind: OpKind, id: ExtentId, mut buf: B) -> Pending<B> {
+    /// Reads the first `head_bytes` of the extent (rounded up to 4096: `buf` must hold
+    /// that) and verifies them against the checksum of the head its last write took
+    /// ([`TensorStore::write_with_head`], with the same length).
+    pub fn read_head<B: IoBuf>(&self, id: ExtentId, buf: B, head_bytes: u64) -> Pending<B> {
+        self.start_transfer(OpKind::Read, id, buf, Some(head_bytes))
+    }
+
+    fn start_transfer<B: IoBuf>(
+        &self,
+        kind: OpKind,
+        id: ExtentId,
+        mut buf: B,
+        head: Option<u64>,
+    ) -> Pending<B> {
         let mut pending = Pending {
             buf: None,
             group: None,
@@ -637,9 +662,10 @@ impl TensorStore {
             id,
             kind,
             crc: None,
+            head: None,
             len_bytes: 0,
         };
-        let claimed = self.claim(kind, id, &buf);
+        let claimed = self.claim(kind, id, &buf, head);
         let (offset_bytes, allocated_bytes, len_bytes, expected_crc) = match claimed {
             Ok(claim) => claim,
             Err(error) => {
@@ -658,6 +684,14 @@ impl TensorStore {
             OpKind::Write => None,
             OpKind::Read => expected_crc,
         };
+        if let (OpKind::Write, Some(head_bytes)) = (kind, head) {
+            // SAFETY: as above; claim checked head_bytes <= len_bytes.
+            let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr(), head_bytes as usize) };
+            pending.head = Some((
+                head_bytes,
+                self.inner.checksums.then(|| crc32c::crc32c(bytes)),
+            ));
+        }
         let segments: Vec<Segment> = self.segments(offset_bytes, allocated_bytes).collect();
         let group = OpGroup::new(segments.len());
         let base = buf.as_mut_ptr();
@@ -684,19 +718,39 @@ impl TensorStore {
         kind: OpKind,
         id: ExtentId,
         buf: &B,
+        head: Option<u64>,
     ) -> Result<(u64, u64, usize, Option<u32>), StorageError> {
         let mut table = self.table();
         let all_direct = self.inner.all_direct;
         let e = table.get_mut(id).ok_or_else(|| stale(id))?;
         let mut newly_used = false;
-        if (buf.capacity_bytes() as u64) < e.allocated_bytes {
+        if head.is_some_and(|h| h > e.len_bytes) {
             return Err(StorageError::BadBuffer {
                 extent: e.name.clone(),
                 reason: format!(
-                    "it holds {} bytes; the extent needs {} (its {} bytes rounded up to {DIRECT_IO_ALIGN})",
-                    buf.capacity_bytes(),
-                    e.allocated_bytes,
+                    "a head of {} bytes is longer than the extent's {}",
+                    head.unwrap_or(0),
                     e.len_bytes
+                ),
+            });
+        }
+        // A head read moves the head rounded up to the O_DIRECT granule.
+        let (moved_bytes, moved_len) = match (kind, head) {
+            (OpKind::Read, Some(h)) => (
+                h.next_multiple_of(DIRECT_IO_ALIGN as u64)
+                    .min(e.allocated_bytes),
+                h,
+            ),
+            _ => (e.allocated_bytes, e.len_bytes),
+        };
+        if (buf.capacity_bytes() as u64) < moved_bytes {
+            return Err(StorageError::BadBuffer {
+                extent: e.name.clone(),
+                reason: format!(
+                    "it holds {} bytes; the transfer needs {} (its {} bytes rounded up to {DIRECT_IO_ALIGN})",
+                    buf.capacity_bytes(),
+                    moved_bytes,
+                    moved_len
                 ),
             });
         }
@@ -747,12 +801,21 @@ impl TensorStore {
                 e.readers += 1;
             }
         }
-        let claimed = (
-            e.offset_bytes,
-            e.allocated_bytes,
-            e.len_bytes as usize,
-            e.crc,
-        );
+        let expected = match (kind, head) {
+            (OpKind::Read, Some(h)) => match e.head {
+                Some((len, crc)) if len == h => crc,
+                _ if !self.inner.checksums => None,
+                _ => {
+                    e.readers -= 1;
+                    return Err(StorageError::ExtentUnreadable {
+                        extent: e.name.clone(),
+                        reason: "its last write did not checksum a head of that length",
+                    });
+                }
+            },
+            _ => e.crc,
+        };
+        let claimed = (e.offset_bytes, moved_bytes, moved_len as usize, expected);
         if newly_used {
             table.used_bytes += claimed.1;
             table.used_high_water_bytes = table.used_high_water_bytes.max(table.used_bytes);
@@ -985,6 +1048,8 @@ pub struct Pending<B: IoBuf> {
     kind: OpKind,
     /// Write: the checksum of the data written. Read: the checksum to expect.
     crc: Option<u32>,
+    /// Write: the head's length and checksum, when asked for.
+    head: Option<(u64, Option<u32>)>,
     len_bytes: usize,
 }
 
@@ -1024,6 +1089,7 @@ impl<B: IoBuf> Pending<B> {
                     if result.is_ok() {
                         extent.state = ExtentState::Written;
                         extent.crc = self.crc;
+                        extent.head = self.head;
                     } else {
                         extent.state = ExtentState::WriteFailed;
                     }

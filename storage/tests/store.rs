@@ -356,3 +356,75 @@ fn bad_manifest_and_bad_config_are_clear_errors() {
         "{error}"
     );
 }
+
+#[test]
+fn a_head_is_read_and_verified_alone() {
+    use std::os::unix::fs::FileExt;
+    for backend in backends() {
+        let dir = test_dir();
+        let config = StoreConfig {
+            name: Some("head".into()),
+            persist: true,
+            ..small_config(dir.path(), 4 << 20, backend)
+        };
+        let store = TensorStore::create(config).unwrap();
+        // A head that ends inside a 4096-byte granule, as a block's master parameters do.
+        let (len, head) = (300_000usize, 100_003u64);
+        let id = store.allocate("state", len as u64).unwrap();
+        let data = pattern(len, 5);
+        store.write_with_head(id, data, head).wait().0.unwrap();
+        let (result, buf) = store
+            .read_head(id, AlignedBuf::zeroed(head as usize), head)
+            .wait();
+        result.unwrap();
+        assert_eq!(
+            &buf.as_slice()[..head as usize],
+            &pattern(len, 5).as_slice()[..head as usize],
+            "{backend:?}"
+        );
+        // The whole extent still reads and verifies.
+        store.read(id, AlignedBuf::zeroed(len)).wait().0.unwrap();
+        // Another head length was not checksummed: refused, not read unverified.
+        let (result, _) = store.read_head(id, AlignedBuf::zeroed(4096), 4096).wait();
+        assert!(
+            matches!(result, Err(StorageError::ExtentUnreadable { .. })),
+            "{result:?}"
+        );
+        // A byte flipped inside the head is caught by the head's own checksum, one past
+        // it (in the granule the head read also moves) is not the head's business.
+        let (path, offset, segment) = store.locate(id).unwrap()[0].clone();
+        assert!(segment > head, "the test flips bytes of the first segment");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let original = {
+            let mut b = [0u8; 1];
+            file.read_at(&mut b, offset + head).unwrap();
+            b[0]
+        };
+        file.write_at(&[!original], offset + head).unwrap();
+        file.sync_all().unwrap();
+        let (result, _) = store
+            .read_head(id, AlignedBuf::zeroed(head as usize), head)
+            .wait();
+        result.unwrap();
+        file.write_at(&[0xff ^ pattern(len, 5).as_slice()[777]], offset + 777)
+            .unwrap();
+        file.sync_all().unwrap();
+        let (result, _) = store
+            .read_head(id, AlignedBuf::zeroed(head as usize), head)
+            .wait();
+        assert!(
+            matches!(result, Err(StorageError::Checksum { .. })),
+            "{backend:?}: {result:?}"
+        );
+        // A plain write forgets the head.
+        store.write(id, pattern(len, 6)).wait().0.unwrap();
+        let (result, _) = store
+            .read_head(id, AlignedBuf::zeroed(head as usize), head)
+            .wait();
+        assert!(result.is_err(), "{backend:?}");
+    }
+}

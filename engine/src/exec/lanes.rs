@@ -408,9 +408,7 @@ impl Executor {
                     .host
                     .lease(lane, self.host_range(into), true)
                     .map_err(err)?;
-                store
-                    .read(self.extent(from)?, lease)
-                    .wait()
+                self.read_extent(store, from, lease, op.bytes)?
                     .0
                     .map_err(storage)
             }
@@ -430,11 +428,7 @@ impl Executor {
                     .host
                     .lease(lane, self.host_range(from), false)
                     .map_err(err)?;
-                store
-                    .write(self.extent(to)?, lease)
-                    .wait()
-                    .0
-                    .map_err(storage)
+                self.write_extent(store, to, lease)?.0.map_err(storage)
             }
             OpKind::HostAccumulate { block, from, to } => {
                 let bytes = 4 * self.model.blocks()[block].len;
@@ -529,7 +523,7 @@ impl Executor {
         block: usize,
         grads: BufId,
         state: BufId,
-        params_out: BufId,
+        params_out: Option<BufId>,
         shared: &StepShared<'_>,
     ) -> Result<(), ExecError> {
         let label = || format!("adamw {block}");
@@ -571,14 +565,20 @@ impl Executor {
         let (m, v) = rest.split_at_mut(len);
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
-        let mut out = self
-            .host
-            .write(Lane::Cpu, self.host_range(params_out).prefix(len * pbytes))
-            .map_err(err)?;
+        let mut out = match params_out {
+            Some(buf) => Some(
+                self.host
+                    .write(Lane::Cpu, self.host_range(buf).prefix(len * pbytes))
+                    .map_err(err)?,
+            ),
+            None => None,
+        };
         if self.applied[block].load(Ordering::Acquire) >= shared.adam_step {
             // Committed before a failure of this step: the retry applies nothing again,
             // and writes the working parameters anew from the master copy.
-            super::write_working(precision, master, &mut out);
+            if let Some(out) = &mut out {
+                super::write_working(precision, master, out);
+            }
             return Ok(());
         }
         let tensors = &self.model.blocks()[block].tensors;
@@ -597,13 +597,21 @@ impl Executor {
             )
             .map_err(adam_err)
         };
-        match precision {
-            Precision::Fp32 => {
+        let out = out.as_deref_mut();
+        match (precision, out) {
+            (Precision::Fp32, out) => {
                 update(WorkingOut::None, master, m, v)?;
-                cast_mut::<f32>(&mut out).copy_from_slice(master);
+                if let Some(out) = out {
+                    cast_mut::<f32>(out).copy_from_slice(master);
+                }
             }
-            Precision::Bf16 => update(WorkingOut::Bf16(cast_mut::<bf16>(&mut out)), master, m, v)?,
-            Precision::Fp16 => update(WorkingOut::F16(cast_mut::<f16>(&mut out)), master, m, v)?,
+            (Precision::Bf16, Some(out)) => {
+                update(WorkingOut::Bf16(cast_mut::<bf16>(out)), master, m, v)?
+            }
+            (Precision::Fp16, Some(out)) => {
+                update(WorkingOut::F16(cast_mut::<f16>(out)), master, m, v)?
+            }
+            (_, None) => unreachable!("only fp32 working parameters share the master copy"),
         }
         if self.plan.homes[block][2] == Tier::Host {
             // Updated in place: applied now (NVMe-homed state counts at its commit).

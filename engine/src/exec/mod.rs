@@ -348,7 +348,7 @@ struct ExtentTable {
     /// Per group: side B (pair), or the spare this step's update wrote (shadow-paged,
     /// until the block commits).
     other: Vec<Option<ExtentId>>,
-    /// Free spares, per allocated size.
+    /// Free spares, per length.
     spares: Vec<(u64, Vec<ExtentId>)>,
 }
 
@@ -401,7 +401,7 @@ impl ExtentTable {
                 && let Some(new) = self.other[g].take()
             {
                 let old = std::mem::replace(&mut self.cur[g], new);
-                self.put_spare(e.allocated_bytes(), old);
+                self.put_spare(e.bytes, old);
             }
         }
     }
@@ -412,7 +412,7 @@ impl ExtentTable {
             if e.kind == ExtentKind::Shadow
                 && let Some(id) = self.other[g].take()
             {
-                self.put_spare(e.allocated_bytes(), id);
+                self.put_spare(e.bytes, id);
             }
         }
     }
@@ -688,7 +688,7 @@ impl Executor {
             (ExtentKind::Shadow, ExtentSide::Next) => match other {
                 Some(staged) => staged,
                 None => {
-                    let bytes = self.plan.extent_groups[group].allocated_bytes();
+                    let bytes = self.plan.extent_groups[group].bytes;
                     let spare = table.take_spare(bytes).ok_or_else(|| {
                         ExecError::BadInput(format!(
                             "no spare extent of {bytes} bytes for {}: the plan's spares are \
@@ -701,6 +701,49 @@ impl Executor {
                 }
             },
             _ => cur,
+        })
+    }
+
+    /// The extent group of extent buffer `buf`.
+    fn extent_group(&self, buf: BufId) -> &crate::plan::Extent {
+        let BufKind::Extent { group, .. } = self.plan.buffer(buf).kind else {
+            panic!("buffer {} is not an extent", self.plan.buffer(buf).name);
+        };
+        &self.plan.extent_groups[group]
+    }
+
+    /// Writes `buf` to the extent of `to`. Optimizer state (master, m, v) is written
+    /// with its head, the master parameters, checksummed on its own, so that a block
+    /// whose working parameters are the master copy can fetch them alone.
+    fn write_extent<B: strata_storage::IoBuf>(
+        &self,
+        store: &TensorStore,
+        to: BufId,
+        buf: B,
+    ) -> Result<(Result<(), StorageError>, B), ExecError> {
+        let extent = self.extent(to)?;
+        let group = self.extent_group(to);
+        Ok(if group.class == crate::plan::TensorClass::Optimizer {
+            store.write_with_head(extent, buf, group.bytes / 3).wait()
+        } else {
+            store.write(extent, buf).wait()
+        })
+    }
+
+    /// Reads the first `bytes` of the extent of `from` into `buf`: the whole extent, or
+    /// the head of optimizer state (its master parameters).
+    fn read_extent<B: strata_storage::IoBuf>(
+        &self,
+        store: &TensorStore,
+        from: BufId,
+        buf: B,
+        bytes: u64,
+    ) -> Result<(Result<(), StorageError>, B), ExecError> {
+        let extent = self.extent(from)?;
+        Ok(if bytes < self.extent_group(from).bytes {
+            store.read_head(extent, buf, bytes).wait()
+        } else {
+            store.read(extent, buf).wait()
         })
     }
 
@@ -794,6 +837,9 @@ impl Executor {
                 }
             }
             self.put_home(&staging, state_range, homes.state, None)?;
+            if homes.params == homes.state {
+                continue; // the working parameters are the master copy
+            }
             let working = HostRange::new(0, len * pbytes);
             {
                 let mut bytes = staging
@@ -853,7 +899,7 @@ impl Executor {
                         .read(Lane::Cpu, src)
                         .map_err(self.device_error("loading"))?,
                 );
-                let (r, _) = store.write(self.extent(home)?, buf).wait();
+                let (r, _) = self.write_extent(store, home, buf)?;
                 r.map_err(|source| ExecError::Storage {
                     op: format!("writing {name}"),
                     source,

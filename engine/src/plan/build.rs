@@ -29,7 +29,9 @@
 
 use std::fmt;
 
-use super::{Budgets, PlanError, PlanInput, Policy, Release, StepShape, TensorClass, Tier};
+use super::{
+    Budgets, PlanError, PlanInput, Policy, Precision, Release, StepShape, TensorClass, Tier,
+};
 use crate::device::Lane;
 use crate::model::{BlockLayout, Dtype, Pass, Shape, update};
 
@@ -140,13 +142,14 @@ impl Extent {
     }
 }
 
-/// The spares shadow paging needs: for each allocated size of the shadow-paged groups,
-/// as many as one block has groups of that size (a block's commit holds them until it
-/// flips; the NVMe write lane commits block by block, in order).
+/// The spares shadow paging needs: for each size of the shadow-paged groups, as many as
+/// one block has groups of that size (a block's commit holds them until it flips; the
+/// NVMe write lane commits block by block, in order). Sizes are exact: an extent keeps
+/// the length it was allocated with.
 fn spare_extents(groups: &[Extent]) -> Vec<(u64, usize)> {
     let mut per_block: std::collections::BTreeMap<(usize, u64), usize> = Default::default();
     for g in groups.iter().filter(|g| g.kind == ExtentKind::Shadow) {
-        *per_block.entry((g.block, g.allocated_bytes())).or_default() += 1;
+        *per_block.entry((g.block, g.bytes)).or_default() += 1;
     }
     let mut spares: std::collections::BTreeMap<u64, usize> = Default::default();
     for ((_, bytes), n) in per_block {
@@ -351,8 +354,9 @@ pub enum OpKind {
         grads: BufId,
         /// Master parameters, m and v (12 bytes per element).
         state: BufId,
-        /// Host buffer for the new working parameters (working dtype).
-        params_out: BufId,
+        /// Host buffer for the new working parameters (working dtype); none when the
+        /// master copy is the working one on NVMe ([`Plan::shares_master`]).
+        params_out: Option<BufId>,
     },
     /// AdamW on one block on the device (its optimizer state lives there).
     DeviceUpdate {
@@ -510,8 +514,8 @@ pub struct Plan {
     pub slots: Vec<SlotPlan>,
     /// NVMe extent groups.
     pub extent_groups: Vec<Extent>,
-    /// Spare extents for shadow paging: (bytes of each, how many), one entry per size of
-    /// the shadow-paged groups, as many as one block's commit can hold at once.
+    /// Spare extents for shadow paging: (bytes of each, how many), one entry per length
+    /// of the shadow-paged groups, as many as one block's commit can hold at once.
     pub spares: Vec<(u64, usize)>,
     /// Peak bytes per tier ([`Tier::index`]): the sum of the tier's slots (and extents).
     pub peak: [u64; 3],
@@ -549,6 +553,27 @@ impl Plan {
     pub fn buffer(&self, id: BufId) -> &BufferPlan {
         &self.buffers[id.index()]
     }
+
+    /// Whether block `b`'s working parameters are its fp32 master copy, kept once at the
+    /// head of its NVMe optimizer state (master, m, v) and fetched from there: with
+    /// both on NVMe in fp32 and no delayed update. Every write of NVMe optimizer state
+    /// also checksums that head, so it can be read and verified alone.
+    pub fn shares_master(&self, b: usize) -> bool {
+        shares_master(
+            self.homes[b][0],
+            self.homes[b][2],
+            self.shape.precision,
+            self.shape.delayed_update,
+        )
+    }
+}
+
+/// Whether a block's working parameters are its master copy: both on NVMe, in fp32,
+/// without a delayed update (which rewrites the state while the step still reads the
+/// old parameters). Then the block's parameters are fetched from the head of its state
+/// extent, and NVMe holds them once.
+fn shares_master(params: Tier, state: Tier, precision: Precision, delayed: bool) -> bool {
+    params == Tier::Nvme && state == Tier::Nvme && precision == Precision::Fp32 && !delayed
 }
 
 /// Bytes rounded up to the 4096 O_DIRECT needs.
@@ -877,32 +902,6 @@ impl<'a> Planner<'a> {
                 let h = &self.homes[b];
                 (h.params, h.state, h.grads)
             };
-            let p = match params {
-                Tier::Device => self.home_pair(
-                    &format!("params[{b}]"),
-                    Tier::Device,
-                    len * self.dbytes,
-                    delayed,
-                ),
-                Tier::Host => self.home_pair(
-                    &format!("params[{b}]"),
-                    Tier::Host,
-                    len * self.pbytes,
-                    delayed,
-                ),
-                Tier::Nvme => self.extents(
-                    format!("params.{b}"),
-                    len * self.pbytes,
-                    if delayed {
-                        ExtentKind::Pair
-                    } else {
-                        ExtentKind::Shadow
-                    },
-                    b,
-                    TensorClass::Params,
-                ),
-            };
-            self.p_home.push(p);
             let s = match state {
                 Tier::Device | Tier::Host => {
                     self.home_pair(&format!("adam[{b}]"), state, 12 * len, false)
@@ -916,6 +915,37 @@ impl<'a> Planner<'a> {
                 ),
             };
             self.s_home.push(s);
+            let p = if self.shares_master(b) {
+                // fp32 on NVMe: the master copy at the head of the state is the working one.
+                s
+            } else {
+                match params {
+                    Tier::Device => self.home_pair(
+                        &format!("params[{b}]"),
+                        Tier::Device,
+                        len * self.dbytes,
+                        delayed,
+                    ),
+                    Tier::Host => self.home_pair(
+                        &format!("params[{b}]"),
+                        Tier::Host,
+                        len * self.pbytes,
+                        delayed,
+                    ),
+                    Tier::Nvme => self.extents(
+                        format!("params.{b}"),
+                        len * self.pbytes,
+                        if delayed {
+                            ExtentKind::Pair
+                        } else {
+                            ExtentKind::Shadow
+                        },
+                        b,
+                        TensorClass::Params,
+                    ),
+                }
+            };
+            self.p_home.push(p);
             match grads {
                 Tier::Device => {
                     let (fill, apply) =
@@ -1055,7 +1085,7 @@ impl<'a> Planner<'a> {
                 self.s_stage[b] =
                     Some(self.buffer(format!("adam[{b}]@host"), Tier::Host, 12 * len));
             }
-            if self.homes[b].params == Tier::Nvme
+            if (self.homes[b].params == Tier::Nvme && !self.shares_master(b))
                 || (self.homes[b].params == Tier::Device && self.homes[b].state != Tier::Device)
             {
                 self.p_out_stage[b] =
@@ -1362,6 +1392,17 @@ impl<'a> Planner<'a> {
             vec![Access::Read(from), Access::Write(to)],
             bytes,
         );
+    }
+
+    /// Whether block `b`'s working parameters are its fp32 master copy, read from the
+    /// head of its NVMe optimizer state (see [`Plan::shares_master`]).
+    fn shares_master(&self, b: usize) -> bool {
+        shares_master(
+            self.homes[b].params,
+            self.homes[b].state,
+            self.shape.precision,
+            self.shape.delayed_update,
+        )
     }
 
     /// How working parameters convert on their way to the device.
@@ -1681,12 +1722,13 @@ impl<'a> Planner<'a> {
         }
         let grads = self.g_apply_host[b].expect("host gradients");
         let state = self.s_stage[b].unwrap_or(self.s_home[b].0);
-        let params_out = self.p_out_stage[b].unwrap_or(self.p_home[b].1);
-        let mut access = vec![
-            Access::Read(grads),
-            Access::Write(state),
-            Access::Write(params_out),
-        ];
+        let params_out = if self.shares_master(b) {
+            None
+        } else {
+            Some(self.p_out_stage[b].unwrap_or(self.p_home[b].1))
+        };
+        let mut access = vec![Access::Read(grads), Access::Write(state)];
+        access.extend(params_out.map(Access::Write));
         access.extend(flag.map(Access::Read));
         let id = self.op(
             Lane::Cpu,
@@ -1706,14 +1748,15 @@ impl<'a> Planner<'a> {
         if self.homes[b].state == Tier::Nvme {
             commit.push(self.s_home[b].1);
         }
-        match self.homes[b].params {
-            Tier::Nvme => {
+        match (self.homes[b].params, params_out) {
+            (_, None) => {} // written with the state
+            (Tier::Nvme, Some(params_out)) => {
                 self.nvme_write(params_out, self.p_home[b].1, len * self.pbytes, true);
                 if !self.shape.delayed_update {
                     commit.push(self.p_home[b].1);
                 }
             }
-            Tier::Device => {
+            (Tier::Device, Some(params_out)) => {
                 let to = self.p_home[b].1;
                 self.copy_in(
                     params_out,
@@ -1723,7 +1766,7 @@ impl<'a> Planner<'a> {
                     true,
                 );
             }
-            Tier::Host => {}
+            (Tier::Host, _) => {}
         }
         if !commit.is_empty() {
             // After the block's writes (write after write on their extents).
@@ -1766,7 +1809,11 @@ impl<'a> Planner<'a> {
             .extent_groups
             .iter()
             .map(Extent::stored_bytes)
-            .chain(spares.iter().map(|&(bytes, n)| bytes * n as u64))
+            .chain(
+                spares
+                    .iter()
+                    .map(|&(bytes, n)| bytes.next_multiple_of(4096) * n as u64),
+            )
             .sum();
         let mut lanes: [Vec<OpId>; Lane::COUNT] = Default::default();
         let mut link_bytes = [0u64; 4];

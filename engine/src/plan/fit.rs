@@ -74,12 +74,12 @@ impl Plan {
             if let Some(g) = self
                 .extent_groups
                 .iter()
-                .find(|g| g.kind == ExtentKind::Shadow && g.allocated_bytes() == bytes)
+                .find(|g| g.kind == ExtentKind::Shadow && g.bytes == bytes)
             {
                 out.iter_mut()
                     .find(|(c, _)| *c == g.class)
                     .expect("listed")
-                    .1[Tier::Nvme.index()] += bytes * n as u64;
+                    .1[Tier::Nvme.index()] += g.allocated_bytes() * n as u64;
             }
         }
         out
