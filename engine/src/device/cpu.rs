@@ -24,6 +24,7 @@
 //!
 //! Not here: the GPU (`super::cuda`) and the kernels themselves (the kernels crate).
 
+use std::ops::Range;
 use std::ops::{Deref, DerefMut};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -611,12 +612,25 @@ impl CpuAccess<'_> {
             let r = bindings.get(t.buf).expect("checked at submission");
             r.offset_bytes + t.offset_bytes
         };
-        let mut ranges = Vec::with_capacity(12);
+        // On the stack: a kernel names a handful of tensors, and this runs for every
+        // kernel of every step (a Vec here was an allocation per kernel).
+        const ON_STACK: usize = 16;
+        let mut ranges: [(Range<usize>, bool); ON_STACK] = Default::default();
+        let (mut n, mut more) = (0, Vec::new());
         kernel.for_each_tensor(|t, a| {
             let start = resolve(t);
-            ranges.push((start..start + t.bytes(), a == Access::Write));
+            let range = (start..start + t.bytes(), a == Access::Write);
+            if n < ON_STACK {
+                ranges[n] = range;
+                n += 1;
+            } else {
+                more.push(range);
+            }
         });
-        let id = self.shared.accesses.begin(self.lane, ranges.into_iter())?;
+        let id = self
+            .shared
+            .accesses
+            .begin(self.lane, ranges[..n].iter().chain(&more).cloned())?;
         let memory = Resolved {
             base: self.shared.base,
             bindings,
