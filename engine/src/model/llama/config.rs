@@ -532,3 +532,124 @@ fn parse_rope(json: &Value) -> Result<RopeFreqs, String> {
         llama3,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<LlamaConfig, ModelError> {
+        LlamaConfig::from_hf(
+            Path::new("config.json"),
+            &serde_json::from_str(text).unwrap(),
+        )
+    }
+
+    const SHAPE: &str = r#""hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "max_position_embeddings": 64"#;
+
+    #[test]
+    fn llama_31_rope_scaling_reads_from_top_level_keys_and_rope_parameters() {
+        let scaling = r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#;
+        let old = parse(&format!(
+            r#"{{"model_type": "llama", {SHAPE}, "rope_theta": 500000.0,
+                "rope_scaling": {scaling}}}"#
+        ))
+        .unwrap();
+        let new = parse(&format!(
+            r#"{{"model_type": "llama", {SHAPE}, "rope_parameters": {{"rope_theta": 500000.0,
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}}}"#
+        ))
+        .unwrap();
+        let want = RopeFreqs {
+            theta: 500_000.0,
+            llama3: llama3_scaling(8.0),
+        };
+        assert_eq!(old.rope, want);
+        assert_eq!(new.rope, want);
+        assert_eq!(old.head_dim, 16);
+        assert!(!old.tied && !old.qkv_bias && !old.qk_norm);
+        // Without any rope key: transformers' default theta.
+        let plain = parse(&format!(r#"{{"model_type": "qwen3", {SHAPE}}}"#)).unwrap();
+        assert_eq!(plain.rope.theta, 10_000.0);
+        assert!(plain.qk_norm && plain.rope.llama3.is_none());
+    }
+
+    #[test]
+    fn what_strata_does_not_compute_is_refused_by_name() {
+        for (extra, words) in [
+            (
+                r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
+                "rope type `yarn`",
+            ),
+            (
+                r#""rope_scaling": {"type": "linear", "factor": 2.0}"#,
+                "rope type `linear`",
+            ),
+            (r#""attention_bias": true"#, "attention_bias is true"),
+            (r#""mlp_bias": true"#, "mlp_bias is true"),
+            (r#""hidden_act": "gelu""#, "hidden_act `gelu`"),
+            (r#""rope_theta": 0.1"#, "rope_theta 0.1"),
+        ] {
+            let e = parse(&format!(r#"{{"model_type": "llama", {SHAPE}, {extra}}}"#))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(words), "{extra}: {e}");
+        }
+        let e = parse(r#"{"model_type": "mistral", "hidden_size": 64}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no integer `num_attention_heads`"), "{e}");
+        let e = parse(&format!(
+            r#"{{"model_type": "llama", {SHAPE}, "num_key_value_heads": 3}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("not a multiple of 3 key/value heads"), "{e}");
+    }
+
+    #[test]
+    fn sliding_windows_apply_as_each_model_type_applies_them() {
+        let mistral = parse(&format!(
+            r#"{{"model_type": "mistral", {SHAPE}, "sliding_window": 4096}}"#
+        ))
+        .unwrap();
+        assert_eq!(mistral.sliding_window, Some(4096));
+        let v03 = parse(&format!(
+            r#"{{"model_type": "mistral", {SHAPE}, "sliding_window": null}}"#
+        ))
+        .unwrap();
+        assert_eq!(v03.sliding_window, None);
+        // Qwen's window applies only with use_sliding_window.
+        let off = parse(&format!(
+            r#"{{"model_type": "qwen2", {SHAPE}, "sliding_window": 32, "use_sliding_window": false}}"#
+        ))
+        .unwrap();
+        assert_eq!(off.sliding_window, None);
+        assert!(off.qkv_bias);
+        let on = parse(&format!(
+            r#"{{"model_type": "qwen2", {SHAPE}, "sliding_window": 32, "use_sliding_window": true}}"#
+        ))
+        .unwrap();
+        assert_eq!(on.sliding_window, Some(32));
+    }
+
+    #[test]
+    fn a_built_shape_writes_a_config_that_reads_back_as_itself() {
+        for name in preset_names() {
+            let c = LlamaConfig::preset(name).unwrap();
+            let json = c.to_hf();
+            let back = LlamaConfig::from_hf(Path::new("config.json"), &json).unwrap();
+            assert_eq!(
+                LlamaConfig {
+                    source: None,
+                    ..back
+                },
+                c,
+                "{name}"
+            );
+        }
+    }
+}
