@@ -1,26 +1,45 @@
-//! `strata model`: a GPT-2 configuration, named or of any size, with the blocks the
-//! engine swaps and what their tensor classes weigh; `--init DIR` writes a randomly
-//! initialised model that `strata eval` and Hugging Face's `from_pretrained` load.
+//! `strata model`: a GPT-2 or Llama-family configuration, named or of any size, with the
+//! blocks the engine swaps and what their tensor classes weigh; `--init DIR` writes a
+//! randomly initialised model (config.json and model.safetensors, no tokenizer) that
+//! `strata eval` and Hugging Face's `from_pretrained` load.
 
 use std::error::Error;
 use std::io::Write;
 use std::path::PathBuf;
 
+use strata_engine::model::llama::{self, LlamaConfig, Variant};
 use strata_engine::model::weights::save_pretrained;
-use strata_engine::model::{BlockKind, Gpt2Config, Model, PRESETS};
+use strata_engine::model::{BlockKind, Gpt2Config, Llama, Model, PRESETS};
 
 use crate::report::{Table, format_bytes};
 
 /// Arguments of `strata model`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ModelArgs {
-    /// A named configuration: tiny, gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl (1.5B).
-    /// The five numbers below override its fields, for any size.
-    #[arg(long, default_value = "gpt2")]
-    pub config: String,
+    /// A named configuration. GPT-2: tiny, small, gpt2 (124M), gpt2-medium, gpt2-large,
+    /// gpt2-xl (1.5B). Llama family (published shapes, no weights): llama-3-8b,
+    /// llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b,
+    /// qwen2.5-7b, qwen3-8b, mistral-7b. The numbers below override its fields, for any
+    /// size. Default: gpt2, or with --family a 2-layer, 64-wide model of that family.
+    #[arg(long)]
+    pub config: Option<String>,
+    /// The model family: gpt2, or llama, mistral, qwen2, qwen3 (one family module:
+    /// RMSNorm, rotary embeddings, grouped-query attention, SiLU-gated MLP). Implied by
+    /// a named --config.
+    #[arg(long)]
+    pub family: Option<String>,
     /// Overrides of the named configuration's fields.
     #[command(flatten)]
     pub shape: ShapeArgs,
+    /// Llama family: key/value heads (dividing --heads; grouped-query attention).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Llama family: channels of the MLP (`intermediate_size`).
+    #[arg(long)]
+    pub intermediate: Option<usize>,
+    /// Llama family: tie the output head to the token embedding (true or false).
+    #[arg(long)]
+    pub tied: Option<bool>,
     /// Write a randomly initialised model (config.json, model.safetensors) to this folder.
     #[arg(long)]
     pub init: Option<PathBuf>,
@@ -29,10 +48,102 @@ pub struct ModelArgs {
     pub seed: u64,
 }
 
+/// What `strata model` describes: a GPT-2 or a Llama-family shape.
+#[derive(Debug, Clone)]
+pub enum ModelShape {
+    /// GPT-2.
+    Gpt2(Gpt2Config),
+    /// Llama, Mistral, Qwen2, Qwen3.
+    Llama(LlamaConfig),
+}
+
 impl ModelArgs {
-    /// The configuration the arguments describe, checked.
+    /// The GPT-2 configuration the arguments describe, checked (an error for a
+    /// Llama-family one).
     pub fn resolve(&self) -> Result<Gpt2Config, Box<dyn Error>> {
-        self.shape.resolve(&self.config)
+        match self.resolve_shape()? {
+            ModelShape::Gpt2(c) => Ok(c),
+            ModelShape::Llama(_) => Err("a Llama-family configuration is not a GPT-2 one".into()),
+        }
+    }
+
+    /// The shape the arguments describe, checked.
+    pub fn resolve_shape(&self) -> Result<ModelShape, Box<dyn Error>> {
+        let preset = self.config.as_deref().and_then(LlamaConfig::preset);
+        let family = match (&self.family, &preset) {
+            (Some(f), _) => f.as_str(),
+            (None, Some(p)) => p.variant.model_type(),
+            (None, None) => "gpt2",
+        };
+        if family == "gpt2" {
+            if preset.is_some() {
+                return Err(format!(
+                    "--config {} is a Llama-family model, not --family gpt2",
+                    self.config.as_deref().unwrap_or_default()
+                )
+                .into());
+            }
+            let llama_only = [
+                ("--kv-heads", self.kv_heads.is_some()),
+                ("--intermediate", self.intermediate.is_some()),
+                ("--tied", self.tied.is_some()),
+            ];
+            if let Some((flag, _)) = llama_only.iter().find(|(_, set)| *set) {
+                return Err(format!("{flag} is for Llama-family models (--family llama)").into());
+            }
+            let name = self.config.as_deref().unwrap_or("gpt2");
+            return Ok(ModelShape::Gpt2(self.shape.resolve(name)?));
+        }
+        let variant = Variant::of_model_type(family).ok_or_else(|| {
+            format!(
+                "no family named '{family}'; choose gpt2 or one of {}",
+                llama::MODEL_TYPES.join(", ")
+            )
+        })?;
+        let mut c = match (&self.config, preset) {
+            (_, Some(p)) => p,
+            (Some(name), None) => {
+                return Err(format!(
+                    "no {family} configuration named '{name}'; choose one of {}, or give \
+                     --layers --width --heads --kv-heads --intermediate --vocab --ctx",
+                    llama::preset_names().join(", ")
+                )
+                .into());
+            }
+            // The golden test models' shape: small enough for a laptop's test run.
+            (None, None) => LlamaConfig::llama(2, 64, 96, 4, 2, 128, 64),
+        };
+        if self.config.is_some() && c.variant != variant {
+            return Err(format!(
+                "--config {} is a {} model, not --family {family}",
+                self.config.as_deref().unwrap_or_default(),
+                c.variant.model_type()
+            )
+            .into());
+        }
+        c.variant = variant;
+        c.qkv_bias = variant == Variant::Qwen2;
+        c.qk_norm = variant == Variant::Qwen3;
+        let s = &self.shape;
+        let heads_or_width_changed = s.heads.is_some() || s.width.is_some();
+        c.layers = s.layers.unwrap_or(c.layers);
+        c.width = s.width.unwrap_or(c.width);
+        c.heads = s.heads.unwrap_or(c.heads);
+        c.vocab = s.vocab.unwrap_or(c.vocab);
+        c.ctx = s.ctx.unwrap_or(c.ctx);
+        c.kv_heads = self.kv_heads.unwrap_or(c.kv_heads);
+        c.intermediate = self.intermediate.unwrap_or(c.intermediate);
+        c.tied = self.tied.unwrap_or(c.tied);
+        if heads_or_width_changed {
+            c.head_dim = c.width.checked_div(c.heads).unwrap_or(0);
+            if c.head_dim * c.heads != c.width {
+                return Err(
+                    format!("width {} is not divisible by {} heads", c.width, c.heads).into(),
+                );
+            }
+        }
+        c.validate()?;
+        Ok(ModelShape::Llama(c))
     }
 }
 
@@ -79,26 +190,40 @@ pub const TRAINING_BYTES_PER_PARAM: u64 = 18;
 
 /// Runs `strata model`, writing its report to `out`.
 pub fn run(args: &ModelArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
-    let config = args.resolve()?;
-    let model = Model::new(config)?;
-    let name = PRESETS
-        .iter()
-        .find(|(_, c)| *c == config)
-        .map_or("custom", |(n, _)| n);
-    writeln!(
-        out,
-        "model: {name} ({} layers, {} heads, width {}, vocab {}, ctx {})",
-        config.layers, config.heads, config.width, config.vocab, config.ctx
-    )?;
-    let params = config.param_count() as u64;
+    let (model, layers) = match args.resolve_shape()? {
+        ModelShape::Gpt2(config) => {
+            let name = PRESETS
+                .iter()
+                .find(|(_, c)| *c == config)
+                .map_or("custom", |(n, _)| n);
+            writeln!(
+                out,
+                "model: {name} ({} layers, {} heads, width {}, vocab {}, ctx {})",
+                config.layers, config.heads, config.width, config.vocab, config.ctx
+            )?;
+            (Model::new(config)?, config.layers)
+        }
+        ModelShape::Llama(config) => {
+            let name = llama::preset_names()
+                .into_iter()
+                .find(|n| LlamaConfig::preset(n).as_ref() == Some(&config))
+                .unwrap_or("custom");
+            let layers = config.layers;
+            let model = Model::of(Llama::new(config)?);
+            writeln!(out, "model: {name}: {}", model.describe())?;
+            (model, layers)
+        }
+    };
+    let params = model.param_count() as u64;
     writeln!(out, "parameters: {params}")?;
     let mut table = Table::new(["block", "tensors", "params", "fp32", "bf16"]);
     let blocks = model.blocks();
+    let gpt2 = model.family().name() == "gpt2";
     let mut shown = 0;
     for (i, block) in blocks.iter().enumerate() {
         // A deep model's transformer blocks are all alike: show the first two and the
         // last, and say how many are left out.
-        let is_middle = matches!(block.kind, BlockKind::Transformer { layer } if layer >= 2 && layer + 1 < config.layers);
+        let is_middle = matches!(block.kind, BlockKind::Transformer { layer } if layer >= 2 && layer + 1 < layers);
         if is_middle {
             continue;
         }
@@ -112,10 +237,14 @@ pub fn run(args: &ModelArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             ]);
         }
         shown = i;
+        let tied = model.tied(i).is_some();
         let label = match block.kind {
             BlockKind::Embedding => "embedding".to_string(),
-            BlockKind::Transformer { layer } => format!("h.{layer}"),
-            BlockKind::Head => "head (ln_f; output tied to wte)".to_string(),
+            BlockKind::Transformer { layer } if gpt2 => format!("h.{layer}"),
+            BlockKind::Transformer { layer } => format!("model.layers.{layer}"),
+            BlockKind::Head if gpt2 => "head (ln_f; output tied to wte)".to_string(),
+            BlockKind::Head if tied => "head (norm; output tied to embed_tokens)".to_string(),
+            BlockKind::Head => "head (norm, lm_head)".to_string(),
         };
         let count: usize = block.tensors.iter().map(|t| t.slot.len).sum();
         table.row([
@@ -145,6 +274,14 @@ pub fn run(args: &ModelArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             args.seed,
             dir.display()
         )?;
+        if !gpt2 {
+            writeln!(
+                out,
+                "no tokenizer was written: give the folder the tokenizer.json of the model \
+                 whose vocabulary ({}) it uses",
+                model.vocab()
+            )?;
+        }
     }
     Ok(())
 }

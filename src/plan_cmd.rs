@@ -320,6 +320,13 @@ pub fn render(r: &PlanReport) -> String {
                 fmt_bytes(auto.peak_bytes.host),
                 fmt_bytes(auto.peak_bytes.nvme),
             ]);
+            let per_param = |bytes: u64| format!("{:.2} B", bytes as f64 / r.params.max(1) as f64);
+            by_class.row([
+                "peak per parameter".to_string(),
+                per_param(auto.peak_bytes.device),
+                per_param(auto.peak_bytes.host),
+                per_param(auto.peak_bytes.nvme),
+            ]);
             out += &by_class.render();
             out += "(class rows count each class's buffers; buffers with disjoint lifetimes share \
                     memory, so the peak can be lower than their sum)\n";

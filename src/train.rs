@@ -20,7 +20,7 @@ use strata_engine::exec::{ExecConfig, ExecError, Executor, Runner, StepParams, S
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights;
-use strata_engine::model::{Gpt2Config, Model, Target};
+use strata_engine::model::{Gpt2Config, Llama, LlamaConfig, Model, Target};
 use strata_engine::plan::{
     Auto, Budgets, CostModel, Plan, PlanInput, Policy, Precision, StepShape, Tier, fmt_bytes,
 };
@@ -107,6 +107,9 @@ pub fn model_shape(cfg: &TrainConfig) -> Result<Model, Error> {
     if let Ok(config) = Gpt2Config::preset(&cfg.model) {
         return Ok(Model::new(config)?);
     }
+    if let Some(config) = LlamaConfig::preset(&cfg.model) {
+        return Ok(Model::of(Llama::new(config)?));
+    }
     if let Some(config) = custom_shape(&cfg.model) {
         return Ok(Model::new(config)?);
     }
@@ -117,12 +120,30 @@ pub fn model_shape(cfg: &TrainConfig) -> Result<Model, Error> {
 /// The model of a configuration with its parameters: a preset or shape (initialised
 /// from the seed) or a directory's weights.
 fn model_of(cfg: &TrainConfig) -> Result<(Model, Vec<Vec<f32>>), Error> {
-    if Gpt2Config::preset(&cfg.model).is_ok() || custom_shape(&cfg.model).is_some() {
+    if Gpt2Config::preset(&cfg.model).is_ok()
+        || LlamaConfig::preset(&cfg.model).is_some()
+        || custom_shape(&cfg.model).is_some()
+        || has_no_weights(Path::new(&cfg.model))
+    {
         let model = model_shape(cfg)?;
         let params = model.init_params(cfg.seed);
         return Ok((model, params));
     }
     Ok(weights::load_pretrained(Path::new(&cfg.model))?)
+}
+
+/// Whether `path` is a model folder holding a `config.json` and no weights of any
+/// format: a shape, trained from a random initialisation like a preset.
+pub fn has_no_weights(path: &Path) -> bool {
+    path.is_dir()
+        && path.join(weights::CONFIG_FILE).is_file()
+        && ![
+            weights::WEIGHTS_FILE,
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+        ]
+        .iter()
+        .any(|f| path.join(f).exists())
 }
 
 /// The budgets of a run and where they come from.

@@ -402,6 +402,8 @@ pub fn preset_names() -> Vec<&'static str> {
     if !names.contains(&SMALL_PRESET) {
         names.insert(1.min(names.len()), SMALL_PRESET);
     }
+    // The Llama family's published shapes (no weights).
+    names.extend(strata_engine::model::llama::preset_names());
     names
 }
 
@@ -706,7 +708,8 @@ impl TrainConfig {
                     "model",
                     format!(
                         "must be a preset ({}), a shape LAYERSxWIDTH (such as 40x5120), or a \
-                         directory holding config.json and model.safetensors (found \"{}\")",
+                         directory holding config.json and model.safetensors, or only a \
+                         config.json for a shape without weights (found \"{}\")",
                         presets.join(", "),
                         self.model
                     ),
@@ -726,7 +729,8 @@ impl TrainConfig {
             // A family strata does not run is said first, whatever the weights' format.
             strata_engine::model::weights::load_config(&config)
                 .map_err(|e| invalid("model", e.to_string()))?;
-            if !dir.join("model.safetensors").is_file() {
+            // A folder of only config.json is a shape, initialised like a preset.
+            if !dir.join("model.safetensors").is_file() && !crate::train::has_no_weights(dir) {
                 let resave = "transformers' AutoModelForCausalLM.from_pretrained(DIR)\
                               .save_pretrained(OUT, max_shard_size=\"1000GB\")";
                 let why = if dir.join("model.safetensors.index.json").is_file() {
@@ -975,8 +979,12 @@ fn flag_help() -> Vec<(String, String)> {
 /// the budgets, the batch, the precision, the device.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct StepFlags {
-    /// A preset (tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a directory
-    /// holding config.json and model.safetensors [default: small].
+    /// A preset (GPT-2: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama
+    /// family, published shapes without weights: llama-3-8b, llama-3.1-8b, llama-3.2-1b,
+    /// llama-3.2-3b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, qwen3-8b,
+    /// mistral-7b), a GPT-2 shape LAYERSxWIDTH, a directory holding config.json and
+    /// model.safetensors, or one holding only config.json (a shape, initialised from
+    /// --seed) [default: small].
     #[arg(long)]
     pub model: Option<String>,
     /// Device memory budget, such as 48MiB or 20GiB; all: what the device has

@@ -336,8 +336,11 @@ fn invalid_values_name_their_origin() {
         message,
         format!(
             "{}: `model` must be a preset (tiny, small, gpt2, gpt2-medium, gpt2-large, \
-             gpt2-xl), a shape LAYERSxWIDTH (such as 40x5120), or a directory holding \
-             config.json and model.safetensors (found \"smal\")",
+             gpt2-xl, llama-3-8b, llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, \
+             qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, qwen3-8b, mistral-7b), a shape \
+             LAYERSxWIDTH (such as 40x5120), or a directory holding config.json and \
+             model.safetensors, or only a config.json for a shape without weights (found \
+             \"smal\")",
             path.display()
         )
     );
@@ -396,6 +399,21 @@ fn paths_that_must_exist() {
             .expect_err("refused")
             .to_string()
     };
+    let falcon = tempfile::tempdir().expect("temp dir");
+    fs::write(
+        falcon.path().join("config.json"),
+        r#"{"model_type": "falcon", "architectures": ["FalconForCausalLM"]}"#,
+    )
+    .expect("write");
+    let e = model(falcon.path());
+    assert!(
+        e.contains(
+            "model_type is `falcon` (FalconForCausalLM); strata runs these families: gpt2, \
+             llama, mistral, qwen2, qwen3"
+        ),
+        "{e}"
+    );
+    // A Llama config.json that lacks a number says which.
     let llama = tempfile::tempdir().expect("temp dir");
     fs::write(
         llama.path().join("config.json"),
@@ -403,10 +421,16 @@ fn paths_that_must_exist() {
     )
     .expect("write");
     let e = model(llama.path());
-    assert!(
-        e.contains("model_type is `llama` (LlamaForCausalLM); strata runs these families: gpt2"),
-        "{e}"
-    );
+    assert!(e.contains("no integer `hidden_size`"), "{e}");
+    // A folder of only a (complete) config.json is a shape without weights.
+    fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/llama-tiny/config.json"),
+        llama.path().join("config.json"),
+    )
+    .expect("copy");
+    args(&["--model", llama.path().to_str().expect("UTF-8")])
+        .resolve()
+        .expect("a config.json alone is a shape");
     let gpt2 = tempfile::tempdir().expect("temp dir");
     fs::copy(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gpt2-tiny/config.json"),

@@ -10,7 +10,7 @@
 
 mod model_support;
 
-use model_support::{golden_dir, read_f32_tensors, rel_err};
+use model_support::{CHAOS, UNLIMITED, all_policies, golden_dir, read_f32_tensors, rel_err};
 use strata_engine::exec::Runner;
 use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams};
 use strata_engine::kernels::adamw::AdamW;
@@ -22,32 +22,6 @@ use strata_engine::plan::{
     Policy, Precision, StepShape, Tier,
 };
 use strata_engine::storage::FaultPlan;
-
-/// No chaos, then three seeds of it: the CPU device delays every stream operation, and
-/// the executor every host operation, by a seeded random 0 to 2 ms, so that a dependency
-/// missing from a plan shows as a wrong result or an ordering violation.
-const CHAOS: [Option<u64>; 4] = [None, Some(1), Some(2), Some(3)];
-
-const UNLIMITED: Budgets = Budgets {
-    device: u64::MAX / 4,
-    host: u64::MAX / 4,
-    nvme: u64::MAX / 4,
-};
-
-/// Every built-in policy at every prefetch depth from 1 to 4, with checkpoints on each
-/// tier they support.
-fn all_policies() -> Vec<Box<dyn Policy>> {
-    let mut out: Vec<Box<dyn Policy>> = vec![Box::new(AllOnDevice), Box::new(CpuOffload)];
-    for depth in 1..=4 {
-        for checkpoints in [Tier::Device, Tier::Host] {
-            out.push(Box::new(ParamOffload { depth, checkpoints }));
-        }
-        for checkpoints in [Tier::Host, Tier::Nvme] {
-            out.push(Box::new(NvmeOffload { depth, checkpoints }));
-        }
-    }
-    out
-}
 
 /// Deterministic token batches for `steps` steps of `micro` micro-batches.
 fn batches(

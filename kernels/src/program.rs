@@ -457,6 +457,22 @@ pub enum Kernel {
         /// Channels per head.
         d: usize,
     },
+    /// cos, sin: (T, D/2) = the rotary table of positions 0..T for the inverse
+    /// frequencies of `freqs` ([`ops::rope_table_of`]), in the working dtype: the tables
+    /// [`Kernel::Rope`] reads. A family's programs build it in their scratch, so no
+    /// table is uploaded or kept between programs.
+    RopeTable {
+        /// (T, D/2), written.
+        cos: TensorRef,
+        /// (T, D/2), written.
+        sin: TensorRef,
+        /// Positions.
+        t: usize,
+        /// Channels per head.
+        d: usize,
+        /// How the inverse frequencies are formed.
+        freqs: ops::RopeFreqs,
+    },
     /// out = silu(gate) * up, elementwise (the SiLU-gated MLP between its products).
     SwiGlu {
         /// Output.
@@ -664,6 +680,7 @@ impl Kernel {
             Kernel::RmsNormBackward { .. } => "rmsnorm-backward",
             Kernel::Rope { .. } => "rope",
             Kernel::RopeBackward { .. } => "rope-backward",
+            Kernel::RopeTable { .. } => "rope-table",
             Kernel::SwiGlu { .. } => "swiglu",
             Kernel::SwiGluBackward { .. } => "swiglu-backward",
             Kernel::GqaAttention { .. } => "gqa-attention",
@@ -878,6 +895,10 @@ impl Kernel {
                 f(cos, R);
                 f(sin, R);
             }
+            Kernel::RopeTable { cos, sin, .. } => {
+                f(cos, W);
+                f(sin, W);
+            }
             Kernel::SwiGlu { out, gate, up } => {
                 f(out, W);
                 f(gate, R);
@@ -993,6 +1014,8 @@ impl Kernel {
             Kernel::RmsNormBackward { n, c, .. } => 8.0 * (n * c) as f64,
             Kernel::Rope { out, .. } => 3.0 * out.len as f64,
             Kernel::RopeBackward { dinp, .. } => 3.0 * dinp.len as f64,
+            // A cosine and a sine per entry, counted as one operation each.
+            Kernel::RopeTable { cos, .. } => 2.0 * cos.len as f64,
             Kernel::SwiGlu { out, .. } => 8.0 * out.len as f64,
             Kernel::SwiGluBackward { dout, .. } => 14.0 * dout.len as f64,
             Kernel::GradStats { grads, .. } => 2.0 * grads.len as f64,
@@ -1567,6 +1590,25 @@ pub unsafe fn run_cpu(
             h,
             d,
         ),
+        &Kernel::RopeTable {
+            ref cos,
+            ref sin,
+            t,
+            d,
+            ref freqs,
+        } => {
+            if !d.is_multiple_of(2) {
+                return Err(KernelError::Shape {
+                    kernel: name,
+                    what: "d (channels per head, even)",
+                    len: d,
+                    expected: d + 1,
+                });
+            }
+            expect(cos, "cos", t * d / 2)?;
+            expect(sin, "sin", t * d / 2)?;
+            ops::rope_table_of(f32s_mut(cos, "cos")?, f32s_mut(sin, "sin")?, freqs, t, d)
+        }
         Kernel::SwiGlu { out, gate, up } => ops::swiglu_forward(
             cpu,
             f32s_mut(out, "out")?,

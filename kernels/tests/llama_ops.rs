@@ -116,6 +116,55 @@ fn rmsnorm_matches_reference() {
     }
 }
 
+/// The table a family's programs build ([`ops::rope_table_of`], the `RopeTable` kernel)
+/// against the f64 reference: default frequencies, and Llama 3.1's scaling (which
+/// divides the low frequencies by 8, keeps the high ones and interpolates between).
+#[test]
+fn rope_tables_of_default_and_llama3_frequencies_match_reference() {
+    let scaling = ops::Llama3Scaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context: 8192.0,
+    };
+    for (theta, d, t, llama3) in [
+        (10_000.0f32, 16, 9, false),
+        (500_000.0, 128, 40, true),
+        (500_000.0, 64, 3, true),
+        (1_000_000.0, 2, 5, false),
+    ] {
+        let half = d / 2;
+        let freqs = ops::RopeFreqs {
+            theta,
+            llama3: llama3.then_some(scaling),
+        };
+        let mut inv = rl::rope_inv_freq(theta as f64, d);
+        if llama3 {
+            inv = rl::rope_inv_freq_llama3(&inv, 8.0, 1.0, 4.0, 8192.0);
+            // The scaling moves some frequencies, keeps others and interpolates some.
+            let base = rl::rope_inv_freq(theta as f64, d);
+            let ratios: Vec<f64> = inv.iter().zip(&base).map(|(a, b)| a / b).collect();
+            assert!(ratios.contains(&1.0), "{ratios:?}");
+            assert!(
+                ratios.iter().any(|&r| (r - 0.125).abs() < 1e-12),
+                "{ratios:?}"
+            );
+            assert!(ratios.iter().any(|&r| r > 0.126 && r < 0.999), "{ratios:?}");
+        }
+        let fast: Vec<f32> = (0..half).map(|i| freqs.inv_freq(i, d)).collect();
+        check("inv_freq", &fast, &inv, 0.0, 3e-7);
+        let (mut cos, mut sin) = (vec![f32::NAN; t * half], vec![f32::NAN; t * half]);
+        ops::rope_table_of(&mut cos, &mut sin, &freqs, t, d);
+        let (mut cos_w, mut sin_w) = (vec![0.0f64; t * half], vec![0.0f64; t * half]);
+        rl::rope_table(&mut cos_w, &mut sin_w, &inv, t);
+        // The angle t * f is an f32 product, as Hugging Face forms it: up to t * 2^-24
+        // radians off.
+        let atol = 1e-6 + t as f64 * 1.2e-7;
+        check("rope_table_of cos", &cos, &cos_w, atol, 0.0);
+        check("rope_table_of sin", &sin, &sin_w, atol, 0.0);
+    }
+}
+
 #[test]
 fn rope_matches_reference() {
     let mut rng = StdRng::seed_from_u64(12);

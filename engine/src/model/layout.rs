@@ -11,6 +11,10 @@
 
 use std::ops::Range;
 
+use strata_kernels::program::{Dtype, TensorRef};
+
+use super::Bind;
+
 /// Tensors start at multiples of this many elements (128 bytes of f32, 64 of bf16).
 pub const TENSOR_ALIGN_ELEMENTS: usize = 32;
 
@@ -117,5 +121,21 @@ impl BlockLayout {
     /// Parameters of this block (without alignment gaps).
     pub fn param_count(&self) -> usize {
         self.tensors.iter().map(|t| t.slot.len).sum()
+    }
+}
+
+/// Hands out consecutive 256-byte-aligned tensors of a block program's scratch (a
+/// family lays out its scratch with it).
+pub(crate) struct Carve {
+    /// Where the next tensor starts, in bytes; after the last, the bytes used.
+    pub(crate) next: usize,
+}
+
+impl Carve {
+    /// The next `len` elements of `dtype`.
+    pub(crate) fn take(&mut self, len: usize, dtype: Dtype) -> TensorRef {
+        let t = TensorRef::new(Bind::Scratch as u8, self.next, len, dtype);
+        self.next = (self.next + t.bytes()).next_multiple_of(256);
+        t
     }
 }

@@ -9,7 +9,8 @@
 //!   scratch, ...). The planner asks a family only for sizes and FLOPs; the executor
 //!   binds the buffers of each operation and hands the program to the device.
 //! - [`Model`] is a family behind a shared handle, with what every caller needs of it.
-//! - GPT-2 is the first family ([`gpt2`]).
+//! - GPT-2 is the first family ([`gpt2`]); the Llama family ([`llama`]: Llama, Mistral,
+//!   Qwen2, Qwen3) the second.
 //! - [`update`]: the programs every family shares (AdamW per tensor, gradient
 //!   statistics, gradient accumulation), built from a block's layout alone.
 //! - [`weights`]: Hugging Face `model.safetensors` + `config.json`; [`data`]: token files.
@@ -20,6 +21,7 @@ pub mod data;
 mod error;
 pub mod gpt2;
 pub mod layout;
+pub mod llama;
 pub mod update;
 pub mod weights;
 
@@ -29,6 +31,7 @@ use std::sync::Arc;
 pub use error::ModelError;
 pub use gpt2::{Gpt2, Gpt2Config, PRESETS};
 pub use layout::{BlockKind, BlockLayout, Slot, TensorSpec};
+pub use llama::{Llama, LlamaConfig};
 pub use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
 
 /// Which pass of a block a program computes.
@@ -102,6 +105,39 @@ impl Shape {
     /// Positions: batch × seq.
     pub fn rows(&self) -> usize {
         self.batch * self.seq
+    }
+
+    /// Refuses a batch whose largest activations could not be addressed in bytes: the
+    /// logits (rows × `vocab`), the widest per-row activation (rows × `widest`) and the
+    /// attention probabilities (batch × `heads` × seq × seq), each of up to 8 bytes.
+    pub(crate) fn check_addressable(
+        &self,
+        vocab: usize,
+        widest: usize,
+        heads: usize,
+    ) -> Result<(), ModelError> {
+        let fits = self
+            .batch
+            .checked_mul(self.seq)
+            .and_then(|rows| {
+                rows.checked_mul(vocab)?.checked_mul(8)?;
+                rows.checked_mul(widest)?.checked_mul(8)
+            })
+            .and_then(|_| {
+                self.batch
+                    .checked_mul(heads)?
+                    .checked_mul(self.seq)?
+                    .checked_mul(self.seq)?
+                    .checked_mul(8)
+            });
+        match fits {
+            Some(_) => Ok(()),
+            None => Err(ModelError::BadInput(format!(
+                "a batch of {} x {} tokens is too large: its activations would have more \
+                 elements than this machine can address",
+                self.batch, self.seq
+            ))),
+        }
     }
 }
 

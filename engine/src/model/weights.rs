@@ -17,7 +17,7 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
 use serde_json::Value;
 
-use super::{Gpt2, Model, ModelError};
+use super::{Gpt2, Llama, Model, ModelError, llama};
 
 /// The weights file's name in a model folder.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -57,6 +57,9 @@ pub fn load_config(path: &Path) -> Result<Model, ModelError> {
         serde_json::from_str(&text).map_err(|e| unsupported(format!("not valid JSON: {e}")))?;
     match json.get("model_type").and_then(Value::as_str) {
         None | Some("gpt2") => Ok(Model::of(Gpt2::from_hf_config(path, &json)?)),
+        Some(kind) if llama::MODEL_TYPES.contains(&kind) => {
+            Ok(Model::of(Llama::from_hf_config(path, &json)?))
+        }
         Some(kind) => {
             let architectures = json
                 .get("architectures")
@@ -70,7 +73,8 @@ pub fn load_config(path: &Path) -> Result<Model, ModelError> {
                 .filter(|a| !a.is_empty())
                 .map_or(String::new(), |a| format!(" ({a})"));
             Err(unsupported(format!(
-                "model_type is `{kind}`{architectures}; strata runs these families: gpt2"
+                "model_type is `{kind}`{architectures}; strata runs these families: gpt2, {}",
+                llama::MODEL_TYPES.join(", ")
             )))
         }
     }

@@ -1,6 +1,7 @@
 //! What the model tests share: the reference data's location, reading its tensors,
 //! relative errors, a whole-model runner on a CPU device of a given instruction set and
-//! thread count, and one forward and backward pass through a runner.
+//! thread count, and one forward and backward pass through a runner; for the executor's
+//! tests, the chaos seeds, unlimited budgets and every built-in policy.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -10,11 +11,38 @@ use strata_engine::device::{CpuDevice, CpuDeviceConfig, Device};
 use strata_engine::exec::Runner;
 use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::{Dtype, Model, Target};
-use strata_engine::plan::Precision;
+use strata_engine::plan::{
+    AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, Policy, Precision, Tier,
+};
 
 /// `tests/data/gpt2-tiny` (see its README).
 pub fn golden_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/gpt2-tiny")
+}
+
+/// `tests/data/NAME` (each folder's README says where it comes from).
+pub fn data_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/data")
+        .join(name)
+}
+
+/// Every f64 tensor of a safetensors file, by name.
+pub fn read_f64_tensors(path: &std::path::Path) -> HashMap<String, Vec<f64>> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F64, "{name}");
+            let data = view
+                .data()
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            (name, data)
+        })
+        .collect()
 }
 
 /// Every f32 tensor of a safetensors file, by name.
@@ -91,4 +119,31 @@ pub fn forward_backward(runner: &mut Runner, inputs: &[u32], targets: &[u32]) ->
         logits,
         grads,
     }
+}
+
+/// No chaos, then three seeds of it: the CPU device delays every stream operation, and
+/// the executor every host operation, by a seeded random 0 to 2 ms, so that a dependency
+/// missing from a plan shows as a wrong result or an ordering violation.
+pub const CHAOS: [Option<u64>; 4] = [None, Some(1), Some(2), Some(3)];
+
+/// Budgets no plan reaches.
+pub const UNLIMITED: Budgets = Budgets {
+    device: u64::MAX / 4,
+    host: u64::MAX / 4,
+    nvme: u64::MAX / 4,
+};
+
+/// Every built-in policy at every prefetch depth from 1 to 4, with checkpoints on each
+/// tier they support.
+pub fn all_policies() -> Vec<Box<dyn Policy>> {
+    let mut out: Vec<Box<dyn Policy>> = vec![Box::new(AllOnDevice), Box::new(CpuOffload)];
+    for depth in 1..=4 {
+        for checkpoints in [Tier::Device, Tier::Host] {
+            out.push(Box::new(ParamOffload { depth, checkpoints }));
+        }
+        for checkpoints in [Tier::Host, Tier::Nvme] {
+            out.push(Box::new(NvmeOffload { depth, checkpoints }));
+        }
+    }
+    out
 }

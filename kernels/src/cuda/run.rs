@@ -17,7 +17,7 @@ use half::{bf16, f16};
 
 use super::CudaError;
 use crate::adamw::AdamStep;
-use crate::ops::WeightLayout;
+use crate::ops::{Llama3Scaling, WeightLayout};
 use crate::program::{
     AttentionScratchLayout, Dtype, GRAD_STATS_THREADS, Kernel, KernelError, Scalars, Target,
     TensorRef, attention_scratch_bytes, attention_scratch_layout, gqa_attention_scratch_bytes,
@@ -338,6 +338,7 @@ fn working_tensor(kernel: &Kernel) -> Option<(&TensorRef, &'static str)> {
         Kernel::RmsNormBackward { dinp, .. } => (dinp, "dinp"),
         Kernel::Rope { out, .. } => (out, "out"),
         Kernel::RopeBackward { dinp, .. } => (dinp, "dinp"),
+        Kernel::RopeTable { cos, .. } => (cos, "cos"),
         Kernel::SwiGlu { out, .. } => (out, "out"),
         Kernel::SwiGluBackward { dgate, .. } => (dgate, "dgate"),
         Kernel::GqaAttention { out, .. } => (out, "out"),
@@ -1011,6 +1012,50 @@ pub(super) trait KernelQueue {
                             int(t),
                             int(h),
                             int(d / 2),
+                        ],
+                    )
+                }?;
+            }
+            Kernel::RopeTable {
+                ref cos,
+                ref sin,
+                t,
+                d,
+                ref freqs,
+            } => {
+                if !d.is_multiple_of(2) {
+                    return Err(r.shape("d (channels per head, even)", d, d + 1));
+                }
+                let half = d / 2;
+                let cos = r.tensor(cos, "cos", w, t * half)?;
+                let sin = r.tensor(sin, "sin", w, t * half)?;
+                // Without Llama 3 scaling the factor is 0 (llama.cu's rope_table reads
+                // a factor above 0 as scaling on).
+                let s = freqs.llama3.unwrap_or(Llama3Scaling {
+                    factor: 0.0,
+                    low_freq_factor: 0.0,
+                    high_freq_factor: 0.0,
+                    original_context: 0.0,
+                });
+                // SAFETY: rope_table_<T>(T* cos, T* sin, int t, int half, float theta,
+                // float factor, float low_freq_factor, float high_freq_factor, float
+                // original_context): thread i < t·half writes element i of cos and sin
+                // (t·half elements each, checked above).
+                unsafe {
+                    self.launch(
+                        "rope_table",
+                        T::SUFFIX,
+                        per_element(t * half),
+                        &[
+                            Arg::Ptr(cos.ptr),
+                            Arg::Ptr(sin.ptr),
+                            int(t),
+                            int(half),
+                            Arg::Float(freqs.theta),
+                            Arg::Float(s.factor),
+                            Arg::Float(s.low_freq_factor),
+                            Arg::Float(s.high_freq_factor),
+                            Arg::Float(s.original_context),
                         ],
                     )
                 }?;

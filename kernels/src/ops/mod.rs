@@ -46,7 +46,9 @@ pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use matmul::{inside_gemm, matmul_backward, matmul_forward};
 pub use residual::{add_inplace, residual_forward};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
-pub use rope::{rope_backward, rope_forward, rope_inv_freq, rope_table};
+pub use rope::{
+    Llama3Scaling, RopeFreqs, rope_backward, rope_forward, rope_inv_freq, rope_table, rope_table_of,
+};
 pub use swiglu::{swiglu_backward, swiglu_forward};
 
 /// How a linear layer's weight is stored.

@@ -36,6 +36,81 @@ pub fn rope_table(cos: &mut [f32], sin: &mut [f32], inv_freq: &[f32], positions:
     }
 }
 
+/// How a model forms its rotary inverse frequencies: Hugging Face's default
+/// `theta^(-2i/D)`, optionally rescaled as Llama 3.1's `rope_scaling` (`rope_type`
+/// `llama3`) does. The numbers are f32: every published theta and scaling factor is an
+/// integer below 2^24 or a small power of two, so f32 holds them exactly.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeFreqs {
+    /// The base of the default frequencies (`rope_theta`).
+    pub theta: f32,
+    /// Llama 3.1's rescaling of the low frequencies, if the model uses it.
+    pub llama3: Option<Llama3Scaling>,
+}
+
+/// Llama 3.1's `rope_scaling` (`rope_type: llama3`): wavelengths longer than
+/// `original_context / low_freq_factor` are stretched by `factor`, shorter than
+/// `original_context / high_freq_factor` kept, and those between interpolated smoothly.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3Scaling {
+    /// `factor` (8 for Llama 3.1, 32 for Llama 3.2).
+    pub factor: f32,
+    /// `low_freq_factor` (1).
+    pub low_freq_factor: f32,
+    /// `high_freq_factor` (4).
+    pub high_freq_factor: f32,
+    /// `original_max_position_embeddings` (8192).
+    pub original_context: f32,
+}
+
+impl RopeFreqs {
+    /// The inverse frequency of channel pair `i` of a head of `d` channels: the default
+    /// [`rope_inv_freq`]'s value (f64, rounded to f32), then, with Llama 3 scaling, its
+    /// rescaling computed in f64 from that f32 value and rounded again (Hugging Face
+    /// computes both in f32 tensors; the two agree to an f32 rounding).
+    pub fn inv_freq(&self, i: usize, d: usize) -> f32 {
+        let base = (1.0 / f64::from(self.theta).powf((2 * i) as f64 / d as f64)) as f32;
+        let Some(s) = self.llama3 else {
+            return base;
+        };
+        let inv = f64::from(base);
+        let (factor, low, high, old) = (
+            f64::from(s.factor),
+            f64::from(s.low_freq_factor),
+            f64::from(s.high_freq_factor),
+            f64::from(s.original_context),
+        );
+        let wavelen = 2.0 * std::f64::consts::PI / inv;
+        let scaled = if wavelen < old / high {
+            inv
+        } else if wavelen > old / low {
+            inv / factor
+        } else {
+            let smooth = (old / wavelen - low) / (high - low);
+            (1.0 - smooth) * inv / factor + smooth * inv
+        };
+        scaled as f32
+    }
+}
+
+/// cos, sin: (T, D/2): the table of positions 0..T for the inverse frequencies of
+/// `freqs` (as [`rope_table`] forms it: the f32 angle `t * inv_freq[i]`, its cosine and
+/// sine taken in f64 and rounded). Fills the pairs' columns one after another, so each
+/// inverse frequency is computed once.
+pub fn rope_table_of(cos: &mut [f32], sin: &mut [f32], freqs: &RopeFreqs, t: usize, d: usize) {
+    let half = d / 2;
+    assert!(d.is_multiple_of(2), "an odd head dimension {d}");
+    assert_eq!((cos.len(), sin.len()), (t * half, t * half));
+    for i in 0..half {
+        let f = freqs.inv_freq(i, d);
+        for pos in 0..t {
+            let angle = f64::from(pos as f32 * f);
+            cos[pos * half + i] = angle.cos() as f32;
+            sin[pos * half + i] = angle.sin() as f32;
+        }
+    }
+}
+
 /// out: (B, T, H, D)  inp: (B, T, H, D)  cos, sin: (at least T, D/2), D even.
 /// Each row x at position t becomes `(x1 cos - x2 sin, x2 cos + x1 sin)` with x1, x2 its
 /// halves and row t of the table.

@@ -96,6 +96,33 @@ pub fn rope_inv_freq(theta: f64, d: usize) -> Vec<f64> {
         .collect()
 }
 
+/// Llama 3.1's `rope_scaling` (`rope_type: llama3`) applied to default inverse
+/// frequencies, in f64, as transformers' `_compute_llama3_parameters` writes it:
+/// wavelengths `2π / f` below `old / high` kept, above `old / low` divided by `factor`,
+/// between them interpolated with `smooth = (old / wavelength - low) / (high - low)`.
+pub fn rope_inv_freq_llama3(
+    inv_freq: &[f64],
+    factor: f64,
+    low: f64,
+    high: f64,
+    old: f64,
+) -> Vec<f64> {
+    inv_freq
+        .iter()
+        .map(|&f| {
+            let wavelen = 2.0 * std::f64::consts::PI / f;
+            let divided = if wavelen > old / low { f / factor } else { f };
+            let smooth = (old / wavelen - low) / (high - low);
+            let medium = wavelen >= old / high && wavelen <= old / low;
+            if medium {
+                (1.0 - smooth) * divided / factor + smooth * divided
+            } else {
+                divided
+            }
+        })
+        .collect()
+}
+
 /// cos, sin: (T, D/2) with `cos[t, i] = cos(t * inv_freq[i])`, likewise sin, in f64.
 pub fn rope_table<R: Real>(cos: &mut [R], sin: &mut [R], inv_freq: &[f64], t: usize) {
     let half = inv_freq.len();

@@ -3,15 +3,26 @@
 use crate::model::{BlockKind, BlockLayout};
 
 /// SplitMix64: a small, well-mixed generator, enough for initial weights.
-struct SplitMix64(u64);
+pub(in crate::model) struct SplitMix64(u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub(in crate::model) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
+    }
+
+    /// The stream of block `kind`'s values: one stream per block, so that a block's
+    /// values do not depend on the others' sizes.
+    pub(in crate::model) fn for_block(kind: BlockKind, seed: u64) -> Self {
+        let index = match kind {
+            BlockKind::Embedding => 0,
+            BlockKind::Transformer { layer } => layer as u64 + 1,
+            BlockKind::Head => u64::MAX,
+        };
+        SplitMix64(seed ^ index.wrapping_mul(0x2545_f491_4f6c_dd1d))
     }
 
     /// Uniform in (0, 1].
@@ -20,7 +31,7 @@ impl SplitMix64 {
     }
 
     /// Standard normal (Box-Muller).
-    fn normal(&mut self) -> f64 {
+    pub(in crate::model) fn normal(&mut self) -> f64 {
         let (u, v) = (self.uniform(), self.uniform());
         (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
     }
@@ -34,13 +45,7 @@ pub(super) fn gpt2_init(blocks: &[BlockLayout], layers: usize, seed: u64) -> Vec
     let layers = layers.max(1) as f64;
     let mut params: Vec<Vec<f32>> = blocks.iter().map(|b| vec![0.0; b.len]).collect();
     for (block, buffer) in blocks.iter().zip(&mut params) {
-        // One stream per block, so a block's values do not depend on the others' sizes.
-        let index = match block.kind {
-            BlockKind::Embedding => 0,
-            BlockKind::Transformer { layer } => layer as u64 + 1,
-            BlockKind::Head => u64::MAX,
-        };
-        let mut rng = SplitMix64(seed ^ index.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let mut rng = SplitMix64::for_block(block.kind, seed);
         for t in &block.tensors {
             let out = &mut buffer[t.slot.range()];
             if t.name.ends_with(".bias") {

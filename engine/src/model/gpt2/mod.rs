@@ -16,7 +16,7 @@
 //! This is the only place in the engine that knows GPT-2's operations.
 
 mod config;
-mod init;
+pub(super) mod init;
 
 pub use config::{Gpt2Config, PRESETS};
 
@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, attention_scratch_bytes};
 
-use super::layout::{BlockKind, BlockLayout, Slot};
+use super::layout::{BlockKind, BlockLayout, Carve, Slot};
 use super::{Bind, Family, ModelError, Pass, Shape};
 
 /// The prefix Hugging Face's `GPT2LMHeadModel` puts before the body's tensor names.
@@ -113,32 +113,10 @@ impl Family for Gpt2 {
     }
 
     fn check_shape(&self, shape: Shape) -> Result<(), ModelError> {
-        // The largest buffers a batch needs: logits (rows x vocab), the MLP's activations
-        // (rows x 4C), attention scores (B x heads x T x T). Their sizes must fit.
+        // The largest buffers a batch needs: logits, the MLP's activations (rows x 4C),
+        // attention scores.
         let c = self.config;
-        let fits = shape
-            .batch
-            .checked_mul(shape.seq)
-            .and_then(|rows| {
-                rows.checked_mul(c.vocab)?;
-                rows.checked_mul(4)?.checked_mul(c.width)?.checked_mul(8)
-            })
-            .and_then(|_| {
-                shape
-                    .batch
-                    .checked_mul(c.heads)?
-                    .checked_mul(shape.seq)?
-                    .checked_mul(shape.seq)?
-                    .checked_mul(8)
-            });
-        if fits.is_none() {
-            return Err(ModelError::BadInput(format!(
-                "a batch of {} x {} tokens is too large: its activations would have more \
-                 elements than this machine can address",
-                shape.batch, shape.seq
-            )));
-        }
-        Ok(())
+        shape.check_addressable(c.vocab, 4 * c.width, c.heads)
     }
 
     fn scratch_bytes(&self, shape: Shape, target: Target, dtype: Dtype) -> usize {
@@ -339,19 +317,6 @@ struct Scratch {
     logits: TensorRef,
     /// Bytes of the whole region.
     bytes: usize,
-}
-
-/// Hands out consecutive 256-byte-aligned tensors of the scratch.
-struct Carve {
-    next: usize,
-}
-
-impl Carve {
-    fn take(&mut self, len: usize, dtype: Dtype) -> TensorRef {
-        let t = TensorRef::new(Bind::Scratch as u8, self.next, len, dtype);
-        self.next = (self.next + t.bytes()).next_multiple_of(256);
-        t
-    }
 }
 
 impl Scratch {

@@ -575,6 +575,24 @@ fn samples(w: Dtype, l: &mut Layout) -> Vec<Kernel> {
             d,
         });
     }
+    for (t, d, llama3) in [(7, 12, false), (9, 16, true), (0, 4, false)] {
+        let half = d / 2;
+        out.push(Kernel::RopeTable {
+            cos: l.tensor(t * half, w),
+            sin: l.tensor(t * half, w),
+            t,
+            d,
+            freqs: crate::ops::RopeFreqs {
+                theta: 500_000.0,
+                llama3: llama3.then_some(crate::ops::Llama3Scaling {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_context: 8192.0,
+                }),
+            },
+        });
+    }
     for len in [4097, 0] {
         out.push(Kernel::SwiGlu {
             out: l.tensor(len, w),
@@ -1199,6 +1217,7 @@ fn named_tensors(kernel: &Kernel) -> Vec<(&'static str, u64)> {
             sin,
             ..
         } => vec![("dinp", dinp), ("dout", dout), ("cos", cos), ("sin", sin)],
+        Kernel::RopeTable { cos, sin, .. } => vec![("cos", cos), ("sin", sin)],
         Kernel::SwiGlu { out, gate, up } => vec![("out", out), ("gate", gate), ("up", up)],
         Kernel::SwiGluBackward {
             dgate,
@@ -1320,6 +1339,7 @@ fn dimensions(kernel: &Kernel) -> Vec<(&'static str, usize)> {
         Kernel::Rope { b, t, h, d, .. } | Kernel::RopeBackward { b, t, h, d, .. } => {
             vec![("rows", b * t * h), ("t", t), ("h", h), ("half", d / 2)]
         }
+        Kernel::RopeTable { t, d, .. } => vec![("t", t), ("half", d / 2)],
         Kernel::SwiGlu { ref out, .. } => vec![("n", out.len)],
         Kernel::SwiGluBackward { ref dout, .. } => vec![("n", dout.len)],
         // attention_heads moves H query heads or KV key/value heads.
@@ -1448,6 +1468,20 @@ fn every_launch_hands_each_parameter_the_tensor_or_size_of_its_name() {
                                 _ => panic!("{ctx}: eps outside RmsNorm"),
                             },
                             ("grad_stats_partials", "scale") => s.stats_scale,
+                            ("rope_table", param) => {
+                                let Kernel::RopeTable { freqs, .. } = kernel else {
+                                    panic!("{ctx}: rope_table outside RopeTable")
+                                };
+                                let s = freqs.llama3;
+                                match param {
+                                    "theta" => freqs.theta,
+                                    "factor" => s.map_or(0.0, |s| s.factor),
+                                    "low_freq_factor" => s.map_or(0.0, |s| s.low_freq_factor),
+                                    "high_freq_factor" => s.map_or(0.0, |s| s.high_freq_factor),
+                                    "original_context" => s.map_or(0.0, |s| s.original_context),
+                                    _ => panic!("{ctx}: an unexpected float"),
+                                }
+                            }
                             _ => panic!("{ctx}: an unexpected float"),
                         };
                         assert_eq!(x, want, "{ctx}");

@@ -1,0 +1,1028 @@
+//! The Llama family: Llama 1/2/3/3.1/3.2, Mistral (v0.3 style), Qwen2/2.5 and Qwen3, one
+//! module over the shared kernels. Its shape and `config.json` are in [`LlamaConfig`];
+//! the tensors keep Hugging Face's names (`model.embed_tokens.weight`,
+//! `model.layers.3.self_attn.q_proj.weight`, `model.norm.weight`, `lm_head.weight`) and
+//! `nn.Linear`'s (out, in) layout, which the products read as
+//! [`WeightLayout::OutIn`], so loading and saving are copies and nothing is transposed
+//! at run time.
+//!
+//! Blocks: the embedding (`embed_tokens`; no position embedding), one block per layer
+//! (RMSNorm, q/k/v projections (Qwen2: with biases), Qwen3's per-head RMSNorm of q and
+//! k, rotary embeddings, causal grouped-query attention scaled by 1/sqrt(head_dim), the
+//! output projection, residual; RMSNorm, the SiLU-gated MLP, residual), and the head
+//! (`norm`, and `lm_head` unless the head is tied to the embedding, in which case the
+//! head reads, and its backward adds to, the embedding block's `embed_tokens`).
+//!
+//! Each layer program builds its rotary table in the scratch first
+//! ([`Kernel::RopeTable`]), so the programs read nothing but their bound buffers. The
+//! embedding reuses GPT-2's encoder kernel with a zeroed position table (adding zero is
+//! exact), and its backward's position gradient goes to a scratch region nobody reads.
+//!
+//! This is the only place in the engine that knows these models' operations.
+
+mod config;
+
+pub use config::{LlamaConfig, MODEL_TYPES, Variant, preset_names};
+
+use std::path::Path;
+
+use serde_json::Value;
+use strata_kernels::ops::WeightLayout;
+use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, gqa_attention_scratch_bytes};
+
+use super::gpt2::init::SplitMix64;
+use super::layout::{BlockKind, BlockLayout, Carve, Slot};
+use super::{Bind, Family, ModelError, Pass, Shape};
+
+/// A Llama-family model of one shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Llama {
+    config: LlamaConfig,
+    blocks: Vec<BlockLayout>,
+    embed: Slot,
+    layer: Option<LayerSlots>,
+    head: HeadSlots,
+}
+
+impl Llama {
+    /// The model of shape `config`.
+    pub fn new(config: LlamaConfig) -> Result<Self, ModelError> {
+        config.validate()?;
+        let blocks = block_layouts(&config);
+        let last = blocks.len() - 1;
+        Ok(Llama {
+            embed: blocks[0].slot_of("model.embed_tokens.weight"),
+            layer: (config.layers > 0).then(|| LayerSlots::of(&blocks[1], &config)),
+            head: HeadSlots {
+                norm: blocks[last].slot_of("model.norm.weight"),
+                lm_head: (!config.tied).then(|| blocks[last].slot_of("lm_head.weight")),
+            },
+            config,
+            blocks,
+        })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Reads a `config.json` of `model_type` llama, mistral, qwen2 or qwen3.
+    pub fn from_hf_config(path: &Path, json: &Value) -> Result<Self, ModelError> {
+        Llama::new(LlamaConfig::from_hf(path, json)?)
+    }
+
+    fn scratch(&self, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
+        Scratch::new(&self.config, shape, target, dtype)
+    }
+}
+
+impl Family for Llama {
+    fn name(&self) -> &'static str {
+        self.config.variant.model_type()
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.config;
+        let name = match c.variant {
+            Variant::Llama => "Llama",
+            Variant::Mistral => "Mistral",
+            Variant::Qwen2 => "Qwen2",
+            Variant::Qwen3 => "Qwen3",
+        };
+        format!(
+            "{name} ({} layers, {} wide, {} heads and {} key/value heads of {}, MLP {}, vocab \
+             {}, context {}, {} head)",
+            c.layers,
+            c.width,
+            c.heads,
+            c.kv_heads,
+            c.head_dim,
+            c.intermediate,
+            c.vocab,
+            c.ctx,
+            if c.tied { "tied" } else { "untied" }
+        )
+    }
+
+    fn blocks(&self) -> &[BlockLayout] {
+        &self.blocks
+    }
+
+    fn vocab(&self) -> usize {
+        self.config.vocab
+    }
+
+    fn context(&self) -> usize {
+        self.config.ctx
+    }
+
+    fn width(&self) -> usize {
+        self.config.width
+    }
+
+    fn param_count(&self) -> usize {
+        self.config.param_count()
+    }
+
+    fn tied(&self, block: usize) -> Option<usize> {
+        (self.config.tied && block == self.blocks.len() - 1).then_some(0)
+    }
+
+    fn check_shape(&self, shape: Shape) -> Result<(), ModelError> {
+        let c = &self.config;
+        if let Some(window) = c.sliding_window.filter(|&w| w < shape.seq) {
+            return Err(ModelError::BadInput(format!(
+                "this {} model attends within a sliding window of {window} tokens, which \
+                 strata does not build (its attention is full causal attention): use a \
+                 sequence of at most {window} tokens, where the two are the same",
+                c.variant.model_type()
+            )));
+        }
+        shape.check_addressable(c.vocab, c.intermediate.max(c.q_dim()), c.heads)
+    }
+
+    fn scratch_bytes(&self, shape: Shape, target: Target, dtype: Dtype) -> usize {
+        self.scratch(shape, target, dtype).bytes
+    }
+
+    fn program(
+        &self,
+        block: usize,
+        pass: Pass,
+        shape: Shape,
+        target: Target,
+        dtype: Dtype,
+    ) -> Vec<Kernel> {
+        let p = Program {
+            shape,
+            c: &self.config,
+            dtype,
+            s: self.scratch(shape, target, dtype),
+            len: self.blocks[block].len,
+            tied_len: self.blocks[0].len,
+            out: Vec::new(),
+        };
+        match self.blocks[block].kind {
+            BlockKind::Embedding => p.embedding(self.embed, pass),
+            BlockKind::Transformer { .. } => p.layer(
+                self.layer
+                    .as_ref()
+                    .expect("a model with layers has their slots"),
+                pass,
+            ),
+            BlockKind::Head => p.head(&self.head, self.embed, pass),
+        }
+    }
+
+    fn logits(&self, shape: Shape, target: Target, dtype: Dtype) -> Option<TensorRef> {
+        Some(self.scratch(shape, target, dtype).logits)
+    }
+
+    fn init_params(&self, seed: u64) -> Vec<Vec<f32>> {
+        init(&self.blocks, seed)
+    }
+
+    fn hf_prefix(&self, _block: usize) -> &'static str {
+        // The layout's names are the files' whole names.
+        ""
+    }
+
+    fn hf_ignored(&self, name: &str) -> bool {
+        // Older checkpoints store the rotary inverse frequencies; a tied model's file
+        // may also hold the head's copy of the embedding.
+        name.ends_with("rotary_emb.inv_freq") || (self.config.tied && name == "lm_head.weight")
+    }
+
+    fn hf_config(&self) -> Value {
+        self.config.to_hf()
+    }
+}
+
+/// The layouts of every block, in order: embedding, `layers` transformer blocks, head.
+fn block_layouts(c: &LlamaConfig) -> Vec<BlockLayout> {
+    let (w, q, kv, i, d) = (c.width, c.q_dim(), c.kv_dim(), c.intermediate, c.head_dim);
+    let mut blocks = vec![BlockLayout::build(
+        BlockKind::Embedding,
+        "model.",
+        &[("embed_tokens.weight", vec![c.vocab, w])],
+    )];
+    for layer in 0..c.layers {
+        let mut tensors = vec![
+            ("input_layernorm.weight", vec![w]),
+            ("self_attn.q_proj.weight", vec![q, w]),
+            ("self_attn.k_proj.weight", vec![kv, w]),
+            ("self_attn.v_proj.weight", vec![kv, w]),
+        ];
+        if c.qkv_bias {
+            tensors.extend([
+                ("self_attn.q_proj.bias", vec![q]),
+                ("self_attn.k_proj.bias", vec![kv]),
+                ("self_attn.v_proj.bias", vec![kv]),
+            ]);
+        }
+        if c.qk_norm {
+            tensors.extend([
+                ("self_attn.q_norm.weight", vec![d]),
+                ("self_attn.k_norm.weight", vec![d]),
+            ]);
+        }
+        tensors.extend([
+            ("self_attn.o_proj.weight", vec![w, q]),
+            ("post_attention_layernorm.weight", vec![w]),
+            ("mlp.gate_proj.weight", vec![i, w]),
+            ("mlp.up_proj.weight", vec![i, w]),
+            ("mlp.down_proj.weight", vec![w, i]),
+        ]);
+        blocks.push(BlockLayout::build(
+            BlockKind::Transformer { layer },
+            &format!("model.layers.{layer}."),
+            &tensors,
+        ));
+    }
+    let mut head = vec![("model.norm.weight", vec![w])];
+    if !c.tied {
+        head.push(("lm_head.weight", vec![c.vocab, w]));
+    }
+    blocks.push(BlockLayout::build(BlockKind::Head, "", &head));
+    blocks
+}
+
+/// Transformers' initialisation of the family for training from scratch: linear
+/// weights and the embedding normal with deviation 0.02 (`initializer_range`), biases 0,
+/// RMSNorm gains 1. One random stream per block, deterministic in `seed`.
+fn init(blocks: &[BlockLayout], seed: u64) -> Vec<Vec<f32>> {
+    const STD: f64 = 0.02;
+    let mut params: Vec<Vec<f32>> = blocks.iter().map(|b| vec![0.0; b.len]).collect();
+    for (block, buffer) in blocks.iter().zip(&mut params) {
+        let mut rng = SplitMix64::for_block(block.kind, seed);
+        for t in &block.tensors {
+            let out = &mut buffer[t.slot.range()];
+            if t.name.ends_with(".bias") {
+                continue;
+            }
+            if t.shape.len() == 1 {
+                out.fill(1.0);
+                continue;
+            }
+            for v in out {
+                *v = (rng.normal() * STD) as f32;
+            }
+        }
+    }
+    params
+}
+
+/// A transformer block's tensors (the same offsets in every layer).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct LayerSlots {
+    input_norm: Slot,
+    q: Slot,
+    k: Slot,
+    v: Slot,
+    /// (q, k, v) biases (Qwen2).
+    qkv_bias: Option<(Slot, Slot, Slot)>,
+    /// (q, k) per-head norms (Qwen3).
+    qk_norm: Option<(Slot, Slot)>,
+    o: Slot,
+    post_norm: Slot,
+    gate: Slot,
+    up: Slot,
+    down: Slot,
+}
+
+impl LayerSlots {
+    fn of(l: &BlockLayout, c: &LlamaConfig) -> Self {
+        let s = |name: &str| l.slot_of(name);
+        LayerSlots {
+            input_norm: s("input_layernorm.weight"),
+            q: s("self_attn.q_proj.weight"),
+            k: s("self_attn.k_proj.weight"),
+            v: s("self_attn.v_proj.weight"),
+            qkv_bias: c.qkv_bias.then(|| {
+                (
+                    s("self_attn.q_proj.bias"),
+                    s("self_attn.k_proj.bias"),
+                    s("self_attn.v_proj.bias"),
+                )
+            }),
+            qk_norm: c
+                .qk_norm
+                .then(|| (s("self_attn.q_norm.weight"), s("self_attn.k_norm.weight"))),
+            o: s("self_attn.o_proj.weight"),
+            post_norm: s("post_attention_layernorm.weight"),
+            gate: s("mlp.gate_proj.weight"),
+            up: s("mlp.up_proj.weight"),
+            down: s("mlp.down_proj.weight"),
+        }
+    }
+}
+
+/// The head block's tensors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct HeadSlots {
+    norm: Slot,
+    /// The untied output head (V, C), in the head's own block.
+    lm_head: Option<Slot>,
+}
+
+/// The scratch: every intermediate tensor of one block for one batch shape. The
+/// embedding's, a layer's and the head's regions overlay each other (blocks run one
+/// after another on one stream).
+#[derive(Debug, Clone, Copy)]
+struct Scratch {
+    cos: TensorRef,
+    sin: TensorRef,
+    xn: TensorRef,
+    rstd1: TensorRef,
+    /// The projections q (B, T, H, D), k and v (B, T, KV, D).
+    q: TensorRef,
+    k: TensorRef,
+    v: TensorRef,
+    /// Qwen3's per-head normalised q and k and their rstd.
+    qn: TensorRef,
+    qn_rstd: TensorRef,
+    kn: TensorRef,
+    kn_rstd: TensorRef,
+    /// q and k after the rotary embedding.
+    qr: TensorRef,
+    kr: TensorRef,
+    atty: TensorRef,
+    att: TensorRef,
+    attention: TensorRef,
+    res2: TensorRef,
+    xn2: TensorRef,
+    rstd2: TensorRef,
+    gate: TensorRef,
+    up: TensorRef,
+    hmid: TensorRef,
+    proj: TensorRef,
+    d_c: TensorRef,
+    d_c2: TensorRef,
+    d_c3: TensorRef,
+    d_res2: TensorRef,
+    d_h: TensorRef,
+    d_gate: TensorRef,
+    d_up: TensorRef,
+    d_atty: TensorRef,
+    dq: TensorRef,
+    dk: TensorRef,
+    dv: TensorRef,
+    dq_pre: TensorRef,
+    dk_pre: TensorRef,
+    dq_lin: TensorRef,
+    dk_lin: TensorRef,
+    /// The embedding's zero position table (T, C) and its gradient's sink (T, C) f32.
+    zero_pos: TensorRef,
+    dpos: TensorRef,
+    xf: TensorRef,
+    rstdf: TensorRef,
+    head_d: TensorRef,
+    /// (B, T, V): logits after the head's forward; their gradient after its backward.
+    logits: TensorRef,
+    bytes: usize,
+}
+
+impl Scratch {
+    fn new(c: &LlamaConfig, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
+        let (n, w, i, v) = (shape.rows(), c.width, c.intermediate, c.vocab);
+        let (q, kv, h, kvh) = (c.q_dim(), c.kv_dim(), c.heads, c.kv_heads);
+        let f32 = Dtype::F32;
+        let mut layer = Carve { next: 0 };
+        let mut l = |len, dt| layer.take(len, dt);
+        let half = shape.seq * c.head_dim / 2;
+        let (cos, sin) = (l(half, dtype), l(half, dtype));
+        let (xn, rstd1) = (l(n * w, dtype), l(n, f32));
+        let (sq, sk, sv) = (l(n * q, dtype), l(n * kv, dtype), l(n * kv, dtype));
+        // Qwen3's normalised q and k (empty otherwise).
+        let norm = |len: usize| if c.qk_norm { len } else { 0 };
+        let (qn, qn_rstd) = (l(norm(n * q), dtype), l(norm(n * h), f32));
+        let (kn, kn_rstd) = (l(norm(n * kv), dtype), l(norm(n * kvh), f32));
+        let (qr, kr) = (l(n * q, dtype), l(n * kv, dtype));
+        let atty = l(n * q, dtype);
+        let att = l(shape.batch * h * shape.seq * shape.seq, dtype);
+        let attention_bytes =
+            gqa_attention_scratch_bytes(target, dtype, shape.batch, shape.seq, h, kvh, c.head_dim);
+        let attention = l(attention_bytes, Dtype::U8);
+        let res2 = l(n * w, dtype);
+        let (xn2, rstd2) = (l(n * w, dtype), l(n, f32));
+        let (gate, up, hmid) = (l(n * i, dtype), l(n * i, dtype), l(n * i, dtype));
+        let proj = l(n * w, dtype);
+        let (d_c, d_c2, d_c3, d_res2) = (
+            l(n * w, dtype),
+            l(n * w, dtype),
+            l(n * w, dtype),
+            l(n * w, dtype),
+        );
+        let (d_h, d_gate, d_up) = (l(n * i, dtype), l(n * i, dtype), l(n * i, dtype));
+        let d_atty = l(n * q, dtype);
+        let (dq, dk, dv) = (l(n * q, dtype), l(n * kv, dtype), l(n * kv, dtype));
+        let (dq_pre, dk_pre) = (l(n * q, dtype), l(n * kv, dtype));
+        let (dq_lin, dk_lin) = (l(norm(n * q), dtype), l(norm(n * kv), dtype));
+        let mut embedding = Carve { next: 0 };
+        let zero_pos = embedding.take(shape.seq * w, dtype);
+        let dpos = embedding.take(shape.seq * w, f32);
+        let mut head = Carve { next: 0 };
+        let mut hd = |len, dt| head.take(len, dt);
+        let (xf, rstdf) = (hd(n * w, dtype), hd(n, f32));
+        let (head_d, logits) = (hd(n * w, dtype), hd(n * v, dtype));
+        Scratch {
+            cos,
+            sin,
+            xn,
+            rstd1,
+            q: sq,
+            k: sk,
+            v: sv,
+            qn,
+            qn_rstd,
+            kn,
+            kn_rstd,
+            qr,
+            kr,
+            atty,
+            att,
+            attention,
+            res2,
+            xn2,
+            rstd2,
+            gate,
+            up,
+            hmid,
+            proj,
+            d_c,
+            d_c2,
+            d_c3,
+            d_res2,
+            d_h,
+            d_gate,
+            d_up,
+            d_atty,
+            dq,
+            dk,
+            dv,
+            dq_pre,
+            dk_pre,
+            dq_lin,
+            dk_lin,
+            zero_pos,
+            dpos,
+            xf,
+            rstdf,
+            head_d,
+            logits,
+            bytes: layer.next.max(head.next).max(embedding.next),
+        }
+    }
+}
+
+/// Builds one block's program.
+struct Program<'a> {
+    shape: Shape,
+    c: &'a LlamaConfig,
+    dtype: Dtype,
+    s: Scratch,
+    /// Elements of the block's buffer.
+    len: usize,
+    /// Elements of the embedding's buffer (the tied block's).
+    tied_len: usize,
+    out: Vec<Kernel>,
+}
+
+impl Program<'_> {
+    /// `slot` of the parameters bound at `bind`, in the working dtype.
+    fn param(&self, bind: Bind, slot: Slot) -> TensorRef {
+        TensorRef::new(
+            bind as u8,
+            slot.offset * self.dtype.size(),
+            slot.len,
+            self.dtype,
+        )
+    }
+
+    /// `slot` of a gradient buffer (f32).
+    fn grad(&self, bind: Bind, slot: Slot) -> TensorRef {
+        TensorRef::new(bind as u8, slot.offset * 4, slot.len, Dtype::F32)
+    }
+
+    /// A whole activation buffer (B, T, C).
+    fn act(&self, bind: Bind) -> TensorRef {
+        TensorRef::new(bind as u8, 0, self.shape.rows() * self.c.width, self.dtype)
+    }
+
+    /// Token ids (B, T) bound at `bind`.
+    fn ids(&self, bind: Bind) -> TensorRef {
+        TensorRef::new(bind as u8, 0, self.shape.rows(), Dtype::U32)
+    }
+
+    /// Zeroes the whole gradient buffer bound at `bind` of `len` elements.
+    fn zero_grads(&mut self, bind: Bind, len: usize) {
+        self.out.push(Kernel::Zero {
+            t: TensorRef::new(bind as u8, 0, len, Dtype::F32),
+        });
+    }
+
+    /// `out = inp @ W^T (+ bias)` with W (oc, c) as `nn.Linear` stores it.
+    fn linear(&self, out: TensorRef, inp: TensorRef, weight: Slot, bias: Option<Slot>) -> Kernel {
+        let n = self.shape.rows();
+        Kernel::Matmul {
+            out,
+            inp,
+            weight: self.param(Bind::Params, weight),
+            bias: bias.map(|b| self.param(Bind::Params, b)),
+            layout: WeightLayout::OutIn,
+            n,
+            c: inp.len / n,
+            oc: out.len / n,
+        }
+    }
+
+    /// The gradients of [`Program::linear`]: `dinp` overwritten, the weight's (and
+    /// bias's) gradients accumulated.
+    fn linear_backward(
+        &self,
+        dinp: TensorRef,
+        dout: TensorRef,
+        inp: TensorRef,
+        weight: Slot,
+        bias: Option<Slot>,
+    ) -> Kernel {
+        let n = self.shape.rows();
+        Kernel::MatmulBackward {
+            dinp,
+            dweight: self.grad(Bind::Grads, weight),
+            dbias: bias.map(|b| self.grad(Bind::Grads, b)),
+            dout,
+            inp,
+            weight: self.param(Bind::Params, weight),
+            layout: WeightLayout::OutIn,
+            n,
+            c: inp.len / n,
+            oc: dout.len / n,
+        }
+    }
+
+    fn rmsnorm(&self, out: TensorRef, rstd: TensorRef, inp: TensorRef, weight: Slot) -> Kernel {
+        Kernel::RmsNorm {
+            out,
+            rstd,
+            inp,
+            weight: self.param(Bind::Params, weight),
+            eps: self.c.eps,
+            n: rstd.len,
+            c: inp.len / rstd.len,
+        }
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dinp: TensorRef,
+        dout: TensorRef,
+        inp: TensorRef,
+        rstd: TensorRef,
+        weight: Slot,
+    ) -> Kernel {
+        Kernel::RmsNormBackward {
+            dinp,
+            dweight: self.grad(Bind::Grads, weight),
+            dout,
+            inp,
+            weight: self.param(Bind::Params, weight),
+            rstd,
+            n: rstd.len,
+            c: inp.len / rstd.len,
+        }
+    }
+
+    fn rope(&self, out: TensorRef, inp: TensorRef, heads: usize, backward: bool) -> Kernel {
+        let (b, t, d, s) = (self.shape.batch, self.shape.seq, self.c.head_dim, self.s);
+        if backward {
+            Kernel::RopeBackward {
+                dinp: out,
+                dout: inp,
+                cos: s.cos,
+                sin: s.sin,
+                b,
+                t,
+                h: heads,
+                d,
+            }
+        } else {
+            Kernel::Rope {
+                out,
+                inp,
+                cos: s.cos,
+                sin: s.sin,
+                b,
+                t,
+                h: heads,
+                d,
+            }
+        }
+    }
+
+    fn embedding(mut self, embed: Slot, pass: Pass) -> Vec<Kernel> {
+        let (b, t, c, s) = (self.shape.batch, self.shape.seq, self.c.width, self.s);
+        let tokens = self.ids(Bind::Tokens);
+        match pass {
+            Pass::Forward => {
+                self.out.push(Kernel::Zero { t: s.zero_pos });
+                self.out.push(Kernel::Encoder {
+                    out: self.act(Bind::Output),
+                    tokens,
+                    wte: self.param(Bind::Params, embed),
+                    wpe: s.zero_pos,
+                    b,
+                    t,
+                    c,
+                });
+            }
+            Pass::Backward => {
+                // A tied head zeroed this block's gradients and added its own; an
+                // untied model's embedding is the only writer.
+                if !self.c.tied {
+                    self.zero_grads(Bind::Grads, self.len);
+                }
+                self.out.push(Kernel::Zero { t: s.dpos });
+                self.out.push(Kernel::EncoderBackward {
+                    dwte: self.grad(Bind::Grads, embed),
+                    dwpe: s.dpos,
+                    dout: self.act(Bind::DOutput),
+                    tokens,
+                    b,
+                    t,
+                    c,
+                });
+            }
+        }
+        self.out
+    }
+
+    /// The forward of a layer up to its MLP's output in `proj` (the caller adds the
+    /// residual): what the backward recomputes.
+    fn layer_body(&mut self, l: &LayerSlots) {
+        let s = self.s;
+        let (c, x) = (self.c, self.act(Bind::Input));
+        let (h, kvh) = (c.heads, c.kv_heads);
+        let (bq, bk, bv) = match l.qkv_bias {
+            Some((q, k, v)) => (Some(q), Some(k), Some(v)),
+            None => (None, None, None),
+        };
+        let mut k = vec![
+            Kernel::RopeTable {
+                cos: s.cos,
+                sin: s.sin,
+                t: self.shape.seq,
+                d: c.head_dim,
+                freqs: c.rope,
+            },
+            self.rmsnorm(s.xn, s.rstd1, x, l.input_norm),
+            self.linear(s.q, s.xn, l.q, bq),
+            self.linear(s.k, s.xn, l.k, bk),
+            self.linear(s.v, s.xn, l.v, bv),
+        ];
+        let (q_in, k_in) = match l.qk_norm {
+            Some((qn, kn)) => {
+                k.push(self.rmsnorm(s.qn, s.qn_rstd, s.q, qn));
+                k.push(self.rmsnorm(s.kn, s.kn_rstd, s.k, kn));
+                (s.qn, s.kn)
+            }
+            None => (s.q, s.k),
+        };
+        k.extend([
+            self.rope(s.qr, q_in, h, false),
+            self.rope(s.kr, k_in, kvh, false),
+            Kernel::GqaAttention {
+                out: s.atty,
+                att: s.att,
+                q: s.qr,
+                k: s.kr,
+                v: s.v,
+                scratch: s.attention,
+                b: self.shape.batch,
+                t: self.shape.seq,
+                h,
+                kv: kvh,
+                d: c.head_dim,
+            },
+            self.linear(s.proj, s.atty, l.o, None),
+            Kernel::Residual {
+                out: s.res2,
+                a: x,
+                b: s.proj,
+            },
+            self.rmsnorm(s.xn2, s.rstd2, s.res2, l.post_norm),
+            self.linear(s.gate, s.xn2, l.gate, None),
+            self.linear(s.up, s.xn2, l.up, None),
+            Kernel::SwiGlu {
+                out: s.hmid,
+                gate: s.gate,
+                up: s.up,
+            },
+            self.linear(s.proj, s.hmid, l.down, None),
+        ]);
+        self.out.extend(k);
+    }
+
+    fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
+        let s = self.s;
+        if pass == Pass::Forward {
+            self.layer_body(l);
+            let out = self.act(Bind::Output);
+            self.out.push(Kernel::Residual {
+                out,
+                a: s.res2,
+                b: s.proj,
+            });
+            return self.out;
+        }
+        // Backward: recompute the forward from the input, then every gradient, into
+        // zeroed parameter gradients.
+        self.zero_grads(Bind::Grads, self.len);
+        self.layer_body(l);
+        let (x, dout, dx) = (
+            self.act(Bind::Input),
+            self.act(Bind::DOutput),
+            self.act(Bind::DInput),
+        );
+        let (h, kvh) = (self.c.heads, self.c.kv_heads);
+        let (bq, bk, bv) = match l.qkv_bias {
+            Some((q, k, v)) => (Some(q), Some(k), Some(v)),
+            None => (None, None, None),
+        };
+        let mut k = vec![
+            // out = res2 + down(silu(gate(xn2)) * up(xn2)), xn2 = norm(res2).
+            self.linear_backward(s.d_h, dout, s.hmid, l.down, None),
+            Kernel::SwiGluBackward {
+                dgate: s.d_gate,
+                dup: s.d_up,
+                dout: s.d_h,
+                gate: s.gate,
+                up: s.up,
+            },
+            self.linear_backward(s.d_c, s.d_gate, s.xn2, l.gate, None),
+            self.linear_backward(s.d_c2, s.d_up, s.xn2, l.up, None),
+            Kernel::Residual {
+                out: s.d_c3,
+                a: s.d_c,
+                b: s.d_c2,
+            },
+            // d_res2: dout plus what flows back through the post-attention norm.
+            Kernel::Copy {
+                dst: s.d_res2,
+                src: dout,
+            },
+            self.rmsnorm_backward(s.d_res2, s.d_c3, s.res2, s.rstd2, l.post_norm),
+            // res2 = x + o(attention(rope(q), rope(k), v)).
+            self.linear_backward(s.d_atty, s.d_res2, s.atty, l.o, None),
+            Kernel::GqaAttentionBackward {
+                dq: s.dq,
+                dk: s.dk,
+                dv: s.dv,
+                dout: s.d_atty,
+                q: s.qr,
+                k: s.kr,
+                v: s.v,
+                att: s.att,
+                scratch: s.attention,
+                b: self.shape.batch,
+                t: self.shape.seq,
+                h,
+                kv: kvh,
+                d: self.c.head_dim,
+            },
+            self.rope(s.dq_pre, s.dq, h, true),
+            self.rope(s.dk_pre, s.dk, kvh, true),
+        ];
+        let (dq_in, dk_in) = match l.qk_norm {
+            Some((qn, kn)) => {
+                k.extend([
+                    Kernel::Zero { t: s.dq_lin },
+                    self.rmsnorm_backward(s.dq_lin, s.dq_pre, s.q, s.qn_rstd, qn),
+                    Kernel::Zero { t: s.dk_lin },
+                    self.rmsnorm_backward(s.dk_lin, s.dk_pre, s.k, s.kn_rstd, kn),
+                ]);
+                (s.dq_lin, s.dk_lin)
+            }
+            None => (s.dq_pre, s.dk_pre),
+        };
+        k.extend([
+            self.linear_backward(s.d_c, dq_in, s.xn, l.q, bq),
+            self.linear_backward(s.d_c2, dk_in, s.xn, l.k, bk),
+            Kernel::Residual {
+                out: s.d_c3,
+                a: s.d_c,
+                b: s.d_c2,
+            },
+            self.linear_backward(s.d_c, s.dv, s.xn, l.v, bv),
+            Kernel::Residual {
+                out: s.d_c2,
+                a: s.d_c3,
+                b: s.d_c,
+            },
+            Kernel::Copy {
+                dst: dx,
+                src: s.d_res2,
+            },
+            self.rmsnorm_backward(dx, s.d_c2, x, s.rstd1, l.input_norm),
+        ]);
+        self.out.extend(k);
+        self.out
+    }
+
+    fn head(mut self, h: &HeadSlots, embed: Slot, pass: Pass) -> Vec<Kernel> {
+        let s = self.s;
+        let (n, c, v) = (self.shape.rows(), self.c.width, self.c.vocab);
+        let x = self.act(Bind::Input);
+        let targets = self.ids(Bind::Targets);
+        // The output head's weight (V, C): the block's own, or the tied embedding's.
+        let (weight, dweight) = match h.lm_head {
+            Some(slot) => (self.param(Bind::Params, slot), self.grad(Bind::Grads, slot)),
+            None => (
+                self.param(Bind::TiedParams, embed),
+                self.grad(Bind::TiedGrads, embed),
+            ),
+        };
+        if pass == Pass::Backward {
+            self.zero_grads(Bind::Grads, self.len);
+            if h.lm_head.is_none() {
+                // The head is the first to write the tied embedding's gradients.
+                self.zero_grads(Bind::TiedGrads, self.tied_len);
+            }
+        }
+        let forward = [
+            self.rmsnorm(s.xf, s.rstdf, x, h.norm),
+            Kernel::Matmul {
+                out: s.logits,
+                inp: s.xf,
+                weight,
+                bias: None,
+                layout: WeightLayout::OutIn,
+                n,
+                c,
+                oc: v,
+            },
+            Kernel::CrossEntropy {
+                losses: TensorRef::new(Bind::Losses as u8, 0, n, Dtype::F32),
+                logits: s.logits,
+                targets,
+                n,
+                v,
+            },
+        ];
+        self.out.extend(forward);
+        if pass == Pass::Forward {
+            return self.out;
+        }
+        let dx = self.act(Bind::DInput);
+        let backward = [
+            Kernel::CrossEntropyBackward {
+                logits: s.logits,
+                targets,
+                n,
+                v,
+            },
+            Kernel::MatmulBackward {
+                dinp: s.head_d,
+                dweight,
+                dbias: None,
+                dout: s.logits,
+                inp: s.xf,
+                weight,
+                layout: WeightLayout::OutIn,
+                n,
+                c,
+                oc: v,
+            },
+            Kernel::Zero { t: dx },
+            self.rmsnorm_backward(dx, s.head_d, x, s.rstdf, h.norm),
+        ];
+        self.out.extend(backward);
+        self.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::layout::TENSOR_ALIGN_ELEMENTS;
+
+    /// Parameter counts as published for each preset (the models' cards and
+    /// `num_parameters()` of their Hugging Face checkpoints).
+    #[test]
+    fn presets_have_the_published_parameter_counts() {
+        for (name, count) in [
+            ("llama-3-8b", 8_030_261_248usize),
+            ("llama-3.1-8b", 8_030_261_248),
+            ("llama-3.2-1b", 1_235_814_400),
+            ("llama-3.2-3b", 3_212_749_824),
+            ("qwen2.5-0.5b", 494_032_768),
+            ("qwen2.5-1.5b", 1_543_714_304),
+            ("qwen2.5-3b", 3_085_938_688),
+            ("qwen2.5-7b", 7_615_616_512),
+            ("qwen3-8b", 8_190_735_360),
+            ("mistral-7b", 7_248_023_552),
+        ] {
+            let config = LlamaConfig::preset(name).unwrap();
+            let model = Llama::new(config).unwrap();
+            assert_eq!(model.param_count(), count, "{name}");
+            let counted: usize = model.blocks().iter().map(|b| b.param_count()).sum();
+            assert_eq!(counted, count, "{name}: layouts");
+        }
+        assert_eq!(preset_names().len(), 10);
+        assert!(LlamaConfig::preset("llama-9").is_none());
+    }
+
+    #[test]
+    fn layouts_are_aligned_disjoint_and_named_as_hugging_face_names_them() {
+        for name in ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-8b"] {
+            let mut config = LlamaConfig::preset(name).unwrap();
+            config.layers = 2;
+            let model = Llama::new(config.clone()).unwrap();
+            let blocks = model.blocks();
+            assert_eq!(blocks.len(), 4);
+            for block in blocks {
+                let mut end = 0;
+                for t in &block.tensors {
+                    assert_eq!(t.slot.offset % TENSOR_ALIGN_ELEMENTS, 0);
+                    assert!(t.slot.offset >= end);
+                    end = t.slot.range().end;
+                }
+                assert!(end <= block.len);
+            }
+            let q = blocks[2]
+                .tensor("model.layers.1.self_attn.q_proj.weight")
+                .unwrap();
+            assert_eq!(q.shape, vec![config.q_dim(), config.width]);
+            assert_eq!(
+                blocks[1]
+                    .tensor("model.layers.0.self_attn.q_proj.bias")
+                    .is_some(),
+                config.qkv_bias
+            );
+            assert_eq!(
+                blocks[1]
+                    .tensor("model.layers.0.self_attn.k_norm.weight")
+                    .is_some(),
+                config.qk_norm
+            );
+            assert_eq!(blocks[3].tensor("lm_head.weight").is_some(), !config.tied);
+            assert_eq!(model.tied(3), config.tied.then_some(0));
+        }
+    }
+
+    #[test]
+    fn programs_stay_inside_their_buffers() {
+        for (variant, tied) in [
+            (Variant::Llama, false),
+            (Variant::Qwen2, true),
+            (Variant::Qwen3, false),
+        ] {
+            let mut config = LlamaConfig::llama(2, 48, 80, 4, 2, 96, 32);
+            config.head_dim = 16;
+            config.variant = variant;
+            config.tied = tied;
+            config.qkv_bias = variant == Variant::Qwen2;
+            config.qk_norm = variant == Variant::Qwen3;
+            let model = Llama::new(config).unwrap();
+            let shape = Shape { batch: 2, seq: 16 };
+            for (target, dtype) in [(Target::Cpu, Dtype::F32), (Target::Cuda, Dtype::Bf16)] {
+                let scratch = model.scratch_bytes(shape, target, dtype);
+                for (b, block) in model.blocks().iter().enumerate() {
+                    for pass in [Pass::Forward, Pass::Backward] {
+                        for k in model.program(b, pass, shape, target, dtype) {
+                            k.for_each_tensor(|t, _| {
+                                let limit = match t.buf {
+                                    x if x == Bind::Scratch as u8 => scratch,
+                                    x if x == Bind::Params as u8 => block.len * dtype.size(),
+                                    x if x == Bind::Grads as u8 => block.len * 4,
+                                    x if x == Bind::TiedParams as u8 => {
+                                        model.blocks[0].len * dtype.size()
+                                    }
+                                    x if x == Bind::TiedGrads as u8 => model.blocks[0].len * 4,
+                                    _ => usize::MAX,
+                                };
+                                assert!(
+                                    t.offset_bytes + t.bytes() <= limit,
+                                    "{variant:?} block {b} {pass:?} {}: {t:?} past {limit}",
+                                    k.name()
+                                );
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_sliding_window_shorter_than_the_sequence_is_refused() {
+        let mut config = LlamaConfig::preset("mistral-7b").unwrap();
+        config.variant = Variant::Mistral;
+        config.sliding_window = Some(4096);
+        let model = crate::model::Model::of(Llama::new(config).unwrap());
+        assert!(model.shape(1, 4096).is_ok());
+        let error = model.shape(1, 4097).unwrap_err().to_string();
+        assert!(error.contains("sliding window of 4096"), "{error}");
+    }
+}
