@@ -29,7 +29,7 @@ use std::sync::Arc;
 pub use error::ModelError;
 pub use gpt2::{Gpt2, Gpt2Config, PRESETS};
 pub use layout::{BlockKind, BlockLayout, Slot, TensorSpec};
-pub use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
+pub use strata_kernels::program::{Dtype, IGNORE_TARGET, Kernel, Target, TensorRef};
 
 /// Which pass of a block a program computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -306,7 +306,18 @@ impl Model {
 
     /// Errors naming the first id of `tokens` outside the vocabulary.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), ModelError> {
-        match tokens.iter().position(|&t| t as usize >= self.vocab()) {
+        self.check_ids(tokens, false)
+    }
+
+    /// Errors naming the first id of `targets` outside the vocabulary;
+    /// [`IGNORE_TARGET`] (a position the loss does not count) is allowed.
+    pub fn check_targets(&self, targets: &[u32]) -> Result<(), ModelError> {
+        self.check_ids(targets, true)
+    }
+
+    fn check_ids(&self, tokens: &[u32], targets: bool) -> Result<(), ModelError> {
+        let bad = |t: u32| t as usize >= self.vocab() && !(targets && t == IGNORE_TARGET);
+        match tokens.iter().position(|&t| bad(t)) {
             Some(position) => Err(ModelError::TokenOutOfVocab {
                 origin: "the batch given".into(),
                 position: position as u64,
