@@ -12,7 +12,9 @@
 //! - GPT-2 is the first family ([`gpt2`]).
 //! - [`update`]: the programs every family shares (AdamW per tensor, gradient
 //!   statistics, gradient accumulation), built from a block's layout alone.
-//! - [`weights`]: Hugging Face `model.safetensors` + `config.json`; [`data`]: token files.
+//! - [`weights`]: Hugging Face `config.json` and safetensors weights (one file or
+//!   shards); [`data`]: token files; [`tokenize`]: `tokenizer.json` and text into token
+//!   files.
 //!
 //! Where buffers live, and when they move, is not decided here.
 
@@ -20,6 +22,7 @@ pub mod data;
 mod error;
 pub mod gpt2;
 pub mod layout;
+pub mod tokenize;
 pub mod update;
 pub mod weights;
 
