@@ -7,7 +7,7 @@
 //!   ids). Files named `*.bin` must be in this format. A *mask* file `NAME.mask` beside
 //!   one, when there, holds one byte per token: 0 where the token is not a target of the
 //!   loss (a prompt's tokens), which a batch's targets then hold as
-//!   [`IGNORE_TARGET`](super::IGNORE_TARGET).
+//!   [`super::IGNORE_TARGET`].
 //! - Raw text, any other file: each byte is a token (vocabulary 256).
 //!
 //! Batching: batch `k` of B × T reads the k-th contiguous window of B×T+1 tokens,
