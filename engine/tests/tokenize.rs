@@ -205,3 +205,35 @@ fn the_cache_is_made_once_and_follows_the_data() {
     let want = tokenizer.encode("Other text.", true).unwrap().len() as u64 + 1;
     assert_eq!(TokenData::open(&other).unwrap().len(), want);
 }
+
+/// A vocabulary past 65536 ids writes uint32 ids (llm.c version 2), read back as they
+/// were.
+#[test]
+fn a_large_vocabulary_writes_uint32_ids() {
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(golden().join("tokenizer.json")).unwrap()).unwrap();
+    json["model"]["vocab"]["<|big|>"] = 70000.into();
+    json["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "id": 70000, "content": "<|big|>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+    let tokenizer = TextTokenizer::open(dir.path()).unwrap();
+    assert_eq!(tokenizer.vocab_size(), 70001);
+    let input = dir.path().join("a.txt");
+    std::fs::write(&input, "The licence<|big|> ends.").unwrap();
+    let out = dir.path().join("a.bin");
+    let summary = encode_files(&tokenizer, &[input], &out, &mut |_, _| {}).unwrap();
+    assert!(summary.wide);
+    let data = TokenData::open(&out).unwrap();
+    assert_eq!(data.format(), TokenFormat::LlmcU32);
+    let got: Vec<u32> = (0..data.len()).map(|i| data.token(i)).collect();
+    let mut want = tokenizer.encode("The licence<|big|> ends.", true).unwrap();
+    want.push(tokenizer.eos().unwrap());
+    assert!(want.contains(&70000));
+    assert_eq!(got, want);
+}

@@ -39,6 +39,10 @@ const EOS_NAMES: [&str; 5] = [
     "<eos>",
 ];
 
+/// Where [`TextTokenizer::encode_document_with`] hands ids: each group's ids and the
+/// bytes of text they cover.
+pub type IdSink<'a> = dyn FnMut(&[u32], usize) -> Result<(), ModelError> + 'a;
+
 /// Bytes of text per piece a long document is encoded in.
 pub const PIECE_BYTES: usize = 1 << 18;
 
@@ -112,10 +116,15 @@ impl TextTokenizer {
         &self.path
     }
 
-    /// Ids the tokenizer can give (its vocabulary and added tokens): at most the model's
-    /// vocabulary for the ids to be valid.
+    /// One more than the largest id the tokenizer can give (its vocabulary and added
+    /// tokens; ids need not be dense): at most the model's vocabulary for the ids to be
+    /// valid.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.inner
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&id| id as usize + 1)
     }
 
     /// The end-of-sequence id that separates documents, if the tokenizer has one.
@@ -160,17 +169,34 @@ impl TextTokenizer {
     /// The ids of one text document, encoded in pieces where that gives the same ids
     /// (see the module's notes), `piece_bytes` of text at least each.
     pub fn encode_document(&self, text: &str, piece_bytes: usize) -> Result<Vec<u32>, ModelError> {
+        let mut ids = Vec::new();
+        self.encode_document_with(text, piece_bytes, &mut |piece, _| {
+            ids.extend_from_slice(piece);
+            Ok(())
+        })?;
+        Ok(ids)
+    }
+
+    /// [`TextTokenizer::encode_document`], handing the ids to `sink` as they come (with
+    /// the bytes of text they cover), so that a large document is never held as ids
+    /// whole: at most 64 pieces are encoded (in parallel) at a time.
+    pub fn encode_document_with(
+        &self,
+        text: &str,
+        piece_bytes: usize,
+        sink: &mut IdSink<'_>,
+    ) -> Result<(), ModelError> {
         if !self.splittable || text.len() <= piece_bytes {
-            return self.encode(text, true);
+            return sink(&self.encode(text, true)?, text.len());
         }
         let pieces = split_pieces(text, piece_bytes);
-        let mut ids = self.encode(pieces[0], true)?;
+        sink(&self.encode(pieces[0], true)?, pieces[0].len())?;
         for group in pieces[1..].chunks(64) {
-            for piece in self.encode_many(group.to_vec(), false)? {
-                ids.extend(piece);
+            for (piece, ids) in group.iter().zip(self.encode_many(group.to_vec(), false)?) {
+                sink(&ids, piece.len())?;
             }
         }
-        Ok(ids)
+        Ok(())
     }
 }
 
@@ -403,12 +429,14 @@ pub fn encode_files(
         let text = std::str::from_utf8(&map).expect("checked by map_text");
         let jsonl = input.extension().is_some_and(|e| e == "jsonl");
         if !jsonl {
-            let mut ids = tokenizer.encode_document(text, PIECE_BYTES)?;
-            ids.push(eos);
-            writer.push(&ids, true)?;
+            tokenizer.encode_document_with(text, PIECE_BYTES, &mut |ids, bytes| {
+                writer.push(ids, true)?;
+                done_bytes += bytes as u64;
+                progress(done_bytes, writer.tokens);
+                Ok(())
+            })?;
+            writer.push(&[eos], true)?;
             documents += 1;
-            done_bytes += text.len() as u64;
-            progress(done_bytes, writer.tokens);
             continue;
         }
         // JSON lines, a group at a time: parsed here, encoded on the crate's threads.
