@@ -237,3 +237,72 @@ fn a_large_vocabulary_writes_uint32_ids() {
     assert!(want.contains(&70000));
     assert_eq!(got, want);
 }
+
+/// A tokenizer.json as Llama 2 and Mistral ship it (SentencePiece BPE: a "▁" prepended
+/// and spaces replaced by the normalizer, no pre-tokenizer, byte fallback, BOS added by
+/// the post-processor), made small here: it reads, adds BOS, finds `</s>`, is encoded
+/// whole (never in pieces), and decodes back to the text.
+#[test]
+fn a_llama_2_style_tokenizer_reads_and_round_trips() {
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+        vocab.insert(t.to_string(), i.into());
+    }
+    for b in 0..256 {
+        vocab.insert(format!("<0x{b:02X}>"), (3 + b).into());
+    }
+    let pieces = ["▁", "t", "h", "e", "▁t", "he", "▁the", "c", "a", "s"];
+    for (i, p) in pieces.iter().enumerate() {
+        vocab.insert(p.to_string(), (259 + i).into());
+    }
+    let special = |id: u32, content: &str| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                           "rstrip": false, "normalized": false, "special": true})
+    };
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+        ]},
+        "pre_tokenizer": null,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                       {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": "<s>", "type_id": 1}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}
+        },
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+        ]},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": "<unk>",
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": vocab,
+            "merges": [["▁", "t"], ["h", "e"], ["▁t", "he"]]
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+    let tokenizer = TextTokenizer::open(dir.path()).unwrap();
+    assert_eq!(tokenizer.eos(), Some(2));
+    let text = "the cat sat\nthe hat: ü!\nthe end";
+    let ids = tokenizer.encode(text, true).unwrap();
+    assert_eq!(ids[0], 1, "BOS first");
+    assert_eq!(ids[1], 265, "▁the, merged");
+    assert!(ids.contains(&(3 + 0xC3)), "ü by byte fallback: {ids:?}");
+    assert_eq!(tokenizer.decode(&ids[1..]).unwrap(), text);
+    // Not byte-level: encoded whole, whatever the piece size.
+    assert_eq!(tokenizer.encode_document(text, 1).unwrap(), ids);
+}
