@@ -18,5 +18,6 @@ pub mod logging;
 pub mod model_info;
 pub mod plan_cmd;
 pub mod report;
+pub mod tokenize;
 pub mod train;
 pub mod train_config;

@@ -22,7 +22,7 @@ enum Command {
     Info,
     /// Print a model's loss on the first batches of a token file.
     Eval(strata::eval::EvalArgs),
-    /// Train or fine-tune a GPT-2 under a swap policy (no arguments: the built-in demo).
+    /// Train or fine-tune a model under a swap policy (no arguments: the built-in demo).
     Train(Box<strata::train_config::TrainArgs>),
     /// Will a model train here, and how: bytes per tier, peak per policy, predicted step
     /// time, the policy auto picks. Allocates nothing; exits 1 when no policy fits.
@@ -31,6 +31,8 @@ enum Command {
     Model(strata::model_info::ModelArgs),
     /// Report what this machine offers strata (CPU, memory, I/O, GPUs) and what to fix.
     Doctor(strata::doctor::DoctorArgs),
+    /// Encode text or JSON lines with a tokenizer.json into an llm.c token file.
+    Tokenize(strata::tokenize::TokenizeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -80,6 +82,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => strata::plan_cmd::run(&args, &mut std::io::stdout().lock()),
         Command::Model(args) => strata::model_info::run(&args, &mut std::io::stdout().lock()),
         Command::Doctor(args) => strata::doctor::run(&args, &mut std::io::stdout().lock()),
+        Command::Tokenize(args) => strata::tokenize::run(&args, &mut std::io::stdout().lock()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -18,8 +18,9 @@ use strata_engine::checkpoint::{self, Checkpoint, TrainerState};
 use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
 use strata_engine::exec::{ExecConfig, ExecError, Executor, Runner, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::data::{Batch, TokenData};
-use strata_engine::model::weights;
+use strata_engine::model::data::{Batch, TokenData, TokenFormat};
+use strata_engine::model::tokenize::{TextTokenizer, cached_tokens, tokenizer_file};
+use strata_engine::model::weights::{self, FileDtype, Pretrained, SaveOptions};
 use strata_engine::model::{Gpt2Config, Llama, LlamaConfig, Model, Target};
 use strata_engine::plan::{
     Auto, Budgets, CostModel, Plan, PlanInput, Policy, Precision, StepShape, Tier, fmt_bytes,
@@ -120,16 +121,21 @@ pub fn model_shape(cfg: &TrainConfig) -> Result<Model, Error> {
 /// The model of a configuration with its parameters: a preset or shape (initialised
 /// from the seed) or a directory's weights.
 fn model_of(cfg: &TrainConfig) -> Result<(Model, Vec<Vec<f32>>), Error> {
-    if Gpt2Config::preset(&cfg.model).is_ok()
-        || LlamaConfig::preset(&cfg.model).is_some()
-        || custom_shape(&cfg.model).is_some()
-        || has_no_weights(Path::new(&cfg.model))
-    {
+    if is_shape(cfg) {
         let model = model_shape(cfg)?;
         let params = model.init_params(cfg.seed);
         return Ok((model, params));
     }
     Ok(weights::load_pretrained(Path::new(&cfg.model))?)
+}
+
+/// Whether the configured model is a shape without weights (a preset, `LAYERSxWIDTH`,
+/// or a folder of only `config.json`), initialised from the seed.
+fn is_shape(cfg: &TrainConfig) -> bool {
+    Gpt2Config::preset(&cfg.model).is_ok()
+        || LlamaConfig::preset(&cfg.model).is_some()
+        || custom_shape(&cfg.model).is_some()
+        || has_no_weights(Path::new(&cfg.model))
 }
 
 /// Whether `path` is a model folder holding a `config.json` and no weights of any
@@ -144,6 +150,117 @@ pub fn has_no_weights(path: &Path) -> bool {
         ]
         .iter()
         .any(|f| path.join(f).exists())
+}
+
+/// The folder a configuration's model was read from, described (headers only), when it
+/// names one rather than a preset or a shape.
+fn pretrained_source(cfg: &TrainConfig) -> Result<Option<Pretrained>, Error> {
+    if is_shape(cfg) {
+        return Ok(None);
+    }
+    Ok(Some(weights::describe_pretrained(Path::new(&cfg.model))?.1))
+}
+
+/// The file type of a configured dtype.
+fn file_dtype(dtype: Dtype) -> FileDtype {
+    match dtype {
+        Dtype::Fp32 => FileDtype::F32,
+        Dtype::Bf16 => FileDtype::Bf16,
+        Dtype::Fp16 => FileDtype::F16,
+    }
+}
+
+/// The tokens of `path` for `model`: an llm.c token file as it is; text or JSON lines
+/// tokenized with the model folder's `tokenizer.json` (once, cached beside the data);
+/// text read one byte per token for a model of vocabulary 256 without a tokenizer. Any
+/// other model with raw text is refused, naming the fix.
+fn open_data(
+    path: &Path,
+    cfg: &TrainConfig,
+    model: &Model,
+    out: &mut impl Write,
+) -> Result<TokenData, Error> {
+    let bytes = TokenData::open(path)?;
+    if bytes.format() != TokenFormat::Bytes {
+        return Ok(bytes);
+    }
+    let model_dir = Path::new(&cfg.model);
+    let model_dir = if model_dir.is_file() {
+        model_dir.parent().unwrap_or(Path::new("."))
+    } else {
+        model_dir
+    };
+    let tokenizer = tokenizer_file(model_dir);
+    let jsonl = path.extension().is_some_and(|e| e == "jsonl");
+    if !tokenizer.is_file() {
+        if model.vocab() == 256 && !jsonl {
+            return Ok(bytes);
+        }
+        return Err(format!(
+            "--data {}: {} for a model of vocabulary {} needs the model's tokenizer, and {} \
+             has no tokenizer.json; give --model a folder holding one, or tokenize the \
+             data first (strata tokenize --tokenizer TOKENIZER.json --input {} --output \
+             DATA.bin) and give --data DATA.bin",
+            path.display(),
+            if jsonl { "JSON lines" } else { "raw text" },
+            model.vocab(),
+            if Path::new(&cfg.model).exists() {
+                model_dir.display().to_string()
+            } else {
+                format!("the preset {}", cfg.model)
+            },
+            path.display()
+        )
+        .into());
+    }
+    let tokenizer = TextTokenizer::open(&tokenizer)?;
+    if tokenizer.vocab_size() > model.vocab() {
+        return Err(format!(
+            "{}: the tokenizer has {} ids but the model's vocabulary is {}; give the \
+             model's own tokenizer",
+            tokenizer.path().display(),
+            tokenizer.vocab_size(),
+            model.vocab()
+        )
+        .into());
+    }
+    let bar = crate::tokenize::bytes_bar(std::fs::metadata(path)?.len(), "tokenizing ");
+    let started = Instant::now();
+    let (tokens, fresh) = cached_tokens(
+        &tokenizer,
+        path,
+        &default_scratch_dir(),
+        &mut |done, tokens| {
+            bar.set_position(done);
+            bar.set_message(format!("{tokens} tokens"));
+        },
+    )?;
+    bar.finish_and_clear();
+    let data = TokenData::open(&tokens)?;
+    let seconds = started.elapsed().as_secs_f64();
+    writeln!(
+        out,
+        "data: {} tokenized with {} into {} tokens{}{}, {}",
+        path.display(),
+        tokenizer.path().display(),
+        data.len(),
+        if data.has_mask() {
+            " (the loss counts completions only)"
+        } else {
+            ""
+        },
+        if fresh {
+            format!(
+                " in {seconds:.1} s ({:.0} tokens/s)",
+                data.len() as f64 / seconds
+            )
+        } else {
+            String::new()
+        },
+        if fresh { "cached as" } else { "from the cache" },
+    )?;
+    writeln!(out, "  {}", tokens.display())?;
+    Ok(data)
 }
 
 /// The budgets of a run and where they come from.
@@ -353,7 +470,12 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         None => crate::corpus::ensure_file(&default_scratch_dir(), crate::corpus::DEFAULT_BYTES, 1)
             .map_err(|e| format!("writing the built-in corpus: {e}"))?,
     };
-    let data = TokenData::open(&data_path)?;
+    let data = match cfg.data {
+        Some(_) => open_data(&data_path, &cfg, &model, &mut out)?,
+        // The built-in corpus is the default job's, bytes as tokens whatever the model
+        // (a plan for a large shape is judged before a batch is read).
+        None => TokenData::open(&data_path)?,
+    };
     let available = data.batch_count(cfg.batch, cfg.seq);
     // With held-out evaluation the last batch is kept out of training.
     let held_out = (cfg.eval_every > 0).then(|| available.saturating_sub(1));
@@ -509,7 +631,17 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let mut last_params: Option<StepParams> = None;
     let mut interrupted = false;
     let loop_start = Instant::now();
+    let mut epoch = state.data_position / train_batches as u64 + 1;
     for step in first_step..=cfg.steps {
+        let step_epoch = state.data_position / train_batches as u64 + 1;
+        if step_epoch > epoch {
+            epoch = step_epoch;
+            let line = format!(
+                "epoch {epoch}: step {step} reads the data's {train_batches} batches again \
+                 from the start"
+            );
+            bar.suspend(|| writeln!(out, "{line}"))?;
+        }
         for (i, b) in micro.iter_mut().enumerate() {
             let index = ((state.data_position + i as u64) % train_batches as u64) as usize;
             data.read_batch(index, cfg.batch, cfg.seq, model.vocab(), b)?;
@@ -638,11 +770,31 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     }
     if let Some(dir) = &cfg.out {
         params = exec.export()?.0;
-        weights::save_pretrained(&model, &params, dir)?;
+        let source = pretrained_source(&cfg)?;
+        let mut options = source
+            .as_ref()
+            .map_or_else(SaveOptions::default, |s| s.save_options());
+        if let Some(dtype) = cfg.save_dtype {
+            options.dtype = file_dtype(dtype);
+        }
+        weights::save_pretrained_with(&model, &params, dir, &options)?;
         writeln!(
             out,
-            "model: {} (Hugging Face safetensors + config.json)",
-            dir.display()
+            "model: {} (Hugging Face safetensors in {}{}, config.json{})",
+            dir.display(),
+            options.dtype.torch_name(),
+            if options.max_shard_bytes
+                < model.param_count() as u64 * options.dtype.size_bytes() as u64
+            {
+                ", sharded"
+            } else {
+                ""
+            },
+            if source.is_some() {
+                " and the input's tokenizer files"
+            } else {
+                ""
+            }
         )?;
     }
     summary(&mut out, &exec, &reports, &losses, tokens_per_step, started)?;

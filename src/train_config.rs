@@ -69,8 +69,10 @@ pub struct TrainConfig {
     /// `config.json` and `model.safetensors` to fine-tune. A preset name wins over a
     /// directory of the same name (write `./small` for the directory).
     pub model: String,
-    /// Token data: an llm.c token file (`*.bin`) or any other file, read one byte per
-    /// token. None: the built-in corpus ([`crate::corpus`]).
+    /// Token data: an llm.c token file (`*.bin`), or text (`*.jsonl` lines of `text`, or
+    /// of `prompt` and `completion`; any other file is one document), tokenized with the
+    /// model folder's `tokenizer.json` (or read one byte per token for a vocabulary of
+    /// 256). None: the built-in corpus ([`crate::corpus`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data: Option<PathBuf>,
     /// The device memory budget, as a size such as `"48MiB"` or `"20GiB"`. None (written
@@ -138,6 +140,10 @@ pub struct TrainConfig {
     /// Directory to save the trained model in (`config.json` + `model.safetensors`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out: Option<PathBuf>,
+    /// The type of the tensors saved in `out`. None: the type the model was read in
+    /// (fp32 for a preset).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub save_dtype: Option<Dtype>,
     /// File to append one JSON object of metrics per step to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_jsonl: Option<PathBuf>,
@@ -185,6 +191,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             keep_checkpoints: 3,
             out: None,
+            save_dtype: None,
             log_jsonl: None,
             trace: None,
             // Past the first step, whose start-up costs would hide the steady state.
@@ -254,7 +261,7 @@ impl Kind {
 }
 
 /// Every key, in the order `--print-config` writes them and `validate` checks them.
-const KEYS: [(&str, Kind); 34] = [
+const KEYS: [(&str, Kind); 35] = [
     ("model", Kind::Text),
     ("data", Kind::Path),
     ("device_mem", Kind::Size),
@@ -290,6 +297,10 @@ const KEYS: [(&str, Kind); 34] = [
     ("checkpoint_every", Kind::Count),
     ("keep_checkpoints", Kind::Count),
     ("out", Kind::Path),
+    (
+        "save_dtype",
+        Kind::Choice("one of \"fp32\", \"bf16\", \"fp16\""),
+    ),
     ("log_jsonl", Kind::Path),
     ("trace", Kind::Path),
     ("trace_step", Kind::Count),
@@ -729,29 +740,12 @@ impl TrainConfig {
             // A family strata does not run is said first, whatever the weights' format.
             strata_engine::model::weights::load_config(&config)
                 .map_err(|e| invalid("model", e.to_string()))?;
-            // A folder of only config.json is a shape, initialised like a preset.
-            if !dir.join("model.safetensors").is_file() && !crate::train::has_no_weights(dir) {
-                let resave = "transformers' AutoModelForCausalLM.from_pretrained(DIR)\
-                              .save_pretrained(OUT, max_shard_size=\"1000GB\")";
-                let why = if dir.join("model.safetensors.index.json").is_file() {
-                    format!(
-                        "holds a sharded checkpoint (model.safetensors.index.json); strata \
-                         reads one model.safetensors: write one with {resave}"
-                    )
-                } else if dir.join("pytorch_model.bin").is_file() {
-                    format!(
-                        "holds pytorch_model.bin, a pickle (loading one runs code); strata \
-                         reads safetensors only: convert it with {resave}"
-                    )
-                } else {
-                    "has no model.safetensors; save a model there with save_pretrained or \
-                     `strata model --init DIR`"
-                        .to_string()
-                };
-                return Err(invalid(
-                    "model",
-                    format!("names the directory {} but it {why}", dir.display()),
-                ));
+            // A folder of only config.json is a shape, initialised like a preset; else one
+            // model.safetensors or sharded ones; pytorch_model.bin refused with the command
+            // that converts it.
+            if !crate::train::has_no_weights(dir) {
+                strata_engine::model::weights::weights_layout(dir)
+                    .map_err(|e| invalid("model", e.to_string()))?;
             }
         }
         if let Some(data) = &self.data
@@ -760,8 +754,8 @@ impl TrainConfig {
             return Err(invalid(
                 "data",
                 format!(
-                    "names {}, which is not a file; give a token file (llm.c *.bin, or \
-                     text read as bytes), or leave it unset for the built-in corpus",
+                    "names {}, which is not a file; give a token file (llm.c *.bin), text \
+                     or JSON lines, or leave it unset for the built-in corpus",
                     data.display()
                 ),
             ));
@@ -1107,8 +1101,11 @@ pub struct TrainArgs {
     /// The flags that shape a step.
     #[command(flatten)]
     pub step: StepFlags,
-    /// Token data: an llm.c token file (*.bin), or any other file read as one token per
-    /// byte [default: the built-in corpus].
+    /// Token data: an llm.c token file (*.bin), or text: *.jsonl lines {"text": ...} or
+    /// {"prompt": ..., "completion": ...} (the loss counts completions only), any other
+    /// file one document; text is tokenized with the model folder's tokenizer.json,
+    /// cached beside the data (bytes as tokens for a vocabulary of 256) [default: the
+    /// built-in corpus].
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
     /// Swap policy: where parameters, gradients, optimizer state and activations live
@@ -1155,9 +1152,14 @@ pub struct TrainArgs {
     /// Checkpoints kept; older ones are deleted [default: 3].
     #[arg(long, value_name = "N")]
     pub keep_checkpoints: Option<usize>,
-    /// Directory to save the trained model in (config.json + model.safetensors).
+    /// Directory to save the trained model in: config.json, the weights (sharded like
+    /// the input when large) and the input's tokenizer and generation files.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
+    /// Type of the tensors saved in --out [default: the type the model was read in;
+    /// fp32 for a preset].
+    #[arg(long, value_enum)]
+    pub save_dtype: Option<Dtype>,
     /// File to append one JSON line of metrics per step to (created if missing; each
     /// line written as its step ends, so a killed run's log keeps every finished step).
     #[arg(long, value_name = "FILE")]
@@ -1221,7 +1223,15 @@ impl TrainArgs {
             trace_step,
             eval_every
         );
-        take_some!(data, checkpoint_dir, out, log_jsonl, trace, resume);
+        take_some!(
+            data,
+            checkpoint_dir,
+            out,
+            save_dtype,
+            log_jsonl,
+            trace,
+            resume
+        );
         set
     }
 }
@@ -1268,6 +1278,7 @@ mod tests {
             prefetch: Some(2),
             checkpoint_dir: Some("ck".into()),
             out: Some("out".into()),
+            save_dtype: Some(Dtype::Bf16),
             log_jsonl: Some("log.jsonl".into()),
             trace: Some("trace.json".into()),
             resume: Some("ck/step-10".into()),

@@ -232,8 +232,17 @@ fn plan_answers_for_a_preset_up_to_its_context_with_bytes_per_parameter() {
         .lines()
         .find(|l| l.starts_with("peak per parameter"))
         .unwrap_or_else(|| panic!("{stdout}"));
-    // The NVMe tier holds the fp32 master, m and v and the working parameters, A/B.
-    assert!(per_param.ends_with("32.00 B"), "{per_param}");
+    // The NVMe tier holds the fp32 master, m and v once (12 B/param; the working
+    // parameters are the master copy) and one spare extent per block size (the embedding,
+    // a layer, the untied head): between 12 and the 14.4 B/param the per-block commit
+    // issue set as its bound.
+    let nvme: f64 = per_param
+        .split_whitespace()
+        .rev()
+        .nth(1)
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("{per_param}"));
+    assert!((12.0..=14.4).contains(&nvme), "{per_param}");
     // A whole context's sequence is planned (it needs more device memory).
     let (_, stdout, _) = strata(&[
         "plan",

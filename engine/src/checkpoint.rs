@@ -898,9 +898,10 @@ fn load_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
                 },
             ));
         }
+        let st = weights::WeightFiles::single(st);
         prefixes
             .iter()
-            .map(|p| weights::read_blocks(&st, &model, p).map_err(|e| model_error(file, e)))
+            .map(|p| st.read_blocks(&model, p).map_err(|e| model_error(file, e)))
             .collect::<Result<Vec<_>, _>>()
     };
     let params = tensors(WEIGHTS_FILE, &[""])?.remove(0);

@@ -9,7 +9,8 @@ use std::path::Path;
 use model_support::golden_dir;
 use safetensors::{Dtype, View};
 use strata_engine::model::weights::{
-    load_config, load_pretrained, load_safetensors, save_pretrained,
+    FileDtype, INDEX_FILE, Pretrained, SaveOptions, WEIGHTS_FILE, WeightFiles, load_config,
+    load_pretrained, load_safetensors, open_pretrained, save_pretrained, save_pretrained_with,
 };
 use strata_engine::model::{Gpt2Config, Model, ModelError, gpt2};
 
@@ -310,4 +311,199 @@ fn batches_too_large_to_address_are_input_errors() {
         );
     }
     model.shape(2, 16).unwrap();
+}
+
+/// `tests/data/NAME` (see its README).
+fn data_dir(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/data")
+        .join(name)
+}
+
+/// `x` rounded to bf16 (nearest even) and back.
+fn bf16_rounded(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
+
+/// The sharded bf16 copies of the Llama and Qwen2 golden models (11 files and an index,
+/// as transformers publishes large checkpoints) read, through the loader's file layer, to
+/// exactly the fp32 model's parameters rounded to bf16, every tensor of the fp32 file
+/// present. (The families themselves are another module's; this is the file layer every
+/// family reads through.)
+#[test]
+fn sharded_bf16_golden_reads_as_the_bf16_rounded_fp32_model() {
+    for family in ["llama-tiny", "qwen2-tiny"] {
+        let dir = data_dir(family);
+        let fp32 = WeightFiles::open(&dir).unwrap();
+        let sharded = WeightFiles::open(&dir.join("sharded-bf16")).unwrap();
+        let shards = std::fs::read_dir(dir.join("sharded-bf16"))
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                let name = name.to_string_lossy();
+                name.starts_with("model-") && name.ends_with(".safetensors")
+            })
+            .count();
+        assert!(shards >= 10, "{family}: {shards} shards");
+        assert_eq!(sharded.file_count(), shards, "{family}");
+        assert_eq!(sharded.names(), fp32.names(), "{family}");
+        let mut elements = 0;
+        for name in fp32.names() {
+            let (shape, want) = fp32.read_f32(name).unwrap();
+            let (got_shape, got) = sharded.read_f32(name).unwrap();
+            assert_eq!(got_shape, shape, "{family} {name}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    bf16_rounded(*w).to_bits(),
+                    "{family} {name}[{i}]: {g} is not bf16({w})"
+                );
+            }
+            elements += want.len();
+        }
+        let index: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(dir.join("sharded-bf16/model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            index["metadata"]["total_parameters"].as_u64(),
+            Some(elements as u64),
+            "{family}"
+        );
+    }
+}
+
+/// GPT-2 saved in bf16 as shards (index as transformers writes it) loads back to the
+/// bf16-rounded parameters, says it is bf16 and sharded, keeps the input's config.json
+/// (but for its dtype) and carries its tokenizer and generation files; saved again with
+/// the options it was read with, it keeps that layout; saved as one f32 file into the
+/// same folder, the shards go.
+#[test]
+fn gpt2_sharded_bf16_save_and_load_round_trip() {
+    let (model, params, source) = open_pretrained(&golden_dir()).unwrap();
+    assert_eq!(source.dtype, FileDtype::F32);
+    assert_eq!(source.shard_bytes, None);
+    // A base folder whose config.json has entries the family does not write (a dropout
+    // strata does not rewrite, bos/eos ids), and a tokenizer.
+    let base_dir = tempfile::tempdir().unwrap();
+    let mut config = source.config.clone();
+    config["bos_token_id"] = 7.into();
+    config["eos_token_id"] = 9.into();
+    config["summary_first_dropout"] = 0.25.into();
+    let base = Pretrained {
+        dir: base_dir.path().to_path_buf(),
+        config,
+        ..source.clone()
+    };
+    std::fs::write(base_dir.path().join("tokenizer.json"), b"{\"t\": 1}").unwrap();
+    std::fs::write(
+        base_dir.path().join("generation_config.json"),
+        b"{\"g\": 2}",
+    )
+    .unwrap();
+
+    let out = tempfile::tempdir().unwrap();
+    let total_bf16 = model.param_count() as u64 * 2;
+    let options = SaveOptions {
+        dtype: FileDtype::Bf16,
+        max_shard_bytes: total_bf16 / 3,
+        base: Some(&base),
+    };
+    save_pretrained_with(&model, &params, out.path(), &options).unwrap();
+    assert!(!out.path().join(WEIGHTS_FILE).exists());
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join(INDEX_FILE)).unwrap()).unwrap();
+    let files: std::collections::BTreeSet<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(files.len() >= 3, "{files:?}");
+    let n = files.len();
+    for (i, f) in files.iter().enumerate() {
+        assert_eq!(*f, format!("model-{:05}-of-{n:05}.safetensors", i + 1));
+    }
+    let (again, loaded, described) = open_pretrained(out.path()).unwrap();
+    assert_eq!(again, model);
+    assert_eq!(described.dtype, FileDtype::Bf16);
+    assert!(described.shard_bytes.unwrap() <= total_bf16 / 3 + 4 * 32 * 32);
+    for (block, (got, want)) in loaded.iter().zip(&params).enumerate() {
+        for (g, w) in got.iter().zip(want) {
+            assert_eq!(g.to_bits(), bf16_rounded(*w).to_bits(), "block {block}");
+        }
+    }
+    assert_eq!(
+        index["metadata"]["total_size"].as_u64(),
+        Some(model.param_count() as u64 * 2)
+    );
+    let saved_config = &described.config;
+    // The golden config.json is transformers 5's: `dtype`, no `torch_dtype` added.
+    assert_eq!(saved_config["dtype"], "bfloat16");
+    assert!(saved_config.get("torch_dtype").is_none());
+    assert_eq!(saved_config["bos_token_id"], 7);
+    assert_eq!(saved_config["eos_token_id"], 9);
+    assert_eq!(saved_config["summary_first_dropout"], 0.25);
+    assert_eq!(
+        std::fs::read(out.path().join("tokenizer.json")).unwrap(),
+        b"{\"t\": 1}"
+    );
+    assert_eq!(
+        std::fs::read(out.path().join("generation_config.json")).unwrap(),
+        b"{\"g\": 2}"
+    );
+
+    // Saved again as it was read: bf16, the same shards.
+    let again_dir = tempfile::tempdir().unwrap();
+    save_pretrained_with(&model, &loaded, again_dir.path(), &described.save_options()).unwrap();
+    let (_, reloaded, redescribed) = open_pretrained(again_dir.path()).unwrap();
+    assert_eq!(redescribed.dtype, FileDtype::Bf16);
+    assert_eq!(WeightFiles::open(again_dir.path()).unwrap().file_count(), n);
+    assert_eq!(reloaded, loaded);
+
+    // One f32 file into the sharded folder: the shards and the index are removed.
+    save_pretrained(&model, &params, out.path()).unwrap();
+    let left: Vec<String> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.contains("safetensors"))
+        .collect();
+    assert_eq!(left, [WEIGHTS_FILE]);
+    assert_eq!(load_pretrained(out.path()).unwrap().1, params);
+}
+
+/// Pickled PyTorch weights are refused with the command that converts them; an index
+/// that names a shard lacking the tensor is an error naming both.
+#[test]
+fn pickles_and_bad_indexes_are_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        golden_dir().join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("pytorch_model.bin"), b"pickle").unwrap();
+    let e = load_pretrained(dir.path()).unwrap_err().to_string();
+    assert!(
+        e.contains("pytorch_model.bin, a pickle")
+            && e.contains("save_pretrained(")
+            && e.contains("safetensors only"),
+        "{e}"
+    );
+    std::fs::remove_file(dir.path().join("pytorch_model.bin")).unwrap();
+    std::fs::copy(
+        golden_dir().join("model.safetensors"),
+        dir.path().join("model-00001-of-00001.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join(INDEX_FILE),
+        r#"{"weight_map": {"transformer.wte.weight": "model-00001-of-00001.safetensors", "transformer.nope": "model-00001-of-00001.safetensors"}}"#,
+    )
+    .unwrap();
+    let e = load_pretrained(dir.path()).unwrap_err().to_string();
+    assert!(
+        e.contains("transformer.nope") && e.contains("does not hold it"),
+        "{e}"
+    );
 }

@@ -349,7 +349,8 @@ pub enum Kernel {
         /// Second input.
         b: TensorRef,
     },
-    /// losses: (N) f32 = cross-entropy of softmax(logits: (N, V)) against targets: (N).
+    /// losses: (N) f32 = cross-entropy of softmax(logits: (N, V)) against targets: (N);
+    /// 0 where the target is [`IGNORE_TARGET`].
     CrossEntropy {
         /// (N) f32.
         losses: TensorRef,
@@ -363,7 +364,7 @@ pub enum Kernel {
         v: usize,
     },
     /// logits: (N, V) replaced by `(softmax - onehot(targets)) * dloss`, with `dloss` from
-    /// [`Scalars::dloss`].
+    /// [`Scalars::dloss`]; a row whose target is [`IGNORE_TARGET`] is zeroed.
     CrossEntropyBackward {
         /// (N, V), in place.
         logits: TensorRef,
@@ -1161,6 +1162,12 @@ fn scratch_layout(
 
 /// The alignment, in bytes, of each region of [`attention_scratch_layout`].
 pub const ATTENTION_SCRATCH_ALIGN: usize = 256;
+
+/// The target id that the loss does not count: [`Kernel::CrossEntropy`] gives its
+/// position a loss of 0 and [`Kernel::CrossEntropyBackward`] a zero gradient, on every
+/// device and in the reference. A prompt's tokens are masked out of a fine-tuning loss
+/// this way; the caller divides by the positions that count (the mean over them).
+pub const IGNORE_TARGET: u32 = u32::MAX;
 
 /// Bytes of scratch [`Kernel::GradStats`] needs on `target` over `len` gradients: none
 /// on the CPU; on CUDA one f64 partial sum per block of the first pass of the reduction

@@ -277,6 +277,55 @@ fn crossentropy_matches_reference() {
     }
 }
 
+/// Positions whose target is `IGNORE_TARGET` get a zero loss and a zero gradient row in
+/// the reference and every CPU kernel; the other rows are what they are unmasked.
+#[test]
+fn crossentropy_skips_ignored_targets() {
+    use strata_kernels::program::IGNORE_TARGET;
+    let mut rng = StdRng::seed_from_u64(16);
+    for (n, v) in [(1, 5), (7, 22), (22, 7), (3, 4097), (40, 1000)] {
+        let logits = random(&mut rng, n * v, 8.0);
+        let plain: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+        let masked: Vec<u32> = plain
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| if i % 3 == 0 { IGNORE_TARGET } else { t })
+            .collect();
+        let dloss = 0.37;
+        let logits64 = wide(&logits);
+        let reference = |targets: &[u32]| {
+            let (mut l, mut d) = (vec![0.0; n], vec![0.0; n * v]);
+            rk::crossentropy_forward(&mut l, &logits64, targets, n, v);
+            rk::crossentropy_backward(&mut d, &logits64, targets, dloss as f64, n, v);
+            (l, d)
+        };
+        let (plain_l, plain_d) = reference(&plain);
+        let (want_l, want_d) = reference(&masked);
+        for row in 0..n {
+            let ignored = masked[row] == IGNORE_TARGET;
+            assert_eq!(want_l[row], if ignored { 0.0 } else { plain_l[row] });
+            let d = &want_d[row * v..][..v];
+            if ignored {
+                assert!(d.iter().all(|&x| x == 0.0), "row {row}");
+            } else {
+                assert_eq!(d, &plain_d[row * v..][..v]);
+            }
+        }
+        for cpu in cpus() {
+            let mut losses = vec![f32::NAN; n];
+            ops::crossentropy_forward(&cpu, &mut losses, &logits, &masked, n, v);
+            check("crossentropy_forward masked", &losses, &want_l, 1e-5, 1e-5);
+            let mut d = logits.clone();
+            ops::crossentropy_backward_inplace(&cpu, &mut d, &masked, dloss, n, v);
+            check("crossentropy_backward masked", &d, &want_d, 1e-8, 1e-5);
+            for row in (0..n).step_by(3) {
+                assert_eq!(losses[row], 0.0);
+                assert!(d[row * v..][..v].iter().all(|&x| x == 0.0));
+            }
+        }
+    }
+}
+
 #[test]
 fn casts_match_reference() {
     let mut rng = StdRng::seed_from_u64(7);

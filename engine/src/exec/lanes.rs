@@ -258,8 +258,6 @@ impl Executor {
     ) -> Result<Option<Event>, ExecError> {
         let op = self.plan.op(id);
         let err = self.device_error(op.kind.label());
-        let shape = self.plan.shape;
-        let rows = shape.batch * shape.seq;
         let event = match op.kind {
             OpKind::H2d {
                 from,
@@ -291,7 +289,7 @@ impl Executor {
                 ..
             } => {
                 let scalars = Scalars {
-                    dloss: shared.params.loss_scale / (rows * shape.grad_accum) as f32,
+                    dloss: shared.params.loss_scale / shared.counted_targets as f32,
                     ..Scalars::default()
                 };
                 let program = match pass {

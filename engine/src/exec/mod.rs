@@ -61,7 +61,7 @@ use crate::device::{
 };
 use crate::error::EngineError;
 use crate::memory::{DeviceBuffer, HostArena, HostRange};
-use crate::model::{Model, ModelError, Pass, update};
+use crate::model::{IGNORE_TARGET, Model, ModelError, Pass, update};
 use crate::plan::{
     BufId, BufKind, ExtentKind, ExtentSide, OpId, OpKind, Plan, Precision, SlotId, Tier,
 };
@@ -259,6 +259,8 @@ struct StepShared<'a> {
     /// Each operation's dependencies in this run (skipped operations replaced by theirs).
     deps: &'a [Vec<OpId>],
     params: StepParams,
+    /// The positions whose loss counts in this step (the loss is their mean).
+    counted_targets: usize,
     adam_step: u64,
     /// The loss scale of the gradients the update applies (with a delayed update, the
     /// last step's).
@@ -299,6 +301,8 @@ pub struct Executor {
     chaos: Option<u64>,
     panic_at: Option<String>,
     fail_at: Option<(usize, Fault)>,
+    /// The positions whose loss counts in the last step given (its loss is their mean).
+    counted_targets: usize,
     store: Option<TensorStore>,
     /// Where each NVMe extent group's data is, and the spares.
     extents: Mutex<ExtentTable>,
@@ -528,6 +532,7 @@ impl Executor {
             chaos: config.chaos,
             panic_at: config.panic_at.clone(),
             fail_at: None,
+            counted_targets: 1,
             store,
             extents: Mutex::new(extents),
             generation: 0,
@@ -986,8 +991,16 @@ impl Executor {
         }
         for (t, y) in batches {
             self.model.check_tokens(t)?;
-            self.model.check_tokens(y)?;
+            self.model.check_targets(y)?;
         }
+        // The loss is the mean over the positions whose target counts (not masked out by
+        // IGNORE_TARGET), across the micro-batches; at least one, so that a step whose
+        // every target is masked has a zero loss and zero gradients rather than NaNs.
+        self.counted_targets = batches
+            .iter()
+            .map(|(_, y)| y.iter().filter(|&&t| t != IGNORE_TARGET).count())
+            .sum::<usize>()
+            .max(1);
         if params.clip > 0.0 && !shape.needs_global_norm {
             return Err(ExecError::BadInput(
                 "clipping needs a plan built with needs_global_norm".into(),
@@ -1118,6 +1131,7 @@ impl Executor {
             deps,
             stamp: self.stamp,
             params: *params,
+            counted_targets: self.counted_targets,
             adam_step: self.steps + 1,
             update_loss_scale,
             start: Instant::now(),
@@ -1193,7 +1207,7 @@ impl Executor {
                 .map(|&l| f64::from(l))
                 .sum::<f64>();
         }
-        Ok((sum / (rows * self.plan.losses_host.len()) as f64) as f32)
+        Ok((sum / self.counted_targets as f64) as f32)
     }
 
     /// Every block's gradient statistics, merged in block order: the CPU optimizer's, or

@@ -34,6 +34,8 @@ pub struct Runner {
     forward: Vec<Program>,
     backward: Vec<Program>,
     has_forward: bool,
+    /// The positions whose loss counts in the last forward (its loss is their mean).
+    counted_targets: usize,
 }
 
 /// Hands out consecutive aligned ranges of a size to be allocated.
@@ -143,6 +145,7 @@ impl Runner {
             dtype,
             precision,
             has_forward: false,
+            counted_targets: 1,
         })
     }
 
@@ -307,7 +310,8 @@ impl Runner {
             )));
         }
         self.model.check_tokens(tokens)?;
-        self.model.check_tokens(targets)?;
+        self.model.check_targets(targets)?;
+        self.counted_targets = counted_targets(targets);
         let mut ids = tokens.to_vec();
         ids.extend_from_slice(targets);
         self.upload(crate::device::bytes_of(&ids), self.tokens, None)?;
@@ -321,7 +325,7 @@ impl Runner {
         self.has_forward = true;
         let losses = self.losses()?;
         let sum: f64 = losses.iter().map(|&l| f64::from(l)).sum();
-        Ok((sum / n as f64) as f32)
+        Ok((sum / self.counted_targets as f64) as f32)
     }
 
     /// Each position's loss after [`Runner::forward`].
@@ -352,7 +356,7 @@ impl Runner {
             ));
         }
         let scalars = Scalars {
-            dloss: 1.0 / self.shape.rows() as f32,
+            dloss: 1.0 / self.counted_targets as f32,
             ..Scalars::default()
         };
         let nb = self.model.blocks().len();
@@ -382,4 +386,14 @@ impl Drop for Runner {
             log::error!("draining the device before dropping a runner failed: {e}");
         }
     }
+}
+
+/// The positions of `targets` whose loss counts (not [`IGNORE_TARGET`]), at least one so
+/// that an all-masked batch has a zero mean rather than a NaN.
+fn counted_targets(targets: &[u32]) -> usize {
+    targets
+        .iter()
+        .filter(|&&t| t != crate::model::IGNORE_TARGET)
+        .count()
+        .max(1)
 }

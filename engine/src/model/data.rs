@@ -3,7 +3,11 @@
 //! Two formats, read through a memory map:
 //! - llm.c's token files: 256 little-endian int32 of header (magic 20240520, version,
 //!   token count), then the tokens as little-endian uint16 (version 1) or uint32
-//!   (version 2). Files named `*.bin` must be in this format.
+//!   (version 2; [`super::tokenize`] writes it when the vocabulary has more than 65,536
+//!   ids). Files named `*.bin` must be in this format. A *mask* file `NAME.mask` beside
+//!   one, when there, holds one byte per token: 0 where the token is not a target of the
+//!   loss (a prompt's tokens), which a batch's targets then hold as
+//!   [`super::IGNORE_TARGET`].
 //! - Raw text, any other file: each byte is a token (vocabulary 256).
 //!
 //! Batching: batch `k` of B × T reads the k-th contiguous window of B×T+1 tokens,
@@ -13,7 +17,8 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use super::ModelError;
+use super::tokenize::mask_path;
+use super::{IGNORE_TARGET, ModelError};
 
 /// llm.c's token file magic number.
 pub const LLMC_MAGIC: i32 = 20_240_520;
@@ -38,6 +43,8 @@ pub struct TokenData {
     format: TokenFormat,
     map: Option<memmap2::Mmap>,
     token_count: u64,
+    /// One byte per token, 0 where it does not count as a target.
+    mask: Option<memmap2::Mmap>,
 }
 
 /// One batch: inputs and targets, each B × T, row-major.
@@ -76,6 +83,7 @@ impl TokenData {
                 format: TokenFormat::Bytes,
                 token_count: bytes.len() as u64,
                 map,
+                mask: None,
             });
         }
         let too_short = |message: String| ModelError::FileTooShort {
@@ -117,12 +125,19 @@ impl TokenData {
                 bytes.len()
             )));
         }
+        let mask = open_mask(path, token_count)?;
         Ok(TokenData {
             path: path.to_path_buf(),
             format,
             token_count,
             map,
+            mask,
         })
+    }
+
+    /// Whether a mask leaves some tokens out of the loss.
+    pub fn has_mask(&self) -> bool {
+        self.mask.is_some()
     }
 
     /// The file.
@@ -224,9 +239,37 @@ impl TokenData {
                 out.inputs.push(token);
             }
             if i > start {
-                out.targets.push(token);
+                let counted = self.mask.as_ref().is_none_or(|m| m[i as usize] != 0);
+                out.targets
+                    .push(if counted { token } else { IGNORE_TARGET });
             }
         }
         Ok(())
     }
+}
+
+/// The mask beside the token file `path`, if there is one, checked to hold one byte per
+/// token.
+fn open_mask(path: &Path, token_count: u64) -> Result<Option<memmap2::Mmap>, ModelError> {
+    let mask = mask_path(path);
+    let file = match File::open(&mask) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(ModelError::io(&mask, e)),
+    };
+    let len = file.metadata().map_err(|e| ModelError::io(&mask, e))?.len();
+    if len != token_count {
+        return Err(ModelError::BadInput(format!(
+            "{}: {len} bytes, but {} holds {token_count} tokens; a mask has one byte per \
+             token (remove it, or tokenize again)",
+            mask.display(),
+            path.display()
+        )));
+    }
+    if len == 0 {
+        return Ok(None);
+    }
+    // SAFETY: the map is only read; a file changed under it may give another mask.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(&mask, e))?;
+    Ok(Some(map))
 }

@@ -13,7 +13,9 @@
 //!   Qwen2, Qwen3) the second.
 //! - [`update`]: the programs every family shares (AdamW per tensor, gradient
 //!   statistics, gradient accumulation), built from a block's layout alone.
-//! - [`weights`]: Hugging Face `model.safetensors` + `config.json`; [`data`]: token files.
+//! - [`weights`]: Hugging Face `config.json` and safetensors weights (one file or
+//!   shards); [`data`]: token files; [`tokenize`]: `tokenizer.json` and text into token
+//!   files.
 //!
 //! Where buffers live, and when they move, is not decided here.
 
@@ -22,6 +24,7 @@ mod error;
 pub mod gpt2;
 pub mod layout;
 pub mod llama;
+pub mod tokenize;
 pub mod update;
 pub mod weights;
 
@@ -32,7 +35,7 @@ pub use error::ModelError;
 pub use gpt2::{Gpt2, Gpt2Config, PRESETS};
 pub use layout::{BlockKind, BlockLayout, Slot, TensorSpec};
 pub use llama::{Llama, LlamaConfig};
-pub use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
+pub use strata_kernels::program::{Dtype, IGNORE_TARGET, Kernel, Target, TensorRef};
 
 /// Which pass of a block a program computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -342,7 +345,18 @@ impl Model {
 
     /// Errors naming the first id of `tokens` outside the vocabulary.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), ModelError> {
-        match tokens.iter().position(|&t| t as usize >= self.vocab()) {
+        self.check_ids(tokens, false)
+    }
+
+    /// Errors naming the first id of `targets` outside the vocabulary;
+    /// [`IGNORE_TARGET`] (a position the loss does not count) is allowed.
+    pub fn check_targets(&self, targets: &[u32]) -> Result<(), ModelError> {
+        self.check_ids(targets, true)
+    }
+
+    fn check_ids(&self, tokens: &[u32], targets: bool) -> Result<(), ModelError> {
+        let bad = |t: u32| t as usize >= self.vocab() && !(targets && t == IGNORE_TARGET);
+        match tokens.iter().position(|&t| bad(t)) {
             Some(position) => Err(ModelError::TokenOutOfVocab {
                 origin: "the batch given".into(),
                 position: position as u64,

@@ -2,10 +2,11 @@
 
 use super::simd::on_isa;
 use super::{Cpu, RowsMut, par_rows, simd};
+use crate::program::IGNORE_TARGET;
 
 /// losses: (N)  logits: (N, V)  targets: (N).
-/// `losses[n] = log(sum(exp(logits[n]))) - logits[n, targets[n]]`. Panics on a target
-/// outside `0..V`.
+/// `losses[n] = log(sum(exp(logits[n]))) - logits[n, targets[n]]`, 0 where `targets[n]`
+/// is [`IGNORE_TARGET`]. Panics on another target outside `0..V`.
 pub fn crossentropy_forward(
     cpu: &Cpu,
     losses: &mut [f32],
@@ -25,6 +26,10 @@ pub fn crossentropy_forward(
             on_isa!(cpu.isa, {
                 for (i, row) in rows.enumerate() {
                     let l = &logits[row * v..][..v];
+                    if targets[row] == IGNORE_TARGET {
+                        losses.data[i] = 0.0;
+                        continue;
+                    }
                     let target = targets[row] as usize;
                     assert!(
                         target < v,
@@ -42,7 +47,8 @@ pub fn crossentropy_forward(
 /// logits: (N, V), replaced by dlogits  targets: (N)  dloss: the gradient of the final
 /// loss with respect to each position's loss (1/N for the mean).
 /// `dlogits[n] = (softmax(logits[n]) - onehot(targets[n])) * dloss`, in place, so the
-/// largest activation of the model is not held twice.
+/// largest activation of the model is not held twice; zero where `targets[n]` is
+/// [`IGNORE_TARGET`].
 pub fn crossentropy_backward_inplace(
     cpu: &Cpu,
     logits: &mut [f32],
@@ -61,6 +67,10 @@ pub fn crossentropy_backward_inplace(
         |rows, logits| {
             on_isa!(cpu.isa, {
                 for (row, l) in rows.zip(logits.data.chunks_exact_mut(v)) {
+                    if targets[row] == IGNORE_TARGET {
+                        l.fill(0.0);
+                        continue;
+                    }
                     let target = targets[row] as usize;
                     assert!(
                         target < v,

@@ -404,7 +404,8 @@ pub fn residual_forward<R: Real>(out: &mut [R], a: &[R], b: &[R]) {
 }
 
 /// losses: (N)  logits: (N, V)  targets: (N).
-/// `losses[n] = -log softmax(logits[n])[targets[n]]`.
+/// `losses[n] = -log softmax(logits[n])[targets[n]]`; 0 where `targets[n]` is
+/// [`IGNORE_TARGET`](crate::program::IGNORE_TARGET).
 pub fn crossentropy_forward<R: Real>(
     losses: &mut [R],
     logits: &[R],
@@ -424,13 +425,18 @@ pub fn crossentropy_forward<R: Real>(
         for &x in l {
             sum += (x - max).exp();
         }
-        losses[row] = sum.ln() + max - l[targets[row] as usize];
+        losses[row] = if targets[row] == crate::program::IGNORE_TARGET {
+            R::default()
+        } else {
+            sum.ln() + max - l[targets[row] as usize]
+        };
     }
 }
 
 /// dlogits: (N, V) =  logits: (N, V)  targets: (N)  dloss: the gradient of the final loss
 /// with respect to each position's loss (1/N for the mean).
-/// `dlogits[n] = (softmax(logits[n]) - onehot(targets[n])) * dloss`.
+/// `dlogits[n] = (softmax(logits[n]) - onehot(targets[n])) * dloss`; 0 where
+/// `targets[n]` is [`IGNORE_TARGET`](crate::program::IGNORE_TARGET).
 pub fn crossentropy_backward<R: Real>(
     dlogits: &mut [R],
     logits: &[R],
@@ -451,6 +457,10 @@ pub fn crossentropy_backward<R: Real>(
             sum += (x - max).exp();
         }
         let d = &mut dlogits[row * v..][..v];
+        if targets[row] == crate::program::IGNORE_TARGET {
+            d.fill(R::default());
+            continue;
+        }
         for i in 0..v {
             let p = (l[i] - max).exp() / sum;
             let onehot = if i == targets[row] as usize {
