@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::dispatch::{Kernels, Lane, LaneKind, Q8Block};
+use super::dispatch::{Kernels, Lane, LaneKind, Moment, Q8Block};
 use super::portable::pairwise;
 use super::{AdamStep, GradStats, q8};
 
@@ -20,16 +20,16 @@ pub(super) struct Avx2;
 impl Kernels for Avx2 {
     const LANES: usize = LANES;
 
-    unsafe fn f32_vectors<G: Lane, O: Lane>(
+    unsafe fn vectors<S: Moment, G: Lane, O: Lane>(
         k: &AdamStep,
         p: &mut [f32],
-        m: &mut [f32],
-        v: &mut [f32],
+        m: &mut [S],
+        v: &mut [S],
         g: &[G],
         out: &mut [O],
     ) {
         // SAFETY: the caller guarantees the CPU has AVX2, FMA and F16C.
-        unsafe { f32_vectors(k, p, m, v, g, out) }
+        unsafe { vectors(k, p, m, v, g, out) }
     }
 
     unsafe fn q8_block<G: Lane, O: Lane>(k: &AdamStep, block: Q8Block<'_, G, O>) {
@@ -74,13 +74,13 @@ impl Consts {
     }
 }
 
-/// Eight gradients as f32.
+/// Eight gradients or moments as f32 (exactly: every fp16 and bf16 value is an f32).
 ///
 /// # Safety
 /// `g` is valid for 8 reads.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load_grads<G: Lane>(g: *const G) -> __m256 {
+unsafe fn load_lanes<G: Lane>(g: *const G) -> __m256 {
     // SAFETY: the caller guarantees 8 readable elements; loads are unaligned.
     unsafe {
         match G::KIND {
@@ -90,18 +90,19 @@ unsafe fn load_grads<G: Lane>(g: *const G) -> __m256 {
                 let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(g.cast()));
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
             }
-            LaneKind::Absent => unreachable!("gradients always have a dtype"),
+            LaneKind::Absent => unreachable!("gradients and moments always have a dtype"),
         }
     }
 }
 
-/// Writes eight parameters as the working copy, rounded to nearest even.
+/// Writes eight values as `O` (the working copy or bf16 moments), rounded to
+/// nearest even.
 ///
 /// # Safety
 /// Unless `O` is `NoCopy`, `out` is valid for 8 writes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn store_copy<O: Lane>(out: *mut O, x: __m256) {
+unsafe fn store_lanes<O: Lane>(out: *mut O, x: __m256) {
     // SAFETY: the caller guarantees 8 writable elements when anything is written.
     unsafe {
         match O::KIND {
@@ -152,13 +153,14 @@ fn update(c: &Consts, p: __m256, m: __m256, v: __m256, g: __m256) -> [__m256; 4]
     [p, m, v, r]
 }
 
-/// AdamW over equal-length slices of whole vectors.
+/// AdamW over equal-length slices of whole vectors, with fp32 or bf16 moments (`S`:
+/// read exactly, written rounded to nearest even, as a bf16 working copy is).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f32_vectors<G: Lane, O: Lane>(
+fn vectors<S: Moment, G: Lane, O: Lane>(
     k: &AdamStep,
     p: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    m: &mut [S],
+    v: &mut [S],
     g: &[G],
     out: &mut [O],
 ) {
@@ -176,14 +178,14 @@ fn f32_vectors<G: Lane, O: Lane>(
             let [pn, mn, vn, _] = update(
                 &c,
                 _mm256_loadu_ps(p.add(i)),
-                _mm256_loadu_ps(m.add(i)),
-                _mm256_loadu_ps(v.add(i)),
-                load_grads(g.add(i)),
+                load_lanes(m.add(i)),
+                load_lanes(v.add(i)),
+                load_lanes(g.add(i)),
             );
             _mm256_storeu_ps(p.add(i), pn);
-            _mm256_storeu_ps(m.add(i), mn);
-            _mm256_storeu_ps(v.add(i), vn);
-            store_copy(out.add(i), pn);
+            store_lanes(m.add(i), mn);
+            store_lanes(v.add(i), vn);
+            store_lanes(out.add(i), pn);
         }
         i += LANES;
     }
@@ -316,10 +318,10 @@ fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
                 _mm256_loadu_ps(p.add(i)),
                 m,
                 _mm256_mul_ps(r, r),
-                load_grads(g.add(i)),
+                load_lanes(g.add(i)),
             );
             _mm256_storeu_ps(p.add(i), pn);
-            store_copy(out.add(i), pn);
+            store_lanes(out.add(i), pn);
             *m_slot = mn;
             *r_slot = rn;
             m_absmax = _mm256_max_ps(m_absmax, _mm256_and_ps(mn, abs_mask));
@@ -356,14 +358,14 @@ fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
     let mut chunks = g.chunks_exact(LANES);
     for chunk in &mut chunks {
         // SAFETY: the chunk holds 8 elements.
-        add(unsafe { load_grads(chunk.as_ptr()) });
+        add(unsafe { load_lanes(chunk.as_ptr()) });
     }
     let rest = chunks.remainder();
     if !rest.is_empty() {
         let mut padded = [G::default(); LANES];
         padded[..rest.len()].copy_from_slice(rest);
         // SAFETY: `padded` holds 8 elements; the padding is zero and adds nothing.
-        add(unsafe { load_grads(padded.as_ptr()) });
+        add(unsafe { load_lanes(padded.as_ptr()) });
     }
     let mut lanes = [0f64; 2 * 4];
     // SAFETY: `lanes` holds two vectors of 4 f64; the stores are unaligned.
