@@ -100,6 +100,7 @@ def bench_adam(args):
     times = {name: [] for name, *_ in impls}
     errors = {name: err for name, _, _, err in impls if err}
     triad = []
+    load_before = os.getloadavg()
     gen = torch.Generator().manual_seed(0)
     print(f"# {n:,} params, {args.threads} threads, {args.rounds} rounds x {args.steps} timed "
           f"steps (after {args.warmup} warm-up) per implementation, on {cpu_model()}", flush=True)
@@ -132,6 +133,7 @@ def bench_adam(args):
         results.append(dict(impl=name, median_s=med, params_per_s=n / med,
                             bytes_per_param=bpp, gbytes_per_s=bpp * n / med / 1e9,
                             times_s=times[name]))
+    load_after = os.getloadavg()
     ds = next((r for r in results if r["impl"].startswith("DeepSpeed") and "error" not in r), None)
     triad_med = statistics.median(triad)
     print()
@@ -146,12 +148,20 @@ def bench_adam(args):
         print(f"| {r['impl']} | {r['median_s'] * 1e3:.1f} | {r['params_per_s'] / 1e9:.3f} | "
               f"{r['gbytes_per_s']:.1f} | {ratio} |")
     print(f"\nmemory limit (triad, {args.threads} threads): {triad_med:.1f} GB/s")
+    # The machine's other work changes every figure here: say how busy it was.
+    print(f"load average (1, 5, 15 min): {_load_text(load_before)} before, "
+          f"{_load_text(load_after)} after")
     out = dict(bench="adam", cpu=cpu_model(), cores=os.cpu_count(), threads=args.threads,
                params=n, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
                hyper=dict(HP, betas=list(HP["betas"])), triad_gbytes_per_s=triad_med,
-               triad_runs=triad, results=results, versions=_versions())
+               triad_runs=triad, load_average_before=list(load_before),
+               load_average_after=list(load_after), results=results, versions=_versions())
     _write(args.json, out)
     return out
+
+
+def _load_text(load):
+    return " ".join(f"{x:.2f}" for x in load)
 
 
 # ---------------------------------------------------------------------------------------
