@@ -4,7 +4,9 @@
 //! counts 1, 2 and 3; plus the conversions' edge cases (NaN, infinities, subnormals,
 //! ties) against the `half` crate, the fused gradient pass, and the errors.
 //!
-//! Tolerances, per element, kernel vs reference (the kernels multiply by
+//! bf16 state is held to its reference (in the kernels' order of operations) bit for bit.
+//!
+//! Tolerances for fp32 and 8-bit state, per element, kernel vs reference (the kernels multiply by
 //! 1/sqrt(1 - beta2^t) and use fused multiply-adds where the reference follows torch):
 //! - p: 1e-6 * |p| + 1e-9 (a parameter moves by about lr = 1e-3 per step);
 //! - m: 1e-6 * (|m| + |m_old| + |g|), since m = beta1 m_old + (1 - beta1) g may cancel;
@@ -24,6 +26,7 @@ use strata_kernels::adamw::{
 };
 use strata_kernels::isa::Isa;
 use strata_kernels::reference;
+use strata_kernels::reference::adamw::Arithmetic;
 
 const SIZES: [usize; 6] = [0, 1, 7, 22, 4097, 1_000_003];
 
@@ -426,6 +429,193 @@ fn thread_counts_give_identical_results() {
             assert!(r == &results[0], "{isa}: thread count changed the result");
         }
     }
+}
+
+/// The reference's rounding of `isa`'s kernels: fused multiply-adds on AVX2 and AVX-512.
+fn arithmetic(isa: Isa) -> Arithmetic {
+    if isa == Isa::Portable {
+        Arithmetic::Unfused
+    } else {
+        Arithmetic::Fused
+    }
+}
+
+fn bf16s(x: &[f32]) -> Vec<bf16> {
+    x.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// Equal bits, or both NaN.
+fn same_bits(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+#[test]
+fn bf16_state_matches_reference_bit_for_bit_on_every_isa_dtype_and_size() {
+    for (si, &n) in SIZES.iter().enumerate() {
+        let start = tensors(n, 41 + si as u64);
+        let (m0, v0) = (bf16s(&start.m), bf16s(&start.v));
+        for (ci, (gty, cty)) in types().into_iter().enumerate() {
+            let grads = GradData::new(&start.g, gty);
+            let isas = Isa::supported();
+            let isas = if n > 100_000 {
+                vec![isas[ci % isas.len()]]
+            } else {
+                isas
+            };
+            for isa in isas {
+                let threads = 1 + (si + ci) % 3;
+                let label = format!("{isa}, {threads} threads, n {n}, grads {gty:?}, copy {cty:?}");
+                let (mut want_p, mut want_m, mut want_v) =
+                    (start.p.clone(), m0.clone(), v0.clone());
+                let (mut p, mut m, mut v) = (start.p.clone(), m0.clone(), v0.clone());
+                // Three chained steps: bit-identical results keep both sides on one path.
+                for t in 1..=3u64 {
+                    let k = AdamStep::new(&hp(), t + ci as u64, GradData::scale(gty)).unwrap();
+                    let mut want_copy = CopyBuf::new(n, cty);
+                    reference::adamw::step_bf16(
+                        &k,
+                        arithmetic(isa),
+                        &mut want_p,
+                        &mut want_m,
+                        &mut want_v,
+                        grads.grads(gty),
+                        want_copy.copy_out(cty),
+                    );
+                    let mut copy = CopyBuf::new(n, cty);
+                    k.apply(
+                        isa,
+                        threads,
+                        &mut p,
+                        State::Bf16 {
+                            m: &mut m,
+                            v: &mut v,
+                        },
+                        grads.grads(gty),
+                        copy.copy_out(cty),
+                    )
+                    .unwrap();
+                    for i in 0..n {
+                        assert!(
+                            same_bits(p[i], want_p[i]),
+                            "{label} step {t}: p[{i}] {:e} vs reference {:e}",
+                            p[i],
+                            want_p[i]
+                        );
+                        for (what, a, b) in [("m", m[i], want_m[i]), ("v", v[i], want_v[i])] {
+                            assert!(
+                                same_bits(a.to_f32(), b.to_f32()),
+                                "{label} step {t}: {what}[{i}] {a:e} vs reference {b:e}"
+                            );
+                        }
+                    }
+                    copy.check(cty, &p, &label);
+                    want_copy.check(cty, &want_p, "reference");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_moments_round_to_nearest_even() {
+    // beta1 = beta2 = 0 and lr = 0: the new m is exactly the gradient (plus a zero
+    // product, which turns -0 into +0) and v its square, so the stored moments are those
+    // f32 values rounded to bf16: ties to even, NaN kept,
+    // overflow to infinity, subnormals kept, checked against `half`'s software rounding.
+    let mut g = vec![
+        1.0 + 1.0 / 256.0, // a tie between 1 and 1 + 2^-7: to even (1)
+        1.0 + 3.0 / 256.0, // a tie: to even (1 + 2^-6)
+        -(1.0 + 1.0 / 256.0),
+        1.0 + 1.0 / 256.0 + 1.0 / 65536.0, // just above the tie: up
+        f32::MAX,                          // rounds to infinity
+        f32::from_bits(0x0000_8000),       // a subnormal tie (to even: zero)
+        f32::from_bits(0x0001_8000),       // a subnormal tie (to even: up)
+        f32::NAN,
+        0.0,
+        -0.0,
+    ];
+    let mut rng = Rng(17);
+    while g.len() < 4097 {
+        // Random bit patterns: every exponent, NaNs and infinities included.
+        g.push(f32::from_bits(rng.next_u64() as u32));
+    }
+    let n = g.len();
+    let hp = AdamW {
+        lr: 0.0,
+        beta1: 0.0,
+        beta2: 0.0,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    let k = AdamStep::new(&hp, 1, 1.0).unwrap();
+    for isa in Isa::supported() {
+        let mut p = vec![0f32; n];
+        let (mut m, mut v) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+        k.apply(
+            isa,
+            2,
+            &mut p,
+            State::Bf16 {
+                m: &mut m,
+                v: &mut v,
+            },
+            Grads::F32(&g),
+            CopyOut::None,
+        )
+        .unwrap();
+        for i in 0..n {
+            let want_m = bf16::from_f32_const(g[i] + 0.0);
+            let want_v = bf16::from_f32_const(g[i] * g[i]);
+            assert!(
+                same_bits(m[i].to_f32(), want_m.to_f32()),
+                "{isa}: m[{i}] of {:e} is {:e}, rounded to nearest even is {want_m:e}",
+                g[i],
+                m[i]
+            );
+            assert!(
+                same_bits(v[i].to_f32(), want_v.to_f32()),
+                "{isa}: v[{i}] of {:e} is {:e}, rounded to nearest even is {want_v:e}",
+                g[i] * g[i],
+                v[i]
+            );
+        }
+        assert_eq!(
+            m[0].to_bits(),
+            bf16::ONE.to_bits(),
+            "{isa}: tie not to even"
+        );
+        assert_eq!(m[1].to_f32(), 1.0 + 1.0 / 64.0, "{isa}: tie not to even");
+        assert_eq!(
+            m[3].to_f32(),
+            1.0 + 1.0 / 128.0,
+            "{isa}: above the tie not up"
+        );
+        assert!(m[4].to_f32().is_infinite(), "{isa}");
+        assert_eq!(m[5].to_bits(), 0, "{isa}");
+        assert_eq!(m[6].to_bits(), 2, "{isa}");
+        assert!(m[7].is_nan(), "{isa}");
+    }
+}
+
+#[test]
+fn bf16_state_lengths_are_checked() {
+    let k = AdamStep::new(&hp(), 1, 1.0).unwrap();
+    let (mut p, g) = (vec![0f32; 10], vec![0f32; 10]);
+    let (mut m, mut v) = (vec![bf16::ZERO; 10], vec![bf16::ZERO; 9]);
+    let e = k
+        .apply(
+            Isa::active(),
+            1,
+            &mut p,
+            State::Bf16 {
+                m: &mut m,
+                v: &mut v,
+            },
+            Grads::F32(&g),
+            CopyOut::None,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("v has 9 entries"), "{e}");
 }
 
 /// Fresh 8-bit state for `n` parameters, quantized from `t`'s m and v.

@@ -5,7 +5,7 @@
 //! written buffers overlap) and hands them to `strata_kernels::adamw`; the optimizer's
 //! bookkeeping (param groups, state, steps) is Python's, in `strata/optim.py`.
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, Q8State, State, bf16, f16, q8};
 use strata_kernels::isa::Isa;
@@ -47,7 +47,8 @@ pub fn q8_sizes(n: usize) -> (usize, usize) {
 
 /// One AdamW step of one tensor.
 ///
-/// `state` is `(m, v)` (fp32) or `(m_codes, m_scales, v_codes, v_scales)` (8-bit);
+/// `state` is `(m, v)` (both fp32 or both bf16) or `(m_codes, m_scales, v_codes,
+/// v_scales)` (8-bit);
 /// `hyper` is `(lr, beta1, beta2, eps, weight_decay)`; `copy_out`, if given, receives the
 /// updated parameters in fp16 or bf16.
 #[pyfunction]
@@ -76,9 +77,17 @@ pub fn adamw_step(
             let m = view_mut(&state[0], "exp_avg")?;
             let v = view_mut(&state[1], "exp_avg_sq")?;
             for (x, name) in [(&m, "exp_avg"), (&v, "exp_avg_sq")] {
-                expect_dtype(x, name, &[Dtype::F32])?;
+                expect_dtype(x, name, &[Dtype::F32, Dtype::Bf16])?;
                 expect_numel(x, name, n, "the parameter")?;
                 written.push((*x, name));
+            }
+            if m.dtype != v.dtype {
+                return Err(PyTypeError::new_err(format!(
+                    "exp_avg is {} but exp_avg_sq is {}: both moments must be float32 or \
+                     both bfloat16",
+                    m.dtype.name(),
+                    v.dtype.name()
+                )));
             }
             vec![m, v]
         }
@@ -90,8 +99,8 @@ pub fn adamw_step(
         }
         k => {
             return Err(PyValueError::new_err(format!(
-                "the state has {k} tensors: fp32 state is (exp_avg, exp_avg_sq), 8-bit state \
-                 (m codes, m scales, v codes, v scales)"
+                "the state has {k} tensors: fp32 and bf16 state are (exp_avg, exp_avg_sq), \
+                 8-bit state (m codes, m scales, v codes, v scales)"
             )));
         }
     };
@@ -142,7 +151,12 @@ pub fn adamw_step(
                 Dtype::F16 => Grads::F16(slice::<f16>(&g)),
                 _ => Grads::Bf16(slice::<bf16>(&g)),
             };
-            let state = if state_views.len() == 2 {
+            let state = if state_views.len() == 2 && state_views[0].dtype == Dtype::Bf16 {
+                State::Bf16 {
+                    m: slice_mut::<bf16>(&state_views[0]),
+                    v: slice_mut::<bf16>(&state_views[1]),
+                }
+            } else if state_views.len() == 2 {
                 State::F32 {
                     m: slice_mut::<f32>(&state_views[0]),
                     v: slice_mut::<f32>(&state_views[1]),

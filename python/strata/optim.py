@@ -3,15 +3,16 @@
 One pass per parameter tensor reads the parameter, its gradient and the two moments and
 writes them back (and, if asked, a bf16/fp16 working copy of the updated parameters),
 in place on the tensors' memory, with the GIL released. State is fp32 (the same keys and
-tensors as torch.optim.AdamW, so state dicts move between the two) or 8-bit (``q8``:
-block-wise quantized m and sqrt(v), 2 bytes per parameter plus a scale per 256).
+tensors as torch.optim.AdamW, so state dicts move between the two), bf16 (the same keys,
+bfloat16 tensors: 4 bytes per parameter) or 8-bit (``q8``: block-wise quantized m and
+sqrt(v), 2 bytes per parameter plus a scale per 256).
 """
 
 import torch
 
 from . import _native
 
-STATES = ("fp32", "q8")
+STATES = ("fp32", "bf16", "q8")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -20,8 +21,10 @@ class CPUAdamW(torch.optim.Optimizer):
 
     Arguments as torch.optim.AdamW's, plus:
 
-    - ``state``: ``"fp32"`` (torch's format) or ``"q8"`` (8-bit; about 2 B per parameter
-      instead of 8).
+    - ``state``: ``"fp32"`` (torch's format), ``"bf16"`` (m and v stored as bfloat16,
+      rounded to nearest even after each step's fp32 update; 4 B per parameter instead
+      of 8; parameters and masters stay fp32) or ``"q8"`` (8-bit; about 2 B per
+      parameter).
     - ``threads``: threads of strata's worker pool per update (default: all of them).
 
     Parameters may be fp32 (updated in place; gradients fp32) or bf16/fp16 (the
@@ -59,8 +62,6 @@ class CPUAdamW(torch.optim.Optimizer):
         ):
             if value:
                 raise ValueError(f"CPUAdamW does not support {name}=True")
-        if state == "bf16":
-            raise ValueError("state='bf16' (bf16 moments) is not built yet; use 'fp32' or 'q8'")
         if state not in STATES:
             raise ValueError(f"state={state!r} is not one of {', '.join(map(repr, STATES))}")
         if isinstance(lr, torch.Tensor):
@@ -125,9 +126,10 @@ class CPUAdamW(torch.optim.Optimizer):
                 f"CPUAdamW updates float32, bfloat16 or float16 parameters, not {p.dtype}"
             )
         like = st.get("master", p)
-        if self.state_format == "fp32":
-            st["exp_avg"] = torch.zeros_like(like, memory_format=torch.contiguous_format)
-            st["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.contiguous_format)
+        if self.state_format in ("fp32", "bf16"):
+            dtype = torch.bfloat16 if self.state_format == "bf16" else torch.float32
+            st["exp_avg"] = torch.zeros(like.shape, dtype=dtype)
+            st["exp_avg_sq"] = torch.zeros(like.shape, dtype=dtype)
         else:
             codes, scales = _native.q8_sizes(p.numel())
             st["m_codes"] = torch.zeros(codes, dtype=torch.uint8)
@@ -136,7 +138,7 @@ class CPUAdamW(torch.optim.Optimizer):
             st["v_scales"] = torch.zeros(scales, dtype=torch.float32)
 
     def _moments(self, st):
-        if self.state_format == "fp32":
+        if self.state_format in ("fp32", "bf16"):
             return [st["exp_avg"], st["exp_avg_sq"]]
         return [st["m_codes"], st["m_scales"], st["v_codes"], st["v_scales"]]
 
@@ -180,8 +182,9 @@ class CPUAdamW(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict):
-        """Loads a state dict of CPUAdamW or torch.optim.AdamW (fp32 moments are
-        quantized for 8-bit state, 8-bit state is expanded for fp32)."""
+        """Loads a state dict of CPUAdamW or torch.optim.AdamW, whatever its state format:
+        moments are rounded to nearest even for bf16 state, quantized for 8-bit state,
+        widened (exactly) or expanded for fp32."""
         saved = {k: dict(v) for k, v in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         # torch casts floating state to each parameter's dtype; strata keeps fp32 moments
@@ -208,6 +211,9 @@ class CPUAdamW(torch.optim.Optimizer):
             m, v = f32(old["exp_avg"]).reshape(p.shape), f32(old["exp_avg_sq"]).reshape(p.shape)
             if self.state_format == "fp32":
                 st["exp_avg"], st["exp_avg_sq"] = m, v
+            elif self.state_format == "bf16":
+                # torch's float-to-bfloat16 conversion rounds to nearest even, as the kernel.
+                st["exp_avg"], st["exp_avg_sq"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
             else:
                 codes, scales = _native.q8_sizes(p.numel())
                 q = [
@@ -231,6 +237,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 m = torch.zeros(p.shape, dtype=torch.float32)
                 v = torch.zeros(p.shape, dtype=torch.float32)
                 _native.q8_convert(m, v, q, False)
+                if self.state_format == "bf16":
+                    m, v = m.to(torch.bfloat16), v.to(torch.bfloat16)
                 st["exp_avg"], st["exp_avg_sq"] = m, v
         else:
             raise ValueError(f"a saved state has neither exp_avg nor m_codes: {sorted(old)}")

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::dispatch::{Kernels, Lane, LaneKind, Q8Block};
+use super::dispatch::{Kernels, Lane, LaneKind, Moment, Q8Block};
 use super::portable::pairwise;
 use super::{AdamStep, GradStats, q8};
 
@@ -20,16 +20,16 @@ pub(super) struct Avx2;
 impl Kernels for Avx2 {
     const LANES: usize = LANES;
 
-    unsafe fn f32_vectors<G: Lane, O: Lane>(
+    unsafe fn vectors<S: Moment, G: Lane, O: Lane>(
         k: &AdamStep,
         p: &mut [f32],
-        m: &mut [f32],
-        v: &mut [f32],
+        m: &mut [S],
+        v: &mut [S],
         g: &[G],
         out: &mut [O],
     ) {
         // SAFETY: the caller guarantees the CPU has AVX2, FMA and F16C.
-        unsafe { f32_vectors(k, p, m, v, g, out) }
+        unsafe { vectors(k, p, m, v, g, out) }
     }
 
     unsafe fn q8_block<G: Lane, O: Lane>(k: &AdamStep, block: Q8Block<'_, G, O>) {
@@ -74,13 +74,13 @@ impl Consts {
     }
 }
 
-/// Eight gradients as f32.
+/// Eight gradients or moments as f32 (exactly: every fp16 and bf16 value is an f32).
 ///
 /// # Safety
 /// `g` is valid for 8 reads.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load_grads<G: Lane>(g: *const G) -> __m256 {
+unsafe fn load_lanes<G: Lane>(g: *const G) -> __m256 {
     // SAFETY: the caller guarantees 8 readable elements; loads are unaligned.
     unsafe {
         match G::KIND {
@@ -90,18 +90,19 @@ unsafe fn load_grads<G: Lane>(g: *const G) -> __m256 {
                 let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(g.cast()));
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
             }
-            LaneKind::Absent => unreachable!("gradients always have a dtype"),
+            LaneKind::Absent => unreachable!("gradients and moments always have a dtype"),
         }
     }
 }
 
-/// Writes eight parameters as the working copy, rounded to nearest even.
+/// Writes eight values as `O` (the working copy or bf16 moments), rounded to
+/// nearest even.
 ///
 /// # Safety
 /// Unless `O` is `NoCopy`, `out` is valid for 8 writes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn store_copy<O: Lane>(out: *mut O, x: __m256) {
+unsafe fn store_lanes<O: Lane>(out: *mut O, x: __m256) {
     // SAFETY: the caller guarantees 8 writable elements when anything is written.
     unsafe {
         match O::KIND {
@@ -138,27 +139,41 @@ fn to_bf16(x: __m256) -> __m128i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn update(c: &Consts, p: __m256, m: __m256, v: __m256, g: __m256) -> [__m256; 4] {
+    let [m, v, r] = moments(c, m, v, g);
+    [param(c, p, m, r), m, v, r]
+}
+
+/// The moments' half of [`update`]: returns (m, v, sqrt(v)).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn moments(c: &Consts, m: __m256, v: __m256, g: __m256) -> [__m256; 3] {
     let g = _mm256_mul_ps(g, c.grad_scale);
     let m = _mm256_fmadd_ps(c.beta1, m, _mm256_mul_ps(c.one_minus_beta1, g));
     let g2 = _mm256_mul_ps(_mm256_mul_ps(c.one_minus_beta2, g), g);
     let v = _mm256_fmadd_ps(c.beta2, v, g2);
-    let r = _mm256_sqrt_ps(v);
+    [m, v, _mm256_sqrt_ps(v)]
+}
+
+/// The parameter's half of [`update`], from the new m and sqrt(v).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn param(c: &Consts, p: __m256, m: __m256, r: __m256) -> __m256 {
     let denom = _mm256_fmadd_ps(r, c.inv_bias_correction2_sqrt, c.eps);
-    let p = _mm256_fmadd_ps(
+    _mm256_fmadd_ps(
         c.neg_step_size,
         _mm256_div_ps(m, denom),
         _mm256_mul_ps(p, c.decay),
-    );
-    [p, m, v, r]
+    )
 }
 
-/// AdamW over equal-length slices of whole vectors.
+/// AdamW over equal-length slices of whole vectors, with fp32 or bf16 moments (`S`:
+/// read exactly, written rounded to nearest even, as a bf16 working copy is).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f32_vectors<G: Lane, O: Lane>(
+fn vectors<S: Moment, G: Lane, O: Lane>(
     k: &AdamStep,
     p: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    m: &mut [S],
+    v: &mut [S],
     g: &[G],
     out: &mut [O],
 ) {
@@ -176,14 +191,14 @@ fn f32_vectors<G: Lane, O: Lane>(
             let [pn, mn, vn, _] = update(
                 &c,
                 _mm256_loadu_ps(p.add(i)),
-                _mm256_loadu_ps(m.add(i)),
-                _mm256_loadu_ps(v.add(i)),
-                load_grads(g.add(i)),
+                load_lanes(m.add(i)),
+                load_lanes(v.add(i)),
+                load_lanes(g.add(i)),
             );
             _mm256_storeu_ps(p.add(i), pn);
-            _mm256_storeu_ps(m.add(i), mn);
-            _mm256_storeu_ps(v.add(i), vn);
-            store_copy(out.add(i), pn);
+            store_lanes(m.add(i), mn);
+            store_lanes(v.add(i), vn);
+            store_lanes(out.add(i), pn);
         }
         i += LANES;
     }
@@ -198,9 +213,11 @@ fn decode_m(codes: __m256i, scale: __m256) -> __m256 {
         _mm256_slli_epi32::<{ q8::M_SHIFT as i32 }>(u),
         _mm256_set1_epi32((q8::EXP_BIAS << 23) as i32),
     );
-    let nonzero = _mm256_cmpgt_epi32(u, _mm256_setzero_si256());
+    // vpsignd keeps a lane where u > 0 and zeroes it where u == 0 (u is never negative):
+    // one instruction for "code 0 is zero".
+    let magnitude = _mm256_sign_epi32(magnitude, u);
     let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)));
-    let bits = _mm256_or_si256(_mm256_and_si256(magnitude, nonzero), sign);
+    let bits = _mm256_or_si256(magnitude, sign);
     _mm256_mul_ps(_mm256_castsi256_ps(bits), scale)
 }
 
@@ -212,47 +229,64 @@ fn decode_r(codes: __m256i, scale: __m256) -> __m256 {
         _mm256_slli_epi32::<{ q8::R_SHIFT as i32 }>(codes),
         _mm256_set1_epi32((q8::EXP_BIAS << 23) as i32),
     );
-    let nonzero = _mm256_cmpgt_epi32(codes, _mm256_setzero_si256());
-    _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(value, nonzero)), scale)
+    // Zero where the code is 0, as in decode_m.
+    let value = _mm256_sign_epi32(value, codes);
+    _mm256_mul_ps(_mm256_castsi256_ps(value), scale)
 }
 
-/// Eight m values encoded with the block's inverse scale (see [`q8::encode_m`]).
+/// The rounded code index of eight non-negative values: `(bits + half a code step) >>
+/// SHIFT` (see [`q8::encode_m`]), at most 4095, so it packs into 16 bits unchanged.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn encode_m(m: __m256, inv_scale: __m256) -> __m256i {
+fn rounded_index<const SHIFT: i32>(y: __m256) -> __m256i {
+    _mm256_srli_epi32::<SHIFT>(_mm256_add_epi32(
+        _mm256_castps_si256(y),
+        _mm256_set1_epi32(1 << (SHIFT - 1)),
+    ))
+}
+
+/// Sixteen m values (two vectors) encoded with the block's inverse scale, as sixteen
+/// 16-bit lanes in `_mm256_packus_epi32` order (see [`q8::encode_m`]). The f32 bit
+/// arithmetic is done on 32-bit lanes, the clamping on 16-bit ones after one pack, so
+/// each clamp is one instruction for sixteen values: `subs_epu16` is the `max(.., 0)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn encode_m16(m: [__m256; 2], inv_scale: __m256) -> __m256i {
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    let y = _mm256_mul_ps(_mm256_and_ps(m, abs_mask), inv_scale);
-    let rounded = _mm256_srli_epi32::<{ q8::M_SHIFT as i32 }>(_mm256_add_epi32(
-        _mm256_castps_si256(y),
-        _mm256_set1_epi32(1 << (q8::M_SHIFT - 1)),
-    ));
-    let u = _mm256_sub_epi32(rounded, _mm256_set1_epi32((q8::EXP_BIAS << 3) as i32));
-    let u = _mm256_min_epi32(
-        _mm256_max_epi32(u, _mm256_setzero_si256()),
-        _mm256_set1_epi32(127),
+    let y0 = _mm256_mul_ps(_mm256_and_ps(m[0], abs_mask), inv_scale);
+    let y1 = _mm256_mul_ps(_mm256_and_ps(m[1], abs_mask), inv_scale);
+    let rounded = _mm256_packus_epi32(
+        rounded_index::<{ q8::M_SHIFT as i32 }>(y0),
+        rounded_index::<{ q8::M_SHIFT as i32 }>(y1),
     );
-    let at_least_one = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(
-        y,
-        _mm256_set1_ps(q8::M_HALF_MIN),
-    ));
-    let u = _mm256_max_epi32(u, _mm256_and_si256(at_least_one, _mm256_set1_epi32(1)));
-    let sign = _mm256_slli_epi32::<7>(_mm256_srli_epi32::<31>(_mm256_castps_si256(m)));
-    _mm256_or_si256(u, sign)
+    let u = _mm256_subs_epu16(rounded, _mm256_set1_epi16((q8::EXP_BIAS << 3) as i16));
+    let u = _mm256_min_epu16(u, _mm256_set1_epi16(127));
+    let half_min = _mm256_set1_ps(q8::M_HALF_MIN);
+    let at_least_one = _mm256_packs_epi32(
+        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(y0, half_min)),
+        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(y1, half_min)),
+    );
+    let u = _mm256_max_epu16(u, _mm256_and_si256(at_least_one, _mm256_set1_epi16(1)));
+    let sign = _mm256_packs_epi32(
+        _mm256_srai_epi32::<31>(_mm256_castps_si256(m[0])),
+        _mm256_srai_epi32::<31>(_mm256_castps_si256(m[1])),
+    );
+    _mm256_or_si256(u, _mm256_and_si256(sign, _mm256_set1_epi16(0x80)))
 }
 
-/// Eight sqrt(v) values encoded with the block's inverse scale (see [`q8::encode_r`]).
+/// Sixteen sqrt(v) values (two vectors) encoded with the block's inverse scale, as
+/// sixteen 16-bit lanes in `_mm256_packus_epi32` order (see [`q8::encode_r`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn encode_r(r: __m256, inv_scale: __m256) -> __m256i {
-    let y = _mm256_mul_ps(r, inv_scale);
-    let rounded = _mm256_srli_epi32::<{ q8::R_SHIFT as i32 }>(_mm256_add_epi32(
-        _mm256_castps_si256(y),
-        _mm256_set1_epi32(1 << (q8::R_SHIFT - 1)),
-    ));
-    let c = _mm256_sub_epi32(rounded, _mm256_set1_epi32((q8::EXP_BIAS << 4) as i32));
-    _mm256_min_epi32(
-        _mm256_max_epi32(c, _mm256_set1_epi32(1)),
-        _mm256_set1_epi32(255),
+fn encode_r16(r: [__m256; 2], inv_scale: __m256) -> __m256i {
+    let rounded = _mm256_packus_epi32(
+        rounded_index::<{ q8::R_SHIFT as i32 }>(_mm256_mul_ps(r[0], inv_scale)),
+        rounded_index::<{ q8::R_SHIFT as i32 }>(_mm256_mul_ps(r[1], inv_scale)),
+    );
+    let c = _mm256_subs_epu16(rounded, _mm256_set1_epi16((q8::EXP_BIAS << 4) as i16));
+    _mm256_min_epu16(
+        _mm256_max_epu16(c, _mm256_set1_epi16(1)),
+        _mm256_set1_epi16(255),
     )
 }
 
@@ -267,19 +301,21 @@ unsafe fn load_codes(codes: *const u8) -> __m256i {
     _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(codes.cast()) })
 }
 
-/// Eight i32 lanes in 0..=255 narrowed to bytes and stored.
+/// Two vectors of sixteen 16-bit codes, each in `_mm256_packus_epi32` order of its
+/// two source vectors, narrowed to 32 bytes in element order and stored.
 ///
 /// # Safety
-/// `codes` is valid for 8 writes.
+/// `codes` is valid for 32 writes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn store_codes(codes: *mut u8, lanes: __m256i) {
-    let words = _mm_packus_epi32(
-        _mm256_castsi256_si128(lanes),
-        _mm256_extracti128_si256::<1>(lanes),
-    );
-    // SAFETY: the caller guarantees 8 writable bytes; the store is unaligned.
-    unsafe { _mm_storel_epi64(codes.cast(), _mm_packus_epi16(words, words)) };
+unsafe fn store_codes(codes: *mut u8, words: [__m256i; 2]) {
+    // Words [a0-3 b0-3 | a4-7 b4-7] and [c0-3 d0-3 | c4-7 d4-7] give bytes
+    // [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7] (every code fits in a byte, so the
+    // saturating pack changes none); a permutation of 4-byte groups puts them in order.
+    let bytes = _mm256_packus_epi16(words[0], words[1]);
+    let ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // SAFETY: the caller guarantees 32 writable bytes; the store is unaligned.
+    unsafe { _mm256_storeu_si256(codes.cast(), ordered) };
 }
 
 /// The largest lane.
@@ -292,36 +328,60 @@ fn max_lane(x: __m256) -> f32 {
     lanes.iter().fold(0f32, |a, &b| a.max(b))
 }
 
-/// One whole block of 8-bit state: decode, update, re-encode with new scales.
+/// Vectors per block of 8-bit state.
+const BLOCK_VECTORS: usize = q8::BLOCK / LANES;
+
+/// How many blocks ahead [`q8_block`] prefetches its next inputs: measured on a 16M
+/// parameter state, one thread, against none and 4 ahead (8% faster than none; 4 was
+/// no better than 2).
+const PREFETCH_BLOCKS: usize = 2;
+
+/// One whole block of 8-bit state, in two passes over it. The first decodes the
+/// moments, updates them and takes their maxima (the new scales); the second updates
+/// the parameters from the new moments and encodes them, sixteen values per clamp
+/// (`encode_m16`, `encode_r16`) and 32 codes per store. The parameter's division sits
+/// in the second pass, not after the square root in the first, so each pass has one
+/// long-latency instruction per vector in its chain. The arithmetic is [`update`]'s,
+/// operation for operation, and the codes the format's (docs/adamw-8bit.md has the
+/// profile this layout came from).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
+    const GROUP: usize = 4;
     let c = Consts::new(k);
     let (p, g, out) = (b.p.as_mut_ptr(), b.g.as_ptr(), b.out.as_mut_ptr());
     let (m_codes, v_codes) = (b.m_codes.as_mut_ptr(), b.v_codes.as_mut_ptr());
-    let mut m_new = [_mm256_setzero_ps(); q8::BLOCK / LANES];
-    let mut r_new = [_mm256_setzero_ps(); q8::BLOCK / LANES];
+    // Written in the first pass before the second reads them, so left uninitialised:
+    // zeroing them was a 2 KiB memset per block, 5% of the kernel's time.
+    let mut m_new = [std::mem::MaybeUninit::<__m256>::uninit(); BLOCK_VECTORS];
+    let mut r_new = [std::mem::MaybeUninit::<__m256>::uninit(); BLOCK_VECTORS];
     let (ms, vs) = (_mm256_set1_ps(*b.m_scale), _mm256_set1_ps(*b.v_scale));
     let mut m_absmax = _mm256_setzero_ps();
     let mut r_max = _mm256_setzero_ps();
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
     for (j, (m_slot, r_slot)) in m_new.iter_mut().zip(&mut r_new).enumerate() {
         let i = j * LANES;
-        // SAFETY: i + 8 <= BLOCK, and every array holds a block (a `NoCopy` one is
-        // zero-sized and nothing is written through it).
+        // One cache line per vector of each array of the block PREFETCH_BLOCKS ahead
+        // (the dispatcher runs blocks in address order). A prefetch never faults, and
+        // `wrapping_add` makes no claim that the address lies in the allocation, so
+        // the lines past a slice's end cost a wasted hint, nothing more.
+        let (ahead, line) = (PREFETCH_BLOCKS * q8::BLOCK, j * 64);
+        if line < q8::BLOCK * size_of::<f32>() {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead).cast::<i8>().wrapping_add(line));
+        }
+        if line < q8::BLOCK * size_of::<G>() {
+            _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(ahead).cast::<i8>().wrapping_add(line));
+        }
+        if line < q8::BLOCK {
+            _mm_prefetch::<_MM_HINT_T0>(m_codes.wrapping_add(ahead + line).cast::<i8>());
+            _mm_prefetch::<_MM_HINT_T0>(v_codes.wrapping_add(ahead + line).cast::<i8>());
+        }
+        // SAFETY: i + 8 <= BLOCK, and the code and gradient arrays hold a block.
         unsafe {
             let m = decode_m(load_codes(m_codes.add(i)), ms);
             let r = decode_r(load_codes(v_codes.add(i)), vs);
-            let [pn, mn, _, rn] = update(
-                &c,
-                _mm256_loadu_ps(p.add(i)),
-                m,
-                _mm256_mul_ps(r, r),
-                load_grads(g.add(i)),
-            );
-            _mm256_storeu_ps(p.add(i), pn);
-            store_copy(out.add(i), pn);
-            *m_slot = mn;
-            *r_slot = rn;
+            let [mn, _, rn] = moments(&c, m, _mm256_mul_ps(r, r), load_lanes(g.add(i)));
+            m_slot.write(mn);
+            r_slot.write(rn);
             m_absmax = _mm256_max_ps(m_absmax, _mm256_and_ps(mn, abs_mask));
             r_max = _mm256_max_ps(r_max, rn);
         }
@@ -331,12 +391,36 @@ fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
     *b.m_scale = m_scale_new;
     *b.v_scale = v_scale_new;
     let (m_inv, r_inv) = (_mm256_set1_ps(m_inv), _mm256_set1_ps(r_inv));
-    for (j, (m, r)) in m_new.iter().zip(&r_new).enumerate() {
-        let i = j * LANES;
-        // SAFETY: i + 8 <= BLOCK, and the code arrays hold a block.
+    for j0 in (0..BLOCK_VECTORS).step_by(GROUP) {
+        let mut m_out = [_mm256_setzero_ps(); GROUP];
+        let mut r_out = [_mm256_setzero_ps(); GROUP];
+        for q in 0..GROUP {
+            let (j, i) = (j0 + q, (j0 + q) * LANES);
+            // SAFETY: the first pass wrote every slot; i + 8 <= BLOCK, and the parameter
+            // array holds a block (a `NoCopy` one is zero-sized and nothing is written
+            // through it).
+            unsafe {
+                let (mn, rn) = (m_new[j].assume_init(), r_new[j].assume_init());
+                let pn = param(&c, _mm256_loadu_ps(p.add(i)), mn, rn);
+                _mm256_storeu_ps(p.add(i), pn);
+                store_lanes(out.add(i), pn);
+                m_out[q] = mn;
+                r_out[q] = rn;
+            }
+        }
+        let m_words = [
+            encode_m16([m_out[0], m_out[1]], m_inv),
+            encode_m16([m_out[2], m_out[3]], m_inv),
+        ];
+        let r_words = [
+            encode_r16([r_out[0], r_out[1]], r_inv),
+            encode_r16([r_out[2], r_out[3]], r_inv),
+        ];
+        let i = j0 * LANES;
+        // SAFETY: i + 32 <= BLOCK, and the code arrays hold a block.
         unsafe {
-            store_codes(m_codes.add(i), encode_m(*m, m_inv));
-            store_codes(v_codes.add(i), encode_r(*r, r_inv));
+            store_codes(m_codes.add(i), m_words);
+            store_codes(v_codes.add(i), r_words);
         }
     }
 }
@@ -356,14 +440,14 @@ fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
     let mut chunks = g.chunks_exact(LANES);
     for chunk in &mut chunks {
         // SAFETY: the chunk holds 8 elements.
-        add(unsafe { load_grads(chunk.as_ptr()) });
+        add(unsafe { load_lanes(chunk.as_ptr()) });
     }
     let rest = chunks.remainder();
     if !rest.is_empty() {
         let mut padded = [G::default(); LANES];
         padded[..rest.len()].copy_from_slice(rest);
         // SAFETY: `padded` holds 8 elements; the padding is zero and adds nothing.
-        add(unsafe { load_grads(padded.as_ptr()) });
+        add(unsafe { load_lanes(padded.as_ptr()) });
     }
     let mut lanes = [0f64; 2 * 4];
     // SAFETY: `lanes` holds two vectors of 4 f64; the stores are unaligned.

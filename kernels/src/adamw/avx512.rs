@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::dispatch::{Kernels, Lane, LaneKind, Q8Block};
+use super::dispatch::{Kernels, Lane, LaneKind, Moment, Q8Block};
 use super::portable::pairwise;
 use super::{AdamStep, GradStats, q8};
 
@@ -19,16 +19,16 @@ pub(super) struct Avx512;
 impl Kernels for Avx512 {
     const LANES: usize = LANES;
 
-    unsafe fn f32_vectors<G: Lane, O: Lane>(
+    unsafe fn vectors<S: Moment, G: Lane, O: Lane>(
         k: &AdamStep,
         p: &mut [f32],
-        m: &mut [f32],
-        v: &mut [f32],
+        m: &mut [S],
+        v: &mut [S],
         g: &[G],
         out: &mut [O],
     ) {
         // SAFETY: the caller guarantees the CPU has AVX-512F (and AVX2, FMA, F16C).
-        unsafe { f32_vectors(k, p, m, v, g, out) }
+        unsafe { vectors(k, p, m, v, g, out) }
     }
 
     unsafe fn q8_block<G: Lane, O: Lane>(k: &AdamStep, block: Q8Block<'_, G, O>) {
@@ -73,13 +73,13 @@ impl Consts {
     }
 }
 
-/// Sixteen gradients as f32.
+/// Sixteen gradients or moments as f32 (exactly: every fp16 and bf16 value is an f32).
 ///
 /// # Safety
 /// `g` is valid for 16 reads.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn load_grads<G: Lane>(g: *const G) -> __m512 {
+unsafe fn load_lanes<G: Lane>(g: *const G) -> __m512 {
     // SAFETY: the caller guarantees 16 readable elements; loads are unaligned.
     unsafe {
         match G::KIND {
@@ -89,18 +89,19 @@ unsafe fn load_grads<G: Lane>(g: *const G) -> __m512 {
                 let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(g.cast()));
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide))
             }
-            LaneKind::Absent => unreachable!("gradients always have a dtype"),
+            LaneKind::Absent => unreachable!("gradients and moments always have a dtype"),
         }
     }
 }
 
-/// Writes sixteen parameters as the working copy, rounded to nearest even.
+/// Writes sixteen values as `O` (the working copy or bf16 moments), rounded to
+/// nearest even.
 ///
 /// # Safety
 /// Unless `O` is `NoCopy`, `out` is valid for 16 writes.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn store_copy<O: Lane>(out: *mut O, x: __m512) {
+unsafe fn store_lanes<O: Lane>(out: *mut O, x: __m512) {
     // SAFETY: the caller guarantees 16 writable elements when anything is written.
     unsafe {
         match O::KIND {
@@ -148,13 +149,14 @@ fn update(c: &Consts, p: __m512, m: __m512, v: __m512, g: __m512) -> [__m512; 4]
     [p, m, v, r]
 }
 
-/// AdamW over equal-length slices of whole vectors.
+/// AdamW over equal-length slices of whole vectors, with fp32 or bf16 moments (`S`:
+/// read exactly, written rounded to nearest even, as a bf16 working copy is).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-fn f32_vectors<G: Lane, O: Lane>(
+fn vectors<S: Moment, G: Lane, O: Lane>(
     k: &AdamStep,
     p: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    m: &mut [S],
+    v: &mut [S],
     g: &[G],
     out: &mut [O],
 ) {
@@ -172,14 +174,14 @@ fn f32_vectors<G: Lane, O: Lane>(
             let [pn, mn, vn, _] = update(
                 &c,
                 _mm512_loadu_ps(p.add(i)),
-                _mm512_loadu_ps(m.add(i)),
-                _mm512_loadu_ps(v.add(i)),
-                load_grads(g.add(i)),
+                load_lanes(m.add(i)),
+                load_lanes(v.add(i)),
+                load_lanes(g.add(i)),
             );
             _mm512_storeu_ps(p.add(i), pn);
-            _mm512_storeu_ps(m.add(i), mn);
-            _mm512_storeu_ps(v.add(i), vn);
-            store_copy(out.add(i), pn);
+            store_lanes(m.add(i), mn);
+            store_lanes(v.add(i), vn);
+            store_lanes(out.add(i), pn);
         }
         i += LANES;
     }
@@ -283,10 +285,10 @@ fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
                 _mm512_loadu_ps(p.add(i)),
                 m,
                 _mm512_mul_ps(r, r),
-                load_grads(g.add(i)),
+                load_lanes(g.add(i)),
             );
             _mm512_storeu_ps(p.add(i), pn);
-            store_copy(out.add(i), pn);
+            store_lanes(out.add(i), pn);
             *m_slot = mn;
             *r_slot = rn;
             m_absmax = _mm512_max_ps(m_absmax, _mm512_abs_ps(mn));
@@ -331,14 +333,14 @@ fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
     let mut chunks = g.chunks_exact(LANES);
     for chunk in &mut chunks {
         // SAFETY: the chunk holds 16 elements.
-        add(unsafe { load_grads(chunk.as_ptr()) });
+        add(unsafe { load_lanes(chunk.as_ptr()) });
     }
     let rest = chunks.remainder();
     if !rest.is_empty() {
         let mut padded = [G::default(); LANES];
         padded[..rest.len()].copy_from_slice(rest);
         // SAFETY: `padded` holds 16 elements; the padding is zero and adds nothing.
-        add(unsafe { load_grads(padded.as_ptr()) });
+        add(unsafe { load_lanes(padded.as_ptr()) });
     }
     let mut lanes = [0f64; 2 * 8];
     // SAFETY: `lanes` holds two vectors of 8 f64; the stores are unaligned.

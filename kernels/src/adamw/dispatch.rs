@@ -2,7 +2,7 @@
 //! and run on the worker pool; each piece goes to the kernels of the chosen [`Isa`]
 //! through the [`Kernels`] trait, monomorphised for its gradient and working-copy dtypes.
 //!
-//! The ISA kernels only ever see whole vectors (fp32 state) or whole blocks (8-bit
+//! The ISA kernels only ever see whole vectors (fp32 or bf16 state) or whole blocks (8-bit
 //! state): the ragged end is staged here through zero-padded stack arrays and run as one
 //! more whole vector or block, so every element gets the same arithmetic. Padding is
 //! harmless: zero state and zero gradient give zero moments, and change no block scale.
@@ -34,7 +34,7 @@ pub(super) fn step(
     copy_out: CopyOut<'_>,
 ) {
     let align = match state {
-        State::F32 { .. } => F32_ALIGN,
+        State::F32 { .. } | State::Bf16 { .. } => F32_ALIGN,
         State::Q8(_) => q8::BLOCK,
     };
     let work = Work {
@@ -175,6 +175,14 @@ impl Lane for bf16 {
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct NoCopy;
 
+/// The element types moments are stored in: f32, or bf16 (read exactly, written rounded
+/// to nearest even by the same conversion as a bf16 working copy).
+pub(crate) trait Moment: Lane {}
+
+impl Moment for f32 {}
+
+impl Moment for bf16 {}
+
 impl Lane for NoCopy {
     const KIND: LaneKind = LaneKind::Absent;
     fn to_f32(self) -> f32 {
@@ -204,16 +212,17 @@ pub(crate) trait Kernels {
     /// f32 lanes per vector (at most [`MAX_LANES`]).
     const LANES: usize;
 
-    /// AdamW with fp32 state over equal-length slices whose length is a multiple of
-    /// [`Kernels::LANES`] (`out` is a slice of [`NoCopy`] when nothing is written).
+    /// AdamW with fp32 or bf16 state (`S`) over equal-length slices whose length is a
+    /// multiple of [`Kernels::LANES`] (`out` is a slice of [`NoCopy`] when nothing is
+    /// written).
     ///
     /// # Safety
     /// The CPU supports the kernels' instruction set.
-    unsafe fn f32_vectors<G: Lane, O: Lane>(
+    unsafe fn vectors<S: Moment, G: Lane, O: Lane>(
         k: &AdamStep,
         p: &mut [f32],
-        m: &mut [f32],
-        v: &mut [f32],
+        m: &mut [S],
+        v: &mut [S],
         g: &[G],
         out: &mut [O],
     );
@@ -289,21 +298,22 @@ unsafe fn run_state<K: Kernels, G: Lane, O: Lane>(
     // SAFETY: the caller guarantees the instruction set.
     unsafe {
         match state {
-            State::F32 { m, v } => f32_state::<K, G, O>(k, params, m, v, g, out),
+            State::F32 { m, v } => moments::<K, f32, G, O>(k, params, m, v, g, out),
+            State::Bf16 { m, v } => moments::<K, bf16, G, O>(k, params, m, v, g, out),
             State::Q8(q) => q8_state::<K, G, O>(k, params, q, g, out),
         }
     }
 }
 
-/// fp32 state: whole vectors in place, then the ragged end through padded arrays.
+/// fp32 or bf16 state: whole vectors in place, then the ragged end through padded arrays.
 ///
 /// # Safety
 /// The CPU supports `K`'s instruction set.
-unsafe fn f32_state<K: Kernels, G: Lane, O: Lane>(
+unsafe fn moments<K: Kernels, S: Moment, G: Lane, O: Lane>(
     k: &AdamStep,
     p: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    m: &mut [S],
+    v: &mut [S],
     g: &[G],
     out: &mut [O],
 ) {
@@ -313,7 +323,7 @@ unsafe fn f32_state<K: Kernels, G: Lane, O: Lane>(
     let body = n - n % K::LANES;
     // SAFETY: the caller guarantees the instruction set.
     unsafe {
-        K::f32_vectors(
+        K::vectors(
             k,
             &mut p[..body],
             &mut m[..body],
@@ -327,8 +337,8 @@ unsafe fn f32_state<K: Kernels, G: Lane, O: Lane>(
         return;
     }
     let mut tp = [0f32; MAX_LANES];
-    let mut tm = [0f32; MAX_LANES];
-    let mut tv = [0f32; MAX_LANES];
+    let mut tm = [S::default(); MAX_LANES];
+    let mut tv = [S::default(); MAX_LANES];
     let mut tg = [G::default(); MAX_LANES];
     let mut to = [O::default(); MAX_LANES];
     tp[..rem].copy_from_slice(&p[body..]);
@@ -338,7 +348,7 @@ unsafe fn f32_state<K: Kernels, G: Lane, O: Lane>(
     let lanes = K::LANES;
     // SAFETY: the caller guarantees the instruction set.
     unsafe {
-        K::f32_vectors(
+        K::vectors(
             k,
             &mut tp[..lanes],
             &mut tm[..lanes],

@@ -3,7 +3,7 @@
 //! Holds the API the engine calls per block as gradients arrive: hyper-parameters
 //! ([`AdamW`]), the constants of one step ([`AdamStep`], derived in f64 and rounded once,
 //! as torch does), the update itself ([`AdamStep::apply`]) over slices of fp32 master
-//! parameters and fp32 or 8-bit ([`q8`]) state, and the fused gradient pass
+//! parameters and fp32, bf16 or 8-bit ([`q8`]) state, and the fused gradient pass
 //! ([`grad_stats`]: sum of squares and whether any value is not finite). It splits the
 //! slices over the persistent worker pool ([`crate::parallel`]) and runs the kernel of the
 //! chosen [`Isa`] on each piece: `portable.rs` (always compiled), `avx2.rs`, `avx512.rs`.
@@ -19,6 +19,12 @@
 //! ```
 //! Every kernel reads and writes each array once per step; optionally it also writes the
 //! updated parameters as fp16 or bf16 (round to nearest even) in the same pass.
+//!
+//! bf16 state ([`State::Bf16`]) is read as f32 (exactly), updated in f32 like fp32 state
+//! (the parameter's update uses the new moments before rounding), and written back
+//! rounded to nearest, ties to even (`half::bf16::from_f32`; NaN stays NaN). Its
+//! reference, [`crate::reference::adamw::step_bf16`], follows the kernels' order of
+//! operations, so kernel and reference agree bit for bit.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -223,6 +229,10 @@ impl AdamStep {
                 check_len("m", n, n, m.len())?;
                 check_len("v", n, n, v.len())?;
             }
+            State::Bf16 { m, v } => {
+                check_len("m", n, n, m.len())?;
+                check_len("v", n, n, v.len())?;
+            }
             State::Q8(q) => q.check(n)?,
         }
         dispatch::step(isa, threads, self, params, state, grads, copy_out);
@@ -354,6 +364,14 @@ pub enum State<'a> {
         /// Second moment.
         v: &'a mut [f32],
     },
+    /// bf16 first and second moments, one per parameter, rounded to nearest even when
+    /// written (half the bytes of fp32 state; see the module's notes for the rounding).
+    Bf16 {
+        /// First moment.
+        m: &'a mut [bf16],
+        /// Second moment.
+        v: &'a mut [bf16],
+    },
     /// 8-bit block-wise quantized moments (docs/adamw-8bit.md).
     Q8(Q8State<'a>),
 }
@@ -364,6 +382,7 @@ impl<'a> State<'a> {
     pub fn bytes_per_param(&self) -> f64 {
         match self {
             State::F32 { .. } => 8.0,
+            State::Bf16 { .. } => 4.0,
             State::Q8(_) => 2.0 + 8.0 / q8::BLOCK as f64,
         }
     }
@@ -374,6 +393,11 @@ impl<'a> State<'a> {
                 let (m0, m1) = m.split_at_mut(mid);
                 let (v0, v1) = v.split_at_mut(mid);
                 (State::F32 { m: m0, v: v0 }, State::F32 { m: m1, v: v1 })
+            }
+            State::Bf16 { m, v } => {
+                let (m0, m1) = m.split_at_mut(mid);
+                let (v0, v1) = v.split_at_mut(mid);
+                (State::Bf16 { m: m0, v: v0 }, State::Bf16 { m: m1, v: v1 })
             }
             State::Q8(q) => {
                 let (a, b) = q.split_at(mid);

@@ -2,7 +2,7 @@
 //! vectorises for the baseline target (SSE2 on x86-64: packed sqrt and division).
 //! Always compiled; serves every CPU without a dedicated kernel. No `unsafe`.
 
-use super::dispatch::{Kernels, Lane, Q8Block};
+use super::dispatch::{Kernels, Lane, Moment, Q8Block};
 use super::{AdamStep, GradStats, q8};
 
 /// Elements per chunk: wide enough for the compiler to fill any vector unit.
@@ -13,15 +13,15 @@ pub(super) struct Portable;
 impl Kernels for Portable {
     const LANES: usize = CHUNK;
 
-    unsafe fn f32_vectors<G: Lane, O: Lane>(
+    unsafe fn vectors<S: Moment, G: Lane, O: Lane>(
         k: &AdamStep,
         p: &mut [f32],
-        m: &mut [f32],
-        v: &mut [f32],
+        m: &mut [S],
+        v: &mut [S],
         g: &[G],
         out: &mut [O],
     ) {
-        f32_state(k, p, m, v, g, out);
+        moments(k, p, m, v, g, out);
     }
 
     unsafe fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
@@ -32,7 +32,7 @@ impl Kernels for Portable {
             let r = q8::decode_r(b.v_codes[j], *b.v_scale);
             *v = r * r;
         }
-        f32_state(k, b.p, &mut m, &mut v, b.g, b.out);
+        moments(k, b.p, &mut m, &mut v, b.g, b.out);
         // v becomes sqrt(v), the quantity stored. The maxima are taken in CHUNK lanes:
         // a single running maximum is one long dependency chain the compiler cannot
         // vectorise.
@@ -71,13 +71,14 @@ impl Kernels for Portable {
     }
 }
 
-/// AdamW over equal-length slices, chunk by chunk: conversions in their own loops, so
-/// the arithmetic loop has nothing in it that stops the compiler vectorising it.
-fn f32_state<G: Lane, O: Lane>(
+/// AdamW over equal-length slices, chunk by chunk, with fp32 or bf16 moments (`S`):
+/// conversions in their own loops, so the arithmetic loop has nothing in it that stops
+/// the compiler vectorising it.
+fn moments<S: Moment, G: Lane, O: Lane>(
     k: &AdamStep,
     p: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    m: &mut [S],
+    v: &mut [S],
     g: &[G],
     out: &mut [O],
 ) {
@@ -86,15 +87,22 @@ fn f32_state<G: Lane, O: Lane>(
     let mut start = 0;
     while start < n {
         let end = (start + CHUNK).min(n);
+        let len = end - start;
         let mut grad = [0f32; CHUNK];
-        G::to_f32_slice(&g[start..end], &mut grad[..end - start]);
+        let mut mf = [0f32; CHUNK];
+        let mut vf = [0f32; CHUNK];
+        G::to_f32_slice(&g[start..end], &mut grad[..len]);
+        S::to_f32_slice(&m[start..end], &mut mf[..len]);
+        S::to_f32_slice(&v[start..end], &mut vf[..len]);
         update_chunk(
             k,
             &mut p[start..end],
-            &mut m[start..end],
-            &mut v[start..end],
-            &grad,
+            &mut mf[..len],
+            &mut vf[..len],
+            &grad[..len],
         );
+        S::from_f32_slice(&mf[..len], &mut m[start..end]);
+        S::from_f32_slice(&vf[..len], &mut v[start..end]);
         O::from_f32_slice(&p[start..end], &mut out[start..end]);
         start = end;
     }

@@ -1,5 +1,7 @@
 //! The scalar reference of AdamW (`crate::adamw`), element by element in torch's order of
 //! operations: `torch.optim.AdamW`'s single-tensor path, with the same f32 constants.
+//! bf16 state has a reference in the kernels' order instead ([`step_bf16`]), so that the
+//! kernels can be held to it bit for bit.
 //!
 //! Not tuned and never dispatched to; the kernels are tested against it.
 
@@ -53,6 +55,79 @@ pub fn step(
         params[i] = p;
         m[i] = mi;
         v[i] = vi;
+        write_copy(&mut copy_out, i, p);
+    }
+}
+
+/// How the kernels' order of operations rounds: the AVX2 and AVX-512 kernels fuse
+/// multiply-adds (one rounding), the portable kernel does not (the baseline x86-64 target
+/// has no FMA, and Rust never contracts `a * b + c` on its own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arithmetic {
+    /// `a * b + c` rounded once (`f32::mul_add`).
+    Fused,
+    /// The product rounded, then the sum.
+    Unfused,
+}
+
+impl Arithmetic {
+    fn mul_add(self, a: f32, b: f32, c: f32) -> f32 {
+        match self {
+            Arithmetic::Fused => a.mul_add(b, c),
+            Arithmetic::Unfused => a * b + c,
+        }
+    }
+}
+
+/// The moments and parameter after one step in the kernels' order (see `avx2.rs`'s
+/// `update`): `m = beta1 m + (1 - beta1) g`, `v = beta2 v + ((1 - beta2) g) g`,
+/// `denom = sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps`, `p = p decay - step_size (m / denom)`,
+/// each `x * y + z` rounded as `arithmetic` says.
+fn update_kernel_order(
+    k: &AdamStep,
+    arithmetic: Arithmetic,
+    p: f32,
+    m: f32,
+    v: f32,
+    grad: f32,
+) -> (f32, f32, f32) {
+    let fma = |a, b, c| arithmetic.mul_add(a, b, c);
+    let g = grad * k.grad_scale;
+    let m = fma(k.beta1, m, k.one_minus_beta1 * g);
+    let v = fma(k.beta2, v, k.one_minus_beta2 * g * g);
+    let denom = fma(v.sqrt(), k.inv_bias_correction2_sqrt, k.eps);
+    let p = fma(-k.step_size, m / denom, p * k.decay);
+    (p, m, v)
+}
+
+/// One AdamW step with bf16 state, in the kernels' order of operations: each moment is
+/// widened to f32 (exactly), updated, and rounded back to bf16 to nearest, ties to even
+/// (`half::bf16::from_f32`, NaN kept NaN); the parameter update uses the new moments
+/// before that rounding. Panics if the lengths differ.
+pub fn step_bf16(
+    k: &AdamStep,
+    arithmetic: Arithmetic,
+    params: &mut [f32],
+    m: &mut [bf16],
+    v: &mut [bf16],
+    grads: Grads<'_>,
+    mut copy_out: CopyOut<'_>,
+) {
+    let n = params.len();
+    assert!(m.len() == n && v.len() == n && grads.len() == n);
+    assert!(copy_out.buffer_len().is_none_or(|len| len == n));
+    for i in 0..n {
+        let (p, mi, vi) = update_kernel_order(
+            k,
+            arithmetic,
+            params[i],
+            m[i].to_f32(),
+            v[i].to_f32(),
+            grad_at(&grads, i),
+        );
+        params[i] = p;
+        m[i] = bf16::from_f32(mi);
+        v[i] = bf16::from_f32(vi);
         write_copy(&mut copy_out, i, p);
     }
 }
