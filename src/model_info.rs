@@ -1,11 +1,12 @@
 //! `strata model`: a GPT-2 or Llama-family configuration, named or of any size, with the
 //! blocks the engine swaps and what their tensor classes weigh; `--init DIR` writes a
-//! randomly initialised model (config.json and model.safetensors, no tokenizer) that
+//! randomly initialised model (config.json and model.safetensors, and with `--tokenizer`
+//! a copy of a tokenizer) that
 //! `strata eval` and Hugging Face's `from_pretrained` load.
 
 use std::error::Error;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use strata_engine::model::llama::{self, LlamaConfig, Variant};
 use strata_engine::model::weights::save_pretrained;
@@ -46,6 +47,11 @@ pub struct ModelArgs {
     /// Seed of the initialisation.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// With --init: a tokenizer.json (or a folder holding one, with its
+    /// tokenizer_config.json and special_tokens_map.json) to copy into the model's folder;
+    /// the model's vocabulary defaults to the tokenizer's size.
+    #[arg(long, value_name = "FILE|DIR", requires = "init")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// What `strata model` describes: a GPT-2 or a Llama-family shape.
@@ -190,6 +196,26 @@ pub const TRAINING_BYTES_PER_PARAM: u64 = 18;
 
 /// Runs `strata model`, writing its report to `out`.
 pub fn run(args: &ModelArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let tokenizer = match &args.tokenizer {
+        Some(path) => Some(strata_engine::model::tokenize::TextTokenizer::open(path)?),
+        None => None,
+    };
+    let mut args = args.clone();
+    if let Some(t) = &tokenizer {
+        match args.shape.vocab {
+            None => args.shape.vocab = Some(t.vocab_size()),
+            Some(v) if v < t.vocab_size() => {
+                return Err(format!(
+                    "--vocab {v} is smaller than the tokenizer's {} ids ({})",
+                    t.vocab_size(),
+                    t.path().display()
+                )
+                .into());
+            }
+            Some(_) => {}
+        }
+    }
+    let args = &args;
     let (model, layers) = match args.resolve_shape()? {
         ModelShape::Gpt2(config) => {
             let name = PRESETS
@@ -274,11 +300,34 @@ pub fn run(args: &ModelArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             args.seed,
             dir.display()
         )?;
-        if !gpt2 {
+        if let Some(t) = &tokenizer {
+            let from = t.path().parent().unwrap_or(Path::new("."));
+            for name in [
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+            ] {
+                let src = if name == "tokenizer.json" {
+                    t.path().to_path_buf()
+                } else {
+                    from.join(name)
+                };
+                if src.is_file() {
+                    std::fs::copy(&src, dir.join(name))?;
+                }
+            }
+            writeln!(
+                out,
+                "copied the tokenizer {} ({} ids, end of text {})",
+                t.path().display(),
+                t.vocab_size(),
+                t.eos().map_or("none".to_string(), |id| id.to_string())
+            )?;
+        } else if !gpt2 {
             writeln!(
                 out,
                 "no tokenizer was written: give the folder the tokenizer.json of the model \
-                 whose vocabulary ({}) it uses",
+                 whose vocabulary ({}) it uses (--tokenizer FILE copies one)",
                 model.vocab()
             )?;
         }

@@ -318,3 +318,63 @@ fn a_hugging_face_llama_folder_trains_under_every_policy_and_its_output_loads() 
     // The trained models are the same whatever the policy: their losses print alike.
     assert!(evals.iter().all(|e| *e == evals[0]), "{evals:?}");
 }
+
+#[test]
+fn init_with_a_tokenizer_copies_it_sizes_the_vocabulary_and_trains_on_text() {
+    let dir = tempfile::tempdir_in(PathBuf::from(env!("CARGO_TARGET_TMPDIR"))).unwrap();
+    let model = dir.path().join("llama");
+    let model = model.to_str().unwrap();
+    let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/tokenizer-bpe");
+    let shape = [
+        "model",
+        "--family",
+        "llama",
+        "--layers",
+        "1",
+        "--width",
+        "32",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--intermediate",
+        "48",
+        "--ctx",
+        "32",
+    ];
+    // A vocabulary smaller than the tokenizer's ids is refused.
+    let (ok, _, stderr) = strata(
+        &[
+            &shape[..],
+            &["--vocab", "10", "--tokenizer", tokenizer, "--init", model],
+        ]
+        .concat(),
+    );
+    assert!(
+        !ok && stderr.contains("smaller than the tokenizer's 1000 ids"),
+        "{stderr}"
+    );
+    let (ok, stdout, stderr) =
+        strata(&[&shape[..], &["--tokenizer", tokenizer, "--init", model]].concat());
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("copied the tokenizer"), "{stdout}");
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("llama/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["vocab_size"], 1000, "{config}");
+    assert_eq!(
+        std::fs::read(dir.path().join("llama/tokenizer.json")).unwrap(),
+        std::fs::read(format!("{tokenizer}/tokenizer.json")).unwrap()
+    );
+    // The folder's tokenizer reads text data for train.
+    let text = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/tokenizer-bpe/eval.txt"
+    );
+    let (ok, stdout, stderr) = strata(&[
+        "train", "--model", model, "--data", text, "--steps", "2", "--batch", "1", "--seq", "16",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("tokenized with"), "{stdout}");
+}
