@@ -22,6 +22,7 @@
 pub mod data;
 mod error;
 pub mod gpt2;
+mod head;
 pub mod layout;
 pub mod llama;
 pub mod tokenize;

@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, attention_scratch_bytes};
 
+use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
 use super::{Bind, Family, ModelError, Pass, Shape};
 
@@ -678,7 +679,6 @@ impl Program {
         let (n, c, v) = (self.shape.rows(), self.config.width, self.config.vocab);
         let x = self.act(Bind::Input);
         let targets = self.ids(Bind::Targets);
-        let oi = WeightLayout::OutIn;
         if pass == Pass::Backward {
             // Every micro-batch's gradients start from zero; the head is the first to
             // write the tied embedding's.
@@ -689,59 +689,34 @@ impl Program {
                 t: TensorRef::new(Bind::TiedGrads as u8, 0, self.tied_len, Dtype::F32),
             });
         }
-        let forward = [
-            Kernel::LayerNorm {
-                out: s.lnf,
-                mean: s.lnf_mean,
-                rstd: s.lnf_rstd,
-                inp: x,
-                weight: self.param(Bind::Params, h.ln_f_weight),
-                bias: self.param(Bind::Params, h.ln_f_bias),
-                n,
-                c,
-            },
-            Kernel::Matmul {
-                out: s.logits,
-                inp: s.lnf,
-                weight: self.param(Bind::TiedParams, wte),
-                bias: None,
-                layout: oi,
-                n,
-                c,
-                oc: v,
-            },
-            Kernel::CrossEntropy {
-                losses: TensorRef::new(Bind::Losses as u8, 0, n, Dtype::F32),
-                logits: s.logits,
-                targets,
-                n,
-                v,
-            },
-        ];
-        self.out.extend(forward);
+        let loss = LossHead {
+            inp: s.lnf,
+            weight: self.param(Bind::TiedParams, wte),
+            dweight: self.grad(Bind::TiedGrads, wte),
+            logits: s.logits,
+            dinp: s.head_d_c,
+            targets,
+            n,
+            c,
+            v,
+        };
+        self.out.push(Kernel::LayerNorm {
+            out: s.lnf,
+            mean: s.lnf_mean,
+            rstd: s.lnf_rstd,
+            inp: x,
+            weight: self.param(Bind::Params, h.ln_f_weight),
+            bias: self.param(Bind::Params, h.ln_f_bias),
+            n,
+            c,
+        });
+        self.out.extend(loss.forward());
         if pass == Pass::Forward {
             return self.out;
         }
         let dx = self.act(Bind::DInput);
+        self.out.extend(loss.backward());
         let backward = [
-            Kernel::CrossEntropyBackward {
-                logits: s.logits,
-                targets,
-                n,
-                v,
-            },
-            Kernel::MatmulBackward {
-                dinp: s.head_d_c,
-                dweight: self.grad(Bind::TiedGrads, wte),
-                dbias: None,
-                dout: s.logits,
-                inp: s.lnf,
-                weight: self.param(Bind::TiedParams, wte),
-                layout: oi,
-                n,
-                c,
-                oc: v,
-            },
             Kernel::Zero { t: dx },
             Kernel::LayerNormBackward {
                 dinp: dx,

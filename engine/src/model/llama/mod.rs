@@ -31,6 +31,7 @@ use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, gqa_attention_scratch_bytes};
 
 use super::gpt2::init::SplitMix64;
+use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
 use super::{Bind, Family, ModelError, Pass, Shape};
 
@@ -850,50 +851,26 @@ impl Program<'_> {
                 self.zero_grads(Bind::TiedGrads, self.tied_len);
             }
         }
-        let forward = [
-            self.rmsnorm(s.xf, s.rstdf, x, h.norm),
-            Kernel::Matmul {
-                out: s.logits,
-                inp: s.xf,
-                weight,
-                bias: None,
-                layout: WeightLayout::OutIn,
-                n,
-                c,
-                oc: v,
-            },
-            Kernel::CrossEntropy {
-                losses: TensorRef::new(Bind::Losses as u8, 0, n, Dtype::F32),
-                logits: s.logits,
-                targets,
-                n,
-                v,
-            },
-        ];
-        self.out.extend(forward);
+        let loss = LossHead {
+            inp: s.xf,
+            weight,
+            dweight,
+            logits: s.logits,
+            dinp: s.head_d,
+            targets,
+            n,
+            c,
+            v,
+        };
+        let norm = self.rmsnorm(s.xf, s.rstdf, x, h.norm);
+        self.out.push(norm);
+        self.out.extend(loss.forward());
         if pass == Pass::Forward {
             return self.out;
         }
         let dx = self.act(Bind::DInput);
+        self.out.extend(loss.backward());
         let backward = [
-            Kernel::CrossEntropyBackward {
-                logits: s.logits,
-                targets,
-                n,
-                v,
-            },
-            Kernel::MatmulBackward {
-                dinp: s.head_d,
-                dweight,
-                dbias: None,
-                dout: s.logits,
-                inp: s.xf,
-                weight,
-                layout: WeightLayout::OutIn,
-                n,
-                c,
-                oc: v,
-            },
             Kernel::Zero { t: dx },
             self.rmsnorm_backward(dx, s.head_d, x, s.rstdf, h.norm),
         ];
