@@ -629,6 +629,31 @@ fn a_plan_over_budget_is_refused_naming_the_tier_and_what_fits() {
 /// Master parameters, m and v of every block.
 type State = strata_engine::exec::TrainingState;
 
+/// An executor for `plan` on the CPU device (swap files in a fresh folder, kept alive by
+/// the returned guard), loaded with `init`, after `steps` steps over `data`'s batches
+/// at lr 1e-2.
+fn started(
+    model: &Model,
+    plan: &Plan,
+    init: &[Vec<f32>],
+    data: &[Vec<(Vec<u32>, Vec<u32>)>],
+    steps: usize,
+) -> (Executor, tempfile::TempDir) {
+    let nvme = tempfile::tempdir().unwrap();
+    let mut exec = Executor::on_cpu(
+        model.clone(),
+        plan.clone(),
+        &ExecConfig::with_nvme(vec![nvme.path().into()]),
+    )
+    .unwrap();
+    exec.load(init, None).unwrap();
+    for batch in &data[..steps] {
+        let refs: Vec<(&[u32], &[u32])> = batch.iter().map(|(t, y)| (&t[..], &y[..])).collect();
+        exec.step(&refs, &hyper(1e-2)).unwrap();
+    }
+    (exec, nvme)
+}
+
 /// Invariant 4 after a failed step: every block is wholly as before the step (`before`)
 /// or wholly as the step leaves it in a run without the failure (`clean`), and its step
 /// counter says which; the executor's own counter did not move. Returns which blocks
@@ -796,18 +821,10 @@ fn an_nvme_fault_fails_the_step_and_commits_each_block_whole() {
         let init = model.init_params(9);
         // A clean run of the same plan: the state before and after the second step.
         let clean = |steps: usize| {
-            let nvme = tempfile::tempdir().unwrap();
-            let mut e = Executor::on_cpu(
-                model.clone(),
-                plan.clone(),
-                &ExecConfig::with_nvme(vec![nvme.path().into()]),
-            )
-            .unwrap();
-            e.load(&init, None).unwrap();
-            for s in 0..steps {
-                e.step(&refs(s), &hyper(1e-2)).unwrap();
-            }
-            e.export().unwrap()
+            started(&model, &plan, &init, &data, steps)
+                .0
+                .export()
+                .unwrap()
         };
         let (before, after) = (clean(1), clean(2));
         let nvme = tempfile::tempdir().unwrap();
@@ -982,20 +999,7 @@ fn a_failure_at_any_operation_commits_each_block_whole_under_every_policy() {
         let plan = Plan::build(&input, policy.as_ref()).unwrap();
         // Steps before the one that fails: two, so a delayed update has one pending.
         let good = 2;
-        let start = |steps: usize| {
-            let nvme = tempfile::tempdir().unwrap();
-            let mut exec = Executor::on_cpu(
-                model.clone(),
-                plan.clone(),
-                &ExecConfig::with_nvme(vec![nvme.path().into()]),
-            )
-            .unwrap();
-            exec.load(&init, None).unwrap();
-            for s in 0..steps {
-                exec.step(&refs(s), &hyper(1e-2)).unwrap();
-            }
-            (exec, nvme)
-        };
+        let start = |steps: usize| started(&model, &plan, &init, &data, steps);
         let (before, after) = (
             start(good).0.export().unwrap(),
             start(good + 1).0.export().unwrap(),
