@@ -393,22 +393,21 @@ fn noise(stream: u64, i: usize) -> f32 {
 /// that owns its piece (the pieces the kernels use with the same thread count).
 fn filled<T: Send>(len: usize, threads: usize, value: impl Fn(usize) -> T + Sync) -> Vec<T> {
     let mut data: Vec<T> = Vec::with_capacity(len);
-    let ranges: Vec<_> = parallel::split_ranges(len, threads, q8::BLOCK).collect();
     let value = &value;
-    parallel::scope(|s| {
-        let mut rest: &mut [MaybeUninit<T>] = &mut data.spare_capacity_mut()[..len];
-        for range in ranges {
-            let (piece, tail) = rest.split_at_mut(range.len());
-            rest = tail;
-            s.spawn(move |_| {
-                for (j, slot) in piece.iter_mut().enumerate() {
-                    slot.write(value(range.start + j));
-                }
-            });
-        }
-    });
-    // SAFETY: the ranges of `split_ranges` cover 0..len exactly, and every task above
-    // wrote every slot of its piece; the scope has joined them all.
+    parallel::for_each_split(
+        len,
+        threads,
+        q8::BLOCK,
+        &mut data.spare_capacity_mut()[..len],
+        &|rest: &mut [MaybeUninit<T>], n| rest.split_at_mut(n),
+        &|range, piece: &mut [MaybeUninit<T>]| {
+            for (j, slot) in piece.iter_mut().enumerate() {
+                slot.write(value(range.start + j));
+            }
+        },
+    );
+    // SAFETY: the pieces of `for_each_split` cover 0..len exactly, every one wrote every
+    // slot of its piece, and all have finished when it returns.
     unsafe { data.set_len(len) };
     data
 }
@@ -585,22 +584,20 @@ impl Triad {
     fn run(&mut self) -> f64 {
         self.runs += 1;
         let s = 0.5 + self.runs as f32 * 1e-3;
-        let ranges = parallel::split_ranges(self.a.len(), self.threads, 64);
-        let (b, c) = (&self.b, &self.c);
+        let (b, c) = (&self.b[..], &self.c[..]);
         let start = Instant::now();
-        parallel::scope(|scope| {
-            let mut rest = &mut self.a[..];
-            for range in ranges {
-                let (piece, tail) = rest.split_at_mut(range.len());
-                rest = tail;
-                let (b, c) = (&b[range.clone()], &c[range]);
-                scope.spawn(move |_| {
-                    for ((a, &b), &c) in piece.iter_mut().zip(b).zip(c) {
-                        *a = b + s * c;
-                    }
-                });
-            }
-        });
+        parallel::for_each_split(
+            self.a.len(),
+            self.threads,
+            64,
+            &mut self.a[..],
+            &|rest: &mut [f32], n| rest.split_at_mut(n),
+            &|range, piece: &mut [f32]| {
+                for ((a, &b), &c) in piece.iter_mut().zip(&b[range.clone()]).zip(&c[range]) {
+                    *a = b + s * c;
+                }
+            },
+        );
         start.elapsed().as_secs_f64()
     }
 }

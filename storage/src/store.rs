@@ -27,8 +27,8 @@ use crate::io::faulty::{FaultPlan, FaultySyscalls};
 use crate::io::threads::{Posix, ThreadIo};
 use crate::io::uring::UringIo;
 use crate::io::{
-    Backend, BackendChoice, BackendKind, FileTable, IoStats, OpGroup, OpKind, RawOp, probe_uring,
-    resolve_backend,
+    Backend, BackendChoice, BackendKind, FileTable, GroupPool, IoStats, OpGroup, OpKind, RawOp,
+    probe_uring, resolve_backend,
 };
 
 /// How a store is laid out and driven. Start from [`StoreConfig::new`].
@@ -260,6 +260,8 @@ struct Inner {
     checksums: bool,
     all_direct: bool,
     manifest_path: Option<PathBuf>,
+    /// The transfers' completion groups, reused.
+    groups: GroupPool,
 }
 
 /// Named, checksummed extents over one or more swap files. Cheap to clone: clones share
@@ -400,6 +402,7 @@ impl TensorStore {
                 checksums: config.checksums,
                 all_direct,
                 manifest_path,
+                groups: GroupPool::default(),
             }),
         })
     }
@@ -692,8 +695,8 @@ impl TensorStore {
                 self.inner.checksums.then(|| crc32c::crc32c(bytes)),
             ));
         }
-        let segments: Vec<Segment> = self.segments(offset_bytes, allocated_bytes).collect();
-        let group = OpGroup::new(segments.len());
+        let segments = self.segments(offset_bytes, allocated_bytes);
+        let group = self.inner.groups.take(segments.clone().count());
         let base = buf.as_mut_ptr();
         for segment in segments {
             self.inner.backend.submit(RawOp {
@@ -914,6 +917,14 @@ impl TensorStore {
 }
 
 impl Inner {
+    /// The name of extent `id`, for an error message.
+    fn extent_name(&self, id: ExtentId) -> String {
+        let table = self.table.lock().expect("extent table lock poisoned");
+        table
+            .get(id)
+            .map_or_else(|| format!("{id:?}"), |e| e.name.clone())
+    }
+
     fn save_manifest(&self) -> Result<PathBuf, StorageError> {
         let path = self.manifest_path.clone().ok_or_else(|| {
             StorageError::Config("only a store created with persist can save a manifest".into())
@@ -1006,6 +1017,7 @@ struct Segment {
 }
 
 /// Splits a logical range at stripe boundaries.
+#[derive(Clone)]
 struct Segments {
     /// Where the extent starts: buffer offsets count from here.
     origin: u64,
@@ -1078,7 +1090,8 @@ impl<B: IoBuf> Pending<B> {
             return Ok(());
         };
         let mut result = group.wait();
-        let name = {
+        drop(group);
+        {
             let mut table = self.store.table.lock().expect("extent table lock poisoned");
             let extent = table
                 .get_mut(self.id)
@@ -1096,8 +1109,7 @@ impl<B: IoBuf> Pending<B> {
                 }
                 OpKind::Read => extent.readers -= 1,
             }
-            extent.name.clone()
-        };
+        }
         if let (OpKind::Read, Ok(()), Some(expected)) = (self.kind, &result, self.crc) {
             let buf = self
                 .buf
@@ -1108,7 +1120,7 @@ impl<B: IoBuf> Pending<B> {
             let actual = crc32c::crc32c(bytes);
             if actual != expected {
                 result = Err(StorageError::Checksum {
-                    extent: name,
+                    extent: self.store.extent_name(self.id),
                     len_bytes: self.len_bytes as u64,
                     expected,
                     actual,

@@ -39,7 +39,7 @@ use strata_kernels::program::{Access, CpuMemory, Dtype, Scalars, TensorRef, run_
 use strata_storage::IoBuf;
 
 use super::access::AccessTable;
-use super::event::{CpuEvent, Event};
+use super::event::{CpuEvent, Event, EventPool};
 use super::{
     Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits, check_bindings,
 };
@@ -114,16 +114,136 @@ struct CpuShared {
     copied: [AtomicU64; 2],
 }
 
-type Work = Box<dyn FnOnce(&CpuAccess<'_>) -> Result<(), EngineError> + Send>;
+/// Work of any kind, boxed ([`CpuDevice::run`]).
+type Closure = Box<dyn FnOnce(&CpuAccess<'_>) -> Result<(), EngineError> + Send>;
+
+/// An operation of a stream, as data: the hot path's kinds are variants, so submitting
+/// one allocates nothing; [`Work::Closure`] (boxed) serves [`CpuDevice::run`], which
+/// tests and benchmarks use.
+// Unboxed on purpose: a box would be an allocation per operation.
+#[allow(clippy::large_enum_variant)]
+enum Work {
+    /// Nothing to do: an event for the stream's position, or a wait.
+    Marker,
+    /// A program on a kernel stream.
+    Program {
+        program: Program,
+        bindings: Bindings,
+        scalars: Scalars,
+    },
+    /// Host arena to device range, converting as `convert` says.
+    ToDevice {
+        host: HostArena,
+        src: HostRange,
+        dst: DeviceRange,
+        convert: Convert,
+        delay: Duration,
+    },
+    /// Device range to host arena.
+    ToHost {
+        src: DeviceRange,
+        host: HostArena,
+        dst: HostRange,
+        delay: Duration,
+    },
+    /// A pinned slot to a device buffer ([`CpuDevice::copy_h2d`]).
+    SlotToDevice {
+        from: HostPtr,
+        to: DeviceBuffer,
+        delay: Duration,
+    },
+    /// A device buffer to a pinned slot ([`CpuDevice::copy_d2h`]).
+    DeviceToSlot {
+        from: DeviceBuffer,
+        to: HostPtr,
+        delay: Duration,
+    },
+    /// Any work, boxed.
+    Closure(Closure),
+}
+
+impl Work {
+    fn run(self, access: &CpuAccess<'_>) -> Result<(), EngineError> {
+        let copied = |direction: usize, bytes: usize| {
+            access.shared.copied[direction].fetch_add(bytes as u64, Ordering::Relaxed);
+        };
+        match self {
+            Work::Marker => Ok(()),
+            Work::Program {
+                program,
+                bindings,
+                scalars,
+            } => program
+                .iter()
+                .try_for_each(|kernel| access.run_kernel(kernel, &bindings, &scalars)),
+            Work::ToDevice {
+                host,
+                src,
+                dst,
+                convert,
+                delay,
+            } => {
+                let from = host.read(Lane::H2d, src)?;
+                let mut to = access.write_range(dst)?;
+                simulate_link(delay);
+                convert_into(&access.shared.cpu, convert, &from, &mut to);
+                copied(0, dst.len_bytes);
+                Ok(())
+            }
+            Work::ToHost {
+                src,
+                host,
+                dst,
+                delay,
+            } => {
+                let from = access.read_range(src)?;
+                let mut to = host.write(Lane::D2h, dst)?;
+                simulate_link(delay);
+                to.copy_from_slice(&from);
+                copied(1, src.len_bytes);
+                Ok(())
+            }
+            Work::SlotToDevice { from, to, delay } => {
+                let mut device = access.write(&to)?;
+                simulate_link(delay);
+                // SAFETY: the Transfer copy_h2d returned owns the lease of the slot `from`
+                // points into, and gives it up only after this operation's event has
+                // completed; the slot holds at least `to.len_bytes()` bytes
+                // (assert_copy_fits).
+                let host = unsafe { std::slice::from_raw_parts(from.get(), device.len()) };
+                device.copy_from_slice(host);
+                copied(0, host.len());
+                Ok(())
+            }
+            Work::DeviceToSlot { from, to, delay } => {
+                let device = access.read(&from)?;
+                simulate_link(delay);
+                // SAFETY: as for SlotToDevice: the Transfer owns the slot's lease until
+                // this operation's event completes, and nothing else can reach the slot.
+                let host = unsafe { std::slice::from_raw_parts_mut(to.get(), device.len()) };
+                host.copy_from_slice(&device);
+                copied(1, host.len());
+                Ok(())
+            }
+            Work::Closure(work) => work(access),
+        }
+    }
+}
+
+/// Dependencies a job carries inline; an operation with more is preceded on its stream
+/// by markers that wait for the rest (the stream's order then covers them).
+const INLINE_AFTER: usize = 6;
 
 struct Job {
-    after: Vec<Event>,
+    after: [Option<Event>; INLINE_AFTER],
     event: CpuEvent,
     work: Work,
 }
 
 struct LaneWorker {
     jobs: Option<Sender<Job>>,
+    /// The lane's events, reused once nothing else holds them.
+    events: EventPool,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -172,6 +292,7 @@ impl CpuDevice {
                 })?;
             lanes.push(LaneWorker {
                 jobs: Some(jobs),
+                events: EventPool::new(lane),
                 thread: Some(thread),
             });
         }
@@ -206,7 +327,7 @@ impl CpuDevice {
     where
         F: FnOnce(&CpuAccess<'_>) -> Result<(), EngineError> + Send + 'static,
     {
-        self.submit(Lane::Compute, after, Box::new(work))
+        self.submit(Lane::Compute, after, Work::Closure(Box::new(work)))
             .map(Event::Cpu)
     }
 
@@ -224,22 +345,7 @@ impl CpuDevice {
         let from = HostPtr(src.as_ptr().cast_mut());
         let to = dst.clone();
         let delay = self.copy_time(dst.len_bytes());
-        let event = self.submit(
-            Lane::H2d,
-            after,
-            Box::new(move |access| {
-                let mut device = access.write(&to)?;
-                simulate_link(delay);
-                // SAFETY: the Transfer returned below owns the lease of the slot `from`
-                // points into, and gives it up only after this operation's event has
-                // completed; the slot holds at least `to.len_bytes()` bytes
-                // (assert_copy_fits).
-                let host = unsafe { std::slice::from_raw_parts(from.get(), device.len()) };
-                device.copy_from_slice(host);
-                access.shared.copied[0].fetch_add(host.len() as u64, Ordering::Relaxed);
-                Ok(())
-            }),
-        )?;
+        let event = self.submit(Lane::H2d, after, Work::SlotToDevice { from, to, delay })?;
         Ok(Transfer::new(Event::Cpu(event), src, dst.clone()))
     }
 
@@ -256,20 +362,7 @@ impl CpuDevice {
         let to = HostPtr(dst.as_ptr().cast_mut());
         let from = src.clone();
         let delay = self.copy_time(src.len_bytes());
-        let event = self.submit(
-            Lane::D2h,
-            after,
-            Box::new(move |access| {
-                let device = access.read(&from)?;
-                simulate_link(delay);
-                // SAFETY: as in copy_h2d: the Transfer owns the slot's lease until this
-                // operation's event completes, and nothing else can reach the slot.
-                let host = unsafe { std::slice::from_raw_parts_mut(to.get(), device.len()) };
-                host.copy_from_slice(&device);
-                access.shared.copied[1].fetch_add(host.len() as u64, Ordering::Relaxed);
-                Ok(())
-            }),
-        )?;
+        let event = self.submit(Lane::D2h, after, Work::DeviceToSlot { from, to, delay })?;
         Ok(Transfer::new(Event::Cpu(event), dst, src.clone()))
     }
 
@@ -287,18 +380,12 @@ impl CpuDevice {
         for kernel in program.iter() {
             check_bindings(&self.shared.arena, kernel, bindings)?;
         }
-        let (program, bindings, scalars) = (Arc::clone(program), *bindings, *scalars);
-        self.submit(
-            lane,
-            after,
-            Box::new(move |access| {
-                for kernel in program.iter() {
-                    access.run_kernel(kernel, &bindings, &scalars)?;
-                }
-                Ok(())
-            }),
-        )
-        .map(Event::Cpu)
+        let work = Work::Program {
+            program: Arc::clone(program),
+            bindings: *bindings,
+            scalars: *scalars,
+        };
+        self.submit(lane, after, work).map(Event::Cpu)
     }
 
     /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`,
@@ -313,21 +400,14 @@ impl CpuDevice {
     ) -> Result<Event, EngineError> {
         self.shared.arena.check_range(dst.bytes())?;
         check_conversion(convert, src.len_bytes, dst.len_bytes);
-        let host = host.clone();
-        let delay = self.copy_time(dst.len_bytes);
-        self.submit(
-            Lane::H2d,
-            after,
-            Box::new(move |access| {
-                let from = host.read(Lane::H2d, src)?;
-                let mut to = access.write_range(dst)?;
-                simulate_link(delay);
-                convert_into(&access.shared.cpu, convert, &from, &mut to);
-                access.shared.copied[0].fetch_add(dst.len_bytes as u64, Ordering::Relaxed);
-                Ok(())
-            }),
-        )
-        .map(Event::Cpu)
+        let work = Work::ToDevice {
+            host: host.clone(),
+            src,
+            dst,
+            convert,
+            delay: self.copy_time(dst.len_bytes),
+        };
+        self.submit(Lane::H2d, after, work).map(Event::Cpu)
     }
 
     /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
@@ -343,21 +423,13 @@ impl CpuDevice {
             src.len_bytes, dst.len_bytes,
             "a copy between ranges of equal length"
         );
-        let host = host.clone();
-        let delay = self.copy_time(src.len_bytes);
-        self.submit(
-            Lane::D2h,
-            after,
-            Box::new(move |access| {
-                let from = access.read_range(src)?;
-                let mut to = host.write(Lane::D2h, dst)?;
-                simulate_link(delay);
-                to.copy_from_slice(&from);
-                access.shared.copied[1].fetch_add(src.len_bytes as u64, Ordering::Relaxed);
-                Ok(())
-            }),
-        )
-        .map(Event::Cpu)
+        let work = Work::ToHost {
+            src,
+            host: host.clone(),
+            dst,
+            delay: self.copy_time(src.len_bytes),
+        };
+        self.submit(Lane::D2h, after, work).map(Event::Cpu)
     }
 
     /// Bytes copied host to device and device to host so far.
@@ -370,12 +442,12 @@ impl CpuDevice {
 
     /// An event that completes when everything submitted to `lane` so far has.
     pub fn record(&self, lane: Lane) -> Result<Event, EngineError> {
-        self.submit(lane, &[], Box::new(|_| Ok(()))).map(Event::Cpu)
+        self.submit(lane, &[], Work::Marker).map(Event::Cpu)
     }
 
     /// Makes everything submitted to `lane` from now on wait for `events`.
     pub fn wait_for(&self, lane: Lane, events: &[Event]) -> Result<(), EngineError> {
-        self.submit(lane, events, Box::new(|_| Ok(()))).map(drop)
+        self.submit(lane, events, Work::Marker).map(drop)
     }
 
     /// Blocks until every stream has run everything submitted so far.
@@ -387,13 +459,10 @@ impl CpuDevice {
         Ok(())
     }
 
+    /// Queues `work` on stream `lane` after `after`. Allocates nothing once the lane's
+    /// event pool has warmed up: the work is an enum, the dependencies travel inline (in
+    /// chunks of [`INLINE_AFTER`], all but the last as markers ahead of the work).
     fn submit(&self, lane: Lane, after: &[Event], work: Work) -> Result<CpuEvent, EngineError> {
-        let event = CpuEvent::new(lane);
-        let job = Job {
-            after: after.to_vec(),
-            event: event.clone(),
-            work,
-        };
         let stopped = || EngineError::LaneStopped {
             device: self.name.clone(),
             lane,
@@ -401,9 +470,32 @@ impl CpuDevice {
         let stream = lane
             .stream_index()
             .unwrap_or_else(|| panic!("{lane} is not a stream of the CPU device"));
-        let jobs = self.lanes[stream].jobs.as_ref().ok_or_else(stopped)?;
-        jobs.send(job).map_err(|_| stopped())?;
-        Ok(event)
+        let worker = &self.lanes[stream];
+        let jobs = worker.jobs.as_ref().ok_or_else(stopped)?;
+        let mut chunks = after.chunks(INLINE_AFTER).peekable();
+        let mut work = Some(work);
+        loop {
+            let chunk = chunks.next().unwrap_or(&[]);
+            let last = chunks.peek().is_none();
+            let mut inline: [Option<Event>; INLINE_AFTER] = Default::default();
+            for (slot, e) in inline.iter_mut().zip(chunk) {
+                *slot = Some(e.clone());
+            }
+            let event = worker.events.take();
+            let job = Job {
+                after: inline,
+                event: event.clone(),
+                work: if last {
+                    work.take().expect("the work goes with the last chunk")
+                } else {
+                    Work::Marker
+                },
+            };
+            jobs.send(job).map_err(|_| stopped())?;
+            if last {
+                return Ok(event);
+            }
+        }
     }
 
     fn copy_time(&self, len_bytes: usize) -> Duration {
@@ -475,7 +567,7 @@ impl Chaos {
 /// One lane's worker: runs jobs in submission order, each after its dependencies.
 fn run_lane(lane: Lane, shared: &CpuShared, jobs: Receiver<Job>, mut chaos: Option<Chaos>) {
     for job in jobs.iter() {
-        let dependencies = job.after.iter().try_for_each(Event::wait);
+        let dependencies = job.after.iter().flatten().try_for_each(Event::wait);
         if let Some(chaos) = &mut chaos {
             simulate_link(chaos.delay());
         }
@@ -494,7 +586,7 @@ fn run_lane(lane: Lane, shared: &CpuShared, jobs: Receiver<Job>, mut chaos: Opti
         }
         let result = dependencies.and_then(|()| {
             let access = CpuAccess { shared, lane };
-            std::panic::catch_unwind(AssertUnwindSafe(|| (job.work)(&access))).unwrap_or_else(
+            std::panic::catch_unwind(AssertUnwindSafe(|| job.work.run(&access))).unwrap_or_else(
                 |panic| {
                     let message = panic
                         .downcast_ref::<&str>()

@@ -59,6 +59,40 @@ pub struct CudaDevice {
     kernels: Option<[CudaKernels; 2]>,
     /// Bytes copied host to device, device to host.
     copied: [AtomicU64; 2],
+    /// Events, reused once nobody holds them: untimed (copies) and timed (the rest), so
+    /// a warmed-up step creates no CUDA event and allocates nothing for one.
+    events: Box<[EventPool; 2]>,
+}
+
+/// CUDA events of one kind, reused: an event only the pool still holds is free (any
+/// stream wait on it was captured when it was made, so recording it again is safe).
+struct EventPool {
+    flags: Option<sys::CUevent_flags>,
+    events: std::sync::Mutex<Vec<Arc<CudaEvent>>>,
+}
+
+impl EventPool {
+    fn new(flags: Option<sys::CUevent_flags>) -> Self {
+        EventPool {
+            flags,
+            events: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A free event of the pool's, or a new one it keeps.
+    fn take(&self, ctx: &Arc<CudaContext>) -> Result<Arc<CudaEvent>, EngineError> {
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        // Under the lock nobody can clone an event only the pool holds.
+        if let Some(free) = events.iter().find(|e| Arc::strong_count(e) == 1) {
+            return Ok(Arc::clone(free));
+        }
+        let event = Arc::new(
+            ctx.new_event(self.flags)
+                .map_err(EngineError::cuda("cuEventCreate"))?,
+        );
+        events.push(Arc::clone(&event));
+        Ok(event)
+    }
 }
 
 /// The arena's GPU memory; freed when the arena and every buffer from it are gone.
@@ -161,6 +195,10 @@ impl CudaDevice {
             arena,
             kernels,
             copied: [AtomicU64::new(0), AtomicU64::new(0)],
+            events: Box::new([
+                EventPool::new(None),
+                EventPool::new(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)),
+            ]),
         })
     }
 
@@ -394,10 +432,7 @@ impl CudaDevice {
         self.wait_events(stream, after)?;
         // Made before the copy is queued, so that after a successful enqueue only the
         // record can fail.
-        let event = self
-            .ctx
-            .new_event(None)
-            .map_err(EngineError::cuda("cuEventCreate"))?;
+        let event = self.events[0].take(&self.ctx)?;
         self.ctx
             .bind_to_thread()
             .map_err(EngineError::cuda("binding the context"))?;
@@ -435,7 +470,7 @@ impl CudaDevice {
             });
         }
         let event = Event::Cuda(CudaEventRef {
-            event: Arc::new(event),
+            event,
             lane,
             timed: false,
         });
@@ -444,12 +479,12 @@ impl CudaDevice {
 
     /// A timed event that completes when everything queued on `lane` so far has.
     pub fn record(&self, lane: Lane) -> Result<Event, EngineError> {
-        let event = self.timed_event()?;
+        let event = self.events[1].take(&self.ctx)?;
         event
             .record(self.stream(lane))
             .map_err(EngineError::cuda("cuEventRecord"))?;
         Ok(Event::Cuda(CudaEventRef {
-            event: Arc::new(event),
+            event,
             lane,
             timed: true,
         }))

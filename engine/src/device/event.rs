@@ -115,6 +115,16 @@ struct CpuEventInner {
     done: Condvar,
 }
 
+impl CpuEventInner {
+    fn queued(lane: Lane) -> Arc<Self> {
+        Arc::new(CpuEventInner {
+            lane,
+            state: Mutex::new(CpuEventState::Queued),
+            done: Condvar::new(),
+        })
+    }
+}
+
 enum CpuEventState {
     Queued,
     Running {
@@ -127,17 +137,70 @@ enum CpuEventState {
     },
 }
 
-impl CpuEvent {
+/// A lane's CPU events, reused: an event nobody holds any more (its operation done and
+/// every clone dropped) goes back to the queued state and serves the next operation, so
+/// a warmed-up lane makes events without allocating.
+pub(crate) struct EventPool {
+    lane: Lane,
+    events: Mutex<PoolState>,
+}
+
+struct PoolState {
+    events: Vec<Arc<CpuEventInner>>,
+    /// Where the next search starts: events tend to be let go in the order they were
+    /// taken, so the one after the last taken is the likeliest free.
+    next: usize,
+}
+
+/// Events a lane's pool starts with, so that the first steps do not grow it one by one.
+const POOL_START: usize = 256;
+
+impl EventPool {
     pub(crate) fn new(lane: Lane) -> Self {
-        Self {
-            inner: Arc::new(CpuEventInner {
-                lane,
-                state: Mutex::new(CpuEventState::Queued),
-                done: Condvar::new(),
+        EventPool {
+            lane,
+            events: Mutex::new(PoolState {
+                events: (0..POOL_START)
+                    .map(|_| CpuEventInner::queued(lane))
+                    .collect(),
+                next: 0,
             }),
         }
     }
 
+    /// A queued event: a free one of the pool's, or a new one the pool keeps.
+    pub(crate) fn take(&self) -> CpuEvent {
+        let mut pool = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let PoolState { events, next } = &mut *pool;
+        let n = events.len();
+        for i in (0..n).map(|i| (*next + i) % n) {
+            // Unique: no operation, waiter or caller holds it any more.
+            if let Some(inner) = Arc::get_mut(&mut events[i]) {
+                *inner.state.get_mut().unwrap_or_else(|e| e.into_inner()) = CpuEventState::Queued;
+                *next = (i + 1) % n;
+                return CpuEvent {
+                    inner: Arc::clone(&events[i]),
+                };
+            }
+        }
+        let inner = CpuEventInner::queued(self.lane);
+        events.push(Arc::clone(&inner));
+        *next = 0;
+        CpuEvent { inner }
+    }
+
+    /// How many events the pool holds (free or in use).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .events
+            .len()
+    }
+}
+
+impl CpuEvent {
     fn state(&self) -> std::sync::MutexGuard<'_, CpuEventState> {
         self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -232,5 +295,36 @@ impl std::fmt::Debug for CpuEvent {
             .field("lane", &self.inner.lane)
             .field("state", &state)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pooled_event_is_reused_only_once_nobody_holds_it() {
+        let pool = EventPool::new(Lane::Compute);
+        let start = pool.len();
+        // Every event held: each take must give a distinct one, growing the pool past
+        // its start.
+        let held: Vec<CpuEvent> = (0..start + 3).map(|_| pool.take()).collect();
+        assert_eq!(pool.len(), start + 3);
+        for (i, a) in held.iter().enumerate() {
+            for b in &held[i + 1..] {
+                assert!(
+                    !Arc::ptr_eq(&a.inner, &b.inner),
+                    "a held event was handed out again"
+                );
+            }
+        }
+        // A finished event, let go, comes back queued; the pool does not grow.
+        held[1].start();
+        held[1].finish(Ok(()));
+        drop(held);
+        let again = pool.take();
+        assert_eq!(pool.len(), start + 3);
+        assert!(!again.has_started(), "a reused event must be queued again");
+        assert!(!again.is_complete().unwrap());
     }
 }

@@ -49,12 +49,26 @@ impl Jitter {
     }
 }
 
+/// What a lane thread reuses from operation to operation and from step to step, so the
+/// hot path allocates nothing: the compute lane's operations in flight, and the events
+/// an operation waits for.
+#[derive(Default)]
+pub(super) struct LaneScratch {
+    in_flight: VecDeque<OpId>,
+    after: Vec<Event>,
+}
+
 impl Executor {
     /// Runs `lane`'s operations of this step.
-    pub(super) fn run_lane(&self, lane: Lane, shared: &StepShared<'_>) -> Result<(), ExecError> {
-        // Reused from operation to operation: the hot path allocates nothing per op.
-        let mut in_flight: VecDeque<OpId> = VecDeque::with_capacity(self.run_ahead + 1);
-        let mut after: Vec<Event> = Vec::with_capacity(16);
+    pub(super) fn run_lane(
+        &self,
+        lane: Lane,
+        shared: &StepShared<'_>,
+        scratch: &mut LaneScratch,
+    ) -> Result<(), ExecError> {
+        let LaneScratch { in_flight, after } = scratch;
+        in_flight.clear();
+        after.clear();
         let mut jitter = self
             .chaos
             .map(|seed| Jitter((seed ^ (lane.index() as u64 + 11).wrapping_mul(0x9e37_79b9)) | 1));
@@ -78,7 +92,7 @@ impl Executor {
                     _ => {}
                 }
                 if lane.is_stream() {
-                    self.submit_op(lane, id, shared, &mut in_flight, &mut after)
+                    self.submit_op(lane, id, shared, in_flight, after)
                 } else {
                     if let Some(j) = &mut jitter {
                         std::thread::sleep(j.delay());

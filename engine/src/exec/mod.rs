@@ -1245,11 +1245,10 @@ impl Executor {
         let mut lane_busy = [0.0; Lane::COUNT];
         let mut records = Vec::with_capacity(self.plan.ops.len());
         let mut hist = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
-        let mut spans: Vec<Option<(u64, u64)>> = Vec::with_capacity(self.plan.ops.len());
         for (id, op) in self.plan.ops.iter().enumerate() {
-            let span = self.span(OpId::of(id), shared)?;
-            spans.push(span);
-            let Some((s, e)) = span else { continue };
+            let Some((s, e)) = self.span(OpId::of(id), shared)? else {
+                continue;
+            };
             lane_busy[op.lane.index()] += (e - s) as f64 * 1e-9;
             if let Some((_, h)) = hist.iter_mut().find(|(k, _)| *k == op.kind.kind_name()) {
                 // Durations beyond the histogram's hour saturate rather than fail.
@@ -1267,7 +1266,7 @@ impl Executor {
         let mut stall = 0.0;
         let mut prev_end = 0u64;
         for &id in &self.plan.lanes[Lane::Compute.index()] {
-            if let Some((s, e)) = spans[id.index()] {
+            if let Some((s, e)) = self.span(id, shared)? {
                 stall += s.saturating_sub(prev_end) as f64 * 1e-9;
                 prev_end = e;
             }

@@ -12,6 +12,7 @@ use std::thread::JoinHandle;
 
 use crossbeam::channel::{Receiver, Sender};
 
+use super::lanes::LaneScratch;
 use super::{ExecError, Executor, StepShared, panic_message};
 use crate::device::Lane;
 
@@ -109,19 +110,22 @@ impl LaneThreads {
 
 /// A lane thread's loop: run each job, always answer.
 fn serve(jobs: &Receiver<LaneJob>, done: &Sender<(Lane, Result<(), ExecError>)>) {
+    let mut scratch = LaneScratch::default();
     while let Ok(job) = jobs.recv() {
         // SAFETY: `run_step` keeps both alive until it has this job's result.
         let (exec, shared) = unsafe { (&*job.exec, &*job.shared) };
         let lane = job.lane;
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| exec.run_lane(lane, shared)))
-            .unwrap_or_else(|panic| {
-                exec.failed.store(true, Ordering::SeqCst);
-                Err(ExecError::Panicked {
-                    lane,
-                    op: "its loop".into(),
-                    message: panic_message(&*panic),
-                })
-            });
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            exec.run_lane(lane, shared, &mut scratch)
+        }))
+        .unwrap_or_else(|panic| {
+            exec.failed.store(true, Ordering::SeqCst);
+            Err(ExecError::Panicked {
+                lane,
+                op: "its loop".into(),
+                message: panic_message(&*panic),
+            })
+        });
         if done.send((lane, result)).is_err() {
             break;
         }

@@ -493,9 +493,7 @@ impl Splittable for Work<'_> {
 /// Splits `work` into the pieces [`parallel::split_ranges`] gives for `threads` and
 /// `align`, runs `f` on each in the worker pool, and combines the results pairwise in a
 /// fixed tree (so the result does not depend on which thread ran what). Uses
-/// `rayon::join`, whose jobs live on the stack, so a call allocates nothing itself (the
-/// pool's injection queue, entered once per call from outside the pool, grows by a block
-/// every few dozen calls).
+/// [`parallel::join`], whose jobs live on the stack, so a call allocates nothing.
 fn run_split<W, R, F, C>(work: W, threads: usize, align: usize, f: &F, combine: &C) -> R
 where
     W: Splittable,
@@ -513,7 +511,7 @@ where
         return f(work);
     }
     let piece_len = first.len();
-    parallel::pool().install(|| split_join(work, pieces, piece_len, f, combine))
+    split_join(work, pieces, piece_len, f, combine)
 }
 
 fn split_join<W, R, F, C>(work: W, pieces: usize, piece_len: usize, f: &F, combine: &C) -> R
@@ -528,7 +526,7 @@ where
     }
     let left_pieces = pieces / 2;
     let (left, right) = work.split_at(left_pieces * piece_len);
-    let (a, b) = rayon::join(
+    let (a, b) = parallel::join(
         || split_join(left, left_pieces, piece_len, f, combine),
         || split_join(right, pieces - left_pieces, piece_len, f, combine),
     );

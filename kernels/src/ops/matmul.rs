@@ -5,7 +5,6 @@ use gemm::Parallelism;
 
 use super::simd::on_isa;
 use super::{Cpu, RowsMut, WeightLayout, par_rows, simd};
-use crate::parallel;
 
 /// Strides (row, column), in elements, of a weight stored in `layout`, seen as the
 /// (C, OC) matrix that multiplies the input.
@@ -79,9 +78,9 @@ impl Product {
     /// them during the call.
     pub(crate) unsafe fn run(self, threads: usize) {
         if threads > 1 {
-            // gemm splits its work on the current rayon pool: make that ours.
+            // gemm splits its work on rayon's global pool.
             // SAFETY: passed on from this function's contract.
-            parallel::pool().install(move || unsafe { self.run_here(Parallelism::Rayon(threads)) });
+            unsafe { self.run_here(Parallelism::Rayon(threads)) };
         } else {
             // SAFETY: passed on from this function's contract.
             unsafe { self.run_here(Parallelism::None) };

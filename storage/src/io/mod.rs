@@ -177,6 +177,39 @@ impl OpGroup {
     }
 }
 
+/// Operation groups, reused: a group nobody holds any more (its transfer settled, every
+/// part finished) serves the next transfer, so a warmed-up store starts transfers
+/// without allocating.
+pub(crate) struct GroupPool(Mutex<Vec<Arc<OpGroup>>>);
+
+impl Default for GroupPool {
+    /// A pool of 64 groups, more than the transfers a step keeps in flight, so that a
+    /// step does not grow it.
+    fn default() -> Self {
+        GroupPool(Mutex::new((0..64).map(|_| OpGroup::new(0)).collect()))
+    }
+}
+
+impl GroupPool {
+    /// A group waiting for `parts` parts: a free one of the pool's, or a new one it keeps.
+    pub fn take(&self, parts: usize) -> Arc<OpGroup> {
+        let mut groups = self.0.lock().expect("op group pool lock poisoned");
+        for group in groups.iter_mut() {
+            // Unique: no transfer or backend holds it.
+            if let Some(free) = Arc::get_mut(group) {
+                *free.state.get_mut().expect("op group lock poisoned") = GroupState {
+                    remaining: parts,
+                    error: None,
+                };
+                return Arc::clone(group);
+            }
+        }
+        let group = OpGroup::new(parts);
+        groups.push(Arc::clone(&group));
+        group
+    }
+}
+
 /// What a backend has done since it started (or since [`crate::TensorStore::reset_io_stats`]).
 #[derive(Debug, Clone)]
 pub struct IoStats {
