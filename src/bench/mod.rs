@@ -5,4 +5,5 @@ pub mod adam;
 pub mod fio;
 pub mod nvme;
 pub mod pcie;
+pub mod peers;
 pub mod step;

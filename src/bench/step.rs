@@ -32,6 +32,7 @@ use strata_engine::plan::{
 };
 
 use super::adam::load_average;
+use super::peers::{self, PeerResult, PeerShape};
 use crate::doctor::{cpu_model, meminfo_bytes};
 use crate::model_info::ShapeArgs;
 use crate::report::{
@@ -145,6 +146,12 @@ pub struct StepArgs {
     /// it in Perfetto) to this file.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Also run the peers in this invocation, on the same shape and threads, from the
+    /// folder `../shared/anchors/setup DIR` made: PyTorch eager against all-on-device,
+    /// DeepSpeed ZeRO-Offload against cpu-offload, ZeRO-Infinity (its swap folder under
+    /// --nvme) against nvme-offload; prints strata / peer tokens/s (fp32 only).
+    #[arg(long, value_name = "DIR")]
+    pub peers: Option<PathBuf>,
 }
 
 /// The machine the run saw.
@@ -329,6 +336,8 @@ pub struct StepBenchReport {
     pub policies: Vec<PolicyResult>,
     /// Policies whose plans did not fit or could not be built.
     pub refused: Vec<Refusal>,
+    /// The peers run in this invocation (`--peers`), with strata's ratios to them.
+    pub peers: Vec<PeerResult>,
 }
 
 /// What `--scale` measured.
@@ -769,6 +778,35 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
             .collect()
     };
     let losses_identical = rigs.iter().all(|r| losses(r) == losses(&rigs[0]));
+    let peers = match &args.peers {
+        None => Vec::new(),
+        Some(_) if args.dtype != Dtype::Fp32 => {
+            println!("peers: not run: the peer scripts train in fp32 only");
+            Vec::new()
+        }
+        Some(dir) => {
+            let strata: Vec<(String, f64)> = policies
+                .iter()
+                .map(|p| (p.policy.clone(), p.tokens_per_s))
+                .collect();
+            let shape = PeerShape {
+                layers: config.layers,
+                heads: config.heads,
+                width: config.width,
+                vocab: config.vocab,
+                ctx: config.ctx,
+                batch: args.batch * args.grad_accum,
+                seq: args.seq,
+                steps: args.steps,
+                warmup: args.warmup,
+                threads: strata_engine::kernels::parallel::max_threads(),
+                lr: args.lr,
+            };
+            let results = peers::run(dir, &shape, &strata, &args.nvme);
+            machine.load_average[1] = load_average();
+            results
+        }
+    };
     let report = StepBenchReport {
         machine,
         model: model_shape(config),
@@ -787,8 +825,13 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         losses_identical,
         policies,
         refused,
+        peers,
     };
     print!("{}", render(&report));
+    if !report.peers.is_empty() {
+        println!();
+        print!("{}", peers::render(&report.peers));
+    }
     if let Some(path) = &args.trace {
         write_json(path, &combined_trace(&rigs))?;
         println!(

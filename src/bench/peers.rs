@@ -1,0 +1,362 @@
+//! The peers of `strata bench step --peers DIR`, run in the same invocation, on the same
+//! model shape, batch and thread count, after strata's policies: PyTorch eager with fused
+//! AdamW (all-on-device's peer), DeepSpeed ZeRO-3 with parameters and optimizer state
+//! offloaded to the CPU (ZeRO-Offload, cpu-offload's peer) and to NVMe (ZeRO-Infinity,
+//! nvme-offload's peer).
+//!
+//! `DIR` is the folder `../shared/anchors/setup DIR` makes: a Python env in `DIR/venv`
+//! with PyTorch, DeepSpeed and transformers, and the peer scripts beside it
+//! (`gpt2_step_bench.py`, `ds_zero3_bench.py`). A peer that cannot run (no env, a script
+//! missing, the script failing) is reported with its reason, never replaced by a number
+//! from elsewhere: only ratios taken in one run count.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::report::Table;
+
+/// The shape and run length the peers are given: strata's, so that the ratios compare
+/// like with like.
+#[derive(Debug, Clone)]
+pub struct PeerShape {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Residual width.
+    pub width: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Context length.
+    pub ctx: usize,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Measured steps.
+    pub steps: usize,
+    /// Untimed steps first.
+    pub warmup: usize,
+    /// Threads (strata's kernels use this many).
+    pub threads: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
+}
+
+/// One peer's run, beside the strata policy it is compared with.
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerResult {
+    /// The peer (`pytorch-eager`, `deepspeed-zero-offload`, `deepspeed-zero-infinity`).
+    pub peer: &'static str,
+    /// The strata policy it is compared with.
+    pub strata_policy: &'static str,
+    /// Whether it ran; when not, `reason` says why.
+    pub ran: bool,
+    /// Why it did not run.
+    pub reason: Option<String>,
+    /// Its median step seconds, as it timed them.
+    pub step_s_median: Option<f64>,
+    /// Its tokens per second at the median.
+    pub tokens_per_s: Option<f64>,
+    /// strata's tokens per second for `strata_policy` in this run.
+    pub strata_tokens_per_s: Option<f64>,
+    /// strata's tokens/s over the peer's: above 1, strata is faster.
+    pub strata_over_peer: Option<f64>,
+    /// The peer's last loss (on its own data: a sanity check, not a comparison).
+    pub final_loss: Option<f64>,
+    /// The result line the peer script wrote, whole.
+    pub raw: Option<Value>,
+}
+
+/// The peers, each with its strata counterpart, script and extra arguments.
+const PEERS: [(&str, &str, &str, &[&str]); 3] = [
+    ("pytorch-eager", "all-on-device", "gpt2_step_bench.py", &[]),
+    (
+        "deepspeed-zero-offload",
+        "cpu-offload",
+        "ds_zero3_bench.py",
+        &["--offload", "cpu", "--zero-init"],
+    ),
+    (
+        "deepspeed-zero-infinity",
+        "nvme-offload",
+        "ds_zero3_bench.py",
+        &["--offload", "nvme", "--zero-init"],
+    ),
+];
+
+/// The strata policy name a peer is compared with, as `bench step` names its results
+/// (`nvme-offload(depth 2)` counts as `nvme-offload`).
+fn matches_policy(result_name: &str, policy: &str) -> bool {
+    result_name == policy || result_name.starts_with(&format!("{policy}("))
+}
+
+/// Runs every peer whose strata counterpart is among `strata` (policy name, tokens/s),
+/// from the anchors folder `dir`, with `nvme_dir` under which ZeRO-Infinity may make its
+/// swap folder (removed afterwards). Prints each peer's progress on standard error.
+pub fn run(
+    dir: &Path,
+    shape: &PeerShape,
+    strata: &[(String, f64)],
+    nvme_dir: &Path,
+) -> Vec<PeerResult> {
+    let mut results = Vec::new();
+    for (peer, policy, script, extra) in PEERS {
+        let strata_tps = strata
+            .iter()
+            .find(|(name, _)| matches_policy(name, policy))
+            .map(|(_, tps)| *tps);
+        let mut result = PeerResult {
+            peer,
+            strata_policy: policy,
+            ran: false,
+            reason: None,
+            step_s_median: None,
+            tokens_per_s: None,
+            strata_tokens_per_s: strata_tps,
+            strata_over_peer: None,
+            final_loss: None,
+            raw: None,
+        };
+        if strata_tps.is_none() {
+            result.reason = Some(format!("strata's {policy} did not run in this invocation"));
+            results.push(result);
+            continue;
+        }
+        eprintln!("  peer {peer} (against strata {policy}) ...");
+        match run_one(dir, script, extra, shape, nvme_dir) {
+            Ok(raw) => {
+                let step = raw.get("median_step_s").and_then(Value::as_f64);
+                let tps = raw.get("tokens_per_s").and_then(Value::as_f64);
+                result.ran = step.is_some() && tps.is_some();
+                if !result.ran {
+                    result.reason = Some(format!(
+                        "its result has no median_step_s/tokens_per_s: {raw}"
+                    ));
+                }
+                result.step_s_median = step;
+                result.tokens_per_s = tps;
+                result.strata_over_peer = tps.zip(strata_tps).map(|(p, s)| s / p);
+                result.final_loss = raw.get("final_loss").and_then(Value::as_f64);
+                result.raw = Some(raw);
+            }
+            Err(reason) => {
+                eprintln!("  peer {peer} did not run: {reason}");
+                result.reason = Some(reason);
+            }
+        }
+        results.push(result);
+    }
+    results
+}
+
+/// Runs one peer script of `dir`; its result is the last JSON line it appended to its
+/// `--json` file.
+fn run_one(
+    dir: &Path,
+    script: &str,
+    extra: &[&str],
+    shape: &PeerShape,
+    nvme_dir: &Path,
+) -> Result<Value, String> {
+    let python = dir.join("venv/bin/python");
+    let script = dir.join(script);
+    if !python.is_file() {
+        return Err(format!(
+            "no Python env at {} (make one with ../shared/anchors/setup DIR)",
+            python.display()
+        ));
+    }
+    if !script.is_file() {
+        return Err(format!("no peer script at {}", script.display()));
+    }
+    let work = WorkDir::new(nvme_dir)?;
+    let json = work.0.join("result.jsonl");
+    let mut command = Command::new(&python);
+    command.arg(&script).args(extra);
+    for (flag, value) in [
+        ("--layers", shape.layers.to_string()),
+        ("--heads", shape.heads.to_string()),
+        ("--embd", shape.width.to_string()),
+        ("--vocab", shape.vocab.to_string()),
+        ("--ctx", shape.ctx.to_string()),
+        ("--batch", shape.batch.to_string()),
+        ("--seq", shape.seq.to_string()),
+        ("--steps", shape.steps.to_string()),
+        ("--warmup", shape.warmup.to_string()),
+        ("--threads", shape.threads.to_string()),
+        ("--lr", shape.lr.to_string()),
+    ] {
+        command.arg(flag).arg(value);
+    }
+    if extra.contains(&"nvme") {
+        command.arg("--nvme-path").arg(work.0.join("swap"));
+    }
+    command.arg("--json").arg(&json);
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![dir.join("venv/bin")];
+    paths.extend(std::env::split_paths(&path));
+    command
+        .env(
+            "PATH",
+            std::env::join_paths(paths).map_err(|e| e.to_string())?,
+        )
+        .env("TORCH_EXTENSIONS_DIR", dir.join("torch_extensions"))
+        .env("DS_ACCELERATOR", "cpu")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "29517")
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "1")
+        .env("LOCAL_RANK", "0")
+        .env("OMP_NUM_THREADS", shape.threads.to_string());
+    let output = command
+        .output()
+        .map_err(|e| format!("could not run {}: {e}", python.display()))?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        return Err(format!(
+            "{} exited with {}: {}",
+            script.display(),
+            output.status,
+            tail.join(" | ")
+        ));
+    }
+    let text = std::fs::read_to_string(&json)
+        .map_err(|e| format!("{} wrote no result ({e})", script.display()))?;
+    parse_result(&text)
+}
+
+/// A peer's own folder under the NVMe folder (its result, ZeRO-Infinity's swap files),
+/// removed when dropped.
+struct WorkDir(std::path::PathBuf);
+
+impl WorkDir {
+    fn new(parent: &Path) -> Result<Self, String> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let path = parent.join(format!("strata-peer-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&path)
+            .map_err(|e| format!("cannot make {}: {e}", path.display()))?;
+        Ok(WorkDir(path))
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            log::warn!("could not remove {}: {e}", self.0.display());
+        }
+    }
+}
+
+/// The last non-empty line of a peer's JSON-lines result file.
+fn parse_result(text: &str) -> Result<Value, String> {
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .ok_or("the peer's result file is empty")?;
+    serde_json::from_str(line).map_err(|e| format!("the peer wrote '{line}': {e}"))
+}
+
+/// The peers' table.
+pub fn render(results: &[PeerResult]) -> String {
+    let mut table = Table::new([
+        "peer",
+        "vs strata policy",
+        "peer step s",
+        "peer tokens/s",
+        "strata tokens/s",
+        "strata / peer",
+    ]);
+    let mut notes = String::new();
+    for r in results {
+        let number = |v: Option<f64>, decimals: usize| {
+            v.map_or("-".to_string(), |v| format!("{v:.decimals$}"))
+        };
+        table.row([
+            r.peer.to_string(),
+            r.strata_policy.to_string(),
+            number(r.step_s_median, 3),
+            number(r.tokens_per_s, 0),
+            number(r.strata_tokens_per_s, 0),
+            r.strata_over_peer
+                .map_or("-".to_string(), |v| format!("{v:.2}x")),
+        ]);
+        if let Some(reason) = &r.reason {
+            notes.push_str(&format!("{}: not run: {reason}\n", r.peer));
+        }
+    }
+    let mut out = table.render();
+    out.push_str(
+        "peers: run in this invocation after strata's policies, on the same shape, batch and \
+         thread count (fp32; DeepSpeed built under zero.Init, no clipping); strata / peer: \
+         tokens per second, above 1 strata is faster.\n",
+    );
+    out.push_str(&notes);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_result_is_the_last_json_line() {
+        let text =
+            "{\"tokens_per_s\": 1.0}\n{\"tokens_per_s\": 290.5, \"median_step_s\": 1.76}\n\n";
+        let v = parse_result(text).unwrap();
+        assert_eq!(v["tokens_per_s"].as_f64(), Some(290.5));
+        assert!(parse_result("\n").is_err());
+        assert!(parse_result("not json").unwrap_err().contains("not json"));
+    }
+
+    #[test]
+    fn policies_with_a_depth_match_their_peer() {
+        assert!(matches_policy("nvme-offload(depth 2)", "nvme-offload"));
+        assert!(matches_policy("all-on-device", "all-on-device"));
+        assert!(!matches_policy("param-offload(depth 2)", "cpu-offload"));
+    }
+
+    #[test]
+    fn a_missing_env_is_a_reason_not_a_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = PeerShape {
+            layers: 1,
+            heads: 1,
+            width: 8,
+            vocab: 16,
+            ctx: 8,
+            batch: 1,
+            seq: 8,
+            steps: 1,
+            warmup: 0,
+            threads: 1,
+            lr: 1e-3,
+        };
+        let results = run(
+            dir.path(),
+            &shape,
+            &[("all-on-device".into(), 100.0)],
+            dir.path(),
+        );
+        assert_eq!(results.len(), 3);
+        assert!(!results[0].ran);
+        assert!(
+            results[0]
+                .reason
+                .as_ref()
+                .unwrap()
+                .contains("no Python env")
+        );
+        assert!(results[0].tokens_per_s.is_none() && results[0].strata_over_peer.is_none());
+        // Peers whose strata policy did not run are not run either.
+        assert!(results[1].reason.as_ref().unwrap().contains("did not run"));
+    }
+}
