@@ -1,8 +1,7 @@
 //! The persistent worker pool every multithreaded CPU kernel runs on.
 //!
 //! One pool of one thread per available core is built on first use and lives for the
-//! process, so no kernel spawns a thread per call. It is rayon's pool (already a
-//! dependency of `gemm`, which runs its matrix products on rayon too), wrapped so that a
+//! process, so no kernel spawns a thread per call. It is rayon's pool, wrapped so that a
 //! kernel asks for a thread count and gets contiguous, aligned pieces of its range.
 //!
 //! This module does not choose how many threads a kernel should use: callers do, since
