@@ -3,9 +3,11 @@
 //!
 //! The design is BLIS's. The product is cut into blocks sized for the caches: NC columns
 //! of the right operand (its packed KC × NC block stays in L2 or L3), KC steps of k, and
-//! MC rows of the left operand (its packed MC × KC block stays in L2). Both blocks are
-//! packed into scratch in the order the register tiles ([`tile`]) read them ([`pack`]),
-//! whatever the operands' strides; a tile then computes MR × NR elements of `dst` with
+//! MC rows of the left operand (its MC × KC block stays in L2). The right operand's
+//! block is packed into scratch in the order the register tiles ([`tile`]) read it
+//! ([`pack`]), whatever its strides; so is the left operand's, unless its rows are
+//! contiguous, in which case tiles read it where it lies (a tile reads MR short runs,
+//! and packing would only copy them). A tile computes MR × NR elements of `dst` with
 //! all its partial sums in registers. Tile shapes per instruction set ([`Isa`]): 6 × 16
 //! with AVX2+FMA (12 of the 16 ymm registers hold sums), 12 × 32 with AVX-512F (24 of
 //! the 32 zmm), 4 × 8 in portable Rust. Edges (m, n not multiples of the tile, k not of
@@ -272,23 +274,50 @@ impl Product {
                 // later blocks add to what the earlier ones left.
                 let add = self.accumulate || pc > 0;
                 // SAFETY: rows pc..pc + kc, columns jc..jc + nc of rhs are inside it.
-                unsafe { pack::panels::<NR>(b_packed, self.rhs.at(pc, jc), kc, nc) };
+                unsafe { pack::panels::<V, NR>(b_packed, self.rhs.at(pc, jc), kc, nc) };
                 for ic in (0..self.m).step_by(blocking.mc) {
                     let mc = blocking.mc.min(self.m - ic);
-                    // SAFETY: rows ic..ic + mc, columns pc..pc + kc of lhs are inside it.
-                    unsafe {
-                        pack::panels::<MR>(a_packed, self.lhs.at(ic, pc).transposed(), kc, mc)
+                    // A left operand whose rows are contiguous is read where it lies
+                    // (a tile reads MR short runs of it, all from cache); one with
+                    // any other strides is packed. So is a last panel short of MR
+                    // rows, whose missing rows the panel fills with zeros.
+                    let direct = self.lhs.col_stride == 1 && self.lhs.row_stride > 0;
+                    let (pack_from, pack_rows) = if direct {
+                        let short = mc % MR;
+                        (mc - short, short)
+                    } else {
+                        (0, mc)
                     };
+                    if pack_rows > 0 {
+                        let lhs = self.lhs.at(ic + pack_from, pc).transposed();
+                        let panels = &mut a_packed[pack_from * kc..];
+                        // SAFETY: rows ic + pack_from..ic + mc, columns pc..pc + kc of
+                        // lhs are inside it.
+                        unsafe { pack::panels::<V, MR>(panels, lhs, kc, pack_rows) };
+                    }
                     for jr in (0..nc).step_by(nr) {
                         let cols = nr.min(nc - jr);
                         let b = b_packed[jr * kc..].as_ptr();
                         for ir in (0..mc).step_by(MR) {
                             let rows = MR.min(mc - ir);
-                            let a = a_packed[ir * kc..].as_ptr();
+                            let a = if ir < pack_from {
+                                tile::Rows {
+                                    ptr: self.lhs.at(ic + ir, pc).ptr,
+                                    row_stride: self.lhs.row_stride as usize,
+                                    step_stride: 1,
+                                }
+                            } else {
+                                tile::Rows {
+                                    ptr: a_packed[ir * kc..].as_ptr(),
+                                    row_stride: 1,
+                                    step_stride: MR,
+                                }
+                            };
                             let c = self.dst.wrapping_add((ic + ir) * ldc + jc + jr);
-                            // SAFETY: the panels hold kc steps of MR and nr values each;
-                            // the tile's rows × cols elements of dst are this product's,
-                            // and the instruction set is the caller's promise.
+                            // SAFETY: the left rows (in lhs or packed) hold kc steps of
+                            // MR values, the packed panel of rhs kc steps of nr; the
+                            // tile's rows × cols elements of dst are this product's, and
+                            // the instruction set is the caller's promise.
                             unsafe {
                                 if rows == MR && cols == nr {
                                     tile::full::<V, MR, NV>(kc, a, b, c, ldc, self.scale, add)

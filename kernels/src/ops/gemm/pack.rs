@@ -7,8 +7,14 @@
 //! front to back.
 //! Past the block's last column a panel is filled with zeros, so edge tiles compute
 //! with the same instructions as inner ones.
+//!
+//! Rows contiguous in the source are copied row by row across all panels (the source
+//! read front to back); columns contiguous in the source are transposed, 8 × 8 at a
+//! time in registers where the panel width allows; other strides go element by
+//! element.
 
 use super::Operand;
+use super::tile::Lanes;
 
 /// Steps of k a transposing copy moves per round: one 32-byte read from each column.
 const STEPS: usize = 8;
@@ -17,37 +23,67 @@ const STEPS: usize = 8;
 /// + j · src.col_stride`) into `cols.div_ceil(W)` panels of `W` columns, one after
 /// another in `dst`: panel q's step p is `dst[q·W·kc + p·W ..][..W]`.
 ///
+/// `V` is the instruction set's register type, whose 8 × 8 transposes serve columns
+/// contiguous along k.
+///
 /// # Safety
 /// Every element (p, j) of the block, p < kc and j < cols, lies in readable memory that
-/// nothing writes during the call.
+/// nothing writes during the call; the CPU supports `V`'s instruction set.
 #[inline(always)]
-pub(super) unsafe fn panels<const W: usize>(dst: &mut [f32], src: Operand, kc: usize, cols: usize) {
+pub(super) unsafe fn panels<V: Lanes, const W: usize>(
+    dst: &mut [f32],
+    src: Operand,
+    kc: usize,
+    cols: usize,
+) {
     let (rs, cs) = (src.row_stride, src.col_stride);
     let panel_count = cols.div_ceil(W);
     assert!(
         dst.len() >= panel_count * W * kc,
         "packing scratch too small"
     );
-    for (q, panel) in dst.chunks_exact_mut(W * kc).take(panel_count).enumerate() {
+    let full_panels = if cs == 1 { cols / W } else { 0 };
+    if full_panels > 0 {
+        // Rows contiguous in the source: read each row of the block front to back (one
+        // stream the prefetcher follows, where panel by panel each step would be a new
+        // page), handing every panel its W values of the step.
+        for p in 0..kc {
+            // SAFETY: row p, columns 0..full_panels · W <= cols of the block.
+            let row = unsafe {
+                std::slice::from_raw_parts(src.ptr.offset(p as isize * rs), full_panels * W)
+            };
+            for (q, values) in row.chunks_exact(W).enumerate() {
+                dst[q * W * kc + p * W..][..W].copy_from_slice(values);
+            }
+        }
+    }
+    let panels = dst.chunks_exact_mut(W * kc).take(panel_count).enumerate();
+    for (q, panel) in panels.skip(full_panels) {
         let j0 = q * W;
         let width = W.min(cols - j0);
         // SAFETY: columns j0..j0 + width and rows 0..kc are inside the block the caller
         // vouches for.
         let base = unsafe { src.ptr.offset(j0 as isize * cs) };
-        if width == W && cs == 1 {
-            // Each step's W values are contiguous in the source: copy them as a row.
-            for (p, step) in panel.chunks_exact_mut(W).enumerate() {
-                // SAFETY: row p, columns j0..j0 + W of the block (see above).
-                let row = unsafe { std::slice::from_raw_parts(base.offset(p as isize * rs), W) };
-                step.copy_from_slice(row);
-            }
-        } else if width == W && rs == 1 {
-            // Each column is contiguous along k: a transpose. Read STEPS values down
-            // every column, then write them across, so that the reads run along all W
-            // columns at once and the writes fill whole steps in order.
+        if width == W && rs == 1 {
+            // Each column is contiguous along k: a transpose, in blocks of 8 steps by 8
+            // columns where W allows (the right operand's panels), else by reading
+            // STEPS values down every column and writing them across, so that the
+            // reads run along all W columns at once and the writes fill whole steps.
             let body = kc - kc % STEPS;
-            for (p0, steps) in panel[..body * W].chunks_exact_mut(STEPS * W).enumerate() {
-                let p0 = p0 * STEPS;
+            for p0 in (0..body).step_by(STEPS) {
+                if W.is_multiple_of(8) {
+                    for j8 in (0..W).step_by(8) {
+                        // SAFETY: columns j0 + j8..j0 + j8 + 8, rows p0..p0 + 8 of the
+                        // block; the destination is 8 steps of this panel.
+                        unsafe {
+                            let columns = std::array::from_fn(|j| {
+                                base.offset((j8 + j) as isize * cs + p0 as isize)
+                            });
+                            V::transpose8(columns, panel[p0 * W + j8..].as_mut_ptr(), W);
+                        }
+                    }
+                    continue;
+                }
                 let mut block = [[0.0f32; STEPS]; W];
                 for (j, column) in block.iter_mut().enumerate() {
                     // SAFETY: column j0 + j, rows p0..p0 + STEPS of the block (see above).
@@ -57,6 +93,7 @@ pub(super) unsafe fn panels<const W: usize>(dst: &mut [f32], src: Operand, kc: u
                             .read_unaligned()
                     };
                 }
+                let steps = &mut panel[p0 * W..(p0 + STEPS) * W];
                 for (p, step) in steps.chunks_exact_mut(W).enumerate() {
                     for (j, slot) in step.iter_mut().enumerate() {
                         *slot = block[j][p];

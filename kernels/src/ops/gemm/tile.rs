@@ -53,6 +53,23 @@ pub(super) trait Lanes: Copy {
     /// # Safety
     /// As for [`Lanes::zero`].
     unsafe fn mul(self, b: Self) -> Self;
+
+    /// Copies an 8 × 8 block transposed: for q and j in 0..8, `dst[q · stride + j] =
+    /// src[j][q]`. (Packing uses it where the right operand's columns are contiguous.)
+    /// Plain copies here; the x86-64 registers do it in AVX registers.
+    ///
+    /// # Safety
+    /// As for [`Lanes::zero`]; each `src[j]` points to 8 readable f32, `dst` to 8
+    /// writable f32 at each of 8 rows `stride` apart, none overlapping the sources.
+    #[inline(always)]
+    unsafe fn transpose8(src: [*const f32; 8], dst: *mut f32, stride: usize) {
+        for (j, column) in src.iter().enumerate() {
+            for q in 0..8 {
+                // SAFETY: the caller vouches for src[j][..8] and dst's 8 rows of 8.
+                unsafe { *dst.add(q * stride + j) = *column.add(q) };
+            }
+        }
+    }
 }
 
 /// Asks the CPU to bring the cache line holding `p` into L1 ahead of its use (a hint:
@@ -158,8 +175,59 @@ macro_rules! x86_lanes {
                 // SAFETY: as in `zero`.
                 unsafe { std::arch::x86_64::$mul(self, b) }
             }
+
+            #[inline(always)]
+            unsafe fn transpose8(src: [*const f32; 8], dst: *mut f32, stride: usize) {
+                // SAFETY: as in `zero` (both sets include AVX); the pointers are the
+                // caller's promise.
+                unsafe { transpose8_avx(src, dst, stride) }
+            }
         }
     };
+}
+
+/// [`Lanes::transpose8`] in eight AVX registers: pairs of rows interleaved, then
+/// pairs of pairs, then the 128-bit halves exchanged.
+///
+/// # Safety
+/// As for [`Lanes::transpose8`], on a CPU with AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose8_avx(src: [*const f32; 8], dst: *mut f32, stride: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: AVX and the pointers as the caller promises; every load reads src[j][..8],
+    // every store writes row q's 8 values.
+    unsafe {
+        let r: [__m256; 8] = std::array::from_fn(|j| _mm256_loadu_ps(src[j]));
+        // t[2i] = r[2i], r[2i+1] interleaved by element: (0, 1) and (4, 5) of each
+        // half; t[2i+1] the same of elements (2, 3) and (6, 7).
+        let t: [__m256; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_ps(a, b)
+            } else {
+                _mm256_unpackhi_ps(a, b)
+            }
+        });
+        // u[q] for q in 0..4: element q of rows 0-3 in its low half, element q + 4 in
+        // its high half; u[q + 4] the same of rows 4-7.
+        let u = [
+            _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+            _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+            _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+            _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+            _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+            _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+            _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+            _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+        ];
+        for q in 0..4 {
+            let low = _mm256_permute2f128_ps::<0x20>(u[q], u[q + 4]);
+            let high = _mm256_permute2f128_ps::<0x31>(u[q], u[q + 4]);
+            _mm256_storeu_ps(dst.add(q * stride), low);
+            _mm256_storeu_ps(dst.add((q + 4) * stride), high);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -173,27 +241,38 @@ x86_lanes!(__m512, 16: _mm512_setzero_ps, _mm512_set1_ps, _mm512_loadu_ps, _mm51
 /// tile is computed in.
 pub(super) const TILE_MAX: usize = 12 * 32;
 
+/// Where a tile reads its MR rows of the left operand: row i's value at step p is
+/// `ptr[i · row_stride + p · step_stride]`. Packed, that is (1, MR); a row-major left
+/// operand is read where it lies, at (its row stride, 1).
+#[derive(Clone, Copy)]
+pub(super) struct Rows {
+    pub(super) ptr: *const f32,
+    pub(super) row_stride: usize,
+    pub(super) step_stride: usize,
+}
+
 /// One full tile: `c` (MR rows of NV·WIDTH, row stride `ldc`) = [`c` +] `scale` ·
-/// Σ_p a_p b_pᵀ over the `kc` steps of the panels, where step p of `a` is MR values (one
-/// per row) and step p of `b` is NV·WIDTH values (one per column). Each element's sum
-/// starts at zero and adds its k terms in order; `scale` is applied to the sum once.
+/// Σ_p a_p b_pᵀ over the `kc` steps, where step p of `a` is MR values (one per row) and
+/// step p of the packed panel `b` is NV·WIDTH values (one per column). Each element's
+/// sum starts at zero and adds its k terms in order; `scale` is applied to the sum once.
 ///
 /// # Safety
-/// The CPU supports `V`'s instruction set; `a` holds `kc · MR` and `b` `kc · NV · WIDTH`
-/// readable f32; the tile's elements of `c` are writable, and readable when `add`.
+/// The CPU supports `V`'s instruction set; `a` addresses `kc` readable steps of MR
+/// values and `b` holds `kc · NV · WIDTH` readable f32; the tile's elements of `c` are
+/// writable, and readable when `add`.
 #[inline(always)]
 pub(super) unsafe fn full<V: Lanes, const MR: usize, const NV: usize>(
     kc: usize,
-    a: *const f32,
+    a: Rows,
     b: *const f32,
     c: *mut f32,
     ldc: usize,
     scale: f32,
     add: bool,
 ) {
-    // SAFETY: every pointer below stays inside the panels (step p < kc reads a[p·MR..]
-    // and b[p·NV·WIDTH..]) or inside the tile of `c`, all of which the caller vouches
-    // for, as for the instruction set.
+    // SAFETY: every pointer below stays inside the operands (step p < kc reads a's
+    // rows at step p and b[p·NV·WIDTH..]) or inside the tile of `c`, all of which the
+    // caller vouches for, as for the instruction set.
     unsafe {
         // The tile of dst is read (or written) only after the kc steps; ask for its lines
         // now, so that a dst far out of cache (the logits, say) costs no wait then.
@@ -202,19 +281,19 @@ pub(super) unsafe fn full<V: Lanes, const MR: usize, const NV: usize>(
             prefetch(c.wrapping_add(i * ldc + NV * V::WIDTH - 1));
         }
         let mut acc = [[V::zero(); NV]; MR];
-        let (mut a, mut b) = (a, b);
+        let (mut a_step, mut b) = (a.ptr, b);
         for _ in 0..kc {
             let mut bv = [V::zero(); NV];
             for (v, lanes) in bv.iter_mut().enumerate() {
                 *lanes = V::load(b.add(v * V::WIDTH));
             }
             for (i, row) in acc.iter_mut().enumerate() {
-                let ai = V::splat(*a.add(i));
+                let ai = V::splat(*a_step.add(i * a.row_stride));
                 for (sum, &bj) in row.iter_mut().zip(&bv) {
                     *sum = ai.mul_add(bj, *sum);
                 }
             }
-            a = a.add(MR);
+            a_step = a_step.add(a.step_stride);
             b = b.add(NV * V::WIDTH);
         }
         let s = V::splat(scale);
@@ -244,7 +323,7 @@ pub(super) unsafe fn full<V: Lanes, const MR: usize, const NV: usize>(
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn edge<V: Lanes, const MR: usize, const NV: usize>(
     kc: usize,
-    a: *const f32,
+    a: Rows,
     b: *const f32,
     c: *mut f32,
     ldc: usize,
