@@ -10,8 +10,9 @@
 //! and packing would only copy them). A tile computes MR × NR elements of `dst` with
 //! all its partial sums in registers. Tile shapes per instruction set ([`Isa`]): 6 × 16
 //! with AVX2+FMA (12 of the 16 ymm registers hold sums), 12 × 32 with AVX-512F (24 of
-//! the 32 zmm), 4 × 8 in portable Rust. Edges (m, n not multiples of the tile, k not of
-//! KC) are zero-padded in the packed panels and computed by the same tile into a buffer.
+//! the 32 zmm), 4 × 8 in portable Rust. Edges (m, n not multiples of the tile) are
+//! zero-padded in the packed panels and computed by the same tile into a buffer; a k that
+//! is not a multiple of KC ends with a shorter block.
 //!
 //! Scratch: each thread that runs a product keeps one 64-byte-aligned packing buffer (a
 //! thread-local of 1.2 MiB, the size of the largest blocks, allocated on the thread's
