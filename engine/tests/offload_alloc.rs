@@ -5,17 +5,13 @@
 //! once when the executor is built. What a step may still allocate is bookkeeping: lane
 //! threads' names, the report's per-operation records, small vectors inside kernels.
 //! The check counts every heap allocation of 64 KiB or more (a buffer's worth) during
-//! steps 2 to 5, and requires none. One exception is named, not hidden: the `gemm`
-//! crate allocates its packing scratch inside every matrix product (up to 264 KiB here,
-//! freed before the product returns) and offers no way to pass one in; allocations made
-//! inside gemm are not counted.
+//! steps 2 to 5, and requires none.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use strata_engine::exec::{ExecConfig, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::kernels::ops::inside_gemm;
 use strata_engine::model::{Gpt2Config, Model};
 use strata_engine::plan::{
     AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanInput, Policy,
@@ -30,18 +26,14 @@ static COUNTING: AtomicBool = AtomicBool::new(false);
 static BIG_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 static LARGEST: AtomicUsize = AtomicUsize::new(0);
 static ALL_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-static GEMM_ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 
 // SAFETY: forwards to the system allocator; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if COUNTING.load(Ordering::Relaxed) {
             ALL_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-            if inside_gemm() {
-                GEMM_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-            }
         }
-        if COUNTING.load(Ordering::Relaxed) && layout.size() >= BIG && !inside_gemm() {
+        if COUNTING.load(Ordering::Relaxed) && layout.size() >= BIG {
             BIG_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
             LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
         }
@@ -53,7 +45,7 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) && new_size >= BIG && !inside_gemm() {
+        if COUNTING.load(Ordering::Relaxed) && new_size >= BIG {
             BIG_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
             LARGEST.fetch_max(new_size, Ordering::Relaxed);
         }
@@ -117,7 +109,6 @@ fn steps_after_the_first_allocate_no_buffers() {
         exec.step(&batches, &params).unwrap();
         BIG_ALLOCATIONS.store(0, Ordering::SeqCst);
         ALL_ALLOCATIONS.store(0, Ordering::SeqCst);
-        GEMM_ALLOCATIONS.store(0, Ordering::SeqCst);
         COUNTING.store(true, Ordering::SeqCst);
         for _ in 0..4 {
             exec.step(&batches, &params).unwrap();
@@ -125,10 +116,9 @@ fn steps_after_the_first_allocate_no_buffers() {
         COUNTING.store(false, Ordering::SeqCst);
         let ops = exec.plan().ops.len();
         println!(
-            "{}: {} allocations of any size in 4 steps of {ops} operations, {} of them inside gemm",
+            "{}: {} allocations of any size in 4 steps of {ops} operations",
             policy.name(),
-            ALL_ALLOCATIONS.load(Ordering::SeqCst),
-            GEMM_ALLOCATIONS.load(Ordering::SeqCst)
+            ALL_ALLOCATIONS.load(Ordering::SeqCst)
         );
         let count = BIG_ALLOCATIONS.load(Ordering::SeqCst);
         assert_eq!(

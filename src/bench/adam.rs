@@ -27,7 +27,7 @@ use strata_kernels::isa::Isa;
 use strata_kernels::parallel;
 
 use crate::doctor::{cpu_model, meminfo_bytes};
-use crate::report::{Table, format_bytes, median, parse_count, write_json};
+use crate::report::{Table, format_bytes, median, parse_count};
 
 /// Gradient dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -95,7 +95,7 @@ pub struct AdamArgs {
     pub json: Option<PathBuf>,
 }
 
-fn parse_isa(text: &str) -> Result<Isa, String> {
+pub(crate) fn parse_isa(text: &str) -> Result<Isa, String> {
     let isa = Isa::ALL
         .into_iter()
         .find(|isa| isa.name() == text)
@@ -371,13 +371,7 @@ pub fn main(args: &AdamArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     print!("{}", table.render());
     println!("triad: {}", report.triad_counting);
-    if let [Some(before), Some(after)] = report.load_average {
-        println!("load average (1 min): {before:.2} before, {after:.2} after");
-    }
-    if let Some(path) = &args.json {
-        write_json(path, &report)?;
-        println!("wrote {}", path.display());
-    }
+    super::finish(report.load_average, args.json.as_deref(), &report)?;
     Ok(())
 }
 

@@ -305,33 +305,14 @@ impl TorchRun {
 
 /// Parses the peer's standard output: its last non-empty line is one JSON object.
 pub fn parse_torch_output(stdout: &str) -> Result<TorchRun, String> {
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .ok_or("the PyTorch peer printed nothing")?;
-    serde_json::from_str(line).map_err(|e| format!("the PyTorch peer printed '{line}': {e}"))
+    super::parse_peer_output(stdout)
 }
 
 /// Runs the PyTorch peer on `plan` (size, repeats) pairs.
 fn run_torch(plan: &[(usize, usize)]) -> Result<TorchRun, String> {
     let arg: Vec<String> = plan.iter().map(|(s, r)| format!("{s}:{r}")).collect();
-    let output = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(TORCH_PEER)
-        .arg(arg.join(","))
-        .output()
-        .map_err(|e| format!("could not run python3: {e}"))?;
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
-        return Err(format!(
-            "the PyTorch peer failed ({}): {}",
-            output.status,
-            last.unwrap_or("no message")
-        ));
-    }
-    parse_torch_output(&String::from_utf8_lossy(&output.stdout))
+    let stdout = super::run_python_peer(Path::new("python3"), TORCH_PEER, &arg.join(","))?;
+    parse_torch_output(&stdout)
 }
 
 /// Acquire-plus-release figures of one pool configuration.

@@ -1,15 +1,16 @@
 //! Causal multi-head self-attention, forward and backward, one (batch, head) pair at a
-//! time on the worker pool; the products inside a pair are `gemm` calls over strided
-//! views of the inputs, restricted to the lower triangle in blocks of [`BLOCK_ROWS`]
-//! rows. Two layouts share the per-head code ([`head_forward`], [`head_backward`]):
-//! GPT-2's fused qkv (B, T, 3C), and grouped-query attention's separate q (B, T, H, D)
-//! and k, v (B, T, KV, D) (Llama, Qwen, Mistral), where a key/value head serves H / KV
-//! query heads and the backward runs those heads one after the other on one thread,
-//! adding their key and value gradients up.
+//! time on the worker pool; the products inside a pair are strata's matrix products
+//! (`ops::gemm`, one thread each) over strided views of the inputs, restricted to the
+//! lower triangle in blocks of [`BLOCK_ROWS`] rows. Two layouts share the per-head code
+//! ([`head_forward`], [`head_backward`]): GPT-2's fused qkv (B, T, 3C), and
+//! grouped-query attention's separate q (B, T, H, D) and k, v (B, T, KV, D) (Llama,
+//! Qwen, Mistral), where a key/value head serves H / KV query heads and the backward
+//! runs those heads one after the other on one thread, adding their key and value
+//! gradients up.
 
 use std::ops::Range;
 
-use super::matmul::{Operand, Product};
+use super::gemm::{Operand, Product};
 use super::simd::on_isa;
 use super::{Cpu, simd};
 use crate::parallel;
@@ -21,7 +22,7 @@ const BLOCK_ROWS: usize = 64;
 /// A raw pointer that may cross threads; each thread writes a disjoint part of it.
 #[derive(Clone, Copy)]
 struct SharedMut(*mut f32);
-// SAFETY: the pointer is only dereferenced (through gemm and the softmax loops) by the
+// SAFETY: the pointer is only dereferenced (through the products and the softmax loops) by the
 // one thread that owns a given (batch, head) pair, on elements no other pair touches.
 unsafe impl Send for SharedMut {}
 // SAFETY: as for Send: shared only to hand each thread its own disjoint elements.
@@ -114,7 +115,7 @@ unsafe fn head_forward(cpu: &Cpu, a: &mut [f32], view: HeadView, t: usize, hs: u
                 },
                 scale,
             }
-            .run(1)
+            .run(cpu.isa, 1)
         }
     }
     on_isa!(cpu.isa, {
@@ -150,7 +151,7 @@ unsafe fn head_forward(cpu: &Cpu, a: &mut [f32], view: HeadView, t: usize, hs: u
                 },
                 scale: 1.0,
             }
-            .run(1)
+            .run(cpu.isa, 1)
         }
     }
 }
@@ -206,7 +207,7 @@ unsafe fn head_backward(
                 },
                 scale: 1.0,
             }
-            .run(1);
+            .run(cpu.isa, 1);
             // dv[r0..r1] (+)= att[r0..T, r0..r1]^T @ dout[r0..T]  (att is zero above the
             // diagonal, so rows before r0 contribute nothing).
             Product {
@@ -228,7 +229,7 @@ unsafe fn head_backward(
                 },
                 scale: 1.0,
             }
-            .run(1);
+            .run(cpu.isa, 1);
         }
     }
     // Softmax backward in place: dpre = att * (datt - sum(att * datt)) * scale.
@@ -267,7 +268,7 @@ unsafe fn head_backward(
                 },
                 scale: 1.0,
             }
-            .run(1);
+            .run(cpu.isa, 1);
             // dk[r0..r1] (+)= dpre[r0..T, r0..r1]^T @ q[r0..T]
             Product {
                 m: r1 - r0,
@@ -288,7 +289,7 @@ unsafe fn head_backward(
                 },
                 scale: 1.0,
             }
-            .run(1);
+            .run(cpu.isa, 1);
         }
     }
 }

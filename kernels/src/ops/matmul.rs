@@ -1,8 +1,7 @@
-//! Linear layers: matrix products by the `gemm` crate (which picks its own SIMD kernels
-//! at run time), run on the worker pool; bias broadcast and bias gradient here.
+//! Linear layers: their three matrix products by strata's own (`ops::gemm`), on the
+//! worker pool; bias broadcast and bias gradient here.
 
-use gemm::Parallelism;
-
+use super::gemm::{Operand, Product};
 use super::simd::on_isa;
 use super::{Cpu, RowsMut, WeightLayout, par_rows, simd};
 
@@ -12,110 +11,6 @@ fn weight_strides(layout: WeightLayout, c: usize, oc: usize) -> (isize, isize) {
     match layout {
         WeightLayout::InOut => (oc as isize, 1),
         WeightLayout::OutIn => (1, c as isize),
-    }
-}
-
-/// A matrix operand: base pointer and (row, column) strides in elements.
-#[derive(Clone, Copy)]
-pub(crate) struct Operand {
-    pub(crate) ptr: *const f32,
-    pub(crate) row_stride: isize,
-    pub(crate) col_stride: isize,
-}
-
-/// One matrix product `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n) * scale`, over
-/// strided views.
-pub(crate) struct Product {
-    pub(crate) m: usize,
-    pub(crate) n: usize,
-    pub(crate) k: usize,
-    pub(crate) dst: *mut f32,
-    pub(crate) dst_row_stride: isize,
-    /// Add to `dst` rather than overwrite it.
-    pub(crate) accumulate: bool,
-    pub(crate) lhs: Operand,
-    pub(crate) rhs: Operand,
-    pub(crate) scale: f32,
-}
-
-// SAFETY: the pointers are used only inside `run`, which returns after the product is
-// done, while its caller keeps the memory alive and unshared, as `run`'s contract says.
-unsafe impl Send for Product {}
-
-thread_local! {
-    static IN_GEMM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Whether this thread is inside a call to the `gemm` crate. gemm allocates its packing
-/// scratch on every call (up to a few hundred KiB, freed before it returns); allocation
-/// accounting in tests uses this to tell that scratch from strata's own buffers.
-pub fn inside_gemm() -> bool {
-    IN_GEMM.with(std::cell::Cell::get)
-}
-
-/// Marks the thread as inside gemm until dropped.
-struct GemmScope(bool);
-
-impl GemmScope {
-    fn enter() -> Self {
-        GemmScope(IN_GEMM.with(|c| c.replace(true)))
-    }
-}
-
-impl Drop for GemmScope {
-    fn drop(&mut self) {
-        IN_GEMM.with(|c| c.set(self.0));
-    }
-}
-
-impl Product {
-    /// Computes the product on up to `threads` threads of the pool.
-    ///
-    /// # Safety
-    /// Every element addressed through the pointers and strides (m × n for `dst`, m × k
-    /// for `lhs`, k × n for `rhs`) must lie inside one live allocation; `dst`'s elements
-    /// must not overlap `lhs`'s or `rhs`'s, nor each other, and nothing else may access
-    /// them during the call.
-    pub(crate) unsafe fn run(self, threads: usize) {
-        if threads > 1 {
-            // gemm splits its work on rayon's global pool.
-            // SAFETY: passed on from this function's contract.
-            unsafe { self.run_here(Parallelism::Rayon(threads)) };
-        } else {
-            // SAFETY: passed on from this function's contract.
-            unsafe { self.run_here(Parallelism::None) };
-        }
-    }
-
-    /// # Safety
-    /// As for [`Product::run`].
-    unsafe fn run_here(self, parallelism: Parallelism) {
-        let _scope = GemmScope::enter();
-        // SAFETY: the caller guarantees the extents and the absence of overlap; gemm
-        // reads dst only when `accumulate` (read_dst) is set.
-        unsafe {
-            gemm::gemm(
-                self.m,
-                self.n,
-                self.k,
-                self.dst,
-                1,
-                self.dst_row_stride,
-                self.accumulate,
-                self.lhs.ptr,
-                self.lhs.col_stride,
-                self.lhs.row_stride,
-                self.rhs.ptr,
-                self.rhs.col_stride,
-                self.rhs.row_stride,
-                1.0,
-                self.scale,
-                false,
-                false,
-                false,
-                parallelism,
-            )
-        }
     }
 }
 
@@ -173,7 +68,7 @@ pub fn matmul_forward(
             },
             scale: 1.0,
         }
-        .run(cpu.threads)
+        .run(cpu.isa, cpu.threads)
     }
 }
 
@@ -223,7 +118,7 @@ pub fn matmul_backward(
             },
             scale: 1.0,
         }
-        .run(cpu.threads)
+        .run(cpu.isa, cpu.threads)
     }
     // dW (C, OC) += inp^T (C, N) @ dout (N, OC), written through the layout's strides.
     let inp_t = Operand {
@@ -246,7 +141,7 @@ pub fn matmul_backward(
                 rhs: dout_op,
                 scale: 1.0,
             }
-            .run(cpu.threads)
+            .run(cpu.isa, cpu.threads)
         },
         // dW (OC, C) += dout^T (OC, N) @ inp (N, C).
         // SAFETY: dout^T is oc × n, inp n × c, dweight oc × c with row stride c; dweight
@@ -271,7 +166,7 @@ pub fn matmul_backward(
                 },
                 scale: 1.0,
             }
-            .run(cpu.threads)
+            .run(cpu.isa, cpu.threads)
         },
     }
     if let Some(dbias) = dbias {

@@ -2,7 +2,9 @@
 //! f32, bf16 and fp16. Each has a scalar twin in [`crate::reference`] that tests compare
 //! it with, element by element, on odd sizes.
 //!
-//! - Matrix products go to the `gemm` crate, on the worker pool of [`crate::parallel`].
+//! - Matrix products are strata's own ([`gemm()`]: packed cache blocks and register
+//!   tiles per instruction set, scratch reused per thread so no call allocates), on the
+//!   worker pool of [`crate::parallel`].
 //! - Elementwise and row-wise kernels are written once over fixed-width lanes and
 //!   compiled per instruction set ([`simd`]); a [`Cpu`] says which one and how many
 //!   threads a call may use.
@@ -27,6 +29,7 @@ mod cast;
 mod crossentropy;
 mod encoder;
 mod gelu;
+mod gemm;
 mod layernorm;
 mod matmul;
 mod residual;
@@ -42,8 +45,9 @@ pub use cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use crossentropy::{crossentropy_backward_inplace, crossentropy_forward};
 pub use encoder::{encoder_backward, encoder_forward};
 pub use gelu::{gelu_backward, gelu_forward};
+pub use gemm::{MatrixMut, MatrixRef, gemm};
 pub use layernorm::{layernorm_backward, layernorm_forward};
-pub use matmul::{inside_gemm, matmul_backward, matmul_forward};
+pub use matmul::{matmul_backward, matmul_forward};
 pub use residual::{add_inplace, residual_forward};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{

@@ -6,7 +6,9 @@
 //! `#[target_feature]` for the chosen instruction set; the body and the helpers here are
 //! inlined into it, so the same source becomes SSE2, AVX2+FMA or AVX-512 code. This is
 //! the only file of the CPU kernels that selects instruction sets; the fp16 casts, which
-//! need the F16C instructions by name, are the one other place with `unsafe` SIMD.
+//! need the F16C instructions by name, and the matrix product's register tiles
+//! (`gemm/tile.rs`, run through [`run`] like every body here) are the other places with
+//! `unsafe` SIMD.
 //!
 //! The helpers' results differ from libm's in the last bits ([`exp`] is within 2 ulp);
 //! the tests compare kernels with the reference with a tolerance.

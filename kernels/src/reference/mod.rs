@@ -4,6 +4,7 @@
 
 pub mod adamw;
 pub mod cast;
+pub mod gemm;
 pub mod gpt2;
 pub mod gpt2_model;
 pub mod llama;
