@@ -399,16 +399,8 @@ impl OpKind {
             OpKind::NvmeWrite { .. } => ("nvme write", None),
             OpKind::H2d { .. } => ("h2d", None),
             OpKind::D2h { .. } => ("d2h", None),
-            OpKind::Compute {
-                block,
-                pass: Pass::Forward,
-                ..
-            } => ("fwd", Some(block)),
-            OpKind::Compute {
-                block,
-                pass: Pass::Backward,
-                ..
-            } => ("bwd", Some(block)),
+            OpKind::Compute { block, pass, .. } if pass.is_forward() => ("fwd", Some(block)),
+            OpKind::Compute { block, .. } => ("bwd", Some(block)),
             OpKind::Accumulate { block, .. } => ("accumulate grads", Some(block)),
             OpKind::HostAccumulate { block, .. } => ("host accumulate grads", Some(block)),
             OpKind::DeviceStats { block, .. } => ("grad stats", Some(block)),
@@ -428,14 +420,8 @@ impl OpKind {
             OpKind::H2d { .. } => "h2d",
             OpKind::D2h { .. } => "d2h",
             OpKind::Accumulate { .. } | OpKind::HostAccumulate { .. } => "accumulate",
-            OpKind::Compute {
-                pass: Pass::Forward,
-                ..
-            } => "forward",
-            OpKind::Compute {
-                pass: Pass::Backward,
-                ..
-            } => "backward",
+            OpKind::Compute { pass, .. } if pass.is_forward() => "forward",
+            OpKind::Compute { .. } => "backward",
             OpKind::DeviceStats { .. } | OpKind::GradNorm { .. } => "grad-norm",
             OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => "adamw",
             OpKind::Commit { .. } => "commit",

@@ -152,6 +152,45 @@ impl Budgets {
     }
 }
 
+/// Which layer blocks recompute their forward in the backward, from their input
+/// checkpoint, instead of keeping the activations their backward reads (the family's
+/// saved activations, on the device from the block's forward to its backward).
+/// Results are bit-identical whatever is chosen: only memory and time differ.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every block's activations when the device budget allows; else keep as many
+    /// as fit and recompute the others.
+    #[default]
+    Auto,
+    /// Every block recomputes (today's least device memory: only checkpoints kept).
+    All,
+    /// No block recomputes: every block's activations are kept, and a plan whose device
+    /// peak is then over budget is refused.
+    None,
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Recompute::Auto => "auto",
+            Recompute::All => "all",
+            Recompute::None => "none",
+        })
+    }
+}
+
 /// The shape of one training step and what the device offers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepShape {
