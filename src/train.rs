@@ -23,7 +23,8 @@ use strata_engine::model::tokenize::{TextTokenizer, cached_tokens, tokenizer_fil
 use strata_engine::model::weights::{self, FileDtype, Pretrained, SaveOptions};
 use strata_engine::model::{Gpt2Config, Llama, LlamaConfig, Model, Target};
 use strata_engine::plan::{
-    Auto, Budgets, CostModel, Plan, PlanInput, Policy, Precision, StepShape, Tier, fmt_bytes,
+    Auto, Budgets, CostModel, Plan, PlanInput, Policy, Precision, Recompute, StepShape, Tier,
+    fmt_bytes,
 };
 
 use crate::report::Table;
@@ -424,6 +425,7 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         needs_global_norm: cfg.clip > 0.0 || precision == Precision::Fp16,
         delayed_update: cfg.delayed_update,
         target,
+        recompute: Recompute::Auto,
     }
 }
 

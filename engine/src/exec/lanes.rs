@@ -217,6 +217,7 @@ impl Executor {
         bind(Bind::DOutput, binds.d_output);
         bind(Bind::DInput, binds.d_input);
         bind(Bind::Losses, binds.losses);
+        bind(Bind::Saved, binds.saved);
         bind(Bind::Scratch, Some(self.plan.scratch));
         if let Some(tokens) = binds.tokens {
             let r = self.device_range(tokens);

@@ -11,6 +11,10 @@
 //!   liveness analysis in which buffers whose lifetimes do not overlap share memory. Its
 //!   peak bytes per tier are known before anything is allocated, and [`Plan::check_fits`]
 //!   refuses a plan that does not fit, naming the tier, the shortfall and what would fit.
+//! - Per layer block the plan keeps the activations its backward needs (saved by the
+//!   forward, on the device until the backward) or recomputes them from the block's
+//!   input checkpoint, as [`Recompute`] asks: keep all when the device budget allows,
+//!   recompute more blocks as it tightens ([`Plan::kept`]).
 
 mod build;
 mod cost;
@@ -171,7 +175,7 @@ impl Budgets {
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
     /// Keep every block's activations when the device budget allows; else keep as many
-    /// as fit and recompute the others.
+    /// as fit and recompute the others (see [`Plan::build`]).
     #[default]
     Auto,
     /// Every block recomputes (today's least device memory: only checkpoints kept).
@@ -212,11 +216,14 @@ pub struct StepShape {
     /// The device's kernels: the CPU device computes in f32 whatever the working dtype;
     /// a GPU computes in the working dtype.
     pub target: Target,
+    /// Which blocks recompute their forward in the backward.
+    pub recompute: Recompute,
 }
 
 impl StepShape {
     /// A micro-batch of `batch` × `seq` tokens, fp32, one micro-batch per step, on the
-    /// CPU device, without clipping.
+    /// CPU device, without clipping, keeping activations as the budget allows
+    /// ([`Recompute::Auto`]).
     pub fn cpu(batch: usize, seq: usize) -> Self {
         StepShape {
             batch,
@@ -226,7 +233,13 @@ impl StepShape {
             needs_global_norm: false,
             delayed_update: false,
             target: Target::Cpu,
+            recompute: Recompute::Auto,
         }
+    }
+
+    /// The same step recomputing as `recompute` says.
+    pub fn recomputing(self, recompute: Recompute) -> Self {
+        StepShape { recompute, ..self }
     }
 
     /// The same step on `target`'s kernels.

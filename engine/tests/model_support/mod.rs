@@ -196,6 +196,23 @@ pub const UNLIMITED: Budgets = Budgets {
     nvme: u64::MAX / 4,
 };
 
+/// Each built-in policy once: all-on-device, cpu-offload, param-offload (depth 2,
+/// checkpoints on the host) and nvme-offload (depth 2, checkpoints on NVMe).
+pub fn each_policy() -> Vec<Box<dyn Policy>> {
+    vec![
+        Box::new(AllOnDevice),
+        Box::new(CpuOffload),
+        Box::new(ParamOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        }),
+        Box::new(NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Nvme,
+        }),
+    ]
+}
+
 /// Every built-in policy at every prefetch depth from 1 to 4, with checkpoints on each
 /// tier they support.
 pub fn all_policies() -> Vec<Box<dyn Policy>> {
