@@ -793,13 +793,18 @@ impl Plan {
         self.saved_bytes.iter().sum()
     }
 
-    /// "recompute: 3 of 12 blocks": how many layer blocks recompute their forward.
-    pub fn recompute_summary(&self) -> String {
+    /// "3 of 12 blocks": how many layer blocks recompute their forward, of how many.
+    pub fn recomputed_of(&self) -> String {
         format!(
-            "recompute: {} of {} blocks",
+            "{} of {} blocks",
             self.recomputed(),
             self.kept.len().saturating_sub(2)
         )
+    }
+
+    /// "recompute: 3 of 12 blocks" (see [`Plan::recomputed_of`]).
+    pub fn recompute_summary(&self) -> String {
+        format!("recompute: {}", self.recomputed_of())
     }
 }
 

@@ -159,7 +159,8 @@ impl Budgets {
 /// Which layer blocks recompute their forward in the backward, from their input
 /// checkpoint, instead of keeping the activations their backward reads (the family's
 /// saved activations, on the device from the block's forward to its backward).
-/// Results are bit-identical whatever is chosen: only memory and time differ.
+/// Results are bit-identical whatever is chosen: only memory and time differ. How auto
+/// chooses: [`Plan::build`].
 #[derive(
     Debug,
     Clone,
@@ -174,14 +175,15 @@ impl Budgets {
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
-    /// Keep every block's activations when the device budget allows; else keep as many
-    /// as fit and recompute the others (see [`Plan::build`]).
+    /// Keep every layer's activations when the device budget allows; else as many as
+    /// fit, the others recomputing.
     #[default]
     Auto,
-    /// Every block recomputes (today's least device memory: only checkpoints kept).
+    /// Every layer recomputes its forward in the backward: least device memory (only
+    /// the checkpoints are kept).
     All,
-    /// No block recomputes: every block's activations are kept, and a plan whose device
-    /// peak is then over budget is refused.
+    /// No layer recomputes: every layer's activations are kept, and a plan they do not
+    /// fit the device budget of is refused.
     None,
 }
 
