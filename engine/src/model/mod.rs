@@ -505,11 +505,11 @@ pub(crate) mod checks {
                                 };
                                 assert!(
                                     known[range.clone()].iter().all(|&w| w),
-                                    "{what} reads {t:?}, which {} did not write",
+                                    "{what} reads {t:?}, which {}",
                                     if from_forward {
-                                        "the saved forward"
+                                        "the saved forward did not write"
                                     } else {
-                                        "no earlier kernel of the program"
+                                        "no earlier kernel of the program wrote"
                                     }
                                 );
                             }
