@@ -1,7 +1,8 @@
 //! `strata plan`: will this model train on this machine, and how? For the configuration
 //! `strata train` would run (same flags and config file), plans one step under every
 //! built-in policy and prints the bytes per tier and tensor class, each plan's peak per
-//! tier against the budgets, its predicted step time, and the policy `auto` picks. It
+//! tier against the budgets, how many layers it recomputes in the backward (as
+//! `--recompute` asks), its predicted step time, and the policy `auto` picks. It
 //! allocates nothing, so a 13B model is answered in well under a second. `--json FILE`
 //! writes the same answer for scripts; the command fails (exit 1) when no policy fits.
 //!
@@ -30,6 +31,8 @@ pub struct PlanReport {
     pub params: u64,
     /// Its shape, in words.
     pub description: String,
+    /// Its layer blocks.
+    pub layers: usize,
     /// Parameters, gradients and AdamW state at 16 bytes per parameter.
     pub training_state_bytes: u64,
     /// Sequences per micro-batch.
@@ -40,6 +43,8 @@ pub struct PlanReport {
     pub grad_accum: usize,
     /// The working precision.
     pub precision: String,
+    /// Which layers recompute their forward in the backward, as asked: auto, all, none.
+    pub recompute: String,
     /// Budgets per tier, in bytes: device, host, NVMe.
     pub budgets: TierBytes,
     /// The folders of the NVMe tier.
@@ -105,6 +110,10 @@ pub struct PolicyRow {
     pub short: Vec<String>,
     /// Its peak per tier.
     pub peak_bytes: TierBytes,
+    /// Layer blocks that recompute their forward in the backward.
+    pub recomputed_blocks: usize,
+    /// Bytes of the saved activations the other layer blocks keep on the device.
+    pub saved_activation_bytes: u64,
     /// Its NVMe peak over the parameter count.
     pub nvme_bytes_per_param: f64,
     /// Predicted seconds per step.
@@ -130,6 +139,11 @@ pub struct AutoChoice {
     pub scratch_bytes: u64,
     /// The plan's peak per tier.
     pub peak_bytes: TierBytes,
+    /// Layer blocks that recompute their forward in the backward, of how many
+    /// ("3 of 12 blocks").
+    pub recomputed: String,
+    /// Bytes of the saved activations the other layer blocks keep on the device.
+    pub saved_activation_bytes: u64,
 }
 
 /// One tensor class's bytes per tier.
@@ -174,6 +188,8 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
             fits: short.is_empty(),
             short,
             peak_bytes: TierBytes::of(plan.peak),
+            recomputed_blocks: plan.recomputed(),
+            saved_activation_bytes: plan.saved_total_bytes(),
             nvme_bytes_per_param: plan.peak[Tier::Nvme.index()] as f64 / params as f64,
             step_seconds: p.step_seconds,
             tokens_per_s: shape.tokens() as f64 / p.step_seconds,
@@ -204,6 +220,8 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
                 by_class,
                 scratch_bytes: plan.buffer(plan.scratch).bytes,
                 peak_bytes: TierBytes::of(plan.peak),
+                recomputed: plan.recomputed_of(),
+                saved_activation_bytes: plan.saved_total_bytes(),
             })
         }
         Err(e) => Err(e.to_string()),
@@ -212,11 +230,13 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
         model: cfg.model.to_string(),
         params,
         description: model.describe(),
+        layers: model.layers(),
         training_state_bytes: 16 * params,
         batch: shape.batch,
         seq: shape.seq,
         grad_accum: shape.grad_accum,
         precision: shape.precision.to_string(),
+        recompute: shape.recompute.to_string(),
         budgets: TierBytes {
             device: budgets.device,
             host: budgets.host,
@@ -254,11 +274,12 @@ pub fn render(r: &PlanReport) -> String {
         fmt_bytes(r.training_state_bytes)
     );
     out += &format!(
-        "step: {} x {} tokens x {} micro-batches, {}; budgets: device {}, host {}, nvme {} ({})\n",
+        "step: {} x {} tokens x {} micro-batches, {}, --recompute {}; budgets: device {}, host {}, nvme {} ({})\n",
         r.batch,
         r.seq,
         r.grad_accum,
         r.precision,
+        r.recompute,
         fmt_bytes(b.device),
         fmt_bytes(b.host),
         fmt_bytes(b.nvme),
@@ -275,7 +296,14 @@ pub fn render(r: &PlanReport) -> String {
         rates.adam_params_per_s / 1e9
     );
     let mut table = Table::new([
-        "policy", "fits", "device", "host", "nvme", "s/step", "tokens/s",
+        "policy",
+        "fits",
+        "device",
+        "host",
+        "nvme",
+        "recompute",
+        "s/step",
+        "tokens/s",
     ]);
     for row in &r.policies {
         table.row([
@@ -288,6 +316,7 @@ pub fn render(r: &PlanReport) -> String {
             fmt_bytes(row.peak_bytes.device),
             fmt_bytes(row.peak_bytes.host),
             fmt_bytes(row.peak_bytes.nvme),
+            format!("{} of {}", row.recomputed_blocks, r.layers),
             format!("{:.3}", row.step_seconds),
             format!("{:.0}", row.tokens_per_s),
         ]);
@@ -296,8 +325,12 @@ pub fn render(r: &PlanReport) -> String {
     match (&r.auto, &r.no_fit) {
         (Some(auto), _) => {
             out += &format!(
-                "\nauto picks {} (of {} candidates): predicted {:.3} s/step, overlap efficiency {:.2}\n",
-                auto.policy, auto.candidates, auto.step_seconds, auto.overlap_efficiency
+                "\nauto picks {} (of {} candidates): recompute: {}; predicted {:.3} s/step, overlap efficiency {:.2}\n",
+                auto.policy,
+                auto.candidates,
+                auto.recomputed,
+                auto.step_seconds,
+                auto.overlap_efficiency
             );
             let mut by_class = Table::new(["tensor class", "device", "host", "nvme"]);
             for row in &auto.by_class {
@@ -311,6 +344,12 @@ pub fn render(r: &PlanReport) -> String {
             by_class.row([
                 "device working set (one block's activations)".to_string(),
                 fmt_bytes(auto.scratch_bytes),
+                "-".into(),
+                "-".into(),
+            ]);
+            by_class.row([
+                "saved activations (layers not recomputed)".to_string(),
+                fmt_bytes(auto.saved_activation_bytes),
                 "-".into(),
                 "-".into(),
             ]);

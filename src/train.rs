@@ -424,6 +424,7 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         needs_global_norm: cfg.clip > 0.0 || precision == Precision::Fp16,
         delayed_update: cfg.delayed_update,
         target,
+        recompute: cfg.recompute,
     }
 }
 
@@ -540,7 +541,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     log::info!("device: {why}");
     writeln!(
         out,
-        "plan {}: peak device {} of {}, host {} of {}, nvme {} (in {}); predicted {:.3} s/step",
+        "plan {}: peak device {} of {}, host {} of {}, nvme {} (in {}); {}; predicted {:.3} s/step",
         plan.policy,
         fmt_bytes(plan.peak[0]),
         fmt_bytes(budgets.device),
@@ -548,6 +549,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         fmt_bytes(budgets.host),
         fmt_bytes(plan.peak[2]),
         run_budgets.dirs_text(),
+        plan.recompute_summary(),
         predicted.step_seconds
     )?;
 
@@ -896,6 +898,7 @@ fn summary(
     let median_report = &reports[crate::report::median_index(&secs)];
     let mut t = Table::new(["", "value"]);
     t.row(["policy".to_string(), plan.policy.clone()]);
+    t.row(["recompute".to_string(), plan.recomputed_of()]);
     t.row(["steps".to_string(), reports.len().to_string()]);
     t.row([
         "loss first -> last".to_string(),

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use strata_engine::model::PRESETS;
+use strata_engine::plan::Recompute;
 
 use crate::report::parse_bytes;
 
@@ -94,6 +95,10 @@ pub struct TrainConfig {
     /// How many blocks ahead parameters are fetched. None: the policy decides.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefetch: Option<usize>,
+    /// Which layers recompute their forward in the backward instead of keeping the
+    /// activations it reads on the device: as the device budget allows (`auto`), every
+    /// layer (`all`), or none (`none`).
+    pub recompute: Recompute,
     /// Optimizer steps in the run.
     pub steps: u64,
     /// Sequences per micro-batch (B).
@@ -170,6 +175,7 @@ impl Default for TrainConfig {
             nvme_mem: None,
             policy: "auto".to_string(),
             prefetch: None,
+            recompute: Recompute::Auto,
             steps: 600,
             batch: 8,
             seq: 64,
@@ -261,7 +267,7 @@ impl Kind {
 }
 
 /// Every key, in the order `--print-config` writes them and `validate` checks them.
-const KEYS: [(&str, Kind); 35] = [
+const KEYS: [(&str, Kind); 36] = [
     ("model", Kind::Text),
     ("data", Kind::Path),
     ("device_mem", Kind::Size),
@@ -273,6 +279,10 @@ const KEYS: [(&str, Kind); 35] = [
         Kind::Choice("one of auto, all-on-device, cpu-offload, param-offload, nvme-offload"),
     ),
     ("prefetch", Kind::Count),
+    (
+        "recompute",
+        Kind::Choice("one of \"auto\", \"all\", \"none\""),
+    ),
     ("steps", Kind::Count),
     ("batch", Kind::Count),
     ("seq", Kind::Count),
@@ -999,6 +1009,14 @@ pub struct StepFlags {
     /// How many blocks ahead parameters are fetched [default: the policy decides].
     #[arg(long, value_name = "BLOCKS")]
     pub prefetch: Option<usize>,
+    /// Which layers' backward recomputes their forward from their input checkpoint
+    /// instead of reading the activations the forward kept on the device: auto keeps
+    /// every layer's that fits the device budget and recomputes the rest, all recomputes
+    /// every layer (least device memory), none keeps every layer's (fastest; refused,
+    /// naming the shortfall, when they do not fit); results are identical either way
+    /// [default: auto].
+    #[arg(long, value_enum)]
+    pub recompute: Option<Recompute>,
     /// Sequences per micro-batch [default: 8].
     #[arg(long)]
     pub batch: Option<usize>,
@@ -1038,6 +1056,7 @@ impl StepFlags {
         }
         take!(
             model,
+            recompute,
             batch,
             seq,
             grad_accum,

@@ -1,7 +1,7 @@
 //! `strata bench step` as a user runs it, on a tiny model: every policy's row and JSON,
 //! the scale run, and its errors.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 const TINY: [&str; 14] = [
@@ -18,6 +18,16 @@ fn scratch() -> tempfile::TempDir {
     let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     std::fs::create_dir_all(&base).unwrap();
     tempfile::tempdir_in(base).unwrap()
+}
+
+/// Runs `command` with `--json json`, asserts it succeeded, and returns its stdout and
+/// the JSON it wrote.
+fn run_with_json(command: &mut Command, json: &Path) -> (String, serde_json::Value) {
+    let out = command.arg("--json").arg(json).output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let report = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    (stdout, report)
 }
 
 fn text(out: &Output) -> (String, String) {
@@ -118,6 +128,61 @@ fn every_policy_has_a_row_and_json() {
 }
 
 #[test]
+fn recompute_all_and_none_run_side_by_side_and_compare() {
+    let dir = scratch();
+    let json = dir.path().join("step.json");
+    let (stdout, report) = run_with_json(
+        strata()
+            .args(["bench", "step", "--steps", "2", "--warmup", "0"])
+            .args(TINY)
+            .args(["--policies", "all-on-device,cpu-offload"])
+            .args(["--recompute", "all,none"])
+            .arg("--nvme")
+            .arg(dir.path()),
+        &json,
+    );
+    assert!(stdout.contains("(invariant 1): yes"), "{stdout}");
+    let runs: Vec<(&str, &str, &str)> = report["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["policy"].as_str().unwrap(),
+                p["recompute"].as_str().unwrap(),
+                p["recomputed"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        runs,
+        [
+            ("all-on-device", "all", "2 of 2 blocks"),
+            ("all-on-device", "none", "0 of 2 blocks"),
+            ("cpu-offload", "all", "2 of 2 blocks"),
+            ("cpu-offload", "none", "0 of 2 blocks"),
+        ]
+    );
+    let compared = report["recompute"].as_array().unwrap();
+    assert_eq!(compared.len(), 2, "{report}");
+    for (c, policy) in compared.iter().zip(["all-on-device", "cpu-offload"]) {
+        assert_eq!(c["policy"], policy);
+        let (all, none) = (
+            c["tokens_per_s_recompute_all"].as_f64().unwrap(),
+            c["tokens_per_s_recompute_none"].as_f64().unwrap(),
+        );
+        assert!(all > 0.0 && none > 0.0, "{c}");
+        assert!((c["none_over_all"].as_f64().unwrap() - none / all).abs() < 1e-9);
+        let peaks = &c["device_peak_planned"];
+        assert!(peaks[1].as_u64() > peaks[0].as_u64(), "{c}");
+        assert!(
+            stdout.contains(&format!("{policy}: keeping every layer's activations")),
+            "{stdout}"
+        );
+    }
+}
+
+#[test]
 fn a_policy_over_budget_is_skipped_with_its_refusal() {
     let dir = scratch();
     let out = strata()
@@ -146,30 +211,25 @@ fn a_policy_over_budget_is_skipped_with_its_refusal() {
 fn scale_run_trains_a_model_twice_the_host_budget() {
     let dir = scratch();
     let json = dir.path().join("scale.json");
-    let out = strata()
-        .args([
-            "bench",
-            "step",
-            "--scale",
-            "--steps",
-            "3",
-            "--host-mem",
-            "1.5MiB",
-        ])
-        .args([
-            "--layers", "16", "--heads", "2", "--width", "32", "--vocab", "64",
-        ])
-        .args(["--ctx", "32", "--batch", "2", "--seq", "16"])
-        .arg("--nvme")
-        .arg(dir.path())
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (_, report) = run_with_json(
+        strata()
+            .args([
+                "bench",
+                "step",
+                "--scale",
+                "--steps",
+                "3",
+                "--host-mem",
+                "1.5MiB",
+            ])
+            .args([
+                "--layers", "16", "--heads", "2", "--width", "32", "--vocab", "64",
+            ])
+            .args(["--ctx", "32", "--batch", "2", "--seq", "16"])
+            .arg("--nvme")
+            .arg(dir.path()),
+        &json,
+    );
     let host_budget = report["host_budget_bytes"].as_u64().unwrap();
     assert_eq!(host_budget, 3 << 19);
     assert!(report["state_bytes"].as_u64().unwrap() >= 2 * host_budget);

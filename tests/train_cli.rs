@@ -428,6 +428,32 @@ fn bad_input_gets_one_line_naming_what_to_fix() {
     let out = strata(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
     assert_one_line_error(&out, &["device tier", "short"]);
 
+    // Every layer's activations kept (--recompute none) where they do not fit, but
+    // recomputing some would: the shortfall, what they take, and what fits, named.
+    let args = small_run(
+        dir.path(),
+        &[
+            "--policy",
+            "all-on-device",
+            "--device-mem",
+            "18MiB",
+            "--recompute",
+            "none",
+            "--steps",
+            "1",
+        ],
+    );
+    let out = strata(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_one_line_error(
+        &out,
+        &[
+            "device tier needs",
+            "short",
+            "keeping the activations of all 4 blocks (--recompute none) takes",
+            "with --recompute auto it fits, recomputing",
+        ],
+    );
+
     // A disk too small: a 13B model's NVMe-resident state against this disk's free space,
     // refused before a parameter is allocated.
     let args = small_run(
@@ -447,6 +473,54 @@ fn bad_input_gets_one_line_naming_what_to_fix() {
     );
     let out = strata(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
     assert_one_line_error(&out, &["nvme tier", "short"]);
+}
+
+#[test]
+fn plan_and_train_say_how_many_layers_recompute() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("plan.json");
+    // Between the device peaks of recomputing every layer (17.2 MiB) and none (18.7 MiB).
+    let step = [
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--device-mem",
+        "18MiB",
+        "--host-mem",
+        "all",
+    ];
+    let recomputed = |recompute: &str| -> Vec<u64> {
+        let mut args = vec!["plan", "--recompute", recompute, "--json"];
+        args.push(json.to_str().unwrap());
+        args.extend(step);
+        let out = strata(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert!(
+            text(&out.stdout).contains(&format!("--recompute {recompute};")),
+            "{}",
+            text(&out.stdout)
+        );
+        let answer: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        answer["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["recomputed_blocks"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(recomputed("all"), [4, 4, 4, 4]);
+    assert_eq!(recomputed("none"), [0, 0, 0, 0]);
+    // Auto: all-on-device recomputes some of its 4 layers to fit the 18 MiB.
+    let auto = recomputed("auto");
+    assert!((1..4).contains(&auto[0]), "{auto:?}");
+    // Training prints the plan's choice.
+    let mut args = small_run(dir.path(), &["--policy", "all-on-device", "--steps", "1"]);
+    args.extend(["--device-mem", "18MiB"].map(String::from));
+    let stdout = text(&run_ok(&args).stdout);
+    let line = format!("recompute: {} of 4 blocks", auto[0]);
+    assert!(stdout.contains(&line), "{line} in\n{stdout}");
 }
 
 #[test]
@@ -575,7 +649,7 @@ fn plan_takes_an_nvme_budget_writes_json_and_fails_when_nothing_fits() {
     // Plan's help lists plan's flags only; --print-config works.
     let help = text(&strata(&["plan", "--help"]).stdout);
     assert!(
-        help.contains("--nvme-mem") && help.contains("--json"),
+        help.contains("--nvme-mem") && help.contains("--json") && help.contains("--recompute"),
         "{help}"
     );
     for train_only in [

@@ -5,6 +5,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+use strata::engine::plan::Recompute;
 use strata::train_config::{ConfigError, Dtype, LrSchedule, Origin, TrainArgs, TrainConfig};
 
 #[derive(Debug, Parser)]
@@ -40,7 +41,8 @@ fn error(text: &str, flags: &[&str]) -> (String, PathBuf) {
 
 #[test]
 fn defaults_then_file_then_flags() {
-    let (_dir, path) = config_file("steps = 50\nlr = 0.01\nbatch = 4\ndtype = \"bf16\"\n");
+    let (_dir, path) =
+        config_file("steps = 50\nlr = 0.01\nbatch = 4\ndtype = \"bf16\"\nrecompute = \"none\"\n");
     let nvme = tempfile::tempdir().expect("temp dir");
     let config = args(&[
         "--config",
@@ -50,6 +52,8 @@ fn defaults_then_file_then_flags() {
         "--nvme",
         nvme.path().to_str().expect("UTF-8"),
         "--delayed-update",
+        "--recompute",
+        "all",
     ])
     .resolve()
     .expect("valid");
@@ -60,6 +64,7 @@ fn defaults_then_file_then_flags() {
         dtype: Dtype::Bf16,
         nvme: vec![nvme.path().to_path_buf()],
         delayed_update: true,
+        recompute: Recompute::All,
         ..TrainConfig::default()
     };
     assert_eq!(config, expected);
@@ -126,6 +131,7 @@ fn print_config_reads_back_equal() {
         nvme: vec![dir.path().to_path_buf(), resume.clone()],
         policy: "nvme-offload".into(),
         prefetch: Some(3),
+        recompute: Recompute::None,
         lr: 6e-4,
         lr_schedule: LrSchedule::Constant,
         min_lr_ratio: 0.0,
@@ -156,6 +162,7 @@ fn print_config_shows_every_key_with_help() {
         "nvme",
         "policy",
         "prefetch",
+        "recompute",
         "steps",
         "batch",
         "seq",

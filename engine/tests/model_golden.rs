@@ -2,11 +2,15 @@
 //! Hugging Face's GPT2LMHeadModel in float32) must be reproduced in fp32 on the CPU
 //! device, through a whole-model [`Runner`](strata_engine::exec::Runner), with
 //! ‖out − ref‖ / ‖ref‖ < 1e-5 for the logits, the losses, the evaluation losses and every
-//! gradient, on every instruction set this CPU has, with one and with two threads.
+//! gradient, on every instruction set this CPU has, with one and with two threads, with
+//! the backward recomputing each layer's forward and with it reading what the forward
+//! saved (bit-identical to each other).
 
 mod model_support;
 
-use model_support::{cpu_runner, forward_backward, golden_dir, read_f32_tensors, rel_err};
+use model_support::{
+    forward_backward, forward_backward_both_ways, golden_dir, read_f32_tensors, rel_err,
+};
 use strata_engine::exec::Runner;
 use strata_engine::kernels::isa::Isa;
 use strata_engine::kernels::ops::Cpu;
@@ -56,9 +60,10 @@ fn cpu_matches_pytorch_on_the_tiny_model() {
     assert!(!isas.is_empty(), "no instruction set to test");
     for isa in isas {
         for threads in [1, 2] {
-            let mut runner = cpu_runner(&model, B, T, Cpu { isa, threads });
-            runner.load(&params).unwrap();
-            let out = forward_backward(&mut runner, &step0.inputs, &step0.targets);
+            let cpu = Cpu { isa, threads };
+            let what = format!("{isa} x{threads}: recomputing vs saved activations");
+            let (x, y) = (&step0.inputs, &step0.targets);
+            let out = &forward_backward_both_ways(&model, &params, B, T, cpu, x, y, &what);
             let logits_err = rel_err(&out.logits, &expected["logits0"]);
             let loss_err = rel_err(&[out.loss], &expected["losses"][..1]);
             assert_eq!(out.grads.len(), model.blocks().len());

@@ -5,13 +5,13 @@
 //!    math.
 //! 2. The engine's model (its block programs on the CPU device through a whole-model
 //!    [`Runner`](strata_engine::exec::Runner): fast f32 kernels, backward recomputing each
-//!    block from its input) against those same finite differences, and whole tensors
-//!    against the f64 reference gradient: checks the fast kernels, the block wiring and the
-//!    tied head.
+//!    block from its input, and bit-identically reading what each block's forward saved)
+//!    against those same finite differences, and whole tensors against the f64 reference
+//!    gradient: checks the fast kernels, the block wiring and the tied head.
 
 mod model_support;
 
-use model_support::{golden_dir, rel_err};
+use model_support::{RECOMPUTE, assert_same_gradients, golden_dir, rel_err};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use strata_engine::exec::Runner;
@@ -72,15 +72,22 @@ fn check_model(model: &Model, params: &[Vec<f32>], batch: usize, seq: usize, tok
     let w32 = to_reference32(model, params);
     let (_, mut ref32_grads) = reference::backward(shape, &w32, x, y, batch, seq);
 
-    let mut runner = Runner::on_cpu(model.clone(), batch, seq).unwrap();
-    runner.load(params).unwrap();
-    let loss = runner.forward(x, y).unwrap();
+    let [(loss, grads), saved] = RECOMPUTE.map(|recompute| {
+        let mut runner = Runner::on_cpu_recomputing(model.clone(), batch, seq, recompute).unwrap();
+        runner.load(params).unwrap();
+        let loss = runner.forward(x, y).unwrap();
+        (loss, runner.backward().unwrap())
+    });
+    assert_same_gradients(
+        &(loss, &grads),
+        &(saved.0, &saved.1),
+        "recomputing vs saved activations",
+    );
     assert!(
         (loss as f64 - out.loss).abs() < 1e-5 * out.loss.abs(),
         "loss {loss} vs {}",
         out.loss
     );
-    let grads = runner.backward().unwrap();
     assert_eq!(grads.len(), model.blocks().len());
 
     let mut rng = StdRng::seed_from_u64(11);

@@ -5,7 +5,8 @@
 //!
 //! 1. Step 0 on the CPU device through a whole-model runner: logits, the loss, the
 //!    evaluation losses and every gradient with ‖out − ref‖ / ‖ref‖ < 1e-5, on every
-//!    instruction set this CPU has, with one and two threads.
+//!    instruction set this CPU has, with one and two threads, recomputing each layer's
+//!    forward in the backward and reading what the forward saved (bit-identical).
 //! 2. Three AdamW steps through the executor (the golden data's hyper-parameters, from
 //!    its `meta.json`): the global and the worst tensor's error against the float64
 //!    replay (`final64.safetensors`) within 2x PyTorch fp32's own, and the final
@@ -18,7 +19,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use model_support::{
-    CHAOS, UNLIMITED, all_policies, cpu_runner, data_dir, forward_backward, read_f32_tensors,
+    CHAOS, UNLIMITED, all_policies, data_dir, forward_backward_both_ways, read_f32_tensors,
     read_f64_tensors, rel_err,
 };
 use strata_engine::exec::{ExecConfig, Executor, Runner, StepParams};
@@ -83,9 +84,10 @@ fn step_zero_matches_pytorch_on_every_isa_and_thread_count() {
         let mut checked = 0;
         for isa in Isa::supported() {
             for threads in [1, 2] {
-                let mut runner = cpu_runner(&model, B, T, Cpu { isa, threads });
-                runner.load(&params).unwrap();
-                let out = forward_backward(&mut runner, &step0.inputs, &step0.targets);
+                let cpu = Cpu { isa, threads };
+                let what = format!("{name} {isa} x{threads}: recomputing vs saved activations");
+                let (x, y) = (&step0.inputs, &step0.targets);
+                let out = &forward_backward_both_ways(&model, &params, B, T, cpu, x, y, &what);
                 let logits_err = rel_err(&out.logits, &expected["logits0"]);
                 let loss_err = rel_err(&[out.loss], &expected["losses"][..1]);
                 let mut worst = (0.0f64, String::new());

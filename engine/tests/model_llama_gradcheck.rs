@@ -7,14 +7,15 @@
 //! `nn.Linear`'s (out, in) weights, rotary embeddings, grouped-query attention, SwiGLU,
 //! cross-entropy), as transformers' modeling files compose them. The engine's model
 //! (its block programs on the CPU device through a whole-model runner: fast f32 kernels,
-//! the backward recomputing each block) must match its loss, and central differences of
-//! its loss on sampled elements of every parameter tensor.
+//! the backward recomputing each block, and bit-identically reading what each block's
+//! forward saved) must match its loss, and central differences of its loss on sampled
+//! elements of every parameter tensor.
 
 mod model_support;
 
 use std::collections::HashMap;
 
-use model_support::rel_err;
+use model_support::{RECOMPUTE, assert_same_gradients, rel_err};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use strata_engine::exec::Runner;
@@ -143,15 +144,22 @@ fn check(c: LlamaConfig, b: usize, t: usize, seed: u64) {
         }
     }
     let loss64 = forward(&c, &w, x, y, b, t);
-    let mut runner = Runner::on_cpu(model.clone(), b, t).unwrap();
-    runner.load(&params).unwrap();
-    let loss = runner.forward(x, y).unwrap();
+    let [(loss, grads), saved] = RECOMPUTE.map(|recompute| {
+        let mut runner = Runner::on_cpu_recomputing(model.clone(), b, t, recompute).unwrap();
+        runner.load(&params).unwrap();
+        let loss = runner.forward(x, y).unwrap();
+        (loss, runner.backward().unwrap())
+    });
+    assert_same_gradients(
+        &(loss, &grads),
+        &(saved.0, &saved.1),
+        &format!("{:?}: recomputing vs saved activations", c.variant),
+    );
     assert!(
         rel_err(&[loss], &[loss64 as f32]) < 1e-5,
         "{:?}: loss {loss} vs f64 {loss64}",
         c.variant
     );
-    let grads = runner.backward().unwrap();
     let mut worst = 0.0f64;
     let mut checked = 0;
     for (block, gr) in model.blocks().iter().zip(&grads) {

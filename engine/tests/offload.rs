@@ -1,5 +1,6 @@
 //! The offload engine's invariants (DESIGN.md section 4), on the CPU device:
-//! 1. parameters are bit-identical after 5 steps whatever the policy and prefetch depth;
+//! 1. parameters are bit-identical after 5 steps whatever the policy and prefetch depth,
+//!    and whichever blocks recompute their forward in the backward;
 //! 2. measured peak per tier <= plan <= budget, and a plan over budget is refused;
 //! 4. a failure during a step (an NVMe fault, an operation's error, a lane's panic) is an
 //!    error from the step, with every block wholly as before it or wholly updated, its
@@ -10,16 +11,19 @@
 
 mod model_support;
 
-use model_support::{CHAOS, UNLIMITED, all_policies, golden_dir, read_f32_tensors, rel_err};
+use model_support::{
+    CHAOS, UNLIMITED, all_policies, each_policy, golden_dir, read_f32_tensors, rel_err,
+};
 use strata_engine::exec::Runner;
 use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
+use strata_engine::model::llama::{LlamaConfig, Variant};
 use strata_engine::model::weights::load_pretrained;
-use strata_engine::model::{Gpt2Config, Model, gpt2};
+use strata_engine::model::{Gpt2Config, Llama, Model, gpt2};
 use strata_engine::plan::{
-    AllOnDevice, Auto, Budgets, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanError, PlanInput,
-    Policy, Precision, StepShape, Tier,
+    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanError,
+    PlanInput, Policy, Precision, Recompute, StepShape, Tier,
 };
 use strata_engine::storage::FaultPlan;
 
@@ -94,6 +98,18 @@ fn train_with(
         budgets: UNLIMITED,
     };
     let plan = Plan::build(&input, policy).unwrap();
+    train_plan(model, plan, steps, step_params, chaos)
+}
+
+/// `steps` steps of `plan` from the parameters `model.init_params(7)`, on one batch.
+fn train_plan(
+    model: &Model,
+    plan: Plan,
+    steps: usize,
+    step_params: StepParams,
+    chaos: Option<u64>,
+) -> Run {
+    let shape = plan.shape;
     let nvme = tempfile::tempdir().unwrap();
     let config = ExecConfig {
         nvme_dirs: vec![nvme.path().to_path_buf()],
@@ -550,7 +566,8 @@ fn a_plan_chosen_for_budgets_stays_within_them() {
 #[test]
 fn a_plan_over_budget_is_refused_naming_the_tier_and_what_fits() {
     let model = Model::new(small()).unwrap();
-    let shape = StepShape::cpu(2, 32);
+    // Every block recomputes: the device need is the plan's whatever the budget.
+    let shape = StepShape::cpu(2, 32).recomputing(Recompute::All);
     let full = Plan::build(
         &PlanInput {
             model: &model,
@@ -624,6 +641,175 @@ fn a_plan_over_budget_is_refused_naming_the_tier_and_what_fits() {
     };
     // Every tier that is short is named in the one refusal.
     assert!(short.len() >= 2, "{short:?}");
+}
+
+/// The plans of one step of `model` under `policy` that recompute every layer block's
+/// forward in the backward (`--recompute all`), none of them (`none`), and some (`auto`
+/// under a device budget halfway between the first two's device peaks), each checked to
+/// be what it says.
+fn recompute_plans(model: &Model, shape: StepShape, policy: &dyn Policy) -> [Plan; 3] {
+    let plan = |recompute, budgets| {
+        let input = PlanInput {
+            model,
+            shape: shape.recomputing(recompute),
+            budgets,
+        };
+        Plan::build(&input, policy).unwrap()
+    };
+    let all = plan(Recompute::All, UNLIMITED);
+    let none = plan(Recompute::None, UNLIMITED);
+    let layers = model.layers();
+    assert_eq!((all.recomputed(), none.recomputed()), (layers, 0));
+    let (low, high) = (all.peak[0], none.peak[0]);
+    assert!(low < high, "{}: device {low} vs {high}", policy.name());
+    let budgets = Budgets {
+        device: (low + high) / 2,
+        ..UNLIMITED
+    };
+    let mixed = plan(Recompute::Auto, budgets);
+    let what = format!(
+        "{} under a device budget of {}",
+        policy.name(),
+        budgets.device
+    );
+    assert!(mixed.peak[0] <= budgets.device, "{what}: {}", mixed.peak[0]);
+    assert!(
+        (1..layers).contains(&mixed.recomputed()),
+        "{what}: {}",
+        mixed.recompute_summary()
+    );
+    [all, none, mixed]
+}
+
+#[test]
+fn recomputing_every_block_none_or_some_trains_bit_identically() {
+    // GPT-2, and a Qwen3-shaped model of the Llama family (grouped-query attention with
+    // per-head q/k norms: every intermediate its saved backward reads).
+    let mut qwen3 = LlamaConfig::llama(3, 48, 80, 4, 2, 96, 32);
+    qwen3.head_dim = 16;
+    qwen3.variant = Variant::Qwen3;
+    qwen3.qk_norm = true;
+    let models = [
+        Model::new(small()).unwrap(),
+        Model::of(Llama::new(qwen3).unwrap()),
+    ];
+    for (model, grad_accum) in models.iter().flat_map(|m| [(m, 1), (m, 2)]) {
+        let shape = StepShape {
+            grad_accum,
+            ..StepShape::cpu(2, 16)
+        };
+        let everything = shape.recomputing(Recompute::All);
+        let reference = train(model, everything, &AllOnDevice, 3, hyper(1e-3));
+        for policy in each_policy() {
+            for plan in recompute_plans(model, shape, policy.as_ref()) {
+                for chaos in [None, Some(1)] {
+                    let what = format!(
+                        "{}, accumulating {grad_accum}, {} ({}), chaos {chaos:?}",
+                        model.family().name(),
+                        plan.policy,
+                        plan.recompute_summary()
+                    );
+                    let run = train_plan(model, plan.clone(), 3, hyper(1e-3), chaos);
+                    assert_bit_identical(&reference, &run, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_planner_keeps_what_fits_and_charges_recomputing_only_where_it_happens() {
+    use strata_engine::model::{Dtype, Pass, Target};
+    let layers = 6;
+    let model = Model::new(Gpt2Config::new(layers, 4, 64, 96, 32)).unwrap();
+    let dims = model.shape(2, 32).unwrap();
+    let shape = StepShape::cpu(2, 32);
+    let plan = |recompute, device| {
+        let input = PlanInput {
+            model: &model,
+            shape: shape.recomputing(recompute),
+            budgets: Budgets {
+                device,
+                ..UNLIMITED
+            },
+        };
+        (Plan::build(&input, &AllOnDevice).unwrap(), input)
+    };
+    let (all, _) = plan(Recompute::All, UNLIMITED.device);
+    let (none, _) = plan(Recompute::None, UNLIMITED.device);
+    // Room for everything: auto keeps every block.
+    let (roomy, _) = plan(Recompute::Auto, UNLIMITED.device);
+    assert_eq!(roomy.kept, none.kept);
+    assert_eq!(roomy.recompute_summary(), "recompute: 0 of 6 blocks");
+    assert_eq!(all.recompute_summary(), "recompute: 6 of 6 blocks");
+    // The saved activations are in the device peak: every kept block's are live at once.
+    let per_block = model.saved_bytes(1, dims, Target::Cpu, Dtype::F32) as u64;
+    assert_eq!(none.saved_total_bytes(), layers as u64 * per_block);
+    assert!(
+        none.peak[0] >= all.peak[0] + none.saved_total_bytes(),
+        "keeping {} of saved activations raised the device peak from {} to {} only",
+        none.saved_total_bytes(),
+        all.peak[0],
+        none.peak[0]
+    );
+    // Between the two peaks auto keeps what fits, the last blocks first.
+    for device in [
+        all.peak[0] + per_block,
+        (all.peak[0] + none.peak[0]) / 2,
+        none.peak[0] - 1,
+    ] {
+        let (mixed, _) = plan(Recompute::Auto, device);
+        let kept = layers - mixed.recomputed();
+        assert!(mixed.peak[0] <= device, "{} over {device}", mixed.peak[0]);
+        assert!((1..layers).contains(&kept), "{}", mixed.recompute_summary());
+        let last: Vec<bool> = (0..layers + 2)
+            .map(|b| b > layers - kept && b <= layers)
+            .collect();
+        assert_eq!(mixed.kept, last, "under {device}");
+    }
+    // Too tight to keep any: every block recomputes.
+    let (tight, _) = plan(Recompute::Auto, all.peak[0]);
+    assert_eq!(tight.recomputed(), layers);
+    // The cost model charges the forward's FLOPs again for recomputed blocks only.
+    let cost = CostModel::default();
+    let compute = |p: &Plan| cost.predict(p).compute_seconds;
+    let again = model.recompute_flops(1, dims);
+    let forward = model.flops(1, Pass::Forward, dims);
+    assert!(
+        again > 0.95 * forward && again < forward,
+        "{again} vs {forward}"
+    );
+    let (mixed, _) = plan(Recompute::Auto, (all.peak[0] + none.peak[0]) / 2);
+    for p in [&all, &mixed] {
+        let charged = compute(p) - compute(&none);
+        let want = p.recomputed() as f64 * again / cost.compute_flops;
+        assert!(
+            (charged - want).abs() <= 1e-9 * compute(p),
+            "{}: {charged} s charged for recomputing, {want} s expected",
+            p.recompute_summary()
+        );
+    }
+    assert!(cost.predict(&none).step_seconds < cost.predict(&mixed).step_seconds);
+    assert!(cost.predict(&mixed).step_seconds < cost.predict(&all).step_seconds);
+    // --recompute none under that budget: refused, naming the device shortfall, what
+    // the kept activations take, and that auto fits.
+    let (refused, input) = plan(Recompute::None, (all.peak[0] + none.peak[0]) / 2);
+    let err = refused.check_fits(&input).unwrap_err();
+    let PlanError::DoesNotFit { ref short, .. } = err else {
+        panic!("{err}");
+    };
+    assert_eq!(short.len(), 1, "{err}");
+    assert_eq!(short[0].tier, Tier::Device);
+    assert_eq!(short[0].need_bytes, none.peak[0]);
+    let msg = err.to_string();
+    assert!(
+        msg.contains("--recompute none")
+            && msg.contains(&format!(
+                "with --recompute auto it fits, recomputing {} of 6 blocks",
+                mixed.recomputed()
+            )),
+        "{msg}"
+    );
 }
 
 /// Master parameters, m and v of every block.

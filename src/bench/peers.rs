@@ -296,8 +296,9 @@ pub fn render(results: &[PeerResult]) -> String {
     let mut out = table.render();
     out.push_str(
         "peers: run in this invocation after strata's policies, on the same shape, batch and \
-         thread count (fp32; DeepSpeed built under zero.Init, no clipping); strata / peer: \
-         tokens per second, above 1 strata is faster.\n",
+         thread count (fp32; DeepSpeed built under zero.Init, no clipping); strata tokens/s: \
+         the policy at its fastest --recompute choice of this run; strata / peer: tokens per \
+         second, above 1 strata is faster.\n",
     );
     out.push_str(&notes);
     out

@@ -10,6 +10,9 @@
 //!   `AllOnDevice`'s compute-lane busy time (what the step would cost with no data
 //!   movement at all) and with the policy's own compute-lane busy time (how much of the
 //!   movement hides under its own compute).
+//! - `--recompute all,none` runs each policy once per value (recomputing every layer's
+//!   forward in the backward, keeping every layer's saved activations), and reports
+//!   tokens/s of each and their ratio per policy.
 //! - Policies run interleaved, one step of each per round, so that the noise of a
 //!   shared machine falls on all of them alike; when holding every executor at once would
 //!   not fit in the memory available, they run one after another, and the report says so.
@@ -28,7 +31,7 @@ use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model, PRESETS};
 use strata_engine::plan::{
     AllOnDevice, Budgets, CostModel, Lane, NvmeOffload, Plan, PlanInput, Policy, Precision,
-    Prediction, StepShape, Tier,
+    Prediction, Recompute, StepShape, Tier,
 };
 
 use super::adam::load_average;
@@ -106,6 +109,13 @@ pub struct StepArgs {
     /// Prefetch depth, in blocks, of the policies that stream.
     #[arg(long, visible_alias = "prefetch", default_value_t = 2)]
     pub depth: usize,
+    /// Which layers' backward recomputes their forward instead of reading the
+    /// activations the forward kept on the device: auto (keep what fits the device
+    /// budget), all (recompute every layer), none (keep every layer's). Comma-separated
+    /// values run each policy once per value, interleaved, and compare their tokens/s
+    /// (all,none: the cost of recomputing).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
+    pub recompute: Vec<Recompute>,
     /// Folder for the NVMe tier's swap files (on the drive to measure; not tmpfs).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
     pub nvme: PathBuf,
@@ -250,6 +260,12 @@ pub struct Latency {
 pub struct PolicyResult {
     /// The policy's name, with its depth.
     pub policy: String,
+    /// `--recompute` as asked for this run of the policy: auto, all or none.
+    pub recompute: Recompute,
+    /// Layer blocks the plan recomputes in the backward, of how many ("3 of 12 blocks").
+    pub recomputed: String,
+    /// Bytes of saved activations the plan keeps on the device.
+    pub saved_activation_bytes: u64,
     /// Median step seconds.
     pub step_s_median: f64,
     /// Fastest step.
@@ -288,6 +304,28 @@ pub struct PolicyResult {
     pub steps: Vec<StepSample>,
     /// Latency per operation kind, over every step.
     pub latency: Vec<Latency>,
+}
+
+impl PolicyResult {
+    /// The policy and how many layers its plan recomputes, for tables.
+    fn label(&self) -> String {
+        format!("{}, recompute {}", self.policy, self.recomputed)
+    }
+}
+
+/// A policy's runs recomputing every layer and none, compared.
+#[derive(Debug, Clone, Serialize)]
+pub struct RecomputeComparison {
+    /// The policy's name.
+    pub policy: String,
+    /// Tokens/s (median step) recomputing every layer's forward in the backward.
+    pub tokens_per_s_recompute_all: f64,
+    /// Tokens/s keeping every layer's saved activations.
+    pub tokens_per_s_recompute_none: f64,
+    /// The second over the first: how much faster keeping is.
+    pub none_over_all: f64,
+    /// Planned device peak of each: recompute all, none.
+    pub device_peak_planned: [u64; 2],
 }
 
 /// A policy the planner refused.
@@ -332,8 +370,10 @@ pub struct StepBenchReport {
     pub cost_model: CostModel,
     /// Whether every policy's losses equal the first policy's bit for bit (invariant 1).
     pub losses_identical: bool,
-    /// Results per policy, in the order asked.
+    /// Results per policy (and `--recompute` value), in the order asked.
     pub policies: Vec<PolicyResult>,
+    /// Per policy run with both `--recompute all` and `none`: tokens/s of each, ratio.
+    pub recompute: Vec<RecomputeComparison>,
     /// Policies whose plans did not fit or could not be built.
     pub refused: Vec<Refusal>,
     /// The peers run in this invocation (`--peers`), with strata's ratios to them.
@@ -387,6 +427,7 @@ pub struct ScaleReport {
 /// One policy being run.
 struct Rig {
     policy: Box<dyn Policy>,
+    recompute: Recompute,
     plan: Plan,
     executor: Option<Executor>,
     warmup: Vec<StepSample>,
@@ -422,6 +463,8 @@ impl Setup {
             grad_accum: args.grad_accum,
             precision,
             delayed_update: args.delayed_update,
+            // The scale run's; a comparison plans each policy with each --recompute.
+            recompute: args.recompute.first().copied().unwrap_or_default(),
             ..StepShape::cpu(args.batch, args.seq).on(target)
         };
         let params = model.init_params(args.seed);
@@ -549,6 +592,9 @@ fn validate(args: &StepArgs) -> Result<(), String> {
     if args.policies.is_empty() {
         return Err("--policies names no policy".into());
     }
+    if args.recompute.is_empty() {
+        return Err("--recompute names no choice (auto, all, none)".into());
+    }
     Ok(())
 }
 
@@ -579,26 +625,31 @@ pub fn run(args: &StepArgs) -> Result<(), Box<dyn std::error::Error>> {
 pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::error::Error>> {
     let mut machine = Machine::now();
     let setup = Setup::new(args)?;
-    let input = PlanInput {
-        model: &setup.model,
-        shape: setup.shape,
-        budgets: budgets(args, None),
-    };
     let mut rigs = Vec::new();
     let mut refused = Vec::new();
-    let mut asked: Vec<PolicyName> = Vec::new();
-    for &name in &args.policies {
-        if asked.contains(&name) {
+    let mut asked: Vec<(PolicyName, Recompute)> = Vec::new();
+    for (&name, &recompute) in args
+        .policies
+        .iter()
+        .flat_map(|n| args.recompute.iter().map(move |r| (n, r)))
+    {
+        if asked.contains(&(name, recompute)) {
             continue;
         }
-        asked.push(name);
+        asked.push((name, recompute));
         let policy = name.policy(args.depth);
+        let input = PlanInput {
+            model: &setup.model,
+            shape: setup.shape.recomputing(recompute),
+            budgets: budgets(args, None),
+        };
         match Plan::build(&input, policy.as_ref()).and_then(|plan| {
             plan.check_fits(&input)?;
             Ok(plan)
         }) {
             Ok(plan) => rigs.push(Rig {
                 policy,
+                recompute,
                 plan,
                 executor: None,
                 warmup: Vec::new(),
@@ -608,9 +659,14 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
                 latency: Vec::new(),
             }),
             Err(e) => {
-                println!("{}: skipped: {e}", policy.name());
+                let policy = if args.recompute.len() > 1 {
+                    format!("{}, --recompute {recompute}", policy.name())
+                } else {
+                    policy.name()
+                };
+                println!("{policy}: skipped: {e}");
                 refused.push(Refusal {
-                    policy: policy.name(),
+                    policy,
                     reason: e.to_string(),
                 });
             }
@@ -684,8 +740,9 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         let executor = rig.executor.as_mut().expect("started");
         let report = executor.step(&refs(&data[s]), &setup.step_params)?;
         eprintln!(
-            "  {} step {}/{total}{}: {:.3} s, loss {:.4}",
+            "  {} ({}) step {}/{total}{}: {:.3} s, loss {:.4}",
             rig.policy.name(),
+            rig.plan.recompute_summary(),
             s + 1,
             if s < args.warmup { " (warm-up)" } else { "" },
             report.seconds,
@@ -749,6 +806,9 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
             let all = rig.warmup.iter().chain(&rig.steps);
             PolicyResult {
                 policy: rig.plan.policy.clone(),
+                recompute: rig.recompute,
+                recomputed: rig.plan.recomputed_of(),
+                saved_activation_bytes: rig.plan.saved_total_bytes(),
                 step_s_median: step_s,
                 step_s_min: seconds.iter().copied().fold(f64::INFINITY, f64::min),
                 tokens_per_s: tokens as f64 / step_s,
@@ -778,6 +838,25 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
             .collect()
     };
     let losses_identical = rigs.iter().all(|r| losses(r) == losses(&rigs[0]));
+    let result = |policy: &str, recompute: Recompute| {
+        policies
+            .iter()
+            .find(|p| p.policy == policy && p.recompute == recompute)
+    };
+    let recompute = policies
+        .iter()
+        .filter(|p| p.recompute == Recompute::All)
+        .filter_map(|all| {
+            let none = result(&all.policy, Recompute::None)?;
+            Some(RecomputeComparison {
+                policy: all.policy.clone(),
+                tokens_per_s_recompute_all: all.tokens_per_s,
+                tokens_per_s_recompute_none: none.tokens_per_s,
+                none_over_all: none.tokens_per_s / all.tokens_per_s,
+                device_peak_planned: [all.peak_planned[0], none.peak_planned[0]],
+            })
+        })
+        .collect();
     let peers = match &args.peers {
         None => Vec::new(),
         Some(_) if args.dtype != Dtype::Fp32 => {
@@ -785,10 +864,15 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
             Vec::new()
         }
         Some(dir) => {
-            let strata: Vec<(String, f64)> = policies
-                .iter()
-                .map(|p| (p.policy.clone(), p.tokens_per_s))
-                .collect();
+            // Each policy at its fastest recompute choice of this run (the peers keep
+            // every activation).
+            let mut strata: Vec<(String, f64)> = Vec::new();
+            for p in &policies {
+                match strata.iter_mut().find(|(name, _)| *name == p.policy) {
+                    Some(best) => best.1 = best.1.max(p.tokens_per_s),
+                    None => strata.push((p.policy.clone(), p.tokens_per_s)),
+                }
+            }
             let shape = PeerShape {
                 layers: config.layers,
                 heads: config.heads,
@@ -824,6 +908,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         cost_model: cost,
         losses_identical,
         policies,
+        recompute,
         refused,
         peers,
     };
@@ -910,7 +995,7 @@ pub fn render(report: &StepBenchReport) -> String {
     ]);
     for p in &report.policies {
         time.row([
-            p.policy.clone(),
+            p.label(),
             seconds(p.step_s_median),
             format!("{:.0}", p.tokens_per_s),
             ratio(p.vs_all_on_device, "x"),
@@ -920,7 +1005,7 @@ pub fn render(report: &StepBenchReport) -> String {
             seconds(p.predicted.step_seconds),
             format!("{:.4} -> {:.4}", p.loss_first, p.loss_last),
         ]);
-        let mut row = vec![p.policy.clone()];
+        let mut row = vec![p.label()];
         row.extend(p.peak_planned.iter().map(|&b| format_bytes(b)));
         row.extend(p.peak_measured.iter().map(|&b| format_bytes(b)));
         row.extend(p.link_bytes_per_step.iter().map(|&b| format_bytes(b)));
@@ -954,8 +1039,20 @@ pub fn render(report: &StepBenchReport) -> String {
          device's copies counted them (the plan's are in the JSON); fixed: NVMe chunks \
          through io_uring's registered buffers (the pinned host arena).\n",
     );
+    for c in &report.recompute {
+        out.push_str(&format!(
+            "{}: keeping every layer's activations (--recompute none) {:.0} tokens/s, \
+             recomputing every layer's forward (all) {:.0} tokens/s: {:.3}x, for {} more \
+             device memory planned\n",
+            c.policy,
+            c.tokens_per_s_recompute_none,
+            c.tokens_per_s_recompute_all,
+            c.none_over_all,
+            format_bytes(c.device_peak_planned[1].saturating_sub(c.device_peak_planned[0]))
+        ));
+    }
     out.push_str(&format!(
-        "losses bit-identical across policies (invariant 1): {}\n",
+        "losses bit-identical across policies and recompute choices (invariant 1): {}\n",
         if report.losses_identical { "yes" } else { "NO" }
     ));
     if let [Some(before), Some(after)] = report.machine.load_average {
@@ -981,7 +1078,7 @@ fn chart(report: &StepBenchReport) -> LineChart {
             .policies
             .iter()
             .map(|p| Series {
-                name: p.policy.clone(),
+                name: p.label(),
                 points: p
                     .steps
                     .iter()
@@ -1004,7 +1101,11 @@ fn combined_trace(rigs: &[Rig]) -> Value {
         for mut event in trace["traceEvents"].as_array().cloned().unwrap_or_default() {
             event["pid"] = json!(pid + 1);
             if event["name"] == "process_name" {
-                event["args"]["name"] = json!(format!("{} (step {step})", rig.plan.policy));
+                event["args"]["name"] = json!(format!(
+                    "{}, {} (step {step})",
+                    rig.plan.policy,
+                    rig.plan.recompute_summary()
+                ));
             }
             events.push(event);
         }

@@ -24,7 +24,7 @@ use strata_kernels::program::{Scalars, read_stats};
 
 use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
 use crate::device::{Bindings, Device, Event, Lane, cast, cast_mut};
-use crate::model::{Bind, Pass, TensorSpec};
+use crate::model::{Bind, TensorSpec};
 use crate::plan::{Binds, BufId, GradSource, OpId, OpKind, Precision, Tier};
 
 /// Whether `e` only says the lane stopped for another's failure.
@@ -231,6 +231,7 @@ impl Executor {
         bind(Bind::DOutput, binds.d_output);
         bind(Bind::DInput, binds.d_input);
         bind(Bind::Losses, binds.losses);
+        bind(Bind::Saved, binds.saved);
         bind(Bind::Scratch, Some(self.plan.scratch));
         if let Some(tokens) = binds.tokens {
             let r = self.device_range(tokens);
@@ -306,10 +307,7 @@ impl Executor {
                     dloss: shared.params.loss_scale / shared.counted_targets as f32,
                     ..Scalars::default()
                 };
-                let program = match pass {
-                    Pass::Forward => &self.programs.forward[block],
-                    Pass::Backward => &self.programs.backward[block],
-                };
+                let program = &self.programs.compute[block][pass.index()];
                 self.device
                     .run_program(op.lane, program, &self.bindings(binds), &scalars, after)
             }

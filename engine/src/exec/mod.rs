@@ -5,8 +5,9 @@
 //!   io_uring, so NVMe reads land with ReadFixed where the host-to-device copies start),
 //!   and the NVMe extents in a [`TensorStore`]. Every buffer of the plan is a range of
 //!   one of them, at the offset the plan gave its slot. A step allocates no buffer.
-//! - The programs are built once: each block's forward and backward from the model
-//!   family, and the shared update programs (`crate::model::update`).
+//! - The programs are built once: each block's forward and backward (both variants: with
+//!   and without saved activations) from the model family, and the shared update
+//!   programs (`crate::model::update`).
 //! - A step runs each lane on its thread (module `lanes`; the threads live as long as the
 //!   executor, module `workers`). The host lanes (NVMe reads, NVMe writes, the CPU
 //!   optimizer) run their operations; the stream lanes (H2D, compute, update, D2H) submit
@@ -237,8 +238,8 @@ impl StepReport {
 
 /// The programs of every block, built once.
 struct Programs {
-    forward: Vec<Program>,
-    backward: Vec<Program>,
+    /// Per block, its program of each [`Pass`] (by [`Pass::index`]).
+    compute: Vec<[Program; 4]>,
     /// AdamW on the device, for blocks whose optimizer state lives there.
     update: Vec<Option<Program>>,
     stats: Vec<Program>,
@@ -487,8 +488,9 @@ impl Executor {
         let nb = model.blocks().len();
         let program = |b, pass| -> Program { model.program(b, pass, dims, target, dtype).into() };
         let programs = Programs {
-            forward: (0..nb).map(|b| program(b, Pass::Forward)).collect(),
-            backward: (0..nb).map(|b| program(b, Pass::Backward)).collect(),
+            compute: (0..nb)
+                .map(|b| Pass::ALL.map(|pass| program(b, pass)))
+                .collect(),
             update: (0..nb)
                 .map(|b| {
                     (plan.homes[b][2] == Tier::Device).then(|| {

@@ -5,14 +5,16 @@
 //! activation gradients, tokens, losses and the scratch are ranges of one device
 //! allocation; host data goes through a pinned staging arena. The same programs run as
 //! under the executor, on the same device interface; only the schedule is the plain one
-//! (every block in order, nothing streamed).
+//! (every block in order, nothing streamed). A runner either recomputes every layer's
+//! forward in its backward, or keeps every layer's saved activations from the forward
+//! (see [`Runner::new_recomputing`]): the two give the same results bit for bit.
 
 use strata_kernels::program::{Dtype, Scalars, Target};
 
 use crate::device::{Bindings, Device, DeviceRange, Event, Lane, Program, cast};
 use crate::memory::{ARENA_ALIGN, DeviceBuffer, HostArena, HostRange};
 use crate::model::{Bind, Model, ModelError, Pass, Shape};
-use crate::plan::Precision;
+use crate::plan::{Precision, Recompute};
 
 /// A model with every buffer on one device.
 pub struct Runner {
@@ -31,6 +33,9 @@ pub struct Runner {
     tokens: DeviceRange,
     losses: DeviceRange,
     scratch: DeviceRange,
+    /// Per block, its saved activations when the runner keeps them.
+    saved: Vec<Option<DeviceRange>>,
+    /// Per block, the forward and the backward it runs.
     forward: Vec<Program>,
     backward: Vec<Program>,
     has_forward: bool,
@@ -53,7 +58,8 @@ impl Layout {
 
 impl Runner {
     /// Bytes of device memory a runner of `model` for batches of `batch` × `seq` needs
-    /// on `target` with parameters and activations of `dtype`.
+    /// on `target` with parameters and activations of `dtype` (recomputing every layer's
+    /// forward in its backward, as [`Runner::new`] does).
     pub fn device_bytes(
         model: &Model,
         batch: usize,
@@ -61,8 +67,23 @@ impl Runner {
         target: Target,
         dtype: Dtype,
     ) -> Result<usize, ModelError> {
+        Self::device_bytes_recomputing(model, batch, seq, target, dtype, Recompute::All)
+    }
+
+    /// [`Runner::device_bytes`] of a runner that recomputes as `recompute` says (see
+    /// [`Runner::new_recomputing`]).
+    pub fn device_bytes_recomputing(
+        model: &Model,
+        batch: usize,
+        seq: usize,
+        target: Target,
+        dtype: Dtype,
+        recompute: Recompute,
+    ) -> Result<usize, ModelError> {
         let shape = model.shape(batch, seq)?;
-        Ok(Self::layout(model, shape, target, dtype).0.next)
+        Ok(Self::layout(model, shape, target, dtype, keeps(recompute))
+            .0
+            .next)
     }
 
     #[allow(clippy::type_complexity)]
@@ -71,6 +92,7 @@ impl Runner {
         shape: Shape,
         target: Target,
         dtype: Dtype,
+        keep: bool,
     ) -> (
         Layout,
         Vec<DeviceRange>,
@@ -80,6 +102,7 @@ impl Runner {
         DeviceRange,
         DeviceRange,
         DeviceRange,
+        Vec<Option<DeviceRange>>,
     ) {
         let mut l = Layout { next: 0 };
         let blocks = model.blocks();
@@ -95,11 +118,18 @@ impl Runner {
         let losses = l.take(4 * shape.rows());
         let stats = crate::model::update::grad_stats_scratch(blocks, target);
         let scratch = l.take(model.scratch_bytes(shape, target, dtype).max(stats));
-        (l, params, grads, acts, dact, tokens, losses, scratch)
+        let saved = (0..blocks.len())
+            .map(|b| {
+                let bytes = model.saved_bytes(b, shape, target, dtype);
+                (keep && bytes > 0).then(|| l.take(bytes))
+            })
+            .collect();
+        (l, params, grads, acts, dact, tokens, losses, scratch, saved)
     }
 
     /// `model` on `device` for batches of `batch` × `seq`, with working parameters in
     /// `precision` (the CPU device computes in f32 whatever it is; a GPU in its dtype).
+    /// Each layer's backward recomputes its forward.
     pub fn new(
         model: Model,
         device: Device,
@@ -107,14 +137,30 @@ impl Runner {
         seq: usize,
         precision: Precision,
     ) -> Result<Self, ModelError> {
+        Self::new_recomputing(model, device, batch, seq, precision, Recompute::All)
+    }
+
+    /// [`Runner::new`], recomputing as `recompute` says: every layer's forward in its
+    /// backward ([`Recompute::All`]), or none, every layer keeping its saved activations
+    /// from the forward to the backward ([`Recompute::None`]; also what
+    /// [`Recompute::Auto`] does here, where the memory is sized for it).
+    pub fn new_recomputing(
+        model: Model,
+        device: Device,
+        batch: usize,
+        seq: usize,
+        precision: Precision,
+        recompute: Recompute,
+    ) -> Result<Self, ModelError> {
         let shape = model.shape(batch, seq)?;
         let target = device.target();
         let dtype = match target {
             Target::Cpu => Dtype::F32,
             Target::Cuda => precision.dtype(),
         };
-        let (l, params, grads, acts, dact, tokens, losses, scratch) =
-            Self::layout(&model, shape, target, dtype);
+        let keep = keeps(recompute);
+        let (l, params, grads, acts, dact, tokens, losses, scratch, saved) =
+            Self::layout(&model, shape, target, dtype, keep);
         let memory = device.alloc(l.next.max(1)).map_err(ModelError::Device)?;
         let base = memory.arena_offset_bytes();
         let shift = |r: DeviceRange| DeviceRange::new(base + r.offset_bytes, r.len_bytes);
@@ -127,9 +173,15 @@ impl Runner {
             .map_err(ModelError::Device)?;
         let nb = model.blocks().len();
         let program = |b, pass| -> Program { model.program(b, pass, shape, target, dtype).into() };
+        let (forward, backward) = if keep {
+            (Pass::ForwardSave, Pass::BackwardSaved)
+        } else {
+            (Pass::Forward, Pass::Backward)
+        };
         Ok(Runner {
-            forward: (0..nb).map(|b| program(b, Pass::Forward)).collect(),
-            backward: (0..nb).map(|b| program(b, Pass::Backward)).collect(),
+            forward: (0..nb).map(|b| program(b, forward)).collect(),
+            backward: (0..nb).map(|b| program(b, backward)).collect(),
+            saved: saved.into_iter().map(|r| r.map(shift)).collect(),
             params: params.into_iter().map(shift).collect(),
             grads: grads.into_iter().map(shift).collect(),
             acts: acts.into_iter().map(shift).collect(),
@@ -151,12 +203,31 @@ impl Runner {
 
     /// The model on a CPU device sized for it.
     pub fn on_cpu(model: Model, batch: usize, seq: usize) -> Result<Self, ModelError> {
-        let bytes = Self::device_bytes(&model, batch, seq, Target::Cpu, Dtype::F32)?;
+        Self::on_cpu_recomputing(model, batch, seq, Recompute::All)
+    }
+
+    /// [`Runner::on_cpu`], recomputing as `recompute` says (see
+    /// [`Runner::new_recomputing`]).
+    pub fn on_cpu_recomputing(
+        model: Model,
+        batch: usize,
+        seq: usize,
+        recompute: Recompute,
+    ) -> Result<Self, ModelError> {
+        let bytes =
+            Self::device_bytes_recomputing(&model, batch, seq, Target::Cpu, Dtype::F32, recompute)?;
         let device = crate::device::CpuDevice::new(crate::device::CpuDeviceConfig {
             memory_budget_bytes: bytes.max(1),
             ..Default::default()
         })?;
-        Runner::new(model, Device::Cpu(device), batch, seq, Precision::Fp32)
+        Runner::new_recomputing(
+            model,
+            Device::Cpu(device),
+            batch,
+            seq,
+            Precision::Fp32,
+            recompute,
+        )
     }
 
     /// The model.
@@ -267,7 +338,10 @@ impl Runner {
         if b <= layers {
             out.set(Bind::Output as u8, self.acts[b]);
         }
-        if pass == Pass::Backward {
+        if let Some(saved) = self.saved[b] {
+            out.set(Bind::Saved as u8, saved);
+        }
+        if !pass.is_forward() {
             // The gradient of the head's input is dact[layers % 2]; block b reads
             // dact[b % 2] (its output's) and writes dact[(b - 1) % 2].
             if b <= layers {
@@ -280,10 +354,13 @@ impl Runner {
         out
     }
 
+    /// Runs block `b`'s forward (`pass` [`Pass::Forward`]) or backward
+    /// ([`Pass::Backward`]): the variants this runner was built with.
     fn run(&self, b: usize, pass: Pass, scalars: &Scalars) -> Result<Event, ModelError> {
-        let program = match pass {
-            Pass::Forward => &self.forward[b],
-            Pass::Backward => &self.backward[b],
+        let program = if pass.is_forward() {
+            &self.forward[b]
+        } else {
+            &self.backward[b]
         };
         self.device
             .run_program(
@@ -348,7 +425,7 @@ impl Runner {
 
     /// After [`Runner::forward`], the gradient of the mean loss with respect to every
     /// parameter: one f32 buffer per block. Each block recomputes its forward from its
-    /// input.
+    /// input, or reads the activations its forward saved.
     pub fn backward(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
         if !self.has_forward {
             return Err(ModelError::BadInput(
@@ -374,6 +451,11 @@ impl Runner {
             .map(|&g| self.download(g, Dtype::F32))
             .collect()
     }
+}
+
+/// Whether a runner recomputing as `recompute` says keeps saved activations.
+fn keeps(recompute: Recompute) -> bool {
+    recompute != Recompute::All
 }
 
 fn acts_bytes(acts: &[DeviceRange]) -> usize {

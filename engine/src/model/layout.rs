@@ -124,17 +124,24 @@ impl BlockLayout {
     }
 }
 
-/// Hands out consecutive 256-byte-aligned tensors of a block program's scratch (a
-/// family lays out its scratch with it).
+/// Hands out consecutive 256-byte-aligned tensors of one buffer a block program binds:
+/// the scratch, or the saved activations (a family lays them out with it).
 pub(crate) struct Carve {
+    /// The buffer the tensors are in.
+    bind: Bind,
     /// Where the next tensor starts, in bytes; after the last, the bytes used.
     pub(crate) next: usize,
 }
 
 impl Carve {
+    /// Tensors of the buffer bound at `bind`, from its start.
+    pub(crate) fn new(bind: Bind) -> Self {
+        Carve { bind, next: 0 }
+    }
+
     /// The next `len` elements of `dtype`.
     pub(crate) fn take(&mut self, len: usize, dtype: Dtype) -> TensorRef {
-        let t = TensorRef::new(Bind::Scratch as u8, self.next, len, dtype);
+        let t = TensorRef::new(self.bind as u8, self.next, len, dtype);
         self.next = (self.next + t.bytes()).next_multiple_of(256);
         t
     }

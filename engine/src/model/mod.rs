@@ -39,11 +39,22 @@ pub use llama::{Llama, LlamaConfig};
 pub use strata_kernels::program::{Dtype, IGNORE_TARGET, Kernel, Target, TensorRef};
 
 /// Which pass of a block a program computes.
+///
+/// A layer block's backward either recomputes the block's forward from its input
+/// ([`Pass::Backward`], after a [`Pass::Forward`] that kept only the block's output) or
+/// reads what a [`Pass::ForwardSave`] left in the block's saved-activations buffer
+/// ([`Bind::Saved`], of [`Family::saved_bytes`]) ([`Pass::BackwardSaved`]). The two pairs
+/// compute the same values bit for bit: the saved intermediates are the ones the
+/// recomputation would produce, by the same kernels on the same inputs. Blocks that save
+/// nothing (the embedding, the head) run the same programs for both variants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Pass {
     /// The forward: the embedding's output from tokens, a layer's output from its input,
     /// the head's per-position losses from its input and the targets.
     Forward,
+    /// The forward that also writes into [`Bind::Saved`] the intermediates its block's
+    /// [`Pass::BackwardSaved`] reads.
+    ForwardSave,
     /// The backward into zeroed gradients (a family zeroes each gradient buffer in the
     /// first program that writes it in a micro-batch): a layer recomputes its forward
     /// from its input, then writes the gradient of its input ([`Bind::DInput`]) given
@@ -51,6 +62,40 @@ pub enum Pass {
     /// gradient (with [`Scalars::dloss`](strata_kernels::program::Scalars)) and the
     /// gradient of its input; the embedding adds to its gradients only.
     Backward,
+    /// [`Pass::Backward`] without the recomputation: a layer reads the intermediates its
+    /// [`Pass::ForwardSave`] left in [`Bind::Saved`] (recomputing at most cheap
+    /// elementwise ones into the scratch, as its family documents).
+    BackwardSaved,
+}
+
+impl Pass {
+    /// Every pass.
+    pub const ALL: [Pass; 4] = [
+        Pass::Forward,
+        Pass::ForwardSave,
+        Pass::Backward,
+        Pass::BackwardSaved,
+    ];
+
+    /// Its position in [`Pass::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            Pass::Forward => 0,
+            Pass::ForwardSave => 1,
+            Pass::Backward => 2,
+            Pass::BackwardSaved => 3,
+        }
+    }
+
+    /// Whether it is one of the forward passes.
+    pub fn is_forward(self) -> bool {
+        matches!(self, Pass::Forward | Pass::ForwardSave)
+    }
+
+    /// Whether it writes or reads [`Bind::Saved`].
+    pub fn uses_saved(self) -> bool {
+        matches!(self, Pass::ForwardSave | Pass::BackwardSaved)
+    }
 }
 
 /// The buffers a block program reads and writes, by the index its
@@ -89,11 +134,14 @@ pub enum Bind {
     Stats,
     /// Gradients to add (accumulation).
     GradsIn,
+    /// The block's saved activations: written by [`Pass::ForwardSave`], read by
+    /// [`Pass::BackwardSaved`] ([`Family::saved_bytes`] bytes).
+    Saved,
 }
 
 impl Bind {
     /// How many there are.
-    pub const COUNT: usize = 15;
+    pub const COUNT: usize = 16;
 }
 
 /// The batch shape of a step: `batch` sequences of `seq` tokens.
@@ -174,6 +222,11 @@ pub trait Family: Send + Sync + fmt::Debug {
     /// Bytes of scratch every program of this shape needs on `target`, with activations
     /// and parameters of `dtype`.
     fn scratch_bytes(&self, shape: Shape, target: Target, dtype: Dtype) -> usize;
+    /// Bytes of block `block`'s saved activations ([`Bind::Saved`]) for this shape on
+    /// `target` with activations of `dtype`: what its [`Pass::ForwardSave`] keeps for its
+    /// [`Pass::BackwardSaved`]. 0 for a block whose backward recomputes nothing (the
+    /// embedding, the head).
+    fn saved_bytes(&self, block: usize, shape: Shape, target: Target, dtype: Dtype) -> usize;
     /// The program of `pass` of `block` (see [`Pass`] and [`Bind`]).
     fn program(
         &self,
@@ -344,6 +397,18 @@ impl Model {
         self.family.scratch_bytes(shape, target, dtype)
     }
 
+    /// Bytes of block `block`'s saved activations for `shape` on `target` in `dtype`
+    /// (see [`Family::saved_bytes`]).
+    pub fn saved_bytes(&self, block: usize, shape: Shape, target: Target, dtype: Dtype) -> usize {
+        self.family.saved_bytes(block, shape, target, dtype)
+    }
+
+    /// Floating-point operations block `block`'s backward spends recomputing its forward:
+    /// what keeping its saved activations saves per micro-batch.
+    pub fn recompute_flops(&self, block: usize, shape: Shape) -> f64 {
+        self.flops(block, Pass::Backward, shape) - self.flops(block, Pass::BackwardSaved, shape)
+    }
+
     /// Errors naming the first id of `tokens` outside the vocabulary.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), ModelError> {
         self.check_ids(tokens, false)
@@ -365,6 +430,106 @@ impl Model {
                 vocab: self.vocab(),
             }),
             None => Ok(()),
+        }
+    }
+}
+
+/// Checks of a family's programs that hold for every family, for its unit tests.
+#[cfg(test)]
+pub(crate) mod checks {
+    use strata_kernels::program::Access;
+
+    use super::{Bind, BlockKind, Dtype, Family, Pass, Shape, Target};
+
+    /// Every tensor of every program of `family` (each block, each [`Pass`]) lies inside
+    /// the buffer it is bound to; every program reads from the scratch only bytes it
+    /// wrote itself, earlier (nothing is left to it by another block's program); a
+    /// layer's [`Pass::BackwardSaved`] reads from its saved buffer only what its
+    /// [`Pass::ForwardSave`] wrote there (so it needs no recomputation it does not do),
+    /// and reads every tensor that forward saved (so nothing is kept for nothing).
+    pub(crate) fn check_programs(family: &dyn Family, shape: Shape, target: Target, dtype: Dtype) {
+        let scratch = family.scratch_bytes(shape, target, dtype);
+        let tied = family.blocks()[0].len;
+        for (b, block) in family.blocks().iter().enumerate() {
+            let saved = family.saved_bytes(b, shape, target, dtype);
+            let is_layer = matches!(block.kind, BlockKind::Transformer { .. });
+            assert_eq!(saved > 0, is_layer, "block {b}: saved bytes {saved}");
+            let mut saved_by_forward = vec![false; saved];
+            // Tensors the saved forward wrote to Saved, and those the saved backward read.
+            let (mut kept, mut used) = (Vec::new(), Vec::new());
+            for pass in [
+                Pass::Forward,
+                Pass::Backward,
+                Pass::ForwardSave,
+                Pass::BackwardSaved,
+            ] {
+                let mut wrote = [vec![false; scratch], vec![false; saved]];
+                for k in family.program(b, pass, shape, target, dtype) {
+                    let what = format!("block {b} {pass:?} {}", k.name());
+                    let mut writes = Vec::new();
+                    k.for_each_tensor(|t, access| {
+                        let range = t.offset_bytes..t.offset_bytes + t.bytes();
+                        let limit = match t.buf {
+                            x if x == Bind::Scratch as u8 => scratch,
+                            x if x == Bind::Saved as u8 => {
+                                assert!(pass.uses_saved(), "{what}: {t:?} in Saved");
+                                saved
+                            }
+                            x if x == Bind::Params as u8 => block.len * dtype.size(),
+                            x if x == Bind::Grads as u8 => block.len * 4,
+                            x if x == Bind::TiedParams as u8 => tied * dtype.size(),
+                            x if x == Bind::TiedGrads as u8 => tied * 4,
+                            _ => usize::MAX,
+                        };
+                        assert!(range.end <= limit, "{what}: {t:?} past {limit}");
+                        let region = match t.buf {
+                            x if x == Bind::Scratch as u8 => 0,
+                            x if x == Bind::Saved as u8 => 1,
+                            _ => return,
+                        };
+                        if region == 1 {
+                            match pass {
+                                Pass::ForwardSave if access == Access::Write => kept.push(*t),
+                                Pass::BackwardSaved => used.push(*t),
+                                _ => {}
+                            }
+                        }
+                        match access {
+                            Access::Write => writes.push((region, range)),
+                            Access::Read => {
+                                let from_forward = region == 1 && pass == Pass::BackwardSaved;
+                                let known = if from_forward {
+                                    &saved_by_forward
+                                } else {
+                                    &wrote[region]
+                                };
+                                assert!(
+                                    known[range.clone()].iter().all(|&w| w),
+                                    "{what} reads {t:?}, which {}",
+                                    if from_forward {
+                                        "the saved forward did not write"
+                                    } else {
+                                        "no earlier kernel of the program wrote"
+                                    }
+                                );
+                            }
+                        }
+                    });
+                    for (region, range) in writes {
+                        wrote[region][range].fill(true);
+                    }
+                }
+                if pass == Pass::ForwardSave {
+                    saved_by_forward = wrote[1].clone();
+                }
+            }
+            for t in kept {
+                assert!(
+                    used.contains(&t),
+                    "block {b}: the saved forward keeps {t:?}, which the saved backward \
+                     never reads"
+                );
+            }
         }
     }
 }

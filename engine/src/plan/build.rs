@@ -5,8 +5,8 @@
 //!    checked against the engine's rules.
 //! 2. Buffers ([`Planner::home_buffers`], [`Planner::step_buffers`]): persistent homes
 //!    (device- or host-resident) and NVMe extents, and the step's transient buffers:
-//!    device parameter copies per use group, checkpoints, activation gradients,
-//!    per-micro-batch gradients, staging. Data homed on NVMe that a step rewrites
+//!    device parameter copies per use group, checkpoints, the saved activations of the
+//!    blocks the plan keeps, activation gradients, per-micro-batch gradients, staging. Data homed on NVMe that a step rewrites
 //!    (working parameters, optimizer state) is shadow-paged ([`ExtentKind::Shadow`]): a
 //!    block's update writes its new data to a spare extent of the same size, and the
 //!    block's commit operation flips the group to it, the old extent becoming the spare;
@@ -24,13 +24,19 @@
 //!    their lifetimes do not overlap, each reuse adding edges from the previous
 //!    occupant's users; slots get their offsets in the tier's arena.
 //!
+//! Which layer blocks keep their saved activations (and skip recomputing their forward
+//! in the backward) is decided around these stages ([`Plan::build`]): all of them when
+//! the device peak allows, else as many as fit, chosen by the FLOPs each saves per byte
+//! it keeps.
+//!
 //! The planner knows blocks, tensor classes and tiers; what a block computes is the
 //! model family's (it is asked for sizes and FLOPs only).
 
 use std::fmt;
 
 use super::{
-    Budgets, PlanError, PlanInput, Policy, Precision, Release, StepShape, TensorClass, Tier,
+    Budgets, PlanError, PlanInput, Policy, Precision, Recompute, Release, StepShape, TensorClass,
+    Tier,
 };
 use crate::device::Lane;
 use crate::model::{BlockLayout, Dtype, Pass, Shape, update};
@@ -230,6 +236,9 @@ pub struct Binds {
     pub tokens: Option<BufId>,
     /// Per-position losses.
     pub losses: Option<BufId>,
+    /// The block's saved activations (a kept block's forward writes them, its backward
+    /// reads them).
+    pub saved: Option<BufId>,
 }
 
 /// Where the global norm takes a block's gradient statistics from.
@@ -399,16 +408,8 @@ impl OpKind {
             OpKind::NvmeWrite { .. } => ("nvme write", None),
             OpKind::H2d { .. } => ("h2d", None),
             OpKind::D2h { .. } => ("d2h", None),
-            OpKind::Compute {
-                block,
-                pass: Pass::Forward,
-                ..
-            } => ("fwd", Some(block)),
-            OpKind::Compute {
-                block,
-                pass: Pass::Backward,
-                ..
-            } => ("bwd", Some(block)),
+            OpKind::Compute { block, pass, .. } if pass.is_forward() => ("fwd", Some(block)),
+            OpKind::Compute { block, .. } => ("bwd", Some(block)),
             OpKind::Accumulate { block, .. } => ("accumulate grads", Some(block)),
             OpKind::HostAccumulate { block, .. } => ("host accumulate grads", Some(block)),
             OpKind::DeviceStats { block, .. } => ("grad stats", Some(block)),
@@ -428,14 +429,8 @@ impl OpKind {
             OpKind::H2d { .. } => "h2d",
             OpKind::D2h { .. } => "d2h",
             OpKind::Accumulate { .. } | OpKind::HostAccumulate { .. } => "accumulate",
-            OpKind::Compute {
-                pass: Pass::Forward,
-                ..
-            } => "forward",
-            OpKind::Compute {
-                pass: Pass::Backward,
-                ..
-            } => "backward",
+            OpKind::Compute { pass, .. } if pass.is_forward() => "forward",
+            OpKind::Compute { .. } => "backward",
             OpKind::DeviceStats { .. } | OpKind::GradNorm { .. } => "grad-norm",
             OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => "adamw",
             OpKind::Commit { .. } => "commit",
@@ -498,6 +493,14 @@ pub struct Plan {
     /// Home tier of every block's classes, indexed by [`TensorClass`] order
     /// (params, grads, optimizer; checkpoints: of the block's input).
     pub homes: Vec<[Tier; 4]>,
+    /// Per block: whether its forward keeps its saved activations on the device for its
+    /// backward, which then does not recompute the forward. False for the layer blocks
+    /// that recompute, and for the blocks that save nothing (embedding, head).
+    pub kept: Vec<bool>,
+    /// Per block: bytes of the saved activations it keeps on the device, per
+    /// micro-batch (0 where `kept` is false). Every kept block's are live at once, around
+    /// the head; micro-batches reuse the first one's memory.
+    pub saved_bytes: Vec<u64>,
     /// Prefetch depth used.
     pub depth: usize,
     /// The step's shape.
@@ -669,6 +672,11 @@ struct Planner<'a> {
     /// Fetches to emit before compute k: (block, device buffer).
     fetches: Vec<Vec<(usize, BufId)>>,
     ckpts: Vec<Vec<Ckpt>>,
+    /// Per block: whether it keeps its saved activations, and their bytes.
+    kept: Vec<bool>,
+    saved_bytes: Vec<u64>,
+    /// Saved activations per micro-batch, per block (kept blocks only).
+    saved: Vec<Vec<Option<BufId>>>,
     /// Checkpoint fetches before compute k: (boundary, micro-batch).
     ckpt_fetch: Vec<Vec<(usize, usize)>>,
     /// Activation gradients per micro-batch, per boundary.
@@ -688,12 +696,115 @@ struct Planner<'a> {
 impl Plan {
     /// Plans one training step of `input.model` under `policy`. Allocates nothing.
     /// Does not check the budgets: see [`Plan::check_fits`].
+    ///
+    /// Which layer blocks keep their saved activations follows
+    /// [`StepShape::recompute`]: none ([`Recompute::All`]), all ([`Recompute::None`]),
+    /// or ([`Recompute::Auto`]) all when the device peak then fits its budget, else the
+    /// most that fit, in [`Plan::keep_order`]: the device peak grows with every block
+    /// kept, so the count is found by bisection between keeping none and keeping all.
+    /// When even keeping none is over the device budget, the plan keeps none (and
+    /// [`Plan::check_fits`] refuses it, as a plan that recomputes everything).
     pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
+        let order = Self::keep_order(input);
+        let keeping = |count: usize| {
+            let mut kept = vec![false; input.block_count()];
+            for &b in &order[..count] {
+                kept[b] = true;
+            }
+            Self::build_keeping(input, policy, kept)
+        };
+        match input.shape.recompute {
+            Recompute::All => keeping(0),
+            Recompute::None => keeping(order.len()),
+            Recompute::Auto => {
+                let device_fits =
+                    |plan: &Plan| plan.peak[Tier::Device.index()] <= input.budgets.device;
+                let all = keeping(order.len())?;
+                if device_fits(&all) || order.is_empty() {
+                    return Ok(all);
+                }
+                // Invariant: keeping `fits` blocks fits the device, keeping `over` does not.
+                let mut best = keeping(0)?;
+                if !device_fits(&best) {
+                    return Ok(best);
+                }
+                let (mut fits, mut over) = (0, order.len());
+                while over - fits > 1 {
+                    let mid = (fits + over) / 2;
+                    let plan = keeping(mid)?;
+                    if device_fits(&plan) {
+                        (fits, best) = (mid, plan);
+                    } else {
+                        over = mid;
+                    }
+                }
+                Ok(best)
+            }
+        }
+    }
+
+    /// The layer blocks in the order [`Recompute::Auto`] keeps them, by the cost model's
+    /// trade: keeping a block saves recomputing its forward (its backward's FLOPs less
+    /// its saved backward's) and costs its saved activations' bytes on the device, so
+    /// blocks that save the most FLOPs per byte come first; among equals (every layer of
+    /// a family is the same), the later block first, whose saved activations live the
+    /// shortest (from its forward to its backward, around the head).
+    pub fn keep_order(input: &PlanInput<'_>) -> Vec<usize> {
+        let model = input.model;
+        let Ok(dims) = model.shape(input.shape.batch, input.shape.seq) else {
+            return Vec::new();
+        };
+        let (target, dtype) = (input.shape.target, input.shape.device_dtype());
+        let mut order: Vec<(usize, f64)> = (0..input.block_count())
+            .filter_map(|b| {
+                let bytes = model.saved_bytes(b, dims, target, dtype);
+                (bytes > 0).then(|| (b, model.recompute_flops(b, dims) / bytes as f64))
+            })
+            .collect();
+        order.sort_by(|(a, fa), (b, fb)| fb.total_cmp(fa).then(b.cmp(a)));
+        order.into_iter().map(|(b, _)| b).collect()
+    }
+
+    /// Plans one step in which the layer blocks marked in `kept` keep their saved
+    /// activations and the others recompute.
+    fn build_keeping(
+        input: &PlanInput<'_>,
+        policy: &dyn Policy,
+        kept: Vec<bool>,
+    ) -> Result<Plan, PlanError> {
         let mut p = Planner::new(input, policy)?;
+        p.kept = kept;
         p.home_buffers();
         p.step_buffers();
         p.emit();
         p.finish()
+    }
+
+    /// Layer blocks that recompute their forward in the backward.
+    pub fn recomputed(&self) -> usize {
+        (1..self.kept.len().saturating_sub(1))
+            .filter(|&b| !self.kept[b])
+            .count()
+    }
+
+    /// Bytes of saved activations the plan keeps on the device at once: every kept
+    /// block's, of one micro-batch.
+    pub fn saved_total_bytes(&self) -> u64 {
+        self.saved_bytes.iter().sum()
+    }
+
+    /// "3 of 12 blocks": how many layer blocks recompute their forward, of how many.
+    pub fn recomputed_of(&self) -> String {
+        format!(
+            "{} of {} blocks",
+            self.recomputed(),
+            self.kept.len().saturating_sub(2)
+        )
+    }
+
+    /// "recompute: 3 of 12 blocks" (see [`Plan::recomputed_of`]).
+    pub fn recompute_summary(&self) -> String {
+        format!("recompute: {}", self.recomputed_of())
     }
 }
 
@@ -776,6 +887,9 @@ impl<'a> Planner<'a> {
             dev_params: Vec::new(),
             fetches: Vec::new(),
             ckpts: Vec::new(),
+            kept: vec![false; nb],
+            saved_bytes: vec![0; nb],
+            saved: Vec::new(),
             ckpt_fetch: Vec::new(),
             dact: Vec::new(),
             tokens_dev: Vec::new(),
@@ -1045,6 +1159,30 @@ impl<'a> Planner<'a> {
         self.state_reads = vec![Vec::new(); n];
         self.param_groups();
         self.checkpoints();
+        let (model, target, dtype) = (
+            self.input.model,
+            self.shape.target,
+            self.shape.device_dtype(),
+        );
+        self.saved_bytes = (0..nb)
+            .map(|b| {
+                if self.kept[b] {
+                    model.saved_bytes(b, self.dims, target, dtype) as u64
+                } else {
+                    0
+                }
+            })
+            .collect();
+        for m in 0..micros {
+            let saved = (0..nb)
+                .map(|b| {
+                    let bytes = self.saved_bytes[b];
+                    self.kept[b]
+                        .then(|| self.buffer(format!("saved[{b}]#{m}@device"), Tier::Device, bytes))
+                })
+                .collect();
+            self.saved.push(saved);
+        }
         let act = self.act_bytes();
         let rows = self.dims.rows() as u64;
         for m in 0..micros {
@@ -1479,11 +1617,16 @@ impl<'a> Planner<'a> {
             ),
             Compute::Layer(b, _) => (
                 b,
-                Pass::Forward,
+                if self.kept[b] {
+                    Pass::ForwardSave
+                } else {
+                    Pass::Forward
+                },
                 Binds {
                     params: Some(params(self, b)),
                     input: Some(self.ckpts[m][b - 1].fwd),
                     output: Some(self.ckpts[m][b].fwd),
+                    saved: self.saved[m][b],
                     ..Binds::default()
                 },
                 false,
@@ -1509,13 +1652,18 @@ impl<'a> Planner<'a> {
             }
             Compute::LayerBack(b, _) => (
                 b,
-                Pass::Backward,
+                if self.kept[b] {
+                    Pass::BackwardSaved
+                } else {
+                    Pass::Backward
+                },
                 Binds {
                     params: Some(params(self, b)),
                     grads: Some(self.g_dev[m][b]),
                     input: Some(self.ckpts[m][b - 1].bwd),
                     d_output: Some(self.dact[m][b]),
                     d_input: Some(self.dact[m][b - 1]),
+                    saved: self.saved[m][b],
                     ..Binds::default()
                 },
                 false,
@@ -1532,6 +1680,12 @@ impl<'a> Planner<'a> {
                 false,
             ),
         };
+        // The saved forward writes the saved activations; the saved backward reads them.
+        let (saved_read, saved_written) = if pass.is_forward() {
+            (None, binds.saved)
+        } else {
+            (binds.saved, None)
+        };
         let mut access: Vec<Access> = Vec::new();
         for r in [
             binds.params,
@@ -1539,6 +1693,7 @@ impl<'a> Planner<'a> {
             binds.input,
             binds.d_output,
             binds.tokens,
+            saved_read,
         ]
         .into_iter()
         .flatten()
@@ -1551,6 +1706,7 @@ impl<'a> Planner<'a> {
             binds.output,
             binds.d_input,
             binds.losses,
+            saved_written,
         ]
         .into_iter()
         .flatten()
@@ -1844,6 +2000,8 @@ impl<'a> Planner<'a> {
         Ok(Plan {
             policy: self.name,
             homes,
+            kept: self.kept,
+            saved_bytes: self.saved_bytes,
             depth: self.depth,
             shape: self.shape,
             budgets: self.input.budgets,

@@ -4,6 +4,10 @@
 //! parameters and the matching rate; the schedule is then simulated as it runs: each
 //! lane takes its operations in order, and an operation starts when its lane is free and
 //! its dependencies have finished. The step time is the last end.
+//!
+//! A compute operation's FLOPs are those of the program it runs, so a layer's backward
+//! is charged its forward's FLOPs again only where the plan recomputes the block
+//! ([`Plan::kept`]); a kept block's backward costs its backward kernels alone.
 
 use serde::{Deserialize, Serialize};
 

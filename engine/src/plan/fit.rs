@@ -1,9 +1,10 @@
 //! Whether a plan fits its budgets, and when it does not, the refusal: which tier, by how
-//! much, and what would fit instead (a lower prefetch depth, a smaller micro-batch with
-//! more accumulation, other built-in policies).
+//! much, and what would fit instead (recomputing some blocks' activations rather than
+//! keeping them all, a lower prefetch depth, a smaller micro-batch with more accumulation,
+//! other built-in policies).
 
 use super::build::{BufKind, ExtentKind, ExtentSide, Plan};
-use super::{PlanError, PlanInput, Policy, Shortfall, TensorClass, Tier};
+use super::{PlanError, PlanInput, Policy, Recompute, Shortfall, TensorClass, Tier};
 use crate::model::BlockKind;
 
 impl Plan {
@@ -99,6 +100,44 @@ impl Plan {
                 .ok()
                 .filter(|p| p.first_overflow().is_none())
         };
+        let homes = FixedDepth {
+            name: self.policy.clone(),
+            homes: self.homes.clone(),
+            depth: self.depth,
+        };
+        // Keeping every block's activations was asked for and is what overflows the
+        // device: say what they take, and whether recomputing some would fit.
+        if input.shape.recompute == Recompute::None
+            && self.short_tiers().any(|t| t == Tier::Device)
+            && self.saved_total_bytes() > 0
+        {
+            let kept = self.kept.iter().filter(|&&k| k).count();
+            let mut text = format!(
+                "keeping the activations of all {kept} blocks (--recompute none) takes {} \
+                 of the device",
+                super::fmt_bytes(self.saved_total_bytes())
+            );
+            let auto = PlanInput {
+                shape: input.shape.recomputing(Recompute::Auto),
+                ..*input
+            };
+            let device = |p: &Plan| p.peak[Tier::Device.index()] <= input.budgets.device;
+            match Plan::build(&auto, &homes).ok().filter(device) {
+                Some(plan) => {
+                    text += &format!(
+                        "; with --recompute auto {}, recomputing {} of {kept} blocks",
+                        if plan.first_overflow().is_none() {
+                            "it fits"
+                        } else {
+                            "the device fits"
+                        },
+                        plan.recomputed()
+                    )
+                }
+                None => text += "; recomputing every block does not fit the device either",
+            }
+            suggestions.push(text);
+        }
         // Same policy family, lower depth.
         if self.depth > 1 {
             for depth in (1..self.depth).rev() {
@@ -122,12 +161,7 @@ impl Plan {
                 grad_accum: input.shape.grad_accum * (input.shape.batch / batch).max(1),
                 ..input.shape
             };
-            let fixed = FixedDepth {
-                name: self.policy.clone(),
-                homes: self.homes.clone(),
-                depth: self.depth,
-            };
-            if fits(shape, &fixed).is_some() {
+            if fits(shape, &homes).is_some() {
                 suggestions.push(format!(
                     "batch {batch} with --grad-accum {} fits (same tokens per step)",
                     shape.grad_accum

@@ -11,6 +11,10 @@
 //!   liveness analysis in which buffers whose lifetimes do not overlap share memory. Its
 //!   peak bytes per tier are known before anything is allocated, and [`Plan::check_fits`]
 //!   refuses a plan that does not fit, naming the tier, the shortfall and what would fit.
+//! - Per layer block the plan keeps the activations its backward needs (saved by the
+//!   forward, on the device until the backward) or recomputes them from the block's
+//!   input checkpoint, as [`Recompute`] asks: keep all when the device budget allows,
+//!   recompute more blocks as it tightens ([`Plan::kept`]).
 
 mod build;
 mod cost;
@@ -152,6 +156,47 @@ impl Budgets {
     }
 }
 
+/// Which layer blocks recompute their forward in the backward, from their input
+/// checkpoint, instead of keeping the activations their backward reads (the family's
+/// saved activations, on the device from the block's forward to its backward).
+/// Results are bit-identical whatever is chosen: only memory and time differ. How auto
+/// chooses: [`Plan::build`].
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every layer's activations when the device budget allows; else as many as
+    /// fit, the others recomputing.
+    #[default]
+    Auto,
+    /// Every layer recomputes its forward in the backward: least device memory (only
+    /// the checkpoints are kept).
+    All,
+    /// No layer recomputes: every layer's activations are kept, and a plan they do not
+    /// fit the device budget of is refused.
+    None,
+}
+
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Recompute::Auto => "auto",
+            Recompute::All => "all",
+            Recompute::None => "none",
+        })
+    }
+}
+
 /// The shape of one training step and what the device offers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepShape {
@@ -173,11 +218,14 @@ pub struct StepShape {
     /// The device's kernels: the CPU device computes in f32 whatever the working dtype;
     /// a GPU computes in the working dtype.
     pub target: Target,
+    /// Which blocks recompute their forward in the backward.
+    pub recompute: Recompute,
 }
 
 impl StepShape {
     /// A micro-batch of `batch` × `seq` tokens, fp32, one micro-batch per step, on the
-    /// CPU device, without clipping.
+    /// CPU device, without clipping, keeping activations as the budget allows
+    /// ([`Recompute::Auto`]).
     pub fn cpu(batch: usize, seq: usize) -> Self {
         StepShape {
             batch,
@@ -187,7 +235,13 @@ impl StepShape {
             needs_global_norm: false,
             delayed_update: false,
             target: Target::Cpu,
+            recompute: Recompute::Auto,
         }
+    }
+
+    /// The same step recomputing as `recompute` says.
+    pub fn recomputing(self, recompute: Recompute) -> Self {
+        StepShape { recompute, ..self }
     }
 
     /// The same step on `target`'s kernels.

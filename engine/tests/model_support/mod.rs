@@ -12,7 +12,7 @@ use strata_engine::exec::Runner;
 use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::{Dtype, Model, Target};
 use strata_engine::plan::{
-    AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, Policy, Precision, Tier,
+    AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, Policy, Precision, Recompute, Tier,
 };
 
 /// `tests/data/gpt2-tiny` (see its README).
@@ -75,23 +75,86 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 }
 
 /// `model` on a CPU device of its own, sized for batches of `batch` × `seq`, whose
-/// kernels use `cpu`'s instruction set and threads; fp32 throughout.
+/// kernels use `cpu`'s instruction set and threads; fp32 throughout. Each layer's
+/// backward recomputes its forward.
 pub fn cpu_runner(model: &Model, batch: usize, seq: usize, cpu: Cpu) -> Runner {
-    let bytes = Runner::device_bytes(model, batch, seq, Target::Cpu, Dtype::F32).unwrap();
+    cpu_runner_recomputing(model, batch, seq, cpu, Recompute::All)
+}
+
+/// [`cpu_runner`], recomputing as `recompute` says: every layer's forward in its
+/// backward ([`Recompute::All`]), or none, the backward reading the activations the
+/// forward saved.
+pub fn cpu_runner_recomputing(
+    model: &Model,
+    batch: usize,
+    seq: usize,
+    cpu: Cpu,
+    recompute: Recompute,
+) -> Runner {
+    let bytes =
+        Runner::device_bytes_recomputing(model, batch, seq, Target::Cpu, Dtype::F32, recompute)
+            .unwrap();
     let device = CpuDevice::new(CpuDeviceConfig {
         memory_budget_bytes: bytes,
         cpu,
         ..CpuDeviceConfig::default()
     })
     .unwrap();
-    Runner::new(
+    Runner::new_recomputing(
         model.clone(),
         Device::Cpu(device),
         batch,
         seq,
         Precision::Fp32,
+        recompute,
     )
     .unwrap()
+}
+
+/// Both ways a runner computes the backward: recomputing every layer's forward, and
+/// reading the activations every layer's forward saved.
+pub const RECOMPUTE: [Recompute; 2] = [Recompute::All, Recompute::None];
+
+/// One forward and backward on `inputs` against `targets` through runners of `model`
+/// loaded with `params` for batches of `batch` × `seq` on a CPU device of `cpu`'s, once
+/// recomputing every layer's forward in the backward and once reading what the forward
+/// saved; the two asserted bit-identical (`what` names the case), and the second
+/// returned.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_both_ways(
+    model: &Model,
+    params: &[Vec<f32>],
+    batch: usize,
+    seq: usize,
+    cpu: Cpu,
+    inputs: &[u32],
+    targets: &[u32],
+    what: &str,
+) -> PassOut {
+    let [recomputed, saved] = RECOMPUTE.map(|recompute| {
+        let mut runner = cpu_runner_recomputing(model, batch, seq, cpu, recompute);
+        runner.load(params).unwrap();
+        forward_backward(&mut runner, inputs, targets)
+    });
+    assert_same_pass(&recomputed, &saved, what);
+    saved
+}
+
+/// Asserts that two passes gave the same loss, logits and gradients, bit for bit.
+pub fn assert_same_pass(a: &PassOut, b: &PassOut, what: &str) {
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&a.logits) == bits(&b.logits), "{what}: logits");
+    assert_same_gradients(&(a.loss, &a.grads), &(b.loss, &b.grads), what);
+}
+
+/// Asserts that two (loss, gradient per block) pairs are the same, bit for bit.
+pub fn assert_same_gradients(a: &(f32, &Vec<Vec<f32>>), b: &(f32, &Vec<Vec<f32>>), what: &str) {
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(a.0.to_bits(), b.0.to_bits(), "{what}: loss");
+    assert_eq!(a.1.len(), b.1.len(), "{what}: blocks");
+    for (i, (x, y)) in a.1.iter().zip(b.1).enumerate() {
+        assert!(bits(x) == bits(y), "{what}: gradients of block {i}");
+    }
 }
 
 /// What one forward and backward pass gives.
@@ -132,6 +195,23 @@ pub const UNLIMITED: Budgets = Budgets {
     host: u64::MAX / 4,
     nvme: u64::MAX / 4,
 };
+
+/// Each built-in policy once: all-on-device, cpu-offload, param-offload (depth 2,
+/// checkpoints on the host) and nvme-offload (depth 2, checkpoints on NVMe).
+pub fn each_policy() -> Vec<Box<dyn Policy>> {
+    vec![
+        Box::new(AllOnDevice),
+        Box::new(CpuOffload),
+        Box::new(ParamOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        }),
+        Box::new(NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Nvme,
+        }),
+    ]
+}
 
 /// Every built-in policy at every prefetch depth from 1 to 4, with checkpoints on each
 /// tier they support.

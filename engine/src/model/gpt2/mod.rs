@@ -8,10 +8,14 @@
 //! output projection tied to `wte`: the head reads, and its backward adds to, the
 //! embedding block's `wte` and its gradient).
 //!
-//! Programs keep only block inputs between passes: a layer's backward recomputes its
-//! forward from its input into the scratch, then runs the backward kernels. The scratch is
-//! one region shared by every block (they run one after another on one stream); the
-//! head's buffers overlay the layers'.
+//! Between passes a layer keeps its input (the checkpoint) and, when the planner keeps
+//! the block, its saved activations ([`Pass::ForwardSave`] into [`Bind::Saved`]: every
+//! intermediate its backward reads but the GELU's output, which is recomputed from its
+//! input by one elementwise kernel). A kept layer's backward ([`Pass::BackwardSaved`])
+//! reads them; otherwise its backward ([`Pass::Backward`]) recomputes its forward from its
+//! input into the scratch, then runs the same backward kernels. The scratch is one region
+//! shared by every block (they run one after another on one stream); the head's buffers
+//! overlay the layers'.
 //!
 //! This is the only place in the engine that knows GPT-2's operations.
 
@@ -124,6 +128,13 @@ impl Family for Gpt2 {
         self.scratch(shape, target, dtype).bytes
     }
 
+    fn saved_bytes(&self, block: usize, shape: Shape, _target: Target, dtype: Dtype) -> usize {
+        match self.blocks[block].kind {
+            BlockKind::Transformer { .. } => Kept::saved(&self.config, shape, dtype).1,
+            BlockKind::Embedding | BlockKind::Head => 0,
+        }
+    }
+
     fn program(
         &self,
         block: usize,
@@ -132,7 +143,11 @@ impl Family for Gpt2 {
         target: Target,
         dtype: Dtype,
     ) -> Vec<Kernel> {
-        let s = self.scratch(shape, target, dtype);
+        let mut s = self.scratch(shape, target, dtype);
+        let kind = self.blocks[block].kind;
+        if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
+            s.kept = Kept::saved(&self.config, shape, dtype).0;
+        }
         let p = Program {
             shape,
             config: self.config,
@@ -142,7 +157,7 @@ impl Family for Gpt2 {
             tied_len: self.blocks[0].len,
             out: Vec::new(),
         };
-        match self.blocks[block].kind {
+        match kind {
             BlockKind::Embedding => p.embedding(&self.embedding, pass),
             BlockKind::Transformer { .. } => p.layer(self.layer(), pass),
             BlockKind::Head => p.head(&self.head, self.embedding.wte, pass),
@@ -287,22 +302,70 @@ impl HeadSlots {
     }
 }
 
-/// The scratch: every intermediate activation of one block for one batch shape, at its
-/// offset. A layer's buffers and the head's overlay each other (the head runs alone).
+/// The intermediates of a layer's forward that its backward reads: in the scratch when
+/// the backward recomputes them, in the buffer bound at [`Bind::Saved`] when the forward
+/// keeps them (a [`Pass::ForwardSave`] writes them there, a [`Pass::BackwardSaved`]
+/// reads them). The GELU's output (rows x 4C, the largest) is not among them: the saved
+/// backward recomputes it from `fch`, one elementwise pass, where keeping it would add
+/// a third to the bytes.
 #[derive(Debug, Clone, Copy)]
-struct Scratch {
+struct Kept {
     ln1: TensorRef,
     ln1_mean: TensorRef,
     ln1_rstd: TensorRef,
     qkv: TensorRef,
     atty: TensorRef,
     att: TensorRef,
-    proj: TensorRef,
     res2: TensorRef,
     ln2: TensorRef,
     ln2_mean: TensorRef,
     ln2_rstd: TensorRef,
     fch: TensorRef,
+}
+
+impl Kept {
+    /// The next tensors of `carve`.
+    fn carve(carve: &mut Carve, config: &Gpt2Config, shape: Shape, dtype: Dtype) -> Kept {
+        let (n, c) = (shape.rows(), config.width);
+        let att = shape.batch * config.heads * shape.seq * shape.seq;
+        let f32 = Dtype::F32;
+        let mut l = |len, dt| carve.take(len, dt);
+        let (ln1, ln1_mean, ln1_rstd) = (l(n * c, dtype), l(n, f32), l(n, f32));
+        let (qkv, atty, att) = (l(3 * n * c, dtype), l(n * c, dtype), l(att, dtype));
+        let (res2, ln2, ln2_mean, ln2_rstd) =
+            (l(n * c, dtype), l(n * c, dtype), l(n, f32), l(n, f32));
+        let fch = l(4 * n * c, dtype);
+        Kept {
+            ln1,
+            ln1_mean,
+            ln1_rstd,
+            qkv,
+            atty,
+            att,
+            res2,
+            ln2,
+            ln2_mean,
+            ln2_rstd,
+            fch,
+        }
+    }
+
+    /// A layer's saved activations (the same for every layer and target), and the bytes
+    /// of the whole buffer.
+    fn saved(config: &Gpt2Config, shape: Shape, dtype: Dtype) -> (Kept, usize) {
+        let mut carve = Carve::new(Bind::Saved);
+        let kept = Kept::carve(&mut carve, config, shape, dtype);
+        (kept, carve.next)
+    }
+}
+
+/// The scratch: every intermediate activation of one block for one batch shape, at its
+/// offset. A layer's buffers and the head's overlay each other (the head runs alone).
+#[derive(Debug, Clone, Copy)]
+struct Scratch {
+    /// What the backward reads, unless a program moves it to the saved buffer.
+    kept: Kept,
+    proj: TensorRef,
     fch_gelu: TensorRef,
     attention: TensorRef,
     d_c: TensorRef,
@@ -323,42 +386,23 @@ struct Scratch {
 impl Scratch {
     fn new(config: &Gpt2Config, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
         let (n, c, v) = (shape.rows(), config.width, config.vocab);
-        let att = shape.batch * config.heads * shape.seq * shape.seq;
         let f32 = Dtype::F32;
-        let mut layer = Carve { next: 0 };
+        let mut layer = Carve::new(Bind::Scratch);
+        let kept = Kept::carve(&mut layer, config, shape, dtype);
         let mut l = |len, dt| layer.take(len, dt);
-        let (ln1, ln1_mean, ln1_rstd) = (l(n * c, dtype), l(n, f32), l(n, f32));
-        let (qkv, atty, att, proj) = (
-            l(3 * n * c, dtype),
-            l(n * c, dtype),
-            l(att, dtype),
-            l(n * c, dtype),
-        );
-        let (res2, ln2, ln2_mean, ln2_rstd) =
-            (l(n * c, dtype), l(n * c, dtype), l(n, f32), l(n, f32));
-        let (fch, fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));
+        let (proj, fch_gelu) = (l(n * c, dtype), l(4 * n * c, dtype));
         let attention_bytes =
             attention_scratch_bytes(target, dtype, shape.batch, shape.seq, c, config.heads);
         let attention = l(attention_bytes, Dtype::U8);
         let (d_c, d_c2, d_qkv) = (l(n * c, dtype), l(n * c, dtype), l(3 * n * c, dtype));
         let (d_fch, d_fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));
-        let mut head = Carve { next: 0 };
+        let mut head = Carve::new(Bind::Scratch);
         let mut h = |len, dt| head.take(len, dt);
         let (lnf, lnf_mean, lnf_rstd) = (h(n * c, dtype), h(n, f32), h(n, f32));
         let (head_d_c, logits) = (h(n * c, dtype), h(n * v, dtype));
         Scratch {
-            ln1,
-            ln1_mean,
-            ln1_rstd,
-            qkv,
-            atty,
-            att,
+            kept,
             proj,
-            res2,
-            ln2,
-            ln2_mean,
-            ln2_rstd,
-            fch,
             fch_gelu,
             attention,
             d_c,
@@ -427,7 +471,7 @@ impl Program {
     fn embedding(mut self, e: &EmbeddingSlots, pass: Pass) -> Vec<Kernel> {
         let (b, t, c) = (self.shape.batch, self.shape.seq, self.config.width);
         match pass {
-            Pass::Forward => self.push(Kernel::Encoder {
+            Pass::Forward | Pass::ForwardSave => self.push(Kernel::Encoder {
                 out: self.act(Bind::Output),
                 tokens: self.ids(Bind::Tokens),
                 wte: self.param(Bind::Params, e.wte),
@@ -437,7 +481,7 @@ impl Program {
                 c,
             }),
             // The head zeroes this block's gradients (it adds to `wte`'s first).
-            Pass::Backward => self.push(Kernel::EncoderBackward {
+            Pass::Backward | Pass::BackwardSaved => self.push(Kernel::EncoderBackward {
                 dwte: self.grad(Bind::Grads, e.wte),
                 dwpe: self.grad(Bind::Grads, e.wpe),
                 dout: self.act(Bind::DOutput),
@@ -460,9 +504,9 @@ impl Program {
         let io = WeightLayout::InOut;
         let kernels = [
             Kernel::LayerNorm {
-                out: s.ln1,
-                mean: s.ln1_mean,
-                rstd: s.ln1_rstd,
+                out: s.kept.ln1,
+                mean: s.kept.ln1_mean,
+                rstd: s.kept.ln1_rstd,
                 inp: x,
                 weight: p(l.ln_1_weight),
                 bias: p(l.ln_1_bias),
@@ -470,8 +514,8 @@ impl Program {
                 c,
             },
             Kernel::Matmul {
-                out: s.qkv,
-                inp: s.ln1,
+                out: s.kept.qkv,
+                inp: s.kept.ln1,
                 weight: p(l.c_attn_weight),
                 bias: Some(p(l.c_attn_bias)),
                 layout: io,
@@ -480,9 +524,9 @@ impl Program {
                 oc: 3 * c,
             },
             Kernel::Attention {
-                out: s.atty,
-                att: s.att,
-                qkv: s.qkv,
+                out: s.kept.atty,
+                att: s.kept.att,
+                qkv: s.kept.qkv,
                 scratch: s.attention,
                 b: self.shape.batch,
                 t: self.shape.seq,
@@ -491,7 +535,7 @@ impl Program {
             },
             Kernel::Matmul {
                 out: s.proj,
-                inp: s.atty,
+                inp: s.kept.atty,
                 weight: p(l.attn_proj_weight),
                 bias: Some(p(l.attn_proj_bias)),
                 layout: io,
@@ -500,23 +544,23 @@ impl Program {
                 oc: c,
             },
             Kernel::Residual {
-                out: s.res2,
+                out: s.kept.res2,
                 a: x,
                 b: s.proj,
             },
             Kernel::LayerNorm {
-                out: s.ln2,
-                mean: s.ln2_mean,
-                rstd: s.ln2_rstd,
-                inp: s.res2,
+                out: s.kept.ln2,
+                mean: s.kept.ln2_mean,
+                rstd: s.kept.ln2_rstd,
+                inp: s.kept.res2,
                 weight: p(l.ln_2_weight),
                 bias: p(l.ln_2_bias),
                 n,
                 c,
             },
             Kernel::Matmul {
-                out: s.fch,
-                inp: s.ln2,
+                out: s.kept.fch,
+                inp: s.kept.ln2,
                 weight: p(l.c_fc_weight),
                 bias: Some(p(l.c_fc_bias)),
                 layout: io,
@@ -526,7 +570,7 @@ impl Program {
             },
             Kernel::Gelu {
                 out: s.fch_gelu,
-                inp: s.fch,
+                inp: s.kept.fch,
             },
             Kernel::Matmul {
                 out: s.proj,
@@ -544,23 +588,31 @@ impl Program {
 
     fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
         let s = self.s;
-        if pass == Pass::Forward {
+        if pass.is_forward() {
+            // Into the scratch, or (ForwardSave) the saved intermediates into Saved.
             self.layer_body(l);
             let out = self.act(Bind::Output);
             self.push(Kernel::Residual {
                 out,
-                a: s.res2,
+                a: s.kept.res2,
                 b: s.proj,
             });
             return self.out;
         }
-        // Backward: recompute the forward from the input, then every gradient, into
-        // zeroed parameter gradients.
+        // Backward: recompute the forward from the input (or, from saved activations, only
+        // the GELU's output), then every gradient, into zeroed parameter gradients.
         let (n, c) = (self.shape.rows(), self.config.width);
         self.push(Kernel::Zero {
             t: TensorRef::new(Bind::Grads as u8, 0, self.len, Dtype::F32),
         });
-        self.layer_body(l);
+        if pass == Pass::BackwardSaved {
+            self.push(Kernel::Gelu {
+                out: s.fch_gelu,
+                inp: s.kept.fch,
+            });
+        } else {
+            self.layer_body(l);
+        }
         let (x, dout, dx) = (
             self.act(Bind::Input),
             self.act(Bind::DOutput),
@@ -585,7 +637,7 @@ impl Program {
             },
             Kernel::GeluBackward {
                 dinp: s.d_fch,
-                inp: s.fch,
+                inp: s.kept.fch,
                 dout: s.d_fch_gelu,
             },
             Kernel::MatmulBackward {
@@ -593,7 +645,7 @@ impl Program {
                 dweight: g(l.c_fc_weight),
                 dbias: Some(g(l.c_fc_bias)),
                 dout: s.d_fch,
-                inp: s.ln2,
+                inp: s.kept.ln2,
                 weight: p(l.c_fc_weight),
                 layout: io,
                 n,
@@ -610,10 +662,10 @@ impl Program {
                 dweight: g(l.ln_2_weight),
                 dbias: g(l.ln_2_bias),
                 dout: s.d_c,
-                inp: s.res2,
+                inp: s.kept.res2,
                 weight: p(l.ln_2_weight),
-                mean: s.ln2_mean,
-                rstd: s.ln2_rstd,
+                mean: s.kept.ln2_mean,
+                rstd: s.kept.ln2_rstd,
                 n,
                 c,
             },
@@ -623,7 +675,7 @@ impl Program {
                 dweight: g(l.attn_proj_weight),
                 dbias: Some(g(l.attn_proj_bias)),
                 dout: s.d_c2,
-                inp: s.atty,
+                inp: s.kept.atty,
                 weight: p(l.attn_proj_weight),
                 layout: io,
                 n,
@@ -633,8 +685,8 @@ impl Program {
             Kernel::AttentionBackward {
                 dqkv: s.d_qkv,
                 dout: s.d_c,
-                qkv: s.qkv,
-                att: s.att,
+                qkv: s.kept.qkv,
+                att: s.kept.att,
                 scratch: s.attention,
                 b: self.shape.batch,
                 t: self.shape.seq,
@@ -646,7 +698,7 @@ impl Program {
                 dweight: g(l.c_attn_weight),
                 dbias: Some(g(l.c_attn_bias)),
                 dout: s.d_qkv,
-                inp: s.ln1,
+                inp: s.kept.ln1,
                 weight: p(l.c_attn_weight),
                 layout: io,
                 n,
@@ -664,8 +716,8 @@ impl Program {
                 dout: s.d_c,
                 inp: x,
                 weight: p(l.ln_1_weight),
-                mean: s.ln1_mean,
-                rstd: s.ln1_rstd,
+                mean: s.kept.ln1_mean,
+                rstd: s.kept.ln1_rstd,
                 n,
                 c,
             },
@@ -679,7 +731,7 @@ impl Program {
         let (n, c, v) = (self.shape.rows(), self.config.width, self.config.vocab);
         let x = self.act(Bind::Input);
         let targets = self.ids(Bind::Targets);
-        if pass == Pass::Backward {
+        if !pass.is_forward() {
             // Every micro-batch's gradients start from zero; the head is the first to
             // write the tied embedding's.
             self.push(Kernel::Zero {
@@ -711,7 +763,7 @@ impl Program {
             c,
         });
         self.out.extend(loss.forward());
-        if pass == Pass::Forward {
+        if pass.is_forward() {
             return self.out;
         }
         let dx = self.act(Bind::DInput);
@@ -860,39 +912,11 @@ mod tests {
     }
 
     #[test]
-    fn programs_stay_inside_their_buffers() {
+    fn programs_stay_inside_their_buffers_and_saved_backwards_read_what_was_saved() {
         let gpt = Gpt2::new(Gpt2Config::new(2, 4, 64, 96, 32)).unwrap();
         let shape = Shape { batch: 2, seq: 16 };
-        for target in [Target::Cpu, Target::Cuda] {
-            let dtype = if target == Target::Cpu {
-                Dtype::F32
-            } else {
-                Dtype::Bf16
-            };
-            let scratch = gpt.scratch_bytes(shape, target, dtype);
-            for (b, block) in gpt.blocks().iter().enumerate() {
-                for pass in [Pass::Forward, Pass::Backward] {
-                    for k in gpt.program(b, pass, shape, target, dtype) {
-                        k.for_each_tensor(|t, _| {
-                            let limit = match t.buf {
-                                x if x == Bind::Scratch as u8 => scratch,
-                                x if x == Bind::Params as u8 => block.len * dtype.size(),
-                                x if x == Bind::Grads as u8 => block.len * 4,
-                                x if x == Bind::TiedParams as u8 => {
-                                    gpt.blocks[0].len * dtype.size()
-                                }
-                                x if x == Bind::TiedGrads as u8 => gpt.blocks[0].len * 4,
-                                _ => usize::MAX,
-                            };
-                            assert!(
-                                t.offset_bytes + t.bytes() <= limit,
-                                "block {b} {pass:?} {}: {t:?} past {limit}",
-                                k.name()
-                            );
-                        });
-                    }
-                }
-            }
+        for (target, dtype) in [(Target::Cpu, Dtype::F32), (Target::Cuda, Dtype::Bf16)] {
+            crate::model::checks::check_programs(&gpt, shape, target, dtype);
         }
     }
 }

@@ -14,7 +14,12 @@
 //! head reads, and its backward adds to, the embedding block's `embed_tokens`).
 //!
 //! Each layer program builds its rotary table in the scratch first
-//! ([`Kernel::RopeTable`]), so the programs read nothing but their bound buffers. The
+//! ([`Kernel::RopeTable`]), so the programs read nothing but their bound buffers. A
+//! layer's backward recomputes its forward from its input ([`Pass::Backward`]), or, when
+//! the planner keeps the block, reads the intermediates its [`Pass::ForwardSave`] left in
+//! [`Bind::Saved`] ([`Pass::BackwardSaved`]): every one the backward reads but the
+//! rotary table (T x D/2) and the SwiGLU's product (rows x intermediate), which it
+//! recomputes, each one cheap kernel. The
 //! embedding reuses GPT-2's encoder kernel with a zeroed position table (adding zero is
 //! exact), and its backward's position gradient goes to a scratch region nobody reads.
 //!
@@ -147,6 +152,13 @@ impl Family for Llama {
         self.scratch(shape, target, dtype).bytes
     }
 
+    fn saved_bytes(&self, block: usize, shape: Shape, _target: Target, dtype: Dtype) -> usize {
+        match self.blocks[block].kind {
+            BlockKind::Transformer { .. } => Saved::new(&self.config, shape, dtype).bytes,
+            BlockKind::Embedding | BlockKind::Head => 0,
+        }
+    }
+
     fn program(
         &self,
         block: usize,
@@ -155,16 +167,21 @@ impl Family for Llama {
         target: Target,
         dtype: Dtype,
     ) -> Vec<Kernel> {
+        let mut s = self.scratch(shape, target, dtype);
+        let kind = self.blocks[block].kind;
+        if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
+            s = s.with_saved(&Saved::new(&self.config, shape, dtype));
+        }
         let p = Program {
             shape,
             c: &self.config,
             dtype,
-            s: self.scratch(shape, target, dtype),
+            s,
             len: self.blocks[block].len,
             tied_len: self.blocks[0].len,
             out: Vec::new(),
         };
-        match self.blocks[block].kind {
+        match kind {
             BlockKind::Embedding => p.embedding(self.embed, pass),
             BlockKind::Transformer { .. } => p.layer(
                 self.layer
@@ -389,7 +406,7 @@ impl Scratch {
         let (n, w, i, v) = (shape.rows(), c.width, c.intermediate, c.vocab);
         let (q, kv, h, kvh) = (c.q_dim(), c.kv_dim(), c.heads, c.kv_heads);
         let f32 = Dtype::F32;
-        let mut layer = Carve { next: 0 };
+        let mut layer = Carve::new(Bind::Scratch);
         let mut l = |len, dt| layer.take(len, dt);
         let half = shape.seq * c.head_dim / 2;
         let (cos, sin) = (l(half, dtype), l(half, dtype));
@@ -420,10 +437,10 @@ impl Scratch {
         let (dq, dk, dv) = (l(n * q, dtype), l(n * kv, dtype), l(n * kv, dtype));
         let (dq_pre, dk_pre) = (l(n * q, dtype), l(n * kv, dtype));
         let (dq_lin, dk_lin) = (l(norm(n * q), dtype), l(norm(n * kv), dtype));
-        let mut embedding = Carve { next: 0 };
+        let mut embedding = Carve::new(Bind::Scratch);
         let zero_pos = embedding.take(shape.seq * w, dtype);
         let dpos = embedding.take(shape.seq * w, f32);
-        let mut head = Carve { next: 0 };
+        let mut head = Carve::new(Bind::Scratch);
         let mut hd = |len, dt| head.take(len, dt);
         let (xf, rstdf) = (hd(n * w, dtype), hd(n, f32));
         let (head_d, logits) = (hd(n * w, dtype), hd(n * v, dtype));
@@ -473,6 +490,101 @@ impl Scratch {
             head_d,
             logits,
             bytes: layer.next.max(head.next).max(embedding.next),
+        }
+    }
+}
+
+/// A layer's saved activations: the intermediates its backward reads, at their offsets
+/// in the buffer bound at [`Bind::Saved`]. Not among them: the rotary table and the
+/// SwiGLU's product `hmid`, which the saved backward recomputes (one cheap kernel each;
+/// `hmid` is rows x intermediate, as large as `gate` or `up`).
+#[derive(Debug, Clone, Copy)]
+struct Saved {
+    xn: TensorRef,
+    rstd1: TensorRef,
+    /// Qwen3's q and k before their per-head norms, and the norms' rstd (none
+    /// otherwise: the backward reads them only through those norms).
+    qk_norm: Option<[TensorRef; 4]>,
+    qr: TensorRef,
+    kr: TensorRef,
+    v: TensorRef,
+    att: TensorRef,
+    atty: TensorRef,
+    res2: TensorRef,
+    xn2: TensorRef,
+    rstd2: TensorRef,
+    gate: TensorRef,
+    up: TensorRef,
+    /// Bytes of the whole buffer.
+    bytes: usize,
+}
+
+impl Saved {
+    fn new(c: &LlamaConfig, shape: Shape, dtype: Dtype) -> Saved {
+        let (n, w, i) = (shape.rows(), c.width, c.intermediate);
+        let (q, kv, h, kvh) = (c.q_dim(), c.kv_dim(), c.heads, c.kv_heads);
+        let f32 = Dtype::F32;
+        let mut carve = Carve::new(Bind::Saved);
+        let mut l = |len, dt| carve.take(len, dt);
+        let (xn, rstd1) = (l(n * w, dtype), l(n, f32));
+        let qk_norm = c.qk_norm.then(|| {
+            [
+                l(n * q, dtype),
+                l(n * kv, dtype),
+                l(n * h, f32),
+                l(n * kvh, f32),
+            ]
+        });
+        let (qr, kr, v) = (l(n * q, dtype), l(n * kv, dtype), l(n * kv, dtype));
+        let att = l(shape.batch * h * shape.seq * shape.seq, dtype);
+        let atty = l(n * q, dtype);
+        let (res2, xn2, rstd2) = (l(n * w, dtype), l(n * w, dtype), l(n, f32));
+        let (gate, up) = (l(n * i, dtype), l(n * i, dtype));
+        Saved {
+            xn,
+            rstd1,
+            qk_norm,
+            qr,
+            kr,
+            v,
+            att,
+            atty,
+            res2,
+            xn2,
+            rstd2,
+            gate,
+            up,
+            bytes: carve.next,
+        }
+    }
+}
+
+impl Scratch {
+    /// The same layout with the saved intermediates in the saved buffer instead: a
+    /// [`Pass::ForwardSave`] writes them there, a [`Pass::BackwardSaved`] reads them.
+    fn with_saved(self, saved: &Saved) -> Scratch {
+        let [q, k, qn_rstd, kn_rstd] =
+            saved
+                .qk_norm
+                .unwrap_or([self.q, self.k, self.qn_rstd, self.kn_rstd]);
+        Scratch {
+            xn: saved.xn,
+            rstd1: saved.rstd1,
+            q,
+            k,
+            qn_rstd,
+            kn_rstd,
+            qr: saved.qr,
+            kr: saved.kr,
+            v: saved.v,
+            att: saved.att,
+            atty: saved.atty,
+            res2: saved.res2,
+            xn2: saved.xn2,
+            rstd2: saved.rstd2,
+            gate: saved.gate,
+            up: saved.up,
+            ..self
         }
     }
 }
@@ -626,7 +738,7 @@ impl Program<'_> {
         let (b, t, c, s) = (self.shape.batch, self.shape.seq, self.c.width, self.s);
         let tokens = self.ids(Bind::Tokens);
         match pass {
-            Pass::Forward => {
+            Pass::Forward | Pass::ForwardSave => {
                 self.out.push(Kernel::Zero { t: s.zero_pos });
                 self.out.push(Kernel::Encoder {
                     out: self.act(Bind::Output),
@@ -638,7 +750,7 @@ impl Program<'_> {
                     c,
                 });
             }
-            Pass::Backward => {
+            Pass::Backward | Pass::BackwardSaved => {
                 // A tied head zeroed this block's gradients and added its own; an
                 // untied model's embedding is the only writer.
                 if !self.c.tied {
@@ -659,6 +771,17 @@ impl Program<'_> {
         self.out
     }
 
+    /// The rotary table (cos, sin) of the sequence, into the scratch.
+    fn rope_table(&self) -> Kernel {
+        Kernel::RopeTable {
+            cos: self.s.cos,
+            sin: self.s.sin,
+            t: self.shape.seq,
+            d: self.c.head_dim,
+            freqs: self.c.rope,
+        }
+    }
+
     /// The forward of a layer up to its MLP's output in `proj` (the caller adds the
     /// residual): what the backward recomputes.
     fn layer_body(&mut self, l: &LayerSlots) {
@@ -670,13 +793,7 @@ impl Program<'_> {
             None => (None, None, None),
         };
         let mut k = vec![
-            Kernel::RopeTable {
-                cos: s.cos,
-                sin: s.sin,
-                t: self.shape.seq,
-                d: c.head_dim,
-                freqs: c.rope,
-            },
+            self.rope_table(),
             self.rmsnorm(s.xn, s.rstd1, x, l.input_norm),
             self.linear(s.q, s.xn, l.q, bq),
             self.linear(s.k, s.xn, l.k, bk),
@@ -727,7 +844,8 @@ impl Program<'_> {
 
     fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
         let s = self.s;
-        if pass == Pass::Forward {
+        if pass.is_forward() {
+            // Into the scratch, or (ForwardSave) the saved intermediates into Saved.
             self.layer_body(l);
             let out = self.act(Bind::Output);
             self.out.push(Kernel::Residual {
@@ -737,10 +855,23 @@ impl Program<'_> {
             });
             return self.out;
         }
-        // Backward: recompute the forward from the input, then every gradient, into
-        // zeroed parameter gradients.
+        // Backward: recompute the forward from the input (or, from saved activations, only
+        // the rotary table and the SwiGLU's product), then every gradient, into zeroed
+        // parameter gradients.
         self.zero_grads(Bind::Grads, self.len);
-        self.layer_body(l);
+        if pass == Pass::BackwardSaved {
+            let table = self.rope_table();
+            self.out.extend([
+                table,
+                Kernel::SwiGlu {
+                    out: s.hmid,
+                    gate: s.gate,
+                    up: s.up,
+                },
+            ]);
+        } else {
+            self.layer_body(l);
+        }
         let (x, dout, dx) = (
             self.act(Bind::Input),
             self.act(Bind::DOutput),
@@ -844,7 +975,7 @@ impl Program<'_> {
                 self.grad(Bind::TiedGrads, embed),
             ),
         };
-        if pass == Pass::Backward {
+        if !pass.is_forward() {
             self.zero_grads(Bind::Grads, self.len);
             if h.lm_head.is_none() {
                 // The head is the first to write the tied embedding's gradients.
@@ -865,7 +996,7 @@ impl Program<'_> {
         let norm = self.rmsnorm(s.xf, s.rstdf, x, h.norm);
         self.out.push(norm);
         self.out.extend(loss.forward());
-        if pass == Pass::Forward {
+        if pass.is_forward() {
             return self.out;
         }
         let dx = self.act(Bind::DInput);
@@ -949,7 +1080,7 @@ mod tests {
     }
 
     #[test]
-    fn programs_stay_inside_their_buffers() {
+    fn programs_stay_inside_their_buffers_and_saved_backwards_read_what_was_saved() {
         for (variant, tied) in [
             (Variant::Llama, false),
             (Variant::Qwen2, true),
@@ -964,30 +1095,7 @@ mod tests {
             let model = Llama::new(config).unwrap();
             let shape = Shape { batch: 2, seq: 16 };
             for (target, dtype) in [(Target::Cpu, Dtype::F32), (Target::Cuda, Dtype::Bf16)] {
-                let scratch = model.scratch_bytes(shape, target, dtype);
-                for (b, block) in model.blocks().iter().enumerate() {
-                    for pass in [Pass::Forward, Pass::Backward] {
-                        for k in model.program(b, pass, shape, target, dtype) {
-                            k.for_each_tensor(|t, _| {
-                                let limit = match t.buf {
-                                    x if x == Bind::Scratch as u8 => scratch,
-                                    x if x == Bind::Params as u8 => block.len * dtype.size(),
-                                    x if x == Bind::Grads as u8 => block.len * 4,
-                                    x if x == Bind::TiedParams as u8 => {
-                                        model.blocks[0].len * dtype.size()
-                                    }
-                                    x if x == Bind::TiedGrads as u8 => model.blocks[0].len * 4,
-                                    _ => usize::MAX,
-                                };
-                                assert!(
-                                    t.offset_bytes + t.bytes() <= limit,
-                                    "{variant:?} block {b} {pass:?} {}: {t:?} past {limit}",
-                                    k.name()
-                                );
-                            });
-                        }
-                    }
-                }
+                crate::model::checks::check_programs(&model, shape, target, dtype);
             }
         }
     }
