@@ -32,6 +32,11 @@ impl Slot {
     pub fn range(&self) -> Range<usize> {
         self.offset..self.offset + self.len
     }
+
+    /// The tensor in the block buffer bound at `bind`, whose elements are `dtype`.
+    pub fn tensor(self, bind: Bind, dtype: Dtype) -> TensorRef {
+        TensorRef::new(bind as u8, self.offset * dtype.size(), self.len, dtype)
+    }
 }
 
 /// One tensor of a block: its name, shape and place.

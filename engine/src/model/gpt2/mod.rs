@@ -436,17 +436,12 @@ struct Program {
 impl Program {
     /// `slot` of the buffer bound at `bind`, in the working dtype (parameters).
     fn param(&self, bind: Bind, slot: Slot) -> TensorRef {
-        TensorRef::new(
-            bind as u8,
-            slot.offset * self.dtype.size(),
-            slot.len,
-            self.dtype,
-        )
+        slot.tensor(bind, self.dtype)
     }
 
     /// `slot` of a gradient buffer (f32).
     fn grad(&self, bind: Bind, slot: Slot) -> TensorRef {
-        TensorRef::new(bind as u8, slot.offset * 4, slot.len, Dtype::F32)
+        slot.tensor(bind, Dtype::F32)
     }
 
     /// A whole activation buffer (B, T, C).
