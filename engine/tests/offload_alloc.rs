@@ -16,10 +16,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use strata_engine::exec::{ExecConfig, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model};
-use strata_engine::plan::{
-    AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanInput, Policy,
-    StepShape, Tier,
-};
+use strata_engine::plan::{NvmeOffload, Plan, PlanInput, Policy, StepShape, Tier};
+
+mod model_support;
+use model_support::{UNLIMITED, each_policy};
 
 struct Counting;
 
@@ -73,28 +73,16 @@ fn a_step_after_the_first_allocates_only_its_report() {
         needs_global_norm: true,
         ..StepShape::cpu(2, 64)
     };
-    let budgets = Budgets {
-        device: u64::MAX / 4,
-        host: u64::MAX / 4,
-        nvme: u64::MAX / 4,
-    };
-    let nvme = || NvmeOffload {
-        depth: 2,
-        checkpoints: Tier::Nvme,
-    };
-    let runs: Vec<(Box<dyn Policy>, bool)> = vec![
-        (Box::new(AllOnDevice), false),
-        (Box::new(CpuOffload), false),
-        (
-            Box::new(ParamOffload {
-                depth: 2,
-                checkpoints: Tier::Host,
-            }),
-            false,
-        ),
-        (Box::new(nvme()), false),
-        (Box::new(nvme()), true),
-    ];
+    // Every built-in policy, then NVMe offload again with the delayed update.
+    let mut runs: Vec<(Box<dyn Policy>, bool)> =
+        each_policy().into_iter().map(|p| (p, false)).collect();
+    runs.push((
+        Box::new(NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Nvme,
+        }),
+        true,
+    ));
     let n = 2 * 64;
     let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 512).collect();
     let targets: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 1) % 512).collect();
@@ -112,7 +100,7 @@ fn a_step_after_the_first_allocates_only_its_report() {
                 delayed_update,
                 ..shape
             },
-            budgets,
+            budgets: UNLIMITED,
         };
         let plan = Plan::build(&input, policy.as_ref()).unwrap();
         let dir = tempfile::tempdir().unwrap();

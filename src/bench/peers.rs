@@ -228,7 +228,8 @@ fn run_one(
     }
     let text = std::fs::read_to_string(&json)
         .map_err(|e| format!("{} wrote no result ({e})", script.display()))?;
-    parse_result(&text)
+    // The peer's result is the last line it appended, as a peer's printed result is.
+    crate::bench::parse_peer_output(&text)
 }
 
 /// A peer's own folder under the NVMe folder (its result, ZeRO-Infinity's swap files),
@@ -253,16 +254,6 @@ impl Drop for WorkDir {
             log::warn!("could not remove {}: {e}", self.0.display());
         }
     }
-}
-
-/// The last non-empty line of a peer's JSON-lines result file.
-fn parse_result(text: &str) -> Result<Value, String> {
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .ok_or("the peer's result file is empty")?;
-    serde_json::from_str(line).map_err(|e| format!("the peer wrote '{line}': {e}"))
 }
 
 /// The peers' table.
@@ -312,10 +303,14 @@ mod tests {
     fn a_peer_result_is_the_last_json_line() {
         let text =
             "{\"tokens_per_s\": 1.0}\n{\"tokens_per_s\": 290.5, \"median_step_s\": 1.76}\n\n";
-        let v = parse_result(text).unwrap();
+        let v: Value = crate::bench::parse_peer_output(text).unwrap();
         assert_eq!(v["tokens_per_s"].as_f64(), Some(290.5));
-        assert!(parse_result("\n").is_err());
-        assert!(parse_result("not json").unwrap_err().contains("not json"));
+        assert!(crate::bench::parse_peer_output::<Value>("\n").is_err());
+        assert!(
+            crate::bench::parse_peer_output::<Value>("not json")
+                .unwrap_err()
+                .contains("not json")
+        );
     }
 
     #[test]
