@@ -833,6 +833,34 @@ fn q8_thread_counts_give_identical_results() {
     }
 }
 
+/// The sum of squares is the fold of fixed pieces: the same bits for any thread count,
+/// and a split at a multiple of the piece length (a rank's shard) gives the same pieces.
+#[test]
+fn grad_stats_are_pieces_folded_whatever_the_threads() {
+    use strata_kernels::adamw::{STATS_PIECE, grad_stats_pieces};
+    let n = 5 * STATS_PIECE + 1234;
+    let t = tensors(n, 77);
+    for isa in Isa::supported() {
+        let one = grad_stats(isa, 1, Grads::F32(&t.g), 0.5).unwrap();
+        for threads in [2, 3, 5] {
+            let got = grad_stats(isa, threads, Grads::F32(&t.g), 0.5).unwrap();
+            assert_eq!(got.sum_squares.to_bits(), one.sum_squares.to_bits(), "{isa} {threads}");
+        }
+        let mut pieces = Vec::new();
+        grad_stats_pieces(isa, 2, Grads::F32(&t.g), 0.5, &mut |s| pieces.push(s)).unwrap();
+        assert_eq!(pieces.len(), n.div_ceil(STATS_PIECE));
+        let folded = pieces.iter().fold(GradStats::default(), |a, &b| a.merge(b));
+        assert_eq!(folded.sum_squares.to_bits(), one.sum_squares.to_bits(), "{isa}");
+        // Split at two pieces: each part's pieces are the whole's.
+        let (a, b) = t.g.split_at(2 * STATS_PIECE);
+        let mut parts = Vec::new();
+        for part in [a, b] {
+            grad_stats_pieces(isa, 3, Grads::F32(part), 0.5, &mut |s| parts.push(s)).unwrap();
+        }
+        assert_eq!(parts, pieces, "{isa}");
+    }
+}
+
 #[test]
 fn grad_stats_match_reference_and_find_non_finite_values() {
     for (si, &n) in SIZES.iter().enumerate() {

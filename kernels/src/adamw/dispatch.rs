@@ -47,10 +47,67 @@ pub(super) fn step(
     run_split(work, threads, align, &|w| with_kernels(isa, w), &|_, _| ());
 }
 
-/// The fused gradient pass on `threads` pieces, combined in a fixed order.
+/// Pieces whose statistics [`grad_stats_pieces`] computes in one round: one stack array
+/// of them, so that a call allocates nothing.
+const STATS_ROUND: usize = 64;
+
+/// The statistics of each [`super::STATS_PIECE`]-element piece of `grads`, in order, to
+/// `each`. Each piece is one thread's whole work (the same arithmetic whichever thread
+/// runs it, and wherever the piece starts), so the pieces do not depend on `threads`.
+/// The pieces of a round run on the pool; `each` runs on the calling thread.
+pub(super) fn grad_stats_pieces(
+    isa: Isa,
+    threads: usize,
+    grads: Grads<'_>,
+    scale: f32,
+    each: &mut dyn FnMut(GradStats),
+) {
+    const P: usize = super::STATS_PIECE;
+    let mut rest = grads;
+    while !rest.is_empty() {
+        let take = rest.len().min(P * STATS_ROUND);
+        let (round, next) = rest.split_at(take);
+        rest = next;
+        let mut out = [GradStats::default(); STATS_ROUND];
+        let pieces = take.div_ceil(P);
+        parallel::for_each_split(
+            take,
+            threads.max(1),
+            P,
+            (round, &mut out[..pieces]),
+            &split_stats,
+            &|_, (g, o): (Grads<'_>, &mut [GradStats])| {
+                let mut g = g;
+                for slot in o.iter_mut() {
+                    let (now, later) = g.split_at(g.len().min(P));
+                    *slot = with_kernels(isa, StatsPiece { g: now, scale });
+                    g = later;
+                }
+            },
+        );
+        for s in &out[..pieces] {
+            each(*s);
+        }
+    }
+}
+
+/// Gradients and their pieces' statistics, cut after `n` gradients (whole pieces).
+#[allow(clippy::type_complexity)]
+fn split_stats<'a, 'b>(
+    (g, o): (Grads<'a>, &'b mut [GradStats]),
+    n: usize,
+) -> ((Grads<'a>, &'b mut [GradStats]), (Grads<'a>, &'b mut [GradStats])) {
+    let (g0, g1) = g.split_at(n);
+    let (o0, o1) = o.split_at_mut(n / super::STATS_PIECE);
+    ((g0, o0), (g1, o1))
+}
+
+/// The fused gradient pass: the pieces' statistics merged in order (see
+/// [`grad_stats_pieces`]), the same for any `threads`.
 pub(super) fn grad_stats(isa: Isa, threads: usize, grads: Grads<'_>, scale: f32) -> GradStats {
-    let piece = |g: Grads<'_>| with_kernels(isa, StatsPiece { g, scale });
-    run_split(grads, threads, F32_ALIGN, &piece, &GradStats::merge)
+    let mut total = GradStats::default();
+    grad_stats_pieces(isa, threads, grads, scale, &mut |s| total = total.merge(s));
+    total
 }
 
 /// A call generic over the kernels, made for an instruction set chosen at run time by

@@ -492,10 +492,18 @@ impl GradStats {
     }
 }
 
+/// Elements of one piece of the gradient statistics. [`grad_stats`] is the left fold, in
+/// order, of the statistics of consecutive pieces of this many elements (the last may be
+/// shorter), each computed whole by one thread: so the sum does not depend on the thread
+/// count, and gradients split at multiples of it (the shards of ranks) give the same
+/// piece sums wherever each part is computed ([`grad_stats_pieces`]).
+pub const STATS_PIECE: usize = 16384;
+
 /// One read-only pass over gradients, each multiplied by `scale` in f32 as the step does:
 /// the sum of squares (for global-norm clipping) and whether any is not finite.
 ///
-/// The sum is deterministic for given inputs, `isa` and `threads`.
+/// The sum is deterministic for given inputs and `isa`, whatever `threads` (see
+/// [`STATS_PIECE`]).
 pub fn grad_stats(
     isa: Isa,
     threads: usize,
@@ -506,6 +514,22 @@ pub fn grad_stats(
         return Err(AdamError::UnsupportedIsa(isa));
     }
     Ok(dispatch::grad_stats(isa, threads, grads, scale))
+}
+
+/// The statistics of each [`STATS_PIECE`]-element piece of `grads` in order, given to
+/// `each` (on the calling thread): [`grad_stats`] is their left fold from zero.
+pub fn grad_stats_pieces(
+    isa: Isa,
+    threads: usize,
+    grads: Grads<'_>,
+    scale: f32,
+    each: &mut dyn FnMut(GradStats),
+) -> Result<(), AdamError> {
+    if !isa.is_supported() {
+        return Err(AdamError::UnsupportedIsa(isa));
+    }
+    dispatch::grad_stats_pieces(isa, threads, grads, scale, each);
+    Ok(())
 }
 
 #[cfg(test)]
