@@ -29,7 +29,7 @@ impl Op {
         }
     }
 
-    #[allow(dead_code)] // for the MPI transport, which sends calls as words
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     fn code(self) -> u64 {
         match self {
             Op::AllGather => 1,
@@ -40,7 +40,7 @@ impl Op {
         }
     }
 
-    #[allow(dead_code)] // for the MPI transport, which sends calls as words
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     fn from_code(code: u64) -> Option<Op> {
         [
             Op::AllGather,
@@ -71,7 +71,7 @@ pub(crate) struct Call {
 }
 
 /// How many `u64` words one [`Call`] takes on the wire.
-#[allow(dead_code)] // for the MPI transport, which sends calls as words
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) const CALL_WORDS: usize = 4;
 
 impl Call {
@@ -120,7 +120,7 @@ impl Call {
         }
     }
 
-    #[allow(dead_code)] // for the MPI transport, which sends calls as words
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn to_words(self) -> [u64; CALL_WORDS] {
         [
             self.op.code(),
@@ -131,7 +131,7 @@ impl Call {
     }
 
     /// `None` for words no [`Call::to_words`] wrote (a peer built from other code).
-    #[allow(dead_code)] // for the MPI transport, which sends calls as words
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
     pub(crate) fn from_words(words: &[u64]) -> Option<Call> {
         let [op, len, local_len, root] = words else {
             return None;

@@ -12,6 +12,7 @@
 //! - [`Collective`]: the interface the engine codes against.
 //! - [`Solo`]: one process, size 1.
 //! - [`ThreadGroup`]: N ranks in one process, one per thread, for tests without MPI.
+//! - `Mpi` (feature `mpi`): one rank per process under `mpirun`, through rsmpi.
 //! - [`launched_by_mpirun`], [`LaunchEnv`]: what the launcher says, with or without the
 //!   `mpi` feature, so a build without MPI can tell the user to rebuild.
 //! - [`reference`](mod@reference): plain scalar references every transport is checked against;
@@ -25,12 +26,16 @@ pub mod conformance;
 mod error;
 mod fold;
 mod launch;
+#[cfg(feature = "mpi")]
+mod mpi;
 pub mod reference;
 mod solo;
 mod thread_group;
 
 pub use error::CommError;
 pub use launch::{BUILT_WITH_MPI, LaunchEnv, launched_by_mpirun, mpi_missing_message};
+#[cfg(feature = "mpi")]
+pub use mpi::Mpi;
 pub use solo::Solo;
 pub use thread_group::ThreadGroup;
 
