@@ -425,6 +425,7 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         delayed_update: cfg.delayed_update,
         target,
         recompute: cfg.recompute,
+        ranks: 1,
     }
 }
 

@@ -69,11 +69,14 @@ pub enum Lane {
     /// The device's second kernel stream: AdamW and gradient statistics of optimizer
     /// state that lives on the device, beside the backward of the blocks before.
     Update,
+    /// Collectives among ranks (all-gathers of parameters, reduce-scatters of
+    /// gradients, the global norm), on a host thread; empty with one rank.
+    Comm,
 }
 
 impl Lane {
     /// How many lanes there are.
-    pub const COUNT: usize = 7;
+    pub const COUNT: usize = 8;
 
     /// Every lane, in index order.
     pub const ALL: [Lane; Lane::COUNT] = [
@@ -84,6 +87,7 @@ impl Lane {
         Lane::D2h,
         Lane::Cpu,
         Lane::Update,
+        Lane::Comm,
     ];
 
     /// The device's streams.
@@ -121,6 +125,7 @@ impl fmt::Display for Lane {
             Lane::D2h => "d2h",
             Lane::Cpu => "cpu-optimizer",
             Lane::Update => "device-update",
+            Lane::Comm => "collective",
         })
     }
 }

@@ -108,7 +108,11 @@ impl Executor {
                 })
             });
             if let Err(e) = result {
-                self.failed.store(true, Ordering::SeqCst);
+                let first = !self.failed.swap(true, Ordering::SeqCst);
+                if first && !is_abort(&e) && self.comm.size() > 1 {
+                    // The other ranks would wait for this one's next collective forever.
+                    self.comm.abort(&format!("rank {}: {e}", self.comm.rank()));
+                }
                 self.notify();
                 return Err(e);
             }
@@ -457,6 +461,11 @@ impl Executor {
                 );
                 Ok(())
             }
+            OpKind::GradNorm { ref sources } if self.comm.size() > 1 => {
+                let total = self.ranks_norm(sources, shared)?;
+                self.set_norm(total, shared);
+                Ok(())
+            }
             OpKind::GradNorm { ref sources } => {
                 let scale = 1.0 / shared.update_loss_scale;
                 let mut total = GradStats::default();
@@ -489,19 +498,56 @@ impl Executor {
                     };
                     total = total.merge(stats);
                 }
-                let norm = total.norm();
-                let clip = shared.params.clip;
-                let coef = if clip > 0.0 && norm > clip {
-                    (clip / (norm + 1e-6)) as f32
-                } else {
-                    1.0
-                };
-                *self.norm.lock().unwrap_or_else(|e| e.into_inner()) = Norm {
-                    norm,
-                    coef,
-                    skip: total.non_finite,
-                };
+                self.set_norm(total, shared);
                 Ok(())
+            }
+            OpKind::AllGather {
+                from,
+                into,
+                with_update,
+                block,
+            } => {
+                if with_update && self.skipped() {
+                    return Ok(()); // every rank skips alike: the norm is global
+                }
+                let bytes = self.plan.shard_len[block] as usize
+                    * self.plan.shape.precision.param_bytes() as usize;
+                let src = self
+                    .host
+                    .read(lane, self.host_range(from).prefix(bytes))
+                    .map_err(err)?;
+                let mut dst = self
+                    .host
+                    .write(lane, self.host_range(into).prefix(bytes * self.comm.size()))
+                    .map_err(err)?;
+                self.comm
+                    .all_gather(&src, &mut dst)
+                    .map_err(|e| self.comm_error(label(), e))
+            }
+            OpKind::ReduceScatter {
+                block,
+                from,
+                into,
+                accumulate,
+            } => {
+                let shard = self.plan.shard_len[block] as usize;
+                // The copy from the device filled the block's elements; what is past them
+                // goes as it is, and lands in padding no one reads (the optimizer and the
+                // norm read a shard's elements of the block only).
+                let send = self
+                    .host
+                    .read(
+                        lane,
+                        self.host_range(from).prefix(4 * shard * self.comm.size()),
+                    )
+                    .map_err(err)?;
+                let mut acc = self
+                    .host
+                    .write(lane, self.host_range(into).prefix(4 * shard))
+                    .map_err(err)?;
+                self.comm
+                    .reduce_scatter_sum(cast::<f32>(&send), cast_mut::<f32>(&mut acc), accumulate)
+                    .map_err(|e| self.comm_error(label(), e))
             }
             OpKind::Optimizer {
                 block,
@@ -526,6 +572,104 @@ impl Executor {
         }
     }
 
+    /// Records the global norm of `total` and what it means for the update: the
+    /// clipping coefficient, and whether the step is skipped (non-finite gradients).
+    fn set_norm(&self, total: GradStats, shared: &StepShared<'_>) {
+        let norm = total.norm();
+        let clip = shared.params.clip;
+        let coef = if clip > 0.0 && norm > clip {
+            (clip / (norm + 1e-6)) as f32
+        } else {
+            1.0
+        };
+        *self.norm.lock().unwrap_or_else(|e| e.into_inner()) = Norm {
+            norm,
+            coef,
+            skip: total.non_finite,
+        };
+    }
+
+    /// The global gradient statistics with ranks: each rank's piece sums of its shards
+    /// ([`strata_kernels::adamw::STATS_PIECE`]), gathered, and folded in the order one
+    /// process folds them (block by block, each block's pieces in order), so the norm
+    /// is the same bits as one process's.
+    fn ranks_norm(
+        &self,
+        sources: &[(usize, GradSource)],
+        shared: &StepShared<'_>,
+    ) -> Result<GradStats, ExecError> {
+        use strata_kernels::adamw::{STATS_PIECE, grad_stats_pieces};
+        let label = || "grad norm".to_string();
+        let scale = 1.0 / shared.update_loss_scale;
+        let mut pieces = self.norm_pieces.lock().unwrap_or_else(|e| e.into_inner());
+        let (mine, all) = &mut *pieces;
+        mine.fill(0.0);
+        let mut at = 0;
+        for &(block, source) in sources {
+            let GradSource::Host(grads) = source else {
+                unreachable!("with ranks every block's gradients are on the host");
+            };
+            let (_, shard, valid) = self.shard(block);
+            let g = self
+                .host
+                .read(Lane::Comm, self.host_range(grads).prefix(4 * valid))
+                .map_err(|source| ExecError::Device {
+                    op: label(),
+                    source,
+                })?;
+            let mut i = at;
+            grad_stats_pieces(
+                self.cpu.isa,
+                self.optimizer_threads,
+                Grads::F32(cast::<f32>(&g)),
+                scale,
+                &mut |s| {
+                    mine[i] = s.sum_squares;
+                    i += 1;
+                },
+            )
+            .map_err(|source| ExecError::Adam {
+                op: label(),
+                source,
+            })?;
+            at += shard.div_ceil(STATS_PIECE);
+        }
+        self.comm
+            .all_gather(
+                crate::device::bytes_of(mine),
+                crate::device::bytes_of_mut(all),
+            )
+            .map_err(|e| self.comm_error(label(), e))?;
+        let per_rank = mine.len();
+        let mut total = GradStats::default();
+        let mut at = 0;
+        for &(block, _) in sources {
+            let n = (self.plan.shard_len[block] as usize).div_ceil(STATS_PIECE);
+            let mut sum = GradStats::default();
+            for r in 0..self.comm.size() {
+                for &x in &all[r * per_rank + at..r * per_rank + at + n] {
+                    sum = sum.merge(GradStats {
+                        sum_squares: x,
+                        non_finite: !x.is_finite(),
+                    });
+                }
+            }
+            total = total.merge(sum);
+            at += n;
+        }
+        Ok(total)
+    }
+
+    /// A collective's failure: this rank's own abort (after another lane failed) is an
+    /// abort, anything else names the operation.
+    fn comm_error(&self, op: String, source: strata_comm::CommError) -> ExecError {
+        if self.failed.load(Ordering::SeqCst) {
+            ExecError::Aborted
+        } else {
+            ExecError::Comm { op, source }
+        }
+    }
+
     /// AdamW on the CPU over block `block`: gradients, state and the new working
     /// parameters in the host arena.
     fn host_adamw(
@@ -541,7 +685,9 @@ impl Executor {
         if skip {
             return Ok(());
         }
-        let len = self.model.blocks()[block].len;
+        // With ranks, this rank's shard: `valid` of its `len` elements are the block's,
+        // from element `lo` on (the rest is padding, left alone).
+        let (lo, len, valid) = self.shard(block);
         let err = |source| ExecError::Device {
             op: label(),
             source,
@@ -596,6 +742,7 @@ impl Executor {
         let update = |out: WorkingOut<'_>, master: &mut [f32], m: &mut [f32], v: &mut [f32]| {
             update_block(
                 tensors,
+                lo..lo + valid,
                 [&steps[0], &steps[1]],
                 isa,
                 threads,
@@ -638,11 +785,15 @@ enum WorkingOut<'a> {
     F16(&'a mut [f16]),
 }
 
-/// AdamW over one block, tensor by tensor: `steps[0]` (with weight decay) for tensors
-/// that decay, `steps[1]` for the others. Alignment gaps are left alone (zero).
+/// AdamW over the elements `range` of one block (the whole block, or a rank's shard of
+/// it, whose slices start at `range.start`), tensor by tensor: `steps[0]` (with weight
+/// decay) for tensors that decay, `steps[1]` for the others. Alignment gaps and a
+/// shard's padding are left alone (zero). AdamW is elementwise, so a shard's update is
+/// the same bits as those elements' in the whole block's.
 #[allow(clippy::too_many_arguments)]
 fn update_block(
     tensors: &[TensorSpec],
+    range: std::ops::Range<usize>,
     steps: [&AdamStep; 2],
     isa: Isa,
     threads: usize,
@@ -660,8 +811,13 @@ fn update_block(
     }
     let mut done = 0;
     for t in tensors {
-        let (skip, take) = (t.slot.offset - done, t.slot.len);
-        done = t.slot.offset + take;
+        let start = t.slot.offset.max(range.start);
+        let end = (t.slot.offset + t.slot.len).min(range.end);
+        if start >= end {
+            continue;
+        }
+        let (skip, take) = (start - range.start - done, end - start);
+        done = end - range.start;
         let (_, g) = grads.split_at(skip);
         let (g_now, g_rest) = g.split_at(take);
         grads = g_rest;

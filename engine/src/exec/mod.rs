@@ -46,10 +46,11 @@ pub use trace::OpRecord;
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
+use strata_comm::{Collective, CommError, Solo};
 use strata_kernels::adamw::{AdamError, GradStats};
 use strata_kernels::ops::Cpu;
 use strata_kernels::program::{Dtype, read_stats};
@@ -127,6 +128,14 @@ pub enum ExecError {
     /// The lanes' threads could not be started.
     #[error("starting the lane threads: {0}")]
     Threads(String),
+    /// A collective among ranks failed (another rank aborted, a timeout, MPI).
+    #[error("{op}: {source}")]
+    Comm {
+        /// The operation.
+        op: String,
+        /// The error from the group.
+        source: CommError,
+    },
 }
 
 /// AdamW's first and second moments, one buffer per block.
@@ -158,6 +167,12 @@ pub struct ExecConfig {
     /// Fault injection (tests): the operation with this label (`adamw 2`, `fwd 1`)
     /// panics when its lane reaches it, as a bug in it would.
     pub panic_at: Option<String>,
+    /// The group of ranks training together; its size must be the plan's
+    /// `shape.ranks`. None: this process alone.
+    pub comm: Option<Arc<dyn Collective>>,
+    /// Tests: fill the host arena with 0xff bytes (NaN as f32) when it is made, so that
+    /// a read of host memory that nothing wrote shows in the results.
+    pub poison_host: bool,
 }
 
 impl Default for ExecConfig {
@@ -170,6 +185,8 @@ impl Default for ExecConfig {
             run_ahead: 4,
             chaos: crate::device::chaos_from_env(),
             panic_at: None,
+            comm: None,
+            poison_host: false,
         }
     }
 }
@@ -333,6 +350,11 @@ pub struct Executor {
     histograms: Mutex<Vec<(&'static str, Histogram<u64>)>>,
     /// The threads the lanes run on, started with the executor and reused by every step.
     lane_threads: workers::LaneThreads,
+    /// The ranks training together (this process alone: a group of one).
+    comm: Arc<dyn Collective>,
+    /// With ranks: this rank's piece sums of the gradient statistics, every block's in
+    /// block order, and every rank's gathered (reused by each step's norm).
+    norm_pieces: Mutex<(Vec<f64>, Vec<f64>)>,
 }
 
 /// How an operation fails on purpose ([`Executor::fail_next_at`]).
@@ -444,6 +466,28 @@ impl Executor {
     ) -> Result<Self, ExecError> {
         let shape = plan.shape;
         let dims = model.shape(shape.batch, shape.seq)?;
+        let comm = config
+            .comm
+            .clone()
+            .unwrap_or_else(|| Arc::new(Solo::new()) as Arc<dyn Collective>);
+        if comm.size() != shape.ranks {
+            return Err(ExecError::BadInput(format!(
+                "plan {} is for {} rank(s), but the group has {}",
+                plan.policy,
+                shape.ranks,
+                comm.size()
+            )));
+        }
+        let pieces: usize = plan
+            .shard_len
+            .iter()
+            .map(|&s| (s as usize).div_ceil(strata_kernels::adamw::STATS_PIECE))
+            .sum();
+        let norm_pieces = if shape.ranks > 1 {
+            (vec![0.0; pieces], vec![0.0; pieces * shape.ranks])
+        } else {
+            (Vec::new(), Vec::new())
+        };
         if device.target() != shape.target {
             return Err(ExecError::BadInput(format!(
                 "plan {} was made for the {:?} kernels, but the device is {}",
@@ -465,6 +509,11 @@ impl Executor {
             &device.pinning(),
         )
         .map_err(setup)?;
+        if config.poison_host && host.len_bytes() > 0 {
+            host.write(Lane::Cpu, HostRange::new(0, host.len_bytes()))
+                .map_err(setup)?
+                .fill(0xff);
+        }
         let (store, extents) = if plan.extent_groups.is_empty() {
             (None, ExtentTable::default())
         } else if config.nvme_dirs.is_empty() {
@@ -558,6 +607,8 @@ impl Executor {
             wake: (Mutex::new(()), Condvar::new()),
             stamp: 0,
             lane_threads: workers::LaneThreads::start()?,
+            comm,
+            norm_pieces: Mutex::new(norm_pieces),
             histograms: Mutex::new(histograms),
             programs,
             host,
@@ -600,6 +651,21 @@ impl Executor {
     /// The pinned host arena.
     pub fn host_arena(&self) -> &HostArena {
         &self.host
+    }
+
+    /// The group of ranks this executor trains in (a group of one when alone).
+    pub fn comm(&self) -> &Arc<dyn Collective> {
+        &self.comm
+    }
+
+    /// This rank's shard of block `b`: its first element in the block, its length
+    /// (the plan's), and how many of its elements are the block's (the rest is
+    /// padding). Alone: `(0, len, len)`.
+    pub fn shard(&self, b: usize) -> (usize, usize, usize) {
+        let shard = self.plan.shard_len[b] as usize;
+        let lo = self.comm.rank() * shard;
+        let valid = self.model.blocks()[b].len.saturating_sub(lo).min(shard);
+        (lo, shard, valid)
     }
 
     /// Optimizer steps applied so far (AdamW's step counter).
@@ -824,35 +890,45 @@ impl Executor {
         for (b, block) in blocks.iter().enumerate() {
             let len = block.len;
             let homes = self.plan.block_homes[b];
-            let state_range = HostRange::new(0, 12 * len);
+            // With ranks, this rank's shard of the state (and of host or NVMe working
+            // parameters), zero past the block's end.
+            let (lo, shard, valid) = self.shard(b);
+            let part = lo.min(len)..lo.min(len) + valid;
+            let state_range = HostRange::new(0, 12 * shard);
             {
                 let mut bytes = staging
                     .write(Lane::Cpu, state_range)
                     .map_err(self.device_error("loading"))?;
                 let f = cast_mut::<f32>(&mut bytes);
-                f[..len].copy_from_slice(&params[b]);
-                let (m, v) = f[len..].split_at_mut(len);
-                match moments {
-                    Some((mm, vv)) => {
-                        m.copy_from_slice(&mm[b]);
-                        v.copy_from_slice(&vv[b]);
-                    }
-                    None => {
-                        m.fill(0.0);
-                        v.fill(0.0);
-                    }
+                f.fill(0.0);
+                let (p, rest) = f.split_at_mut(shard);
+                let (m, v) = rest.split_at_mut(shard);
+                p[..valid].copy_from_slice(&params[b][part.clone()]);
+                if let Some((mm, vv)) = moments {
+                    m[..valid].copy_from_slice(&mm[b][part.clone()]);
+                    v[..valid].copy_from_slice(&vv[b][part.clone()]);
                 }
             }
             self.put_home(&staging, state_range, homes.state, None)?;
             if homes.params == homes.state {
                 continue; // the working parameters are the master copy
             }
-            let working = HostRange::new(0, len * pbytes);
+            let whole = self.plan.buffer(homes.params).tier == Tier::Device;
+            let working = HostRange::new(0, if whole { len } else { shard } * pbytes);
             {
                 let mut bytes = staging
                     .write(Lane::Cpu, working)
                     .map_err(self.device_error("loading"))?;
-                write_working(precision, &params[b], &mut bytes);
+                bytes.fill(0);
+                if whole {
+                    write_working(precision, &params[b], &mut bytes);
+                } else {
+                    write_working(
+                        precision,
+                        &params[b][part.clone()],
+                        &mut bytes[..valid * pbytes],
+                    );
+                }
             }
             let convert = (precision.dtype() != self.plan.shape.device_dtype())
                 .then(|| (precision.dtype(), self.plan.shape.device_dtype()));
@@ -916,24 +992,31 @@ impl Executor {
     }
 
     /// Reads the master parameters and AdamW's m and v of every block from their homes.
+    /// With ranks it is a collective: every rank calls it, and every rank gets the
+    /// whole state (its shards gathered).
     pub fn export(&self) -> Result<TrainingState, ExecError> {
         let blocks = self.model.blocks();
         let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
+        let largest = (0..blocks.len())
+            .map(|b| self.plan.shard_len[b] as usize)
+            .max()
+            .unwrap_or(0);
         let staging = self.staging((12 * largest).next_multiple_of(4096))?;
+        let ranks = self.comm.size();
         for (b, block) in blocks.iter().enumerate() {
             let len = block.len;
+            let shard = self.plan.shard_len[b] as usize;
             let home = self.plan.block_homes[b].state;
             let name = &self.plan.buffer(home).name;
-            let range = HostRange::new(0, 12 * len);
-            let mut f = vec![0f32; 3 * len];
+            let range = HostRange::new(0, 12 * shard);
+            let mut f = vec![0f32; 3 * shard];
             match self.plan.buffer(home).tier {
                 Tier::Nvme => {
                     let store = self.store.as_ref().expect("store");
                     let (r, buf) = store
                         .read(
                             self.extent(home)?,
-                            AlignedBuf::zeroed((12 * len).next_multiple_of(4096)),
+                            AlignedBuf::zeroed((12 * shard).next_multiple_of(4096)),
                         )
                         .wait();
                     r.map_err(|source| ExecError::Storage {
@@ -941,12 +1024,12 @@ impl Executor {
                         source,
                     })?;
                     crate::device::bytes_of_mut(&mut f)
-                        .copy_from_slice(&buf.as_slice()[..12 * len]);
+                        .copy_from_slice(&buf.as_slice()[..12 * shard]);
                 }
                 Tier::Host => {
                     let bytes = self
                         .host
-                        .read(Lane::Cpu, self.host_range(home).prefix(12 * len))
+                        .read(Lane::Cpu, self.host_range(home).prefix(12 * shard))
                         .map_err(self.device_error(format!("reading {name}")))?;
                     crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
                 }
@@ -954,7 +1037,7 @@ impl Executor {
                     let src = self.device_range(home);
                     self.device
                         .copy_to_host(
-                            DeviceRange::new(src.offset_bytes, 12 * len),
+                            DeviceRange::new(src.offset_bytes, 12 * shard),
                             &staging,
                             range,
                             &[],
@@ -967,9 +1050,34 @@ impl Executor {
                     crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
                 }
             }
-            p.push(f[..len].to_vec());
-            m.push(f[len..2 * len].to_vec());
-            v.push(f[2 * len..].to_vec());
+            // Every rank's shard, in rank order: rank r's (master, m, v) of `shard` each.
+            let all = if ranks > 1 {
+                let mut all = vec![0f32; ranks * 3 * shard];
+                self.comm
+                    .all_gather(
+                        crate::device::bytes_of(&f),
+                        crate::device::bytes_of_mut(&mut all),
+                    )
+                    .map_err(|source| ExecError::Comm {
+                        op: format!("gathering {name}"),
+                        source,
+                    })?;
+                all
+            } else {
+                f
+            };
+            let class = |c: usize| -> Vec<f32> {
+                let mut out = Vec::with_capacity(ranks * shard);
+                for r in 0..ranks {
+                    let at = (3 * r + c) * shard;
+                    out.extend_from_slice(&all[at..at + shard]);
+                }
+                out.truncate(len);
+                out
+            };
+            p.push(class(0));
+            m.push(class(1));
+            v.push(class(2));
         }
         Ok((p, m, v))
     }
@@ -998,11 +1106,21 @@ impl Executor {
         // The loss is the mean over the positions whose target counts (not masked out by
         // IGNORE_TARGET), across the micro-batches; at least one, so that a step whose
         // every target is masked has a zero loss and zero gradients rather than NaNs.
-        self.counted_targets = batches
+        // With ranks, across every rank's micro-batches (a step is the same computation
+        // as one process's with all of them).
+        let mut counted = [batches
             .iter()
             .map(|(_, y)| y.iter().filter(|&&t| t != IGNORE_TARGET).count())
-            .sum::<usize>()
-            .max(1);
+            .sum::<usize>() as f64];
+        if shape.ranks > 1 {
+            self.comm
+                .all_reduce_sum_f64(&mut counted)
+                .map_err(|source| ExecError::Comm {
+                    op: "counting the step's targets".into(),
+                    source,
+                })?;
+        }
+        self.counted_targets = (counted[0] as usize).max(1);
         if params.clip > 0.0 && !shape.needs_global_norm {
             return Err(ExecError::BadInput(
                 "clipping needs a plan built with needs_global_norm".into(),
@@ -1195,19 +1313,49 @@ impl Executor {
         Ok(report)
     }
 
-    /// The mean of the per-position losses the step left in the host arena.
+    /// The mean of the per-position losses the step left in the host arena (with
+    /// ranks, of every rank's: each micro-batch's sum added in the order of one process
+    /// running them all, micro-batch k of rank r being its k × ranks + r).
     fn mean_loss(&self) -> Result<f32, ExecError> {
         let rows = self.plan.shape.batch * self.plan.shape.seq;
-        let mut sum = 0.0f64;
-        for &buf in &self.plan.losses_host {
+        let ranks = self.comm.size();
+        let micro_sum = |buf: BufId| -> Result<f64, ExecError> {
             let bytes = self
                 .host
                 .read(Lane::Cpu, self.host_range(buf).prefix(4 * rows))
                 .map_err(self.device_error("reading the losses"))?;
-            sum += cast::<f32>(&bytes)
+            Ok(cast::<f32>(&bytes)
                 .iter()
                 .map(|&l| f64::from(l))
-                .sum::<f64>();
+                .sum::<f64>())
+        };
+        let mut sum = 0.0f64;
+        if ranks == 1 {
+            for &buf in &self.plan.losses_host {
+                sum += micro_sum(buf)?;
+            }
+        } else {
+            let mine = self
+                .plan
+                .losses_host
+                .iter()
+                .map(|&b| micro_sum(b))
+                .collect::<Result<Vec<f64>, _>>()?;
+            let mut all = vec![0f64; ranks * mine.len()];
+            self.comm
+                .all_gather(
+                    crate::device::bytes_of(&mine),
+                    crate::device::bytes_of_mut(&mut all),
+                )
+                .map_err(|source| ExecError::Comm {
+                    op: "gathering the losses".into(),
+                    source,
+                })?;
+            for k in 0..mine.len() {
+                for r in 0..ranks {
+                    sum += all[r * mine.len() + k];
+                }
+            }
         }
         Ok((sum / self.counted_targets as f64) as f32)
     }

@@ -378,6 +378,33 @@ pub enum OpKind {
         /// Device working parameters, written.
         params: BufId,
     },
+    /// Assembles a block's working parameters from every rank's shard (collective
+    /// lane): `from`, this rank's shard, gathered in rank order into `into`. Skipped with
+    /// the update if `with_update` (every rank skips it alike: the norm is global).
+    AllGather {
+        /// Block.
+        block: usize,
+        /// This rank's shard (host).
+        from: BufId,
+        /// Every rank's shard, in rank order (host).
+        into: BufId,
+        /// Part of the parameter update.
+        with_update: bool,
+    },
+    /// Gives each rank its shard of a micro-batch's gradients from every rank
+    /// (collective lane), and adds them in rank order into this rank's shard of the host
+    /// gradients: after the previous micro-batches' when `accumulate`, else in place of
+    /// them. What lands in a shard's padding is never read.
+    ReduceScatter {
+        /// Block.
+        block: usize,
+        /// This rank's gradients of the whole block (host).
+        from: BufId,
+        /// This rank's shard of the block's gradients (host).
+        into: BufId,
+        /// Whether the micro-batch adds to earlier ones.
+        accumulate: bool,
+    },
     /// Makes a block's update durable (NVMe write lane, after the block's NVMe writes):
     /// each shadow-paged group of the block the update wrote becomes current, its old
     /// extent a spare, and the block counts the step as applied when its optimizer state
@@ -417,6 +444,8 @@ impl OpKind {
             OpKind::Optimizer { block, .. } => ("adamw", Some(block)),
             OpKind::DeviceUpdate { block, .. } => ("device adamw", Some(block)),
             OpKind::Commit { block } => ("commit", Some(block)),
+            OpKind::AllGather { block, .. } => ("all-gather", Some(block)),
+            OpKind::ReduceScatter { block, .. } => ("reduce-scatter", Some(block)),
         };
         OpLabel { what, block }
     }
@@ -434,11 +463,12 @@ impl OpKind {
             OpKind::DeviceStats { .. } | OpKind::GradNorm { .. } => "grad-norm",
             OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => "adamw",
             OpKind::Commit { .. } => "commit",
+            OpKind::AllGather { .. } | OpKind::ReduceScatter { .. } => "collective",
         }
     }
 
     /// Every kind name [`OpKind::kind_name`] returns.
-    pub const KIND_NAMES: [&'static str; 10] = [
+    pub const KIND_NAMES: [&'static str; 11] = [
         "nvme-read",
         "nvme-write",
         "h2d",
@@ -449,6 +479,7 @@ impl OpKind {
         "grad-norm",
         "adamw",
         "commit",
+        "collective",
     ];
 }
 
@@ -526,6 +557,9 @@ pub struct Plan {
     pub link_bytes: [u64; 4],
     /// Each block's persistent state buffers.
     pub block_homes: Vec<BlockHomes>,
+    /// Per block: elements of this rank's shard of its parameters, gradients and
+    /// optimizer state ([`super::shard_len`]; the block's length with one rank).
+    pub shard_len: Vec<u64>,
     /// Per micro-batch: the host buffer the executor writes the tokens and targets into
     /// before a step.
     pub tokens_host: Vec<BufId>,
@@ -639,6 +673,9 @@ struct Planner<'a> {
     head: usize,
     /// Transformer blocks.
     layers: usize,
+    /// Processes training together, and each block's shard length (elements).
+    ranks: usize,
+    shard: Vec<u64>,
     /// Bytes of a working parameter on the host, and of a device element.
     pbytes: u64,
     dbytes: u64,
@@ -812,7 +849,12 @@ impl<'a> Planner<'a> {
     /// Stage 1: the step's shape and every block's homes, checked.
     fn new(input: &'a PlanInput<'a>, policy: &'a dyn Policy) -> Result<Self, PlanError> {
         let name = policy.name();
-        let shape = input.shape;
+        let mut shape = input.shape;
+        // With ranks the norm is always the global one, computed with every rank's
+        // shards (the reports' norm is the step's, not a shard's).
+        if shape.ranks > 1 {
+            shape.needs_global_norm = true;
+        }
         if shape.batch == 0 || shape.seq == 0 || shape.grad_accum == 0 {
             return Err(PlanError::Invalid(
                 "batch, sequence length and gradient accumulation must be at least 1".into(),
@@ -851,7 +893,19 @@ impl<'a> Planner<'a> {
                     "block {b}: optimizer state on the device needs the parameters there too"
                 )));
             }
+            if shape.ranks > 1 && (h.grads == Tier::Device || h.state == Tier::Device) {
+                return Err(bad(format!(
+                    "block {b}: with {} ranks each rank updates its shard of the optimizer \
+                     state on the CPU, so gradients and optimizer state live on the host or \
+                     NVMe (got gradients on {}, state on {}); use cpu-offload, param-offload \
+                     or nvme-offload",
+                    shape.ranks, h.grads, h.state
+                )));
+            }
             homes.push(h);
+        }
+        if shape.ranks == 0 {
+            return Err(PlanError::Invalid("ranks must be at least 1".into()));
         }
         Ok(Planner {
             input,
@@ -864,6 +918,11 @@ impl<'a> Planner<'a> {
             homes,
             head: nb - 1,
             layers: nb - 2,
+            ranks: shape.ranks,
+            shard: blocks
+                .iter()
+                .map(|b| super::shard_len(b.len, shape.ranks) as u64)
+                .collect(),
             pbytes: shape.precision.param_bytes(),
             dbytes: shape.device_dtype().size() as u64,
             ops: Vec::new(),
@@ -909,6 +968,11 @@ impl<'a> Planner<'a> {
 
     fn len(&self, b: usize) -> u64 {
         self.blocks[b].len as u64
+    }
+
+    /// Elements of this rank's shard of block `b` (its length with one rank).
+    fn shard(&self, b: usize) -> u64 {
+        self.shard[b]
     }
 
     /// Bytes of one activation (B, T, width) on the device.
@@ -1011,18 +1075,18 @@ impl<'a> Planner<'a> {
             self.persistent("stats-scratch@device".into(), Tier::Device, stats as u64);
         let delayed = self.shape.delayed_update;
         for b in 0..nb {
-            let len = self.len(b);
+            let (len, shard) = (self.len(b), self.shard(b));
             let (params, state, grads) = {
                 let h = &self.homes[b];
                 (h.params, h.state, h.grads)
             };
             let s = match state {
                 Tier::Device | Tier::Host => {
-                    self.home_pair(&format!("adam[{b}]"), state, 12 * len, false)
+                    self.home_pair(&format!("adam[{b}]"), state, 12 * shard, false)
                 }
                 Tier::Nvme => self.extents(
                     format!("adam.{b}"),
-                    12 * len,
+                    12 * shard,
                     ExtentKind::Shadow,
                     b,
                     TensorClass::Optimizer,
@@ -1043,12 +1107,12 @@ impl<'a> Planner<'a> {
                     Tier::Host => self.home_pair(
                         &format!("params[{b}]"),
                         Tier::Host,
-                        len * self.pbytes,
+                        shard * self.pbytes,
                         delayed,
                     ),
                     Tier::Nvme => self.extents(
                         format!("params.{b}"),
-                        len * self.pbytes,
+                        shard * self.pbytes,
                         if delayed {
                             ExtentKind::Pair
                         } else {
@@ -1075,9 +1139,9 @@ impl<'a> Planner<'a> {
                     // Transient, or (delayed) two persistent sets: one filled by this
                     // step's backward while the update applies the other.
                     let (fill, apply) = if delayed {
-                        self.home_pair(&format!("grads[{b}]"), Tier::Host, 4 * len, true)
+                        self.home_pair(&format!("grads[{b}]"), Tier::Host, 4 * shard, true)
                     } else {
-                        let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, 4 * len);
+                        let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, 4 * shard);
                         (id, id)
                     };
                     self.g_host[b] = Some(fill);
@@ -1212,7 +1276,7 @@ impl<'a> Planner<'a> {
         // Optimizer state reads (NVMe homes), emitted `depth` computes before the
         // backward that completes the block's gradients.
         for b in 0..nb {
-            let len = self.len(b);
+            let len = self.shard(b);
             if self.homes[b].state == Tier::Nvme {
                 // With a global-norm barrier the reads are emitted with the updates, after
                 // the norm, so that only `depth` blocks are staged at once.
@@ -1550,18 +1614,48 @@ impl<'a> Planner<'a> {
     }
 
     /// Block `b`'s working parameters from their home to the device buffer `to`.
+    /// With ranks, the home holds this rank's shard: the shards are gathered on the
+    /// host first.
     fn fetch_params(&mut self, b: usize, to: BufId) {
         let bytes = self.len(b) * self.pbytes;
+        let shard_bytes = self.shard(b) * self.pbytes;
         let from = match self.homes[b].params {
             Tier::Host => self.p_home[b].0,
             Tier::Nvme => {
-                let stage = self.buffer(format!("params[{b}]<@host"), Tier::Host, bytes);
-                self.nvme_read(Lane::NvmeRead, self.p_home[b].0, stage, bytes);
+                let stage = self.buffer(format!("params[{b}]<@host"), Tier::Host, shard_bytes);
+                self.nvme_read(Lane::NvmeRead, self.p_home[b].0, stage, shard_bytes);
                 stage
             }
             Tier::Device => unreachable!("device-resident parameters are not fetched"),
         };
+        let from = self.gathered(b, from, "<", false);
         self.copy_in(from, to, bytes, self.param_conversion(), false);
+    }
+
+    /// With ranks: block `b`'s working parameters gathered from every rank's shard,
+    /// `shard` being this rank's, into a new host buffer (returned). Alone: `shard`.
+    fn gathered(&mut self, b: usize, shard: BufId, dir: &str, with_update: bool) -> BufId {
+        if self.ranks == 1 {
+            return shard;
+        }
+        let bytes = self.ranks as u64 * self.shard(b) * self.pbytes;
+        let into = self.buffer(format!("params[{b}]*{dir}@host"), Tier::Host, bytes);
+        let first = self.ops.len();
+        let id = self.op(
+            Lane::Comm,
+            OpKind::AllGather {
+                block: b,
+                from: shard,
+                into,
+                with_update,
+            },
+            vec![Access::Read(shard), Access::Write(into)],
+        );
+        self.ops[id.index()].bytes = bytes;
+        if with_update {
+            self.mark_update(first);
+        }
+        into
     }
 
     /// Checkpoint `i` of micro-batch `m` back to the device for the backward.
@@ -1749,7 +1843,25 @@ impl<'a> Planner<'a> {
             );
             self.ops[id.index()].flops = self.len(b) as f64;
         }
-        if let Some(host) = self.g_host[b] {
+        if let (Some(host), true) = (self.g_host[b], self.ranks > 1) {
+            // Every micro-batch's gradients go to every rank, a shard to each, and are
+            // added there in rank order: the order of one process's micro-batches.
+            let from = self.g_dev[m][b];
+            let full = 4 * self.ranks as u64 * self.shard(b);
+            let stage = self.buffer(format!("grads[{b}]#{m}>@host"), Tier::Host, full);
+            self.copy_out(from, stage, bytes);
+            let id = self.op(
+                Lane::Comm,
+                OpKind::ReduceScatter {
+                    block: b,
+                    from: stage,
+                    into: host,
+                    accumulate: m > 0,
+                },
+                vec![Access::Read(stage), Access::Write(host)],
+            );
+            self.ops[id.index()].bytes = full;
+        } else if let Some(host) = self.g_host[b] {
             let from = self.g_dev[m][b];
             if m == 0 {
                 self.copy_out(from, host, bytes);
@@ -1783,7 +1895,7 @@ impl<'a> Planner<'a> {
                 Lane::NvmeRead
             };
             let first = self.ops.len();
-            self.nvme_read(lane, self.s_home[b].0, stage, 12 * self.len(b));
+            self.nvme_read(lane, self.s_home[b].0, stage, 12 * self.shard(b));
             self.mark_update(first);
         }
     }
@@ -1838,16 +1950,22 @@ impl<'a> Planner<'a> {
             })
             .collect();
         access.push(Access::Write(flag));
-        let total: u64 = (0..nb).map(|b| self.len(b)).sum();
+        let total: u64 = (0..nb).map(|b| self.shard(b)).sum();
         let first = self.ops.len();
-        let id = self.op(Lane::Cpu, OpKind::GradNorm { sources }, access);
+        // With ranks the norm is a collective (every rank's pieces, summed in order).
+        let lane = if self.ranks > 1 {
+            Lane::Comm
+        } else {
+            Lane::Cpu
+        };
+        let id = self.op(lane, OpKind::GradNorm { sources }, access);
         self.ops[id.index()].bytes = 4 * total;
         self.mark_update(first);
     }
 
     /// AdamW on block `b` and the write-backs of its state and parameters.
     fn emit_update(&mut self, b: usize) {
-        let len = self.len(b);
+        let len = self.shard(b);
         let first = self.ops.len();
         let flag = self.norm_flag;
         if self.homes[b].state == Tier::Device {
@@ -1914,10 +2032,11 @@ impl<'a> Planner<'a> {
             }
             (Tier::Device, Some(params_out)) => {
                 let to = self.p_home[b].1;
+                let from = self.gathered(b, params_out, ">", true);
                 self.copy_in(
-                    params_out,
+                    from,
                     to,
-                    len * self.pbytes,
+                    self.len(b) * self.pbytes,
                     self.param_conversion(),
                     true,
                 );
@@ -2014,6 +2133,7 @@ impl<'a> Planner<'a> {
             peak,
             link_bytes,
             block_homes,
+            shard_len: self.shard,
             tokens_host: self.tokens_host,
             losses_host: self.losses_host,
             stats_host: self.stats_host,

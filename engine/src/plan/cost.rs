@@ -25,6 +25,11 @@ pub const CPU_DEVICE_SHARES_CORES: bool = true;
 /// written): the other passes over gradients are timed at the bandwidth this implies.
 pub const ADAM_BYTES_PER_PARAM: f64 = 28.0;
 
+/// A modelling default, not a measurement: the rate at which a rank receives a
+/// collective's bytes, taken as shared-memory MPI between processes of one machine (a
+/// memory copy or two). A run across machines is slower by its network.
+pub const COLLECTIVE_BYTES_PER_S: f64 = 4e9;
+
 /// Rates of this machine's links and processors (bytes and operations per second).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CostModel {
@@ -40,6 +45,8 @@ pub struct CostModel {
     pub nvme_write_bytes_per_s: f64,
     /// CPU AdamW, parameters per second.
     pub adam_params_per_s: f64,
+    /// Collectives among ranks, bytes each rank receives per second.
+    pub collective_bytes_per_s: f64,
     /// Where the figures came from (`defaults`, `measured at start`, a bench file).
     pub source: &'static str,
 }
@@ -60,6 +67,7 @@ impl Default for CostModel {
             nvme_read_bytes_per_s: 2.0e9,
             nvme_write_bytes_per_s: 2.5e9,
             adam_params_per_s: 0.5e9,
+            collective_bytes_per_s: COLLECTIVE_BYTES_PER_S,
             source: "defaults",
         }
     }
@@ -108,6 +116,9 @@ impl CostModel {
             OpKind::Compute { .. } | OpKind::Accumulate { .. } => op.flops / self.compute_flops,
             // Bookkeeping: no bytes move.
             OpKind::Commit { .. } => 0.0,
+            OpKind::AllGather { .. } | OpKind::ReduceScatter { .. } => {
+                op.bytes as f64 / self.collective_bytes_per_s
+            }
         }
     }
 

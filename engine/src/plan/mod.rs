@@ -32,6 +32,23 @@ pub use cost::{CostModel, Prediction};
 
 use crate::model::{BlockKind, Dtype, Model, Target};
 
+/// Elements of each rank's shard of a block of `len` parameters among `ranks` ranks: the
+/// block's flat buffers (parameters, gradients, master, m and v) are cut into `ranks`
+/// contiguous ranges of this length, rank r owning elements `r * shard .. (r + 1) *
+/// shard`; the last ranges run past the block's end into padding (zero parameters and
+/// gradients, never used). A shard is a whole number of the gradient statistics'
+/// pieces ([`strata_kernels::adamw::STATS_PIECE`]), so each rank computes the same
+/// piece sums one process would, and the global norm is bit-identical. One rank: the
+/// block's length.
+pub fn shard_len(len: usize, ranks: usize) -> usize {
+    if ranks <= 1 {
+        len
+    } else {
+        len.div_ceil(ranks)
+            .next_multiple_of(strata_kernels::adamw::STATS_PIECE)
+    }
+}
+
 /// A tier of strata's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Tier {
@@ -220,6 +237,10 @@ pub struct StepShape {
     pub target: Target,
     /// Which blocks recompute their forward in the backward.
     pub recompute: Recompute,
+    /// Processes training together (ZeRO-3 data parallelism, 1: alone). Each rank runs
+    /// `grad_accum` micro-batches of the step and owns one shard of every block's
+    /// parameters, gradients and optimizer state ([`Plan::shard_len`]).
+    pub ranks: usize,
 }
 
 impl StepShape {
@@ -236,7 +257,13 @@ impl StepShape {
             delayed_update: false,
             target: Target::Cpu,
             recompute: Recompute::Auto,
+            ranks: 1,
         }
+    }
+
+    /// The same step as one of `ranks` processes training together.
+    pub fn with_ranks(self, ranks: usize) -> Self {
+        StepShape { ranks, ..self }
     }
 
     /// The same step recomputing as `recompute` says.
@@ -273,7 +300,7 @@ impl StepShape {
         }
     }
 
-    /// Tokens per optimizer step.
+    /// Tokens per optimizer step, of this rank.
     pub fn tokens(&self) -> u64 {
         (self.batch * self.seq * self.grad_accum) as u64
     }

@@ -1,0 +1,316 @@
+//! The invariant of ZeRO-3 data parallelism: N ranks, each owning a shard of every
+//! block's parameters, gradients and optimizer state, give bit-identical master
+//! parameters, m and v to one process running all of their micro-batches with N-fold
+//! gradient accumulation. Rank r takes micro-batches r, r + N, ... of each step.
+//!
+//! The ranks here are threads of one process (`strata_comm::ThreadGroup`), each with its
+//! own CPU device and executor, so the test needs no MPI; the collectives have the fixed
+//! summation order every transport shares (`strata-comm`'s tests hold MPI to it).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_comm::{Collective, ThreadGroup};
+use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams, TrainingState};
+use strata_engine::kernels::adamw::AdamW;
+use strata_engine::model::{Gpt2Config, Model};
+use strata_engine::plan::{
+    AllOnDevice, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanError, PlanInput, Policy,
+    Precision, StepShape, Tier,
+};
+
+mod model_support;
+use model_support::{CHAOS, UNLIMITED};
+
+/// Three blocks' worth of parameters at least a few statistics pieces long, so shards
+/// split tensors in the middle and the last rank's shard is mostly padding.
+fn model() -> Model {
+    Model::new(Gpt2Config::new(2, 4, 128, 512, 64)).unwrap()
+}
+
+const BATCH: usize = 2;
+const SEQ: usize = 32;
+
+/// Micro-batch `i` of step `s`: tokens and targets, every few targets masked out so that
+/// micro-batches count different numbers of targets.
+fn micro(s: usize, i: usize) -> (Vec<u32>, Vec<u32>) {
+    let n = BATCH * SEQ;
+    let seed = (s * 31 + i * 7) as u32;
+    let tokens = (0..n as u32).map(|j| (j * 11 + seed * 5) % 512).collect();
+    let targets = (0..n as u32)
+        .map(|j| {
+            if (j + seed).is_multiple_of(9) {
+                strata_engine::model::IGNORE_TARGET
+            } else {
+                (j * 13 + seed + 1) % 512
+            }
+        })
+        .collect();
+    (tokens, targets)
+}
+
+fn params(clip: f64) -> StepParams {
+    StepParams {
+        adam: AdamW {
+            lr: 1e-2,
+            ..AdamW::default()
+        },
+        clip,
+        loss_scale: 1.0,
+    }
+}
+
+/// What a run ends with: the state, and each step's loss and norm.
+type Outcome = (TrainingState, Vec<(u32, u64)>);
+
+/// `steps` steps of `shape` (ranks and grad-accum as given) of `policy` on this rank,
+/// micro-batch k of a step being the step's k * ranks + rank.
+fn run(
+    policy: &dyn Policy,
+    shape: StepShape,
+    comm: Option<Arc<dyn Collective>>,
+    steps: usize,
+    clip: f64,
+    chaos: Option<u64>,
+) -> Result<Outcome, ExecError> {
+    let model = model();
+    let input = PlanInput::new(&model, shape, UNLIMITED);
+    let plan = Plan::build(&input, policy).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (rank, ranks) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.size()));
+    let config = ExecConfig {
+        nvme_dirs: vec![dir.path().into()],
+        chaos,
+        comm,
+        // Memory nothing wrote is NaN: the gradients' padding must be zeroed to be sent.
+        poison_host: true,
+        ..ExecConfig::default()
+    };
+    let mut exec = Executor::on_cpu(model.clone(), plan, &config)?;
+    exec.load(&model.init_params(3), None)?;
+    let mut seen = Vec::new();
+    for s in 0..steps {
+        let data: Vec<_> = (0..shape.grad_accum)
+            .map(|k| micro(s, k * ranks + rank))
+            .collect();
+        let batches: Vec<_> = data.iter().map(|(t, y)| (&t[..], &y[..])).collect();
+        let report = exec.step(&batches, &params(clip))?;
+        seen.push((report.loss.to_bits(), report.grad_norm.to_bits()));
+    }
+    if let Some(report) = exec.flush(&params(clip))? {
+        seen.push((report.loss.to_bits(), report.grad_norm.to_bits()));
+    }
+    Ok((exec.export()?, seen))
+}
+
+/// Every rank's outcome, run on threads of one group.
+fn run_ranks(
+    policy: &(dyn Policy + Sync),
+    shape: StepShape,
+    ranks: usize,
+    steps: usize,
+    clip: f64,
+    chaos: Option<u64>,
+) -> Vec<Result<Outcome, ExecError>> {
+    let group = ThreadGroup::new(ranks, Duration::from_secs(60));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|g| {
+                let comm: Arc<dyn Collective> = Arc::new(g);
+                s.spawn(move || {
+                    run(
+                        policy,
+                        shape.with_ranks(ranks),
+                        Some(comm),
+                        steps,
+                        clip,
+                        chaos,
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn assert_same_state(a: &TrainingState, b: &TrainingState, what: &str) {
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (class, (x, y)) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)]
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(x.len(), y.len());
+        for (blk, (p, q)) in x.iter().zip(y).enumerate() {
+            assert!(
+                bits(p) == bits(q),
+                "{what}: {} of block {blk} differ",
+                ["master parameters", "m", "v"][class]
+            );
+        }
+    }
+}
+
+/// The policies ranks support: every one that keeps gradients and optimizer state off
+/// the device, with parameters resident on the device, streamed from the host, and on
+/// NVMe (fp32: fetched from the master copy's head).
+fn policies() -> Vec<Box<dyn Policy + Sync>> {
+    vec![
+        Box::new(CpuOffload),
+        Box::new(ParamOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        }),
+        Box::new(NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Nvme,
+        }),
+    ]
+}
+
+fn check(
+    policy: &(dyn Policy + Sync),
+    shape: StepShape,
+    ranks: usize,
+    clip: f64,
+    chaos: Option<u64>,
+) {
+    let steps = 3;
+    let alone = StepShape {
+        grad_accum: shape.grad_accum * ranks,
+        ..shape
+    };
+    let (want, want_seen) = run(policy, alone, None, steps, clip, None).unwrap();
+    let what = format!(
+        "{} with {ranks} ranks, grad-accum {}, {:?}, clip {clip}, delayed {}, chaos {chaos:?}",
+        policy.name(),
+        shape.grad_accum,
+        shape.precision,
+        shape.delayed_update
+    );
+    for (rank, got) in run_ranks(policy, shape, ranks, steps, clip, chaos)
+        .into_iter()
+        .enumerate()
+    {
+        let (state, seen) = got.unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
+        assert_same_state(&state, &want, &format!("{what}, rank {rank}"));
+        // The loss is every rank's, and the norm the step's: the same bits as alone.
+        assert_eq!(seen, want_seen, "{what}, rank {rank}: losses and norms");
+    }
+}
+
+#[test]
+fn two_and_three_ranks_equal_one_process_with_their_micro_batches() {
+    let shape = StepShape {
+        needs_global_norm: true,
+        ..StepShape::cpu(BATCH, SEQ)
+    };
+    for policy in policies() {
+        for ranks in [2, 3] {
+            check(policy.as_ref(), shape, ranks, 1.0, None);
+        }
+    }
+}
+
+#[test]
+fn ranks_with_accumulation_clipping_off_and_chaos() {
+    let base = StepShape::cpu(BATCH, SEQ);
+    let accum = StepShape {
+        grad_accum: 2,
+        ..base
+    };
+    for policy in policies() {
+        // Two micro-batches per rank: the sums interleave ranks, as one process's do.
+        check(policy.as_ref(), accum, 2, 0.0, None);
+        // The norm is still global (computed by every rank) when nothing clips.
+        check(policy.as_ref(), base, 3, 0.0, None);
+    }
+    for &chaos in &CHAOS[1..] {
+        check(
+            &NvmeOffload {
+                depth: 1,
+                checkpoints: Tier::Host,
+            },
+            StepShape {
+                needs_global_norm: true,
+                ..accum
+            },
+            2,
+            0.5,
+            chaos,
+        );
+    }
+}
+
+#[test]
+fn ranks_with_bf16_and_a_delayed_update() {
+    let bf16 = StepShape {
+        precision: Precision::Bf16,
+        needs_global_norm: true,
+        ..StepShape::cpu(BATCH, SEQ)
+    };
+    for policy in policies() {
+        check(policy.as_ref(), bf16, 2, 1.0, None);
+        check(
+            policy.as_ref(),
+            StepShape::cpu(BATCH, SEQ).clipped().delayed(),
+            2,
+            1.0,
+            None,
+        );
+    }
+}
+
+#[test]
+fn device_homed_state_is_refused_with_ranks() {
+    let model = model();
+    let shape = StepShape::cpu(BATCH, SEQ).with_ranks(2);
+    let err = Plan::build(&PlanInput::new(&model, shape, UNLIMITED), &AllOnDevice).unwrap_err();
+    assert!(
+        matches!(&err, PlanError::BadPolicy { reason, .. } if reason.contains("cpu-offload")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_rank_that_fails_ends_every_rank_with_an_error_naming_it() {
+    let group = ThreadGroup::new(2, Duration::from_secs(60));
+    let model = model();
+    let shape = StepShape::cpu(BATCH, SEQ).clipped().with_ranks(2);
+    let policy = CpuOffload;
+    let started = std::time::Instant::now();
+    let results: Vec<Result<(), ExecError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|g| {
+                let model = model.clone();
+                let policy = &policy;
+                s.spawn(move || {
+                    let rank = g.rank();
+                    let plan =
+                        Plan::build(&PlanInput::new(&model, shape, UNLIMITED), policy).unwrap();
+                    let config = ExecConfig {
+                        comm: Some(Arc::new(g)),
+                        panic_at: (rank == 1).then(|| "adamw 1".to_string()),
+                        ..ExecConfig::default()
+                    };
+                    let mut exec = Executor::on_cpu(model.clone(), plan, &config)?;
+                    exec.load(&model.init_params(3), None)?;
+                    let (t, y) = micro(0, rank);
+                    exec.step(&[(&t, &y)], &params(1.0)).map(|_| ())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Well before the group's 60 s timeout: the failing rank aborted the group.
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    let e1 = results[1].as_ref().unwrap_err().to_string();
+    assert!(e1.contains("adamw 1") && e1.contains("panicked"), "{e1}");
+    let e0 = results[0].as_ref().unwrap_err().to_string();
+    assert!(e0.contains("rank 1"), "rank 0 should name rank 1: {e0}");
+}
