@@ -844,13 +844,21 @@ fn grad_stats_are_pieces_folded_whatever_the_threads() {
         let one = grad_stats(isa, 1, Grads::F32(&t.g), 0.5).unwrap();
         for threads in [2, 3, 5] {
             let got = grad_stats(isa, threads, Grads::F32(&t.g), 0.5).unwrap();
-            assert_eq!(got.sum_squares.to_bits(), one.sum_squares.to_bits(), "{isa} {threads}");
+            assert_eq!(
+                got.sum_squares.to_bits(),
+                one.sum_squares.to_bits(),
+                "{isa} {threads}"
+            );
         }
         let mut pieces = Vec::new();
         grad_stats_pieces(isa, 2, Grads::F32(&t.g), 0.5, &mut |s| pieces.push(s)).unwrap();
         assert_eq!(pieces.len(), n.div_ceil(STATS_PIECE));
         let folded = pieces.iter().fold(GradStats::default(), |a, &b| a.merge(b));
-        assert_eq!(folded.sum_squares.to_bits(), one.sum_squares.to_bits(), "{isa}");
+        assert_eq!(
+            folded.sum_squares.to_bits(),
+            one.sum_squares.to_bits(),
+            "{isa}"
+        );
         // Split at two pieces: each part's pieces are the whole's.
         let (a, b) = t.g.split_at(2 * STATS_PIECE);
         let mut parts = Vec::new();

@@ -111,7 +111,7 @@ impl Executor {
                 let first = !self.failed.swap(true, Ordering::SeqCst);
                 if first && !is_abort(&e) && self.comm.size() > 1 {
                     // The other ranks would wait for this one's next collective forever.
-                    self.comm.abort(&format!("rank {}: {e}", self.comm.rank()));
+                    self.comm.abort(&e.to_string());
                 }
                 self.notify();
                 return Err(e);

@@ -96,7 +96,10 @@ pub(super) fn grad_stats_pieces(
 fn split_stats<'a, 'b>(
     (g, o): (Grads<'a>, &'b mut [GradStats]),
     n: usize,
-) -> ((Grads<'a>, &'b mut [GradStats]), (Grads<'a>, &'b mut [GradStats])) {
+) -> (
+    (Grads<'a>, &'b mut [GradStats]),
+    (Grads<'a>, &'b mut [GradStats]),
+) {
     let (g0, g1) = g.split_at(n);
     let (o0, o1) = o.split_at_mut(n / super::STATS_PIECE);
     ((g0, o0), (g1, o1))
