@@ -11,9 +11,11 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
+use strata_comm::Collective;
 use strata_engine::checkpoint::{self, Checkpoint, TrainerState};
 use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
 use strata_engine::exec::{ExecConfig, ExecError, Executor, Runner, StepParams, StepReport};
@@ -451,17 +453,86 @@ pub fn device_choice(cfg: &TrainConfig) -> DeviceChoice {
     }
 }
 
-/// `strata train`.
+/// The group this run trains in: under `mpirun`, every rank of the job (MPI, when this
+/// build has it); else none, this process alone.
+pub fn open_group() -> Result<Option<Arc<dyn Collective>>, Error> {
+    if let Some(message) = strata_comm::mpi_missing_message() {
+        return Err(message.into());
+    }
+    #[cfg(feature = "mpi")]
+    if let Some(mpi) = strata_comm::Mpi::init()? {
+        return Ok(Some(Arc::new(mpi)));
+    }
+    Ok(None)
+}
+
+/// `strata train`. Under `mpirun` (a build with `--features mpi`) each process is one
+/// rank of ZeRO-3 data parallelism: see [`run_in`].
 pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let cfg = args.resolve()?;
     if args.print_config {
         print!("{}", cfg.to_toml());
         return Ok(());
     }
+    let group = open_group()?;
+    let result = run_in(cfg, group.clone());
+    if let (Err(e), Some(group)) = (&result, &group) {
+        // The other ranks would wait for this one at their next collective: end the job,
+        // saying why first (MPI's abort ends every process, this one included).
+        eprintln!("strata: error: rank {}: {e}", group.rank());
+        group.abort(&e.to_string());
+    }
+    result
+}
+
+/// `--nvme` folders of rank `rank` of `ranks`: `{rank}` in a path is replaced by the
+/// rank; with several ranks, a path without it gets a `rank-N` folder of its own.
+fn rank_dirs(dirs: &[PathBuf], rank: usize, ranks: usize) -> Vec<PathBuf> {
+    dirs.iter()
+        .map(|d| {
+            let text = d.to_string_lossy();
+            if text.contains("{rank}") {
+                PathBuf::from(text.replace("{rank}", &rank.to_string()))
+            } else if ranks > 1 {
+                d.join(format!("rank-{rank}"))
+            } else {
+                d.clone()
+            }
+        })
+        .collect()
+}
+
+/// Rank 0's `values` on every rank (a broadcast of their bytes).
+fn from_rank0(group: &dyn Collective, values: &mut [f64]) -> Result<(), Error> {
+    let mut bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    group.broadcast(0, &mut bytes)?;
+    for (v, b) in values.iter_mut().zip(bytes.chunks_exact(8)) {
+        *v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
+    }
+    Ok(())
+}
+
+/// `strata train` in `group` (none: alone). With N ranks, every rank plans the same step
+/// (rank 0's budgets and measured rates), owns 1/N of every block's parameters, gradients
+/// and optimizer state, and takes micro-batches r, r + N, ... of each step's N ×
+/// grad-accum: the same computation as one process with N-fold accumulation, bit for
+/// bit. Rank 0 prints, logs and writes checkpoints and `--out`.
+pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Result<(), Error> {
+    let (rank, ranks) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+    if ranks > 1 {
+        if cfg.nvme.is_empty() {
+            cfg.nvme = vec![default_scratch_dir().join("strata-nvme")];
+        }
+        cfg.nvme = rank_dirs(&cfg.nvme, rank, ranks);
+    }
     let choice = device_choice(&cfg);
     let target = choose_target(choice)?;
     let started = Instant::now();
-    let mut out = std::io::stdout().lock();
+    let mut out: Box<dyn Write> = if rank == 0 {
+        Box::new(std::io::stdout().lock())
+    } else {
+        Box::new(std::io::sink())
+    };
 
     // The model's shape, and the plan: refused here, before any parameter is allocated,
     // when it does not fit.
@@ -499,23 +570,70 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     }
 
     // Plan.
-    let run_budgets = budgets_of(&cfg, target)?;
+    let mut run_budgets = budgets_of(&cfg, target)?;
+    if let Some(group) = &group {
+        // Every rank must make the same plan: rank 0's budgets.
+        let b = &mut run_budgets.budgets;
+        let mut v = [b.device as f64, b.host as f64, b.nvme as f64];
+        from_rank0(group.as_ref(), &mut v)?;
+        (b.device, b.host, b.nvme) = (v[0] as u64, v[1] as u64, v[2] as u64);
+    }
     let (budgets, nvme_dirs) = (run_budgets.budgets, &run_budgets.nvme_dirs);
-    let shape = shape_of(&cfg, target);
+    let shape = shape_of(&cfg, target).with_ranks(ranks);
     let input = PlanInput {
         model: &model,
         shape,
         budgets,
     };
     // This machine's rates, measured in half a second, choose the plan and predict it.
-    let cost = strata_engine::exec::calibrate(
+    let mut cost = strata_engine::exec::calibrate(
         &model,
         cfg.batch,
         cfg.seq,
         target,
         nvme_dirs.first().map(|d| d.as_path()),
     )?;
+    if let Some(group) = &group {
+        // And rank 0's rates, so that `auto` picks the same policy everywhere.
+        let mut v = [
+            cost.compute_flops,
+            cost.h2d_bytes_per_s,
+            cost.d2h_bytes_per_s,
+            cost.nvme_read_bytes_per_s,
+            cost.nvme_write_bytes_per_s,
+            cost.adam_params_per_s,
+            cost.collective_bytes_per_s,
+        ];
+        from_rank0(group.as_ref(), &mut v)?;
+        [
+            cost.compute_flops,
+            cost.h2d_bytes_per_s,
+            cost.d2h_bytes_per_s,
+            cost.nvme_read_bytes_per_s,
+            cost.nvme_write_bytes_per_s,
+            cost.adam_params_per_s,
+            cost.collective_bytes_per_s,
+        ] = v;
+    }
     let plan = plan_of(&cfg, &input, cost)?;
+    if let Some(group) = &group {
+        let mine = [
+            plan.ops.len() as f64,
+            plan.peak[0] as f64,
+            plan.peak[1] as f64,
+        ];
+        let mut all = vec![0u8; 24 * ranks];
+        let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+        group.all_gather(&bytes, &mut all)?;
+        if all.chunks_exact(24).any(|c| c != &bytes[..]) {
+            return Err(format!(
+                "rank {rank}: the ranks made different plans (rank {rank}: {}); every rank \
+                 must run the same configuration",
+                plan.policy
+            )
+            .into());
+        }
+    }
     run_budgets.check_free(&plan)?;
     let predicted = cost.predict(&plan);
     // The device, with the plan's device memory as its budget.
@@ -540,6 +658,16 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         device.name()
     )?;
     log::info!("device: {why}");
+    if ranks > 1 {
+        writeln!(
+            out,
+            "ranks: {ranks} (ZeRO-3: each owns 1/{ranks} of every block's parameters, gradients \
+             and optimizer state, and runs {} of the step's {} micro-batches; figures below \
+             are per rank)",
+            cfg.grad_accum,
+            cfg.grad_accum * ranks
+        )?;
+    }
     writeln!(
         out,
         "plan {}: peak device {} of {}, host {} of {}, nvme {} (in {}); {}; predicted {:.3} s/step",
@@ -605,6 +733,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     }
     let exec_config = ExecConfig {
         nvme_dirs: nvme_dirs.clone(),
+        comm: group.clone(),
         ..ExecConfig::default()
     };
     let mut exec = Executor::new(model.clone(), plan, device, &exec_config)?;
@@ -615,21 +744,26 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     // Appended to (a resumed run continues its log), a line per step, flushed as it is
     // written so that a killed run's log has every step it finished.
     let mut jsonl = match &cfg.log_jsonl {
-        Some(p) => Some(
+        Some(p) if rank == 0 => Some(
             std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(p)
                 .map_err(|e| format!("--log-jsonl {}: {e}", p.display()))?,
         ),
-        None => None,
+        _ => None,
     };
-    let tokens_per_step = shape.tokens();
+    // Every rank's tokens.
+    let tokens_per_step = shape.tokens() * ranks as u64;
     let mut micro: Vec<Batch> = vec![Batch::default(); cfg.grad_accum];
     let first_step = state.step + 1;
     let mut losses: Vec<f32> = Vec::new();
     let mut reports: Vec<StepReport> = Vec::new();
-    let bar = progress_bar(cfg.steps, state.step);
+    let bar = if rank == 0 {
+        progress_bar(cfg.steps, state.step)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     let mut last_saved = None;
     let mut last_params: Option<StepParams> = None;
     let mut interrupted = false;
@@ -645,8 +779,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             );
             bar.suspend(|| writeln!(out, "{line}"))?;
         }
-        for (i, b) in micro.iter_mut().enumerate() {
-            let index = ((state.data_position + i as u64) % train_batches as u64) as usize;
+        // Micro-batch k of rank r is the step's k × ranks + r.
+        for (k, b) in micro.iter_mut().enumerate() {
+            let i = (k * ranks + rank) as u64;
+            let index = ((state.data_position + i) % train_batches as u64) as usize;
             data.read_batch(index, cfg.batch, cfg.seq, model.vocab(), b)?;
         }
         let refs: Vec<(&[u32], &[u32])> = micro
@@ -679,7 +815,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             skipped |= exec.flush(&step_params)?.is_some_and(|f| f.skipped);
         }
         state.step = step;
-        state.data_position += cfg.grad_accum as u64;
+        state.data_position += (cfg.grad_accum * ranks) as u64;
         if skipped {
             state.skipped_steps += 1;
             state.good_steps = 0;
@@ -714,20 +850,23 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
                 .map_err(|e| format!("--log-jsonl: {e}"))?;
         }
         if let Some(trace) = &cfg.trace
+            && rank == 0
             && step == cfg.trace_step.max(first_step)
         {
             crate::report::write_json(trace, &report.chrome_trace(step))?;
         }
-        progress(
-            &bar,
-            step,
-            cfg.steps,
-            &report,
-            tokens_per_step,
-            loop_start,
-            first_step,
-            eval_loss,
-        );
+        if rank == 0 {
+            progress(
+                &bar,
+                step,
+                cfg.steps,
+                &report,
+                tokens_per_step,
+                loop_start,
+                first_step,
+                eval_loss,
+            );
+        }
         reports.push(report);
         interrupted = INTERRUPTS.load(Ordering::SeqCst) > 0;
         let due = cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every);
@@ -739,19 +878,22 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             if exec.flush(&step_params)?.is_some_and(|f| f.skipped) {
                 state.skipped_steps += 1;
             }
+            // Every rank's shards, gathered (a collective); rank 0 writes them.
             let (p, m, v) = exec.export()?;
-            let saved = checkpoint::save(
-                dir,
-                &Checkpoint {
-                    model: model.clone(),
-                    params: p,
-                    m,
-                    v,
-                    state: state.clone(),
-                },
-                cfg.keep_checkpoints,
-            )?;
-            last_saved = Some(saved);
+            if rank == 0 {
+                let saved = checkpoint::save(
+                    dir,
+                    &Checkpoint {
+                        model: model.clone(),
+                        params: p,
+                        m,
+                        v,
+                        state: state.clone(),
+                    },
+                    cfg.keep_checkpoints,
+                )?;
+                last_saved = Some(saved);
+            }
         }
         if interrupted {
             break;
@@ -773,6 +915,9 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     }
     if let Some(dir) = &cfg.out {
         params = exec.export()?.0;
+        if rank != 0 {
+            return Ok(()); // rank 0 writes the model
+        }
         let source = pretrained_source(&cfg)?;
         let mut options = source
             .as_ref()
