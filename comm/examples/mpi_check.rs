@@ -9,15 +9,73 @@
 //!     [--fail-rank R [--fail-how abort|exit|return]]
 //! ```
 //!
+//! Then every collective runs again after a warm-up under a counting global allocator:
+//! the Rust side of `Mpi` must allocate nothing (MPI's own C allocations are not seen).
+//!
 //! `--fail-rank R` makes rank R fail while the others wait in a barrier for it, to show
 //! that the job ends (non-zero) instead of hanging. `--fail-how`: `abort` (the default:
 //! `Collective::abort`, what strata does), `exit` (the process exits without finalising
 //! MPI, as a crash would), `return` (returns from main: `Mpi` drops, waits
 //! `--exit-timeout-s` for the others, then aborts the job).
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use strata_comm::{Collective, Mpi, conformance};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: the caller's layout goes to the system allocator unchanged.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: ptr came from System.alloc with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: as for alloc and dealloc.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Every collective once on the caller's buffers; how many allocations they made.
+fn allocations_of_every_collective(mpi: &Mpi, bytes: &mut [u8], floats: &mut [f32]) -> usize {
+    let size = mpi.size();
+    let (send, recv) = bytes.split_at_mut(bytes.len() / (size + 1));
+    let (send_f32, acc) = floats.split_at_mut(floats.len() / (size + 1) * size);
+    let acc = &mut acc[..send_f32.len() / size];
+    let mut values = [0.5f64; 16];
+    let before = ALLOCATIONS.load(Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    let results = [
+        mpi.all_gather(send, &mut recv[..size * send.len()]),
+        mpi.reduce_scatter_sum(send_f32, acc, true),
+        mpi.all_reduce_sum_f64(&mut values),
+        mpi.broadcast(0, send),
+        mpi.barrier(),
+    ];
+    COUNTING.store(false, Ordering::SeqCst);
+    if let Some(Err(e)) = results.into_iter().find(Result::is_err) {
+        mpi.abort(&format!("a collective failed: {e}"));
+    }
+    ALLOCATIONS.load(Ordering::SeqCst) - before
+}
 
 fn main() -> ExitCode {
     let args = match Args::parse() {
@@ -88,8 +146,19 @@ fn main() -> ExitCode {
         )),
         Err(_) => mpi.abort("the second thread panicked"),
     }
+    let mut bytes = vec![3u8; (size + 1) * 4096];
+    let mut floats = vec![0.25f32; (size + 1) * 4096];
+    allocations_of_every_collective(&mpi, &mut bytes, &mut floats);
+    let allocations: usize = (0..10)
+        .map(|_| allocations_of_every_collective(&mpi, &mut bytes, &mut floats))
+        .sum();
+    if allocations != 0 {
+        mpi.abort(&format!(
+            "collectives after the first allocated {allocations} times"
+        ));
+    }
     println!(
-        "mpi_check: rank {rank} of {size} (local rank {} of {}): ok, {calls} calls, {compared} results equal to the reference bit for bit",
+        "mpi_check: rank {rank} of {size} (local rank {} of {}): ok, {calls} calls, {compared} results equal to the reference bit for bit, no allocation after warm-up",
         mpi.local_rank(),
         mpi.local_size()
     );

@@ -67,9 +67,9 @@ pub enum CommError {
     },
 
     /// The MPI library returned an error.
-    #[error("MPI {op} failed with error code {code}: {message}")]
+    #[error("{op} failed with error code {code}: {message}")]
     Transport {
-        /// The MPI function or collective.
+        /// The MPI function (`MPI_Allgather`, ...).
         op: &'static str,
         /// The MPI error code.
         code: i32,

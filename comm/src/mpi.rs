@@ -198,13 +198,18 @@ impl Inner {
             )
         })?;
         for (rank, words) in self.call_words.chunks_exact(CALL_WORDS).enumerate() {
-            self.calls[rank] = Call::from_words(words).ok_or_else(|| CommError::Transport {
-                op: call.op.name(),
-                code: -1,
-                message: format!(
-                    "rank {rank} sent a call description this build cannot read ({words:?}): are all ranks the same strata?"
-                ),
-            })?;
+            match Call::from_words(words) {
+                Some(call) => self.calls[rank] = call,
+                // Only a rank running another build of this crate sends words no Call
+                // wrote: it is at a different call, as far as this build can tell.
+                None => {
+                    let ops = self.call_words.chunks_exact(CALL_WORDS).map(|words| {
+                        Call::from_words(words)
+                            .map_or("(unreadable: another strata build?)", |c| c.op.name())
+                    });
+                    return Err(CommError::OpMismatch { ops: ops.collect() });
+                }
+            }
         }
         check_calls(&self.calls)
     }

@@ -20,6 +20,9 @@ use crate::{Collective, CommError};
 /// the ranks that did not arrive, and breaks the group: every pending and later call on
 /// every rank then fails with that error. [`Collective::abort`] breaks it the same way
 /// with [`CommError::Aborted`], waking every waiting rank at once.
+///
+/// Each rank's calls must be sequential: a rank that starts a collective while another
+/// of its own is still in progress panics (it would otherwise mix the two calls' data).
 pub struct ThreadGroup {
     rank: usize,
     shared: Arc<Shared>,
