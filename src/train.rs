@@ -519,12 +519,10 @@ fn from_rank0(group: &dyn Collective, values: &mut [f64]) -> Result<(), Error> {
 /// bit. Rank 0 prints, logs and writes checkpoints and `--out`.
 pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Result<(), Error> {
     let (rank, ranks) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
-    if ranks > 1 {
-        if cfg.nvme.is_empty() {
-            cfg.nvme = vec![default_scratch_dir().join("strata-nvme")];
-        }
-        cfg.nvme = rank_dirs(&cfg.nvme, rank, ranks);
+    if ranks > 1 && cfg.nvme.is_empty() {
+        cfg.nvme = vec![default_scratch_dir().join("strata-nvme")];
     }
+    cfg.nvme = rank_dirs(&cfg.nvme, rank, ranks);
     let choice = device_choice(&cfg);
     let target = choose_target(choice)?;
     let started = Instant::now();

@@ -773,7 +773,12 @@ impl TrainConfig {
         self.device_mem_bytes()?;
         self.host_mem_bytes()?;
         self.nvme_mem_bytes()?;
-        if let Some(dir) = self.nvme.iter().find(|d| !d.is_dir()) {
+        // A folder naming `{rank}` is each rank's own, made when the rank starts.
+        if let Some(dir) = self
+            .nvme
+            .iter()
+            .find(|d| !d.to_string_lossy().contains("{rank}") && !d.is_dir())
+        {
             return Err(invalid(
                 "nvme",
                 format!(
