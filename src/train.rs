@@ -503,11 +503,11 @@ fn rank_dirs(dirs: &[PathBuf], rank: usize, ranks: usize) -> Vec<PathBuf> {
 }
 
 /// Rank 0's `values` on every rank (a broadcast of their bytes).
-fn from_rank0(group: &dyn Collective, values: &mut [f64]) -> Result<(), Error> {
+fn from_rank0(group: &dyn Collective, values: &mut [&mut f64]) -> Result<(), Error> {
     let mut bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     group.broadcast(0, &mut bytes)?;
     for (v, b) in values.iter_mut().zip(bytes.chunks_exact(8)) {
-        *v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
+        **v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
     }
     Ok(())
 }
@@ -573,7 +573,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         // Every rank must make the same plan: rank 0's budgets.
         let b = &mut run_budgets.budgets;
         let mut v = [b.device as f64, b.host as f64, b.nvme as f64];
-        from_rank0(group.as_ref(), &mut v)?;
+        from_rank0(group.as_ref(), &mut v.each_mut())?;
         (b.device, b.host, b.nvme) = (v[0] as u64, v[1] as u64, v[2] as u64);
     }
     let (budgets, nvme_dirs) = (run_budgets.budgets, &run_budgets.nvme_dirs);
@@ -593,25 +593,18 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     )?;
     if let Some(group) = &group {
         // And rank 0's rates, so that `auto` picks the same policy everywhere.
-        let mut v = [
-            cost.compute_flops,
-            cost.h2d_bytes_per_s,
-            cost.d2h_bytes_per_s,
-            cost.nvme_read_bytes_per_s,
-            cost.nvme_write_bytes_per_s,
-            cost.adam_params_per_s,
-            cost.collective_bytes_per_s,
-        ];
-        from_rank0(group.as_ref(), &mut v)?;
-        [
-            cost.compute_flops,
-            cost.h2d_bytes_per_s,
-            cost.d2h_bytes_per_s,
-            cost.nvme_read_bytes_per_s,
-            cost.nvme_write_bytes_per_s,
-            cost.adam_params_per_s,
-            cost.collective_bytes_per_s,
-        ] = v;
+        from_rank0(
+            group.as_ref(),
+            &mut [
+                &mut cost.compute_flops,
+                &mut cost.h2d_bytes_per_s,
+                &mut cost.d2h_bytes_per_s,
+                &mut cost.nvme_read_bytes_per_s,
+                &mut cost.nvme_write_bytes_per_s,
+                &mut cost.adam_params_per_s,
+                &mut cost.collective_bytes_per_s,
+            ],
+        )?;
     }
     let plan = plan_of(&cfg, &input, cost)?;
     if let Some(group) = &group {

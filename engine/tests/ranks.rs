@@ -15,12 +15,12 @@ use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams, TrainingS
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model};
 use strata_engine::plan::{
-    AllOnDevice, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanError, PlanInput, Policy,
-    Precision, StepShape, Tier,
+    AllOnDevice, CpuOffload, NvmeOffload, Plan, PlanError, PlanInput, Policy, Precision, StepShape,
+    Tier,
 };
 
 mod model_support;
-use model_support::{CHAOS, UNLIMITED};
+use model_support::{CHAOS, UNLIMITED, each_policy};
 
 /// Three blocks' worth of parameters at least a few statistics pieces long, so shards
 /// split tensors in the middle and the last rank's shard is mostly padding.
@@ -105,7 +105,7 @@ fn run(
 
 /// Every rank's outcome, run on threads of one group.
 fn run_ranks(
-    policy: &(dyn Policy + Sync),
+    policy: &dyn Policy,
     shape: StepShape,
     ranks: usize,
     steps: usize,
@@ -151,30 +151,15 @@ fn assert_same_state(a: &TrainingState, b: &TrainingState, what: &str) {
     }
 }
 
-/// The policies ranks support: every one that keeps gradients and optimizer state off
-/// the device, with parameters resident on the device, streamed from the host, and on
-/// NVMe (fp32: fetched from the master copy's head).
-fn policies() -> Vec<Box<dyn Policy + Sync>> {
-    vec![
-        Box::new(CpuOffload),
-        Box::new(ParamOffload {
-            depth: 2,
-            checkpoints: Tier::Host,
-        }),
-        Box::new(NvmeOffload {
-            depth: 2,
-            checkpoints: Tier::Nvme,
-        }),
-    ]
+/// The policies ranks support: every built-in one but all-on-device (the others keep
+/// gradients and optimizer state off the device), with parameters resident on the
+/// device, streamed from the host, and on NVMe (fp32: fetched from the master copy's
+/// head).
+fn policies() -> Vec<Box<dyn Policy>> {
+    each_policy().into_iter().skip(1).collect()
 }
 
-fn check(
-    policy: &(dyn Policy + Sync),
-    shape: StepShape,
-    ranks: usize,
-    clip: f64,
-    chaos: Option<u64>,
-) {
+fn check(policy: &dyn Policy, shape: StepShape, ranks: usize, clip: f64, chaos: Option<u64>) {
     let steps = 3;
     let alone = StepShape {
         grad_accum: shape.grad_accum * ranks,
