@@ -11,6 +11,7 @@ pub use strata_kernels as kernels;
 pub use strata_storage as storage;
 
 pub mod bench;
+pub mod checkpoint_cmd;
 pub mod corpus;
 pub mod doctor;
 pub mod eval;

@@ -33,6 +33,9 @@ enum Command {
     Doctor(strata::doctor::DoctorArgs),
     /// Encode text or JSON lines with a tokenizer.json into an llm.c token file.
     Tokenize(strata::tokenize::TokenizeArgs),
+    /// Work on saved checkpoints (export one, sharded or not, as a Hugging Face model).
+    #[command(subcommand)]
+    Checkpoint(strata::checkpoint_cmd::CheckpointCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -86,6 +89,9 @@ fn main() -> ExitCode {
         Command::Model(args) => strata::model_info::run(&args, &mut std::io::stdout().lock()),
         Command::Doctor(args) => strata::doctor::run(&args, &mut std::io::stdout().lock()),
         Command::Tokenize(args) => strata::tokenize::run(&args, &mut std::io::stdout().lock()),
+        Command::Checkpoint(command) => {
+            strata::checkpoint_cmd::run(&command, &mut std::io::stdout().lock())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -374,8 +374,9 @@ fn check_resume_settings(
     path: &Path,
     saved: &serde_json::Value,
     cfg: &TrainConfig,
+    ranks: usize,
 ) -> Result<(), Error> {
-    let Ok(saved) = serde_json::from_value::<TrainConfig>(saved.clone()) else {
+    let Some((saved, saved_ranks)) = recorded_config(saved) else {
         // A checkpoint from before settings were recorded: nothing to compare.
         return Ok(());
     };
@@ -389,9 +390,10 @@ fn check_resume_settings(
         ("--batch", saved.batch.to_string(), cfg.batch.to_string()),
         ("--seq", saved.seq.to_string(), cfg.seq.to_string()),
         (
-            "--grad-accum",
-            saved.grad_accum.to_string(),
-            cfg.grad_accum.to_string(),
+            // A step's micro-batches: N ranks' --grad-accum a are one process's N * a.
+            "--grad-accum x ranks",
+            (saved.grad_accum * saved_ranks).to_string(),
+            (cfg.grad_accum * ranks).to_string(),
         ),
         ("--data", data(&saved.data), data(&cfg.data)),
     ] {
@@ -409,6 +411,20 @@ fn check_resume_settings(
         changed.join(", ")
     )
     .into())
+}
+
+/// The configuration a checkpoint's trainer state records, and the number of ranks that
+/// trained it (the `ranks` key beside the configuration's; 1 when absent). `None` for a
+/// checkpoint from before settings were recorded.
+pub fn recorded_config(saved: &serde_json::Value) -> Option<(TrainConfig, usize)> {
+    let mut saved = saved.clone();
+    let ranks = saved
+        .as_object_mut()?
+        .remove("ranks")
+        .and_then(|r| r.as_u64())
+        .unwrap_or(1);
+    let cfg = serde_json::from_value::<TrainConfig>(saved).ok()?;
+    Some((cfg, ranks.max(1) as usize))
 }
 
 /// The step shape of a configuration, for `target`'s kernels.
@@ -673,23 +689,44 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         predicted.step_seconds
     )?;
 
-    // Parameters: initialised, loaded, or resumed.
-    let (mut params, moments, mut state) = match &cfg.resume {
+    // Parameters: initialised, loaded, or resumed (a checkpoint sharded by as many ranks
+    // as this run's: each rank reads its own shard).
+    let resumed = match &cfg.resume {
         Some(path) => {
-            let ckpt = checkpoint::load(path)?;
-            if model != ckpt.model {
-                return Err(format!(
-                    "--resume {}: the checkpoint's model, {}, is not the configured one, {}; \
-                     resume with the same --model",
-                    path.display(),
-                    ckpt.model.describe(),
-                    model.describe()
-                )
-                .into());
+            let dir = checkpoint::resolve(path)?;
+            if ranks > 1 && checkpoint::written_by_ranks(&dir)? == Some(ranks) {
+                let shard = checkpoint::load_shard(&dir, rank, ranks)?;
+                check_resumed_model(path, &shard.model, &model)?;
+                let expected: Vec<usize> = (0..model.blocks().len())
+                    .map(|b| plan.shard_len[b] as usize)
+                    .collect();
+                if shard.shard_len != expected {
+                    return Err(format!(
+                        "--resume {}: its shards are not this plan's (a different strata \
+                         wrote it); resume from it whole: `strata checkpoint export` it first",
+                        path.display()
+                    )
+                    .into());
+                }
+                check_resume_settings(path, &shard.state.config, &cfg, ranks)?;
+                Some((
+                    Initial::Shard((shard.params, shard.m, shard.v)),
+                    shard.state,
+                ))
+            } else {
+                let ckpt = checkpoint::load(&dir)?;
+                check_resumed_model(path, &ckpt.model, &model)?;
+                check_resume_settings(path, &ckpt.state.config, &cfg, ranks)?;
+                Some((
+                    Initial::Whole(ckpt.params, Some([ckpt.m, ckpt.v])),
+                    ckpt.state,
+                ))
             }
-            check_resume_settings(path, &ckpt.state.config, &cfg)?;
-            (ckpt.params, Some((ckpt.m, ckpt.v)), ckpt.state)
         }
+        None => None,
+    };
+    let (initial, mut state) = match resumed {
+        Some(x) => x,
         None => {
             let (_, params) = model_of(&cfg)?;
             let state = TrainerState {
@@ -705,10 +742,13 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
                 skipped_steps: 0,
                 config: serde_json::Value::Null,
             };
-            (params, None, state)
+            (Initial::Whole(params, None), state)
         }
     };
     state.config = serde_json::to_value(&cfg)?;
+    if let Some(config) = state.config.as_object_mut() {
+        config.insert("ranks".into(), ranks.into());
+    }
     writeln!(
         out,
         "rates ({}): {:.0} GFLOP/s compute, copies {:.1} GB/s, AdamW {:.2} G params/s, NVMe {:.1}/{:.1} GB/s read/write",
@@ -727,8 +767,15 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         comm: group.clone(),
         ..ExecConfig::default()
     };
+    let shard_len: Vec<usize> = plan.shard_len.iter().map(|&s| s as usize).collect();
     let mut exec = Executor::new(model.clone(), plan, device, &exec_config)?;
-    exec.load(&params, moments.as_ref().map(|(m, v)| (&m[..], &v[..])))?;
+    match &initial {
+        Initial::Whole(params, moments) => {
+            exec.load(params, moments.as_ref().map(|[m, v]| (&m[..], &v[..])))?
+        }
+        Initial::Shard(shard) => exec.load_shard(shard)?,
+    }
+    drop(initial);
     exec.set_steps(state.step - state.skipped_steps);
     install_interrupt_handler();
 
@@ -869,21 +916,35 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
             if exec.flush(&step_params)?.is_some_and(|f| f.skipped) {
                 state.skipped_steps += 1;
             }
-            // Every rank's shards, gathered (a collective); rank 0 writes them.
-            let (p, m, v) = exec.export()?;
-            if rank == 0 {
-                let saved = checkpoint::save(
+            if let Some(group) = &group {
+                // Each rank writes its own shard (a collective).
+                let (params, m, v) = exec.export_shard()?;
+                let shard = checkpoint::Shard {
+                    model: model.clone(),
+                    ranks,
+                    rank,
+                    shard_len: shard_len.clone(),
+                    params,
+                    m,
+                    v,
+                    state: state.clone(),
+                };
+                last_saved = Some(checkpoint::save_sharded(
                     dir,
-                    &Checkpoint {
-                        model: model.clone(),
-                        params: p,
-                        m,
-                        v,
-                        state: state.clone(),
-                    },
+                    group.as_ref(),
+                    &shard,
                     cfg.keep_checkpoints,
-                )?;
-                last_saved = Some(saved);
+                )?);
+            } else {
+                let (params, m, v) = exec.export()?;
+                let ckpt = Checkpoint {
+                    model: model.clone(),
+                    params,
+                    m,
+                    v,
+                    state: state.clone(),
+                };
+                last_saved = Some(checkpoint::save(dir, &ckpt, cfg.keep_checkpoints)?);
             }
         }
         if interrupted {
@@ -905,7 +966,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         writeln!(out, "checkpoint: {}", saved.display())?;
     }
     if let Some(dir) = &cfg.out {
-        params = exec.export()?.0;
+        let params = exec.export()?.0;
         if rank != 0 {
             return Ok(()); // rank 0 writes the model
         }
@@ -937,6 +998,30 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         )?;
     }
     summary(&mut out, &exec, &reports, &losses, tokens_per_step, started)?;
+    Ok(())
+}
+
+/// Where a run's parameters come from.
+enum Initial {
+    /// Whole blocks (initialised, loaded, or an ordinary checkpoint), with the moments
+    /// of a checkpoint.
+    Whole(Vec<Vec<f32>>, Option<[Vec<Vec<f32>>; 2]>),
+    /// This rank's shards of a sharded checkpoint.
+    Shard(strata_engine::exec::TrainingState),
+}
+
+/// Refuses a checkpoint of another model than the configured one.
+fn check_resumed_model(path: &Path, found: &Model, configured: &Model) -> Result<(), Error> {
+    if found != configured {
+        return Err(format!(
+            "--resume {}: the checkpoint's model, {}, is not the configured one, {}; resume \
+             with the same --model",
+            path.display(),
+            found.describe(),
+            configured.describe()
+        )
+        .into());
+    }
     Ok(())
 }
 

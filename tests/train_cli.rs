@@ -382,8 +382,56 @@ fn resume_under_other_batch_or_data_is_refused() {
         &resume("2", "16", &["--data", data.to_str().unwrap()]),
         &["--seq 32 (now 16)", "--data the built-in corpus (now"],
     );
+    // A step's micro-batches (N ranks with --grad-accum a are one process's N * a).
+    assert_one_line_error(
+        &resume("2", "32", &["--grad-accum", "2"]),
+        &["--grad-accum x ranks 1 (now 2)"],
+    );
     let same = resume("2", "32", &[]);
     assert!(same.status.success(), "{}", text(&same.stderr));
+}
+
+#[test]
+fn checkpoint_export_writes_the_model_that_out_wrote() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |s: &str| dir.path().join(s).to_str().unwrap().to_string();
+    let (ckpt, out, export) = (p("ck"), p("out"), p("export"));
+    let mut run = small_run(dir.path(), &["--steps", "2"]);
+    run.extend(["--checkpoint-dir", &ckpt, "--out", &out].map(String::from));
+    run_ok(&run);
+    // The root: its latest checkpoint.
+    let said = run_ok(&["checkpoint", "export", &ckpt, "--out", &export].map(String::from));
+    let said = text(&said.stdout);
+    assert!(said.contains("step 2, ordinary"), "{said}");
+    let read = |d: &str| std::fs::read(Path::new(d).join("model.safetensors")).unwrap();
+    assert!(
+        read(&out) == read(&export),
+        "the export is not the model --out wrote"
+    );
+    let bf16 = p("bf16");
+    run_ok(
+        &[
+            "checkpoint",
+            "export",
+            &ckpt,
+            "--out",
+            &bf16,
+            "--dtype",
+            "bf16",
+        ]
+        .map(String::from),
+    );
+    let (model, params) = load_pretrained(Path::new(&bf16)).unwrap();
+    assert_eq!(params.len(), model.blocks().len());
+    let config = std::fs::read_to_string(Path::new(&bf16).join("config.json")).unwrap();
+    assert!(config.contains("bfloat16"), "{config}");
+    // Nothing there: one line naming the folder.
+    let empty = p("empty");
+    std::fs::create_dir(&empty).unwrap();
+    assert_one_line_error(
+        &strata(&["checkpoint", "export", &empty, "--out", &p("x")]),
+        &["holds no complete checkpoint", &empty],
+    );
 }
 
 #[test]

@@ -299,3 +299,248 @@ fn a_rank_that_fails_ends_every_rank_with_an_error_naming_it() {
     let e0 = results[0].as_ref().unwrap_err().to_string();
     assert!(e0.contains("rank 1"), "rank 0 should name rank 1: {e0}");
 }
+
+/// Steps `from..to` of `exec` (rank `rank` of `ranks`, `accum` micro-batches each).
+fn steps(exec: &mut Executor, from: usize, to: usize, rank: usize, ranks: usize, accum: usize) {
+    for s in from..to {
+        let data: Vec<_> = (0..accum).map(|k| micro(s, k * ranks + rank)).collect();
+        let batches: Vec<_> = data.iter().map(|(t, y)| (&t[..], &y[..])).collect();
+        exec.step(&batches, &params(1.0)).unwrap();
+    }
+}
+
+/// A fresh executor of `policy` for `ranks` ranks (this one `comm`'s), its NVMe in `dir`.
+fn executor(
+    policy: &dyn Policy,
+    ranks: usize,
+    accum: usize,
+    comm: Option<Arc<dyn Collective>>,
+    dir: &std::path::Path,
+) -> Executor {
+    let model = model();
+    let shape = StepShape {
+        grad_accum: accum,
+        ..StepShape::cpu(BATCH, SEQ).clipped().with_ranks(ranks)
+    };
+    let plan = Plan::build(&PlanInput::new(&model, shape, UNLIMITED), policy).unwrap();
+    let config = ExecConfig {
+        nvme_dirs: vec![dir.into()],
+        comm,
+        poison_host: true,
+        ..ExecConfig::default()
+    };
+    Executor::on_cpu(model, plan, &config).unwrap()
+}
+
+/// A sharded checkpoint (each rank writes its own shard; no rank holds the whole state)
+/// resumes bit for bit: by the same number of ranks, each reading its own shard, and
+/// whole by one process with the ranks' micro-batches, as `strata checkpoint export` and
+/// a resume by another number of ranks read it.
+#[test]
+fn a_sharded_checkpoint_resumes_bit_identically() {
+    use strata_engine::checkpoint::{self, Shard, TrainerState};
+    let (saved_at, total, ranks) = (2, 4, 2);
+    for policy in [
+        Box::new(CpuOffload) as Box<dyn Policy>,
+        Box::new(NvmeOffload {
+            depth: 1,
+            checkpoints: Tier::Host,
+        }),
+    ] {
+        let policy = policy.as_ref();
+        let root = tempfile::tempdir().unwrap();
+        let root = root.path();
+        // Per rank: (the state when saved, after all steps straight on, after all steps
+        // resumed from its shard).
+        let outcomes: Vec<(TrainingState, TrainingState, TrainingState)> =
+            std::thread::scope(|s| {
+                let group = ThreadGroup::new(ranks, Duration::from_secs(60));
+                let handles: Vec<_> = group
+                    .into_iter()
+                    .map(|g| {
+                        s.spawn(move || {
+                            let rank = g.rank();
+                            let comm: Arc<dyn Collective> = Arc::new(g);
+                            let nvme = tempfile::tempdir().unwrap();
+                            let model = model();
+                            let mut exec =
+                                executor(policy, ranks, 1, Some(comm.clone()), nvme.path());
+                            exec.load(&model.init_params(3), None).unwrap();
+                            steps(&mut exec, 0, saved_at, rank, ranks, 1);
+                            let (params, m, v) = exec.export_shard().unwrap();
+                            let shard = Shard {
+                                model: model.clone(),
+                                ranks,
+                                rank,
+                                shard_len: (0..model.blocks().len())
+                                    .map(|b| exec.shard(b).1)
+                                    .collect(),
+                                params,
+                                m,
+                                v,
+                                state: TrainerState::after(saved_at as u64, 0, 0),
+                            };
+                            checkpoint::save_sharded(root, comm.as_ref(), &shard, 2).unwrap();
+                            let at_save = exec.export().unwrap();
+                            steps(&mut exec, saved_at, total, rank, ranks, 1);
+                            let straight = exec.export().unwrap();
+                            drop(exec);
+
+                            let mut again =
+                                executor(policy, ranks, 1, Some(comm.clone()), nvme.path());
+                            let back = checkpoint::load_shard(root, rank, ranks).unwrap();
+                            assert_eq!(back.state.step, saved_at as u64);
+                            again.load_shard(&(back.params, back.m, back.v)).unwrap();
+                            again.set_steps(saved_at as u64);
+                            steps(&mut again, saved_at, total, rank, ranks, 1);
+                            (at_save, straight, again.export().unwrap())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+        let name = policy.name();
+        let dir = root.join(checkpoint::dir_name(saved_at as u64));
+        assert_eq!(checkpoint::written_by_ranks(&dir).unwrap(), Some(ranks));
+        for r in 0..ranks {
+            assert!(dir.join(checkpoint::shard_file(r, ranks)).is_file());
+        }
+        for (rank, (_, straight, resumed)) in outcomes.iter().enumerate() {
+            assert_same_state(resumed, straight, &format!("{name}: rank {rank} resumed"));
+        }
+        // Whole: the shards put together are the state when saved, and one process
+        // resuming from them with both ranks' micro-batches ends as the ranks did.
+        let whole = checkpoint::load(root).unwrap();
+        let (at_save, straight, _) = &outcomes[0];
+        assert_same_state(
+            &(whole.params.clone(), whole.m.clone(), whole.v.clone()),
+            at_save,
+            &format!("{name}: the checkpoint loaded whole"),
+        );
+        let nvme = tempfile::tempdir().unwrap();
+        let mut alone = executor(policy, 1, ranks, None, nvme.path());
+        alone
+            .load(&whole.params, Some((&whole.m, &whole.v)))
+            .unwrap();
+        alone.set_steps(saved_at as u64);
+        steps(&mut alone, saved_at, total, 0, 1, ranks);
+        assert_same_state(
+            &alone.export().unwrap(),
+            straight,
+            &format!("{name}: one process resumed from the shards"),
+        );
+        // Another number of ranks may not read the shards as its own.
+        let err = checkpoint::load_shard(root, 0, 3).unwrap_err().to_string();
+        assert!(err.contains("written by 2 ranks"), "{err}");
+    }
+}
+
+/// Rank `rank`'s shard of a made-up state of [`model`] for `ranks` ranks at `step`.
+fn made_up_shard(rank: usize, ranks: usize, step: u64) -> strata_engine::checkpoint::Shard {
+    let model = model();
+    let shard_len: Vec<usize> = model
+        .blocks()
+        .iter()
+        .map(|b| strata_engine::plan::shard_len(b.len, ranks))
+        .collect();
+    let fill = |salt: f32| -> Vec<Vec<f32>> {
+        shard_len
+            .iter()
+            .zip(model.blocks())
+            .map(|(&s, b)| {
+                (0..s)
+                    .map(|i| {
+                        let at = rank * s + i;
+                        if at < b.len { salt + at as f32 } else { 0.0 }
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    strata_engine::checkpoint::Shard {
+        model: model.clone(),
+        ranks,
+        rank,
+        params: fill(step as f32),
+        m: fill(0.5),
+        v: fill(0.25),
+        shard_len,
+        state: strata_engine::checkpoint::TrainerState::after(step, 7, 1),
+    }
+}
+
+/// Each rank's `save_sharded` of `shards(rank)` into `root`, on threads of one group.
+fn save_on_ranks(
+    root: &std::path::Path,
+    ranks: usize,
+    shards: impl Fn(usize) -> strata_engine::checkpoint::Shard + Sync,
+) -> Vec<Result<std::path::PathBuf, strata_engine::checkpoint::CheckpointError>> {
+    std::thread::scope(|s| {
+        let shards = &shards;
+        let handles: Vec<_> = ThreadGroup::new(ranks, Duration::from_secs(60))
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || {
+                    strata_engine::checkpoint::save_sharded(root, &g, &shards(g.rank()), 3)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A rank whose shard cannot be saved fails the save on every rank (naming it), and the
+/// previous checkpoint stays the latest; a damaged shard is refused by the rank that
+/// reads it, naming the file.
+#[test]
+fn a_sharded_save_fails_whole_and_a_damaged_shard_is_refused() {
+    use strata_engine::checkpoint;
+    let root = tempfile::tempdir().unwrap();
+    let root = root.path();
+    for r in save_on_ranks(root, 3, |rank| made_up_shard(rank, 3, 1)) {
+        r.unwrap();
+    }
+    let results = save_on_ranks(root, 3, |rank| {
+        let mut shard = made_up_shard(rank, 3, 2);
+        if rank == 2 {
+            shard.m[0].pop(); // not the layout's length
+        }
+        shard
+    });
+    for (rank, r) in results.iter().enumerate() {
+        let text = r.as_ref().unwrap_err().to_string();
+        if rank == 2 {
+            assert!(text.contains("m shard"), "{text}");
+        } else {
+            assert!(text.contains("rank 2") && text.contains("step 2"), "{text}");
+        }
+    }
+    assert_eq!(
+        checkpoint::list(root).unwrap().len(),
+        1,
+        "nothing of step 2 is published"
+    );
+    let whole = checkpoint::load(root).unwrap();
+    assert_eq!(whole.state.step, 1);
+    for (b, block) in whole.model.blocks().iter().enumerate() {
+        // The ranks' shards, put together in rank order.
+        let want: Vec<f32> = (0..block.len).map(|i| 1.0 + i as f32).collect();
+        assert_eq!(whole.params[b], want, "block {b}");
+    }
+
+    // A byte of rank 1's file flipped: rank 1 refuses it; rank 0 checks only its length.
+    let dir = root.join(checkpoint::dir_name(1));
+    let file = dir.join(checkpoint::shard_file(1, 3));
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() - 5;
+    bytes[at] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let text = checkpoint::load_shard(root, 1, 3).unwrap_err().to_string();
+    assert!(
+        text.contains("shard-00002-of-00003.safetensors") && text.contains("crc32c"),
+        "{text}"
+    );
+    checkpoint::load_shard(root, 0, 3).unwrap();
+    let text = checkpoint::load(root).err().unwrap().to_string();
+    assert!(text.contains("crc32c"), "{text}");
+}

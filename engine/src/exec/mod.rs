@@ -144,6 +144,18 @@ pub type Moments<'a> = (&'a [Vec<f32>], &'a [Vec<f32>]);
 /// Master parameters, m and v, one f32 buffer per block each.
 pub type TrainingState = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>);
 
+/// What [`Executor::load`] and [`Executor::load_shard`] write.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// Whole blocks, of which each rank takes its shards.
+    Whole {
+        params: &'a [Vec<f32>],
+        moments: Option<Moments<'a>>,
+    },
+    /// This rank's shards.
+    Shard(&'a TrainingState),
+}
+
 /// How the executor sets up its NVMe tier and its lanes.
 #[derive(Debug, Clone)]
 pub struct ExecConfig {
@@ -855,14 +867,15 @@ impl Executor {
     }
 
     /// Writes `params` (one f32 buffer per block) as the master and working parameters,
-    /// and `moments` as AdamW's m and v (zero when `None`), to their homes.
+    /// and `moments` as AdamW's m and v (zero when `None`), to their homes. With ranks,
+    /// each rank takes its shards from them.
     pub fn load(
         &mut self,
         params: &[Vec<f32>],
         moments: Option<Moments<'_>>,
     ) -> Result<(), ExecError> {
-        let blocks = self.model.blocks().to_vec();
-        if params.len() != blocks.len() || params.iter().zip(&blocks).any(|(p, b)| p.len() != b.len)
+        let blocks = self.model.blocks();
+        if params.len() != blocks.len() || params.iter().zip(blocks).any(|(p, b)| p.len() != b.len)
         {
             return Err(ExecError::BadInput(format!(
                 "parameters do not match the model's {} blocks",
@@ -874,13 +887,37 @@ impl Executor {
                 || v.len() != blocks.len()
                 || m.iter()
                     .chain(v)
-                    .zip(blocks.iter().chain(&blocks))
+                    .zip(blocks.iter().chain(blocks))
                     .any(|(x, b)| x.len() != b.len))
         {
             return Err(ExecError::BadInput(
                 "optimizer moments do not match the model's blocks".into(),
             ));
         }
+        self.load_from(Source::Whole { params, moments })
+    }
+
+    /// Writes this rank's shards (per block, [`Executor::shard`]'s length of the master
+    /// parameters, m and v, as [`Executor::export_shard`] returns them) to their homes.
+    /// With ranks it is a collective where working parameters live whole on the device
+    /// (every rank calls it; the blocks' parameters are gathered).
+    pub fn load_shard(&mut self, shard: &TrainingState) -> Result<(), ExecError> {
+        let (p, m, v) = shard;
+        let blocks = self.model.blocks().len();
+        let fits = |x: &Vec<Vec<f32>>| {
+            x.len() == blocks && (0..blocks).all(|b| x[b].len() == self.plan.shard_len[b] as usize)
+        };
+        if !(fits(p) && fits(m) && fits(v)) {
+            return Err(ExecError::BadInput(format!(
+                "the shards do not match this plan's {blocks} blocks of {} ranks",
+                self.comm.size()
+            )));
+        }
+        self.load_from(Source::Shard(shard))
+    }
+
+    fn load_from(&mut self, source: Source<'_>) -> Result<(), ExecError> {
+        let blocks = self.model.blocks().to_vec();
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
         // Fresh parameters: no delayed update is waiting.
@@ -903,10 +940,19 @@ impl Executor {
                 f.fill(0.0);
                 let (p, rest) = f.split_at_mut(shard);
                 let (m, v) = rest.split_at_mut(shard);
-                p[..valid].copy_from_slice(&params[b][part.clone()]);
-                if let Some((mm, vv)) = moments {
-                    m[..valid].copy_from_slice(&mm[b][part.clone()]);
-                    v[..valid].copy_from_slice(&vv[b][part.clone()]);
+                match source {
+                    Source::Whole { params, moments } => {
+                        p[..valid].copy_from_slice(&params[b][part.clone()]);
+                        if let Some((mm, vv)) = moments {
+                            m[..valid].copy_from_slice(&mm[b][part.clone()]);
+                            v[..valid].copy_from_slice(&vv[b][part.clone()]);
+                        }
+                    }
+                    Source::Shard((pp, mm, vv)) => {
+                        p[..valid].copy_from_slice(&pp[b][..valid]);
+                        m[..valid].copy_from_slice(&mm[b][..valid]);
+                        v[..valid].copy_from_slice(&vv[b][..valid]);
+                    }
                 }
             }
             self.put_home(&staging, state_range, homes.state, None)?;
@@ -914,27 +960,47 @@ impl Executor {
                 continue; // the working parameters are the master copy
             }
             let whole = self.plan.buffer(homes.params).tier == Tier::Device;
+            let gathered;
+            let master: &[f32] = match (source, whole) {
+                (Source::Whole { params, .. }, true) => &params[b],
+                (Source::Whole { params, .. }, false) => &params[b][part.clone()],
+                (Source::Shard((pp, _, _)), false) => &pp[b][..valid],
+                (Source::Shard((pp, _, _)), true) => {
+                    // The whole block, from every rank's shard.
+                    gathered = self.gather_block(b, &pp[b])?;
+                    &gathered
+                }
+            };
             let working = HostRange::new(0, if whole { len } else { shard } * pbytes);
             {
                 let mut bytes = staging
                     .write(Lane::Cpu, working)
                     .map_err(self.device_error("loading"))?;
                 bytes.fill(0);
-                if whole {
-                    write_working(precision, &params[b], &mut bytes);
-                } else {
-                    write_working(
-                        precision,
-                        &params[b][part.clone()],
-                        &mut bytes[..valid * pbytes],
-                    );
-                }
+                write_working(precision, master, &mut bytes[..master.len() * pbytes]);
             }
             let convert = (precision.dtype() != self.plan.shape.device_dtype())
                 .then(|| (precision.dtype(), self.plan.shape.device_dtype()));
             self.put_home(&staging, working, homes.params, convert)?;
         }
         Ok(())
+    }
+
+    /// Block `b` whole, from every rank's `shard` of it (rank order; a collective).
+    fn gather_block(&self, b: usize, shard: &[f32]) -> Result<Vec<f32>, ExecError> {
+        let ranks = self.comm.size();
+        let mut all = vec![0f32; ranks * shard.len()];
+        self.comm
+            .all_gather(
+                crate::device::bytes_of(shard),
+                crate::device::bytes_of_mut(&mut all),
+            )
+            .map_err(|source| ExecError::Comm {
+                op: format!("gathering block {b}"),
+                source,
+            })?;
+        all.truncate(self.model.blocks()[b].len);
+        Ok(all)
     }
 
     /// Copies `src` of `staging` to home buffer `home` (device, host or NVMe).
@@ -995,6 +1061,52 @@ impl Executor {
     /// With ranks it is a collective: every rank calls it, and every rank gets the
     /// whole state (its shards gathered).
     pub fn export(&self) -> Result<TrainingState, ExecError> {
+        let (sp, sm, sv) = self.export_shard()?;
+        let ranks = self.comm.size();
+        if ranks == 1 {
+            return Ok((sp, sm, sv));
+        }
+        let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for (b, block) in self.model.blocks().iter().enumerate() {
+            let shard = self.plan.shard_len[b] as usize;
+            // Every rank's shard, in rank order: rank r's (master, m, v) of `shard` each.
+            let mut mine = Vec::with_capacity(3 * shard);
+            for class in [&sp[b], &sm[b], &sv[b]] {
+                mine.extend_from_slice(class);
+            }
+            let mut all = vec![0f32; ranks * 3 * shard];
+            self.comm
+                .all_gather(
+                    crate::device::bytes_of(&mine),
+                    crate::device::bytes_of_mut(&mut all),
+                )
+                .map_err(|source| ExecError::Comm {
+                    op: format!(
+                        "gathering {}",
+                        self.plan.buffer(self.plan.block_homes[b].state).name
+                    ),
+                    source,
+                })?;
+            let class = |c: usize| -> Vec<f32> {
+                let mut out = Vec::with_capacity(ranks * shard);
+                for r in 0..ranks {
+                    let at = (3 * r + c) * shard;
+                    out.extend_from_slice(&all[at..at + shard]);
+                }
+                out.truncate(block.len);
+                out
+            };
+            p.push(class(0));
+            m.push(class(1));
+            v.push(class(2));
+        }
+        Ok((p, m, v))
+    }
+
+    /// Reads this rank's shard of the master parameters and AdamW's m and v of every
+    /// block from their homes: per block, [`Executor::shard`]'s length of each, zero past
+    /// the block's end (alone: the whole blocks). Not a collective.
+    pub fn export_shard(&self) -> Result<TrainingState, ExecError> {
         let blocks = self.model.blocks();
         let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
         let largest = (0..blocks.len())
@@ -1002,9 +1114,7 @@ impl Executor {
             .max()
             .unwrap_or(0);
         let staging = self.staging((12 * largest).next_multiple_of(4096))?;
-        let ranks = self.comm.size();
-        for (b, block) in blocks.iter().enumerate() {
-            let len = block.len;
+        for b in 0..blocks.len() {
             let shard = self.plan.shard_len[b] as usize;
             let home = self.plan.block_homes[b].state;
             let name = &self.plan.buffer(home).name;
@@ -1050,34 +1160,9 @@ impl Executor {
                     crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
                 }
             }
-            // Every rank's shard, in rank order: rank r's (master, m, v) of `shard` each.
-            let all = if ranks > 1 {
-                let mut all = vec![0f32; ranks * 3 * shard];
-                self.comm
-                    .all_gather(
-                        crate::device::bytes_of(&f),
-                        crate::device::bytes_of_mut(&mut all),
-                    )
-                    .map_err(|source| ExecError::Comm {
-                        op: format!("gathering {name}"),
-                        source,
-                    })?;
-                all
-            } else {
-                f
-            };
-            let class = |c: usize| -> Vec<f32> {
-                let mut out = Vec::with_capacity(ranks * shard);
-                for r in 0..ranks {
-                    let at = (3 * r + c) * shard;
-                    out.extend_from_slice(&all[at..at + shard]);
-                }
-                out.truncate(len);
-                out
-            };
-            p.push(class(0));
-            m.push(class(1));
-            v.push(class(2));
+            v.push(f.split_off(2 * shard));
+            m.push(f.split_off(shard));
+            p.push(f);
         }
         Ok((p, m, v))
     }

@@ -657,9 +657,9 @@ pub fn load_safetensors(model: &Model, path: &Path) -> Result<Vec<Vec<f32>>, Mod
 
 /// One tensor to write, converted from f32 to the file's type when written.
 pub(crate) struct F32View<'a> {
-    shape: Vec<usize>,
-    data: &'a [f32],
-    dtype: FileDtype,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) data: &'a [f32],
+    pub(crate) dtype: FileDtype,
 }
 
 impl safetensors::View for F32View<'_> {

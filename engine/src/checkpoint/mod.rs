@@ -42,6 +42,9 @@ use strata_storage::{available_bytes, format_bytes};
 use crate::model::weights::{self, CONFIG_FILE, WEIGHTS_FILE};
 use crate::model::{Model, ModelError};
 
+mod sharded;
+pub use sharded::{Shard, load_shard, save_sharded, shard_file};
+
 /// The version of the layout this module writes and reads (in `manifest.json`).
 pub const FORMAT_VERSION: u32 = 1;
 /// The optimizer state's file name in a checkpoint.
@@ -140,7 +143,7 @@ pub enum CheckpointError {
         /// The checkpoint's folder.
         dir: PathBuf,
         /// The file's name.
-        file: &'static str,
+        file: Box<str>,
         /// What to do instead.
         advice: String,
     },
@@ -154,7 +157,7 @@ pub enum CheckpointError {
         /// The checkpoint's folder.
         dir: PathBuf,
         /// The file's name.
-        file: &'static str,
+        file: Box<str>,
         /// Its length.
         len_bytes: u64,
         /// The length the manifest records.
@@ -171,7 +174,7 @@ pub enum CheckpointError {
         /// The checkpoint's folder.
         dir: PathBuf,
         /// The file's name.
-        file: &'static str,
+        file: Box<str>,
         /// The crc32c of its bytes.
         actual: u32,
         /// The crc32c the manifest records.
@@ -185,7 +188,7 @@ pub enum CheckpointError {
         /// The checkpoint's folder.
         dir: PathBuf,
         /// The file's name.
-        file: &'static str,
+        file: Box<str>,
         /// The parser's complaint.
         message: String,
         /// What to do instead.
@@ -200,9 +203,9 @@ pub enum CheckpointError {
         /// The checkpoint's folder.
         dir: PathBuf,
         /// The file's name.
-        file: &'static str,
+        file: Box<str>,
         /// The tensor's name in the file.
-        tensor: String,
+        tensor: Box<str>,
         /// The shape `config.json` implies.
         expected: Box<[usize]>,
         /// The shape in the file.
@@ -219,9 +222,9 @@ pub enum CheckpointError {
         /// The checkpoint's folder.
         dir: PathBuf,
         /// The file's name.
-        file: &'static str,
+        file: Box<str>,
         /// The tensor's name in the file.
-        tensor: String,
+        tensor: Box<str>,
         /// Its dtype.
         found: String,
         /// What to do instead.
@@ -292,6 +295,42 @@ pub enum CheckpointError {
     /// What was given to save does not fit together.
     #[error("cannot save a checkpoint: {0}")]
     BadInput(String),
+    /// Another rank's part of a sharded save failed (its own error is in its output).
+    #[error(
+        "checkpoint step {step} was not saved: rank {rank} could not {what} (its error is in \
+         its output); the previous checkpoint is kept"
+    )]
+    Rank {
+        /// The step being saved.
+        step: u64,
+        /// The first rank that failed.
+        rank: usize,
+        /// What it was doing.
+        what: &'static str,
+    },
+    /// A sharded checkpoint written by a different number of ranks than load it.
+    #[error(
+        "checkpoint {dir} was written by {written} ranks and is being resumed by {ranks}: \
+         resume it under `mpirun -np {written}`, or resume from it whole (every rank reads \
+         every shard)"
+    )]
+    Ranks {
+        /// The checkpoint's folder.
+        dir: PathBuf,
+        /// Ranks that wrote it.
+        written: usize,
+        /// Ranks loading it.
+        ranks: usize,
+    },
+    /// The group's collectives failed during a sharded save.
+    #[error("saving a sharded checkpoint: {0}")]
+    Comm(Box<strata_comm::CommError>),
+}
+
+impl From<strata_comm::CommError> for CheckpointError {
+    fn from(e: strata_comm::CommError) -> Self {
+        CheckpointError::Comm(Box::new(e))
+    }
 }
 
 fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError {
@@ -350,12 +389,12 @@ impl LeftoverKind {
 
 /// The hidden folder of kind `kind` that this process uses for step `step` in `root`.
 fn leftover_path(root: &Path, step: u64, kind: LeftoverKind) -> PathBuf {
-    root.join(format!(
-        ".{}.{}-{}",
-        dir_name(step),
-        kind.tag(),
-        std::process::id()
-    ))
+    leftover_path_of(root, step, kind, std::process::id())
+}
+
+/// The hidden folder of kind `kind` that process `pid` uses for step `step` in `root`.
+fn leftover_path_of(root: &Path, step: u64, kind: LeftoverKind, pid: u32) -> PathBuf {
+    root.join(format!(".{}.{}-{pid}", dir_name(step), kind.tag()))
 }
 
 /// A hidden folder a save made: `.step-00000123.tmp-4567`.
@@ -584,6 +623,7 @@ fn write_files(
         format_version: FORMAT_VERSION,
         step: ckpt.state.step,
         files,
+        shards: None,
     };
     let text = serde_json::to_vec_pretty(&manifest).expect("JSON of numbers");
     write_synced(&dir.join(MANIFEST_FILE), &text)?;
@@ -670,8 +710,15 @@ fn prune(root: &Path, step: u64, keep_last: usize) {
 
 /// Loads a checkpoint: `path` is a checkpoint folder, or a root holding several, of which
 /// the highest complete step is loaded. Everything is verified first (manifest, lengths,
-/// crc32c, tensor shapes and dtypes).
+/// crc32c, tensor shapes and dtypes). A sharded checkpoint (one written by ranks) is put
+/// together from every rank's shard.
 pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
+    load_dir(&resolve(path)?)
+}
+
+/// The checkpoint folder `path` names: `path` itself when it is one, else the complete
+/// checkpoint of the highest step in the root `path`.
+pub fn resolve(path: &Path) -> Result<PathBuf, CheckpointError> {
     if !path.exists() {
         return Err(CheckpointError::MissingDir {
             path: path.to_path_buf(),
@@ -683,7 +730,7 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
             .and_then(|n| n.to_str())
             .is_some_and(|n| parse_dir_name(n).is_some());
     if is_checkpoint {
-        return load_dir(path);
+        return Ok(path.to_path_buf());
     }
     let found = scan(path)?;
     let Some((&step, dir)) = found.complete.last_key_value() else {
@@ -713,8 +760,18 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
             p.display()
         );
     }
-    log::info!("resuming from {}", dir.display());
-    load_dir(dir)
+    log::info!(
+        "{} is the latest complete checkpoint in {}",
+        dir.display(),
+        path.display()
+    );
+    Ok(dir.clone())
+}
+
+/// How many ranks wrote the checkpoint folder `dir`: `None` for an ordinary checkpoint
+/// (one file of each kind), `Some(n)` for a sharded one. Reads only its manifest.
+pub fn written_by_ranks(dir: &Path) -> Result<Option<usize>, CheckpointError> {
+    Ok(Dir(dir).manifest()?.shards.map(|l| l.ranks))
 }
 
 /// The manifest: the format version, the step, and each data file's length and crc32c.
@@ -723,6 +780,9 @@ struct Manifest {
     format_version: u32,
     step: u64,
     files: BTreeMap<String, FileDigest>,
+    /// A sharded checkpoint's layout (absent in an ordinary one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    shards: Option<sharded::Layout>,
 }
 
 /// A file's length and crc32c.
@@ -760,148 +820,208 @@ fn advice(dir: &Path) -> String {
     }
 }
 
-/// Loads and verifies the checkpoint in folder `dir`.
-fn load_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
-    let file_missing = |file: &'static str| CheckpointError::MissingFile {
-        dir: dir.to_path_buf(),
-        file,
-        advice: advice(dir),
-    };
-    let bad_json = |file: &'static str, message: String| CheckpointError::BadJson {
-        dir: dir.to_path_buf(),
-        file,
-        message,
-        advice: advice(dir),
-    };
-    let invalid = |message: String| CheckpointError::Invalid {
-        dir: dir.to_path_buf(),
-        message,
-        advice: advice(dir),
-    };
-    let read = |file: &'static str| {
-        let path = dir.join(file);
+/// The errors of one checkpoint folder, each naming it and what to do instead.
+struct Dir<'a>(&'a Path);
+
+impl Dir<'_> {
+    fn missing(&self, file: &str) -> CheckpointError {
+        CheckpointError::MissingFile {
+            dir: self.0.to_path_buf(),
+            file: file.into(),
+            advice: advice(self.0),
+        }
+    }
+
+    fn bad_json(&self, file: &str, message: String) -> CheckpointError {
+        CheckpointError::BadJson {
+            dir: self.0.to_path_buf(),
+            file: file.into(),
+            message,
+            advice: advice(self.0),
+        }
+    }
+
+    fn invalid(&self, message: String) -> CheckpointError {
+        CheckpointError::Invalid {
+            dir: self.0.to_path_buf(),
+            message,
+            advice: advice(self.0),
+        }
+    }
+
+    fn read(&self, file: &str) -> Result<Vec<u8>, CheckpointError> {
+        let path = self.0.join(file);
         fs::read(&path).map_err(|e| match e.kind() {
-            ErrorKind::NotFound => file_missing(file),
+            ErrorKind::NotFound => self.missing(file),
             _ => io_error("read", &path)(e),
         })
-    };
-
-    // The manifest: its version before its shape, so a future layout is named as such.
-    let text = read(MANIFEST_FILE)?;
-    let json: serde_json::Value =
-        serde_json::from_slice(&text).map_err(|e| bad_json(MANIFEST_FILE, e.to_string()))?;
-    let version = json
-        .get("format_version")
-        .and_then(serde_json::Value::as_u64)
-        .ok_or_else(|| bad_json(MANIFEST_FILE, "no integer `format_version`".into()))?;
-    if version != u64::from(FORMAT_VERSION) {
-        return Err(CheckpointError::Version {
-            dir: dir.to_path_buf(),
-            found: version,
-            supported: FORMAT_VERSION,
-        });
-    }
-    let manifest: Manifest =
-        serde_json::from_value(json).map_err(|e| bad_json(MANIFEST_FILE, e.to_string()))?;
-    let named_step = dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(parse_dir_name);
-    if let Some(named) = named_step.filter(|&s| s != manifest.step) {
-        return Err(invalid(format!(
-            "{MANIFEST_FILE} says step {}, the folder's name step {named}",
-            manifest.step
-        )));
     }
 
-    // Every file there, of its length (cheap, all first), then of its checksum.
-    let mut expected = Vec::with_capacity(DATA_FILES.len());
-    for file in DATA_FILES {
-        let want = *manifest
-            .files
-            .get(file)
-            .ok_or_else(|| invalid(format!("{MANIFEST_FILE} lists no {file}")))?;
-        let path = dir.join(file);
-        let len_bytes = match fs::metadata(&path) {
-            Ok(meta) => meta.len(),
-            Err(e) if e.kind() == ErrorKind::NotFound => return Err(file_missing(file)),
-            Err(e) => return Err(io_error("inspect", &path)(e)),
-        };
-        if len_bytes != want.len_bytes {
-            return Err(CheckpointError::Length {
-                dir: dir.to_path_buf(),
-                file,
-                len_bytes,
-                expected_bytes: want.len_bytes,
-                advice: advice(dir),
-            });
-        }
-        expected.push((file, path, want));
-    }
-    for (file, path, want) in expected {
-        let got = digest(&path)?;
-        // The length is read again: a file that changed since the check is caught too.
-        if got != want {
-            return Err(CheckpointError::Checksum {
-                dir: dir.to_path_buf(),
-                file,
-                actual: got.crc32c,
-                expected: want.crc32c,
-                advice: advice(dir),
-            });
+    /// A model error reading `file`, as the checkpoint's error.
+    fn model_error(&self, file: &str, e: ModelError) -> CheckpointError {
+        match e {
+            ModelError::TensorShape {
+                name,
+                expected,
+                found,
+                ..
+            } => CheckpointError::Shape {
+                dir: self.0.to_path_buf(),
+                file: file.into(),
+                tensor: name.into(),
+                expected: expected.into(),
+                found: found.into(),
+                advice: advice(self.0),
+            },
+            ModelError::TensorDtype { name, found, .. } => CheckpointError::Dtype {
+                dir: self.0.to_path_buf(),
+                file: file.into(),
+                tensor: name.into(),
+                found,
+                advice: advice(self.0),
+            },
+            other => self.invalid(other.to_string()),
         }
     }
 
-    let state: TrainerState = serde_json::from_slice(&read(STATE_FILE)?)
-        .map_err(|e| bad_json(STATE_FILE, e.to_string()))?;
-    if state.step != manifest.step {
-        return Err(invalid(format!(
-            "{STATE_FILE} says step {}, {MANIFEST_FILE} step {}",
-            state.step, manifest.step
-        )));
+    /// The manifest: its version before its shape, so a future layout is named as such;
+    /// its step against the folder's name.
+    fn manifest(&self) -> Result<Manifest, CheckpointError> {
+        let text = self.read(MANIFEST_FILE)?;
+        let json: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| self.bad_json(MANIFEST_FILE, e.to_string()))?;
+        let version = json
+            .get("format_version")
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| self.bad_json(MANIFEST_FILE, "no integer `format_version`".into()))?;
+        if version != u64::from(FORMAT_VERSION) {
+            return Err(CheckpointError::Version {
+                dir: self.0.to_path_buf(),
+                found: version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        let manifest: Manifest = serde_json::from_value(json)
+            .map_err(|e| self.bad_json(MANIFEST_FILE, e.to_string()))?;
+        let named_step = self
+            .0
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(parse_dir_name);
+        if let Some(named) = named_step.filter(|&s| s != manifest.step) {
+            return Err(self.invalid(format!(
+                "{MANIFEST_FILE} says step {}, the folder's name step {named}",
+                manifest.step
+            )));
+        }
+        Ok(manifest)
     }
-    let model_error = |file: &'static str, e: ModelError| match e {
-        ModelError::TensorShape {
-            name,
-            expected,
-            found,
-            ..
-        } => CheckpointError::Shape {
-            dir: dir.to_path_buf(),
-            file,
-            tensor: name,
-            expected: expected.into(),
-            found: found.into(),
-            advice: advice(dir),
-        },
-        ModelError::TensorDtype { name, found, .. } => CheckpointError::Dtype {
-            dir: dir.to_path_buf(),
-            file,
-            tensor: name,
-            found,
-            advice: advice(dir),
-        },
-        other => invalid(other.to_string()),
-    };
-    let model =
-        weights::load_config(&dir.join(CONFIG_FILE)).map_err(|e| model_error(CONFIG_FILE, e))?;
-    let tensors = |file: &'static str, prefixes: &[&str]| {
-        let st =
-            weights::SafetensorsFile::open(&dir.join(file)).map_err(|e| model_error(file, e))?;
+
+    /// Checks that every one of `files` is listed in `manifest` and has its length (all
+    /// first, as that is cheap), then that the bytes of those `checksummed` picks have
+    /// its crc32c.
+    fn verify<'f>(
+        &self,
+        manifest: &Manifest,
+        files: impl IntoIterator<Item = &'f str>,
+        checksummed: impl Fn(&str) -> bool,
+    ) -> Result<(), CheckpointError> {
+        let mut expected = Vec::new();
+        for file in files {
+            let want = *manifest
+                .files
+                .get(file)
+                .ok_or_else(|| self.invalid(format!("{MANIFEST_FILE} lists no {file}")))?;
+            let path = self.0.join(file);
+            let len_bytes = match fs::metadata(&path) {
+                Ok(meta) => meta.len(),
+                Err(e) if e.kind() == ErrorKind::NotFound => return Err(self.missing(file)),
+                Err(e) => return Err(io_error("inspect", &path)(e)),
+            };
+            if len_bytes != want.len_bytes {
+                return Err(CheckpointError::Length {
+                    dir: self.0.to_path_buf(),
+                    file: file.into(),
+                    len_bytes,
+                    expected_bytes: want.len_bytes,
+                    advice: advice(self.0),
+                });
+            }
+            if checksummed(file) {
+                expected.push((file, path, want));
+            }
+        }
+        for (file, path, want) in expected {
+            let got = digest(&path)?;
+            // The length is read again: a file that changed since the check is caught too.
+            if got != want {
+                return Err(CheckpointError::Checksum {
+                    dir: self.0.to_path_buf(),
+                    file: file.into(),
+                    actual: got.crc32c,
+                    expected: want.crc32c,
+                    advice: advice(self.0),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The trainer's state (checked against the manifest's step) and the model of
+    /// `config.json`. Their files must have been verified.
+    fn state_and_model(
+        &self,
+        manifest: &Manifest,
+    ) -> Result<(TrainerState, Model), CheckpointError> {
+        let state: TrainerState = serde_json::from_slice(&self.read(STATE_FILE)?)
+            .map_err(|e| self.bad_json(STATE_FILE, e.to_string()))?;
+        if state.step != manifest.step {
+            return Err(self.invalid(format!(
+                "{STATE_FILE} says step {}, {MANIFEST_FILE} step {}",
+                state.step, manifest.step
+            )));
+        }
+        let model = weights::load_config(&self.0.join(CONFIG_FILE))
+            .map_err(|e| self.model_error(CONFIG_FILE, e))?;
+        Ok((state, model))
+    }
+
+    /// The tensors of `file`, which must all be f32.
+    fn f32_tensors(&self, file: &str) -> Result<weights::WeightFiles, CheckpointError> {
+        let st = weights::SafetensorsFile::open(&self.0.join(file))
+            .map_err(|e| self.model_error(file, e))?;
         if let Some((name, info)) = st.tensors.iter().find(|(_, i)| i.dtype != Dtype::F32) {
-            return Err(model_error(
+            return Err(self.model_error(
                 file,
                 ModelError::TensorDtype {
-                    path: dir.join(file),
+                    path: self.0.join(file),
                     name: name.clone(),
                     found: info.dtype.to_string(),
                 },
             ));
         }
-        let st = weights::WeightFiles::single(st);
+        Ok(weights::WeightFiles::single(st))
+    }
+}
+
+/// Loads and verifies the checkpoint in folder `dir`; a sharded one is put together
+/// from every rank's shard.
+fn load_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
+    let d = Dir(dir);
+    let manifest = d.manifest()?;
+    if let Some(layout) = &manifest.shards {
+        return sharded::load_whole(dir, &manifest, layout);
+    }
+    d.verify(&manifest, DATA_FILES, |_| true)?;
+    let (state, model) = d.state_and_model(&manifest)?;
+    let tensors = |file: &str, prefixes: &[&str]| {
+        let st = d.f32_tensors(file)?;
         prefixes
             .iter()
-            .map(|p| st.read_blocks(&model, p).map_err(|e| model_error(file, e)))
+            .map(|p| {
+                st.read_blocks(&model, p)
+                    .map_err(|e| d.model_error(file, e))
+            })
             .collect::<Result<Vec<_>, _>>()
     };
     let params = tensors(WEIGHTS_FILE, &[""])?.remove(0);

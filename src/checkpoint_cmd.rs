@@ -1,0 +1,91 @@
+//! `strata checkpoint`: work on saved checkpoints. `export` writes a checkpoint (an
+//! ordinary one, or one sharded by ranks) as one Hugging Face model folder.
+
+use std::error::Error;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use strata_engine::checkpoint;
+use strata_engine::model::weights::{self, FileDtype, SaveOptions};
+
+use crate::train_config::Dtype;
+
+/// What `strata checkpoint` does.
+#[derive(Debug, clap::Subcommand)]
+pub enum CheckpointCommand {
+    /// Write a checkpoint's model as one Hugging Face folder (model.safetensors or
+    /// shards with an index, config.json, and the tokenizer files of the model it was
+    /// trained from when that folder is still there). A checkpoint sharded by ranks is
+    /// put together; every file is verified first.
+    Export(ExportArgs),
+}
+
+/// `strata checkpoint export`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExportArgs {
+    /// A checkpoint folder (`step-NNNNNNNN`), or a --checkpoint-dir, whose latest
+    /// complete checkpoint is taken.
+    pub checkpoint: PathBuf,
+    /// The folder to write (created; weight files of an earlier model there are
+    /// replaced).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Type of the tensors written [default: fp32, the master parameters exactly].
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
+}
+
+/// Runs `strata checkpoint`.
+pub fn run(command: &CheckpointCommand, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    match command {
+        CheckpointCommand::Export(args) => export(args, out),
+    }
+}
+
+/// The model folder a checkpoint's run trained from, when its recorded configuration
+/// names one that is still there (its config.json and tokenizer files are carried).
+fn trained_from(config: &serde_json::Value) -> Option<weights::Pretrained> {
+    let (cfg, _) = crate::train::recorded_config(config)?;
+    let path = Path::new(&cfg.model);
+    if !path.join(weights::CONFIG_FILE).is_file() || crate::train::has_no_weights(path) {
+        return None;
+    }
+    weights::describe_pretrained(path).ok().map(|(_, p)| p)
+}
+
+fn export(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
+    let dir = checkpoint::resolve(&args.checkpoint)?;
+    let ranks = checkpoint::written_by_ranks(&dir)?;
+    let ckpt = checkpoint::load(&dir)?;
+    let base = trained_from(&ckpt.state.config);
+    let mut options = base
+        .as_ref()
+        .map_or_else(SaveOptions::default, |b| SaveOptions {
+            base: Some(b),
+            ..SaveOptions::default()
+        });
+    options.dtype = match args.dtype.unwrap_or(Dtype::Fp32) {
+        Dtype::Fp32 => FileDtype::F32,
+        Dtype::Bf16 => FileDtype::Bf16,
+        Dtype::Fp16 => FileDtype::F16,
+    };
+    weights::save_pretrained_with(&ckpt.model, &ckpt.params, &args.out, &options)?;
+    writeln!(
+        out,
+        "exported {} (step {}, {}; {} params) to {} as {}{}",
+        dir.display(),
+        ckpt.state.step,
+        match ranks {
+            Some(n) => format!("sharded by {n} ranks"),
+            None => "ordinary".to_string(),
+        },
+        ckpt.model.param_count(),
+        args.out.display(),
+        options.dtype.torch_name(),
+        match &base {
+            Some(b) => format!(", with {}'s config and tokenizer files", b.dir.display()),
+            None => String::new(),
+        }
+    )?;
+    Ok(())
+}
