@@ -29,6 +29,10 @@
 //! save while the process that made it runs (`/proc/<pid>` exists), and for a dead one
 //! otherwise. Not here: the training loop that decides when to save, and tensors that
 //! live on the NVMe tier (they are gathered into host buffers by the caller).
+//!
+//! With ranks, each rank writes its own shard of the state ([`save_sharded`], in
+//! `sharded`): the same folders, one shard file per rank and a manifest that describes
+//! the shards; [`load_shard`] reads one rank's, [`load`] puts them together.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
