@@ -15,8 +15,7 @@ use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams, TrainingS
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model};
 use strata_engine::plan::{
-    AllOnDevice, CpuOffload, NvmeOffload, Plan, PlanError, PlanInput, Policy, Precision, StepShape,
-    Tier,
+    CpuOffload, NvmeOffload, Plan, PlanInput, Policy, Precision, StepShape, Tier,
 };
 
 mod model_support;
@@ -151,12 +150,11 @@ fn assert_same_state(a: &TrainingState, b: &TrainingState, what: &str) {
     }
 }
 
-/// The policies ranks support: every built-in one but all-on-device (the others keep
-/// gradients and optimizer state off the device), with parameters resident on the
-/// device, streamed from the host, and on NVMe (fp32: fetched from the master copy's
-/// head).
+/// Every built-in policy: all-on-device (the state's shard on the device, its
+/// collectives staged through the host), cpu-offload, parameters streamed from the host,
+/// and on NVMe (fp32: fetched from the master copy's head).
 fn policies() -> Vec<Box<dyn Policy>> {
-    each_policy().into_iter().skip(1).collect()
+    each_policy()
 }
 
 fn check(policy: &dyn Policy, shape: StepShape, ranks: usize, clip: f64, chaos: Option<u64>) {
@@ -244,17 +242,6 @@ fn ranks_with_bf16_and_a_delayed_update() {
             None,
         );
     }
-}
-
-#[test]
-fn device_homed_state_is_refused_with_ranks() {
-    let model = model();
-    let shape = StepShape::cpu(BATCH, SEQ).with_ranks(2);
-    let err = Plan::build(&PlanInput::new(&model, shape, UNLIMITED), &AllOnDevice).unwrap_err();
-    assert!(
-        matches!(&err, PlanError::BadPolicy { reason, .. } if reason.contains("cpu-offload")),
-        "{err}"
-    );
 }
 
 #[test]

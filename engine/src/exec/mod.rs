@@ -490,6 +490,7 @@ impl Executor {
                 comm.size()
             )));
         }
+        let (rank, ranks) = (comm.rank(), comm.size());
         let pieces: usize = plan
             .shard_len
             .iter()
@@ -556,7 +557,17 @@ impl Executor {
                 .map(|b| {
                     (plan.homes[b][2] == Tier::Device).then(|| {
                         let layout = &model.blocks()[b];
-                        update::adamw_program(layout, dtype, shape.precision.dtype()).into()
+                        let precision = shape.precision.dtype();
+                        if ranks > 1 {
+                            // This rank's shard; its new parameters in the host's
+                            // precision, to be gathered on the host.
+                            let shard = plan.shard_len[b] as usize;
+                            let lo = rank * shard;
+                            update::adamw_range_program(layout, lo, shard, precision, precision)
+                                .into()
+                        } else {
+                            update::adamw_program(layout, dtype, precision).into()
+                        }
                     })
                 })
                 .collect(),

@@ -15,29 +15,46 @@ use super::{Bind, BlockLayout, Target};
 /// in `params_dtype`, rounded to `precision`. Tensors that decay
 /// ([`TensorSpec::decays`](super::TensorSpec::decays)) use the constants with weight decay.
 pub fn adamw_program(block: &BlockLayout, params_dtype: Dtype, precision: Dtype) -> Vec<Kernel> {
-    let len = block.len;
-    let state = |part: usize, offset: usize, n: usize| {
-        TensorRef::new(Bind::State as u8, (part * len + offset) * 4, n, Dtype::F32)
+    adamw_range_program(block, 0, block.len, params_dtype, precision)
+}
+
+/// AdamW over elements `lo .. lo + len` of `block`'s flat buffer (a rank's shard), as
+/// [`adamw_program`] over the whole: the bound buffers hold that range only (the state
+/// master, m and v of `len` elements each), and each tensor is cut to it. Elements of the
+/// range past the block's end are not touched.
+pub fn adamw_range_program(
+    block: &BlockLayout,
+    lo: usize,
+    len: usize,
+    params_dtype: Dtype,
+    precision: Dtype,
+) -> Vec<Kernel> {
+    let state = |part: usize, at: usize, n: usize| {
+        TensorRef::new(Bind::State as u8, (part * len + at) * 4, n, Dtype::F32)
     };
     block
         .tensors
         .iter()
-        .map(|t| {
-            let (offset, n) = (t.slot.offset, t.slot.len);
-            Kernel::AdamW {
-                params: state(0, offset, n),
-                m: state(1, offset, n),
-                v: state(2, offset, n),
-                grads: TensorRef::new(Bind::Grads as u8, offset * 4, n, Dtype::F32),
-                copy_out: Some(TensorRef::new(
-                    Bind::Params as u8,
-                    offset * params_dtype.size(),
-                    n,
-                    params_dtype,
-                )),
-                round: precision,
-                decay: t.decays(),
-            }
+        .filter_map(|t| {
+            let start = t.slot.offset.max(lo);
+            let end = (t.slot.offset + t.slot.len).min(lo + len);
+            (start < end).then(|| {
+                let (at, n) = (start - lo, end - start);
+                Kernel::AdamW {
+                    params: state(0, at, n),
+                    m: state(1, at, n),
+                    v: state(2, at, n),
+                    grads: TensorRef::new(Bind::Grads as u8, at * 4, n, Dtype::F32),
+                    copy_out: Some(TensorRef::new(
+                        Bind::Params as u8,
+                        at * params_dtype.size(),
+                        n,
+                        params_dtype,
+                    )),
+                    round: precision,
+                    decay: t.decays(),
+                }
+            })
         })
         .collect()
 }

@@ -893,15 +893,6 @@ impl<'a> Planner<'a> {
                     "block {b}: optimizer state on the device needs the parameters there too"
                 )));
             }
-            if shape.ranks > 1 && (h.grads == Tier::Device || h.state == Tier::Device) {
-                return Err(bad(format!(
-                    "block {b}: with {} ranks each rank updates its shard of the optimizer \
-                     state on the CPU, so gradients and optimizer state live on the host or \
-                     NVMe (got gradients on {}, state on {}); use cpu-offload, param-offload \
-                     or nvme-offload",
-                    shape.ranks, h.grads, h.state
-                )));
-            }
             homes.push(h);
         }
         if shape.ranks == 0 {
@@ -1125,6 +1116,23 @@ impl<'a> Planner<'a> {
             };
             self.p_home.push(p);
             match grads {
+                Tier::Device if self.ranks > 1 => {
+                    // This rank's shard of the step's gradients, reduced on the host (the
+                    // collectives are host ones) and copied in for the device's AdamW;
+                    // the norm reads the host copy.
+                    let (fill, apply) =
+                        self.home_pair(&format!("grads[{b}]"), Tier::Device, 4 * shard, delayed);
+                    self.g_home_dev[b] = Some(fill);
+                    self.g_apply_dev[b] = Some(apply);
+                    let (fill, apply) = if delayed {
+                        self.home_pair(&format!("grads[{b}]"), Tier::Host, 4 * shard, true)
+                    } else {
+                        let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, 4 * shard);
+                        (id, id)
+                    };
+                    self.g_host[b] = Some(fill);
+                    self.g_apply_host[b] = Some(apply);
+                }
                 Tier::Device => {
                     let (fill, apply) =
                         self.home_pair(&format!("grads[{b}]"), Tier::Device, 4 * len, delayed);
@@ -1263,7 +1271,7 @@ impl<'a> Planner<'a> {
             // Gradients: a device buffer per micro-batch (or the device home).
             let grads: Vec<BufId> = (0..nb)
                 .map(|b| match self.g_home_dev[b] {
-                    Some(id) if m == 0 => id,
+                    Some(id) if m == 0 && self.ranks == 1 => id,
                     _ => self.buffer(
                         format!("grads[{b}]#{m}@device"),
                         Tier::Device,
@@ -1287,8 +1295,11 @@ impl<'a> Planner<'a> {
                 self.s_stage[b] =
                     Some(self.buffer(format!("adam[{b}]@host"), Tier::Host, 12 * len));
             }
+            // With ranks a device update's new parameters are a shard too, gathered on
+            // the host.
             if (self.homes[b].params == Tier::Nvme && !self.shares_master(b))
-                || (self.homes[b].params == Tier::Device && self.homes[b].state != Tier::Device)
+                || (self.homes[b].params == Tier::Device
+                    && (self.homes[b].state != Tier::Device || self.ranks > 1))
             {
                 self.p_out_stage[b] =
                     Some(self.buffer(format!("params[{b}]>@host"), Tier::Host, len * self.pbytes));
@@ -1830,7 +1841,7 @@ impl<'a> Planner<'a> {
     /// micro-batch).
     fn gradients_out(&mut self, b: usize, m: usize) {
         let bytes = 4 * self.len(b);
-        if let (Some(home), true) = (self.g_home_dev[b], m > 0) {
+        if let (Some(home), true) = (self.g_home_dev[b], m > 0 && self.ranks == 1) {
             let from = self.g_dev[m][b];
             let id = self.op(
                 Lane::Compute,
@@ -1861,6 +1872,10 @@ impl<'a> Planner<'a> {
                 vec![Access::Read(stage), Access::Write(host)],
             );
             self.ops[id.index()].bytes = full;
+            if let (Some(dev), true) = (self.g_home_dev[b], m + 1 == self.shape.grad_accum) {
+                // The step's sum of this rank's shard, to the device for its AdamW.
+                self.copy_in(host, dev, 4 * self.shard(b), None, false);
+            }
         } else if let Some(host) = self.g_host[b] {
             let from = self.g_dev[m][b];
             if m == 0 {
@@ -1973,7 +1988,14 @@ impl<'a> Planner<'a> {
                 self.device_stats(b);
             }
             let grads = self.g_apply_dev[b].expect("device gradients");
-            let (state, params) = (self.s_home[b].0, self.p_home[b].1);
+            let state = self.s_home[b].0;
+            // With ranks the update writes this rank's shard of the new parameters (in
+            // the host's precision), which every rank's are gathered with on the host.
+            let out = (self.ranks > 1).then(|| {
+                let bytes = len * self.pbytes;
+                self.buffer(format!("params[{b}]>@device"), Tier::Device, bytes)
+            });
+            let params = out.unwrap_or(self.p_home[b].1);
             let mut access = vec![
                 Access::Read(grads),
                 Access::Write(state),
@@ -1991,6 +2013,19 @@ impl<'a> Planner<'a> {
                 access,
             );
             self.ops[id.index()].params = len;
+            if let Some(out) = out {
+                let stage = self.p_out_stage[b].expect("a host stage for the new shard");
+                self.copy_out(out, stage, len * self.pbytes);
+                let from = self.gathered(b, stage, ">", true);
+                let to = self.p_home[b].1;
+                self.copy_in(
+                    from,
+                    to,
+                    self.len(b) * self.pbytes,
+                    self.param_conversion(),
+                    true,
+                );
+            }
             self.mark_update(first);
             return;
         }
