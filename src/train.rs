@@ -444,6 +444,9 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         target,
         recompute: cfg.recompute,
         ranks: 1,
+        // The CPU device's collectives run on its memory; a GPU's need NCCL, not built:
+        // they are staged through host memory.
+        device_collectives: target == Target::Cpu,
     }
 }
 

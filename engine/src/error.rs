@@ -235,6 +235,15 @@ pub enum EngineError {
         bound: Option<usize>,
     },
 
+    /// A collective over device memory failed (its group's error).
+    #[error("device '{device}': {source}")]
+    Collective {
+        /// The device.
+        device: String,
+        /// The group's error.
+        source: Box<strata_comm::CommError>,
+    },
+
     /// The device cannot do what was asked (for example, run a host closure on a GPU).
     #[error("device '{device}' does not support {what}")]
     Unsupported {

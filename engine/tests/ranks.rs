@@ -15,7 +15,7 @@ use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams, TrainingS
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model};
 use strata_engine::plan::{
-    CpuOffload, NvmeOffload, Plan, PlanInput, Policy, Precision, StepShape, Tier,
+    AllOnDevice, CpuOffload, NvmeOffload, Plan, PlanInput, Policy, Precision, StepShape, Tier,
 };
 
 mod model_support;
@@ -193,6 +193,17 @@ fn two_and_three_ranks_equal_one_process_with_their_micro_batches() {
             check(policy.as_ref(), shape, ranks, 1.0, None);
         }
     }
+    // All-on-device with its collectives staged through host memory (a GPU without
+    // NCCL) rather than over device memory.
+    for ranks in [2, 3] {
+        check(
+            &AllOnDevice,
+            shape.with_device_collectives(false),
+            ranks,
+            1.0,
+            None,
+        );
+    }
 }
 
 #[test]
@@ -222,6 +233,8 @@ fn ranks_with_accumulation_clipping_off_and_chaos() {
             0.5,
             chaos,
         );
+        // Collectives over the device's memory beside its streams.
+        check(&AllOnDevice, accum.clipped(), 2, 0.5, chaos);
     }
 }
 

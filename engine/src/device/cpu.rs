@@ -34,6 +34,7 @@ use std::time::Duration;
 
 use crossbeam::channel::{Receiver, Sender};
 use half::{bf16, f16};
+use strata_comm::Collective;
 use strata_kernels::ops::{self, Cpu};
 use strata_kernels::program::{Access, CpuMemory, Dtype, Scalars, TensorRef, run_cpu};
 use strata_storage::IoBuf;
@@ -408,6 +409,59 @@ impl CpuDevice {
             delay: self.copy_time(dst.len_bytes),
         };
         self.submit(Lane::H2d, after, work).map(Event::Cpu)
+    }
+
+    /// [`Device::all_gather`](super::Device::all_gather) on the calling thread: the host
+    /// collective on device memory, the views checked against the streams' operations
+    /// as theirs are against each other.
+    pub fn all_gather(
+        &self,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+    ) -> Result<(), EngineError> {
+        let access = self.collective_access(src, dst)?;
+        let from = access.read_range(src)?;
+        let mut to = access.write_range(dst)?;
+        comm.all_gather(&from, &mut to)
+            .map_err(|e| self.collective_error(e))
+    }
+
+    /// [`Device::reduce_scatter`](super::Device::reduce_scatter) on the calling thread, as
+    /// [`CpuDevice::all_gather`] runs.
+    pub fn reduce_scatter(
+        &self,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+        accumulate: bool,
+    ) -> Result<(), EngineError> {
+        let access = self.collective_access(src, dst)?;
+        let from = access.read_range(src)?;
+        let mut to = access.write_range(dst)?;
+        comm.reduce_scatter_sum(cast::<f32>(&from), cast_mut::<f32>(&mut to), accumulate)
+            .map_err(|e| self.collective_error(e))
+    }
+
+    /// Access to device memory for a collective of the executor's collective lane.
+    fn collective_access(
+        &self,
+        src: DeviceRange,
+        dst: DeviceRange,
+    ) -> Result<CpuAccess<'_>, EngineError> {
+        self.shared.arena.check_range(src.bytes())?;
+        self.shared.arena.check_range(dst.bytes())?;
+        Ok(CpuAccess {
+            shared: &self.shared,
+            lane: Lane::Comm,
+        })
+    }
+
+    fn collective_error(&self, e: strata_comm::CommError) -> EngineError {
+        EngineError::Collective {
+            device: self.name.clone(),
+            source: Box::new(e),
+        }
     }
 
     /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.

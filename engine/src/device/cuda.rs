@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
+use strata_comm::Collective;
 use strata_kernels::cuda::CudaKernels;
 use strata_kernels::program::{Scalars, TensorRef};
 use strata_storage::IoBuf;
@@ -341,6 +342,38 @@ impl CudaDevice {
         .map_err(EngineError::cuda("cuMemcpyHtoDAsync"))?;
         self.copied[0].fetch_add(dst.len_bytes as u64, Ordering::Relaxed);
         self.record(Lane::H2d)
+    }
+
+    /// [`Device::all_gather`](super::Device::all_gather): not on GPUs yet (NCCL is not
+    /// built); plans for a GPU stage their collectives through host memory instead.
+    pub fn all_gather(
+        &self,
+        _comm: &dyn Collective,
+        _src: DeviceRange,
+        _dst: DeviceRange,
+    ) -> Result<(), EngineError> {
+        Err(self.no_device_collectives())
+    }
+
+    /// [`Device::reduce_scatter`](super::Device::reduce_scatter): as
+    /// [`CudaDevice::all_gather`].
+    pub fn reduce_scatter(
+        &self,
+        _comm: &dyn Collective,
+        _src: DeviceRange,
+        _dst: DeviceRange,
+        _scratch: Option<DeviceRange>,
+        _accumulate: bool,
+    ) -> Result<(), EngineError> {
+        Err(self.no_device_collectives())
+    }
+
+    fn no_device_collectives(&self) -> EngineError {
+        EngineError::Unsupported {
+            device: self.name.clone(),
+            what: "collectives over GPU memory (NCCL is not built: plan with device \
+                   collectives off, which stages them through host memory)",
+        }
     }
 
     /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.

@@ -34,6 +34,7 @@ mod event;
 use std::fmt;
 use std::sync::Arc;
 
+use strata_comm::Collective;
 use strata_kernels::cuda::probe;
 use strata_kernels::program::{Dtype, Kernel, Scalars, Target};
 
@@ -383,6 +384,55 @@ impl Device {
         match self {
             Device::Cpu(d) => d.copy_to_host(src, host, dst, after),
             Device::Cuda(d) => d.copy_to_host(src, host, dst, after),
+        }
+    }
+
+    /// Gathers every rank's `src` into `dst` (`comm.size()` times `src`'s bytes, in rank
+    /// order) over device memory: a collective of `comm`'s group, called by the
+    /// executor's collective lane (one host thread taking a step's collectives in plan
+    /// order, so every rank issues them in the same order) once the operations writing
+    /// `src` completed; returns when `dst` holds the result. The CPU device runs the
+    /// host collective on its memory; a GPU, NCCL over a communicator of its own,
+    /// waited for.
+    pub fn all_gather(
+        &self,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+    ) -> Result<(), EngineError> {
+        assert_eq!(
+            dst.len_bytes,
+            src.len_bytes * comm.size(),
+            "an all-gather's output holds every rank's input"
+        );
+        match self {
+            Device::Cpu(d) => d.all_gather(comm, src, dst),
+            Device::Cuda(d) => d.all_gather(comm, src, dst),
+        }
+    }
+
+    /// Reduce-scatters f32 `src` (`comm.size()` chunks of `dst`'s length) into `dst`
+    /// over device memory: `dst = ((dst + x_0) + x_1) + ...` with `x_p` rank p's chunk of
+    /// this rank's index (without `accumulate`, starting from `x_0`), the fixed order of
+    /// [`Collective::reduce_scatter_sum`], so every device gives the same bits. Called
+    /// as [`Device::all_gather`] is. `scratch` (`src`'s length) receives the chunks
+    /// where the device needs room for them (a GPU); the CPU device needs none.
+    pub fn reduce_scatter(
+        &self,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+        scratch: Option<DeviceRange>,
+        accumulate: bool,
+    ) -> Result<(), EngineError> {
+        assert_eq!(
+            src.len_bytes,
+            dst.len_bytes * comm.size(),
+            "a reduce-scatter's input holds a chunk for every rank"
+        );
+        match self {
+            Device::Cpu(d) => d.reduce_scatter(comm, src, dst, accumulate),
+            Device::Cuda(d) => d.reduce_scatter(comm, src, dst, scratch, accumulate),
         }
     }
 

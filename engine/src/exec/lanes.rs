@@ -510,6 +510,17 @@ impl Executor {
                 if with_update && self.skipped() {
                     return Ok(()); // every rank skips alike: the norm is global
                 }
+                if self.plan.buffer(from).tier == Tier::Device {
+                    // Over device memory: the device's collective.
+                    let shard =
+                        self.plan.shard_len[block] as usize * self.plan.shape.device_dtype().size();
+                    let src = self.device_range(from).sub(0, shard);
+                    let dst = self.device_range(into).sub(0, shard * self.comm.size());
+                    return self
+                        .device
+                        .all_gather(self.comm.as_ref(), src, dst)
+                        .map_err(|e| self.device_collective_error(label(), e));
+                }
                 let bytes = self.plan.shard_len[block] as usize
                     * self.plan.shape.precision.param_bytes() as usize;
                 let src = self
@@ -528,9 +539,22 @@ impl Executor {
                 block,
                 from,
                 into,
+                scratch,
                 accumulate,
             } => {
                 let shard = self.plan.shard_len[block] as usize;
+                if self.plan.buffer(from).tier == Tier::Device {
+                    // Over device memory: the device's collective. What the backward did
+                    // not write (past the block's end) lands in padding no one reads.
+                    let full = 4 * shard * self.comm.size();
+                    let src = self.device_range(from).sub(0, full);
+                    let dst = self.device_range(into).sub(0, 4 * shard);
+                    let scratch = scratch.map(|s| self.device_range(s).sub(0, full));
+                    return self
+                        .device
+                        .reduce_scatter(self.comm.as_ref(), src, dst, scratch, accumulate)
+                        .map_err(|e| self.device_collective_error(label(), e));
+                }
                 // The copy from the device filled the block's elements; what is past them
                 // goes as it is, and lands in padding no one reads (the optimizer and the
                 // norm read a shard's elements of the block only).
@@ -662,6 +686,15 @@ impl Executor {
 
     /// A collective's failure: this rank's own abort (after another lane failed) is an
     /// abort, anything else names the operation.
+    /// A device collective's error: the group's, as `comm_error` gives it, or
+    /// the device's.
+    fn device_collective_error(&self, op: String, e: crate::EngineError) -> ExecError {
+        match e {
+            crate::EngineError::Collective { source, .. } => self.comm_error(op, *source),
+            source => ExecError::Device { op, source },
+        }
+    }
+
     fn comm_error(&self, op: String, source: strata_comm::CommError) -> ExecError {
         if self.failed.load(Ordering::SeqCst) {
             ExecError::Aborted

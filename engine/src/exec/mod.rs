@@ -559,12 +559,17 @@ impl Executor {
                         let layout = &model.blocks()[b];
                         let precision = shape.precision.dtype();
                         if ranks > 1 {
-                            // This rank's shard; its new parameters in the host's
-                            // precision, to be gathered on the host.
+                            // This rank's shard; its new parameters to be gathered over
+                            // device memory (in the device's dtype) or on the host (in
+                            // the host's precision).
                             let shard = plan.shard_len[b] as usize;
                             let lo = rank * shard;
-                            update::adamw_range_program(layout, lo, shard, precision, precision)
-                                .into()
+                            let out = if shape.device_collectives {
+                                dtype
+                            } else {
+                                precision
+                            };
+                            update::adamw_range_program(layout, lo, shard, out, precision).into()
                         } else {
                             update::adamw_program(layout, dtype, precision).into()
                         }

@@ -384,9 +384,9 @@ pub enum OpKind {
     AllGather {
         /// Block.
         block: usize,
-        /// This rank's shard (host).
+        /// This rank's shard (host, or device for a collective over device memory).
         from: BufId,
-        /// Every rank's shard, in rank order (host).
+        /// Every rank's shard, in rank order (on `from`'s tier).
         into: BufId,
         /// Part of the parameter update.
         with_update: bool,
@@ -398,10 +398,13 @@ pub enum OpKind {
     ReduceScatter {
         /// Block.
         block: usize,
-        /// This rank's gradients of the whole block (host).
+        /// This rank's gradients of the whole block (host, or device for a collective
+        /// over device memory).
         from: BufId,
-        /// This rank's shard of the block's gradients (host).
+        /// This rank's shard of the block's gradients (on `from`'s tier).
         into: BufId,
+        /// Room for every rank's chunk, where the device needs it (a GPU).
+        scratch: Option<BufId>,
         /// Whether the micro-batch adds to earlier ones.
         accumulate: bool,
     },
@@ -1089,10 +1092,16 @@ impl<'a> Planner<'a> {
                 s
             } else {
                 match params {
+                    // Every rank's shard is gathered into it over device memory: room
+                    // for their padding too.
                     Tier::Device => self.home_pair(
                         &format!("params[{b}]"),
                         Tier::Device,
-                        len * self.dbytes,
+                        if self.device_comm(b) {
+                            self.ranks as u64 * shard
+                        } else {
+                            len
+                        } * self.dbytes,
                         delayed,
                     ),
                     Tier::Host => self.home_pair(
@@ -1117,9 +1126,9 @@ impl<'a> Planner<'a> {
             self.p_home.push(p);
             match grads {
                 Tier::Device if self.ranks > 1 => {
-                    // This rank's shard of the step's gradients, reduced on the host (the
-                    // collectives are host ones) and copied in for the device's AdamW;
-                    // the norm reads the host copy.
+                    // This rank's shard of the step's gradients on the device (reduced
+                    // there, or on the host and copied in), and a host copy the norm
+                    // reads.
                     let (fill, apply) =
                         self.home_pair(&format!("grads[{b}]"), Tier::Device, 4 * shard, delayed);
                     self.g_home_dev[b] = Some(fill);
@@ -1272,10 +1281,15 @@ impl<'a> Planner<'a> {
             let grads: Vec<BufId> = (0..nb)
                 .map(|b| match self.g_home_dev[b] {
                     Some(id) if m == 0 && self.ranks == 1 => id,
+                    // Reduce-scattered over device memory: a chunk for every rank.
                     _ => self.buffer(
                         format!("grads[{b}]#{m}@device"),
                         Tier::Device,
-                        4 * self.len(b),
+                        4 * if self.device_comm(b) {
+                            self.ranks as u64 * self.shard(b)
+                        } else {
+                            self.len(b)
+                        },
                     ),
                 })
                 .collect();
@@ -1299,7 +1313,8 @@ impl<'a> Planner<'a> {
             // the host.
             if (self.homes[b].params == Tier::Nvme && !self.shares_master(b))
                 || (self.homes[b].params == Tier::Device
-                    && (self.homes[b].state != Tier::Device || self.ranks > 1))
+                    && (self.homes[b].state != Tier::Device
+                        || (self.ranks > 1 && !self.shape.device_collectives)))
             {
                 self.p_out_stage[b] =
                     Some(self.buffer(format!("params[{b}]>@host"), Tier::Host, len * self.pbytes));
@@ -1618,6 +1633,12 @@ impl<'a> Planner<'a> {
         )
     }
 
+    /// Whether block `b`'s collectives run over device memory: with ranks, its state
+    /// (and so its gradients) on the device, and device collectives asked for.
+    fn device_comm(&self, b: usize) -> bool {
+        self.ranks > 1 && self.shape.device_collectives && self.homes[b].state == Tier::Device
+    }
+
     /// How working parameters convert on their way to the device.
     fn param_conversion(&self) -> Option<(Dtype, Dtype)> {
         let (host, device) = (self.shape.precision.dtype(), self.shape.device_dtype());
@@ -1854,7 +1875,33 @@ impl<'a> Planner<'a> {
             );
             self.ops[id.index()].flops = self.len(b) as f64;
         }
-        if let (Some(host), true) = (self.g_host[b], self.ranks > 1) {
+        if self.device_comm(b) {
+            // Over device memory into the shard's device gradients, then (after the last
+            // micro-batch) a host copy for the norm.
+            let from = self.g_dev[m][b];
+            let into = self.g_home_dev[b].expect("device gradients");
+            let full = 4 * self.ranks as u64 * self.shard(b);
+            let scratch = (self.shape.target == crate::model::Target::Cuda)
+                .then(|| self.buffer(format!("grads[{b}]#{m}<@device"), Tier::Device, full));
+            let mut access = vec![Access::Read(from), Access::Write(into)];
+            access.extend(scratch.map(Access::Write));
+            let id = self.op(
+                Lane::Comm,
+                OpKind::ReduceScatter {
+                    block: b,
+                    from,
+                    into,
+                    scratch,
+                    accumulate: m > 0,
+                },
+                access,
+            );
+            self.ops[id.index()].bytes = full;
+            if m + 1 == self.shape.grad_accum {
+                let host = self.g_host[b].expect("a host copy of the gradients");
+                self.copy_out(into, host, 4 * self.shard(b));
+            }
+        } else if let (Some(host), true) = (self.g_host[b], self.ranks > 1) {
             // Every micro-batch's gradients go to every rank, a shard to each, and are
             // added there in rank order: the order of one process's micro-batches.
             let from = self.g_dev[m][b];
@@ -1867,6 +1914,7 @@ impl<'a> Planner<'a> {
                     block: b,
                     from: stage,
                     into: host,
+                    scratch: None,
                     accumulate: m > 0,
                 },
                 vec![Access::Read(stage), Access::Write(host)],
@@ -1989,10 +2037,17 @@ impl<'a> Planner<'a> {
             }
             let grads = self.g_apply_dev[b].expect("device gradients");
             let state = self.s_home[b].0;
-            // With ranks the update writes this rank's shard of the new parameters (in
-            // the host's precision), which every rank's are gathered with on the host.
+            // With ranks the update writes this rank's shard of the new parameters, which
+            // every rank's are gathered with: over device memory (in the device's dtype),
+            // or on the host (in the host's precision).
+            let device_comm = self.device_comm(b);
             let out = (self.ranks > 1).then(|| {
-                let bytes = len * self.pbytes;
+                let bytes = len
+                    * if device_comm {
+                        self.dbytes
+                    } else {
+                        self.pbytes
+                    };
                 self.buffer(format!("params[{b}]>@device"), Tier::Device, bytes)
             });
             let params = out.unwrap_or(self.p_home[b].1);
@@ -2013,7 +2068,20 @@ impl<'a> Planner<'a> {
                 access,
             );
             self.ops[id.index()].params = len;
-            if let Some(out) = out {
+            if let (Some(out), true) = (out, device_comm) {
+                let into = self.p_home[b].1;
+                let id = self.op(
+                    Lane::Comm,
+                    OpKind::AllGather {
+                        block: b,
+                        from: out,
+                        into,
+                        with_update: true,
+                    },
+                    vec![Access::Read(out), Access::Write(into)],
+                );
+                self.ops[id.index()].bytes = self.ranks as u64 * len * self.dbytes;
+            } else if let Some(out) = out {
                 let stage = self.p_out_stage[b].expect("a host stage for the new shard");
                 self.copy_out(out, stage, len * self.pbytes);
                 let from = self.gathered(b, stage, ">", true);

@@ -241,6 +241,13 @@ pub struct StepShape {
     /// `grad_accum` micro-batches of the step and owns one shard of every block's
     /// parameters, gradients and optimizer state ([`Plan::shard_len`]).
     pub ranks: usize,
+    /// With ranks: whether collectives of device-resident data (all-on-device's
+    /// gradients and parameters) run over device memory ([`Device::all_gather`], NCCL on
+    /// a GPU) rather than staged through host memory (copies out, the host collective,
+    /// copies in). Ignored alone.
+    ///
+    /// [`Device::all_gather`]: crate::device::Device::all_gather
+    pub device_collectives: bool,
 }
 
 impl StepShape {
@@ -258,12 +265,21 @@ impl StepShape {
             target: Target::Cpu,
             recompute: Recompute::Auto,
             ranks: 1,
+            device_collectives: true,
         }
     }
 
     /// The same step as one of `ranks` processes training together.
     pub fn with_ranks(self, ranks: usize) -> Self {
         StepShape { ranks, ..self }
+    }
+
+    /// The same step with device collectives on or off ([`StepShape::device_collectives`]).
+    pub fn with_device_collectives(self, device_collectives: bool) -> Self {
+        StepShape {
+            device_collectives,
+            ..self
+        }
     }
 
     /// The same step recomputing as `recompute` says.
