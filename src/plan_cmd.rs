@@ -6,15 +6,24 @@
 //! allocates nothing, so a 13B model is answered in well under a second. `--json FILE`
 //! writes the same answer for scripts; the command fails (exit 1) when no policy fits.
 //!
+//! `--ranks N` plans the step as one of N ranks of ZeRO-3 data parallelism (`mpirun -np
+//! N strata train`): the peaks are one rank's, the step time includes the collective
+//! lane, and the policies the planner refuses with ranks (gradients or optimizer state
+//! on the device) are listed as not available, with the planner's reason.
+//!
 //! [`report`] finds the answers (as data: the Python module returns them as a dict);
 //! [`render`] prints them as the command does.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 
 use serde::Serialize;
+use strata_engine::device::Lane;
 use strata_engine::device::{DeviceChoice, choose_target};
 use strata_engine::model::Target;
-use strata_engine::plan::{Auto, CostModel, Plan, PlanInput, Policy, TensorClass, Tier, fmt_bytes};
+use strata_engine::plan::{
+    Auto, CostModel, Plan, PlanError, PlanInput, Policy, Prediction, TensorClass, Tier, fmt_bytes,
+};
 
 use crate::report::{Table, write_json};
 use crate::train::{budgets_of, named_policy, shape_of};
@@ -43,6 +52,9 @@ pub struct PlanReport {
     pub grad_accum: usize,
     /// The working precision.
     pub precision: String,
+    /// Ranks of ZeRO-3 data parallelism the step is planned for (1: one process). Bytes
+    /// are per rank; step times and tokens per second are the whole job's.
+    pub ranks: usize,
     /// Which layers recompute their forward in the backward, as asked: auto, all, none.
     pub recompute: String,
     /// Budgets per tier, in bytes: device, host, NVMe.
@@ -53,8 +65,11 @@ pub struct PlanReport {
     pub nvme_budget_source: String,
     /// The rates the predictions use.
     pub rates: Rates,
-    /// One row per built-in policy.
+    /// One row per built-in policy the planner accepts for this step.
     pub policies: Vec<PolicyRow>,
+    /// The built-in policies the planner refuses for this step (with ranks: those that
+    /// keep gradients or optimizer state on the device), with its reason.
+    pub unavailable: Vec<Unavailable>,
     /// What `auto` picks (none when nothing fits).
     pub auto: Option<AutoChoice>,
     /// Why nothing fits, when nothing does.
@@ -97,6 +112,9 @@ pub struct Rates {
     pub copy_bytes_per_s: f64,
     /// CPU AdamW, parameters/s.
     pub adam_params_per_s: f64,
+    /// Collectives among ranks, bytes each rank's all-gather gathers (or reduce-scatter
+    /// sends) per second.
+    pub collective_bytes_per_s: f64,
 }
 
 /// One policy's plan.
@@ -116,10 +134,23 @@ pub struct PolicyRow {
     pub saved_activation_bytes: u64,
     /// Its NVMe peak over the parameter count.
     pub nvme_bytes_per_param: f64,
+    /// Its NVMe peak times the ranks: what the ranks' swap files hold together.
+    pub nvme_bytes_all_ranks: u64,
     /// Predicted seconds per step.
     pub step_seconds: f64,
-    /// Predicted tokens per second.
+    /// Predicted seconds per step the collective lane is busy (0 with one rank).
+    pub collective_seconds: f64,
+    /// Predicted tokens per second, every rank's.
     pub tokens_per_s: f64,
+}
+
+/// A built-in policy the planner refuses for this step.
+#[derive(Debug, Clone, Serialize)]
+pub struct Unavailable {
+    /// The policy's name.
+    pub policy: String,
+    /// Why, as the planner says it.
+    pub reason: String,
 }
 
 /// The plan `auto` picks.
@@ -133,6 +164,9 @@ pub struct AutoChoice {
     pub step_seconds: f64,
     /// All-on-device compute time over the step time.
     pub overlap_efficiency: f64,
+    /// Predicted busy seconds per step of each lane, by the lane's name (`compute`,
+    /// `h2d`, `collective`, ...).
+    pub lane_seconds: BTreeMap<String, f64>,
     /// Bytes of each tensor class per tier.
     pub by_class: Vec<ClassRow>,
     /// The device working set (one block's activations).
@@ -155,8 +189,24 @@ pub struct ClassRow {
     pub bytes: TierBytes,
 }
 
-/// Plans the step `cfg` describes under every built-in policy and under `auto`.
-pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
+/// Each lane's busy seconds in `p`, by the lane's name.
+fn lane_seconds(p: &Prediction) -> BTreeMap<String, f64> {
+    Lane::ALL
+        .iter()
+        .map(|lane| (lane.to_string(), p.lane_seconds[lane.index()]))
+        .collect()
+}
+
+/// Plans the step `cfg` describes, as one of `ranks` ranks, under every built-in policy
+/// and under `auto`.
+pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
+    if ranks == 0 {
+        return Err(
+            "--ranks 0: a step needs at least one rank; give the number of \
+                    processes `mpirun -np N strata train` would start (1: one process)"
+                .into(),
+        );
+    }
     let model = crate::train::model_shape(cfg)?;
     // A plan for a GPU needs no GPU here: `--device cuda` plans for CUDA's kernels.
     let target = match crate::train::device_choice(cfg) {
@@ -165,7 +215,7 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
     };
     let run_budgets = budgets_of(cfg, target)?;
     let budgets = run_budgets.budgets;
-    let shape = shape_of(cfg, target);
+    let shape = shape_of(cfg, target).with_ranks(ranks);
     let input = PlanInput {
         model: &model,
         shape,
@@ -179,8 +229,18 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
         policies.extend(named_policy(name, cfg.prefetch)?);
     }
     let mut rows = Vec::new();
+    let mut unavailable = Vec::new();
     for policy in &policies {
-        let plan = Plan::build(&input, policy.as_ref())?;
+        let plan = match Plan::build(&input, policy.as_ref()) {
+            Ok(plan) => plan,
+            // With ranks the planner refuses gradients and optimizer state on the
+            // device: an answer about this policy, not a failure of the command.
+            Err(PlanError::BadPolicy { policy, reason }) if ranks > 1 => {
+                unavailable.push(Unavailable { policy, reason });
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         let p = cost.predict(&plan);
         let short: Vec<String> = plan.short_tiers().map(|t| t.to_string()).collect();
         rows.push(PolicyRow {
@@ -191,8 +251,10 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
             recomputed_blocks: plan.recomputed(),
             saved_activation_bytes: plan.saved_total_bytes(),
             nvme_bytes_per_param: plan.peak[Tier::Nvme.index()] as f64 / params as f64,
+            nvme_bytes_all_ranks: plan.peak[Tier::Nvme.index()] * ranks as u64,
             step_seconds: p.step_seconds,
-            tokens_per_s: shape.tokens() as f64 / p.step_seconds,
+            collective_seconds: p.lane_seconds[Lane::Comm.index()],
+            tokens_per_s: (shape.tokens() * ranks as u64) as f64 / p.step_seconds,
         });
     }
     let choice = match (Auto { cost }).choose(&input) {
@@ -217,6 +279,7 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
                 candidates: candidates.len(),
                 step_seconds: p.step_seconds,
                 overlap_efficiency: p.overlap_efficiency(),
+                lane_seconds: lane_seconds(&p),
                 by_class,
                 scratch_bytes: plan.buffer(plan.scratch).bytes,
                 peak_bytes: TierBytes::of(plan.peak),
@@ -236,6 +299,7 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
         seq: shape.seq,
         grad_accum: shape.grad_accum,
         precision: shape.precision.to_string(),
+        ranks,
         recompute: shape.recompute.to_string(),
         budgets: TierBytes {
             device: budgets.device,
@@ -255,8 +319,10 @@ pub fn report(cfg: &TrainConfig) -> Result<PlanReport, Error> {
             nvme_write_bytes_per_s: cost.nvme_write_bytes_per_s,
             copy_bytes_per_s: cost.h2d_bytes_per_s,
             adam_params_per_s: cost.adam_params_per_s,
+            collective_bytes_per_s: cost.collective_bytes_per_s,
         },
         policies: rows,
+        unavailable,
         no_fit: choice.as_ref().err().cloned(),
         auto: choice.ok(),
     })
@@ -285,28 +351,51 @@ pub fn render(r: &PlanReport) -> String {
         fmt_bytes(b.nvme),
         r.nvme_budget_source
     );
+    let n = r.ranks;
+    let ranked = n > 1;
+    if ranked {
+        out += &format!(
+            "ranks: {n}, ZeRO-3 as `mpirun -np {n} strata train` runs it: each rank owns 1/{n} of \
+             every block's parameters, gradients and optimizer state and runs {} of the step's \
+             {} micro-batches. Budgets and peaks are per rank; `nvme x{n}` is the {n} ranks' \
+             NVMe together; s/step and tokens/s are the job's\n",
+            r.grad_accum,
+            r.grad_accum * n
+        );
+    }
     let rates = &r.rates;
     out += &format!(
-        "rates ({}): {:.0} GFLOP/s compute, NVMe {:.1}/{:.1} GB/s read/write, copies {:.1} GB/s, AdamW {:.2} G params/s\n\n",
+        "rates ({}): {:.0} GFLOP/s compute, NVMe {:.1}/{:.1} GB/s read/write, copies {:.1} GB/s, AdamW {:.2} G params/s{}\n\n",
         rates.source,
         rates.compute_flops / 1e9,
         rates.nvme_read_bytes_per_s / 1e9,
         rates.nvme_write_bytes_per_s / 1e9,
         rates.copy_bytes_per_s / 1e9,
-        rates.adam_params_per_s / 1e9
+        rates.adam_params_per_s / 1e9,
+        if ranked {
+            format!(
+                ", collectives {:.1} GB/s",
+                rates.collective_bytes_per_s / 1e9
+            )
+        } else {
+            String::new()
+        }
     );
-    let mut table = Table::new([
-        "policy",
-        "fits",
-        "device",
-        "host",
-        "nvme",
-        "recompute",
-        "s/step",
-        "tokens/s",
-    ]);
+    // With ranks, two more columns: the ranks' NVMe together, and the collective lane.
+    let mut headers = vec!["policy", "fits", "device", "host", "nvme"];
+    let nvme_all = format!("nvme x{n}");
+    if ranked {
+        headers.push(&nvme_all);
+    }
+    headers.extend(["recompute", "s/step"]);
+    if ranked {
+        headers.push("collective s");
+    }
+    headers.push("tokens/s");
+    let columns = headers.len();
+    let mut table = Table::new(headers);
     for row in &r.policies {
-        table.row([
+        let mut cells = vec![
             row.policy.clone(),
             if row.fits {
                 "yes".to_string()
@@ -316,12 +405,32 @@ pub fn render(r: &PlanReport) -> String {
             fmt_bytes(row.peak_bytes.device),
             fmt_bytes(row.peak_bytes.host),
             fmt_bytes(row.peak_bytes.nvme),
+        ];
+        if ranked {
+            cells.push(fmt_bytes(row.nvme_bytes_all_ranks));
+        }
+        cells.extend([
             format!("{} of {}", row.recomputed_blocks, r.layers),
             format!("{:.3}", row.step_seconds),
-            format!("{:.0}", row.tokens_per_s),
         ]);
+        if ranked {
+            cells.push(format!("{:.3}", row.collective_seconds));
+        }
+        cells.push(format!("{:.0}", row.tokens_per_s));
+        table.row(cells);
+    }
+    for u in &r.unavailable {
+        let mut cells = vec![u.policy.clone(), format!("no: not with {n} ranks")];
+        cells.resize(columns, "-".to_string());
+        table.row(cells);
     }
     out += &table.render();
+    for u in &r.unavailable {
+        out += &format!(
+            "{} is not available with {n} ranks: {}\n",
+            u.policy, u.reason
+        );
+    }
     match (&r.auto, &r.no_fit) {
         (Some(auto), _) => {
             out += &format!(
@@ -332,6 +441,18 @@ pub fn render(r: &PlanReport) -> String {
                 auto.step_seconds,
                 auto.overlap_efficiency
             );
+            if ranked {
+                // The lanes overlap: their busy times add up to more than the step.
+                let busy: Vec<String> = Lane::ALL
+                    .iter()
+                    .map(|lane| lane.to_string())
+                    .filter_map(|lane| {
+                        let s = auto.lane_seconds.get(&lane).copied().unwrap_or(0.0);
+                        (s > 0.0).then(|| format!("{lane} {s:.3}"))
+                    })
+                    .collect();
+                out += &format!("busy seconds per lane: {}\n", busy.join(", "));
+            }
             let mut by_class = Table::new(["tensor class", "device", "host", "nvme"]);
             for row in &auto.by_class {
                 by_class.row([
@@ -354,11 +475,19 @@ pub fn render(r: &PlanReport) -> String {
                 "-".into(),
             ]);
             by_class.row([
-                "peak".to_string(),
+                if ranked { "peak per rank" } else { "peak" }.to_string(),
                 fmt_bytes(auto.peak_bytes.device),
                 fmt_bytes(auto.peak_bytes.host),
                 fmt_bytes(auto.peak_bytes.nvme),
             ]);
+            if ranked {
+                by_class.row([
+                    format!("nvme of all {n} ranks"),
+                    "-".into(),
+                    "-".into(),
+                    fmt_bytes(auto.peak_bytes.nvme * n as u64),
+                ]);
+            }
             let per_param = |bytes: u64| format!("{:.2} B", bytes as f64 / r.params.max(1) as f64);
             by_class.row([
                 "peak per parameter".to_string(),
@@ -383,7 +512,7 @@ pub fn run(args: &PlanArgs, out: &mut impl Write) -> Result<(), Error> {
         write!(out, "{}", cfg.to_toml())?;
         return Ok(());
     }
-    let r = report(&cfg)?;
+    let r = report(&cfg, args.ranks)?;
     if let Some(path) = &args.json {
         write_json(path, &r).map_err(|e| format!("--json {}: {e}", path.display()))?;
     }

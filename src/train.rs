@@ -610,6 +610,11 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         target,
         nvme_dirs.first().map(|d| d.as_path()),
     )?;
+    if let (Some(group), true) = (&group, ranks > 1) {
+        // Every rank times the group's all-gather of a layer's shard together.
+        let bytes = strata_engine::plan::layer_shard_bytes(&model, shape) as usize;
+        cost.collective_bytes_per_s = CostModel::calibrate_collective(group.as_ref(), bytes)?;
+    }
     if let Some(group) = &group {
         // And rank 0's rates, so that `auto` picks the same policy everywhere.
         from_rank0(
@@ -754,13 +759,20 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     }
     writeln!(
         out,
-        "rates ({}): {:.0} GFLOP/s compute, copies {:.1} GB/s, AdamW {:.2} G params/s, NVMe {:.1}/{:.1} GB/s read/write",
+        "rates ({}): {:.0} GFLOP/s compute, copies {:.1} GB/s, AdamW {:.2} G params/s, NVMe {:.1}/{:.1} GB/s read/write{}",
         cost.source,
         cost.compute_flops / 1e9,
         cost.h2d_bytes_per_s / 1e9,
         cost.adam_params_per_s / 1e9,
         cost.nvme_read_bytes_per_s / 1e9,
-        cost.nvme_write_bytes_per_s / 1e9
+        cost.nvme_write_bytes_per_s / 1e9,
+        match ranks {
+            1 => String::new(),
+            _ => format!(
+                ", collectives {:.1} GB/s",
+                cost.collective_bytes_per_s / 1e9
+            ),
+        }
     )?;
     if let Some(r) = &cfg.resume {
         writeln!(out, "resuming {} at step {}", r.display(), state.step)?;

@@ -1261,8 +1261,9 @@ impl TrainArgs {
 }
 
 /// Arguments of `strata plan`: the flags that shape a step (as `strata train` takes them,
-/// from `--config FILE` too), and where to write the answer as JSON.
-#[derive(Debug, Clone, Default, clap::Args)]
+/// from `--config FILE` too), how many ranks to plan for, and where to write the answer
+/// as JSON.
+#[derive(Debug, Clone, clap::Args)]
 pub struct PlanArgs {
     /// A TOML file of settings (keys as in --print-config); flags given override it.
     #[arg(long, value_name = "FILE")]
@@ -1277,6 +1278,24 @@ pub struct PlanArgs {
     /// its peak bytes per tier and predicted step seconds, and the policy auto picks.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Plan the step as one of N ranks of ZeRO-3 data parallelism, as `mpirun -np N
+    /// strata train` runs it: each rank owns 1/N of every block's parameters, gradients
+    /// and optimizer state, and the figures are per rank.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub ranks: usize,
+}
+
+impl Default for PlanArgs {
+    /// No flags: one rank.
+    fn default() -> Self {
+        PlanArgs {
+            config: None,
+            print_config: false,
+            step: StepFlags::default(),
+            json: None,
+            ranks: 1,
+        }
+    }
 }
 
 impl PlanArgs {

@@ -31,7 +31,7 @@ pub fn plan_json(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
     let report = py
         .detach(move || {
             let cfg = flags.args.resolve().map_err(|e| e.to_string())?;
-            strata::plan_cmd::report(&cfg).map_err(|e| e.to_string())
+            strata::plan_cmd::report(&cfg, flags.args.ranks).map_err(|e| e.to_string())
         })
         .map_err(PyValueError::new_err)?;
     let text = strata::plan_cmd::render(&report);

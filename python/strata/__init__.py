@@ -47,9 +47,11 @@ def plan(**options):
 
     Takes ``strata plan``'s flags as keyword arguments (``model="gpt2-xl",
     device_mem="24GiB", host_mem="64GiB", batch=4, seq=1024, clip=0``; a list repeats a
-    flag, ``True`` gives a bare flag). Keys: the model and step, ``budgets``, ``rates``,
-    one row per built-in policy in ``policies``, ``auto`` (the plan auto picks, or None
-    with the reason in ``no_fit``), and ``text``, the CLI's printout.
+    flag, ``True`` gives a bare flag; ``ranks=2`` plans one rank of two). Keys: the model
+    and step, ``ranks``, ``budgets``, ``rates``, one row per built-in policy in
+    ``policies`` and the policies refused for this step, with the reason, in
+    ``unavailable``, ``auto`` (the plan auto picks, or None with the reason in
+    ``no_fit``), and ``text``, the CLI's printout.
     Raises ValueError for flags the CLI would refuse.
     """
     return _json.loads(_native.plan_json(_flags(options)))

@@ -1,12 +1,14 @@
 //! A short measurement of this machine's rates at start, for the cost model: the
 //! device's compute (a one-layer model's forward, on the device the run will use), its
 //! copies between the pinned host arena and device memory, the CPU AdamW, and the NVMe
-//! tier's reads and writes. About half a second; sizes are capped so a 13B model's shape
-//! costs no more.
+//! tier's reads and writes ([`calibrate`]); with ranks, the group's all-gather
+//! ([`CostModel::calibrate_collective`], a collective every rank calls). About half a
+//! second; sizes are capped so a 13B model's shape costs no more.
 
 use std::path::Path;
 use std::time::Instant;
 
+use strata_comm::Collective;
 use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, State};
 use strata_kernels::isa::Isa;
 use strata_storage::{AlignedBuf, StoreConfig, TensorStore};
@@ -175,4 +177,71 @@ pub fn calibrate(
     }
     cost.source = "measured at start";
     Ok(cost)
+}
+
+/// The largest message per rank [`CostModel::calibrate_collective`] times: 16 MiB, so a
+/// 13B model's shard (hundreds of MiB) costs no more than GPT-2's.
+const COLLECTIVE_CALIBRATION_BYTES_MAX: usize = 16 << 20;
+
+/// Timed all-gathers after the warm-up; the best counts.
+const COLLECTIVE_CALIBRATION_RUNS: usize = 5;
+
+impl CostModel {
+    /// The rate of `comm`'s collectives, bytes per second, for
+    /// [`CostModel::collective_bytes_per_s`]: an all-gather of `bytes` per rank (the
+    /// plan's shard of a block, [`crate::plan::layer_shard_bytes`]; at most 16 MiB, at
+    /// least 1) timed after a warm-up, the best of a few runs each started together
+    /// after a barrier.
+    ///
+    /// Its bytes are counted as the plan counts a collective operation's: an `AllGather`
+    /// is the whole gathered buffer, every rank's shard (`ranks * bytes` here), as a
+    /// `ReduceScatter` is the whole block's gradients it sends, so the cost model's
+    /// `op.bytes / collective_bytes_per_s` is the time measured here for that size.
+    ///
+    /// A collective: every rank calls it, with the same `bytes`, and every rank gets the
+    /// same rate, the slowest rank's (its best time gathered from every rank), since a
+    /// collective ends for all when the last rank is done. One rank has nothing to time:
+    /// the default rate, without a call on `comm`.
+    ///
+    /// (A method of the cost model rather than a free function so that it is reachable
+    /// beside [`calibrate`] without another re-export from `exec`.)
+    pub fn calibrate_collective(comm: &dyn Collective, bytes: usize) -> Result<f64, ExecError> {
+        let ranks = comm.size();
+        if ranks <= 1 {
+            return Ok(CostModel::default().collective_bytes_per_s);
+        }
+        let err = |source| ExecError::Comm {
+            op: "calibrating collectives".into(),
+            source,
+        };
+        let bytes = bytes.clamp(1, COLLECTIVE_CALIBRATION_BYTES_MAX);
+        // Each rank's bytes differ, so the gathered buffer shows every rank's arrived.
+        let mark = |rank: usize| (rank % 251) as u8 + 1;
+        let send = vec![mark(comm.rank()); bytes];
+        let mut recv = vec![0u8; ranks * bytes];
+        // The warm-up touches every page of both buffers (and sets up the transport).
+        comm.all_gather(&send, &mut recv).map_err(err)?;
+        for (p, chunk) in recv.chunks_exact(bytes).enumerate() {
+            assert!(
+                chunk.iter().all(|&b| b == mark(p)),
+                "rank {p}'s bytes did not arrive in the calibrating all-gather"
+            );
+        }
+        let mut best = f64::INFINITY;
+        for _ in 0..COLLECTIVE_CALIBRATION_RUNS {
+            comm.barrier().map_err(err)?;
+            let t = Instant::now();
+            comm.all_gather(&send, &mut recv).map_err(err)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        let mut all = vec![0u8; 8 * ranks];
+        comm.all_gather(&best.to_le_bytes(), &mut all)
+            .map_err(err)?;
+        let slowest = all
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .fold(0.0, f64::max);
+        // A clock that did not tick counts as one nanosecond: finite, if large.
+        Ok((ranks * bytes) as f64 / slowest.max(1e-9))
+    }
 }

@@ -45,7 +45,10 @@ pub struct CostModel {
     pub nvme_write_bytes_per_s: f64,
     /// CPU AdamW, parameters per second.
     pub adam_params_per_s: f64,
-    /// Collectives among ranks, bytes each rank receives per second.
+    /// Collectives among ranks, bytes per second counted as a collective operation's
+    /// bytes: an all-gather's whole gathered buffer (every rank's shard), a
+    /// reduce-scatter's whole send buffer. Measured at start with ranks
+    /// (`CostModel::calibrate_collective`).
     pub collective_bytes_per_s: f64,
     /// Where the figures came from (`defaults`, `measured at start`, a bench file).
     pub source: &'static str,

@@ -49,6 +49,23 @@ pub fn shard_len(len: usize, ranks: usize) -> usize {
     }
 }
 
+/// Bytes of one rank's shard of a layer block's working parameters in a step of `shape`
+/// ([`shard_len`] of the block among `shape.ranks`): what each rank sends in most of the
+/// step's all-gathers (one per layer block and pass), so the size to time collectives at.
+/// A model without layer blocks: its largest block's.
+pub fn layer_shard_bytes(model: &Model, shape: StepShape) -> u64 {
+    let blocks = model.blocks();
+    let layers = blocks
+        .iter()
+        .filter(|b| matches!(b.kind, BlockKind::Transformer { .. }))
+        .map(|b| b.len)
+        .max();
+    let len = layers
+        .or_else(|| blocks.iter().map(|b| b.len).max())
+        .unwrap_or(0);
+    shard_len(len, shape.ranks) as u64 * shape.precision.param_bytes()
+}
+
 /// A tier of strata's memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Tier {

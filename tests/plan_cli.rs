@@ -1,0 +1,168 @@
+//! `strata plan --ranks N` as a user runs it: per-rank peaks, the collective lane in the
+//! prediction, the policies ranks rule out, and `--ranks 0`.
+
+use std::process::{Command, Output};
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// GPT-2 124M with stated budgets, so the answer does not depend on this machine; its
+/// training state (16 B/param) dominates every tier's peak under nvme-offload.
+const STEP: [&str; 12] = [
+    "--model",
+    "gpt2",
+    "--device-mem",
+    "8GiB",
+    "--host-mem",
+    "8GiB",
+    "--nvme-mem",
+    "1TB",
+    "--batch",
+    "1",
+    "--seq",
+    "256",
+];
+
+/// `strata plan STEP --ranks ranks --json ...`: its printout and its JSON.
+fn plan(ranks: &str) -> (String, serde_json::Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("plan.json");
+    let mut args = vec!["plan", "--ranks", ranks, "--json", json.to_str().unwrap()];
+    args.extend(STEP);
+    let out = strata(&args);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let answer = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (text(&out.stdout), answer)
+}
+
+/// The row of the policy whose name starts with `name`.
+fn row<'a>(answer: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    answer["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["policy"].as_str().unwrap().starts_with(name))
+        .unwrap_or_else(|| panic!("no {name} in {answer}"))
+}
+
+#[test]
+fn two_ranks_halve_the_nvme_peak_and_rule_out_all_on_device() {
+    let (one_text, one) = plan("1");
+    let (two_text, two) = plan("2");
+    assert_eq!(one["ranks"], 1);
+    assert_eq!(two["ranks"], 2);
+
+    // Each rank's NVMe holds its half of the master, m and v (12 B/param), plus padding
+    // and a spare extent per block size.
+    let nvme = |a: &serde_json::Value| {
+        row(a, "nvme-offload")["peak_bytes"]["nvme"]
+            .as_u64()
+            .unwrap()
+    };
+    let ratio = nvme(&two) as f64 / nvme(&one) as f64;
+    assert!(
+        (0.45..=0.6).contains(&ratio),
+        "{} / {}",
+        nvme(&two),
+        nvme(&one)
+    );
+    assert_eq!(
+        row(&two, "nvme-offload")["nvme_bytes_all_ranks"]
+            .as_u64()
+            .unwrap(),
+        2 * nvme(&two)
+    );
+
+    // The collective lane is in the prediction with ranks, and empty without.
+    let collective = |a: &serde_json::Value| {
+        row(a, "nvme-offload")["collective_seconds"]
+            .as_f64()
+            .unwrap()
+    };
+    assert_eq!(collective(&one), 0.0);
+    // At least one all-gather of every parameter and one reduce-scatter of every
+    // gradient (fp32: 4 B each) at the collective rate: the norm alone is not enough.
+    let comm = collective(&two);
+    let rate = two["rates"]["collective_bytes_per_s"].as_f64().unwrap();
+    let at_least = 2.0 * 4.0 * two["params"].as_f64().unwrap() / rate;
+    assert!(comm >= at_least, "{comm} s < {at_least} s");
+    assert!(row(&two, "nvme-offload")["step_seconds"].as_f64().unwrap() >= comm);
+    let lanes = &two["auto"]["lane_seconds"];
+    assert!(lanes["collective"].as_f64().unwrap() > 0.0, "{lanes}");
+    assert!(lanes["compute"].as_f64().unwrap() > 0.0, "{lanes}");
+    assert_eq!(
+        one["auto"]["lane_seconds"]["collective"].as_f64(),
+        Some(0.0)
+    );
+    let busy = two_text
+        .lines()
+        .find(|l| l.starts_with("busy seconds per lane:"))
+        .unwrap_or_else(|| panic!("{two_text}"));
+    assert!(busy.contains("collective "), "{busy}");
+    assert!(two_text.contains("collectives 4.0 GB/s"), "{two_text}");
+
+    // The printout says the figures are per rank, and what the ranks hold together.
+    assert!(
+        two_text.contains("Budgets and peaks are per rank; `nvme x2` is the 2 ranks' NVMe"),
+        "{two_text}"
+    );
+    assert!(two_text.contains("nvme of all 2 ranks"), "{two_text}");
+    assert!(two_text.contains("peak per rank"), "{two_text}");
+
+    // All-on-device is not a ranks policy: listed with the planner's reason.
+    assert_eq!(one["unavailable"].as_array().unwrap().len(), 0);
+    assert_eq!(one["policies"].as_array().unwrap().len(), 4);
+    let unavailable = two["unavailable"].as_array().unwrap();
+    assert_eq!(unavailable.len(), 1, "{two}");
+    assert_eq!(unavailable[0]["policy"], "all-on-device");
+    assert!(
+        unavailable[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("gradients and optimizer state live on the host or NVMe"),
+        "{two}"
+    );
+    assert_eq!(two["policies"].as_array().unwrap().len(), 3);
+    assert!(
+        two_text.contains(
+            "all-on-device is not available with 2 ranks: block 0: with 2 ranks each rank \
+             updates its shard of the optimizer state on the CPU"
+        ),
+        "{two_text}"
+    );
+    assert!(two_text.contains("no: not with 2 ranks"), "{two_text}");
+
+    // One rank prints as it did before there were ranks.
+    for ranks_only in ["ranks", "per rank", "collective", "not available"] {
+        assert!(
+            !one_text.contains(ranks_only),
+            "{ranks_only} in\n{one_text}"
+        );
+    }
+    let mut args = vec!["plan"];
+    args.extend(STEP);
+    assert_eq!(text(&strata(&args).stdout), one_text);
+}
+
+#[test]
+fn ranks_zero_is_refused_in_one_line() {
+    let mut args = vec!["plan", "--ranks", "0"];
+    args.extend(STEP);
+    let out = strata(&args);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("--ranks 0: a step needs at least one rank"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+}
