@@ -61,3 +61,18 @@ extern "C" __global__ void add_f32(float* dst, const float* src, long long n) {
         dst[i] = dst[i] + src[i];
     }
 }
+
+// The fold of a reduce-scatter: acc[i] = ((acc[i] + x_0[i]) + x_1[i]) + ... over `ranks`
+// chunks of n laid one after another (rank order), or from x_0[i] without `accumulate`:
+// strata-comm's order, so NCCL's exchange followed by this fold gives MPI's bits.
+extern "C" __global__ void fold_ranks(float* acc, const float* chunks, long long n, int ranks,
+                                      int accumulate) {
+    long long i = global_index();
+    if (i < n) {
+        float sum = accumulate ? acc[i] + chunks[i] : chunks[i];
+        for (int p = 1; p < ranks; ++p) {
+            sum = sum + chunks[(long long)p * n + i];
+        }
+        acc[i] = sum;
+    }
+}

@@ -163,6 +163,20 @@ pub enum Kernel {
         /// f32, same length.
         src: TensorRef,
     },
+    /// The fold of a reduce-scatter: `acc[i] = ((acc[i] + x_0[i]) + x_1[i]) + ...` over
+    /// `ranks` chunks `x_p` of `acc`'s length laid one after another in `chunks` (rank
+    /// order), or from `x_0[i]` itself without `accumulate`: the order every transport
+    /// of `strata-comm` sums in, so a device's reduce-scatter gives their bits.
+    FoldRanks {
+        /// f32, the result (and, with `accumulate`, the start).
+        acc: TensorRef,
+        /// f32, `ranks` times `acc`'s length.
+        chunks: TensorRef,
+        /// How many chunks.
+        ranks: usize,
+        /// Whether `acc` is added to (else it is overwritten).
+        accumulate: bool,
+    },
     /// out: (B, T, C) = `wte[tokens]` + `wpe[position]`.
     Encoder {
         /// (B, T, C).
@@ -664,6 +678,7 @@ impl Kernel {
             Kernel::Zero { .. } => "zero",
             Kernel::Copy { .. } => "copy",
             Kernel::AddF32 { .. } => "add",
+            Kernel::FoldRanks { .. } => "fold-ranks",
             Kernel::Encoder { .. } => "encoder",
             Kernel::EncoderBackward { .. } => "encoder-backward",
             Kernel::LayerNorm { .. } => "layernorm",
@@ -700,6 +715,10 @@ impl Kernel {
             Kernel::Copy { dst, src } | Kernel::AddF32 { dst, src } => {
                 f(dst, W);
                 f(src, R);
+            }
+            Kernel::FoldRanks { acc, chunks, .. } => {
+                f(acc, W);
+                f(chunks, R);
             }
             Kernel::Encoder {
                 out,
@@ -1008,6 +1027,7 @@ impl Kernel {
             Kernel::GeluBackward { dinp, .. } => 16.0 * dinp.len as f64,
             Kernel::Residual { out, .. } => out.len as f64,
             Kernel::AddF32 { dst, .. } => dst.len as f64,
+            Kernel::FoldRanks { chunks, .. } => chunks.len as f64,
             // Q K^T and att V per query head: B × H × T × T × D multiply-adds each.
             Kernel::GqaAttention { b, t, h, d, .. } => 4.0 * (b * t * t * h * d) as f64,
             Kernel::GqaAttentionBackward { b, t, h, d, .. } => 8.0 * (b * t * t * h * d) as f64,
@@ -1299,6 +1319,24 @@ pub unsafe fn run_cpu(
         Kernel::AddF32 { dst, src } => {
             expect(src, "src", dst.len)?;
             ops::add_inplace(cpu, f32s_mut(dst, "dst")?, f32s(src, "src")?);
+        }
+        &Kernel::FoldRanks {
+            ref acc,
+            ref chunks,
+            ranks,
+            accumulate,
+        } => {
+            expect(chunks, "chunks", ranks * acc.len)?;
+            let x = f32s(chunks, "chunks")?;
+            let acc = f32s_mut(acc, "acc")?;
+            let n = acc.len();
+            for (i, a) in acc.iter_mut().enumerate() {
+                let mut sum = if accumulate { *a + x[i] } else { x[i] };
+                for p in 1..ranks {
+                    sum += x[p * n + i];
+                }
+                *a = sum;
+            }
         }
         &Kernel::Encoder {
             ref out,
@@ -1884,6 +1922,29 @@ mod tests {
         let mut written = 0;
         k.for_each_tensor(|_, a| written += usize::from(a == Access::Write));
         assert_eq!(written, 1);
+    }
+
+    #[test]
+    fn fold_ranks_is_the_left_fold_in_rank_order() {
+        // Values whose sum depends on the order: 1e8 + 1 + -1e8 is 0 from the left.
+        let chunks = vec![1e8, -0.0, 1.0, -0.0, -1e8, -0.0];
+        for (accumulate, start, want) in [
+            (false, 5.0, [0.0f32, -0.0]),
+            (true, 5.0, [((5.0f32 + 1e8) + 1.0) + -1e8, 5.0]),
+        ] {
+            let mem = Buffers(vec![vec![start; 2], chunks.clone()]);
+            let k = Kernel::FoldRanks {
+                acc: TensorRef::new(0, 0, 2, Dtype::F32),
+                chunks: TensorRef::new(1, 0, 6, Dtype::F32),
+                ranks: 3,
+                accumulate,
+            };
+            // SAFETY: inside the vectors.
+            unsafe { run_cpu(&k, &Cpu::default(), &Scalars::default(), &mem) }.unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            // Without accumulate -0.0 survives (a start of +0.0 would make it +0.0).
+            assert_eq!(bits(&mem.0[0]), bits(&want), "accumulate {accumulate}");
+        }
     }
 
     #[test]

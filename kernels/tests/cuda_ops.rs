@@ -551,6 +551,36 @@ fn elementwise_kernels_match_cpu() {
                     src: s.f32s(&other),
                 }
             });
+            // A reduce-scatter's fold: the same left fold in rank order, so the same bits.
+            for (ranks, accumulate) in [(1, false), (3, false), (3, true)] {
+                let chunks = random(&mut rng, Dtype::F32, ranks * n, 1.0);
+                let what = format!("fold-ranks {ranks} accumulate {accumulate} {what}");
+                let (kernel, _, after) =
+                    compare(&k, &what, w, &scalars(), 1e-5, |s| Kernel::FoldRanks {
+                        acc: s.f32s(&acc),
+                        chunks: s.f32s(&chunks),
+                        ranks,
+                        accumulate,
+                    });
+                let want: Vec<u32> = (0..n)
+                    .map(|i| {
+                        let mut sum = if accumulate {
+                            acc[i] + chunks[i]
+                        } else {
+                            chunks[i]
+                        };
+                        for p in 1..ranks {
+                            sum += chunks[p * n + i];
+                        }
+                        sum.to_bits()
+                    })
+                    .collect();
+                let got: Vec<u32> = decode(&after, &written(&kernel)[0])
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect();
+                assert!(got == want, "{what}: not the left fold's bits");
+            }
         }
     }
 }

@@ -67,9 +67,10 @@ pub const TYPED_KERNELS: [&str; 25] = [
 ];
 
 /// Kernels with one entry point, under their own name: f32 gradient accumulation, the
-/// AdamW step and the two passes of the gradient statistics.
-pub const UNTYPED_KERNELS: [&str; 4] = [
+/// fold of a reduce-scatter, the AdamW step and the two passes of the gradient statistics.
+pub const UNTYPED_KERNELS: [&str; 5] = [
     "add_f32",
+    "fold_ranks",
     "adamw_step",
     "grad_stats_partials",
     "grad_stats_total",

@@ -346,6 +346,7 @@ fn working_tensor(kernel: &Kernel) -> Option<(&TensorRef, &'static str)> {
         Kernel::Zero { .. }
         | Kernel::Copy { .. }
         | Kernel::AddF32 { .. }
+        | Kernel::FoldRanks { .. }
         | Kernel::GradStats { .. }
         | Kernel::AdamW { .. } => return None,
     })
@@ -446,6 +447,32 @@ pub(super) trait KernelQueue {
                         "",
                         per_element(dst_d.len),
                         &[Arg::Ptr(dst_d.ptr), Arg::Ptr(src_d.ptr), long(dst_d.len)],
+                    )
+                }?;
+            }
+            &Kernel::FoldRanks {
+                ref acc,
+                ref chunks,
+                ranks,
+                accumulate,
+            } => {
+                let acc_d = r.tensor(acc, "acc", Dtype::F32, acc.len)?;
+                let chunks_d = r.tensor(chunks, "chunks", Dtype::F32, ranks * acc.len)?;
+                // SAFETY: fold_ranks(float* acc, const float* chunks, long long n,
+                // int ranks, int accumulate) touches n elements of acc and ranks * n of
+                // chunks, the lengths checked above.
+                unsafe {
+                    self.launch(
+                        "fold_ranks",
+                        "",
+                        per_element(acc_d.len),
+                        &[
+                            Arg::Ptr(acc_d.ptr),
+                            Arg::Ptr(chunks_d.ptr),
+                            long(acc_d.len),
+                            int(ranks),
+                            Arg::Int(i32::from(accumulate)),
+                        ],
                     )
                 }?;
             }
@@ -1181,6 +1208,7 @@ pub(super) trait KernelQueue {
             Kernel::Zero { .. }
             | Kernel::Copy { .. }
             | Kernel::AddF32 { .. }
+            | Kernel::FoldRanks { .. }
             | Kernel::GradStats { .. }
             | Kernel::AdamW { .. } => unreachable!("run handles the untyped kernels"),
         }

@@ -670,6 +670,14 @@ fn samples(w: Dtype, l: &mut Layout) -> Vec<Kernel> {
         dst: l.tensor(4097, f32_),
         src: l.tensor(4097, f32_),
     });
+    for (ranks, accumulate) in [(1, false), (3, true)] {
+        out.push(Kernel::FoldRanks {
+            acc: l.tensor(4097, f32_),
+            chunks: l.tensor(ranks * 4097, f32_),
+            ranks,
+            accumulate,
+        });
+    }
     for len in [0, 1, 4097, 300_001] {
         out.push(Kernel::GradStats {
             grads: l.tensor(len, f32_),
@@ -1067,6 +1075,7 @@ fn named_tensors(kernel: &Kernel) -> Vec<(&'static str, u64)> {
     let mut named: Vec<(&'static str, &TensorRef)> = match kernel {
         Kernel::Zero { t } => vec![("t", t)],
         Kernel::Copy { dst, src } | Kernel::AddF32 { dst, src } => vec![("dst", dst), ("src", src)],
+        Kernel::FoldRanks { acc, chunks, .. } => vec![("acc", acc), ("chunks", chunks)],
         Kernel::Encoder {
             out,
             tokens,
@@ -1329,6 +1338,16 @@ fn dimensions(kernel: &Kernel) -> Vec<(&'static str, usize)> {
         Kernel::GeluBackward { ref dinp, .. } => vec![("n", dinp.len)],
         Kernel::CrossEntropy { v, .. } | Kernel::CrossEntropyBackward { v, .. } => vec![("v", v)],
         Kernel::AddF32 { ref dst, .. } => vec![("n", dst.len)],
+        Kernel::FoldRanks {
+            ref acc,
+            ranks,
+            accumulate,
+            ..
+        } => vec![
+            ("n", acc.len),
+            ("ranks", ranks),
+            ("accumulate", usize::from(accumulate)),
+        ],
         Kernel::GradStats { ref grads, .. } => {
             vec![("n", grads.len), ("count", grad_stats_blocks(grads.len))]
         }
