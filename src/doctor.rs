@@ -147,6 +147,8 @@ pub struct CudaReport {
     pub nvrtc: bool,
     /// Whether cuBLAS loads.
     pub cublas: bool,
+    /// Whether NCCL loads (collectives over GPU memory with several ranks).
+    pub nccl: bool,
     /// Why the driver failed to start, when it loaded but did.
     pub driver_error: Option<String>,
     /// The newest CUDA version the driver supports (`13.0`).
@@ -405,6 +407,7 @@ fn examine_cuda() -> CudaReport {
         driver: libraries.driver,
         nvrtc: libraries.nvrtc,
         cublas: libraries.cublas,
+        nccl: strata_engine::device::nccl_available(),
         driver_error: libraries.driver_error.clone(),
         driver_cuda_version,
         gpus,
@@ -744,6 +747,17 @@ fn render_cuda(cuda: &CudaReport) -> Vec<(String, String)> {
             CUBLAS_LIBRARY,
             "it runs the matrix products, so training cannot use a GPU",
         ),
+    ));
+    lines.push((
+        "nccl".into(),
+        if cuda.nccl {
+            "found (libnccl.so.2)".to_string()
+        } else {
+            "not found (libnccl.so.2): with several ranks (mpirun) GPUs exchange \
+             gradients and parameters through host memory instead; install NCCL for \
+             collectives over GPU memory"
+                .to_string()
+        },
     ));
     if cuda.gpus.is_empty() {
         let why = if !cuda.driver {

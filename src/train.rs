@@ -444,9 +444,9 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         target,
         recompute: cfg.recompute,
         ranks: 1,
-        // The CPU device's collectives run on its memory; a GPU's need NCCL, not built:
-        // they are staged through host memory.
-        device_collectives: target == Target::Cpu,
+        // The CPU device's collectives run on its memory, a GPU's through NCCL where it
+        // loads (else they are staged through host memory).
+        device_collectives: target == Target::Cpu || strata_engine::device::nccl_available(),
     }
 }
 
@@ -656,7 +656,14 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         choice,
         &DeviceConfig {
             memory_budget_bytes: plan.peak[Tier::Device.index()].max(1) as usize,
-            cuda_ordinal: 0,
+            // With ranks, each drives the GPU of its rank on its node.
+            cuda_ordinal: if ranks > 1 {
+                strata_comm::LaunchEnv::from_env()
+                    .and_then(|e| e.local_rank)
+                    .unwrap_or(rank)
+            } else {
+                0
+            },
             cuda_needs_kernels: true,
         },
     )?;

@@ -66,14 +66,15 @@ pub enum CommError {
         why: String,
     },
 
-    /// The MPI library returned an error.
+    /// The transport's library (MPI, or NCCL for collectives over GPU memory) returned an
+    /// error.
     #[error("{op} failed with error code {code}: {message}")]
     Transport {
-        /// The MPI function (`MPI_Allgather`, ...).
+        /// The function (`MPI_Allgather`, `ncclSend`, ...).
         op: &'static str,
-        /// The MPI error code.
+        /// The library's error code.
         code: i32,
-        /// MPI's own description of the code (`MPI_Error_string`).
+        /// The library's own description of the code (`MPI_Error_string`, NCCL's result name).
         message: String,
     },
 

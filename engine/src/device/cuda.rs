@@ -16,15 +16,16 @@
 //! This file holds the `unsafe` of raw driver calls. It does not decide what to copy when;
 //! the executor does.
 
-use std::ffi::CStr;
+use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
+use cudarc::nccl;
 use strata_comm::Collective;
 use strata_kernels::cuda::CudaKernels;
-use strata_kernels::program::{Scalars, TensorRef};
+use strata_kernels::program::{Dtype, Kernel, Scalars, TensorRef};
 use strata_storage::IoBuf;
 
 use super::event::{CudaEventRef, Event};
@@ -63,6 +64,30 @@ pub struct CudaDevice {
     /// Events, reused once nobody holds them: untimed (copies) and timed (the rest), so
     /// a warmed-up step creates no CUDA event and allocates nothing for one.
     events: Box<[EventPool; 2]>,
+    /// The NCCL communicator of collectives over this GPU's memory, made by the first.
+    nccl: std::sync::Mutex<Option<Nccl>>,
+}
+
+/// Whether NCCL (`libnccl.so.2`) can be loaded here, for collectives over GPU memory.
+pub fn nccl_available() -> bool {
+    // SAFETY: probing for the library runs no code of it.
+    unsafe { nccl::sys::is_culib_present() }
+}
+
+/// An NCCL communicator; destroyed with the device.
+struct Nccl(nccl::sys::ncclComm_t);
+
+// SAFETY: NCCL lets any thread use a communicator as long as calls on it do not overlap;
+// `CudaDevice` keeps it behind a mutex held for each call.
+unsafe impl Send for Nccl {}
+
+impl Drop for Nccl {
+    fn drop(&mut self) {
+        // SAFETY: the communicator came from ncclCommInitRank and is destroyed once.
+        if let Err(e) = unsafe { nccl::result::comm_destroy(self.0) } {
+            log::warn!("destroying the NCCL communicator failed: {e:?}");
+        }
+    }
 }
 
 /// CUDA events of one kind, reused: an event only the pool still holds is free (any
@@ -200,6 +225,7 @@ impl CudaDevice {
                 EventPool::new(None),
                 EventPool::new(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)),
             ]),
+            nccl: std::sync::Mutex::new(None),
         })
     }
 
@@ -344,35 +370,182 @@ impl CudaDevice {
         self.record(Lane::H2d)
     }
 
-    /// [`Device::all_gather`](super::Device::all_gather): not on GPUs yet (NCCL is not
-    /// built); plans for a GPU stage their collectives through host memory instead.
+    /// [`Device::all_gather`](super::Device::all_gather): `ncclAllGather` on the update
+    /// stream (after its AdamW, which wrote the shard), waited for.
     pub fn all_gather(
         &self,
-        _comm: &dyn Collective,
-        _src: DeviceRange,
-        _dst: DeviceRange,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
     ) -> Result<(), EngineError> {
-        Err(self.no_device_collectives())
+        self.arena.check_range(src.bytes())?;
+        self.arena.check_range(dst.bytes())?;
+        let base = self.arena_base();
+        let stream = self.stream(Lane::Update);
+        self.with_nccl(comm, |c| {
+            // SAFETY: both ranges lie inside the arena (checked above) and do not overlap
+            // (the plan's buffers); the collective lane waited for their writers.
+            unsafe {
+                nccl::result::all_gather(
+                    (base + src.offset_bytes as u64) as *const c_void,
+                    (base + dst.offset_bytes as u64) as *mut c_void,
+                    src.len_bytes,
+                    nccl::sys::ncclDataType_t::ncclUint8,
+                    c,
+                    stream.cu_stream() as nccl::sys::cudaStream_t,
+                )
+            }
+            .map(|_| ())
+            .map_err(|e| self.nccl_error("ncclAllGather", e))
+        })?;
+        self.record(Lane::Update)?.wait()
     }
 
-    /// [`Device::reduce_scatter`](super::Device::reduce_scatter): as
-    /// [`CudaDevice::all_gather`].
+    /// [`Device::reduce_scatter`](super::Device::reduce_scatter): every rank's chunk
+    /// exchanged with `ncclSend`/`ncclRecv` into `scratch`, then folded in rank order by
+    /// [`Kernel::FoldRanks`](strata_kernels::program::Kernel::FoldRanks) on the update
+    /// stream, waited for. Not `ncclReduceScatter`, whose summation order NCCL picks.
     pub fn reduce_scatter(
         &self,
-        _comm: &dyn Collective,
-        _src: DeviceRange,
-        _dst: DeviceRange,
-        _scratch: Option<DeviceRange>,
-        _accumulate: bool,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+        scratch: Option<DeviceRange>,
+        accumulate: bool,
     ) -> Result<(), EngineError> {
-        Err(self.no_device_collectives())
+        let scratch = scratch.ok_or_else(|| EngineError::Unsupported {
+            device: self.name.clone(),
+            what: "a reduce-scatter without scratch for every rank's chunk",
+        })?;
+        for r in [src, dst, scratch] {
+            self.arena.check_range(r.bytes())?;
+        }
+        let (ranks, n) = (comm.size(), dst.len_bytes / 4);
+        let base = self.arena_base();
+        let stream = self.stream(Lane::Update);
+        self.with_nccl(comm, |c| {
+            let call = |what, r: Result<nccl::result::NcclStatus, nccl::result::NcclError>| {
+                r.map(|_| ()).map_err(|e| self.nccl_error(what, e))
+            };
+            call("ncclGroupStart", nccl::result::group_start())?;
+            for peer in 0..ranks {
+                let at = (peer * dst.len_bytes) as u64;
+                // SAFETY: chunk `peer` of `src` and of `scratch` lie inside them (each
+                // `ranks` chunks long, checked inside the arena above); the collective
+                // lane waited for `src`'s writers and nothing else uses `scratch`.
+                let (sent, received) = unsafe {
+                    (
+                        nccl::result::send(
+                            (base + src.offset_bytes as u64 + at) as *const c_void,
+                            n,
+                            nccl::sys::ncclDataType_t::ncclFloat32,
+                            peer as c_int,
+                            c,
+                            stream.cu_stream() as nccl::sys::cudaStream_t,
+                        ),
+                        nccl::result::recv(
+                            (base + scratch.offset_bytes as u64 + at) as *mut c_void,
+                            n,
+                            nccl::sys::ncclDataType_t::ncclFloat32,
+                            peer as c_int,
+                            c,
+                            stream.cu_stream() as nccl::sys::cudaStream_t,
+                        ),
+                    )
+                };
+                call("ncclSend", sent)?;
+                call("ncclRecv", received)?;
+            }
+            call("ncclGroupEnd", nccl::result::group_end())
+        })?;
+        let program: Program = vec![Kernel::FoldRanks {
+            acc: TensorRef::new(0, 0, n, Dtype::F32),
+            chunks: TensorRef::new(1, 0, ranks * n, Dtype::F32),
+            ranks,
+            accumulate,
+        }]
+        .into();
+        let mut bindings = Bindings::default();
+        bindings.set(0, dst);
+        bindings.set(1, scratch);
+        self.run_program(Lane::Update, &program, &bindings, &Scalars::default(), &[])?
+            .wait()
     }
 
-    fn no_device_collectives(&self) -> EngineError {
-        EngineError::Unsupported {
+    /// Runs `f` with this device's NCCL communicator, made on first use: rank 0's
+    /// unique id broadcast over `comm`, every rank joining with its rank in `comm`. The
+    /// first device collective is one every rank reaches at the same point of the plan,
+    /// so making it there is a collective too.
+    fn with_nccl<R>(
+        &self,
+        comm: &dyn Collective,
+        f: impl FnOnce(nccl::sys::ncclComm_t) -> Result<R, EngineError>,
+    ) -> Result<R, EngineError> {
+        let mut held = self.nccl.lock().unwrap_or_else(|e| e.into_inner());
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        if held.is_none() {
+            let present = nccl_available();
+            // Rank 0's id, and whether every rank can go on, in one broadcast: a rank
+            // that cannot must not leave the others waiting in ncclCommInitRank.
+            let mut id = [0u8; 129];
+            if comm.rank() == 0
+                && present
+                && let Ok(unique) = nccl::result::get_uniqueid()
+            {
+                for (b, c) in id.iter_mut().zip(unique.internal) {
+                    *b = c as u8;
+                }
+                id[128] = 1;
+            }
+            comm.broadcast(0, &mut id)
+                .map_err(|e| self.collective_error(e))?;
+            let mut ready = [u8::from(present && id[128] == 1)];
+            let mut all = vec![0u8; comm.size()];
+            comm.all_gather(&ready, &mut all)
+                .map_err(|e| self.collective_error(e))?;
+            ready[0] = u8::from(all.iter().all(|&r| r == 1));
+            if ready[0] == 0 {
+                return Err(EngineError::Unsupported {
+                    device: self.name.clone(),
+                    what: "collectives over GPU memory on every rank: NCCL (libnccl.so.2) \
+                           could not be loaded or could not make an id on some rank; \
+                           install NCCL, or plan with device collectives off",
+                });
+            }
+            let unique = nccl::sys::ncclUniqueId {
+                internal: std::array::from_fn(|i| id[i] as c_char),
+            };
+            let mut c: nccl::sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: `c` is a valid place for the communicator; every rank passes the
+            // same id and size and its own rank.
+            unsafe {
+                nccl::result::comm_init_rank(
+                    &mut c,
+                    comm.size() as c_int,
+                    unique,
+                    comm.rank() as c_int,
+                )
+            }
+            .map_err(|e| self.nccl_error("ncclCommInitRank", e))?;
+            *held = Some(Nccl(c));
+        }
+        f(held.as_ref().expect("made above").0)
+    }
+
+    fn nccl_error(&self, op: &'static str, e: nccl::result::NcclError) -> EngineError {
+        self.collective_error(strata_comm::CommError::Transport {
+            op,
+            code: e.0 as i32,
+            message: format!("{:?}", e.0),
+        })
+    }
+
+    fn collective_error(&self, e: strata_comm::CommError) -> EngineError {
+        EngineError::Collective {
             device: self.name.clone(),
-            what: "collectives over GPU memory (NCCL is not built: plan with device \
-                   collectives off, which stages them through host memory)",
+            source: Box::new(e),
         }
     }
 

@@ -42,7 +42,7 @@ pub use cpu::{
     CpuAccess, CpuDevice, CpuDeviceConfig, Plain, ReadView, WriteView, bytes_of, bytes_of_mut,
     cast, cast_mut, chaos_from_env,
 };
-pub use cuda::{CudaDevice, CudaDeviceConfig};
+pub use cuda::{CudaDevice, CudaDeviceConfig, nccl_available};
 pub use event::{CpuEvent, CudaEventRef, Event};
 
 use crate::error::EngineError;
