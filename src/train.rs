@@ -709,20 +709,18 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     let resumed = match &cfg.resume {
         Some(path) => {
             let dir = checkpoint::resolve(path)?;
-            if ranks > 1 && checkpoint::written_by_ranks(&dir)? == Some(ranks) {
-                let shard = checkpoint::load_shard(&dir, rank, ranks)?;
+            let expected: Vec<usize> = (0..model.blocks().len())
+                .map(|b| plan.shard_len[b] as usize)
+                .collect();
+            let shard = if ranks > 1 && checkpoint::written_by_ranks(&dir)? == Some(ranks) {
+                // Shards of another length (a strata that padded them otherwise) are read
+                // whole instead.
+                Some(checkpoint::load_shard(&dir, rank, ranks)?).filter(|s| s.shard_len == expected)
+            } else {
+                None
+            };
+            if let Some(shard) = shard {
                 check_resumed_model(path, &shard.model, &model)?;
-                let expected: Vec<usize> = (0..model.blocks().len())
-                    .map(|b| plan.shard_len[b] as usize)
-                    .collect();
-                if shard.shard_len != expected {
-                    return Err(format!(
-                        "--resume {}: its shards are not this plan's (a different strata \
-                         wrote it); resume from it whole: `strata checkpoint export` it first",
-                        path.display()
-                    )
-                    .into());
-                }
                 check_resume_settings(path, &shard.state.config, &cfg, ranks)?;
                 Some((
                     Initial::Shard((shard.params, shard.m, shard.v)),

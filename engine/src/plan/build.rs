@@ -1309,8 +1309,8 @@ impl<'a> Planner<'a> {
                 self.s_stage[b] =
                     Some(self.buffer(format!("adam[{b}]@host"), Tier::Host, 12 * len));
             }
-            // With ranks a device update's new parameters are a shard too, gathered on
-            // the host.
+            // With ranks and collectives staged through the host, a device update's new
+            // parameters (a shard) are gathered there.
             if (self.homes[b].params == Tier::Nvme && !self.shares_master(b))
                 || (self.homes[b].params == Tier::Device
                     && (self.homes[b].state != Tier::Device
