@@ -1,7 +1,8 @@
 //! The CUDA kernels compile with NVRTC to machine code for the architectures strata's
 //! GPU machines have (sm_90: H100, H200) and the oldest CUDA 13 supports (sm_75), and
 //! the cubin holds every entry point the runner loads (each typed kernel, the Llama
-//! family's included, in f32, bf16 and f16; AdamW, the gradient statistics and the f32 accumulation once). Runs wherever
+//! family's included, in f32, bf16 and f16; AdamW, the gradient statistics, the f32
+//! accumulation and the reduce-scatter's fold once). Runs wherever
 //! NVRTC can be loaded, no GPU needed, and says why it skips elsewhere. CI installs NVRTC
 //! from PyPI for it (see `.ci/run`).
 
@@ -24,9 +25,10 @@ fn every_kernel_compiles_with_nvrtc() {
             "sm_{major}{minor}: not an ELF image"
         );
         let names = program::entry_points();
-        // 25 typed kernels in three types, and four untyped ones.
-        assert_eq!(names.len(), 25 * 3 + 4, "entry points");
+        // 25 typed kernels in three types, and five untyped ones.
+        assert_eq!(names.len(), 25 * 3 + 5, "entry points");
         for name in [
+            "fold_ranks",
             "rmsnorm_forward_bf16",
             "rope_backward_f32",
             "swiglu_backward_bf16",
