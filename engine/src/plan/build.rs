@@ -1133,14 +1133,7 @@ impl<'a> Planner<'a> {
                         self.home_pair(&format!("grads[{b}]"), Tier::Device, 4 * shard, delayed);
                     self.g_home_dev[b] = Some(fill);
                     self.g_apply_dev[b] = Some(apply);
-                    let (fill, apply) = if delayed {
-                        self.home_pair(&format!("grads[{b}]"), Tier::Host, 4 * shard, true)
-                    } else {
-                        let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, 4 * shard);
-                        (id, id)
-                    };
-                    self.g_host[b] = Some(fill);
-                    self.g_apply_host[b] = Some(apply);
+                    self.host_grads(b);
                 }
                 Tier::Device => {
                     let (fill, apply) =
@@ -1152,18 +1145,7 @@ impl<'a> Planner<'a> {
                     self.stats_host[b] =
                         Some(self.persistent(format!("stats[{b}]@host"), Tier::Host, 16));
                 }
-                Tier::Host => {
-                    // Transient, or (delayed) two persistent sets: one filled by this
-                    // step's backward while the update applies the other.
-                    let (fill, apply) = if delayed {
-                        self.home_pair(&format!("grads[{b}]"), Tier::Host, 4 * shard, true)
-                    } else {
-                        let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, 4 * shard);
-                        (id, id)
-                    };
-                    self.g_host[b] = Some(fill);
-                    self.g_apply_host[b] = Some(apply);
-                }
+                Tier::Host => self.host_grads(b),
                 Tier::Nvme => unreachable!("refused in stage 1"),
             }
         }
@@ -1631,6 +1613,21 @@ impl<'a> Planner<'a> {
             self.shape.precision,
             self.shape.delayed_update,
         )
+    }
+
+    /// Block `b`'s host gradients (this rank's shard): transient, or (delayed) two
+    /// persistent sets, one filled by this step's backward while the update applies the
+    /// other.
+    fn host_grads(&mut self, b: usize) {
+        let bytes = 4 * self.shard(b);
+        let (fill, apply) = if self.shape.delayed_update {
+            self.home_pair(&format!("grads[{b}]"), Tier::Host, bytes, true)
+        } else {
+            let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, bytes);
+            (id, id)
+        };
+        self.g_host[b] = Some(fill);
+        self.g_apply_host[b] = Some(apply);
     }
 
     /// Whether block `b`'s collectives run over device memory: with ranks, its state
