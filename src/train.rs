@@ -531,8 +531,57 @@ fn from_rank0(group: &dyn Collective, values: &mut [&mut f64]) -> Result<(), Err
     Ok(())
 }
 
+/// A number that is the same for processes of one machine and differs between machines
+/// (its boot id, else its host name, hashed).
+fn machine_id() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .unwrap_or_default();
+    // SipHash with fixed keys: the same in every process of this build.
+    let mut h = std::hash::DefaultHasher::new();
+    id.trim().hash(&mut h);
+    h.finish()
+}
+
+/// With ranks, the budgets every rank plans with. A budget the user gave is per rank, as
+/// stated. One taken from this machine (its free memory or disk) is shared by the ranks
+/// on it: each rank's share is that divided by how many ranks run here. Every rank plans
+/// with the smallest share of any rank (the same plan everywhere, fitting everywhere).
+fn shared_budgets(
+    group: &dyn Collective,
+    budgets: &mut Budgets,
+    measured: [bool; 3],
+    machine: u64,
+) -> Result<(), Error> {
+    let mut machines = vec![0u8; 8 * group.size()];
+    group.all_gather(&machine.to_le_bytes(), &mut machines)?;
+    let here = machines
+        .chunks_exact(8)
+        .filter(|m| *m == machine.to_le_bytes())
+        .count() as u64;
+    let mut mine = [budgets.device, budgets.host, budgets.nvme];
+    for (b, shared) in mine.iter_mut().zip(measured) {
+        if shared {
+            *b /= here.max(1);
+        }
+    }
+    let bytes: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut all = vec![0u8; 24 * group.size()];
+    group.all_gather(&bytes, &mut all)?;
+    for (i, b) in mine.iter_mut().enumerate() {
+        *b = all
+            .chunks_exact(24)
+            .map(|r| u64::from_le_bytes(r[8 * i..8 * i + 8].try_into().expect("8 bytes")))
+            .min()
+            .unwrap_or(*b);
+    }
+    (budgets.device, budgets.host, budgets.nvme) = (mine[0], mine[1], mine[2]);
+    Ok(())
+}
+
 /// `strata train` in `group` (none: alone). With N ranks, every rank plans the same step
-/// (rank 0's budgets and measured rates), owns 1/N of every block's parameters, gradients
+/// (the budgets of [`shared_budgets`], rank 0's measured rates), owns 1/N of every block's parameters, gradients
 /// and optimizer state, and takes micro-batches r, r + N, ... of each step's N ×
 /// grad-accum: the same computation as one process with N-fold accumulation, bit for
 /// bit. Rank 0 prints, logs and writes checkpoints and `--out`.
@@ -589,11 +638,19 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     // Plan.
     let mut run_budgets = budgets_of(&cfg, target)?;
     if let Some(group) = &group {
-        // Every rank must make the same plan: rank 0's budgets.
-        let b = &mut run_budgets.budgets;
-        let mut v = [b.device as f64, b.host as f64, b.nvme as f64];
-        from_rank0(group.as_ref(), &mut v.each_mut())?;
-        (b.device, b.host, b.nvme) = (v[0] as u64, v[1] as u64, v[2] as u64);
+        // Every rank must make the same plan, and the ranks of one machine share its
+        // memory and disk.
+        let measured = [
+            target == Target::Cpu && cfg.device_mem_bytes()?.is_none(),
+            cfg.host_mem_bytes()?.is_none(),
+            !run_budgets.nvme_stated,
+        ];
+        shared_budgets(
+            group.as_ref(),
+            &mut run_budgets.budgets,
+            measured,
+            machine_id(),
+        )?;
     }
     let (budgets, nvme_dirs) = (run_budgets.budgets, &run_budgets.nvme_dirs);
     let shape = shape_of(&cfg, target).with_ranks(ranks);
@@ -1196,4 +1253,47 @@ fn summary(
     ]);
     write!(out, "{}", t.render())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ranks on one machine: what each took from the machine is halved, what was
+    /// stated is not, and both plan with the smaller share; on two machines nothing is
+    /// divided.
+    #[test]
+    fn ranks_of_one_machine_share_its_measured_budgets() {
+        let run = |machines: [u64; 2]| -> Vec<Budgets> {
+            let group = strata_comm::ThreadGroup::new(2, std::time::Duration::from_secs(30));
+            std::thread::scope(|s| {
+                let handles: Vec<_> = group
+                    .into_iter()
+                    .map(|g| {
+                        s.spawn(move || {
+                            let r = g.rank() as u64;
+                            let mut b = Budgets {
+                                device: 1000 + r,
+                                host: 800 + 100 * r,
+                                nvme: 600,
+                            };
+                            shared_budgets(&g, &mut b, [false, true, true], machines[r as usize])
+                                .unwrap();
+                            b
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        let same = run([7, 7]);
+        for b in &same {
+            assert_eq!((b.device, b.host, b.nvme), (1000, 400, 300), "{same:?}");
+        }
+        let apart = run([7, 8]);
+        for b in &apart {
+            assert_eq!((b.device, b.host, b.nvme), (1000, 800, 600), "{apart:?}");
+        }
+        assert_eq!(machine_id(), machine_id());
+    }
 }
