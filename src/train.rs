@@ -581,7 +581,7 @@ fn shared_budgets(
 }
 
 /// `strata train` in `group` (none: alone). With N ranks, every rank plans the same step
-/// (the budgets of [`shared_budgets`], rank 0's measured rates), owns 1/N of every block's parameters, gradients
+/// (one set of budgets, see `shared_budgets`; rank 0's measured rates), owns 1/N of every block's parameters, gradients
 /// and optimizer state, and takes micro-batches r, r + N, ... of each step's N ×
 /// grad-accum: the same computation as one process with N-fold accumulation, bit for
 /// bit. Rank 0 prints, logs and writes checkpoints and `--out`.
