@@ -581,10 +581,11 @@ fn shared_budgets(
 }
 
 /// `strata train` in `group` (none: alone). With N ranks, every rank plans the same step
-/// (one set of budgets, see `shared_budgets`; rank 0's measured rates), owns 1/N of every block's parameters, gradients
-/// and optimizer state, and takes micro-batches r, r + N, ... of each step's N ×
-/// grad-accum: the same computation as one process with N-fold accumulation, bit for
-/// bit. Rank 0 prints, logs and writes checkpoints and `--out`.
+/// (one set of budgets, see `shared_budgets`; rank 0's measured rates), owns 1/N of
+/// every block's parameters, gradients and optimizer state, and takes micro-batches r,
+/// r + N, ... of each step's N × grad-accum: the same computation as one process with
+/// N-fold accumulation, bit for bit. Rank 0 prints and logs; every rank writes its shard
+/// of each checkpoint; rank 0 writes `--out`.
 pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Result<(), Error> {
     let (rank, ranks) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
     if ranks > 1 && cfg.nvme.is_empty() {
