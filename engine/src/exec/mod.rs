@@ -564,7 +564,7 @@ impl Executor {
                             // the host's precision).
                             let shard = plan.shard_len[b] as usize;
                             let lo = rank * shard;
-                            let out = if shape.device_collectives {
+                            let out = if plan.device_comm(b) {
                                 dtype
                             } else {
                                 precision

@@ -606,6 +606,20 @@ impl Plan {
             self.shape.delayed_update,
         )
     }
+
+    /// Whether block `b`'s collectives run over device memory
+    /// ([`StepShape::device_collectives`]): then its device update writes its shard of
+    /// the new parameters in the device's dtype, gathered there.
+    pub fn device_comm(&self, b: usize) -> bool {
+        device_comm(&self.shape, self.homes[b][2])
+    }
+}
+
+/// Whether a block whose optimizer state lives on `state` has its collectives over
+/// device memory in a step of `shape`: with ranks, its state (and so its gradients) on
+/// the device, and device collectives asked for.
+fn device_comm(shape: &StepShape, state: Tier) -> bool {
+    shape.ranks > 1 && shape.device_collectives && state == Tier::Device
 }
 
 /// Whether a block's working parameters are its master copy: both on NVMe, in fp32,
@@ -1630,10 +1644,9 @@ impl<'a> Planner<'a> {
         self.g_apply_host[b] = Some(apply);
     }
 
-    /// Whether block `b`'s collectives run over device memory: with ranks, its state
-    /// (and so its gradients) on the device, and device collectives asked for.
+    /// Whether block `b`'s collectives run over device memory (see [`Plan::device_comm`]).
     fn device_comm(&self, b: usize) -> bool {
-        self.ranks > 1 && self.shape.device_collectives && self.homes[b].state == Tier::Device
+        device_comm(&self.shape, self.homes[b].state)
     }
 
     /// How working parameters convert on their way to the device.
@@ -1880,20 +1893,7 @@ impl<'a> Planner<'a> {
             let full = 4 * self.ranks as u64 * self.shard(b);
             let scratch = (self.shape.target == crate::model::Target::Cuda)
                 .then(|| self.buffer(format!("grads[{b}]#{m}<@device"), Tier::Device, full));
-            let mut access = vec![Access::Read(from), Access::Write(into)];
-            access.extend(scratch.map(Access::Write));
-            let id = self.op(
-                Lane::Comm,
-                OpKind::ReduceScatter {
-                    block: b,
-                    from,
-                    into,
-                    scratch,
-                    accumulate: m > 0,
-                },
-                access,
-            );
-            self.ops[id.index()].bytes = full;
+            self.reduce_scatter(b, m, from, into, scratch);
             if m + 1 == self.shape.grad_accum {
                 let host = self.g_host[b].expect("a host copy of the gradients");
                 self.copy_out(into, host, 4 * self.shard(b));
@@ -1905,18 +1905,7 @@ impl<'a> Planner<'a> {
             let full = 4 * self.ranks as u64 * self.shard(b);
             let stage = self.buffer(format!("grads[{b}]#{m}>@host"), Tier::Host, full);
             self.copy_out(from, stage, bytes);
-            let id = self.op(
-                Lane::Comm,
-                OpKind::ReduceScatter {
-                    block: b,
-                    from: stage,
-                    into: host,
-                    scratch: None,
-                    accumulate: m > 0,
-                },
-                vec![Access::Read(stage), Access::Write(host)],
-            );
-            self.ops[id.index()].bytes = full;
+            self.reduce_scatter(b, m, stage, host, None);
             if let (Some(dev), true) = (self.g_home_dev[b], m + 1 == self.shape.grad_accum) {
                 // The step's sum of this rank's shard, to the device for its AdamW.
                 self.copy_in(host, dev, 4 * self.shard(b), None, false);
@@ -1941,6 +1930,34 @@ impl<'a> Planner<'a> {
                 self.ops[id.index()].bytes = 3 * bytes;
             }
         }
+    }
+
+    /// Micro-batch `m`'s gradients of block `b`, whole in `from` (room for every rank's
+    /// chunk), reduce-scattered into this rank's shard `into` on the collective lane,
+    /// added to the earlier micro-batches' after the first; `scratch` where the device
+    /// needs room for the chunks it receives.
+    fn reduce_scatter(
+        &mut self,
+        b: usize,
+        m: usize,
+        from: BufId,
+        into: BufId,
+        scratch: Option<BufId>,
+    ) {
+        let mut access = vec![Access::Read(from), Access::Write(into)];
+        access.extend(scratch.map(Access::Write));
+        let id = self.op(
+            Lane::Comm,
+            OpKind::ReduceScatter {
+                block: b,
+                from,
+                into,
+                scratch,
+                accumulate: m > 0,
+            },
+            access,
+        );
+        self.ops[id.index()].bytes = 4 * self.ranks as u64 * self.shard(b);
     }
 
     /// A state read of an NVMe-homed block into its host staging, `depth` blocks ahead of
