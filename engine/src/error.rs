@@ -255,6 +255,14 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// A collective over `device`'s memory that failed with the group's error `e`.
+    pub(crate) fn collective(device: &str, e: strata_comm::CommError) -> EngineError {
+        EngineError::Collective {
+            device: device.to_string(),
+            source: Box::new(e),
+        }
+    }
+
     /// A closure mapping a driver error to [`EngineError::Cuda`] for `op`.
     pub(crate) fn cuda(op: &'static str) -> impl FnOnce(DriverError) -> EngineError {
         move |source| EngineError::Cuda { op, source }

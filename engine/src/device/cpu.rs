@@ -424,7 +424,7 @@ impl CpuDevice {
         let from = access.read_range(src)?;
         let mut to = access.write_range(dst)?;
         comm.all_gather(&from, &mut to)
-            .map_err(|e| self.collective_error(e))
+            .map_err(|e| EngineError::collective(&self.name, e))
     }
 
     /// [`Device::reduce_scatter`](super::Device::reduce_scatter) on the calling thread, as
@@ -440,7 +440,7 @@ impl CpuDevice {
         let from = access.read_range(src)?;
         let mut to = access.write_range(dst)?;
         comm.reduce_scatter_sum(cast::<f32>(&from), cast_mut::<f32>(&mut to), accumulate)
-            .map_err(|e| self.collective_error(e))
+            .map_err(|e| EngineError::collective(&self.name, e))
     }
 
     /// Access to device memory for a collective of the executor's collective lane.
@@ -455,13 +455,6 @@ impl CpuDevice {
             shared: &self.shared,
             lane: Lane::Comm,
         })
-    }
-
-    fn collective_error(&self, e: strata_comm::CommError) -> EngineError {
-        EngineError::Collective {
-            device: self.name.clone(),
-            source: Box::new(e),
-        }
     }
 
     /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.

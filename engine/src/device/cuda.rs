@@ -500,11 +500,11 @@ impl CudaDevice {
                 id[128] = 1;
             }
             comm.broadcast(0, &mut id)
-                .map_err(|e| self.collective_error(e))?;
+                .map_err(|e| EngineError::collective(&self.name, e))?;
             let mut ready = [u8::from(present && id[128] == 1)];
             let mut all = vec![0u8; comm.size()];
             comm.all_gather(&ready, &mut all)
-                .map_err(|e| self.collective_error(e))?;
+                .map_err(|e| EngineError::collective(&self.name, e))?;
             ready[0] = u8::from(all.iter().all(|&r| r == 1));
             if ready[0] == 0 {
                 return Err(EngineError::Unsupported {
@@ -535,18 +535,14 @@ impl CudaDevice {
     }
 
     fn nccl_error(&self, op: &'static str, e: nccl::result::NcclError) -> EngineError {
-        self.collective_error(strata_comm::CommError::Transport {
-            op,
-            code: e.0 as i32,
-            message: format!("{:?}", e.0),
-        })
-    }
-
-    fn collective_error(&self, e: strata_comm::CommError) -> EngineError {
-        EngineError::Collective {
-            device: self.name.clone(),
-            source: Box::new(e),
-        }
+        EngineError::collective(
+            &self.name,
+            strata_comm::CommError::Transport {
+                op,
+                code: e.0 as i32,
+                message: format!("{:?}", e.0),
+            },
+        )
     }
 
     /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
