@@ -132,6 +132,8 @@ pub struct PolicyRow {
     pub recomputed_blocks: usize,
     /// Bytes of the saved activations the other layer blocks keep on the device.
     pub saved_activation_bytes: u64,
+    /// Blocks whose gradients wait for the clipping norm on NVMe (`--spill-grads`).
+    pub spilled_blocks: usize,
     /// Its NVMe peak over the parameter count.
     pub nvme_bytes_per_param: f64,
     /// Its NVMe peak times the ranks: what the ranks' swap files hold together.
@@ -250,6 +252,7 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
             peak_bytes: TierBytes::of(plan.peak),
             recomputed_blocks: plan.recomputed(),
             saved_activation_bytes: plan.saved_total_bytes(),
+            spilled_blocks: plan.spilled(),
             nvme_bytes_per_param: plan.peak[Tier::Nvme.index()] as f64 / params as f64,
             nvme_bytes_all_ranks: plan.peak[Tier::Nvme.index()] * ranks as u64,
             step_seconds: p.step_seconds,
@@ -425,6 +428,13 @@ pub fn render(r: &PlanReport) -> String {
         table.row(cells);
     }
     out += &table.render();
+    for row in r.policies.iter().filter(|row| row.spilled_blocks > 0) {
+        out += &format!(
+            "{}: the gradients of {} blocks wait for the clipping norm on NVMe, not in host \
+             memory (--spill-grads)\n",
+            row.policy, row.spilled_blocks
+        );
+    }
     for u in &r.unavailable {
         out += &format!(
             "{} is not available with {n} ranks: {}\n",

@@ -443,6 +443,7 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         delayed_update: cfg.delayed_update,
         target,
         recompute: cfg.recompute,
+        grad_spill: cfg.spill_grads,
         ranks: 1,
         // The CPU device's collectives run on its memory, a GPU's through NCCL where it
         // loads (else they are staged through host memory).
@@ -761,6 +762,15 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         plan.recompute_summary(),
         predicted.step_seconds
     )?;
+    if plan.spilled() > 0 {
+        writeln!(
+            out,
+            "gradients of {} blocks wait for the clipping norm on NVMe, not in host memory \
+             (--spill-grads {})",
+            plan.spilled(),
+            plan.shape.grad_spill
+        )?;
+    }
 
     // Parameters: initialised, loaded, or resumed (a checkpoint sharded by as many ranks
     // as this run's: each rank reads its own shard).

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use strata_engine::model::PRESETS;
-use strata_engine::plan::Recompute;
+use strata_engine::plan::{GradSpill, Recompute};
 
 use crate::report::parse_bytes;
 
@@ -99,6 +99,9 @@ pub struct TrainConfig {
     /// activations it reads on the device: as the device budget allows (`auto`), every
     /// layer (`all`), or none (`none`).
     pub recompute: Recompute,
+    /// Whether gradients wait for the clipping norm on NVMe instead of host memory:
+    /// when the host budget needs it (`auto`), `always` where they can, or `never`.
+    pub spill_grads: GradSpill,
     /// Optimizer steps in the run.
     pub steps: u64,
     /// Sequences per micro-batch (B).
@@ -176,6 +179,7 @@ impl Default for TrainConfig {
             policy: "auto".to_string(),
             prefetch: None,
             recompute: Recompute::Auto,
+            spill_grads: GradSpill::Auto,
             steps: 600,
             batch: 8,
             seq: 64,
@@ -267,7 +271,7 @@ impl Kind {
 }
 
 /// Every key, in the order `--print-config` writes them and `validate` checks them.
-const KEYS: [(&str, Kind); 36] = [
+const KEYS: [(&str, Kind); 37] = [
     ("model", Kind::Text),
     ("data", Kind::Path),
     ("device_mem", Kind::Size),
@@ -282,6 +286,10 @@ const KEYS: [(&str, Kind); 36] = [
     (
         "recompute",
         Kind::Choice("one of \"auto\", \"all\", \"none\""),
+    ),
+    (
+        "spill_grads",
+        Kind::Choice("one of \"auto\", \"always\", \"never\""),
     ),
     ("steps", Kind::Count),
     ("batch", Kind::Count),
@@ -1022,6 +1030,12 @@ pub struct StepFlags {
     /// [default: auto].
     #[arg(long, value_enum)]
     pub recompute: Option<Recompute>,
+    /// Whether, with clipping, gradients wait for the global norm on NVMe instead of
+    /// host memory (4 bytes per parameter there, for 8 more of NVMe traffic): auto when
+    /// the host budget needs it, always, or never; results are identical either way
+    /// [default: auto].
+    #[arg(long, value_enum)]
+    pub spill_grads: Option<GradSpill>,
     /// Sequences per micro-batch [default: 8].
     #[arg(long)]
     pub batch: Option<usize>,
@@ -1062,6 +1076,7 @@ impl StepFlags {
         take!(
             model,
             recompute,
+            spill_grads,
             batch,
             seq,
             grad_accum,

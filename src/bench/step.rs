@@ -30,8 +30,8 @@ use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model, PRESETS};
 use strata_engine::plan::{
-    AllOnDevice, Budgets, CostModel, Lane, NvmeOffload, Plan, PlanInput, Policy, Precision,
-    Prediction, Recompute, StepShape, Tier,
+    AllOnDevice, Budgets, CostModel, GradSpill, Lane, NvmeOffload, Plan, PlanInput, Policy,
+    Precision, Prediction, Recompute, StepShape, Tier,
 };
 
 use super::adam::load_average;
@@ -139,6 +139,14 @@ pub struct StepArgs {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
+    /// Largest global gradient norm; 0 disables clipping. Clipping makes every update
+    /// wait for the whole backward (the global norm).
+    #[arg(long, default_value_t = 0.0)]
+    pub clip: f64,
+    /// With clipping, whether gradients wait for the norm on NVMe instead of host
+    /// memory: auto (when the host budget needs it), always, never.
+    #[arg(long, value_enum, default_value_t = GradSpill::Auto)]
+    pub spill_grads: GradSpill,
     /// Seed of the initial parameters and of the synthetic batches.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -392,6 +400,10 @@ pub struct ScaleReport {
     /// Where its activation checkpoints live (`host`, or `nvme` when the host budget is
     /// too small for them).
     pub checkpoints: String,
+    /// The largest global gradient norm (0: no clipping).
+    pub clip: f64,
+    /// Blocks whose gradients waited for the clipping norm on NVMe (`--spill-grads`).
+    pub grads_spilled_blocks: usize,
     /// Sequences per micro-batch.
     pub batch: usize,
     /// Tokens per sequence.
@@ -463,6 +475,8 @@ impl Setup {
             grad_accum: args.grad_accum,
             precision,
             delayed_update: args.delayed_update,
+            needs_global_norm: args.clip > 0.0,
+            grad_spill: args.spill_grads,
             // The scale run's; a comparison plans each policy with each --recompute.
             recompute: args.recompute.first().copied().unwrap_or_default(),
             ..StepShape::cpu(args.batch, args.seq).on(target)
@@ -484,7 +498,7 @@ impl Setup {
                     weight_decay: 0.1,
                     ..AdamW::default()
                 },
-                clip: 0.0,
+                clip: args.clip,
                 loss_scale: 1.0,
             },
         })
@@ -1119,7 +1133,7 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
     // GPT-2 124M's 1.85 GiB of fp32 state is 2.1x this.
     const DEFAULT_HOST_BYTES: u64 = 900 << 20;
     let mut machine = Machine::now();
-    let setup = Setup::new(args)?;
+    let mut setup = Setup::new(args)?;
     let config = setup.config;
     let budgets = budgets(args, Some(DEFAULT_HOST_BYTES));
     let params = config.param_count() as u64;
@@ -1172,18 +1186,28 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
     println!(
         "bench step --scale: {} ({params} params), training state {} ({state_per_param} \
          B/param: working {} params, fp32 master, Adam m and v) = {:.2}x the host budget {}; \
-         {} with checkpoints on {checkpoints}, planned peak: device {}, host {}, nvme {}",
+         {} with checkpoints on {checkpoints}{}, planned peak: device {}, host {}, nvme {}",
         model_shape(&config).name,
         format_bytes(state_bytes),
         setup.shape.precision,
         state_bytes as f64 / budgets.host as f64,
         format_bytes(budgets.host),
         plan.policy,
+        match (args.clip > 0.0, plan.spilled()) {
+            (false, _) => String::new(),
+            (true, 0) => format!(", clipping at {}", args.clip),
+            (true, n) => format!(
+                ", clipping at {}, the gradients of {n} blocks waiting for the norm on NVMe",
+                args.clip
+            ),
+        },
         format_bytes(plan.peak[Tier::Device.index()]),
         format_bytes(plan.peak[host]),
         format_bytes(plan.peak[Tier::Nvme.index()]),
     );
     let mut executor = setup.executor(&plan)?;
+    // The executor holds them now (on NVMe); a large model's are most of the RAM.
+    setup.params = Vec::new();
     // One batch, every step: the loss must fall.
     let batch = synthetic_batches(config.vocab, &setup.shape, args.seed, 0);
     let mut steps = Vec::new();
@@ -1213,6 +1237,8 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
         model: model_shape(&config),
         policy: plan.policy.clone(),
         checkpoints: checkpoints.to_string(),
+        clip: args.clip,
+        grads_spilled_blocks: plan.spilled(),
         batch: args.batch,
         seq: args.seq,
         dtype: setup.shape.precision.to_string(),

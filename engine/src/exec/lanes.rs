@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, GradStats, Grads, State, grad_stats};
 use strata_kernels::isa::Isa;
-use strata_kernels::program::{Scalars, read_stats};
+use strata_kernels::program::{Scalars, read_stats, write_stats};
 
 use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
 use crate::device::{Bindings, Device, Event, Lane, cast, cast_mut};
@@ -461,6 +461,20 @@ impl Executor {
                 );
                 Ok(())
             }
+            OpKind::HostStats {
+                block,
+                grads,
+                stats,
+            } => {
+                let scale = 1.0 / shared.update_loss_scale;
+                let s = self.host_stats(id, block, grads, scale)?;
+                let mut out = self
+                    .host
+                    .write(lane, self.host_range(stats).prefix(16))
+                    .map_err(err)?;
+                write_stats(&mut out, s);
+                Ok(())
+            }
             OpKind::GradNorm { ref sources } if self.comm.size() > 1 => {
                 let total = self.ranks_norm(sources, shared)?;
                 self.set_norm(total, shared);
@@ -471,23 +485,7 @@ impl Executor {
                 let mut total = GradStats::default();
                 for &(block, source) in sources {
                     let stats = match source {
-                        GradSource::Host(grads) => {
-                            let bytes = 4 * self.model.blocks()[block].len;
-                            let g = self
-                                .host
-                                .read(lane, self.host_range(grads).prefix(bytes))
-                                .map_err(err)?;
-                            grad_stats(
-                                self.cpu.isa,
-                                self.optimizer_threads,
-                                Grads::F32(cast::<f32>(&g)),
-                                scale,
-                            )
-                            .map_err(|source| ExecError::Adam {
-                                op: label(),
-                                source,
-                            })?
-                        }
+                        GradSource::Host(grads) => self.host_stats(id, block, grads, scale)?,
                         GradSource::Stats(stats) => {
                             let bytes = self
                                 .host
@@ -594,6 +592,37 @@ impl Executor {
             }
             _ => unreachable!("{} is not a host operation", label()),
         }
+    }
+
+    /// The statistics of block `block`'s host gradients `grads`, scaled by `scale`
+    /// (operation `id`'s work: the norm's, or a spill's).
+    fn host_stats(
+        &self,
+        id: OpId,
+        block: usize,
+        grads: BufId,
+        scale: f32,
+    ) -> Result<GradStats, ExecError> {
+        let op = self.plan.op(id);
+        let label = || op.kind.label().to_string();
+        let bytes = 4 * self.model.blocks()[block].len;
+        let g = self
+            .host
+            .read(op.lane, self.host_range(grads).prefix(bytes))
+            .map_err(|source| ExecError::Device {
+                op: label(),
+                source,
+            })?;
+        grad_stats(
+            self.cpu.isa,
+            self.optimizer_threads,
+            Grads::F32(cast::<f32>(&g)),
+            scale,
+        )
+        .map_err(|source| ExecError::Adam {
+            op: label(),
+            source,
+        })
     }
 
     /// Records the global norm of `total` and what it means for the update: the

@@ -35,8 +35,8 @@
 use std::fmt;
 
 use super::{
-    Budgets, PlanError, PlanInput, Policy, Precision, Recompute, Release, StepShape, TensorClass,
-    Tier,
+    Budgets, GradSpill, PlanError, PlanInput, Policy, Precision, Recompute, Release, StepShape,
+    TensorClass, Tier,
 };
 use crate::device::Lane;
 use crate::model::{BlockLayout, Dtype, Pass, Shape, update};
@@ -349,6 +349,16 @@ pub enum OpKind {
         /// Device buffer of 16 bytes.
         stats: BufId,
     },
+    /// The statistics of a block's host gradients (CPU), for the norm, before they are
+    /// spilled to NVMe ([`GradSpill`]).
+    HostStats {
+        /// Block.
+        block: usize,
+        /// Host gradients.
+        grads: BufId,
+        /// Host buffer of 16 bytes.
+        stats: BufId,
+    },
     /// The global gradient norm and overflow check (CPU), over every block.
     GradNorm {
         /// Where each block's statistics come from, in block order.
@@ -442,7 +452,9 @@ impl OpKind {
             OpKind::Compute { block, .. } => ("bwd", Some(block)),
             OpKind::Accumulate { block, .. } => ("accumulate grads", Some(block)),
             OpKind::HostAccumulate { block, .. } => ("host accumulate grads", Some(block)),
-            OpKind::DeviceStats { block, .. } => ("grad stats", Some(block)),
+            OpKind::DeviceStats { block, .. } | OpKind::HostStats { block, .. } => {
+                ("grad stats", Some(block))
+            }
             OpKind::GradNorm { .. } => ("grad norm", None),
             OpKind::Optimizer { block, .. } => ("adamw", Some(block)),
             OpKind::DeviceUpdate { block, .. } => ("device adamw", Some(block)),
@@ -463,7 +475,9 @@ impl OpKind {
             OpKind::Accumulate { .. } | OpKind::HostAccumulate { .. } => "accumulate",
             OpKind::Compute { pass, .. } if pass.is_forward() => "forward",
             OpKind::Compute { .. } => "backward",
-            OpKind::DeviceStats { .. } | OpKind::GradNorm { .. } => "grad-norm",
+            OpKind::DeviceStats { .. } | OpKind::HostStats { .. } | OpKind::GradNorm { .. } => {
+                "grad-norm"
+            }
             OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => "adamw",
             OpKind::Commit { .. } => "commit",
             OpKind::AllGather { .. } | OpKind::ReduceScatter { .. } => "collective",
@@ -535,6 +549,9 @@ pub struct Plan {
     /// micro-batch (0 where `kept` is false). Every kept block's are live at once, around
     /// the head; micro-batches reuse the first one's memory.
     pub saved_bytes: Vec<u64>,
+    /// Per block: whether its gradients wait for the global norm on NVMe
+    /// ([`GradSpill`]) rather than in host memory.
+    pub grads_spilled: Vec<bool>,
     /// Prefetch depth used.
     pub depth: usize,
     /// The step's shape.
@@ -620,6 +637,12 @@ impl Plan {
 /// the device, and device collectives asked for.
 fn device_comm(shape: &StepShape, state: Tier) -> bool {
     shape.ranks > 1 && shape.device_collectives && state == Tier::Device
+}
+
+/// Whether a block whose optimizer state lives on `state` can have its gradients wait
+/// for the norm on NVMe in a step of `shape` (see [`GradSpill`]).
+fn can_spill(shape: &StepShape, state: Tier) -> bool {
+    state == Tier::Nvme && shape.needs_global_norm && shape.ranks == 1 && !shape.delayed_update
 }
 
 /// Whether a block's working parameters are its master copy: both on NVMe, in fp32,
@@ -712,6 +735,12 @@ struct Planner<'a> {
     /// Host gradients the backward fills, and the set the update reads.
     g_host: Vec<Option<BufId>>,
     g_apply_host: Vec<Option<BufId>>,
+    /// Per block: whether its gradients are spilled to NVMe for the norm, and the
+    /// extent they wait in.
+    spill: Vec<bool>,
+    g_spill: Vec<Option<BufId>>,
+    /// Per spilled block: the host buffer its gradients' statistics wait in for the norm.
+    stats_spill: Vec<Option<BufId>>,
     /// Tier of checkpoint i (the input of block i + 1).
     ckpt_tier: Vec<Tier>,
     ckpt_extent: Vec<Option<BufId>>,
@@ -758,14 +787,56 @@ impl Plan {
     /// kept, so the count is found by bisection between keeping none and keeping all.
     /// When even keeping none is over the device budget, the plan keeps none (and
     /// [`Plan::check_fits`] refuses it, as a plan that recomputes everything).
+    ///
+    /// Then gradients spill to NVMe as [`StepShape::grad_spill`] says: with
+    /// [`GradSpill::Auto`], when the plan is over the host budget and some block can
+    /// spill ([`Plan::can_spill`]), the same plan is made again with every such block
+    /// spilled, and kept if its host peak is lower.
     pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
+        let always = input.shape.grad_spill == GradSpill::Always;
+        let plan = Self::build_recomputing(input, policy, always)?;
+        if input.shape.grad_spill != GradSpill::Auto
+            || plan.peak[Tier::Host.index()] <= input.budgets.host
+            || !(0..plan.homes.len()).any(|b| plan.can_spill(b))
+        {
+            return Ok(plan);
+        }
+        let spilled = Self::build_keeping(input, policy, plan.kept.clone(), true)?;
+        Ok(
+            if spilled.peak[Tier::Host.index()] < plan.peak[Tier::Host.index()] {
+                spilled
+            } else {
+                plan
+            },
+        )
+    }
+
+    /// Whether block `b`'s gradients can wait for the norm on NVMe ([`GradSpill`]): its
+    /// optimizer state is there, and the step has the norm barrier, one rank and no
+    /// delayed update.
+    pub fn can_spill(&self, b: usize) -> bool {
+        can_spill(&self.shape, self.homes[b][2])
+    }
+
+    /// Blocks whose gradients wait for the norm on NVMe.
+    pub fn spilled(&self) -> usize {
+        self.grads_spilled.iter().filter(|&&s| s).count()
+    }
+
+    /// [`Plan::build`]'s choice of the blocks that keep their activations, with
+    /// gradients spilled (where they can be) or not.
+    fn build_recomputing(
+        input: &PlanInput<'_>,
+        policy: &dyn Policy,
+        spill: bool,
+    ) -> Result<Plan, PlanError> {
         let order = Self::keep_order(input);
         let keeping = |count: usize| {
             let mut kept = vec![false; input.block_count()];
             for &b in &order[..count] {
                 kept[b] = true;
             }
-            Self::build_keeping(input, policy, kept)
+            Self::build_keeping(input, policy, kept, spill)
         };
         match input.shape.recompute {
             Recompute::All => keeping(0),
@@ -825,9 +896,15 @@ impl Plan {
         input: &PlanInput<'_>,
         policy: &dyn Policy,
         kept: Vec<bool>,
+        spill: bool,
     ) -> Result<Plan, PlanError> {
         let mut p = Planner::new(input, policy)?;
         p.kept = kept;
+        if spill {
+            p.spill = (0..p.nb())
+                .map(|b| can_spill(&p.shape, p.homes[b].state))
+                .collect();
+        }
         p.home_buffers();
         p.step_buffers();
         p.emit();
@@ -944,6 +1021,9 @@ impl<'a> Planner<'a> {
             g_apply_dev: vec![None; nb],
             g_host: vec![None; nb],
             g_apply_host: vec![None; nb],
+            spill: vec![false; nb],
+            g_spill: vec![None; nb],
+            stats_spill: vec![None; nb],
             ckpt_tier: Vec::new(),
             ckpt_extent: Vec::new(),
             norm_flag: None,
@@ -1539,6 +1619,7 @@ impl<'a> Planner<'a> {
             if let Some(b) = finished {
                 self.gradients_out(b, m);
                 if m == last_micro {
+                    self.spill_gradients(b);
                     if delayed {
                         // Applied during the next step.
                     } else if self.norm_flag.is_some() {
@@ -1636,6 +1717,21 @@ impl<'a> Planner<'a> {
         let bytes = 4 * self.shard(b);
         let (fill, apply) = if self.shape.delayed_update {
             self.home_pair(&format!("grads[{b}]"), Tier::Host, bytes, true)
+        } else if self.spill[b] {
+            // Filled by the backward and written out; read back for the update.
+            let (extent, _) = self.extents(
+                format!("grads.{b}"),
+                bytes,
+                ExtentKind::Single,
+                b,
+                TensorClass::Grads,
+            );
+            self.g_spill[b] = Some(extent);
+            self.stats_spill[b] = Some(self.buffer(format!("stats[{b}]@host"), Tier::Host, 16));
+            (
+                self.buffer(format!("grads[{b}]@host"), Tier::Host, bytes),
+                self.buffer(format!("grads[{b}]<@host"), Tier::Host, bytes),
+            )
         } else {
             let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, bytes);
             (id, id)
@@ -1912,9 +2008,20 @@ impl<'a> Planner<'a> {
             }
         } else if let Some(host) = self.g_host[b] {
             let from = self.g_dev[m][b];
+            // Spilled: the earlier micro-batches' sum waits on NVMe, read back to add this
+            // one's, and written out again until the last (see `spill_gradients`).
+            let spill = self.g_spill[b];
+            let last = m + 1 == self.shape.grad_accum;
+            let host = match spill {
+                Some(_) if !last => self.buffer(format!("grads[{b}]#{m}@host"), Tier::Host, bytes),
+                _ => host,
+            };
             if m == 0 {
                 self.copy_out(from, host, bytes);
             } else {
+                if let Some(extent) = spill {
+                    self.nvme_read(Lane::NvmeRead, extent, host, bytes);
+                }
                 let stage = self.buffer(format!("grads[{b}]#{m}>@host"), Tier::Host, bytes);
                 self.copy_out(from, stage, bytes);
                 let id = self.op(
@@ -1928,6 +2035,9 @@ impl<'a> Planner<'a> {
                 );
                 // Reads both, writes one.
                 self.ops[id.index()].bytes = 3 * bytes;
+            }
+            if let (Some(extent), false) = (spill, last) {
+                self.nvme_write(host, extent, bytes, false);
             }
         }
     }
@@ -1973,8 +2083,36 @@ impl<'a> Planner<'a> {
             };
             let first = self.ops.len();
             self.nvme_read(lane, self.s_home[b].0, stage, 12 * self.shard(b));
+            if let Some(extent) = self.g_spill[b] {
+                let into = self.g_apply_host[b].expect("host gradients");
+                self.nvme_read(lane, extent, into, 4 * self.shard(b));
+            }
             self.mark_update(first);
         }
+    }
+
+    /// Spilled block `b`'s gradients, complete on the host: their statistics for the
+    /// norm (CPU), then the write to their extent, which frees the host buffer.
+    fn spill_gradients(&mut self, b: usize) {
+        let Some(extent) = self.g_spill[b] else {
+            return;
+        };
+        let (grads, stats) = (
+            self.g_host[b].expect("host gradients"),
+            self.stats_spill[b].expect("a statistics buffer"),
+        );
+        let bytes = 4 * self.shard(b);
+        let id = self.op(
+            Lane::Cpu,
+            OpKind::HostStats {
+                block: b,
+                grads,
+                stats,
+            },
+            vec![Access::Read(grads), Access::Write(stats)],
+        );
+        self.ops[id.index()].bytes = bytes;
+        self.nvme_write(grads, extent, bytes, false);
     }
 
     /// The statistics of device-homed block `b`'s gradients, computed on the device and
@@ -2015,6 +2153,7 @@ impl<'a> Planner<'a> {
         }
         let sources: Vec<(usize, GradSource)> = (0..nb)
             .map(|b| match (self.g_apply_host[b], self.stats_host[b]) {
+                _ if self.spill[b] => (b, GradSource::Stats(self.stats_spill[b].expect("spilled"))),
                 (Some(grads), _) => (b, GradSource::Host(grads)),
                 (None, Some(stats)) => (b, GradSource::Stats(stats)),
                 (None, None) => unreachable!("every block's gradients are on the host or device"),
@@ -2236,6 +2375,7 @@ impl<'a> Planner<'a> {
         Ok(Plan {
             policy: self.name,
             homes,
+            grads_spilled: self.spill,
             kept: self.kept,
             saved_bytes: self.saved_bytes,
             depth: self.depth,

@@ -113,6 +113,7 @@ impl CostModel {
             // bandwidth AdamW reaches.
             OpKind::GradNorm { .. }
             | OpKind::DeviceStats { .. }
+            | OpKind::HostStats { .. }
             | OpKind::HostAccumulate { .. } => {
                 op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
             }

@@ -231,6 +231,49 @@ impl fmt::Display for Recompute {
     }
 }
 
+/// Whether a block's gradients wait for the global norm on NVMe rather than in host
+/// memory. With clipping (or fp16's overflow check) no update can start before the
+/// whole backward ends, so every block's gradients are held at once: 4 bytes per
+/// parameter. A spilled block's gradients are written to an NVMe extent as its backward
+/// completes them, after their statistics for the norm are taken, and read back,
+/// `depth` blocks ahead with its optimizer state, for its update: host memory then
+/// holds a few blocks' gradients, for 8 bytes per parameter more NVMe traffic. Results
+/// are bit-identical either way. Only blocks whose optimizer state is on NVMe spill,
+/// in a step with the norm barrier, one rank and no delayed update. How auto chooses:
+/// [`Plan::build`].
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum GradSpill {
+    /// Spill when the plan without it is over the host budget.
+    #[default]
+    Auto,
+    /// Spill every block that can.
+    Always,
+    /// Never spill.
+    Never,
+}
+
+impl fmt::Display for GradSpill {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GradSpill::Auto => "auto",
+            GradSpill::Always => "always",
+            GradSpill::Never => "never",
+        })
+    }
+}
+
 /// The shape of one training step and what the device offers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepShape {
@@ -254,6 +297,8 @@ pub struct StepShape {
     pub target: Target,
     /// Which blocks recompute their forward in the backward.
     pub recompute: Recompute,
+    /// Whether gradients wait for the global norm on NVMe.
+    pub grad_spill: GradSpill,
     /// Processes training together (ZeRO-3 data parallelism, 1: alone). Each rank runs
     /// `grad_accum` micro-batches of the step and owns one shard of every block's
     /// parameters, gradients and optimizer state ([`Plan::shard_len`]).
@@ -281,6 +326,7 @@ impl StepShape {
             delayed_update: false,
             target: Target::Cpu,
             recompute: Recompute::Auto,
+            grad_spill: GradSpill::Auto,
             ranks: 1,
             device_collectives: true,
         }
@@ -302,6 +348,11 @@ impl StepShape {
     /// The same step recomputing as `recompute` says.
     pub fn recomputing(self, recompute: Recompute) -> Self {
         StepShape { recompute, ..self }
+    }
+
+    /// The same step spilling gradients as `grad_spill` says.
+    pub fn spilling(self, grad_spill: GradSpill) -> Self {
+        StepShape { grad_spill, ..self }
     }
 
     /// The same step on `target`'s kernels.
