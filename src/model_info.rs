@@ -177,7 +177,10 @@ pub struct ShapeArgs {
 impl ShapeArgs {
     /// The configuration named `name` with these fields overridden, checked.
     pub fn resolve(&self, name: &str) -> Result<Gpt2Config, Box<dyn Error>> {
-        let base = Gpt2Config::preset(name)?;
+        let base = match crate::train::custom_shape(name) {
+            Some(shape) => shape,
+            None => Gpt2Config::preset(name)?,
+        };
         let config = Gpt2Config::new(
             self.layers.unwrap_or(base.layers),
             self.heads.unwrap_or(base.heads),

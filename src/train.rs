@@ -93,7 +93,7 @@ pub fn swap_folder_refusal(dir: &Path) -> Option<String> {
 
 /// A GPT-2 shape written `LAYERSxWIDTH` (`40x5120`: heads of 128 channels, GPT-2's
 /// vocabulary and context), for planning sizes that have no preset.
-fn custom_shape(name: &str) -> Option<Gpt2Config> {
+pub(crate) fn custom_shape(name: &str) -> Option<Gpt2Config> {
     let (layers, width) = crate::train_config::shape_spec(name)?;
     Some(Gpt2Config::new(
         layers,

@@ -246,6 +246,55 @@ fn scale_run_trains_a_model_twice_the_host_budget() {
     assert!(report["tokens_per_s"].as_f64().unwrap() > 0.0);
 }
 
+/// With clipping, a host budget too small to hold every gradient for the norm: they wait
+/// on NVMe (`--spill-grads auto`), and the run fits; never spilling is refused, saying so.
+#[test]
+fn scale_run_with_clipping_spills_gradients_when_the_host_needs_it() {
+    let dir = scratch();
+    let json = dir.path().join("scale.json");
+    let args = |c: &mut Command| {
+        c.args([
+            "bench",
+            "step",
+            "--scale",
+            "--steps",
+            "3",
+            "--host-mem",
+            "1MiB",
+        ])
+        .args([
+            "--layers", "16", "--heads", "2", "--width", "32", "--vocab", "64",
+        ])
+        .args([
+            "--ctx", "32", "--batch", "2", "--seq", "16", "--clip", "1.0",
+        ])
+        .arg("--nvme")
+        .arg(dir.path());
+    };
+    let mut spilled = strata();
+    args(&mut spilled);
+    let (stdout, report) = run_with_json(&mut spilled, &json);
+    assert!(stdout.contains("waiting for the norm on NVMe"), "{stdout}");
+    assert_eq!(report["clip"].as_f64(), Some(1.0));
+    // Every block: 16 layers, the embedding and the head.
+    assert_eq!(report["grads_spilled_blocks"].as_u64(), Some(18));
+    let host_budget = report["host_budget_bytes"].as_u64().unwrap();
+    assert!(report["peak_planned"][1].as_u64().unwrap() <= host_budget);
+    assert!(report["peak_measured"][1].as_u64().unwrap() <= host_budget);
+    let losses = report["losses"].as_array().unwrap();
+    assert!(losses[2].as_f64() < losses[0].as_f64(), "{losses:?}");
+
+    let mut held = strata();
+    args(&mut held);
+    let out = held.args(["--spill-grads", "never"]).output().unwrap();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("host") && stderr.contains("--spill-grads auto"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn bad_arguments_are_clear_errors() {
     // The scale claim needs a model at least twice the host budget.

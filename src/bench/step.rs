@@ -76,8 +76,9 @@ pub enum Dtype {
 /// Options of `strata bench step`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct StepArgs {
-    /// A named model: tiny, small, gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl. The five
-    /// numbers below override its fields, for any shape.
+    /// A named model: tiny, small, gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl, or a
+    /// shape LAYERSxWIDTH (40x2560: heads of 128 channels, GPT-2's vocabulary and
+    /// context). The five numbers below override its fields, for any shape.
     #[arg(long, default_value = "gpt2")]
     pub model: String,
     /// Overrides of the named model's fields.

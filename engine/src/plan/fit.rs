@@ -138,6 +138,19 @@ impl Plan {
             }
             suggestions.push(text);
         }
+        // Gradients held for the norm on the host, where they could wait on NVMe.
+        if input.shape.grad_spill == super::GradSpill::Never
+            && self.short_tiers().any(|t| t == Tier::Host)
+            && (0..self.homes.len()).any(|b| self.can_spill(b))
+        {
+            let shape = input.shape.spilling(super::GradSpill::Always);
+            if fits(shape, &homes).is_some() {
+                suggestions.push(
+                    "with the gradients waiting for the norm on NVMe it fits (--spill-grads auto)"
+                        .to_string(),
+                );
+            }
+        }
         // Same policy family, lower depth.
         if self.depth > 1 {
             for depth in (1..self.depth).rev() {
