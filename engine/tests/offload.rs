@@ -67,6 +67,19 @@ fn hyper(lr: f64) -> StepParams {
     }
 }
 
+/// Clipping at a global norm of 0.05, with loss scaling in fp16.
+fn clipped(precision: Precision) -> StepParams {
+    StepParams {
+        clip: 0.05,
+        loss_scale: if precision == Precision::Fp16 {
+            1024.0
+        } else {
+            1.0
+        },
+        ..hyper(1e-3)
+    }
+}
+
 struct Run {
     params: Vec<Vec<f32>>,
     m: Vec<Vec<f32>>,
@@ -209,15 +222,7 @@ fn accumulation_clipping_and_bf16_are_policy_independent() {
             needs_global_norm: true,
             ..StepShape::cpu(2, 16)
         };
-        let params = StepParams {
-            clip: 0.05,
-            loss_scale: if precision == Precision::Fp16 {
-                1024.0
-            } else {
-                1.0
-            },
-            ..hyper(1e-3)
-        };
+        let params = clipped(precision);
         let reference = train(&model, shape, &AllOnDevice, 4, params);
         for policy in [
             Box::new(CpuOffload) as Box<dyn Policy>,
@@ -257,15 +262,7 @@ fn gradients_spilled_for_the_norm_train_bit_identically_in_less_host_memory() {
             precision,
             ..StepShape::cpu(2, 16).clipped()
         };
-        let params = StepParams {
-            clip: 0.05,
-            loss_scale: if precision == Precision::Fp16 {
-                1024.0
-            } else {
-                1.0
-            },
-            ..hyper(1e-3)
-        };
+        let params = clipped(precision);
         let policy = NvmeOffload {
             depth,
             checkpoints: Tier::Host,
