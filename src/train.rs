@@ -762,6 +762,13 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         plan.recompute_summary(),
         predicted.step_seconds
     )?;
+    if plan.edges_on_host() {
+        writeln!(
+            out,
+            "the embedding's and the head's parameters and optimizer state stay in host memory \
+             (their NVMe traffic could not hide under compute)"
+        )?;
+    }
     if plan.spilled() > 0 {
         writeln!(
             out,

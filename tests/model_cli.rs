@@ -233,16 +233,17 @@ fn plan_answers_for_a_preset_up_to_its_context_with_bytes_per_parameter() {
         .find(|l| l.starts_with("peak per parameter"))
         .unwrap_or_else(|| panic!("{stdout}"));
     // The NVMe tier holds the fp32 master, m and v once (12 B/param; the working
-    // parameters are the master copy) and one spare extent per block size (the embedding,
-    // a layer, the untied head): between 12 and the 14.4 B/param the per-block commit
-    // issue set as its bound.
+    // parameters are the master copy) of every block but the embedding and the untied
+    // head, which stay in host memory with 64 GiB of it (13% of the parameters), and one
+    // spare extent per block size: between 12 x 0.87 and the 14.4 B/param the per-block
+    // commit issue set as its bound.
     let nvme: f64 = per_param
         .split_whitespace()
         .rev()
         .nth(1)
         .and_then(|x| x.parse().ok())
         .unwrap_or_else(|| panic!("{per_param}"));
-    assert!((12.0..=14.4).contains(&nvme), "{per_param}");
+    assert!((10.4..=14.4).contains(&nvme), "{per_param}");
     // A whole context's sequence is planned (it needs more device memory).
     let (_, stdout, _) = strata(&[
         "plan",

@@ -12,7 +12,7 @@
 mod model_support;
 
 use model_support::{
-    CHAOS, UNLIMITED, all_policies, each_policy, golden_dir, read_f32_tensors, rel_err,
+    CHAOS, NvmeOnly, UNLIMITED, all_policies, each_policy, golden_dir, read_f32_tensors, rel_err,
 };
 use strata_engine::exec::Runner;
 use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams};
@@ -263,10 +263,11 @@ fn gradients_spilled_for_the_norm_train_bit_identically_in_less_host_memory() {
             ..StepShape::cpu(2, 16).clipped()
         };
         let params = clipped(precision);
-        let policy = NvmeOffload {
+        // Every block's state on NVMe, so that every block can spill.
+        let policy = NvmeOnly(NvmeOffload {
             depth,
             checkpoints: Tier::Host,
-        };
+        });
         let plan = |spill: GradSpill, host: u64| {
             let input = PlanInput {
                 model: &model,
@@ -331,6 +332,59 @@ fn gradients_spilled_for_the_norm_train_bit_identically_in_less_host_memory() {
                 spilled.peak[host]
             );
         }
+    }
+}
+
+/// nvme-offload keeps the embedding's and the head's parameters and optimizer state in
+/// host memory when the budgets have room (`Policy::resident_edges`), and streams them
+/// from NVMe like the other blocks when they do not; the bits are the same.
+#[test]
+fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
+    let model = Model::new(small()).unwrap();
+    let shape = StepShape::cpu(2, 16);
+    let policy = NvmeOffload {
+        depth: 2,
+        checkpoints: Tier::Host,
+    };
+    let plan = |host: u64| {
+        let input = PlanInput {
+            model: &model,
+            shape,
+            budgets: Budgets { host, ..UNLIMITED },
+        };
+        Plan::build(&input, &policy).unwrap()
+    };
+    let roomy = plan(u64::MAX);
+    assert!(roomy.edges_on_host());
+    let nb = model.blocks().len();
+    for b in 0..nb {
+        let edge = b == 0 || b + 1 == nb;
+        let expect = if edge { Tier::Host } else { Tier::Nvme };
+        assert_eq!(roomy.homes[b][0], expect, "block {b} parameters");
+        assert_eq!(roomy.homes[b][2], expect, "block {b} optimizer state");
+    }
+    let host = Tier::Host.index();
+    let tight = plan(roomy.peak[host] - 1);
+    assert!(!tight.edges_on_host());
+    assert!(
+        tight
+            .homes
+            .iter()
+            .all(|h| h[0] == Tier::Nvme && h[2] == Tier::Nvme)
+    );
+    assert!(tight.peak[host] < roomy.peak[host]);
+    // The edges' NVMe traffic is gone: their state read and written, their parameters
+    // read for the forward and the backward.
+    let edges: u64 = [0, nb - 1]
+        .iter()
+        .map(|&b| model.blocks()[b].len as u64)
+        .sum();
+    assert!(tight.link_bytes[0] - roomy.link_bytes[0] >= 12 * edges);
+    assert_eq!(tight.link_bytes[1] - roomy.link_bytes[1], 12 * edges);
+    let reference = train(&model, shape, &AllOnDevice, 4, hyper(1e-3));
+    for (what, p) in [("edges on host", roomy), ("all on NVMe", tight)] {
+        let run = train_plan(&model, p, 4, hyper(1e-3), None);
+        assert_bit_identical(&reference, &run, what);
     }
 }
 
@@ -1263,10 +1317,10 @@ fn a_failure_at_any_operation_commits_each_block_whole_under_every_policy() {
             depth: 2,
             checkpoints: Tier::Host,
         }),
-        Box::new(NvmeOffload {
+        Box::new(NvmeOnly(NvmeOffload {
             depth: 1,
             checkpoints: Tier::Nvme,
-        }),
+        })),
     ];
     let init = model.init_params(9);
     // Plain, delayed, and (NVMe state) with gradients spilled for the norm.

@@ -792,7 +792,34 @@ impl Plan {
     /// [`GradSpill::Auto`], when the plan is over the host budget and some block can
     /// spill ([`Plan::can_spill`]), the same plan is made again with every such block
     /// spilled, and kept if its host peak is lower.
+    ///
+    /// First of all, when the policy allows it ([`Policy::resident_edges`]), the plan
+    /// keeping the first and last blocks' parameters and optimizer state in host memory:
+    /// it is the plan if it fits every budget without spilling gradients.
     pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
+        if policy.resident_edges(input) {
+            let edges = super::EdgesOnHost(policy);
+            if let Ok(plan) = Self::build_spilling(input, &edges)
+                && plan.first_overflow().is_none()
+                && plan.spilled() == 0
+            {
+                return Ok(plan);
+            }
+        }
+        Self::build_spilling(input, policy)
+    }
+
+    /// Whether the first and last blocks' state is in host memory while some other
+    /// block's is on NVMe ([`Policy::resident_edges`]).
+    pub fn edges_on_host(&self) -> bool {
+        let nb = self.homes.len();
+        let host = |b: usize| self.homes[b][0] == Tier::Host && self.homes[b][2] == Tier::Host;
+        host(0) && host(nb - 1) && self.homes.iter().any(|h| h[2] == Tier::Nvme)
+    }
+
+    /// [`Plan::build`] for `policy`'s homes as they are: recomputing and spilling as the
+    /// step asks.
+    fn build_spilling(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
         let always = input.shape.grad_spill == GradSpill::Always;
         let plan = Self::build_recomputing(input, policy, always)?;
         if input.shape.grad_spill != GradSpill::Auto

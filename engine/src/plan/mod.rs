@@ -454,6 +454,42 @@ pub trait Policy: fmt::Debug + Send + Sync {
     fn release(&self, _input: &PlanInput<'_>, _block: usize) -> Release {
         Release::AfterUse
     }
+    /// Whether the planner may keep the first and last blocks' parameters and optimizer
+    /// state (the embedding's and the head's) in host memory where [`Policy::home`] puts
+    /// them on NVMe, when the plan then fits every budget without spilling gradients
+    /// ([`GradSpill`]). Their NVMe traffic cannot hide under compute: the first block is
+    /// read before the step's first operation, and the embedding's update follows the
+    /// step's last. See [`Plan::build`]. Default: no.
+    fn resident_edges(&self, _input: &PlanInput<'_>) -> bool {
+        false
+    }
+}
+
+/// `policy`, with the first and last blocks' parameters and optimizer state in host
+/// memory where it puts them on NVMe ([`Policy::resident_edges`]); named as `policy`.
+#[derive(Debug)]
+pub(crate) struct EdgesOnHost<'a>(pub &'a dyn Policy);
+
+impl Policy for EdgesOnHost<'_> {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+    fn home(&self, input: &PlanInput<'_>, block: usize, class: TensorClass) -> Tier {
+        let tier = self.0.home(input, block, class);
+        let edge = block == 0 || block + 1 == input.block_count();
+        match class {
+            TensorClass::Params | TensorClass::Optimizer if edge && tier == Tier::Nvme => {
+                Tier::Host
+            }
+            _ => tier,
+        }
+    }
+    fn prefetch_depth(&self, input: &PlanInput<'_>) -> usize {
+        self.0.prefetch_depth(input)
+    }
+    fn release(&self, input: &PlanInput<'_>, block: usize) -> Release {
+        self.0.release(input, block)
+    }
 }
 
 /// Everything on the device: parameters, gradients, optimizer state and checkpoints.
@@ -545,6 +581,9 @@ impl Default for NvmeOffload {
 impl Policy for NvmeOffload {
     fn name(&self) -> String {
         format!("nvme-offload(depth {})", self.depth)
+    }
+    fn resident_edges(&self, _: &PlanInput<'_>) -> bool {
+        true
     }
     fn home(&self, _: &PlanInput<'_>, _: usize, class: TensorClass) -> Tier {
         match class {

@@ -12,7 +12,8 @@ use strata_engine::exec::Runner;
 use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::{Dtype, Model, Target};
 use strata_engine::plan::{
-    AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, Policy, Precision, Recompute, Tier,
+    AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, PlanInput, Policy, Precision,
+    Recompute, TensorClass, Tier,
 };
 
 /// `tests/data/gpt2-tiny` (see its README).
@@ -210,7 +211,29 @@ pub fn each_policy() -> Vec<Box<dyn Policy>> {
             depth: 2,
             checkpoints: Tier::Nvme,
         }),
+        Box::new(NvmeOnly(NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        })),
     ]
+}
+
+/// [`NvmeOffload`] with every block's parameters and optimizer state on NVMe: the plan
+/// a tight host budget gets (with room, the built-in keeps the first and last blocks' in
+/// host memory, `Policy::resident_edges`).
+#[derive(Debug)]
+pub struct NvmeOnly(pub NvmeOffload);
+
+impl Policy for NvmeOnly {
+    fn name(&self) -> String {
+        format!("{}, all on NVMe", self.0.name())
+    }
+    fn home(&self, input: &PlanInput<'_>, block: usize, class: TensorClass) -> Tier {
+        self.0.home(input, block, class)
+    }
+    fn prefetch_depth(&self, input: &PlanInput<'_>) -> usize {
+        self.0.prefetch_depth(input)
+    }
 }
 
 /// Every built-in policy at every prefetch depth from 1 to 4, with checkpoints on each
@@ -224,6 +247,10 @@ pub fn all_policies() -> Vec<Box<dyn Policy>> {
         for checkpoints in [Tier::Host, Tier::Nvme] {
             out.push(Box::new(NvmeOffload { depth, checkpoints }));
         }
+        out.push(Box::new(NvmeOnly(NvmeOffload {
+            depth,
+            checkpoints: Tier::Nvme,
+        })));
     }
     out
 }
