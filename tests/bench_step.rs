@@ -207,26 +207,21 @@ fn a_policy_over_budget_is_skipped_with_its_refusal() {
     assert!(stdout.lines().any(|l| l.starts_with("cpu-offload")));
 }
 
+/// `bench step --scale` for 3 steps of a 16-layer model 32 wide (18 blocks), batch
+/// 2 x 16: small enough for a test, with a training state of a few MiB.
+const SCALE_RUN: [&str; 19] = [
+    "bench", "step", "--scale", "--steps", "3", "--layers", "16", "--heads", "2", "--width", "32",
+    "--vocab", "64", "--ctx", "32", "--batch", "2", "--seq", "16",
+];
+
 #[test]
 fn scale_run_trains_a_model_twice_the_host_budget() {
     let dir = scratch();
     let json = dir.path().join("scale.json");
     let (_, report) = run_with_json(
         strata()
-            .args([
-                "bench",
-                "step",
-                "--scale",
-                "--steps",
-                "3",
-                "--host-mem",
-                "1.5MiB",
-            ])
-            .args([
-                "--layers", "16", "--heads", "2", "--width", "32", "--vocab", "64",
-            ])
-            .args(["--ctx", "32", "--batch", "2", "--seq", "16"])
-            .arg("--nvme")
+            .args(SCALE_RUN)
+            .args(["--host-mem", "1.5MiB", "--nvme"])
             .arg(dir.path()),
         &json,
     );
@@ -253,23 +248,9 @@ fn scale_run_with_clipping_spills_gradients_when_the_host_needs_it() {
     let dir = scratch();
     let json = dir.path().join("scale.json");
     let args = |c: &mut Command| {
-        c.args([
-            "bench",
-            "step",
-            "--scale",
-            "--steps",
-            "3",
-            "--host-mem",
-            "1MiB",
-        ])
-        .args([
-            "--layers", "16", "--heads", "2", "--width", "32", "--vocab", "64",
-        ])
-        .args([
-            "--ctx", "32", "--batch", "2", "--seq", "16", "--clip", "1.0",
-        ])
-        .arg("--nvme")
-        .arg(dir.path());
+        c.args(SCALE_RUN)
+            .args(["--host-mem", "1MiB", "--clip", "1.0", "--nvme"])
+            .arg(dir.path());
     };
     let mut spilled = strata();
     args(&mut spilled);

@@ -23,7 +23,7 @@ use std::sync::atomic::Ordering;
 
 use strata_comm::{Collective, Mpi, conformance};
 
-#[path = "../tests/support/counting_alloc.rs"]
+#[path = "../../tests/support/counting_alloc.rs"]
 mod counting_alloc;
 use counting_alloc::{ALLOCATIONS, COUNTING};
 

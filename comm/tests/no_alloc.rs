@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use strata_comm::{Collective, Solo, ThreadGroup};
 
-#[path = "support/counting_alloc.rs"]
+#[path = "../../tests/support/counting_alloc.rs"]
 mod counting_alloc;
 use counting_alloc::{ALLOCATIONS, COUNTING};
 

@@ -10,8 +10,7 @@
 //! of each policy (and of NVMe offload with the delayed update), and requires one per
 //! step.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use strata_engine::exec::{ExecConfig, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
@@ -21,47 +20,9 @@ use strata_engine::plan::{NvmeOffload, Plan, PlanInput, Policy, StepShape, Tier}
 mod model_support;
 use model_support::{UNLIMITED, each_policy};
 
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-/// The sizes of the first allocations counted, for the failure message.
-static SIZES: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
-
-fn count(size: usize) {
-    if COUNTING.load(Ordering::Relaxed) {
-        let n = ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        if let Some(slot) = SIZES.get(n) {
-            slot.store(size, Ordering::Relaxed);
-        }
-    }
-}
-
-// SAFETY: forwards to the system allocator; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count(layout.size());
-        // SAFETY: the caller's layout goes to the system allocator unchanged.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count(layout.size());
-        // SAFETY: as for alloc.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: ptr came from System.alloc with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count(new_size);
-        // SAFETY: as for alloc and dealloc.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
+#[path = "../../tests/support/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::{ALLOCATIONS, COUNTING, SIZES};
 
 #[test]
 fn a_step_after_the_first_allocates_only_its_report() {

@@ -1,6 +1,8 @@
 //! A global allocator that counts the allocations (and reallocations) every thread makes
-//! while [`COUNTING`] is set, forwarding everything to the system allocator. Shared by
-//! the no-allocation test and the MPI check, each alone in its process.
+//! while [`COUNTING`] is set, remembering the sizes of the first few, and forwards
+//! everything to the system allocator. One file for every crate's no-allocation check
+//! (each alone in its process), included with `#[path]`: the engine's step, the
+//! kernels' matrix product, strata-comm's transports and its MPI check.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -9,26 +11,40 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 pub static COUNTING: AtomicBool = AtomicBool::new(false);
 /// Allocations counted so far.
 pub static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+/// The sizes of the first allocations counted (since [`ALLOCATIONS`] was last 0), for a
+/// failure message.
+#[allow(dead_code)] // read by the checks that print them
+pub static SIZES: [AtomicUsize; 8] = [const { AtomicUsize::new(0) }; 8];
+
+fn count(size: usize) {
+    if COUNTING.load(Ordering::Relaxed) {
+        let n = ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        if let Some(slot) = SIZES.get(n) {
+            slot.store(size, Ordering::Relaxed);
+        }
+    }
+}
 
 struct Counting;
 
 // SAFETY: forwards to the system allocator; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
+        count(layout.size());
         // SAFETY: the caller's layout goes to the system allocator unchanged.
         unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count(layout.size());
+        // SAFETY: as for alloc.
+        unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: ptr came from System.alloc with this layout.
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
+        count(new_size);
         // SAFETY: as for alloc and dealloc.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
