@@ -445,8 +445,10 @@ fn missing_and_empty_roots_are_named() {
 
 /// Set in a child process of the kill tests: the root it saves into.
 const CHILD_ROOT_VAR: &str = "STRATA_CHECKPOINT_TEST_CHILD_ROOT";
-/// How many checkpoints a child saves at most if nobody kills it.
-const CHILD_STEPS_MAX: u64 = 20;
+/// How long a child goes on saving if nobody kills it: far longer than a parent waits
+/// (a count of saves was not: on an idle machine a child finished 20 small saves before
+/// the parent's kill), and a bound, so a child whose parent died does not run forever.
+const CHILD_SECONDS_MAX: u64 = 120;
 
 /// A checkpoint large enough (5M parameters, 60 MB) that saving it takes a while.
 fn large(step: u64) -> Checkpoint {
@@ -470,7 +472,11 @@ fn run_as_child(make: fn(u64) -> Checkpoint) -> bool {
         }
         _ => 1,
     };
-    for step in start..start + CHILD_STEPS_MAX {
+    let started = Instant::now();
+    for step in start.. {
+        if started.elapsed().as_secs() >= CHILD_SECONDS_MAX {
+            break;
+        }
         checkpoint::save(&root, &make(step), 2).unwrap();
     }
     true

@@ -15,15 +15,15 @@ use model_support::{
     CHAOS, NvmeOnly, UNLIMITED, all_policies, each_policy, golden_dir, read_f32_tensors, rel_err,
 };
 use strata_engine::exec::Runner;
-use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams};
+use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::llama::{LlamaConfig, Variant};
 use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Gpt2Config, Llama, Model, gpt2};
 use strata_engine::plan::{
-    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, NvmeOffload, ParamOffload, Plan,
-    PlanError, PlanInput, Policy, Precision, Recompute, StepShape, Tier,
+    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, Lane, NvmeOffload, ParamOffload,
+    Plan, PlanError, PlanInput, Policy, Precision, Recompute, StepShape, Tier,
 };
 use strata_engine::storage::FaultPlan;
 
@@ -124,14 +124,26 @@ fn train_plan(
     step_params: StepParams,
     chaos: Option<u64>,
 ) -> Run {
-    let shape = plan.shape;
     let nvme = tempfile::tempdir().unwrap();
     let config = ExecConfig {
         nvme_dirs: vec![nvme.path().to_path_buf()],
         chaos,
         ..ExecConfig::default()
     };
-    let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
+    train_configured(model, plan, steps, step_params, &config).0
+}
+
+/// As [`train_plan`], with the executor set up by `config`; also returns each step's
+/// report.
+fn train_configured(
+    model: &Model,
+    plan: Plan,
+    steps: usize,
+    step_params: StepParams,
+    config: &ExecConfig,
+) -> (Run, Vec<StepReport>) {
+    let shape = plan.shape;
+    let mut exec = Executor::on_cpu(model.clone(), plan, config).unwrap();
     exec.load(&model.init_params(7), None).unwrap();
     // One batch, seen every step: the loss must fall.
     let data = vec![
@@ -146,23 +158,26 @@ fn train_plan(
         steps
     ];
     let mut losses = Vec::new();
+    let mut reports = Vec::new();
     for step in &data {
         let refs: Vec<(&[u32], &[u32])> = step.iter().map(|(t, y)| (&t[..], &y[..])).collect();
         let report = exec.step(&refs, &step_params).unwrap();
         losses.push(report.loss);
+        reports.push(report);
     }
     // A delayed update's last gradients are applied at the end.
     let flushed = exec.flush(&step_params).unwrap();
     assert_eq!(flushed.is_some(), shape.delayed_update);
     assert_eq!(exec.steps(), steps as u64, "every step's update applied");
     let (params, m, v) = exec.export().unwrap();
-    Run {
+    let run = Run {
         params,
         m,
         v,
         losses,
         measured: exec.peak_measured(),
-    }
+    };
+    (run, reports)
 }
 
 fn assert_bit_identical(reference: &Run, other: &Run, what: &str) {
@@ -208,6 +223,71 @@ fn every_policy_and_depth_trains_bit_identically() {
                 let what = format!("{config:?} {} chaos {chaos:?}", policy.name());
                 assert_bit_identical(&reference, &run, &what);
             }
+        }
+    }
+}
+
+/// Pairs of one NVMe lane's transfers that were in flight at once, over `reports`.
+fn overlapping_transfers(reports: &[StepReport]) -> usize {
+    let mut pairs = 0;
+    for report in reports {
+        for lane in [Lane::NvmeRead, Lane::NvmeWrite] {
+            let mut spans: Vec<(u64, u64)> = report
+                .records
+                .iter()
+                .filter(|r| r.lane == lane)
+                .map(|r| (r.start_ns, r.end_ns))
+                .collect();
+            spans.sort_unstable();
+            pairs += spans.windows(2).filter(|w| w[1].0 < w[0].1).count();
+        }
+        let busy = report.lane_busy[Lane::NvmeRead.index()];
+        assert!(
+            busy <= report.seconds,
+            "busy {busy} s in a {} s step",
+            report.seconds
+        );
+    }
+    pairs
+}
+
+#[test]
+fn nvme_lanes_keep_transfers_in_flight_and_train_the_same_bits() {
+    // Every block on NVMe and a deep prefetch: at a step's start several reads are
+    // ready at once. One transfer at a time is the reference.
+    let model = Model::new(small()).unwrap();
+    let shape = StepShape::cpu(2, 16);
+    let input = PlanInput {
+        model: &model,
+        shape,
+        budgets: UNLIMITED,
+    };
+    let policy = NvmeOnly(NvmeOffload {
+        depth: 4,
+        checkpoints: Tier::Nvme,
+    });
+    let plan = Plan::build(&input, &policy).unwrap();
+    let nvme = tempfile::tempdir().unwrap();
+    let run = |in_flight: usize, chaos: Option<u64>| {
+        let config = ExecConfig {
+            nvme_dirs: vec![nvme.path().to_path_buf()],
+            nvme_in_flight: in_flight,
+            chaos,
+            ..ExecConfig::default()
+        };
+        train_configured(&model, plan.clone(), 4, hyper(1e-3), &config)
+    };
+    let (reference, reports) = run(1, None);
+    assert_eq!(overlapping_transfers(&reports), 0, "one at a time");
+    let runs = [2, 3].map(|n| (n, None)).into_iter();
+    for (in_flight, chaos) in runs.chain(CHAOS[1..].iter().map(|&c| (2, c))) {
+        let (other, reports) = run(in_flight, chaos);
+        assert_bit_identical(&reference, &other, &format!("{in_flight} in flight"));
+        if chaos.is_none() {
+            assert!(
+                overlapping_transfers(&reports) > 0,
+                "{in_flight} in flight: no two transfers of a lane overlapped"
+            );
         }
     }
 }

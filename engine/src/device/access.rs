@@ -36,7 +36,8 @@ struct Active {
 
 /// Accesses the table has room for from the start: more than can be active at once (a
 /// kernel names at most 16 tensors, each stream and host lane runs one operation at a
-/// time), so that registering one never allocates, however the lanes' timing falls.
+/// time, an NVMe lane a few transfers), so that registering one never allocates, however
+/// the lanes' timing falls.
 const ROOM: usize = 256;
 
 impl AccessTable {

@@ -1,7 +1,13 @@
 //! The lanes of a step: one thread each, taking its operations in plan order.
 //!
 //! A host lane (NVMe reads, NVMe writes, the CPU optimizer) waits for each operation's
-//! dependencies to be done (on the host: a stream operation's event), then runs it. A
+//! dependencies to be done (on the host: a stream operation's event), then runs it. An
+//! NVMe lane does not wait for a transfer to end before it starts the next one: it keeps
+//! up to `nvme_in_flight` transfers in flight, and marks each done once it has ended and
+//! been verified, in order. It starts a transfer early only when the transfer's
+//! dependencies are already done and it touches no extent a transfer in flight touches;
+//! otherwise it first finishes those in flight, so it never waits on another lane while
+//! holding back operations that lane may need. A
 //! stream lane (H2D, compute, update, D2H) waits only until each dependency has been *issued*
 //! (a host operation done, a stream operation submitted), turns dependencies on other
 //! streams into stream waits on their events, and submits its operation to the device;
@@ -21,11 +27,13 @@ use half::{bf16, f16};
 use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, GradStats, Grads, State, grad_stats};
 use strata_kernels::isa::Isa;
 use strata_kernels::program::{Scalars, read_stats, write_stats};
+use strata_storage::Pending;
 
 use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
 use crate::device::{Bindings, Device, Event, Lane, cast, cast_mut};
+use crate::memory::HostLease;
 use crate::model::{Bind, TensorSpec};
-use crate::plan::{Binds, BufId, GradSource, OpId, OpKind, Precision, Tier};
+use crate::plan::{Binds, BufId, BufKind, GradSource, OpId, OpKind, Precision, Tier};
 
 /// Whether `e` only says the lane stopped for another's failure.
 pub(super) fn is_abort(e: &ExecError) -> bool {
@@ -56,6 +64,16 @@ impl Jitter {
 pub(super) struct LaneScratch {
     in_flight: VecDeque<OpId>,
     after: Vec<Event>,
+    transfers: VecDeque<Transfer>,
+}
+
+/// An NVMe transfer an NVMe lane started and has not yet marked done.
+pub(super) struct Transfer {
+    id: OpId,
+    /// The extent group it reads or writes.
+    group: usize,
+    started: Instant,
+    pending: Pending<HostLease>,
 }
 
 impl Executor {
@@ -66,17 +84,31 @@ impl Executor {
         shared: &StepShared<'_>,
         scratch: &mut LaneScratch,
     ) -> Result<(), ExecError> {
-        let LaneScratch { in_flight, after } = scratch;
+        let LaneScratch {
+            in_flight,
+            after,
+            transfers,
+        } = scratch;
         in_flight.clear();
         after.clear();
+        transfers.clear();
         let mut jitter = self
             .chaos
             .map(|seed| Jitter((seed ^ (lane.index() as u64 + 11).wrapping_mul(0x9e37_79b9)) | 1));
+        let guarded = |id: OpId, f: &mut dyn FnMut() -> Result<bool, ExecError>| {
+            std::panic::catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+                Err(ExecError::Panicked {
+                    lane,
+                    op: self.plan.op(id).kind.label().to_string(),
+                    message: panic_message(&*panic),
+                })
+            })
+        };
         for &id in &self.plan.lanes[lane.index()] {
             if self.ops[id.index()].issued.load(Ordering::Acquire) == shared.stamp {
                 continue; // not part of this run
             }
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let result = guarded(id, &mut || {
                 if let Some(label) = &self.panic_at
                     && *label == self.plan.op(id).kind.label().to_string()
                 {
@@ -92,34 +124,194 @@ impl Executor {
                     _ => {}
                 }
                 if lane.is_stream() {
-                    self.submit_op(lane, id, shared, in_flight, after)
+                    self.submit_op(lane, id, shared, in_flight, after)?;
+                    return Ok(true);
+                }
+                if let Some(j) = &mut jitter {
+                    std::thread::sleep(j.delay());
+                }
+                if self.transfer_group(id).is_some() {
+                    self.start_transfer(id, shared, transfers)
                 } else {
-                    if let Some(j) = &mut jitter {
-                        std::thread::sleep(j.delay());
+                    // An operation of this lane that waits for a transfer of it (a
+                    // commit after its write) would wait forever for it to be marked.
+                    if !self.deps_done(id, shared) {
+                        self.finish_transfers(transfers, 0, shared)?;
                     }
-                    self.run_host_op(id, shared)
+                    self.run_host_op(id, shared).map(|()| true)
                 }
-            }))
-            .unwrap_or_else(|panic| {
-                Err(ExecError::Panicked {
-                    lane,
-                    op: self.plan.op(id).kind.label().to_string(),
-                    message: panic_message(&*panic),
-                })
             });
-            if let Err(e) = result {
-                let first = !self.failed.swap(true, Ordering::SeqCst);
-                if first && !is_abort(&e) && self.comm.size() > 1 {
-                    // The other ranks would wait for this one's next collective forever.
-                    self.comm.abort(&e.to_string());
+            match result {
+                // Done now; a transfer started is marked done when it is finished.
+                Ok(true) => self.mark_done(id, shared),
+                Ok(false) => {}
+                Err(e) => {
+                    transfers.clear(); // dropping a transfer waits for it
+                    return Err(self.fail(e));
                 }
-                self.notify();
-                return Err(e);
             }
-            self.ops[id.index()]
-                .issued
-                .store(shared.stamp, Ordering::Release);
-            self.notify();
+        }
+        while let Some(t) = transfers.pop_front() {
+            let id = t.id;
+            let mut t = Some(t);
+            let finished = guarded(id, &mut || {
+                let t = t.take().expect("finished once");
+                self.finish_transfer(t, shared).map(|()| false)
+            });
+            if let Err(e) = finished {
+                transfers.clear();
+                return Err(self.fail(e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks operation `id` done (a host operation) or issued (a stream one) in this
+    /// step, and wakes the lanes waiting for it.
+    fn mark_done(&self, id: OpId, shared: &StepShared<'_>) {
+        self.ops[id.index()]
+            .issued
+            .store(shared.stamp, Ordering::Release);
+        self.notify();
+    }
+
+    /// Marks the step failed with `e` (the first failure aborts the other ranks' too)
+    /// and wakes every lane, so each stops at its next wait; returns `e`.
+    fn fail(&self, e: ExecError) -> ExecError {
+        let first = !self.failed.swap(true, Ordering::SeqCst);
+        if first && !is_abort(&e) && self.comm.size() > 1 {
+            // The other ranks would wait for this one's next collective forever.
+            self.comm.abort(&e.to_string());
+        }
+        self.notify();
+        e
+    }
+
+    /// The extent group an NVMe transfer operation reads or writes; none for every
+    /// other operation.
+    fn transfer_group(&self, id: OpId) -> Option<usize> {
+        let extent = match self.plan.op(id).kind {
+            OpKind::NvmeRead { from, .. } => from,
+            OpKind::NvmeWrite { to, .. } => to,
+            _ => return None,
+        };
+        match self.plan.buffer(extent).kind {
+            BufKind::Extent { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+
+    /// Starts NVMe transfer `id` once its dependencies are done, keeping at most
+    /// `nvme_in_flight` transfers of this lane in flight. Returns whether it is done
+    /// already (a write of an update the step skipped moves nothing).
+    fn start_transfer(
+        &self,
+        id: OpId,
+        shared: &StepShared<'_>,
+        transfers: &mut VecDeque<Transfer>,
+    ) -> Result<bool, ExecError> {
+        let group = self.transfer_group(id).expect("an NVMe transfer");
+        // Waiting with transfers held back could wait for an operation that needs one
+        // of them; two transfers of one extent keep the lane's order.
+        let drain = !self.deps_done(id, shared) || transfers.iter().any(|t| t.group == group);
+        let keep = if drain { 0 } else { self.nvme_in_flight - 1 };
+        self.finish_transfers(transfers, keep, shared)?;
+        self.wait_deps(id, shared)?;
+        let started = Instant::now();
+        let op = self.plan.op(id);
+        let device = self.device_error(op.kind.label());
+        let store = self
+            .store
+            .as_ref()
+            .expect("a plan with extents has a store");
+        let pending = match op.kind {
+            OpKind::NvmeRead { from, into } => {
+                let lease = self
+                    .host
+                    .lease(op.lane, self.host_range(into), true)
+                    .map_err(device)?;
+                self.read_extent(store, from, lease, op.bytes)?
+            }
+            OpKind::NvmeWrite {
+                from,
+                to,
+                with_update,
+            } => {
+                if with_update && self.skipped() {
+                    self.record_span(id, started, Instant::now(), shared);
+                    return Ok(true);
+                }
+                let lease = self
+                    .host
+                    .lease(op.lane, self.host_range(from), false)
+                    .map_err(device)?;
+                self.write_extent(store, to, lease)?
+            }
+            _ => unreachable!("{} is not an NVMe transfer", op.kind.label()),
+        };
+        transfers.push_back(Transfer {
+            id,
+            group,
+            started,
+            pending,
+        });
+        Ok(false)
+    }
+
+    /// Whether every dependency of `id` is done (or, on a stream, issued) already.
+    fn deps_done(&self, id: OpId, shared: &StepShared<'_>) -> bool {
+        shared.deps[id.index()]
+            .iter()
+            .all(|d| self.ops[d.index()].issued.load(Ordering::Acquire) == shared.stamp)
+    }
+
+    /// Finishes the oldest transfers in flight until at most `keep` are.
+    fn finish_transfers(
+        &self,
+        transfers: &mut VecDeque<Transfer>,
+        keep: usize,
+        shared: &StepShared<'_>,
+    ) -> Result<(), ExecError> {
+        while transfers.len() > keep {
+            let t = transfers.pop_front().expect("a transfer in flight");
+            self.finish_transfer(t, shared)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for transfer `t` to end (and its checksum to be verified), records its span
+    /// and marks it done.
+    fn finish_transfer(&self, t: Transfer, shared: &StepShared<'_>) -> Result<(), ExecError> {
+        let (result, lease) = t.pending.wait();
+        drop(lease);
+        self.record_span(t.id, t.started, Instant::now(), shared);
+        result.map_err(|source| ExecError::Storage {
+            op: self.plan.op(t.id).kind.label().to_string(),
+            source,
+        })?;
+        self.mark_done(t.id, shared);
+        Ok(())
+    }
+
+    /// Records that operation `id` ran from `started` to `ended`.
+    fn record_span(&self, id: OpId, started: Instant, ended: Instant, shared: &StepShared<'_>) {
+        let ns = |t: Instant| t.saturating_duration_since(shared.start).as_nanos() as u64;
+        let span = &self.ops[id.index()].span;
+        span[0].store(ns(started), Ordering::Relaxed);
+        span[1].store(ns(ended).max(ns(started) + 1), Ordering::Relaxed);
+    }
+
+    /// Waits until every dependency of host operation `id` is done (a stream one's
+    /// event, on the host).
+    fn wait_deps(&self, id: OpId, shared: &StepShared<'_>) -> Result<(), ExecError> {
+        for &d in &shared.deps[id.index()] {
+            self.wait_issued(d, shared)?;
+            if self.plan.op(d).lane.is_stream()
+                && let Some(e) = self.event_of(d)
+            {
+                e.wait()
+                    .map_err(self.device_error(self.plan.op(d).kind.label()))?;
+            }
         }
         Ok(())
     }
@@ -380,22 +572,10 @@ impl Executor {
 
     /// Waits for host operation `id`'s dependencies, then runs it, recording its span.
     fn run_host_op(&self, id: OpId, shared: &StepShared<'_>) -> Result<(), ExecError> {
-        for &d in &shared.deps[id.index()] {
-            self.wait_issued(d, shared)?;
-            if self.plan.op(d).lane.is_stream()
-                && let Some(e) = self.event_of(d)
-            {
-                e.wait()
-                    .map_err(self.device_error(self.plan.op(d).kind.label()))?;
-            }
-        }
-        let ns = |t: Instant| t.saturating_duration_since(shared.start).as_nanos() as u64;
+        self.wait_deps(id, shared)?;
         let started = Instant::now();
         self.host_op(id, shared)?;
-        let ended = Instant::now();
-        let span = &self.ops[id.index()].span;
-        span[0].store(ns(started), Ordering::Relaxed);
-        span[1].store(ns(ended).max(ns(started) + 1), Ordering::Relaxed);
+        self.record_span(id, started, Instant::now(), shared);
         Ok(())
     }
 
@@ -408,42 +588,7 @@ impl Executor {
             op: label(),
             source,
         };
-        let storage = |source| ExecError::Storage {
-            op: label(),
-            source,
-        };
         match op.kind {
-            OpKind::NvmeRead { from, into } => {
-                let store = self
-                    .store
-                    .as_ref()
-                    .expect("a plan with extents has a store");
-                let lease = self
-                    .host
-                    .lease(lane, self.host_range(into), true)
-                    .map_err(err)?;
-                self.read_extent(store, from, lease, op.bytes)?
-                    .0
-                    .map_err(storage)
-            }
-            OpKind::NvmeWrite {
-                from,
-                to,
-                with_update,
-            } => {
-                if with_update && self.skipped() {
-                    return Ok(());
-                }
-                let store = self
-                    .store
-                    .as_ref()
-                    .expect("a plan with extents has a store");
-                let lease = self
-                    .host
-                    .lease(lane, self.host_range(from), false)
-                    .map_err(err)?;
-                self.write_extent(store, to, lease)?.0.map_err(storage)
-            }
             OpKind::HostAccumulate { block, from, to } => {
                 let bytes = 4 * self.model.blocks()[block].len;
                 let src = self
