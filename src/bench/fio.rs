@@ -52,6 +52,41 @@ pub const ENGINES: [FioEngine; 4] = [
     },
 ];
 
+/// fio's fastest configuration with its buffers in huge pages (`--iomem=mmaphuge`), as
+/// strata's pinned host memory is (transparent huge pages): run only where enough huge
+/// pages are reserved ([`huge_pages_short`]).
+pub const HUGE: FioEngine = FioEngine {
+    name: "fio io_uring fixedbufs+registerfiles, huge pages",
+    args: &[
+        "--ioengine=io_uring",
+        "--fixedbufs",
+        "--registerfiles",
+        "--iomem=mmaphuge",
+    ],
+};
+
+/// Why [`HUGE`] cannot run here with buffers of `buffer_bytes` (fio maps queue depth x
+/// block size), or None when enough huge pages are free.
+pub fn huge_pages_short(buffer_bytes: u64) -> Option<String> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+    };
+    let page_bytes = field("Hugepagesize:").unwrap_or(2048) * 1024;
+    let free = field("HugePages_Free:").unwrap_or(0);
+    // One page more than the buffers, for fio's alignment.
+    let needed = buffer_bytes.div_ceil(page_bytes) + 1;
+    (free < needed).then(|| {
+        format!(
+            "{free} huge pages free, {needed} needed; reserve them with \
+             `echo {needed} | sudo tee /proc/sys/vm/nr_hugepages` to run it"
+        )
+    })
+}
+
 /// What one fio run measured.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct FioRun {

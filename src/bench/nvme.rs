@@ -1,12 +1,20 @@
-//! `strata bench nvme`: how fast the NVMe tier moves extents, against fio in the same run.
+//! `strata bench nvme`: how fast the NVMe tier moves extents, against its peers in the
+//! same run.
 //!
-//! It writes, then reads, a file of `--size` bytes as extents through a [`TensorStore`]
-//! (the same path training uses), with checksums off (the drive's limit) and on (what
-//! training pays), and reports the median GiB/s of `--repeat` passes with the latency
-//! percentiles of each block-size chunk and of each extent. When fio is installed it runs
-//! fio on a file of the same size with the same block size and queue depth, O_DIRECT, in
-//! its fastest configurations, and prints strata/fio ratios. `--sweep` tries block sizes
-//! and queue depths and recommends the best, as DeepSpeed's `ds_nvme_tune` does.
+//! It writes, then reads, a file of `--size` bytes as extents the way an NVMe lane of the
+//! training executor does: through a [`TensorStore`], from and into leases of a pinned
+//! [`HostArena`] registered with the store (so io_uring uses WriteFixed and ReadFixed),
+//! writes checksumming a head of a third of each extent on its own as optimizer state's
+//! master parameters are, and [`NVME_IN_FLIGHT`] extents in flight (`--in-flight`). It
+//! runs with checksums off (the drive's limit) and on (what training pays), and reports
+//! the median GiB/s of `--repeat` rounds with the latency percentiles of each block-size
+//! chunk and of each extent. The peers run in the same rounds, interleaved with strata,
+//! on the same size, block size and queue depth, O_DIRECT: fio in its fastest
+//! configurations (and with huge-page buffers where huge pages are reserved), and
+//! DeepSpeed's `ds_io` (`aio_handle`) when `--peers DIR` names the env
+//! `../shared/anchors/setup DIR` made. It prints strata's ratio to the best fio and to
+//! ds_io. `--sweep` tries block sizes and queue depths and recommends the best, as
+//! DeepSpeed's `ds_nvme_tune` does.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -15,11 +23,13 @@ use std::time::Instant;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use super::fio;
+use super::{ds_io, fio};
+use crate::engine::device::Lane;
+use crate::engine::exec::NVME_IN_FLIGHT;
+use crate::engine::memory::{HostArena, HostLease, HostLocking, HostRange, Pinning};
 use crate::report::{Table, format_bytes, median, median_index, parse_bytes, write_json};
 use crate::storage::{
-    AlignedBuf, BackendChoice, ExtentId, IoBuf, IoRegion, IoStats, Pending, StoreConfig,
-    TensorStore, filesystem_type, is_tmpfs,
+    BackendChoice, ExtentId, IoStats, Pending, StoreConfig, TensorStore, filesystem_type, is_tmpfs,
 };
 
 /// Whether the bench runs with extent checksums off, on, or both.
@@ -65,9 +75,17 @@ pub struct NvmeArgs {
     /// Also try block sizes 128 KiB..4 MiB × queue depths 4..64 and print the best.
     #[arg(long)]
     pub sweep: bool,
+    /// Extents in flight at once; the default is what an NVMe lane of the training
+    /// executor keeps.
+    #[arg(long, default_value_t = NVME_IN_FLIGHT)]
+    pub in_flight: usize,
     /// Do not run fio even if it is installed.
     #[arg(long)]
     pub no_fio: bool,
+    /// Also run DeepSpeed's ds_io (aio_handle) in each round, from the Python env in DIR
+    /// (made by ../shared/anchors/setup DIR).
+    #[arg(long, value_name = "DIR")]
+    pub peers: Option<PathBuf>,
     /// Write the results as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -95,17 +113,53 @@ impl Percentiles {
     }
 }
 
-/// One direction's result: every pass's rate, their median, and latencies of the median pass.
+/// One direction's result: every round's rate, their median, and latencies of the median
+/// round.
 #[derive(Debug, Clone, Serialize)]
 pub struct Phase {
-    /// GiB/s of each pass.
+    /// GiB/s of each round.
     pub gib_per_s: Vec<f64>,
     /// Their median.
     pub median_gib_per_s: f64,
-    /// Latency of each block-size chunk (fio's completion latency), in the median pass.
-    pub chunk_latency: Percentiles,
+    /// Latency of each block-size chunk (fio's completion latency), in the median round;
+    /// none for ds_io, which does not report it.
+    pub chunk_latency: Option<Percentiles>,
     /// Latency of each whole extent, submission to verified result (strata only).
     pub extent_latency: Option<Percentiles>,
+}
+
+/// One round's measurement of one direction: GiB/s, chunk and extent latencies.
+type Sample = (f64, Option<Percentiles>, Option<Percentiles>);
+
+/// Each round's samples of one implementation, by direction.
+#[derive(Debug, Clone, Default)]
+struct Samples {
+    write: Vec<Sample>,
+    read: Vec<Sample>,
+}
+
+impl Samples {
+    fn push(&mut self, write: bool, sample: Sample) {
+        if write {
+            self.write.push(sample);
+        } else {
+            self.read.push(sample);
+        }
+    }
+
+    fn phases(&self) -> (Phase, Phase) {
+        let phase = |samples: &[Sample]| {
+            let rates: Vec<f64> = samples.iter().map(|s| s.0).collect();
+            let m = median_index(&rates);
+            Phase {
+                median_gib_per_s: median(&rates),
+                chunk_latency: samples[m].1,
+                extent_latency: samples[m].2,
+                gib_per_s: rates,
+            }
+        };
+        (phase(&self.write), phase(&self.read))
+    }
 }
 
 /// strata's result in one checksum setting.
@@ -117,17 +171,33 @@ pub struct StrataResult {
     pub write: Phase,
     /// Sequential read.
     pub read: Phase,
+    /// Chunks, over all rounds, that went through registered buffers (WriteFixed and
+    /// ReadFixed), as the backend counted them.
+    pub fixed_chunks: u64,
+    /// Chunks that went through plain buffers.
+    pub plain_chunks: u64,
 }
 
-/// fio's result in one configuration.
+/// A peer's result in one configuration.
 #[derive(Debug, Clone, Serialize)]
-pub struct FioResult {
-    /// The configuration.
-    pub engine: fio::FioEngine,
+pub struct PeerResult {
+    /// The peer and its configuration, for tables.
+    pub name: String,
+    /// The options it ran with.
+    pub args: Vec<String>,
     /// Sequential write.
     pub write: Phase,
     /// Sequential read.
     pub read: Phase,
+}
+
+/// A peer that did not run, and why.
+#[derive(Debug, Clone, Serialize)]
+pub struct Skipped {
+    /// The peer.
+    pub name: String,
+    /// Why.
+    pub reason: String,
 }
 
 /// One point of the sweep.
@@ -154,7 +224,9 @@ pub struct NvmeReport {
     pub direct_io: bool,
     /// The backend that ran.
     pub backend: String,
-    /// Bytes per pass.
+    /// How strata's host memory was locked (the executor's pinned arena).
+    pub host_memory: String,
+    /// Bytes per round and direction.
     pub size_bytes: u64,
     /// Block size.
     pub block_bytes: u64,
@@ -162,21 +234,27 @@ pub struct NvmeReport {
     pub queue_depth: usize,
     /// Extent size.
     pub extent_bytes: u64,
-    /// Passes per measurement.
+    /// Extents in flight at once.
+    pub in_flight: usize,
+    /// Rounds; in each, every implementation writes then reads once.
     pub repeat: usize,
     /// strata, per checksum setting.
     pub strata: Vec<StrataResult>,
     /// fio's version, if it ran.
     pub fio_version: Option<String>,
     /// fio, per configuration.
-    pub fio: Vec<FioResult>,
-    /// strata / best fio, by direction and checksum setting.
+    pub fio: Vec<PeerResult>,
+    /// DeepSpeed's ds_io, when `--peers` was given and it ran.
+    pub ds_io: Option<PeerResult>,
+    /// Peers that did not run.
+    pub skipped: Vec<Skipped>,
+    /// strata / the best fio and strata / ds_io, by direction and checksum setting.
     pub ratios: Vec<Ratio>,
     /// The sweep, if asked for.
     pub sweep: Vec<SweepPoint>,
 }
 
-/// strata's median over the best fio configuration's median.
+/// strata's median over a peer's median.
 #[derive(Debug, Clone, Serialize)]
 pub struct Ratio {
     /// "write" or "read".
@@ -185,23 +263,24 @@ pub struct Ratio {
     pub checksums: bool,
     /// strata GiB/s.
     pub strata_gib_per_s: f64,
-    /// Best fio GiB/s.
-    pub fio_gib_per_s: f64,
-    /// The fio configuration that was best.
-    pub fio_engine: &'static str,
-    /// strata / fio.
+    /// The peer (for fio, the configuration that was best in this direction).
+    pub peer: String,
+    /// The peer's GiB/s.
+    pub peer_gib_per_s: f64,
+    /// strata / peer.
     pub ratio: f64,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// A store, its extents and the buffers that cycle through them.
+/// A store, its extents, and a pinned host arena with one slot per extent in flight.
 struct Rig {
     store: TensorStore,
     ids: Vec<ExtentId>,
     extent_lens: Vec<usize>,
-    buffers: Vec<AlignedBuf>,
-    regions: Vec<IoRegion>,
+    arena: HostArena,
+    slots: Vec<HostRange>,
+    in_flight: usize,
 }
 
 impl Rig {
@@ -232,77 +311,75 @@ impl Rig {
             extent_lens.push(usize::try_from(len)?);
             offset += len;
         }
-        // Enough extents in flight that the backend always has `queue_depth` chunks to
-        // work on, plus one being handed back and resubmitted.
-        let window = (queue_depth as u64 * block_bytes)
-            .div_ceil(extent)
-            .max(1)
-            .saturating_add(1) as usize;
-        let mut buffers = Vec::new();
-        let mut regions = Vec::new();
-        for i in 0..window.min(ids.len()) {
-            let mut buf = AlignedBuf::zeroed(usize::try_from(extent)?);
-            fill(buf.as_mut_slice(), i as u64);
-            let region = IoRegion {
-                ptr: buf.as_mut_ptr(),
-                len_bytes: buf.capacity_bytes(),
-            };
-            // SAFETY: the buffers live in this Rig until after the regions are
-            // unregistered in Drop, and are only moved (their memory stays put).
-            unsafe { store.register_region(region)? };
-            regions.push(region);
-            buffers.push(buf);
+        // The executor's host memory: one pinned arena, registered with the store, each
+        // transfer a lease of a range of it.
+        let slot_bytes = usize::try_from(extent.next_multiple_of(4096))?;
+        let window = args.in_flight.clamp(1, ids.len());
+        let arena = HostArena::new("bench nvme", slot_bytes * window, &Pinning::Mlock)?;
+        arena.register_with(&store)?;
+        let slots: Vec<HostRange> = (0..window)
+            .map(|i| HostRange::new(i * slot_bytes, slot_bytes))
+            .collect();
+        for (i, slot) in slots.iter().enumerate() {
+            fill(&mut arena.write(Lane::Cpu, *slot)?, i as u64);
         }
         Ok(Self {
             store,
             ids,
             extent_lens,
-            buffers,
-            regions,
+            arena,
+            slots,
+            in_flight: window,
         })
     }
 
-    /// One sequential pass over every extent; returns GiB/s, the backend's chunk
-    /// latencies, and the extent latencies.
+    /// One sequential pass over every extent, `in_flight` at a time, oldest finished
+    /// first; returns GiB/s, the backend's chunk latencies, and the extent latencies.
     fn pass(
         &mut self,
         write: bool,
     ) -> Result<(f64, IoStats, Histogram<u64>), Box<dyn std::error::Error>> {
         self.store.reset_io_stats();
         let mut extent_ns = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)?;
-        let mut free: Vec<AlignedBuf> = std::mem::take(&mut self.buffers);
-        let mut in_flight: VecDeque<(Instant, Pending<AlignedBuf>)> = VecDeque::new();
+        let mut free = self.slots.clone();
+        let mut in_flight: VecDeque<(Instant, HostRange, Pending<HostLease>)> =
+            VecDeque::with_capacity(self.in_flight);
         let mut bytes = 0u64;
         let mut first_error = None;
         let started = Instant::now();
-        let mut finish = |(submitted, pending): (Instant, Pending<AlignedBuf>),
-                          free: &mut Vec<AlignedBuf>| {
-            let (result, buf) = pending.wait();
+        let mut finish = |(submitted, slot, pending): (Instant, HostRange, Pending<HostLease>),
+                          free: &mut Vec<HostRange>| {
+            let (result, lease) = pending.wait();
+            drop(lease);
             extent_ns.saturating_record(submitted.elapsed().as_nanos() as u64);
-            free.push(buf);
+            free.push(slot);
             if let Err(e) = result {
                 first_error.get_or_insert(e);
             }
         };
         for (i, &id) in self.ids.iter().enumerate() {
             if free.is_empty() {
-                let oldest = in_flight.pop_front().expect("a buffer is in flight");
+                let oldest = in_flight.pop_front().expect("a transfer is in flight");
                 finish(oldest, &mut free);
             }
-            let buf = free.pop().expect("a free buffer");
+            let slot = free.pop().expect("a free slot");
+            let len = self.extent_lens[i] as u64;
             let pending = if write {
-                self.store.write(id, buf)
+                // As the executor writes optimizer state: the master parameters, a third
+                // of the extent, checksummed on their own too.
+                let lease = self.arena.lease(Lane::NvmeWrite, slot, false)?;
+                self.store.write_with_head(id, lease, len / 3)
             } else {
-                self.store.read(id, buf)
+                let lease = self.arena.lease(Lane::NvmeRead, slot, true)?;
+                self.store.read(id, lease)
             };
-            in_flight.push_back((Instant::now(), pending));
-            bytes += self.extent_lens[i] as u64;
+            in_flight.push_back((Instant::now(), slot, pending));
+            bytes += len;
         }
         while let Some(oldest) = in_flight.pop_front() {
             finish(oldest, &mut free);
         }
         let seconds = started.elapsed().as_secs_f64();
-        self.buffers = free;
         if let Some(error) = first_error {
             return Err(error.into());
         }
@@ -311,14 +388,6 @@ impl Rig {
             self.store.io_stats(),
             extent_ns,
         ))
-    }
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        for region in &self.regions {
-            let _ = self.store.unregister_region(*region);
-        }
     }
 }
 
@@ -333,101 +402,74 @@ fn fill(bytes: &mut [u8], seed: u64) {
     }
 }
 
-fn measure_strata(
-    args: &NvmeArgs,
-    checksums: bool,
-) -> Result<(StrataResult, bool, String), Box<dyn std::error::Error>> {
-    let mut rig = Rig::new(args, args.block, args.qd, args.size, checksums)?;
-    let direct = rig.store.direct_io();
-    let backend = rig.store.backend().name().to_string();
-    let mut phases = Vec::new();
-    for write in [true, false] {
-        let mut rates = Vec::new();
-        let mut runs = Vec::new();
-        // Each read pass reads what the write passes left; passes alternate so both
-        // directions see the same drive state.
-        for _ in 0..args.repeat {
-            let (rate, stats, extent_ns) = rig.pass(write)?;
-            rates.push(rate);
-            runs.push((stats, extent_ns));
-        }
-        let m = median_index(&rates);
-        let (stats, extent_ns) = &runs[m];
-        let chunks = if write {
-            &stats.write_latency_ns
-        } else {
-            &stats.read_latency_ns
-        };
-        let phase = Phase {
-            median_gib_per_s: median(&rates),
-            gib_per_s: rates,
-            chunk_latency: Percentiles::of(chunks),
-            extent_latency: Some(Percentiles::of(extent_ns)),
-        };
-        eprintln!(
-            "strata: {} checksums {}: {:.2} GiB/s (median of {})",
-            if write { "write" } else { "read " },
-            if checksums { "on " } else { "off" },
-            phase.median_gib_per_s,
-            args.repeat
-        );
-        phases.push(phase);
+fn locking_name(locking: &HostLocking) -> String {
+    match locking {
+        HostLocking::CudaRegistered => "page-locked, registered with CUDA".into(),
+        HostLocking::Mlocked => "page-locked (mlock)".into(),
+        HostLocking::Unlocked { reason } => format!("not locked ({reason})"),
     }
-    let read = phases.pop().expect("two phases");
-    let write = phases.pop().expect("two phases");
-    Ok((
-        StrataResult {
-            checksums,
-            write,
-            read,
-        },
-        direct,
-        backend,
-    ))
 }
 
-fn measure_fio(args: &NvmeArgs, engine: &fio::FioEngine) -> Result<FioResult, String> {
-    let file = args.paths[0].join(format!("strata-fio-{}.dat", std::process::id()));
-    let result = (|| {
-        let mut phases = Vec::new();
-        for write in [true, false] {
-            let mut runs = Vec::new();
-            for _ in 0..args.repeat {
-                runs.push(fio::run(
-                    engine, write, &file, args.size, args.block, args.qd,
-                )?);
-            }
-            let rates: Vec<f64> = runs.iter().map(|r| r.bytes_per_s / GIB).collect();
-            let m = runs[median_index(&rates)];
-            let phase = Phase {
-                median_gib_per_s: median(&rates),
-                gib_per_s: rates,
-                chunk_latency: Percentiles {
-                    p50_us: m.latency_us[0],
-                    p99_us: m.latency_us[1],
-                    p999_us: m.latency_us[2],
-                },
-                extent_latency: None,
-            };
-            eprintln!(
-                "strata: {} {}: {:.2} GiB/s (median of {})",
-                engine.name,
-                if write { "write" } else { "read" },
-                phase.median_gib_per_s,
-                args.repeat
-            );
-            phases.push(phase);
+/// A peer in the rounds: its samples so far, or why it stopped.
+struct PeerRun {
+    name: String,
+    args: Vec<String>,
+    samples: Samples,
+    failed: Option<String>,
+}
+
+impl PeerRun {
+    fn new(name: &str, args: Vec<String>) -> Self {
+        PeerRun {
+            name: name.to_string(),
+            args,
+            samples: Samples::default(),
+            failed: None,
         }
-        let read = phases.pop().expect("two phases");
-        let write = phases.pop().expect("two phases");
-        Ok(FioResult {
-            engine: engine.clone(),
-            write,
-            read,
-        })
-    })();
-    let _ = std::fs::remove_file(&file);
-    result
+    }
+
+    /// Runs one round (write, then read) unless an earlier one failed.
+    fn round(&mut self, mut once: impl FnMut(bool) -> Result<Sample, String>) {
+        for write in [true, false] {
+            if self.failed.is_some() {
+                return;
+            }
+            match once(write) {
+                Ok(sample) => {
+                    eprintln!(
+                        "strata: {} {}: {:.2} GiB/s",
+                        self.name,
+                        if write { "write" } else { "read " },
+                        sample.0
+                    );
+                    self.samples.push(write, sample);
+                }
+                Err(e) => {
+                    log::warn!("{e}");
+                    self.failed = Some(e);
+                }
+            }
+        }
+    }
+
+    /// Its result, or why there is none.
+    fn finish(self) -> Result<PeerResult, Skipped> {
+        match self.failed {
+            Some(reason) => Err(Skipped {
+                name: self.name,
+                reason,
+            }),
+            None => {
+                let (write, read) = self.samples.phases();
+                Ok(PeerResult {
+                    name: self.name,
+                    args: self.args,
+                    write,
+                    read,
+                })
+            }
+        }
+    }
 }
 
 fn sweep(args: &NvmeArgs) -> Result<Vec<SweepPoint>, Box<dyn std::error::Error>> {
@@ -500,6 +542,20 @@ fn validate(args: &NvmeArgs) -> Result<(), String> {
     if args.repeat == 0 {
         return Err("--repeat must be at least 1".into());
     }
+    if !(1..=64).contains(&args.in_flight) {
+        return Err(format!(
+            "--in-flight {} must be between 1 and 64",
+            args.in_flight
+        ));
+    }
+    if let Some(env) = &args.peers
+        && !env.is_dir()
+    {
+        return Err(format!(
+            "--peers {} is not a folder (make the env with ../shared/anchors/setup DIR)",
+            env.display()
+        ));
+    }
     Ok(())
 }
 
@@ -539,68 +595,163 @@ pub fn run(args: &NvmeArgs) -> Result<NvmeReport, Box<dyn std::error::Error>> {
         Checksums::On => &[true],
         Checksums::Both => &[false, true],
     };
-    let mut strata = Vec::new();
-    let mut direct_io = true;
-    let mut backend = String::new();
+    let mut rigs = Vec::new();
     for &checksums in settings {
-        let (result, direct, name) = measure_strata(args, checksums)?;
-        direct_io &= direct;
-        backend = name;
-        strata.push(result);
+        rigs.push(Rig::new(args, args.block, args.qd, args.size, checksums)?);
     }
+    let direct_io = rigs.iter().all(|r| r.store.direct_io());
     if !direct_io {
         log::warn!("the store could not use O_DIRECT here: these figures include the page cache");
     }
+    let backend = rigs[0].store.backend().name().to_string();
+    let host_memory = locking_name(rigs[0].arena.locking());
 
     let fio_version = if args.no_fio { None } else { fio::version() };
-    let mut fio_results = Vec::new();
+    let mut skipped = Vec::new();
+    let mut fio_runs = Vec::new();
     match &fio_version {
-        Some(version) => {
-            for engine in &fio::ENGINES {
-                match measure_fio(args, engine) {
-                    Ok(result) => fio_results.push(result),
-                    Err(e) => log::warn!("{e}"),
+        Some(_) => {
+            for engine in fio::ENGINES.iter().chain([&fio::HUGE]) {
+                let args_of = engine.args.iter().map(|a| a.to_string()).collect();
+                let short = std::ptr::eq(engine, &fio::HUGE)
+                    .then(|| fio::huge_pages_short(args.qd as u64 * args.block))
+                    .flatten();
+                match short {
+                    Some(reason) => skipped.push(Skipped {
+                        name: engine.name.to_string(),
+                        reason,
+                    }),
+                    None => fio_runs.push((engine, PeerRun::new(engine.name, args_of))),
                 }
-            }
-            if fio_results.is_empty() {
-                log::warn!("{version} ran no configuration successfully; no comparison");
             }
         }
         None if args.no_fio => {}
-        None => log::warn!(
-            "fio is not on the PATH, so there is no peer to compare with (install it: apt-get install fio)"
-        ),
+        None => {
+            let reason = "fio is not on the PATH (install it: apt-get install fio)".to_string();
+            log::warn!("{reason}, so there is no fio to compare with");
+            skipped.push(Skipped {
+                name: "fio".into(),
+                reason,
+            });
+        }
     }
+    let mut ds = args.peers.as_ref().map(|env| {
+        let run = PeerRun::new(
+            "DeepSpeed ds_io aio_handle",
+            vec!["--engine".into(), "aio_handle".into()],
+        );
+        (env, run)
+    });
+
+    // Rounds: in each, strata in every setting, then every peer, writes then reads, so
+    // that all see the drive in the same state and its swings spread over all of them.
+    let fio_file = args.paths[0].join(format!("strata-fio-{}.dat", std::process::id()));
+    let mut strata_samples = vec![Samples::default(); rigs.len()];
+    let mut chunks = vec![(0u64, 0u64); rigs.len()];
+    for round in 0..args.repeat {
+        eprintln!("strata: round {} of {}", round + 1, args.repeat);
+        for ((rig, samples), chunks) in rigs.iter_mut().zip(&mut strata_samples).zip(&mut chunks) {
+            for write in [true, false] {
+                let (rate, stats, extent_ns) = rig.pass(write)?;
+                let chunk_ns = if write {
+                    &stats.write_latency_ns
+                } else {
+                    &stats.read_latency_ns
+                };
+                eprintln!(
+                    "strata: strata {} checksums {}: {rate:.2} GiB/s",
+                    if write { "write" } else { "read " },
+                    if rig.store.checksums() { "on " } else { "off" },
+                );
+                chunks.0 += stats.fixed_chunks;
+                chunks.1 += stats.plain_chunks;
+                samples.push(
+                    write,
+                    (
+                        rate,
+                        Some(Percentiles::of(chunk_ns)),
+                        Some(Percentiles::of(&extent_ns)),
+                    ),
+                );
+            }
+        }
+        for (engine, run) in &mut fio_runs {
+            run.round(|write| {
+                let r = fio::run(engine, write, &fio_file, args.size, args.block, args.qd)?;
+                let [p50_us, p99_us, p999_us] = r.latency_us;
+                let latency = Percentiles {
+                    p50_us,
+                    p99_us,
+                    p999_us,
+                };
+                Ok((r.bytes_per_s / GIB, Some(latency), None))
+            });
+        }
+        if let Some((env, run)) = &mut ds {
+            run.round(|write| {
+                let rate = ds_io::run(env, &args.paths[0], write, args.size, args.block, args.qd)?;
+                Ok((rate / GIB, None, None))
+            });
+        }
+    }
+    let _ = std::fs::remove_file(&fio_file);
+    let strata: Vec<StrataResult> = rigs
+        .iter()
+        .zip(&strata_samples)
+        .zip(&chunks)
+        .map(|((rig, samples), &(fixed_chunks, plain_chunks))| {
+            let (write, read) = samples.phases();
+            StrataResult {
+                checksums: rig.store.checksums(),
+                write,
+                read,
+                fixed_chunks,
+                plain_chunks,
+            }
+        })
+        .collect();
+    drop(rigs);
+    let mut fio_results = Vec::new();
+    for (_, run) in fio_runs {
+        match run.finish() {
+            Ok(result) => fio_results.push(result),
+            Err(skip) => skipped.push(skip),
+        }
+    }
+    let ds_io = match ds.map(|(_, run)| run.finish()) {
+        Some(Ok(result)) => Some(result),
+        Some(Err(skip)) => {
+            skipped.push(skip);
+            None
+        }
+        None => None,
+    };
 
     let mut ratios = Vec::new();
     for direction in ["write", "read"] {
-        let pick = |p: &FioResult| {
+        let pick = |p: &Phase, q: &Phase| {
             if direction == "write" {
-                p.write.median_gib_per_s
+                p.median_gib_per_s
             } else {
-                p.read.median_gib_per_s
+                q.median_gib_per_s
             }
         };
-        let Some(best) = fio_results
+        let best_fio = fio_results
             .iter()
-            .max_by(|a, b| pick(a).total_cmp(&pick(b)))
-        else {
-            continue;
-        };
-        for s in &strata {
-            let mine = if direction == "write" {
-                s.write.median_gib_per_s
-            } else {
-                s.read.median_gib_per_s
-            };
-            ratios.push(Ratio {
-                direction,
-                checksums: s.checksums,
-                strata_gib_per_s: mine,
-                fio_gib_per_s: pick(best),
-                fio_engine: best.engine.name,
-                ratio: mine / pick(best),
-            });
+            .max_by(|a, b| pick(&a.write, &a.read).total_cmp(&pick(&b.write, &b.read)));
+        for peer in best_fio.into_iter().chain(&ds_io) {
+            let theirs = pick(&peer.write, &peer.read);
+            for s in &strata {
+                let mine = pick(&s.write, &s.read);
+                ratios.push(Ratio {
+                    direction,
+                    checksums: s.checksums,
+                    strata_gib_per_s: mine,
+                    peer: peer.name.clone(),
+                    peer_gib_per_s: theirs,
+                    ratio: mine / theirs,
+                });
+            }
         }
     }
 
@@ -610,14 +761,18 @@ pub fn run(args: &NvmeArgs) -> Result<NvmeReport, Box<dyn std::error::Error>> {
         filesystems,
         direct_io,
         backend,
+        host_memory,
         size_bytes: args.size,
         block_bytes: args.block,
         queue_depth: args.qd,
         extent_bytes: args.extent,
+        in_flight: args.in_flight,
         repeat: args.repeat,
         strata,
         fio_version,
         fio: fio_results,
+        ds_io,
+        skipped,
         ratios,
         sweep,
     };
@@ -642,16 +797,18 @@ pub fn render(report: &NvmeReport) -> String {
         "p99 us",
     ]);
     let mut row = |who: String, op: &str, phase: &Phase| {
-        let extent = phase.extent_latency;
+        let us = |p: Option<Percentiles>, f: fn(&Percentiles) -> f64| {
+            p.map_or("-".into(), |p| format!("{:.0}", f(&p)))
+        };
         table.row([
             who,
             op.to_string(),
             format!("{:.2}", phase.median_gib_per_s),
-            format!("{:.0}", phase.chunk_latency.p50_us),
-            format!("{:.0}", phase.chunk_latency.p99_us),
-            format!("{:.0}", phase.chunk_latency.p999_us),
-            extent.map_or("-".into(), |e| format!("{:.0}", e.p50_us)),
-            extent.map_or("-".into(), |e| format!("{:.0}", e.p99_us)),
+            us(phase.chunk_latency, |p| p.p50_us),
+            us(phase.chunk_latency, |p| p.p99_us),
+            us(phase.chunk_latency, |p| p.p999_us),
+            us(phase.extent_latency, |p| p.p50_us),
+            us(phase.extent_latency, |p| p.p99_us),
         ]);
     };
     for s in &report.strata {
@@ -663,36 +820,50 @@ pub fn render(report: &NvmeReport) -> String {
         row(who.clone(), "write", &s.write);
         row(who, "read", &s.read);
     }
-    for f in &report.fio {
-        row(f.engine.name.to_string(), "write", &f.write);
-        row(f.engine.name.to_string(), "read", &f.read);
+    for f in report.fio.iter().chain(&report.ds_io) {
+        row(f.name.clone(), "write", &f.write);
+        row(f.name.clone(), "read", &f.read);
     }
     let mut out = format!(
-        "\nNVMe tier: {} per pass, block {}, queue depth {}, extents of {}, direct I/O {}, median of {}\n",
+        "\nNVMe tier: {} per round, block {}, queue depth {}, extents of {}, {} in flight, \
+         direct I/O {}, host memory {}, median of {} interleaved rounds\n",
         format_bytes(report.size_bytes),
         format_bytes(report.block_bytes),
         report.queue_depth,
         format_bytes(report.extent_bytes),
+        report.in_flight,
         if report.direct_io { "on" } else { "OFF" },
+        report.host_memory,
         report.repeat
     );
     out.push_str(&table.render());
+    for s in &report.strata {
+        out.push_str(&format!(
+            "strata checksums {}: {} of {} chunks through registered buffers\n",
+            if s.checksums { "on" } else { "off" },
+            s.fixed_chunks,
+            s.fixed_chunks + s.plain_chunks
+        ));
+    }
+    for s in &report.skipped {
+        out.push_str(&format!("not run: {}: {}\n", s.name, s.reason));
+    }
     if !report.ratios.is_empty() {
         let mut ratios = Table::new([
             "op",
             "strata checksums",
             "strata GiB/s",
-            "best fio",
-            "fio GiB/s",
-            "strata/fio",
+            "peer",
+            "peer GiB/s",
+            "strata/peer",
         ]);
         for r in &report.ratios {
             ratios.row([
                 r.direction.to_string(),
                 if r.checksums { "on" } else { "off" }.to_string(),
                 format!("{:.2}", r.strata_gib_per_s),
-                r.fio_engine.to_string(),
-                format!("{:.2}", r.fio_gib_per_s),
+                r.peer.clone(),
+                format!("{:.2}", r.peer_gib_per_s),
                 format!("{:.3}", r.ratio),
             ]);
         }

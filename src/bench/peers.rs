@@ -175,7 +175,7 @@ fn run_one(
     }
     let work = WorkDir::new(nvme_dir)?;
     let json = work.0.join("result.jsonl");
-    let mut command = Command::new(&python);
+    let mut command = env_command(dir, &python, shape.threads)?;
     command.arg(&script).args(extra);
     for (flag, value) in [
         ("--layers", shape.layers.to_string()),
@@ -196,22 +196,6 @@ fn run_one(
         command.arg("--nvme-path").arg(work.0.join("swap"));
     }
     command.arg("--json").arg(&json);
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let mut paths = vec![dir.join("venv/bin")];
-    paths.extend(std::env::split_paths(&path));
-    command
-        .env(
-            "PATH",
-            std::env::join_paths(paths).map_err(|e| e.to_string())?,
-        )
-        .env("TORCH_EXTENSIONS_DIR", dir.join("torch_extensions"))
-        .env("DS_ACCELERATOR", "cpu")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", "29517")
-        .env("RANK", "0")
-        .env("WORLD_SIZE", "1")
-        .env("LOCAL_RANK", "0")
-        .env("OMP_NUM_THREADS", shape.threads.to_string());
     let output = command
         .output()
         .map_err(|e| format!("could not run {}: {e}", python.display()))?;
@@ -232,12 +216,36 @@ fn run_one(
     crate::bench::parse_peer_output(&text)
 }
 
+/// `program` (in the peers' env `dir`) set up as ../shared/anchors/README.md says
+/// DeepSpeed runs on a CPU-only machine: the env first on the PATH, its extensions
+/// folder, the CPU accelerator, a one-process group, and `threads` OpenMP threads.
+pub(crate) fn env_command(dir: &Path, program: &Path, threads: usize) -> Result<Command, String> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![dir.join("venv/bin")];
+    paths.extend(std::env::split_paths(&path));
+    let mut command = Command::new(program);
+    command
+        .env(
+            "PATH",
+            std::env::join_paths(paths).map_err(|e| e.to_string())?,
+        )
+        .env("TORCH_EXTENSIONS_DIR", dir.join("torch_extensions"))
+        .env("DS_ACCELERATOR", "cpu")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "29517")
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "1")
+        .env("LOCAL_RANK", "0")
+        .env("OMP_NUM_THREADS", threads.to_string());
+    Ok(command)
+}
+
 /// A peer's own folder under the NVMe folder (its result, ZeRO-Infinity's swap files),
 /// removed when dropped.
-struct WorkDir(std::path::PathBuf);
+pub(crate) struct WorkDir(pub(crate) std::path::PathBuf);
 
 impl WorkDir {
-    fn new(parent: &Path) -> Result<Self, String> {
+    pub(crate) fn new(parent: &Path) -> Result<Self, String> {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
