@@ -4,6 +4,9 @@
 //! offloaded to the CPU (ZeRO-Offload, cpu-offload's peer) and to NVMe (ZeRO-Infinity,
 //! nvme-offload's peer).
 //!
+//! With `--dtype bf16` the peer is PyTorch eager in bf16 mixed precision (autocast, fused
+//! AdamW on fp32 parameters; `gpt2_step_torch_bf16.py`, embedded here), all-on-device's.
+//!
 //! `DIR` is the folder `../shared/anchors/setup DIR` makes: a Python env in `DIR/venv`
 //! with PyTorch, DeepSpeed and transformers, and the peer scripts beside it
 //! (`gpt2_step_bench.py`, `ds_zero3_bench.py`). A peer that cannot run (no env, a script
@@ -71,7 +74,18 @@ pub struct PeerResult {
     pub raw: Option<Value>,
 }
 
-/// The peers, each with its strata counterpart, script and extra arguments.
+/// The bf16 peer's script (see the module's documentation).
+const TORCH_BF16: &str = include_str!("gpt2_step_torch_bf16.py");
+
+/// The bf16 peer: its name, strata counterpart, and script file name (written into the
+/// peer's work folder).
+const BF16_PEER: (&str, &str, &str) = (
+    "pytorch-eager-bf16-autocast",
+    "all-on-device",
+    "gpt2_step_torch_bf16.py",
+);
+
+/// The fp32 peers, each with its strata counterpart, script and extra arguments.
 const PEERS: [(&str, &str, &str, &[&str]); 3] = [
     ("pytorch-eager", "all-on-device", "gpt2_step_bench.py", &[]),
     (
@@ -103,8 +117,29 @@ pub fn run(
     strata: &[(String, f64)],
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
+    run_set(dir, shape, strata, nvme_dir, &PEERS)
+}
+
+/// As [`run`], against strata in bf16: PyTorch eager under bf16 autocast.
+pub fn run_bf16(
+    dir: &Path,
+    shape: &PeerShape,
+    strata: &[(String, f64)],
+    nvme_dir: &Path,
+) -> Vec<PeerResult> {
+    let (peer, policy, script) = BF16_PEER;
+    run_set(dir, shape, strata, nvme_dir, &[(peer, policy, script, &[])])
+}
+
+fn run_set(
+    dir: &Path,
+    shape: &PeerShape,
+    strata: &[(String, f64)],
+    nvme_dir: &Path,
+    peers: &[(&'static str, &'static str, &str, &[&str])],
+) -> Vec<PeerResult> {
     let mut results = Vec::new();
-    for (peer, policy, script, extra) in PEERS {
+    for &(peer, policy, script, extra) in peers {
         let strata_tps = strata
             .iter()
             .find(|(name, _)| matches_policy(name, policy))
@@ -163,17 +198,25 @@ fn run_one(
     nvme_dir: &Path,
 ) -> Result<Value, String> {
     let python = dir.join("venv/bin/python");
-    let script = dir.join(script);
     if !python.is_file() {
         return Err(format!(
             "no Python env at {} (make one with ../shared/anchors/setup DIR)",
             python.display()
         ));
     }
+    let work = WorkDir::new(nvme_dir)?;
+    // The anchors' scripts live beside the env; strata's own are written out to run.
+    let script = if script == BF16_PEER.2 {
+        let path = work.0.join(script);
+        std::fs::write(&path, TORCH_BF16)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        path
+    } else {
+        dir.join(script)
+    };
     if !script.is_file() {
         return Err(format!("no peer script at {}", script.display()));
     }
-    let work = WorkDir::new(nvme_dir)?;
     let json = work.0.join("result.jsonl");
     let mut command = env_command(dir, &python, shape.threads)?;
     command.arg(&script).args(extra);
@@ -295,7 +338,8 @@ pub fn render(results: &[PeerResult]) -> String {
     let mut out = table.render();
     out.push_str(
         "peers: run in this invocation after strata's policies, on the same shape, batch and \
-         thread count (fp32; DeepSpeed built under zero.Init, no clipping); strata tokens/s: \
+         thread count (strata's dtype: fp32, or bf16 against PyTorch's bf16 autocast; \
+         DeepSpeed built under zero.Init, no clipping); strata tokens/s: \
          the policy at its fastest --recompute choice of this run; strata / peer: tokens per \
          second, above 1 strata is faster.\n",
     );
@@ -362,5 +406,49 @@ mod tests {
         assert!(results[0].tokens_per_s.is_none() && results[0].strata_over_peer.is_none());
         // Peers whose strata policy did not run are not run either.
         assert!(results[1].reason.as_ref().unwrap().contains("did not run"));
+    }
+
+    #[test]
+    fn the_bf16_peer_runs_strata_s_own_autocast_script_with_the_env_s_python() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
+        // A stand-in Python: checks it was handed the autocast script and strata's
+        // shape, then appends a result line as the script does.
+        let python = dir.path().join("venv/bin/python");
+        std::fs::write(
+            &python,
+            "#!/bin/sh\n\
+             grep -q 'torch.autocast(device_type=\"cpu\", dtype=torch.bfloat16)' \"$1\" || exit 5\n\
+             case \"$*\" in *'--layers 2 '*'--seq 8 '*) ;; *) exit 6;; esac\n\
+             while [ \"$1\" != --json ]; do shift; done\n\
+             echo '{\"median_step_s\": 0.5, \"tokens_per_s\": 16.0, \"final_loss\": 3.0}' >> \"$2\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let shape = PeerShape {
+            layers: 2,
+            heads: 1,
+            width: 8,
+            vocab: 16,
+            ctx: 8,
+            batch: 1,
+            seq: 8,
+            steps: 1,
+            warmup: 0,
+            threads: 1,
+            lr: 1e-3,
+        };
+        let results = run_bf16(
+            dir.path(),
+            &shape,
+            &[("all-on-device".into(), 24.0)],
+            dir.path(),
+        );
+        assert_eq!(results.len(), 1);
+        let r = &results[0];
+        assert!(r.ran, "{:?}", r.reason);
+        assert_eq!(r.peer, "pytorch-eager-bf16-autocast");
+        assert_eq!(r.strata_over_peer, Some(1.5));
     }
 }

@@ -151,6 +151,10 @@ pub struct StepArgs {
     /// Seed of the initial parameters and of the synthetic batches.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Extent transfers each NVMe lane keeps in flight (what `strata bench nvme
+    /// --in-flight` measures alone).
+    #[arg(long, default_value_t = crate::engine::exec::NVME_IN_FLIGHT)]
+    pub nvme_in_flight: usize,
     /// Run the scale claim: NvmeOffload trains a model whose training state is at least
     /// twice --host-mem within that budget, on one repeated batch, and its loss falls.
     #[arg(long)]
@@ -168,7 +172,8 @@ pub struct StepArgs {
     /// Also run the peers in this invocation, on the same shape and threads, from the
     /// folder `../shared/anchors/setup DIR` made: PyTorch eager against all-on-device,
     /// DeepSpeed ZeRO-Offload against cpu-offload, ZeRO-Infinity (its swap folder under
-    /// --nvme) against nvme-offload; prints strata / peer tokens/s (fp32 only).
+    /// --nvme) against nvme-offload; with --dtype bf16, PyTorch eager under bf16
+    /// autocast against all-on-device. Prints strata / peer tokens/s.
     #[arg(long, value_name = "DIR")]
     pub peers: Option<PathBuf>,
 }
@@ -363,6 +368,8 @@ pub struct StepBenchReport {
     pub dtype: String,
     /// One-step delayed update.
     pub delayed_update: bool,
+    /// Extent transfers each NVMe lane kept in flight.
+    pub nvme_in_flight: usize,
     /// Untimed steps per policy.
     pub warmup: usize,
     /// Measured steps per policy.
@@ -491,6 +498,7 @@ impl Setup {
             shape,
             exec_config: ExecConfig {
                 nvme_dirs: vec![args.nvme.clone()],
+                nvme_in_flight: args.nvme_in_flight,
                 ..ExecConfig::default()
             },
             step_params: StepParams {
@@ -874,10 +882,6 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         .collect();
     let peers = match &args.peers {
         None => Vec::new(),
-        Some(_) if args.dtype != Dtype::Fp32 => {
-            println!("peers: not run: the peer scripts train in fp32 only");
-            Vec::new()
-        }
         Some(dir) => {
             // Each policy at its fastest recompute choice of this run (the peers keep
             // every activation).
@@ -901,7 +905,10 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
                 threads: strata_engine::kernels::parallel::max_threads(),
                 lr: args.lr,
             };
-            let results = peers::run(dir, &shape, &strata, &args.nvme);
+            let results = match args.dtype {
+                Dtype::Fp32 => peers::run(dir, &shape, &strata, &args.nvme),
+                Dtype::Bf16 => peers::run_bf16(dir, &shape, &strata, &args.nvme),
+            };
             machine.load_average[1] = load_average();
             results
         }
@@ -914,6 +921,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         grad_accum: args.grad_accum,
         dtype: setup.shape.precision.to_string(),
         delayed_update: setup.shape.delayed_update,
+        nvme_in_flight: args.nvme_in_flight,
         warmup: args.warmup,
         steps: args.steps,
         schedule,

@@ -146,8 +146,9 @@ impl Executor {
                 Ok(true) => self.mark_done(id, shared),
                 Ok(false) => {}
                 Err(e) => {
+                    let e = self.fail(e);
                     transfers.clear(); // dropping a transfer waits for it
-                    return Err(self.fail(e));
+                    return Err(e);
                 }
             }
         }
@@ -159,8 +160,9 @@ impl Executor {
                 self.finish_transfer(t, shared).map(|()| false)
             });
             if let Err(e) = finished {
+                let e = self.fail(e);
                 transfers.clear();
-                return Err(self.fail(e));
+                return Err(e);
             }
         }
         Ok(())
