@@ -372,11 +372,10 @@ mod tests {
         assert!(!matches_policy("param-offload(depth 2)", "cpu-offload"));
     }
 
-    #[test]
-    fn a_missing_env_is_a_reason_not_a_number() {
-        let dir = tempfile::tempdir().unwrap();
-        let shape = PeerShape {
-            layers: 1,
+    /// A tiny model's shape, one step.
+    fn tiny_shape(layers: usize) -> PeerShape {
+        PeerShape {
+            layers,
             heads: 1,
             width: 8,
             vocab: 16,
@@ -387,7 +386,13 @@ mod tests {
             warmup: 0,
             threads: 1,
             lr: 1e-3,
-        };
+        }
+    }
+
+    #[test]
+    fn a_missing_env_is_a_reason_not_a_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = tiny_shape(1);
         let results = run(
             dir.path(),
             &shape,
@@ -426,19 +431,7 @@ mod tests {
         )
         .unwrap();
         std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let shape = PeerShape {
-            layers: 2,
-            heads: 1,
-            width: 8,
-            vocab: 16,
-            ctx: 8,
-            batch: 1,
-            seq: 8,
-            steps: 1,
-            warmup: 0,
-            threads: 1,
-            lr: 1e-3,
-        };
+        let shape = tiny_shape(2);
         let results = run_bf16(
             dir.path(),
             &shape,
