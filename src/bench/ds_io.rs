@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use super::peers::{WorkDir, env_command};
+use super::peers::{WorkDir, env_command, stderr_tail};
 
 /// Runs `ds_io` once (one warm-up pass, one timed) writing or reading `size_bytes` in
 /// `folder`; returns bytes per second.
@@ -47,12 +47,10 @@ pub fn run(
         .map_err(|e| format!("cannot run {}: {e}", program.display()))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let tail: Vec<&str> = stderr.lines().rev().take(4).collect();
         return Err(format!(
             "ds_io exited with {}: {}",
             out.status,
-            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+            stderr_tail(&out.stderr, 4)
         ));
     }
     parse(&stdout, write)

@@ -611,18 +611,17 @@ pub fn run(args: &NvmeArgs) -> Result<NvmeReport, Box<dyn std::error::Error>> {
     let mut fio_runs = Vec::new();
     match &fio_version {
         Some(_) => {
-            for engine in fio::ENGINES.iter().chain([&fio::HUGE]) {
+            let run = |engine: &'static fio::FioEngine| {
                 let args_of = engine.args.iter().map(|a| a.to_string()).collect();
-                let short = std::ptr::eq(engine, &fio::HUGE)
-                    .then(|| fio::huge_pages_short(args.qd as u64 * args.block))
-                    .flatten();
-                match short {
-                    Some(reason) => skipped.push(Skipped {
-                        name: engine.name.to_string(),
-                        reason,
-                    }),
-                    None => fio_runs.push((engine, PeerRun::new(engine.name, args_of))),
-                }
+                (engine, PeerRun::new(engine.name, args_of))
+            };
+            fio_runs.extend(fio::ENGINES.iter().map(run));
+            match fio::huge_pages_short(args.qd as u64 * args.block) {
+                Some(reason) => skipped.push(Skipped {
+                    name: fio::HUGE.name.to_string(),
+                    reason,
+                }),
+                None => fio_runs.push(run(&fio::HUGE)),
             }
         }
         None if args.no_fio => {}

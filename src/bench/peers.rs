@@ -243,14 +243,11 @@ fn run_one(
         .output()
         .map_err(|e| format!("could not run {}: {e}", python.display()))?;
     if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
         return Err(format!(
             "{} exited with {}: {}",
             script.display(),
             output.status,
-            tail.join(" | ")
+            stderr_tail(&output.stderr, 6)
         ));
     }
     let text = std::fs::read_to_string(&json)
@@ -281,6 +278,13 @@ pub(crate) fn env_command(dir: &Path, program: &Path, threads: usize) -> Result<
         .env("LOCAL_RANK", "0")
         .env("OMP_NUM_THREADS", threads.to_string());
     Ok(command)
+}
+
+/// The last `lines` lines of a peer's standard error, joined with " | " (why it failed).
+pub(crate) fn stderr_tail(stderr: &[u8], lines: usize) -> String {
+    let stderr = String::from_utf8_lossy(stderr);
+    let tail: Vec<&str> = stderr.lines().rev().take(lines).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
 /// A peer's own folder under the NVMe folder (its result, ZeRO-Infinity's swap files),

@@ -105,7 +105,7 @@ impl Executor {
             })
         };
         for &id in &self.plan.lanes[lane.index()] {
-            if self.ops[id.index()].issued.load(Ordering::Acquire) == shared.stamp {
+            if self.is_issued(id, shared) {
                 continue; // not part of this run
             }
             let result = guarded(id, &mut || {
@@ -152,12 +152,11 @@ impl Executor {
                 }
             }
         }
-        while let Some(t) = transfers.pop_front() {
-            let id = t.id;
-            let mut t = Some(t);
+        while let Some(id) = transfers.front().map(|t| t.id) {
             let finished = guarded(id, &mut || {
-                let t = t.take().expect("finished once");
-                self.finish_transfer(t, shared).map(|()| false)
+                let keep = transfers.len() - 1;
+                self.finish_transfers(transfers, keep, shared)
+                    .map(|()| false)
             });
             if let Err(e) = finished {
                 let e = self.fail(e);
@@ -260,11 +259,16 @@ impl Executor {
         Ok(false)
     }
 
+    /// Whether operation `d` is done (a host one) or issued (a stream one) in this step.
+    fn is_issued(&self, d: OpId, shared: &StepShared<'_>) -> bool {
+        self.ops[d.index()].issued.load(Ordering::Acquire) == shared.stamp
+    }
+
     /// Whether every dependency of `id` is done (or, on a stream, issued) already.
     fn deps_done(&self, id: OpId, shared: &StepShared<'_>) -> bool {
         shared.deps[id.index()]
             .iter()
-            .all(|d| self.ops[d.index()].issued.load(Ordering::Acquire) == shared.stamp)
+            .all(|&d| self.is_issued(d, shared))
     }
 
     /// Finishes the oldest transfers in flight until at most `keep` are.
@@ -326,7 +330,7 @@ impl Executor {
     /// Waits until operation `d` has been issued in this step (done, for a host
     /// operation; submitted, for a stream one); an abort when another lane failed.
     fn wait_issued(&self, d: OpId, shared: &StepShared<'_>) -> Result<(), ExecError> {
-        let issued = || self.ops[d.index()].issued.load(Ordering::Acquire) == shared.stamp;
+        let issued = || self.is_issued(d, shared);
         if issued() {
             return Ok(());
         }

@@ -264,7 +264,8 @@ pub struct StepReport {
     /// NVMe chunks this step moved through io_uring's registered (fixed) buffers, and
     /// through plain ones.
     pub fixed_chunks: [u64; 2],
-    /// Start and end of every operation the run ran, in plan order.
+    /// Start and end of every operation the run ran, lane by lane, each lane's in plan
+    /// order.
     pub records: Vec<OpRecord>,
 }
 
@@ -1512,42 +1513,36 @@ impl Executor {
         let mut lane_busy = [0.0; Lane::COUNT];
         let mut records = Vec::with_capacity(self.plan.ops.len());
         let mut hist = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
-        for (id, op) in self.plan.ops.iter().enumerate() {
-            let Some((s, e)) = self.span(OpId::of(id), shared)? else {
-                continue;
-            };
-            if let Some((_, h)) = hist.iter_mut().find(|(k, _)| *k == op.kind.kind_name()) {
-                // Durations beyond the histogram's hour saturate rather than fail.
-                h.saturating_record(((e - s) / 1000).max(1));
-            }
-            records.push(OpRecord {
-                label: op.kind.label(),
-                lane: op.lane,
-                start_ns: s,
-                end_ns: e,
-                bytes: op.bytes,
-            });
-        }
-        drop(hist);
-        // Busy time is the union of a lane's spans: an NVMe lane's transfers overlap
-        // (ExecConfig::nvme_in_flight), and start in the lane's order.
+        let mut stall = 0.0;
+        // Lane by lane, each operation's span taken once. Busy time is the union of a
+        // lane's spans: an NVMe lane's transfers overlap (ExecConfig::nvme_in_flight),
+        // and start in the lane's order.
         for lane in Lane::ALL {
             let mut covered = 0u64;
             for &id in &self.plan.lanes[lane.index()] {
-                if let Some((s, e)) = self.span(id, shared)? {
-                    lane_busy[lane.index()] += e.saturating_sub(s.max(covered)) as f64 * 1e-9;
-                    covered = covered.max(e);
+                let Some((s, e)) = self.span(id, shared)? else {
+                    continue;
+                };
+                let op = self.plan.op(id);
+                lane_busy[lane.index()] += e.saturating_sub(s.max(covered)) as f64 * 1e-9;
+                if lane == Lane::Compute {
+                    stall += s.saturating_sub(covered) as f64 * 1e-9;
                 }
+                covered = covered.max(e);
+                if let Some((_, h)) = hist.iter_mut().find(|(k, _)| *k == op.kind.kind_name()) {
+                    // Durations beyond the histogram's hour saturate rather than fail.
+                    h.saturating_record(((e - s) / 1000).max(1));
+                }
+                records.push(OpRecord {
+                    label: op.kind.label(),
+                    lane,
+                    start_ns: s,
+                    end_ns: e,
+                    bytes: op.bytes,
+                });
             }
         }
-        let mut stall = 0.0;
-        let mut prev_end = 0u64;
-        for &id in &self.plan.lanes[Lane::Compute.index()] {
-            if let Some((s, e)) = self.span(id, shared)? {
-                stall += s.saturating_sub(prev_end) as f64 * 1e-9;
-                prev_end = e;
-            }
-        }
+        drop(hist);
         Ok(StepReport {
             loss,
             grad_norm,
