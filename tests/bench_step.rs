@@ -277,6 +277,53 @@ fn scale_run_with_clipping_spills_gradients_when_the_host_needs_it() {
 }
 
 #[test]
+fn a_llama_family_model_runs_every_policy_with_the_same_losses() {
+    let dir = scratch();
+    let json = dir.path().join("step.json");
+    let out = strata()
+        .args([
+            "bench", "step", "--family", "llama", "--seq", "16", "--batch", "2",
+        ])
+        .args(["--steps", "1", "--warmup", "1"])
+        .args(["--policies", "all-on-device,nvme-offload"])
+        .arg("--nvme")
+        .arg(dir.path())
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stdout.contains("bench step: llama custom (2 layers"),
+        "{stdout}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let model = &report["model"];
+    assert_eq!(model["family"], "llama");
+    assert_eq!(model["kv_heads"], 2);
+    assert_eq!(model["intermediate"], 96);
+    assert_eq!(report["losses_identical"], true);
+    let policies = report["policies"].as_array().unwrap();
+    assert_eq!(policies.len(), 2);
+    assert!(policies[1]["link_bytes_per_step"][0].as_u64().unwrap() > 0);
+
+    // Llama-only flags on a GPT-2 model are refused, as `strata model` refuses them.
+    let out = strata()
+        .args(["bench", "step", "--kv-heads", "2"])
+        .args(TINY)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let (_, stderr) = text(&out);
+    assert!(
+        stderr.contains("--kv-heads is for Llama-family models"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn bad_arguments_are_clear_errors() {
     // The scale claim needs a model at least twice the host budget.
     let dir = scratch();

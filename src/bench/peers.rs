@@ -7,6 +7,11 @@
 //! With `--dtype bf16` the peer is PyTorch eager in bf16 mixed precision (autocast, fused
 //! AdamW on fp32 parameters; `gpt2_step_torch_bf16.py`, embedded here), all-on-device's.
 //!
+//! For a Llama-family model (Llama, Mistral, Qwen2, Qwen3) the same three peers (and the
+//! bf16 one) run `llama_step_peer.py`, embedded here: transformers builds the model from
+//! the config.json strata writes for its own shape, so both sides train the same
+//! architecture at the same size.
+//!
 //! `DIR` is the folder `../shared/anchors/setup DIR` makes: a Python env in `DIR/venv`
 //! with PyTorch, DeepSpeed and transformers, and the peer scripts beside it
 //! (`gpt2_step_bench.py`, `ds_zero3_bench.py`). A peer that cannot run (no env, a script
@@ -47,6 +52,9 @@ pub struct PeerShape {
     pub threads: usize,
     /// AdamW learning rate.
     pub lr: f64,
+    /// A Llama-family model's config.json (as `save_pretrained` writes it); `None` for
+    /// GPT-2, whose shape is the numbers above.
+    pub hf_config: Option<Value>,
 }
 
 /// One peer's run, beside the strata policy it is compared with.
@@ -77,6 +85,19 @@ pub struct PeerResult {
 /// The bf16 peer's script (see the module's documentation).
 const TORCH_BF16: &str = include_str!("gpt2_step_torch_bf16.py");
 
+/// The Llama-family peers' script (see the module's documentation).
+const LLAMA_PEER: &str = include_str!("llama_step_peer.py");
+
+/// File name of [`LLAMA_PEER`] in a peer's work folder.
+const LLAMA_SCRIPT: &str = "llama_step_peer.py";
+
+/// strata's own peer scripts, by file name: written into the peer's work folder to run
+/// (the anchors' scripts run from beside the env).
+const EMBEDDED: [(&str, &str); 2] = [
+    ("gpt2_step_torch_bf16.py", TORCH_BF16),
+    (LLAMA_SCRIPT, LLAMA_PEER),
+];
+
 /// The bf16 peer: its name, strata counterpart, and script file name (written into the
 /// peer's work folder).
 const BF16_PEER: (&str, &str, &str) = (
@@ -102,6 +123,28 @@ const PEERS: [(&str, &str, &str, &[&str]); 3] = [
     ),
 ];
 
+/// The Llama-family peers: [`PEERS`]' engines, from [`LLAMA_PEER`].
+const LLAMA_PEERS: [(&str, &str, &str, &[&str]); 3] = [
+    (
+        "pytorch-eager",
+        "all-on-device",
+        LLAMA_SCRIPT,
+        &["--engine", "eager"],
+    ),
+    (
+        "deepspeed-zero-offload",
+        "cpu-offload",
+        LLAMA_SCRIPT,
+        &["--engine", "zero", "--offload", "cpu"],
+    ),
+    (
+        "deepspeed-zero-infinity",
+        "nvme-offload",
+        LLAMA_SCRIPT,
+        &["--engine", "zero", "--offload", "nvme"],
+    ),
+];
+
 /// The strata policy name a peer is compared with, as `bench step` names its results
 /// (`nvme-offload(depth 2)` counts as `nvme-offload`).
 fn matches_policy(result_name: &str, policy: &str) -> bool {
@@ -117,7 +160,12 @@ pub fn run(
     strata: &[(String, f64)],
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
-    run_set(dir, shape, strata, nvme_dir, &PEERS)
+    let peers = if shape.hf_config.is_some() {
+        &LLAMA_PEERS
+    } else {
+        &PEERS
+    };
+    run_set(dir, shape, strata, nvme_dir, peers)
 }
 
 /// As [`run`], against strata in bf16: PyTorch eager under bf16 autocast.
@@ -128,6 +176,16 @@ pub fn run_bf16(
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
     let (peer, policy, script) = BF16_PEER;
+    if shape.hf_config.is_some() {
+        let extra: &[&str] = &["--engine", "eager", "--autocast", "bf16"];
+        return run_set(
+            dir,
+            shape,
+            strata,
+            nvme_dir,
+            &[(peer, policy, LLAMA_SCRIPT, extra)],
+        );
+    }
     run_set(dir, shape, strata, nvme_dir, &[(peer, policy, script, &[])])
 }
 
@@ -205,14 +263,16 @@ fn run_one(
         ));
     }
     let work = WorkDir::new(nvme_dir)?;
+    let write = |name: &str, text: &str| {
+        let path = work.0.join(name);
+        std::fs::write(&path, text)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))
+            .map(|()| path)
+    };
     // The anchors' scripts live beside the env; strata's own are written out to run.
-    let script = if script == BF16_PEER.2 {
-        let path = work.0.join(script);
-        std::fs::write(&path, TORCH_BF16)
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-        path
-    } else {
-        dir.join(script)
+    let script = match EMBEDDED.iter().find(|(name, _)| *name == script) {
+        Some((name, text)) => write(name, text)?,
+        None => dir.join(script),
     };
     if !script.is_file() {
         return Err(format!("no peer script at {}", script.display()));
@@ -220,12 +280,26 @@ fn run_one(
     let json = work.0.join("result.jsonl");
     let mut command = env_command(dir, &python, shape.threads)?;
     command.arg(&script).args(extra);
+    match &shape.hf_config {
+        Some(config) => {
+            let text = serde_json::to_string_pretty(config).map_err(|e| e.to_string())?;
+            command
+                .arg("--config-json")
+                .arg(write("config.json", &text)?);
+        }
+        None => {
+            for (flag, value) in [
+                ("--layers", shape.layers),
+                ("--heads", shape.heads),
+                ("--embd", shape.width),
+                ("--vocab", shape.vocab),
+                ("--ctx", shape.ctx),
+            ] {
+                command.arg(flag).arg(value.to_string());
+            }
+        }
+    }
     for (flag, value) in [
-        ("--layers", shape.layers.to_string()),
-        ("--heads", shape.heads.to_string()),
-        ("--embd", shape.width.to_string()),
-        ("--vocab", shape.vocab.to_string()),
-        ("--ctx", shape.ctx.to_string()),
         ("--batch", shape.batch.to_string()),
         ("--seq", shape.seq.to_string()),
         ("--steps", shape.steps.to_string()),
@@ -390,6 +464,7 @@ mod tests {
             warmup: 0,
             threads: 1,
             lr: 1e-3,
+            hf_config: None,
         }
     }
 
@@ -447,5 +522,57 @@ mod tests {
         assert!(r.ran, "{:?}", r.reason);
         assert_eq!(r.peer, "pytorch-eager-bf16-autocast");
         assert_eq!(r.strata_over_peer, Some(1.5));
+    }
+
+    #[test]
+    fn llama_peers_build_strata_s_shape_from_its_config_json_with_each_engine() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
+        // A stand-in Python: checks it was handed the Llama script, the config.json of
+        // strata's shape and no GPT-2 flags, and answers a step time per engine.
+        let python = dir.path().join("venv/bin/python");
+        let script = r#"#!/bin/sh
+grep -q 'AutoModelForCausalLM.from_config' "$1" || exit 5
+case "$*" in *--layers*|*--embd*) exit 6;; esac
+cfg=$(echo "$*" | sed 's/.*--config-json \([^ ]*\).*/\1/')
+grep -q '"model_type": "llama"' "$cfg" || exit 7
+grep -q '"num_key_value_heads": 2' "$cfg" || exit 8
+case "$*" in
+  *'--engine eager'*) t=2.0;;
+  *'--engine zero --offload cpu'*) t=4.0;;
+  *'--engine zero --offload nvme'*--nvme-path*) t=8.0;;
+  *) exit 9;;
+esac
+while [ "$1" != --json ]; do shift; done
+echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
+"#;
+        std::fs::write(&python, script).unwrap();
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let config = strata_engine::model::llama::LlamaConfig::llama(2, 64, 96, 4, 2, 128, 64);
+        let shape = PeerShape {
+            hf_config: Some(config.to_hf()),
+            ..tiny_shape(2)
+        };
+        let strata = [
+            ("all-on-device".into(), 4.0),
+            ("cpu-offload".into(), 4.0),
+            ("nvme-offload(depth 2)".into(), 4.0),
+        ];
+        let results = run(dir.path(), &shape, &strata, dir.path());
+        let ratios: Vec<_> = results
+            .iter()
+            .map(|r| (r.peer, r.strata_over_peer))
+            .collect();
+        assert_eq!(
+            ratios,
+            [
+                ("pytorch-eager", Some(2.0)),
+                ("deepspeed-zero-offload", Some(1.0)),
+                ("deepspeed-zero-infinity", Some(0.5)),
+            ],
+            "{:?}",
+            results.iter().map(|r| &r.reason).collect::<Vec<_>>()
+        );
     }
 }

@@ -28,7 +28,8 @@ use serde_json::{Value, json};
 use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
 use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::{Gpt2Config, Model, PRESETS};
+use strata_engine::model::llama::{self, LlamaConfig};
+use strata_engine::model::{Gpt2Config, Llama, Model, PRESETS};
 use strata_engine::plan::{
     AllOnDevice, Budgets, CostModel, GradSpill, Lane, NvmeOffload, Plan, PlanInput, Policy,
     Precision, Prediction, Recompute, StepShape, Tier,
@@ -37,7 +38,7 @@ use strata_engine::plan::{
 use super::adam::load_average;
 use super::peers::{self, PeerResult, PeerShape};
 use crate::doctor::{cpu_model, meminfo_bytes};
-use crate::model_info::ShapeArgs;
+use crate::model_info::{self, ModelArgs, ShapeArgs};
 use crate::report::{
     LineChart, Series, Table, format_bytes, median, median_index, parse_bytes, write_json,
 };
@@ -78,12 +79,27 @@ pub enum Dtype {
 pub struct StepArgs {
     /// A named model: tiny, small, gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl, or a
     /// shape LAYERSxWIDTH (40x2560: heads of 128 channels, GPT-2's vocabulary and
-    /// context). The five numbers below override its fields, for any shape.
-    #[arg(long, default_value = "gpt2")]
-    pub model: String,
+    /// context); or a Llama-family one (`strata model --help` lists them). The numbers
+    /// below override its fields, for any shape. Default: gpt2, or with --family a
+    /// 2-layer, 64-wide model of that family.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// The model family: gpt2, or llama, mistral, qwen2, qwen3 (implied by a named
+    /// Llama-family --model).
+    #[arg(long)]
+    pub family: Option<String>,
     /// Overrides of the named model's fields.
     #[command(flatten)]
     pub shape: ShapeArgs,
+    /// Llama family: key/value heads (dividing --heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Llama family: channels of the MLP.
+    #[arg(long)]
+    pub intermediate: Option<usize>,
+    /// Llama family: tie the output head to the token embedding (true or false).
+    #[arg(long)]
+    pub tied: Option<bool>,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
@@ -208,6 +224,14 @@ impl Machine {
 pub struct ModelShape {
     /// Its preset name, or `custom`.
     pub name: String,
+    /// Its family: gpt2, llama, mistral, qwen2, qwen3.
+    pub family: String,
+    /// Llama family: key/value heads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
+    /// Llama family: channels of the MLP.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intermediate: Option<usize>,
     /// Transformer blocks.
     pub layers: usize,
     /// Attention heads.
@@ -461,7 +485,9 @@ struct Rig {
 struct Setup {
     model: Model,
     /// The model's shape.
-    config: Gpt2Config,
+    desc: ModelShape,
+    /// A Llama-family model's config.json (its peers build the model from it).
+    hf_config: Option<Value>,
     /// Which device the executors open.
     device: DeviceChoice,
     params: Vec<Vec<f32>>,
@@ -472,8 +498,13 @@ struct Setup {
 
 impl Setup {
     fn new(args: &StepArgs) -> Result<Self, Box<dyn std::error::Error>> {
-        let gpt2 = args.shape.resolve(&args.model)?;
-        let model = Model::new(gpt2)?;
+        let (model, desc, hf_config) = match resolve_model(args)? {
+            model_info::ModelShape::Gpt2(c) => (Model::new(c)?, model_shape(&c), None),
+            model_info::ModelShape::Llama(c) => {
+                let (desc, hf) = (llama_shape(&c), c.to_hf());
+                (Model::of(Llama::new(c)?), desc, Some(hf))
+            }
+        };
         let target = choose_target(args.device)?;
         let precision = match args.dtype {
             Dtype::Fp32 => Precision::Fp32,
@@ -492,7 +523,8 @@ impl Setup {
         let params = model.init_params(args.seed);
         Ok(Setup {
             model,
-            config: gpt2,
+            desc,
+            hf_config,
             device: args.device,
             params,
             shape,
@@ -529,6 +561,23 @@ impl Setup {
     }
 }
 
+/// The model `--model`, `--family` and the shape flags name, as `strata model` reads
+/// them.
+fn resolve_model(args: &StepArgs) -> Result<model_info::ModelShape, Box<dyn std::error::Error>> {
+    ModelArgs {
+        config: args.model.clone(),
+        family: args.family.clone(),
+        shape: args.shape.clone(),
+        kv_heads: args.kv_heads,
+        intermediate: args.intermediate,
+        tied: args.tied,
+        init: None,
+        seed: args.seed,
+        tokenizer: None,
+    }
+    .resolve_shape()
+}
+
 fn model_shape(config: &Gpt2Config) -> ModelShape {
     ModelShape {
         name: PRESETS
@@ -536,6 +585,28 @@ fn model_shape(config: &Gpt2Config) -> ModelShape {
             .find(|(_, c)| c == config)
             .map_or("custom", |(n, _)| n)
             .to_string(),
+        family: "gpt2".into(),
+        kv_heads: None,
+        intermediate: None,
+        layers: config.layers,
+        heads: config.heads,
+        width: config.width,
+        vocab: config.vocab,
+        ctx: config.ctx,
+        params: config.param_count() as u64,
+    }
+}
+
+fn llama_shape(config: &LlamaConfig) -> ModelShape {
+    ModelShape {
+        name: llama::preset_names()
+            .into_iter()
+            .find(|n| LlamaConfig::preset(n).as_ref() == Some(config))
+            .unwrap_or("custom")
+            .to_string(),
+        family: config.variant.model_type().into(),
+        kv_heads: Some(config.kv_heads),
+        intermediate: Some(config.intermediate),
         layers: config.layers,
         heads: config.heads,
         width: config.width,
@@ -701,7 +772,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     if rigs.iter().any(|r| !r.plan.extent_groups.is_empty()) {
         check_nvme_dir(&args.nvme)?;
     }
-    let config = &setup.config;
+    let config = &setup.desc;
     let tokens = setup.shape.tokens();
     // Every executor held at once (interleaved) needs the sum of the plans' device and
     // host peaks (the CPU device's memory is host memory), next to the initial
@@ -710,7 +781,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         .iter()
         .map(|r| r.plan.peak[Tier::Device.index()] + r.plan.peak[Tier::Host.index()])
         .sum::<u64>()
-        + 4 * config.param_count() as u64;
+        + 4 * config.params;
     let (schedule, schedule_reason) = match machine.mem_available_bytes {
         Some(available) if held as f64 > 0.8 * available as f64 => (
             "sequential",
@@ -730,15 +801,16 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         ),
     };
     println!(
-        "bench step: {} ({} layers, {} heads, width {}, vocab {}, {} params), batch {} x seq {} \
+        "bench step: {} {} ({} layers, {} heads, width {}, vocab {}, {} params), batch {} x seq {} \
          x accum {} = {tokens} tokens/step, {}{}, {} warm-up + {} measured steps per policy, \
          {schedule}; {} ({} cores)",
-        model_shape(config).name,
+        config.family,
+        config.name,
         config.layers,
         config.heads,
         config.width,
         config.vocab,
-        config.param_count(),
+        config.params,
         args.batch,
         args.seq,
         args.grad_accum,
@@ -904,6 +976,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
                 warmup: args.warmup,
                 threads: strata_engine::kernels::parallel::max_threads(),
                 lr: args.lr,
+                hf_config: setup.hf_config.clone(),
             };
             let results = match args.dtype {
                 Dtype::Fp32 => peers::run(dir, &shape, &strata, &args.nvme),
@@ -915,7 +988,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     };
     let report = StepBenchReport {
         machine,
-        model: model_shape(config),
+        model: config.clone(),
         batch: args.batch,
         seq: args.seq,
         grad_accum: args.grad_accum,
@@ -1143,9 +1216,9 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
     const DEFAULT_HOST_BYTES: u64 = 900 << 20;
     let mut machine = Machine::now();
     let mut setup = Setup::new(args)?;
-    let config = setup.config;
+    let config = setup.desc.clone();
     let budgets = budgets(args, Some(DEFAULT_HOST_BYTES));
-    let params = config.param_count() as u64;
+    let params = config.params;
     let state_per_param = setup.shape.precision.param_bytes() + 12;
     let state_bytes = params * state_per_param;
     if state_bytes < 2 * budgets.host {
@@ -1193,10 +1266,11 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
         "check_fits held the budget"
     );
     println!(
-        "bench step --scale: {} ({params} params), training state {} ({state_per_param} \
+        "bench step --scale: {} {} ({params} params), training state {} ({state_per_param} \
          B/param: working {} params, fp32 master, Adam m and v) = {:.2}x the host budget {}; \
          {} with checkpoints on {checkpoints}{}, planned peak: device {}, host {}, nvme {}",
-        model_shape(&config).name,
+        config.family,
+        config.name,
         format_bytes(state_bytes),
         setup.shape.precision,
         state_bytes as f64 / budgets.host as f64,
@@ -1243,7 +1317,7 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
     let losses: Vec<f32> = steps.iter().map(|s| s.loss).collect();
     let report = ScaleReport {
         machine,
-        model: model_shape(&config),
+        model: config,
         policy: plan.policy.clone(),
         checkpoints: checkpoints.to_string(),
         clip: args.clip,
