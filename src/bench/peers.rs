@@ -5,11 +5,11 @@
 //! nvme-offload's peer).
 //!
 //! With `--dtype bf16` the peer is PyTorch eager in bf16 mixed precision (autocast, fused
-//! AdamW on fp32 parameters; `gpt2_step_torch_bf16.py`, embedded here), all-on-device's.
+//! AdamW on fp32 parameters), all-on-device's.
 //!
-//! For a Llama-family model (Llama, Mistral, Qwen2, Qwen3) the same three peers (and the
-//! bf16 one) run `llama_step_peer.py`, embedded here: transformers builds the model from
-//! the config.json strata writes for its own shape, so both sides train the same
+//! The bf16 peer, and for a Llama-family model (Llama, Mistral, Qwen2, Qwen3) all of
+//! them, run `step_peer.py`, embedded here: transformers builds the model from the
+//! config.json strata writes for its own shape, so both sides train the same
 //! architecture at the same size.
 //!
 //! `DIR` is the folder `../shared/anchors/setup DIR` makes: a Python env in `DIR/venv`
@@ -52,9 +52,10 @@ pub struct PeerShape {
     pub threads: usize,
     /// AdamW learning rate.
     pub lr: f64,
-    /// A Llama-family model's config.json (as `save_pretrained` writes it); `None` for
-    /// GPT-2, whose shape is the numbers above.
-    pub hf_config: Option<Value>,
+    /// The model's config.json, as `save_pretrained` writes it (`Family::hf_config`):
+    /// what strata's own peer script builds the model from. The anchors' GPT-2 scripts
+    /// take the numbers above instead.
+    pub hf_config: Value,
 }
 
 /// One peer's run, beside the strata policy it is compared with.
@@ -82,28 +83,19 @@ pub struct PeerResult {
     pub raw: Option<Value>,
 }
 
-/// The bf16 peer's script (see the module's documentation).
-const TORCH_BF16: &str = include_str!("gpt2_step_torch_bf16.py");
+/// strata's own peer script (see the module's documentation): written into the peer's
+/// work folder to run, where the anchors' scripts run from beside the env.
+const STEP_PEER: &str = include_str!("step_peer.py");
 
-/// The Llama-family peers' script (see the module's documentation).
-const LLAMA_PEER: &str = include_str!("llama_step_peer.py");
+/// File name of [`STEP_PEER`] in a peer's work folder.
+const STEP_PEER_SCRIPT: &str = "step_peer.py";
 
-/// File name of [`LLAMA_PEER`] in a peer's work folder.
-const LLAMA_SCRIPT: &str = "llama_step_peer.py";
-
-/// strata's own peer scripts, by file name: written into the peer's work folder to run
-/// (the anchors' scripts run from beside the env).
-const EMBEDDED: [(&str, &str); 2] = [
-    ("gpt2_step_torch_bf16.py", TORCH_BF16),
-    (LLAMA_SCRIPT, LLAMA_PEER),
-];
-
-/// The bf16 peer: its name, strata counterpart, and script file name (written into the
-/// peer's work folder).
-const BF16_PEER: (&str, &str, &str) = (
+/// The bf16 peer: its name, strata counterpart, script and arguments.
+const BF16_PEER: (&str, &str, &str, &[&str]) = (
     "pytorch-eager-bf16-autocast",
     "all-on-device",
-    "gpt2_step_torch_bf16.py",
+    STEP_PEER_SCRIPT,
+    &["--engine", "eager", "--autocast", "bf16"],
 );
 
 /// The fp32 peers, each with its strata counterpart, script and extra arguments.
@@ -123,27 +115,32 @@ const PEERS: [(&str, &str, &str, &[&str]); 3] = [
     ),
 ];
 
-/// The Llama-family peers: [`PEERS`]' engines, from [`LLAMA_PEER`].
+/// The Llama-family peers: [`PEERS`]' engines, from [`STEP_PEER`].
 const LLAMA_PEERS: [(&str, &str, &str, &[&str]); 3] = [
     (
         "pytorch-eager",
         "all-on-device",
-        LLAMA_SCRIPT,
+        STEP_PEER_SCRIPT,
         &["--engine", "eager"],
     ),
     (
         "deepspeed-zero-offload",
         "cpu-offload",
-        LLAMA_SCRIPT,
+        STEP_PEER_SCRIPT,
         &["--engine", "zero", "--offload", "cpu"],
     ),
     (
         "deepspeed-zero-infinity",
         "nvme-offload",
-        LLAMA_SCRIPT,
+        STEP_PEER_SCRIPT,
         &["--engine", "zero", "--offload", "nvme"],
     ),
 ];
+
+/// Whether the shape is GPT-2's, which the anchors' scripts build.
+fn is_gpt2(shape: &PeerShape) -> bool {
+    shape.hf_config["model_type"] == "gpt2"
+}
 
 /// The strata policy name a peer is compared with, as `bench step` names its results
 /// (`nvme-offload(depth 2)` counts as `nvme-offload`).
@@ -160,11 +157,7 @@ pub fn run(
     strata: &[(String, f64)],
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
-    let peers = if shape.hf_config.is_some() {
-        &LLAMA_PEERS
-    } else {
-        &PEERS
-    };
+    let peers = if is_gpt2(shape) { &PEERS } else { &LLAMA_PEERS };
     run_set(dir, shape, strata, nvme_dir, peers)
 }
 
@@ -175,18 +168,7 @@ pub fn run_bf16(
     strata: &[(String, f64)],
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
-    let (peer, policy, script) = BF16_PEER;
-    if shape.hf_config.is_some() {
-        let extra: &[&str] = &["--engine", "eager", "--autocast", "bf16"];
-        return run_set(
-            dir,
-            shape,
-            strata,
-            nvme_dir,
-            &[(peer, policy, LLAMA_SCRIPT, extra)],
-        );
-    }
-    run_set(dir, shape, strata, nvme_dir, &[(peer, policy, script, &[])])
+    run_set(dir, shape, strata, nvme_dir, &[BF16_PEER])
 }
 
 fn run_set(
@@ -269,10 +251,12 @@ fn run_one(
             .map_err(|e| format!("cannot write {}: {e}", path.display()))
             .map(|()| path)
     };
-    // The anchors' scripts live beside the env; strata's own are written out to run.
-    let script = match EMBEDDED.iter().find(|(name, _)| *name == script) {
-        Some((name, text)) => write(name, text)?,
-        None => dir.join(script),
+    // The anchors' scripts live beside the env; strata's own is written out to run.
+    let embedded = script == STEP_PEER_SCRIPT;
+    let script = if embedded {
+        write(script, STEP_PEER)?
+    } else {
+        dir.join(script)
     };
     if !script.is_file() {
         return Err(format!("no peer script at {}", script.display()));
@@ -280,23 +264,20 @@ fn run_one(
     let json = work.0.join("result.jsonl");
     let mut command = env_command(dir, &python, shape.threads)?;
     command.arg(&script).args(extra);
-    match &shape.hf_config {
-        Some(config) => {
-            let text = serde_json::to_string_pretty(config).map_err(|e| e.to_string())?;
-            command
-                .arg("--config-json")
-                .arg(write("config.json", &text)?);
-        }
-        None => {
-            for (flag, value) in [
-                ("--layers", shape.layers),
-                ("--heads", shape.heads),
-                ("--embd", shape.width),
-                ("--vocab", shape.vocab),
-                ("--ctx", shape.ctx),
-            ] {
-                command.arg(flag).arg(value.to_string());
-            }
+    if embedded {
+        let text = serde_json::to_string_pretty(&shape.hf_config).map_err(|e| e.to_string())?;
+        command
+            .arg("--config-json")
+            .arg(write("config.json", &text)?);
+    } else {
+        for (flag, value) in [
+            ("--layers", shape.layers),
+            ("--heads", shape.heads),
+            ("--embd", shape.width),
+            ("--vocab", shape.vocab),
+            ("--ctx", shape.ctx),
+        ] {
+            command.arg(flag).arg(value.to_string());
         }
     }
     for (flag, value) in [
@@ -464,7 +445,13 @@ mod tests {
             warmup: 0,
             threads: 1,
             lr: 1e-3,
-            hf_config: None,
+            hf_config: strata_engine::model::gpt2::config_json(&strata_engine::model::Gpt2Config {
+                layers,
+                heads: 1,
+                width: 8,
+                vocab: 16,
+                ctx: 8,
+            }),
         }
     }
 
@@ -502,11 +489,14 @@ mod tests {
         let python = dir.path().join("venv/bin/python");
         std::fs::write(
             &python,
-            "#!/bin/sh\n\
-             grep -q 'torch.autocast(device_type=\"cpu\", dtype=torch.bfloat16)' \"$1\" || exit 5\n\
-             case \"$*\" in *'--layers 2 '*'--seq 8 '*) ;; *) exit 6;; esac\n\
-             while [ \"$1\" != --json ]; do shift; done\n\
-             echo '{\"median_step_s\": 0.5, \"tokens_per_s\": 16.0, \"final_loss\": 3.0}' >> \"$2\"\n",
+            r#"#!/bin/sh
+grep -q 'torch.autocast(device_type="cpu", dtype=torch.bfloat16)' "$1" || exit 5
+case "$*" in *'--autocast bf16 '*'--config-json '*'--seq 8 '*) ;; *) exit 6;; esac
+cfg=$(echo "$*" | sed 's/.*--config-json \([^ ]*\).*/\1/')
+grep -q '"n_layer": 2' "$cfg" || exit 7
+while [ "$1" != --json ]; do shift; done
+echo '{"median_step_s": 0.5, "tokens_per_s": 16.0, "final_loss": 3.0}' >> "$2"
+"#,
         )
         .unwrap();
         std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -551,7 +541,7 @@ echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
         std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
         let config = strata_engine::model::llama::LlamaConfig::llama(2, 64, 96, 4, 2, 128, 64);
         let shape = PeerShape {
-            hf_config: Some(config.to_hf()),
+            hf_config: config.to_hf(),
             ..tiny_shape(2)
         };
         let strata = [

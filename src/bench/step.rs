@@ -486,8 +486,8 @@ struct Setup {
     model: Model,
     /// The model's shape.
     desc: ModelShape,
-    /// A Llama-family model's config.json (its peers build the model from it).
-    hf_config: Option<Value>,
+    /// The model's config.json (strata's peer script builds the model from it).
+    hf_config: Value,
     /// Which device the executors open.
     device: DeviceChoice,
     params: Vec<Vec<f32>>,
@@ -498,13 +498,13 @@ struct Setup {
 
 impl Setup {
     fn new(args: &StepArgs) -> Result<Self, Box<dyn std::error::Error>> {
-        let (model, desc, hf_config) = match resolve_model(args)? {
-            model_info::ModelShape::Gpt2(c) => (Model::new(c)?, model_shape(&c), None),
+        let (model, desc) = match resolve_model(args)? {
+            model_info::ModelShape::Gpt2(c) => (Model::new(c)?, model_shape(&c)),
             model_info::ModelShape::Llama(c) => {
-                let (desc, hf) = (llama_shape(&c), c.to_hf());
-                (Model::of(Llama::new(c)?), desc, Some(hf))
+                (Model::of(Llama::new(c.clone())?), llama_shape(&c))
             }
         };
+        let hf_config = model.family().hf_config();
         let target = choose_target(args.device)?;
         let precision = match args.dtype {
             Dtype::Fp32 => Precision::Fp32,

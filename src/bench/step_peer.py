@@ -1,19 +1,24 @@
-# The Llama-family peers of `strata bench step --family ... --peers DIR`: one training
-# step of a randomly initialised transformers model built from the config.json strata
-# writes for its own shape (`AutoModelForCausalLM.from_config`: Llama, Mistral, Qwen2,
-# Qwen3), fp32, eager attention, one random batch, AdamW (lr from --lr, betas
+# strata's own peer of `strata bench step --peers DIR`: training steps of a randomly
+# initialised transformers model built from the config.json strata writes for its own
+# shape (`AutoModelForCausalLM.from_config`: GPT-2, Llama, Mistral, Qwen2, Qwen3), fp32
+# parameters, eager attention, one random batch, AdamW (lr from --lr, betas
 # (0.9, 0.999), eps 1e-8, weight decay 0.01), timed as ../shared/anchors' GPT-2 peers
 # time theirs:
 #   --engine eager         PyTorch eager, fused AdamW (all-on-device's peer); with
-#                          --autocast bf16 the forward runs under bf16 autocast
+#                          --autocast bf16 the forward runs under
+#                          torch.autocast("cpu", dtype=torch.bfloat16), as PyTorch users
+#                          run bf16 mixed precision on a CPU (the backward outside it,
+#                          AdamW on the fp32 parameters)
 #   --engine zero --offload cpu|nvme
 #                          DeepSpeed ZeRO-3 with parameters and optimizer state
 #                          offloaded to the CPU (ZeRO-Offload) or to NVMe under
 #                          --nvme-path (ZeRO-Infinity), built under zero.Init with the
 #                          eager model's initial weights copied in, as
 #                          ../shared/anchors/ds_zero3_bench.py does for GPT-2
-# Embedded in the strata binary and run with the Python of the peers' env (DeepSpeed's
-# environment set by strata); it appends one JSON line to --json.
+# strata runs it for the bf16 peer and, for Llama-family models, for all three (the
+# anchors' scripts build GPT-2 only). Embedded in the strata binary and run with the
+# Python of the peers' env (DeepSpeed's environment set by strata); it appends one JSON
+# line to --json.
 import argparse
 import json
 import os
@@ -165,7 +170,8 @@ def main():
     res = {
         "tool": tool, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
         "width": cfg.hidden_size, "heads": cfg.num_attention_heads,
-        "kv_heads": cfg.num_key_value_heads, "intermediate": cfg.intermediate_size,
+        "kv_heads": getattr(cfg, "num_key_value_heads", None),
+        "intermediate": getattr(cfg, "intermediate_size", None),
         "vocab": cfg.vocab_size, "batch": args.batch, "seq": args.seq,
         "threads": args.threads, "params": n_params, "autocast": args.autocast,
         "median_step_s": med, "min_step_s": min(tots),
