@@ -32,15 +32,9 @@ pub struct ModelArgs {
     /// Overrides of the named configuration's fields.
     #[command(flatten)]
     pub shape: ShapeArgs,
-    /// Llama family: key/value heads (dividing --heads; grouped-query attention).
-    #[arg(long)]
-    pub kv_heads: Option<usize>,
-    /// Llama family: channels of the MLP (`intermediate_size`).
-    #[arg(long)]
-    pub intermediate: Option<usize>,
-    /// Llama family: tie the output head to the token embedding (true or false).
-    #[arg(long)]
-    pub tied: Option<bool>,
+    /// Overrides of a Llama-family configuration's own fields.
+    #[command(flatten)]
+    pub llama: LlamaShapeArgs,
     /// Write a randomly initialised model (config.json, model.safetensors) to this folder.
     #[arg(long)]
     pub init: Option<PathBuf>,
@@ -54,6 +48,21 @@ pub struct ModelArgs {
     pub tokenizer: Option<PathBuf>,
 }
 
+/// The fields only a Llama-family shape has, each overriding a named configuration's
+/// (shared by every command that takes a Llama-family model).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct LlamaShapeArgs {
+    /// Llama family: key/value heads (dividing --heads; grouped-query attention).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Llama family: channels of the MLP (`intermediate_size`).
+    #[arg(long)]
+    pub intermediate: Option<usize>,
+    /// Llama family: tie the output head to the token embedding (true or false).
+    #[arg(long)]
+    pub tied: Option<bool>,
+}
+
 /// What `strata model` describes: a GPT-2 or a Llama-family shape.
 #[derive(Debug, Clone)]
 pub enum ModelShape {
@@ -61,6 +70,22 @@ pub enum ModelShape {
     Gpt2(Gpt2Config),
     /// Llama, Mistral, Qwen2, Qwen3.
     Llama(LlamaConfig),
+}
+
+impl ModelShape {
+    /// The preset this shape is, or `custom`.
+    pub fn preset_name(&self) -> &'static str {
+        match self {
+            ModelShape::Gpt2(config) => PRESETS
+                .iter()
+                .find(|(_, c)| c == config)
+                .map_or("custom", |(n, _)| n),
+            ModelShape::Llama(config) => llama::preset_names()
+                .into_iter()
+                .find(|n| LlamaConfig::preset(n).as_ref() == Some(config))
+                .unwrap_or("custom"),
+        }
+    }
 }
 
 impl ModelArgs {
@@ -90,9 +115,9 @@ impl ModelArgs {
                 .into());
             }
             let llama_only = [
-                ("--kv-heads", self.kv_heads.is_some()),
-                ("--intermediate", self.intermediate.is_some()),
-                ("--tied", self.tied.is_some()),
+                ("--kv-heads", self.llama.kv_heads.is_some()),
+                ("--intermediate", self.llama.intermediate.is_some()),
+                ("--tied", self.llama.tied.is_some()),
             ];
             if let Some((flag, _)) = llama_only.iter().find(|(_, set)| *set) {
                 return Err(format!("{flag} is for Llama-family models (--family llama)").into());
@@ -137,9 +162,9 @@ impl ModelArgs {
         c.heads = s.heads.unwrap_or(c.heads);
         c.vocab = s.vocab.unwrap_or(c.vocab);
         c.ctx = s.ctx.unwrap_or(c.ctx);
-        c.kv_heads = self.kv_heads.unwrap_or(c.kv_heads);
-        c.intermediate = self.intermediate.unwrap_or(c.intermediate);
-        c.tied = self.tied.unwrap_or(c.tied);
+        c.kv_heads = self.llama.kv_heads.unwrap_or(c.kv_heads);
+        c.intermediate = self.llama.intermediate.unwrap_or(c.intermediate);
+        c.tied = self.llama.tied.unwrap_or(c.tied);
         if heads_or_width_changed {
             c.head_dim = c.width.checked_div(c.heads).unwrap_or(0);
             if c.head_dim * c.heads != c.width {
@@ -219,12 +244,10 @@ pub fn run(args: &ModelArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         }
     }
     let args = &args;
-    let (model, layers) = match args.resolve_shape()? {
+    let shape = args.resolve_shape()?;
+    let name = shape.preset_name();
+    let (model, layers) = match shape {
         ModelShape::Gpt2(config) => {
-            let name = PRESETS
-                .iter()
-                .find(|(_, c)| *c == config)
-                .map_or("custom", |(n, _)| n);
             writeln!(
                 out,
                 "model: {name} ({} layers, {} heads, width {}, vocab {}, ctx {})",
@@ -233,10 +256,6 @@ pub fn run(args: &ModelArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             (Model::new(config)?, config.layers)
         }
         ModelShape::Llama(config) => {
-            let name = llama::preset_names()
-                .into_iter()
-                .find(|n| LlamaConfig::preset(n).as_ref() == Some(&config))
-                .unwrap_or("custom");
             let layers = config.layers;
             let model = Model::of(Llama::new(config)?);
             writeln!(out, "model: {name}: {}", model.describe())?;

@@ -28,8 +28,7 @@ use serde_json::{Value, json};
 use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
 use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::llama::{self, LlamaConfig};
-use strata_engine::model::{Gpt2Config, Llama, Model, PRESETS};
+use strata_engine::model::{Llama, Model};
 use strata_engine::plan::{
     AllOnDevice, Budgets, CostModel, GradSpill, Lane, NvmeOffload, Plan, PlanInput, Policy,
     Precision, Prediction, Recompute, StepShape, Tier,
@@ -38,7 +37,7 @@ use strata_engine::plan::{
 use super::adam::load_average;
 use super::peers::{self, PeerResult, PeerShape};
 use crate::doctor::{cpu_model, meminfo_bytes};
-use crate::model_info::{self, ModelArgs, ShapeArgs};
+use crate::model_info::{self, LlamaShapeArgs, ModelArgs, ShapeArgs};
 use crate::report::{
     LineChart, Series, Table, format_bytes, median, median_index, parse_bytes, write_json,
 };
@@ -91,15 +90,9 @@ pub struct StepArgs {
     /// Overrides of the named model's fields.
     #[command(flatten)]
     pub shape: ShapeArgs,
-    /// Llama family: key/value heads (dividing --heads).
-    #[arg(long)]
-    pub kv_heads: Option<usize>,
-    /// Llama family: channels of the MLP.
-    #[arg(long)]
-    pub intermediate: Option<usize>,
-    /// Llama family: tie the output head to the token embedding (true or false).
-    #[arg(long)]
-    pub tied: Option<bool>,
+    /// Overrides of a Llama-family model's own fields.
+    #[command(flatten)]
+    pub llama: LlamaShapeArgs,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
@@ -498,11 +491,11 @@ struct Setup {
 
 impl Setup {
     fn new(args: &StepArgs) -> Result<Self, Box<dyn std::error::Error>> {
-        let (model, desc) = match resolve_model(args)? {
-            model_info::ModelShape::Gpt2(c) => (Model::new(c)?, model_shape(&c)),
-            model_info::ModelShape::Llama(c) => {
-                (Model::of(Llama::new(c.clone())?), llama_shape(&c))
-            }
+        let shape = resolve_model(args)?;
+        let desc = describe(&shape);
+        let model = match shape {
+            model_info::ModelShape::Gpt2(c) => Model::new(c)?,
+            model_info::ModelShape::Llama(c) => Model::of(Llama::new(c)?),
         };
         let hf_config = model.family().hf_config();
         let target = choose_target(args.device)?;
@@ -568,9 +561,7 @@ fn resolve_model(args: &StepArgs) -> Result<model_info::ModelShape, Box<dyn std:
         config: args.model.clone(),
         family: args.family.clone(),
         shape: args.shape.clone(),
-        kv_heads: args.kv_heads,
-        intermediate: args.intermediate,
-        tied: args.tied,
+        llama: args.llama.clone(),
         init: None,
         seed: args.seed,
         tokenizer: None,
@@ -578,41 +569,34 @@ fn resolve_model(args: &StepArgs) -> Result<model_info::ModelShape, Box<dyn std:
     .resolve_shape()
 }
 
-fn model_shape(config: &Gpt2Config) -> ModelShape {
+/// The report's description of `shape`.
+fn describe(shape: &model_info::ModelShape) -> ModelShape {
+    use model_info::ModelShape::{Gpt2, Llama};
+    let (family, llama, [layers, heads, width, vocab, ctx], params) = match shape {
+        Gpt2(c) => (
+            "gpt2",
+            None,
+            [c.layers, c.heads, c.width, c.vocab, c.ctx],
+            c.param_count(),
+        ),
+        Llama(c) => (
+            c.variant.model_type(),
+            Some((c.kv_heads, c.intermediate)),
+            [c.layers, c.heads, c.width, c.vocab, c.ctx],
+            c.param_count(),
+        ),
+    };
     ModelShape {
-        name: PRESETS
-            .iter()
-            .find(|(_, c)| c == config)
-            .map_or("custom", |(n, _)| n)
-            .to_string(),
-        family: "gpt2".into(),
-        kv_heads: None,
-        intermediate: None,
-        layers: config.layers,
-        heads: config.heads,
-        width: config.width,
-        vocab: config.vocab,
-        ctx: config.ctx,
-        params: config.param_count() as u64,
-    }
-}
-
-fn llama_shape(config: &LlamaConfig) -> ModelShape {
-    ModelShape {
-        name: llama::preset_names()
-            .into_iter()
-            .find(|n| LlamaConfig::preset(n).as_ref() == Some(config))
-            .unwrap_or("custom")
-            .to_string(),
-        family: config.variant.model_type().into(),
-        kv_heads: Some(config.kv_heads),
-        intermediate: Some(config.intermediate),
-        layers: config.layers,
-        heads: config.heads,
-        width: config.width,
-        vocab: config.vocab,
-        ctx: config.ctx,
-        params: config.param_count() as u64,
+        name: shape.preset_name().into(),
+        family: family.into(),
+        kv_heads: llama.map(|(kv, _)| kv),
+        intermediate: llama.map(|(_, i)| i),
+        layers,
+        heads,
+        width,
+        vocab,
+        ctx,
+        params: params as u64,
     }
 }
 
