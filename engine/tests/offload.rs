@@ -142,9 +142,26 @@ fn train_configured(
     step_params: StepParams,
     config: &ExecConfig,
 ) -> (Run, Vec<StepReport>) {
+    train_loaded(model, plan, steps, step_params, config, false)
+}
+
+/// As [`train_configured`]; `by_block`: the executor makes the initial parameters a
+/// block at a time as it loads them (`load_blocks`), not from the whole model's.
+fn train_loaded(
+    model: &Model,
+    plan: Plan,
+    steps: usize,
+    step_params: StepParams,
+    config: &ExecConfig,
+    by_block: bool,
+) -> (Run, Vec<StepReport>) {
     let shape = plan.shape;
     let mut exec = Executor::on_cpu(model.clone(), plan, config).unwrap();
-    exec.load(&model.init_params(7), None).unwrap();
+    if by_block {
+        exec.load_blocks(&|b| model.init_block(b, 7)).unwrap();
+    } else {
+        exec.load(&model.init_params(7), None).unwrap();
+    }
     // One batch, seen every step: the loss must fall.
     let data = vec![
         batches(
@@ -224,6 +241,47 @@ fn every_policy_and_depth_trains_bit_identically() {
                 assert_bit_identical(&reference, &run, &what);
             }
         }
+    }
+}
+
+#[test]
+fn loading_a_block_at_a_time_trains_the_same_bits() {
+    let mut qwen3 = LlamaConfig::llama(3, 48, 80, 4, 2, 96, 32);
+    qwen3.variant = Variant::Qwen3;
+    qwen3.qk_norm = true;
+    for model in [
+        Model::new(small()).unwrap(),
+        Model::of(Llama::new(qwen3).unwrap()),
+    ] {
+        let shape = StepShape::cpu(2, 16);
+        let policy = NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        };
+        let plan = Plan::build(
+            &PlanInput {
+                model: &model,
+                shape,
+                budgets: UNLIMITED,
+            },
+            &policy,
+        )
+        .unwrap();
+        let nvme = tempfile::tempdir().unwrap();
+        let config = ExecConfig {
+            nvme_dirs: vec![nvme.path().to_path_buf()],
+            ..ExecConfig::default()
+        };
+        let whole = train_loaded(&model, plan.clone(), 3, hyper(1e-3), &config, false).0;
+        let blocks = train_loaded(&model, plan.clone(), 3, hyper(1e-3), &config, true).0;
+        assert_bit_identical(&whole, &blocks, &model.describe());
+
+        // A made block of the wrong size is refused, naming it.
+        let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
+        let err = exec
+            .load_blocks(&|b| vec![0.0; model.blocks()[b].len + usize::from(b == 1)])
+            .unwrap_err();
+        assert!(err.to_string().contains("block 1's parameters"), "{err}");
     }
 }
 

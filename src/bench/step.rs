@@ -483,14 +483,20 @@ struct Setup {
     hf_config: Value,
     /// Which device the executors open.
     device: DeviceChoice,
-    params: Vec<Vec<f32>>,
+    /// The initial parameters every executor loads, made once; `None`: each executor
+    /// makes them a block at a time as it loads them (a model too large to hold whole
+    /// beside the executor).
+    params: Option<Vec<Vec<f32>>>,
+    /// Seed of the initial parameters.
+    seed: u64,
     shape: StepShape,
     exec_config: ExecConfig,
     step_params: StepParams,
 }
 
 impl Setup {
-    fn new(args: &StepArgs) -> Result<Self, Box<dyn std::error::Error>> {
+    /// `whole_params`: make the initial parameters once, for several executors.
+    fn new(args: &StepArgs, whole_params: bool) -> Result<Self, Box<dyn std::error::Error>> {
         let shape = resolve_model(args)?;
         let desc = describe(&shape);
         let model = match shape {
@@ -513,13 +519,14 @@ impl Setup {
             recompute: args.recompute.first().copied().unwrap_or_default(),
             ..StepShape::cpu(args.batch, args.seq).on(target)
         };
-        let params = model.init_params(args.seed);
+        let params = whole_params.then(|| model.init_params(args.seed));
         Ok(Setup {
             model,
             desc,
             hf_config,
             device: args.device,
             params,
+            seed: args.seed,
             shape,
             exec_config: ExecConfig {
                 nvme_dirs: vec![args.nvme.clone()],
@@ -549,7 +556,10 @@ impl Setup {
         )?;
         let mut executor =
             Executor::new(self.model.clone(), plan.clone(), device, &self.exec_config)?;
-        executor.load(&self.params, None)?;
+        match &self.params {
+            Some(params) => executor.load(params, None)?,
+            None => executor.load_blocks(&|b| self.model.init_block(b, self.seed))?,
+        }
         Ok(executor)
     }
 }
@@ -702,7 +712,7 @@ pub fn run(args: &StepArgs) -> Result<(), Box<dyn std::error::Error>> {
 /// Every policy's step time, interleaved, against `AllOnDevice`.
 pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::error::Error>> {
     let mut machine = Machine::now();
-    let setup = Setup::new(args)?;
+    let setup = Setup::new(args, true)?;
     let mut rigs = Vec::new();
     let mut refused = Vec::new();
     let mut asked: Vec<(PolicyName, Recompute)> = Vec::new();
@@ -1199,7 +1209,7 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
     // GPT-2 124M's 1.85 GiB of fp32 state is 2.1x this.
     const DEFAULT_HOST_BYTES: u64 = 900 << 20;
     let mut machine = Machine::now();
-    let mut setup = Setup::new(args)?;
+    let setup = Setup::new(args, false)?;
     let config = setup.desc.clone();
     let budgets = budgets(args, Some(DEFAULT_HOST_BYTES));
     let params = config.params;
@@ -1273,8 +1283,6 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
         format_bytes(plan.peak[Tier::Nvme.index()]),
     );
     let mut executor = setup.executor(&plan)?;
-    // The executor holds them now (on NVMe); a large model's are most of the RAM.
-    setup.params = Vec::new();
     // One batch, every step: the loss must fall.
     let batch = synthetic_batches(config.vocab, &setup.shape, args.seed, 0);
     let mut steps = Vec::new();

@@ -157,6 +157,9 @@ enum Source<'a> {
     },
     /// This rank's shards.
     Shard(&'a TrainingState),
+    /// Whole blocks, each made when it is loaded (zero moments), so that no more than
+    /// one block's parameters are held at once.
+    Blocks(&'a dyn Fn(usize) -> Vec<f32>),
 }
 
 /// Extent transfers an NVMe lane keeps in flight by default ([`ExecConfig::nvme_in_flight`]):
@@ -930,6 +933,14 @@ impl Executor {
         self.load_from(Source::Whole { params, moments })
     }
 
+    /// As [`Executor::load`] with zero moments, the parameters of block `b` being
+    /// `make(b)`, called once per block in order and dropped once written: loading holds
+    /// one block's parameters, not the model's (`Model::init_block` initialises a model
+    /// larger than the memory its whole parameters would take beside the executor's).
+    pub fn load_blocks(&mut self, make: &dyn Fn(usize) -> Vec<f32>) -> Result<(), ExecError> {
+        self.load_from(Source::Blocks(make))
+    }
+
     /// Writes this rank's shards (per block, [`Executor::shard`]'s length of the master
     /// parameters, m and v, as [`Executor::export_shard`] returns them) to their homes.
     /// With ranks it is a collective where working parameters live whole on the device
@@ -960,6 +971,21 @@ impl Executor {
         for (b, block) in blocks.iter().enumerate() {
             let len = block.len;
             let homes = self.plan.block_homes[b];
+            let made;
+            let whole_params: Option<&[f32]> = match source {
+                Source::Whole { params, .. } => Some(&params[b]),
+                Source::Blocks(make) => {
+                    made = make(b);
+                    if made.len() != len {
+                        return Err(ExecError::BadInput(format!(
+                            "block {b}'s parameters have {} values, not the model's {len}",
+                            made.len()
+                        )));
+                    }
+                    Some(&made)
+                }
+                Source::Shard(_) => None,
+            };
             // With ranks, this rank's shard of the state (and of host or NVMe working
             // parameters), zero past the block's end.
             let (lo, shard, valid) = self.shard(b);
@@ -973,19 +999,24 @@ impl Executor {
                 f.fill(0.0);
                 let (p, rest) = f.split_at_mut(shard);
                 let (m, v) = rest.split_at_mut(shard);
-                match source {
-                    Source::Whole { params, moments } => {
-                        p[..valid].copy_from_slice(&params[b][part.clone()]);
-                        if let Some((mm, vv)) = moments {
-                            m[..valid].copy_from_slice(&mm[b][part.clone()]);
-                            v[..valid].copy_from_slice(&vv[b][part.clone()]);
-                        }
-                    }
-                    Source::Shard((pp, mm, vv)) => {
+                match (source, whole_params) {
+                    (Source::Shard((pp, mm, vv)), _) => {
                         p[..valid].copy_from_slice(&pp[b][..valid]);
                         m[..valid].copy_from_slice(&mm[b][..valid]);
                         v[..valid].copy_from_slice(&vv[b][..valid]);
                     }
+                    (_, Some(whole)) => {
+                        p[..valid].copy_from_slice(&whole[part.clone()]);
+                        if let Source::Whole {
+                            moments: Some((mm, vv)),
+                            ..
+                        } = source
+                        {
+                            m[..valid].copy_from_slice(&mm[b][part.clone()]);
+                            v[..valid].copy_from_slice(&vv[b][part.clone()]);
+                        }
+                    }
+                    (_, None) => unreachable!("whole sources have the block's parameters"),
                 }
             }
             self.put_home(&staging, state_range, homes.state, None)?;
@@ -994,15 +1025,16 @@ impl Executor {
             }
             let whole = self.plan.buffer(homes.params).tier == Tier::Device;
             let gathered;
-            let master: &[f32] = match (source, whole) {
-                (Source::Whole { params, .. }, true) => &params[b],
-                (Source::Whole { params, .. }, false) => &params[b][part.clone()],
-                (Source::Shard((pp, _, _)), false) => &pp[b][..valid],
-                (Source::Shard((pp, _, _)), true) => {
+            let master: &[f32] = match (source, whole_params, whole) {
+                (_, Some(params), true) => params,
+                (_, Some(params), false) => &params[part.clone()],
+                (Source::Shard((pp, _, _)), _, false) => &pp[b][..valid],
+                (Source::Shard((pp, _, _)), _, true) => {
                     // The whole block, from every rank's shard.
                     gathered = self.gather_block(b, &pp[b])?;
                     &gathered
                 }
+                (_, None, _) => unreachable!("whole sources have the block's parameters"),
             };
             let working = HostRange::new(0, if whole { len } else { shard } * pbytes);
             {

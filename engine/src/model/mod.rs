@@ -241,9 +241,10 @@ pub trait Family: Send + Sync + fmt::Debug {
     fn logits(&self, _shape: Shape, _target: Target, _dtype: Dtype) -> Option<TensorRef> {
         None
     }
-    /// Parameters for training from scratch, one f32 buffer per block, deterministic in
-    /// `seed`.
-    fn init_params(&self, seed: u64) -> Vec<Vec<f32>>;
+    /// Block `block`'s parameters for training from scratch, deterministic in `seed` and
+    /// independent of the other blocks' (so a model can be initialised a block at a
+    /// time).
+    fn init_block(&self, block: usize, seed: u64) -> Vec<f32>;
     /// The prefix Hugging Face files put before the names of block `block`'s tensors.
     fn hf_prefix(&self, block: usize) -> &'static str;
     /// Whether a tensor a Hugging Face file holds is not a parameter (buffers, tied
@@ -347,7 +348,14 @@ impl Model {
 
     /// Parameters for training from scratch (the family's rule), deterministic in `seed`.
     pub fn init_params(&self, seed: u64) -> Vec<Vec<f32>> {
-        self.family.init_params(seed)
+        (0..self.blocks().len())
+            .map(|b| self.family.init_block(b, seed))
+            .collect()
+    }
+
+    /// Block `block`'s share of [`Model::init_params`], made alone.
+    pub fn init_block(&self, block: usize, seed: u64) -> Vec<f32> {
+        self.family.init_block(block, seed)
     }
 
     /// The batch shape of `batch` sequences of `seq` tokens, checked against the model.

@@ -40,32 +40,30 @@ impl SplitMix64 {
 /// GPT-2's initialisation for training from scratch (Hugging Face's rule): weights and
 /// embeddings normal with deviation 0.02, the residual projections' 0.02 / sqrt(2
 /// layers), biases 0, LayerNorm weights 1. Deterministic in `seed`.
-pub(super) fn gpt2_init(blocks: &[BlockLayout], layers: usize, seed: u64) -> Vec<Vec<f32>> {
+pub(super) fn gpt2_init(block: &BlockLayout, layers: usize, seed: u64) -> Vec<f32> {
     const STD: f64 = 0.02;
     let layers = layers.max(1) as f64;
-    let mut params: Vec<Vec<f32>> = blocks.iter().map(|b| vec![0.0; b.len]).collect();
-    for (block, buffer) in blocks.iter().zip(&mut params) {
-        let mut rng = SplitMix64::for_block(block.kind, seed);
-        for t in &block.tensors {
-            let out = &mut buffer[t.slot.range()];
-            if t.name.ends_with(".bias") {
-                continue;
-            }
-            if t.name.contains("ln_") {
-                out.fill(1.0);
-                continue;
-            }
-            let std = if t.name.ends_with("c_proj.weight") {
-                STD / (2.0 * layers).sqrt()
-            } else {
-                STD
-            };
-            for v in out {
-                *v = (rng.normal() * std) as f32;
-            }
+    let mut buffer = vec![0.0; block.len];
+    let mut rng = SplitMix64::for_block(block.kind, seed);
+    for t in &block.tensors {
+        let out = &mut buffer[t.slot.range()];
+        if t.name.ends_with(".bias") {
+            continue;
+        }
+        if t.name.contains("ln_") {
+            out.fill(1.0);
+            continue;
+        }
+        let std = if t.name.ends_with("c_proj.weight") {
+            STD / (2.0 * layers).sqrt()
+        } else {
+            STD
+        };
+        for v in out {
+            *v = (rng.normal() * std) as f32;
         }
     }
-    params
+    buffer
 }
 
 #[cfg(test)]

@@ -168,8 +168,8 @@ impl Family for Gpt2 {
         Some(self.scratch(shape, target, dtype).logits)
     }
 
-    fn init_params(&self, seed: u64) -> Vec<Vec<f32>> {
-        init::gpt2_init(&self.blocks, self.config.layers, seed)
+    fn init_block(&self, block: usize, seed: u64) -> Vec<f32> {
+        init::gpt2_init(&self.blocks[block], self.config.layers, seed)
     }
 
     fn hf_prefix(&self, _block: usize) -> &'static str {

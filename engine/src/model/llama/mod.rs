@@ -197,8 +197,8 @@ impl Family for Llama {
         Some(self.scratch(shape, target, dtype).logits)
     }
 
-    fn init_params(&self, seed: u64) -> Vec<Vec<f32>> {
-        init(&self.blocks, seed)
+    fn init_block(&self, block: usize, seed: u64) -> Vec<f32> {
+        init(&self.blocks[block], seed)
     }
 
     fn hf_prefix(&self, _block: usize) -> &'static str {
@@ -269,26 +269,24 @@ fn block_layouts(c: &LlamaConfig) -> Vec<BlockLayout> {
 /// Transformers' initialisation of the family for training from scratch: linear
 /// weights and the embedding normal with deviation 0.02 (`initializer_range`), biases 0,
 /// RMSNorm gains 1. One random stream per block, deterministic in `seed`.
-fn init(blocks: &[BlockLayout], seed: u64) -> Vec<Vec<f32>> {
+fn init(block: &BlockLayout, seed: u64) -> Vec<f32> {
     const STD: f64 = 0.02;
-    let mut params: Vec<Vec<f32>> = blocks.iter().map(|b| vec![0.0; b.len]).collect();
-    for (block, buffer) in blocks.iter().zip(&mut params) {
-        let mut rng = SplitMix64::for_block(block.kind, seed);
-        for t in &block.tensors {
-            let out = &mut buffer[t.slot.range()];
-            if t.name.ends_with(".bias") {
-                continue;
-            }
-            if t.shape.len() == 1 {
-                out.fill(1.0);
-                continue;
-            }
-            for v in out {
-                *v = (rng.normal() * STD) as f32;
-            }
+    let mut buffer = vec![0.0; block.len];
+    let mut rng = SplitMix64::for_block(block.kind, seed);
+    for t in &block.tensors {
+        let out = &mut buffer[t.slot.range()];
+        if t.name.ends_with(".bias") {
+            continue;
+        }
+        if t.shape.len() == 1 {
+            out.fill(1.0);
+            continue;
+        }
+        for v in out {
+            *v = (rng.normal() * STD) as f32;
         }
     }
-    params
+    buffer
 }
 
 /// A transformer block's tensors (the same offsets in every layer).
