@@ -1,6 +1,6 @@
 //! GPT-2's initialisation for training from scratch, deterministic in a seed.
 
-use crate::model::{BlockKind, BlockLayout};
+use crate::model::{BlockKind, BlockLayout, TensorSpec};
 
 /// SplitMix64: a small, well-mixed generator, enough for initial weights.
 pub(in crate::model) struct SplitMix64(u64);
@@ -43,24 +43,48 @@ impl SplitMix64 {
 pub(super) fn gpt2_init(block: &BlockLayout, layers: usize, seed: u64) -> Vec<f32> {
     const STD: f64 = 0.02;
     let layers = layers.max(1) as f64;
+    init_block_with(block, seed, |t| {
+        if t.name.ends_with(".bias") {
+            Init::Zero
+        } else if t.name.contains("ln_") {
+            Init::One
+        } else if t.name.ends_with("c_proj.weight") {
+            Init::Normal(STD / (2.0 * layers).sqrt())
+        } else {
+            Init::Normal(STD)
+        }
+    })
+}
+
+/// How a tensor starts.
+pub(in crate::model) enum Init {
+    /// All zeros.
+    Zero,
+    /// All ones.
+    One,
+    /// Normal with this deviation, drawn from the block's stream.
+    Normal(f64),
+}
+
+/// Block `block`'s initial parameters, each tensor as `rule` says, the normal ones drawn
+/// in tensor order from the block's own stream ([`SplitMix64::for_block`]).
+pub(in crate::model) fn init_block_with(
+    block: &BlockLayout,
+    seed: u64,
+    rule: impl Fn(&TensorSpec) -> Init,
+) -> Vec<f32> {
     let mut buffer = vec![0.0; block.len];
     let mut rng = SplitMix64::for_block(block.kind, seed);
     for t in &block.tensors {
         let out = &mut buffer[t.slot.range()];
-        if t.name.ends_with(".bias") {
-            continue;
-        }
-        if t.name.contains("ln_") {
-            out.fill(1.0);
-            continue;
-        }
-        let std = if t.name.ends_with("c_proj.weight") {
-            STD / (2.0 * layers).sqrt()
-        } else {
-            STD
-        };
-        for v in out {
-            *v = (rng.normal() * std) as f32;
+        match rule(t) {
+            Init::Zero => {}
+            Init::One => out.fill(1.0),
+            Init::Normal(std) => {
+                for v in out {
+                    *v = (rng.normal() * std) as f32;
+                }
+            }
         }
     }
     buffer

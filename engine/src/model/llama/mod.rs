@@ -35,7 +35,7 @@ use serde_json::Value;
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, gqa_attention_scratch_bytes};
 
-use super::gpt2::init::SplitMix64;
+use super::gpt2::init::{Init, init_block_with};
 use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
 use super::{Bind, Family, ModelError, Pass, Shape};
@@ -271,22 +271,15 @@ fn block_layouts(c: &LlamaConfig) -> Vec<BlockLayout> {
 /// RMSNorm gains 1. One random stream per block, deterministic in `seed`.
 fn init(block: &BlockLayout, seed: u64) -> Vec<f32> {
     const STD: f64 = 0.02;
-    let mut buffer = vec![0.0; block.len];
-    let mut rng = SplitMix64::for_block(block.kind, seed);
-    for t in &block.tensors {
-        let out = &mut buffer[t.slot.range()];
+    init_block_with(block, seed, |t| {
         if t.name.ends_with(".bias") {
-            continue;
+            Init::Zero
+        } else if t.shape.len() == 1 {
+            Init::One
+        } else {
+            Init::Normal(STD)
         }
-        if t.shape.len() == 1 {
-            out.fill(1.0);
-            continue;
-        }
-        for v in out {
-            *v = (rng.normal() * STD) as f32;
-        }
-    }
-    buffer
+    })
 }
 
 /// A transformer block's tensors (the same offsets in every layer).
