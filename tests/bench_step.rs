@@ -279,27 +279,21 @@ fn scale_run_with_clipping_spills_gradients_when_the_host_needs_it() {
 #[test]
 fn a_llama_family_model_runs_every_policy_with_the_same_losses() {
     let dir = scratch();
-    let json = dir.path().join("step.json");
-    let out = strata()
-        .args([
-            "bench", "step", "--family", "llama", "--seq", "16", "--batch", "2",
-        ])
-        .args(["--steps", "1", "--warmup", "1"])
-        .args(["--policies", "all-on-device,nvme-offload"])
-        .arg("--nvme")
-        .arg(dir.path())
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let (stdout, report) = run_with_json(
+        strata()
+            .args([
+                "bench", "step", "--family", "llama", "--seq", "16", "--batch", "2",
+            ])
+            .args(["--steps", "1", "--warmup", "1"])
+            .args(["--policies", "all-on-device,nvme-offload"])
+            .arg("--nvme")
+            .arg(dir.path()),
+        &dir.path().join("step.json"),
+    );
     assert!(
         stdout.contains("bench step: llama custom (2 layers"),
         "{stdout}"
     );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let model = &report["model"];
     assert_eq!(model["family"], "llama");
     assert_eq!(model["kv_heads"], 2);
