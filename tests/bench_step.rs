@@ -30,6 +30,17 @@ fn run_with_json(command: &mut Command, json: &Path) -> (String, serde_json::Val
     (stdout, report)
 }
 
+/// Runs `command`, asserts it failed, and returns its stderr.
+fn failure(command: &mut Command) -> String {
+    let out = command.output().unwrap();
+    let (_, stderr) = text(&out);
+    assert!(
+        !out.status.success(),
+        "expected a failure; stderr:\n{stderr}"
+    );
+    stderr
+}
+
 fn text(out: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -267,9 +278,7 @@ fn scale_run_with_clipping_spills_gradients_when_the_host_needs_it() {
 
     let mut held = strata();
     args(&mut held);
-    let out = held.args(["--spill-grads", "never"]).output().unwrap();
-    let (_, stderr) = text(&out);
-    assert!(!out.status.success());
+    let stderr = failure(held.args(["--spill-grads", "never"]));
     assert!(
         stderr.contains("host") && stderr.contains("--spill-grads auto"),
         "{stderr}"
@@ -304,13 +313,11 @@ fn a_llama_family_model_runs_every_policy_with_the_same_losses() {
     assert!(policies[1]["link_bytes_per_step"][0].as_u64().unwrap() > 0);
 
     // Llama-only flags on a GPT-2 model are refused, as `strata model` refuses them.
-    let out = strata()
-        .args(["bench", "step", "--kv-heads", "2"])
-        .args(TINY)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let (_, stderr) = text(&out);
+    let stderr = failure(
+        strata()
+            .args(["bench", "step", "--kv-heads", "2"])
+            .args(TINY),
+    );
     assert!(
         stderr.contains("--kv-heads is for Llama-family models"),
         "{stderr}"
@@ -321,45 +328,39 @@ fn a_llama_family_model_runs_every_policy_with_the_same_losses() {
 fn bad_arguments_are_clear_errors() {
     // The scale claim needs a model at least twice the host budget.
     let dir = scratch();
-    let out = strata()
-        .args(["bench", "step", "--scale", "--host-mem", "1GiB"])
-        .args(TINY)
-        .arg("--nvme")
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let (_, stderr) = text(&out);
+    let stderr = failure(
+        strata()
+            .args(["bench", "step", "--scale", "--host-mem", "1GiB"])
+            .args(TINY)
+            .arg("--nvme")
+            .arg(dir.path()),
+    );
     assert!(stderr.contains("less than twice --host-mem"), "{stderr}");
 
-    let out = strata()
-        .args(["bench", "step", "--policies", "nvme-offload"])
-        .args(TINY)
-        .args(["--nvme", "/no/such/folder"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let (_, stderr) = text(&out);
+    let stderr = failure(
+        strata()
+            .args(["bench", "step", "--policies", "nvme-offload"])
+            .args(TINY)
+            .args(["--nvme", "/no/such/folder"]),
+    );
     assert!(
         stderr.contains("/no/such/folder") && stderr.contains("not a folder"),
         "{stderr}"
     );
 
     if std::path::Path::new("/dev/shm").is_dir() && strata::storage::is_tmpfs("/dev/shm".as_ref()) {
-        let out = strata()
-            .args([
-                "bench",
-                "step",
-                "--policies",
-                "nvme-offload",
-                "--nvme",
-                "/dev/shm",
-            ])
-            .args(TINY)
-            .output()
-            .unwrap();
-        assert!(!out.status.success());
-        let (_, stderr) = text(&out);
+        let stderr = failure(
+            strata()
+                .args([
+                    "bench",
+                    "step",
+                    "--policies",
+                    "nvme-offload",
+                    "--nvme",
+                    "/dev/shm",
+                ])
+                .args(TINY),
+        );
         assert!(
             stderr.contains("tmpfs") && stderr.contains("not a drive"),
             "{stderr}"
@@ -376,12 +377,7 @@ fn bad_arguments_are_clear_errors() {
         );
     }
 
-    let out = strata()
-        .args(["bench", "step", "--policies", "everything"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let (_, stderr) = text(&out);
+    let stderr = failure(strata().args(["bench", "step", "--policies", "everything"]));
     assert!(
         stderr.contains("nvme-offload"),
         "lists the choices: {stderr}"
