@@ -120,15 +120,32 @@ pub fn model_shape(cfg: &TrainConfig) -> Result<Model, Error> {
     Ok(weights::load_config(&config)?)
 }
 
-/// The model of a configuration with its parameters: a preset or shape (initialised
-/// from the seed) or a directory's weights.
-fn model_of(cfg: &TrainConfig) -> Result<(Model, Vec<Vec<f32>>), Error> {
-    if is_shape(cfg) {
-        let model = model_shape(cfg)?;
-        let params = model.init_params(cfg.seed);
-        return Ok((model, params));
+/// Where a fresh run's parameters come from, a block at a time: initialised from the
+/// seed (a preset, a shape, or a folder of only `config.json`) or read from a folder's
+/// weights. Neither holds more than one block's parameters while the executor loads.
+enum FreshParams {
+    /// `Model::init_block` from the seed.
+    Init(Model, u64),
+    /// A folder's weights, every tensor found and checked when opened.
+    Pretrained(weights::PretrainedBlocks),
+}
+
+impl FreshParams {
+    fn of(cfg: &TrainConfig) -> Result<Self, Error> {
+        if is_shape(cfg) {
+            return Ok(FreshParams::Init(model_shape(cfg)?, cfg.seed));
+        }
+        let (_, blocks, _) = weights::open_pretrained_blocks(Path::new(&cfg.model))?;
+        Ok(FreshParams::Pretrained(blocks))
     }
-    Ok(weights::load_pretrained(Path::new(&cfg.model))?)
+
+    /// Block `b`'s f32 parameters.
+    fn block(&self, b: usize) -> Vec<f32> {
+        match self {
+            FreshParams::Init(model, seed) => model.init_block(b, *seed),
+            FreshParams::Pretrained(blocks) => blocks.read_block(b),
+        }
+    }
 }
 
 /// Whether the configured model is a shape without weights (a preset, `LAYERSxWIDTH`,
@@ -805,10 +822,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
                 let ckpt = checkpoint::load(&dir)?;
                 check_resumed_model(path, &ckpt.model, &model)?;
                 check_resume_settings(path, &ckpt.state.config, &cfg, ranks)?;
-                Some((
-                    Initial::Whole(ckpt.params, Some([ckpt.m, ckpt.v])),
-                    ckpt.state,
-                ))
+                Some((Initial::Whole(ckpt.params, [ckpt.m, ckpt.v]), ckpt.state))
             }
         }
         None => None,
@@ -816,7 +830,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     let (initial, mut state) = match resumed {
         Some(x) => x,
         None => {
-            let (_, params) = model_of(&cfg)?;
+            let fresh = FreshParams::of(&cfg)?;
             let state = TrainerState {
                 step: 0,
                 data_position: 0,
@@ -830,7 +844,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
                 skipped_steps: 0,
                 config: serde_json::Value::Null,
             };
-            (Initial::Whole(params, None), state)
+            (Initial::Fresh(fresh), state)
         }
     };
     state.config = serde_json::to_value(&cfg)?;
@@ -865,10 +879,9 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     let shard_len: Vec<usize> = plan.shard_len.iter().map(|&s| s as usize).collect();
     let mut exec = Executor::new(model.clone(), plan, device, &exec_config)?;
     match &initial {
-        Initial::Whole(params, moments) => {
-            exec.load(params, moments.as_ref().map(|[m, v]| (&m[..], &v[..])))?
-        }
+        Initial::Whole(params, [m, v]) => exec.load(params, Some((&m[..], &v[..])))?,
         Initial::Shard(shard) => exec.load_shard(shard)?,
+        Initial::Fresh(fresh) => exec.load_blocks(&|b| fresh.block(b))?,
     }
     drop(initial);
     exec.set_steps(state.step - state.skipped_steps);
@@ -1098,9 +1111,10 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
 
 /// Where a run's parameters come from.
 enum Initial {
-    /// Whole blocks (initialised, loaded, or an ordinary checkpoint), with the moments
-    /// of a checkpoint.
-    Whole(Vec<Vec<f32>>, Option<[Vec<Vec<f32>>; 2]>),
+    /// A fresh run's, made or read a block at a time as they are loaded.
+    Fresh(FreshParams),
+    /// Whole blocks of an ordinary checkpoint, with its moments.
+    Whole(Vec<Vec<f32>>, [Vec<Vec<f32>>; 2]),
     /// This rank's shards of a sharded checkpoint.
     Shard(strata_engine::exec::TrainingState),
 }

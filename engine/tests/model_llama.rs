@@ -28,7 +28,7 @@ use strata_engine::kernels::isa::Isa;
 use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::Model;
 use strata_engine::model::data::{Batch, TokenData};
-use strata_engine::model::weights::load_pretrained;
+use strata_engine::model::weights::{load_pretrained, open_pretrained_blocks};
 use strata_engine::plan::{AllOnDevice, Plan, PlanInput, Policy, StepShape};
 
 const B: usize = 2;
@@ -41,6 +41,56 @@ fn batch(model: &Model, data: &TokenData, step: usize) -> Batch {
     data.read_batch(step, B, T, model.vocab(), &mut batch)
         .unwrap();
     batch
+}
+
+#[test]
+fn reading_a_block_at_a_time_gives_the_files_tensors() {
+    for name in MODELS {
+        let (model, blocks, _) = open_pretrained_blocks(&data_dir(name)).unwrap();
+        let file = read_f32_tensors(&data_dir(name).join("model.safetensors"));
+        let family = model.family();
+        for (b, spec) in model.blocks().iter().enumerate() {
+            let block = blocks.read_block(b);
+            assert_eq!(block.len(), spec.len, "{name}: block {b}");
+            for t in &spec.tensors {
+                let stored = file
+                    .get(&format!("{}{}", family.hf_prefix(b), t.name))
+                    .or_else(|| file.get(&t.name))
+                    .unwrap_or_else(|| panic!("{name}: {} is in the file", t.name));
+                assert!(
+                    block[t.slot.range()]
+                        .iter()
+                        .zip(stored)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{name}: block {b}'s {}",
+                    t.name
+                );
+            }
+        }
+        // The same as the whole load.
+        let (_, params) = load_pretrained(&data_dir(name)).unwrap();
+        assert!(
+            params
+                .iter()
+                .enumerate()
+                .all(|(b, p)| *p == blocks.read_block(b))
+        );
+    }
+    // A folder whose weights do not match its config.json fails when opened, naming
+    // the tensor, before any block is read.
+    let dir = tempfile::tempdir().unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(data_dir("llama-tiny").join(file), dir.path().join(file)).unwrap();
+    }
+    let config = dir.path().join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    json["intermediate_size"] = (json["intermediate_size"].as_u64().unwrap() * 2).into();
+    std::fs::write(&config, json.to_string()).unwrap();
+    let err = open_pretrained_blocks(dir.path())
+        .err()
+        .expect("a mismatch");
+    assert!(err.to_string().contains("mlp"), "{err}");
 }
 
 #[test]

@@ -223,6 +223,41 @@ pub fn load_pretrained(path: &Path) -> Result<(Model, Vec<Vec<f32>>), ModelError
     Ok((model, params))
 }
 
+/// A model folder's weights opened for reading one block at a time, so that loading a
+/// model holds one block's f32 parameters, not the model's: every tensor is found and
+/// its shape checked when opened ([`open_pretrained_blocks`]), and each
+/// [`PretrainedBlocks::read_block`] widens one block's tensors from the mapped files.
+pub struct PretrainedBlocks {
+    model: Model,
+    files: WeightFiles,
+}
+
+impl PretrainedBlocks {
+    /// Block `b`'s parameters as f32, as [`load_pretrained`] gives them.
+    ///
+    /// # Panics
+    /// If `b` is not a block of the model.
+    pub fn read_block(&self, b: usize) -> Vec<f32> {
+        self.files.read_checked_block(&self.model, "", b)
+    }
+}
+
+/// [`load_pretrained`] a block at a time: the model of `path`'s `config.json`, the
+/// folder's description, and a reader of its blocks. Every tensor the model needs is
+/// found and its shape checked here, so a folder that does not match fails before
+/// anything is read or allocated.
+pub fn open_pretrained_blocks(
+    path: &Path,
+) -> Result<(Model, PretrainedBlocks, Pretrained), ModelError> {
+    std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+    let (config_path, _) = model_files(path);
+    let model = load_config(&config_path)?;
+    let files = WeightFiles::open(path)?;
+    files.check_params(&model)?;
+    let source = files.describe(&model, &config_path)?;
+    Ok((model.clone(), PretrainedBlocks { model, files }, source))
+}
+
 /// [`load_pretrained`], with what the folder holds besides the parameters.
 pub fn open_pretrained(path: &Path) -> Result<(Model, Vec<Vec<f32>>, Pretrained), ModelError> {
     std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
@@ -561,7 +596,16 @@ impl WeightFiles {
     /// Every parameter of `model`: one f32 buffer per block, with a warning naming the
     /// tensors of the files the model does not use.
     fn read_params(&self, model: &Model) -> Result<Vec<Vec<f32>>, ModelError> {
-        let params = self.read_blocks(model, "")?;
+        self.check_params(model)?;
+        Ok((0..model.blocks().len())
+            .map(|b| self.read_checked_block(model, "", b))
+            .collect())
+    }
+
+    /// [`Self::check_blocks`] for the parameters, with a warning naming the tensors of
+    /// the files the model does not use.
+    fn check_params(&self, model: &Model) -> Result<(), ModelError> {
+        self.check_blocks(model, "")?;
         let family = model.family();
         let expected: std::collections::HashSet<String> = model
             .blocks()
@@ -589,7 +633,7 @@ impl WeightFiles {
                 extra.join(", ")
             );
         }
-        Ok(params)
+        Ok(())
     }
 
     /// One f32 buffer per block of `model`, each tensor found under `prefix` (`""` for
@@ -599,23 +643,37 @@ impl WeightFiles {
         model: &Model,
         prefix: &str,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        // Every tensor is checked against the model before anything is allocated: a
-        // config.json that disagrees with the weights is an error naming the tensor, not
-        // an allocation of the size the config claims.
+        self.check_blocks(model, prefix)?;
+        Ok((0..model.blocks().len())
+            .map(|b| self.read_checked_block(model, prefix, b))
+            .collect())
+    }
+
+    /// Finds every tensor of `model` under `prefix` with its shape, reading no data: a
+    /// config.json that disagrees with the weights is an error naming the tensor, before
+    /// anything of the size the config claims is allocated.
+    fn check_blocks(&self, model: &Model, prefix: &str) -> Result<(), ModelError> {
         let family = model.family();
         for (b, block) in model.blocks().iter().enumerate() {
             for t in &block.tensors {
                 self.locate(prefix, family.hf_prefix(b), &t.name, &t.shape)?;
             }
         }
-        let mut buffers = model.zero_params();
-        for (b, (block, buffer)) in model.blocks().iter().zip(&mut buffers).enumerate() {
-            for t in &block.tensors {
-                let (dtype, bytes) = self.locate(prefix, family.hf_prefix(b), &t.name, &t.shape)?;
-                widen(dtype, bytes, &mut buffer[t.slot.range()]);
-            }
+        Ok(())
+    }
+
+    /// Block `b`'s tensors under `prefix`, widened to f32, once [`Self::check_blocks`]
+    /// has found every one of them.
+    fn read_checked_block(&self, model: &Model, prefix: &str, b: usize) -> Vec<f32> {
+        let (family, block) = (model.family(), &model.blocks()[b]);
+        let mut buffer = vec![0f32; block.len];
+        for t in &block.tensors {
+            let (dtype, bytes) = self
+                .locate(prefix, family.hf_prefix(b), &t.name, &t.shape)
+                .expect("check_blocks found every tensor of the model");
+            widen(dtype, bytes, &mut buffer[t.slot.range()]);
         }
-        Ok(buffers)
+        buffer
     }
 
     /// The folder's description: the dtype holding most of `model`'s parameters, the
