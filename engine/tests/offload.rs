@@ -526,6 +526,51 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
     }
 }
 
+/// In fp32 without a norm barrier, the backward that completes a block's gradients
+/// takes its parameters from the state read for the block's update (the master copy
+/// heads the state), not from a second read: NVMe reads per step, as the tier counted
+/// them, are every block's state once (12 bytes per parameter) and the forward's
+/// parameter reads (4), nothing for the backward. The bits are all-on-device's.
+#[test]
+fn the_backward_takes_its_parameters_from_the_state_read_for_the_update() {
+    let model = Model::new(small()).unwrap();
+    let shape = StepShape::cpu(2, 16);
+    let policy = NvmeOnly(NvmeOffload {
+        depth: 2,
+        checkpoints: Tier::Device,
+    });
+    let input = PlanInput {
+        model: &model,
+        shape,
+        budgets: UNLIMITED,
+    };
+    let plan = Plan::build(&input, &policy).unwrap();
+    let nb = model.blocks().len();
+    let len = |b: usize| model.blocks()[b].len as u64;
+    // The forward reads the embedding and every layer, and the head reads the block it
+    // is tied to; the head's own parameters come with its state (its forward and
+    // backward are one program, the one that completes its gradients).
+    let head = nb - 1;
+    let reads: Vec<u64> = (0..nb)
+        .map(|b| 12 * len(b))
+        .chain((0..head).chain(model.tied(head)).map(|b| 4 * len(b)))
+        .collect();
+    assert_eq!(plan.link_bytes[0], reads.iter().sum::<u64>(), "planned");
+    let nvme = tempfile::tempdir().unwrap();
+    let config = ExecConfig {
+        nvme_dirs: vec![nvme.path().to_path_buf()],
+        ..ExecConfig::default()
+    };
+    let (run, reports) = train_configured(&model, plan, 3, hyper(1e-3), &config);
+    // Each read moves whole 4 KiB blocks.
+    let moved: u64 = reads.iter().map(|r| r.next_multiple_of(4096)).sum();
+    for (i, report) in reports.iter().enumerate() {
+        assert_eq!(report.link_bytes[0], moved, "step {i}, measured");
+    }
+    let reference = train(&model, shape, &AllOnDevice, 3, hyper(1e-3));
+    assert_bit_identical(&reference, &run, "nvme-offload, parameters from the state");
+}
+
 #[test]
 fn a_delayed_update_is_one_step_stale_and_policy_independent() {
     let model = Model::new(small()).unwrap();

@@ -752,8 +752,9 @@ struct Planner<'a> {
     seq: Vec<Compute>,
     /// Device parameter buffer of block b at compute k.
     dev_params: Vec<Vec<Option<BufId>>>,
-    /// Fetches to emit before compute k: (block, device buffer).
-    fetches: Vec<Vec<(usize, BufId)>>,
+    /// Fetches to emit before compute k: (block, device buffer, whether the parameters
+    /// come from the block's state read, see [`Planner::state_feeds_backward`]).
+    fetches: Vec<Vec<(usize, BufId, bool)>>,
     ckpts: Vec<Vec<Ckpt>>,
     /// Per block: whether it keeps its saved activations, and their bytes.
     kept: Vec<bool>,
@@ -1500,7 +1501,10 @@ impl<'a> Planner<'a> {
         for &k in group.iter() {
             self.dev_params[k][b] = Some(id);
         }
-        self.fetches[group[0].saturating_sub(self.depth)].push((b, id));
+        // The state read for the update is emitted at this same position (`completes`
+        // less the depth), before the fetch.
+        let from_state = group[0] == self.completes(b) && self.state_feeds_backward(b);
+        self.fetches[group[0].saturating_sub(self.depth)].push((b, id, from_state));
         group.clear();
     }
 
@@ -1623,8 +1627,8 @@ impl<'a> Planner<'a> {
                 let bytes = 8 * self.dims.rows() as u64;
                 self.copy_in(from, to, bytes, None, false);
             }
-            for (b, to) in std::mem::take(&mut self.fetches[k]) {
-                self.fetch_params(b, to);
+            for (b, to, from_state) in std::mem::take(&mut self.fetches[k]) {
+                self.fetch_params(b, to, from_state);
             }
             let step = self.seq[k];
             self.emit_compute(k, step);
@@ -1778,13 +1782,15 @@ impl<'a> Planner<'a> {
         (host != device).then_some((host, device))
     }
 
-    /// Block `b`'s working parameters from their home to the device buffer `to`.
-    /// With ranks, the home holds this rank's shard: the shards are gathered on the
-    /// host first.
-    fn fetch_params(&mut self, b: usize, to: BufId) {
+    /// Block `b`'s working parameters from their home to the device buffer `to`, or
+    /// (`from_state`) from the head of its optimizer state, staged on the host for the
+    /// update by a read emitted just before. With ranks, the home holds this rank's
+    /// shard: the shards are gathered on the host first.
+    fn fetch_params(&mut self, b: usize, to: BufId, from_state: bool) {
         let bytes = self.len(b) * self.pbytes;
         let shard_bytes = self.shard(b) * self.pbytes;
         let from = match self.homes[b].params {
+            _ if from_state => self.s_stage[b].expect("the state's host stage"),
             Tier::Host => self.p_home[b].0,
             Tier::Nvme => {
                 let stage = self.buffer(format!("params[{b}]<@host"), Tier::Host, shard_bytes);
@@ -1795,6 +1801,16 @@ impl<'a> Planner<'a> {
         };
         let from = self.gathered(b, from, "<", false);
         self.copy_in(from, to, bytes, self.param_conversion(), false);
+    }
+
+    /// Whether the backward that completes block `b`'s gradients takes its parameters
+    /// from the state read for the block's update instead of reading them from NVMe
+    /// again: when the fp32 master copy heads the NVMe state ([`Self::shares_master`])
+    /// and that read is emitted `depth` computes before that backward, as the backward's
+    /// fetch is (no global-norm barrier, no delayed update). Each such block's backward
+    /// then reads 12 bytes per parameter from NVMe instead of 4 + 12.
+    fn state_feeds_backward(&self, b: usize) -> bool {
+        self.shares_master(b) && self.norm_flag.is_none()
     }
 
     /// With ranks: block `b`'s working parameters gathered from every rank's shard,
