@@ -782,15 +782,24 @@ fn render_cuda(cuda: &CudaReport) -> Vec<(String, String)> {
     lines
 }
 
-/// The CPU's model name from /proc/cpuinfo, or the architecture where it has none.
+/// The CPU's model name from /proc/cpuinfo with its family and model numbers (a
+/// virtual machine's name, "AMD EPYC" say, is the same for every generation; the numbers
+/// tell them apart), or the architecture where it has none.
 pub fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
+            let field = |key: &str| {
+                text.lines()
+                    .find(|l| l.split(':').next().map(str::trim) == Some(key))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|s| s.trim().to_string())
+            };
+            let name = field("model name")?;
+            Some(match (field("cpu family"), field("model")) {
+                (Some(family), Some(model)) => format!("{name} (family {family}, model {model})"),
+                _ => name,
+            })
         })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }

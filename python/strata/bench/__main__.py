@@ -14,14 +14,21 @@ HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
 def cpu_model():
+    """The model name with its family and model numbers, as `strata doctor` gives it."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def parse_count(text):
@@ -151,7 +158,10 @@ def bench_adam(args):
     # The machine's other work changes every figure here: say how busy it was.
     print(f"load average (1, 5, 15 min): {_load_text(load_before)} before, "
           f"{_load_text(load_after)} after")
-    out = dict(bench="adam", cpu=cpu_model(), cores=os.cpu_count(), threads=args.threads,
+    from strata import _native
+
+    out = dict(bench="adam", cpu=cpu_model(), isa=_native.isa(), cores=os.cpu_count(),
+               threads=args.threads,
                params=n, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
                hyper=dict(HP, betas=list(HP["betas"])), triad_gbytes_per_s=triad_med,
                triad_runs=triad, load_average_before=list(load_before),
