@@ -23,7 +23,7 @@ use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData, TokenFormat};
 use strata_engine::model::tokenize::{TextTokenizer, cached_tokens, tokenizer_file};
 use strata_engine::model::weights::{self, FileDtype, Pretrained, SaveOptions};
-use strata_engine::model::{Gpt2Config, Llama, LlamaConfig, Model, Target};
+use strata_engine::model::{Gpt2Config, Llama, LlamaConfig, Model, ModelError, Target};
 use strata_engine::plan::{
     Auto, Budgets, CostModel, Plan, PlanInput, Policy, Precision, StepShape, Tier, fmt_bytes,
 };
@@ -1074,7 +1074,14 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         writeln!(out, "checkpoint: {}", saved.display())?;
     }
     if let Some(dir) = &cfg.out {
-        let params = exec.export()?.0;
+        // With ranks every rank gathers the parameters (a collective) and rank 0 writes
+        // them; alone, each block is read from its tier as the file reaches it, so that
+        // saving holds one block's parameters, not the model's.
+        let gathered = if ranks > 1 {
+            Some(exec.export()?.0)
+        } else {
+            None
+        };
         if rank != 0 {
             return Ok(()); // rank 0 writes the model
         }
@@ -1085,7 +1092,20 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         if let Some(dtype) = cfg.save_dtype {
             options.dtype = file_dtype(dtype);
         }
-        weights::save_pretrained_with(&model, &params, dir, &options)?;
+        match &gathered {
+            Some(params) => weights::save_pretrained_with(&model, params, dir, &options)?,
+            None => weights::save_pretrained_blocks(
+                &model,
+                &|b| {
+                    exec.export_block(b).map_err(|e| ModelError::Source {
+                        what: format!("reading block {b}'s parameters to write {}", dir.display()),
+                        source: Box::new(e),
+                    })
+                },
+                dir,
+                &options,
+            )?,
+        }
         writeln!(
             out,
             "model: {} (Hugging Face safetensors in {}{}, config.json{})",

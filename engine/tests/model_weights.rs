@@ -10,7 +10,8 @@ use model_support::golden_dir;
 use safetensors::{Dtype, View};
 use strata_engine::model::weights::{
     FileDtype, INDEX_FILE, Pretrained, SaveOptions, WEIGHTS_FILE, WeightFiles, load_config,
-    load_pretrained, load_safetensors, open_pretrained, save_pretrained, save_pretrained_with,
+    load_pretrained, load_safetensors, open_pretrained, save_pretrained, save_pretrained_blocks,
+    save_pretrained_with,
 };
 use strata_engine::model::{Gpt2Config, Model, ModelError, gpt2};
 
@@ -506,4 +507,80 @@ fn pickles_and_bad_indexes_are_refused_with_what_to_do() {
         e.contains("transformer.nope") && e.contains("does not hold it"),
         "{e}"
     );
+}
+
+/// Saving a block at a time (what `strata train --out` does alone) writes the same files,
+/// byte for byte, as saving the whole parameters, single or sharded, reading each block
+/// once when its tensors' names are adjacent; a failed read moves nothing into place and
+/// is the error returned.
+#[test]
+fn saving_a_block_at_a_time_writes_the_whole_save_s_bytes() {
+    let (model, params, source) = open_pretrained(&golden_dir()).unwrap();
+    let total_bf16 = model.param_count() as u64 * 2;
+    for (dtype, max_shard_bytes) in [
+        (FileDtype::F32, u64::MAX),
+        (FileDtype::Bf16, total_bf16 / 3),
+    ] {
+        let options = SaveOptions {
+            dtype,
+            max_shard_bytes,
+            base: Some(&source),
+        };
+        let (whole, blocks) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        save_pretrained_with(&model, &params, whole.path(), &options).unwrap();
+        let reads = std::cell::RefCell::new(vec![0usize; params.len()]);
+        save_pretrained_blocks(
+            &model,
+            &|b| {
+                reads.borrow_mut()[b] += 1;
+                Ok(params[b].clone())
+            },
+            blocks.path(),
+            &options,
+        )
+        .unwrap();
+        let mut names: Vec<_> = std::fs::read_dir(whole.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert!(names.len() >= 2, "{names:?}");
+        for name in &names {
+            assert_eq!(
+                std::fs::read(whole.path().join(name)).unwrap(),
+                std::fs::read(blocks.path().join(name)).unwrap(),
+                "{dtype:?}: {name:?}"
+            );
+        }
+        // In one file GPT-2's names (h.N.*, ln_f, wpe, wte) keep each block's tensors
+        // together: one read per block. A block split between two shards is read for
+        // each.
+        let most = if max_shard_bytes == u64::MAX { 1 } else { 2 };
+        assert!(
+            reads.borrow().iter().all(|&n| (1..=most).contains(&n)),
+            "{dtype:?}: {:?}",
+            reads.borrow()
+        );
+    }
+    // A read that fails: the error, and no weights file left behind.
+    let out = tempfile::tempdir().unwrap();
+    let err = save_pretrained_blocks(
+        &model,
+        &|b| {
+            if b == 2 {
+                Err(ModelError::BadInput("block 2 could not be read".into()))
+            } else {
+                Ok(params[b].clone())
+            }
+        },
+        out.path(),
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("block 2 could not be read"),
+        "{err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(out.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
 }

@@ -571,6 +571,54 @@ fn the_backward_takes_its_parameters_from_the_state_read_for_the_update() {
     assert_bit_identical(&reference, &run, "nvme-offload, parameters from the state");
 }
 
+/// `export_block` (what `strata train --out` writes from, a block at a time) gives each
+/// block's master parameters as `export` does, whatever tier holds the state: the
+/// device, the host, or NVMe (whose head it reads alone); a block past the model's is
+/// refused.
+#[test]
+fn exporting_a_block_gives_the_whole_export_s_parameters() {
+    let model = Model::new(small()).unwrap();
+    let shape = StepShape::cpu(2, 16);
+    for policy in each_policy() {
+        let input = PlanInput {
+            model: &model,
+            shape,
+            budgets: UNLIMITED,
+        };
+        let plan = Plan::build(&input, policy.as_ref()).unwrap();
+        let nvme = tempfile::tempdir().unwrap();
+        let config = ExecConfig {
+            nvme_dirs: vec![nvme.path().to_path_buf()],
+            ..ExecConfig::default()
+        };
+        let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
+        exec.load(&model.init_params(7), None).unwrap();
+        let data = batches(model.vocab(), shape.batch * shape.seq, 2, 1, 3);
+        for step in &data {
+            let refs: Vec<(&[u32], &[u32])> = step.iter().map(|(t, y)| (&t[..], &y[..])).collect();
+            exec.step(&refs, &hyper(1e-3)).unwrap();
+        }
+        let (params, _, _) = exec.export().unwrap();
+        for (b, whole) in params.iter().enumerate() {
+            let block = exec.export_block(b).unwrap();
+            assert!(
+                block.len() == whole.len()
+                    && block
+                        .iter()
+                        .zip(whole)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{}: block {b}",
+                policy.name()
+            );
+        }
+        assert!(
+            exec.export_block(params.len()).is_err(),
+            "{}",
+            policy.name()
+        );
+    }
+}
+
 #[test]
 fn a_delayed_update_is_one_step_stale_and_policy_independent() {
     let model = Model::new(small()).unwrap();

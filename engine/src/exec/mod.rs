@@ -1172,64 +1172,108 @@ impl Executor {
     /// block from their homes: per block, [`Executor::shard`]'s length of each, zero past
     /// the block's end (alone: the whole blocks). Not a collective.
     pub fn export_shard(&self) -> Result<TrainingState, ExecError> {
-        let blocks = self.model.blocks();
         let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        let largest = (0..blocks.len())
-            .map(|b| self.plan.shard_len[b] as usize)
-            .max()
-            .unwrap_or(0);
-        let staging = self.staging((12 * largest).next_multiple_of(4096))?;
-        for b in 0..blocks.len() {
+        let mut staging = None;
+        for b in 0..self.model.blocks().len() {
             let shard = self.plan.shard_len[b] as usize;
-            let home = self.plan.block_homes[b].state;
-            let name = &self.plan.buffer(home).name;
-            let range = HostRange::new(0, 12 * shard);
-            let mut f = vec![0f32; 3 * shard];
-            match self.plan.buffer(home).tier {
-                Tier::Nvme => {
-                    let store = self.store.as_ref().expect("store");
-                    let (r, buf) = store
-                        .read(
-                            self.extent(home)?,
-                            AlignedBuf::zeroed((12 * shard).next_multiple_of(4096)),
-                        )
-                        .wait();
-                    r.map_err(|source| ExecError::Storage {
-                        op: format!("reading {name}"),
-                        source,
-                    })?;
-                    crate::device::bytes_of_mut(&mut f)
-                        .copy_from_slice(&buf.as_slice()[..12 * shard]);
-                }
-                Tier::Host => {
-                    let bytes = self
-                        .host
-                        .read(Lane::Cpu, self.host_range(home).prefix(12 * shard))
-                        .map_err(self.device_error(format!("reading {name}")))?;
-                    crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
-                }
-                Tier::Device => {
-                    let src = self.device_range(home);
-                    self.device
-                        .copy_to_host(
-                            DeviceRange::new(src.offset_bytes, 12 * shard),
-                            &staging,
-                            range,
-                            &[],
-                        )
-                        .and_then(|e| e.wait())
-                        .map_err(self.device_error(format!("reading {name}")))?;
-                    let bytes = staging
-                        .read(Lane::Cpu, range)
-                        .map_err(self.device_error("exporting"))?;
-                    crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
-                }
-            }
+            let mut f = self.read_state(b, 3, &mut staging)?;
             v.push(f.split_off(2 * shard));
             m.push(f.split_off(shard));
             p.push(f);
         }
         Ok((p, m, v))
+    }
+
+    /// Block `b`'s master parameters, read from their home: one block of what
+    /// [`Executor::export`] returns, for writing a model a block at a time. Alone only:
+    /// with ranks each holds a shard, and `export` gathers them (a collective).
+    pub fn export_block(&self, b: usize) -> Result<Vec<f32>, ExecError> {
+        if self.comm.size() != 1 {
+            return Err(ExecError::BadInput(format!(
+                "export_block reads one process's blocks; with {} ranks, export gathers \
+                 every rank's shards",
+                self.comm.size()
+            )));
+        }
+        let Some(block) = self.model.blocks().get(b) else {
+            return Err(ExecError::BadInput(format!(
+                "block {b} is not one of the model's {}",
+                self.model.blocks().len()
+            )));
+        };
+        let mut f = self.read_state(b, 1, &mut None)?;
+        f.truncate(block.len);
+        Ok(f)
+    }
+
+    /// The first `classes` of this rank's shard of block `b`'s master parameters, m and
+    /// v (1: the master parameters alone; 3: all three, one after another), read from
+    /// their home (`staging`: host memory for device-homed state, made on first use and
+    /// kept for the next call). NVMe state's master parameters are read and verified on
+    /// their own (the head of the extent, checksummed apart).
+    fn read_state(
+        &self,
+        b: usize,
+        classes: usize,
+        staging: &mut Option<HostArena>,
+    ) -> Result<Vec<f32>, ExecError> {
+        let shard = self.plan.shard_len[b] as usize;
+        let home = self.plan.block_homes[b].state;
+        let name = &self.plan.buffer(home).name;
+        let bytes = 4 * classes * shard;
+        let range = HostRange::new(0, bytes);
+        let mut f = vec![0f32; classes * shard];
+        match self.plan.buffer(home).tier {
+            Tier::Nvme => {
+                let store = self.store.as_ref().expect("store");
+                let (r, buf) = self
+                    .read_extent(
+                        store,
+                        home,
+                        AlignedBuf::zeroed(bytes.next_multiple_of(4096)),
+                        bytes as u64,
+                    )?
+                    .wait();
+                r.map_err(|source| ExecError::Storage {
+                    op: format!("reading {name}"),
+                    source,
+                })?;
+                crate::device::bytes_of_mut(&mut f).copy_from_slice(&buf.as_slice()[..bytes]);
+            }
+            Tier::Host => {
+                let bytes = self
+                    .host
+                    .read(Lane::Cpu, self.host_range(home).prefix(bytes))
+                    .map_err(self.device_error(format!("reading {name}")))?;
+                crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
+            }
+            Tier::Device => {
+                if staging.is_none() {
+                    // The largest block's, so that one serves every block.
+                    let largest = (0..self.model.blocks().len())
+                        .map(|b| self.plan.shard_len[b] as usize)
+                        .max()
+                        .unwrap_or(0);
+                    *staging = Some(self.staging((12 * largest).next_multiple_of(4096))?);
+                }
+                let staging = staging.as_ref().expect("made above");
+                let src = self.device_range(home);
+                self.device
+                    .copy_to_host(
+                        DeviceRange::new(src.offset_bytes, bytes),
+                        staging,
+                        range,
+                        &[],
+                    )
+                    .and_then(|e| e.wait())
+                    .map_err(self.device_error(format!("reading {name}")))?;
+                let bytes = staging
+                    .read(Lane::Cpu, range)
+                    .map_err(self.device_error("exporting"))?;
+                crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
+            }
+        }
+        Ok(f)
     }
 
     /// Runs one optimizer step over `batches` (one (tokens, targets) pair per

@@ -145,6 +145,15 @@ pub enum ModelError {
     /// The device layer failed (opening a device, its memory, its streams).
     #[error(transparent)]
     Device(#[from] crate::error::EngineError),
+    /// What supplied a block's parameters to be written failed (the executor reading
+    /// them from their tier, say).
+    #[error("{what}: {source}")]
+    Source {
+        /// What was being read.
+        what: String,
+        /// Its error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl ModelError {

@@ -18,12 +18,13 @@
 //! set to what was written) and its tokenizer and generation files ([`CARRIED_FILES`]).
 //! Every file goes through a temporary name renamed into place.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
-use safetensors::{Dtype, View as _};
 use serde_json::Value;
 
 use super::{Gpt2, Llama, Model, ModelError, llama};
@@ -786,16 +787,74 @@ pub fn save_pretrained_with(
     for (_, view) in &mut views {
         view.dtype = options.dtype;
     }
+    save_views(model, views, dir, options, &|| None)
+}
+
+/// As [`save_pretrained_with`], each block's f32 parameters being `read(block)`, called
+/// as the writer reaches the block's tensors and dropped after them: saving holds one
+/// block's parameters, not the model's (the writer goes by tensor name, so a block whose
+/// tensors' names are not adjacent is read again). If a read fails, the file being
+/// written is not moved into place and the error is returned (the shards of a sharded
+/// model written before it stay, as when a write fails).
+pub fn save_pretrained_blocks(
+    model: &Model,
+    read: &dyn Fn(usize) -> Result<Vec<f32>, ModelError>,
+    dir: &Path,
+    options: &SaveOptions<'_>,
+) -> Result<(), ModelError> {
+    let reader = BlockReader {
+        read,
+        model,
+        last: RefCell::new(None),
+        error: RefCell::new(None),
+    };
+    let family = model.family();
+    let views: Vec<(String, LazyView<'_>)> = model
+        .blocks()
+        .iter()
+        .enumerate()
+        .flat_map(|(b, block)| {
+            let reader = &reader;
+            block.tensors.iter().map(move |t| {
+                let view = LazyView {
+                    shape: t.shape.clone(),
+                    dtype: options.dtype,
+                    block: b,
+                    range: t.slot.range(),
+                    reader,
+                };
+                (format!("{}{}", family.hf_prefix(b), t.name), view)
+            })
+        })
+        .collect();
+    save_views(model, views, dir, options, &|| {
+        reader.error.borrow_mut().take()
+    })
+}
+
+/// Writes `views` as `model`'s weights in `dir` (one file, or shards and their index),
+/// then its `config.json` and the carried files. `failed` is asked after each file is
+/// written and before it is moved into place: an error there stops the save.
+fn save_views<V: safetensors::View>(
+    model: &Model,
+    views: Vec<(String, V)>,
+    dir: &Path,
+    options: &SaveOptions<'_>,
+    failed: &dyn Fn() -> Option<ModelError>,
+) -> Result<(), ModelError> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let shards = split_shards(&views, options.max_shard_bytes.max(1));
     let mut written: Vec<String> = Vec::new();
     if shards.len() == 1 {
-        write_safetensors(views, &dir.join(WEIGHTS_FILE))?;
+        write_safetensors_checked(views, &dir.join(WEIGHTS_FILE), failed)?;
         written.push(WEIGHTS_FILE.to_string());
     } else {
         let count = shards.len();
         let total_size: usize = views.iter().map(|(_, v)| v.data_len()).sum();
-        let total_parameters: usize = views.iter().map(|(_, v)| v.data.len()).sum();
+        let total_parameters: usize = views
+            .iter()
+            .map(|(_, v)| v.shape().iter().product::<usize>())
+            .sum();
         let mut weight_map = BTreeMap::new();
         let mut views = views.into_iter();
         for (i, len) in shards.into_iter().enumerate() {
@@ -804,7 +863,7 @@ pub fn save_pretrained_with(
             for (name, _) in &shard {
                 weight_map.insert(name.clone(), Value::String(file.clone()));
             }
-            write_safetensors(shard, &dir.join(&file))?;
+            write_safetensors_checked(shard, &dir.join(&file), failed)?;
             written.push(file);
         }
         let index = serde_json::json!({
@@ -836,7 +895,7 @@ fn json_text(value: &Value) -> Vec<u8> {
 
 /// How many of `views`, in order, go in each shard: a new shard starts when the next
 /// tensor would take the current one past `max_bytes` (transformers' rule).
-fn split_shards(views: &[(String, F32View<'_>)], max_bytes: u64) -> Vec<usize> {
+fn split_shards<V: safetensors::View>(views: &[(String, V)], max_bytes: u64) -> Vec<usize> {
     let mut shards = vec![0usize];
     let mut bytes = 0u64;
     for (_, view) in views {
@@ -972,6 +1031,16 @@ pub(crate) fn write_safetensors(
     views: Vec<(String, F32View<'_>)>,
     path: &Path,
 ) -> Result<(), ModelError> {
+    write_safetensors_checked(views, path, &|| None)
+}
+
+/// As [`write_safetensors`], asking `failed` once the file is written: on an error the
+/// partial file is removed and nothing is moved into place.
+fn write_safetensors_checked<V: safetensors::View>(
+    views: Vec<(String, V)>,
+    path: &Path,
+    failed: &dyn Fn() -> Option<ModelError>,
+) -> Result<(), ModelError> {
     let partial = partial_path(path);
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(views, Some(metadata), &partial).map_err(|e| {
@@ -980,8 +1049,82 @@ pub(crate) fn write_safetensors(
             message: format!("could not write: {e}"),
         }
     })?;
+    if let Some(e) = failed() {
+        let _ = std::fs::remove_file(&partial);
+        return Err(e);
+    }
     sync(&partial)?;
     std::fs::rename(&partial, path).map_err(|e| ModelError::io(path, e))
+}
+
+/// One block's parameters at a time for [`save_pretrained_blocks`]: the last block
+/// read, kept while the writer takes its tensors, and the first error.
+struct BlockReader<'a> {
+    read: &'a dyn Fn(usize) -> Result<Vec<f32>, ModelError>,
+    model: &'a Model,
+    last: RefCell<Option<(usize, Vec<f32>)>>,
+    error: RefCell<Option<ModelError>>,
+}
+
+impl BlockReader<'_> {
+    /// `f` of block `b`'s parameters, reading them unless they are the last read;
+    /// `None` once a read has failed (the error is kept for the writer's caller).
+    fn with<R>(&self, b: usize, f: impl FnOnce(&[f32]) -> R) -> Option<R> {
+        if self.error.borrow().is_some() {
+            return None;
+        }
+        let mut last = self.last.borrow_mut();
+        if last.as_ref().is_none_or(|(at, _)| *at != b) {
+            // The previous block is dropped before the next is read.
+            *last = None;
+            let len = self.model.blocks()[b].len;
+            match (self.read)(b) {
+                Ok(params) if params.len() == len => *last = Some((b, params)),
+                Ok(params) => {
+                    *self.error.borrow_mut() = Some(ModelError::BadInput(format!(
+                        "block {b}'s parameters have {} values, not the model's {len}",
+                        params.len()
+                    )));
+                    return None;
+                }
+                Err(e) => {
+                    *self.error.borrow_mut() = Some(e);
+                    return None;
+                }
+            }
+        }
+        last.as_ref().map(|(_, params)| f(params))
+    }
+}
+
+/// A tensor of one block whose bytes are made when the writer asks for them, from
+/// [`BlockReader`] (zeros after a failed read, whose error stops the save).
+struct LazyView<'a> {
+    shape: Vec<usize>,
+    dtype: FileDtype,
+    block: usize,
+    range: std::ops::Range<usize>,
+    reader: &'a BlockReader<'a>,
+}
+
+impl safetensors::View for LazyView<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype.safetensors()
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let mut bytes = Vec::with_capacity(self.data_len());
+        self.reader.with(self.block, |params| {
+            self.dtype.encode(&params[self.range.clone()], &mut bytes);
+        });
+        bytes.resize(self.data_len(), 0);
+        bytes.into()
+    }
+    fn data_len(&self) -> usize {
+        self.range.len() * self.dtype.size_bytes()
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary name, flushed before the rename.
