@@ -725,6 +725,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
             .into());
         }
     }
+    check_whole_model_memory(&cfg, &plan, &model, target, ranks)?;
     run_budgets.check_free(&plan)?;
     let predicted = cost.predict(&plan);
     // The device, with the plan's device memory as its budget.
@@ -1129,6 +1130,85 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     Ok(())
 }
 
+/// Refuses, before anything is allocated, a run whose options make the whole model's
+/// parameters (and for some, its optimizer moments) in memory beside the executor's
+/// arenas when this machine's available memory cannot hold both: a run that would be
+/// killed for memory at its first checkpoint or evaluation, hours in. Training, loading
+/// a fresh run and (alone) `--out` go a block at a time and are not counted.
+fn check_whole_model_memory(
+    cfg: &TrainConfig,
+    plan: &Plan,
+    model: &Model,
+    target: Target,
+    ranks: usize,
+) -> Result<(), Error> {
+    let params = model.param_count() as u64;
+    // Per process: with ranks each holds its shard of a checkpoint it writes or reads
+    // as its own, but gathers whole parameters (with their moments) to evaluate or write
+    // the model.
+    let mut wholes: Vec<(String, u64)> = Vec::new();
+    if cfg.checkpoint_dir.is_some() {
+        wholes.push((
+            "--checkpoint-dir: writing a checkpoint holds the parameters, m and v".into(),
+            12 * params / ranks as u64,
+        ));
+    }
+    if cfg.resume.is_some() {
+        wholes.push((
+            "--resume: reading the checkpoint holds its parameters, m and v".into(),
+            12 * params / ranks as u64,
+        ));
+    }
+    if cfg.eval_every > 0 {
+        wholes.push((
+            "--eval-every: evaluating holds the parameters twice (read back, and in the \
+             evaluation's own model)"
+                .into(),
+            if ranks > 1 { 16 } else { 8 } * params,
+        ));
+    }
+    if cfg.out.is_some() && ranks > 1 {
+        wholes.push((
+            "--out with ranks: every rank gathers the parameters, m and v".into(),
+            12 * params,
+        ));
+    }
+    let Some((what, whole)) = wholes.into_iter().max_by_key(|(_, bytes)| *bytes) else {
+        return Ok(());
+    };
+    // The CPU device's memory is RAM too.
+    let arenas = plan.peak[Tier::Host.index()]
+        + if target == Target::Cpu {
+            plan.peak[Tier::Device.index()]
+        } else {
+            0
+        };
+    let Some(available) = crate::doctor::meminfo_bytes("MemAvailable") else {
+        return Ok(()); // no /proc/meminfo to judge by
+    };
+    if arenas + whole <= available {
+        return Ok(());
+    }
+    Err(format!(
+        "{what} of the whole model in memory ({} for {} parameters{}) beside the plan's {} \
+         of {}, {} in all, and this machine has {} available: it would run out of memory \
+         there. strata does not do that a block at a time yet: leave the option out (--out \
+         writes the model a block at a time), or run where there is more memory",
+        fmt_bytes(whole),
+        model.param_count(),
+        if ranks > 1 { ", per rank" } else { "" },
+        fmt_bytes(arenas),
+        if target == Target::Cpu {
+            "device and host arenas (the CPU device's memory is RAM)"
+        } else {
+            "pinned host memory"
+        },
+        fmt_bytes(arenas + whole),
+        fmt_bytes(available)
+    )
+    .into())
+}
+
 /// Where a run's parameters come from.
 enum Initial {
     /// A fresh run's, made or read a block at a time as they are loaded.
@@ -1162,7 +1242,14 @@ fn evaluate(
     cfg: &TrainConfig,
 ) -> Result<f32, Error> {
     let model = exec.model();
-    let (params, _, _) = exec.export()?;
+    // Alone, the parameters only, a block at a time; with ranks, gathered (a collective).
+    let params = if exec.comm().size() == 1 {
+        (0..model.blocks().len())
+            .map(|b| exec.export_block(b))
+            .collect::<Result<Vec<_>, _>>()?
+    } else {
+        exec.export()?.0
+    };
     let mut b = Batch::default();
     data.read_batch(batch, cfg.batch, cfg.seq, model.vocab(), &mut b)?;
     let mut runner = Runner::on_cpu(model.clone(), cfg.batch, cfg.seq)?;

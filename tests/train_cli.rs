@@ -434,6 +434,71 @@ fn checkpoint_export_writes_the_model_that_out_wrote() {
     );
 }
 
+/// Options that still hold the whole model in memory (writing checkpoints, evaluating)
+/// are refused before anything is allocated when this machine cannot hold that beside
+/// the plan's arenas: one line naming the option and the sizes, in a second, instead of
+/// a kill for memory at the first checkpoint. Llama 3.2 3B's parameters, m and v are
+/// 35.91 GiB; evaluating holds its parameters twice, 23.94 GiB.
+#[test]
+fn whole_model_options_that_cannot_fit_in_memory_are_refused_before_step_1() {
+    let available = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map(|kib| kib << 10);
+    // The plan's arenas are 12.78 GiB; beside 23.94 GiB that needs 36.7 GiB.
+    if available.is_none_or(|a| a > 36 << 30) {
+        eprintln!("skipped: {available:?} bytes available would hold the 3B model's copies");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let nvme = dir.path().join("nvme");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let ck = dir.path().join("ck");
+    let base = [
+        "train",
+        "--model",
+        "llama-3.2-3b",
+        "--batch",
+        "1",
+        "--seq",
+        "128",
+        "--device",
+        "cpu",
+        "--device-mem",
+        "8GiB",
+        "--host-mem",
+        "8GiB",
+        "--nvme-mem",
+        "1TiB",
+        "--steps",
+        "1",
+        "--nvme",
+        nvme.to_str().unwrap(),
+    ];
+    for (extra, needles) in [
+        (
+            ["--checkpoint-dir", ck.to_str().unwrap()],
+            ["--checkpoint-dir", "35.91 GiB", "available"],
+        ),
+        (
+            ["--eval-every", "1"],
+            ["--eval-every", "23.94 GiB", "available"],
+        ),
+    ] {
+        let args: Vec<&str> = base.iter().chain(&extra).copied().collect();
+        let started = std::time::Instant::now();
+        assert_one_line_error(&strata(&args), &needles);
+        assert!(started.elapsed().as_secs() < 30, "{extra:?}: refused late");
+        // Nothing was allocated: no swap file, no checkpoint folder.
+        assert_eq!(std::fs::read_dir(&nvme).unwrap().count(), 0, "{extra:?}");
+        assert!(!ck.exists(), "{extra:?}");
+    }
+}
+
 #[test]
 fn bad_input_gets_one_line_naming_what_to_fix() {
     let dir = tempfile::tempdir().unwrap();
