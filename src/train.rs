@@ -131,11 +131,12 @@ enum FreshParams {
 }
 
 impl FreshParams {
-    fn of(cfg: &TrainConfig) -> Result<Self, Error> {
+    /// `model` being the configuration's ([`model_shape`]).
+    fn of(cfg: &TrainConfig, model: &Model) -> Result<Self, Error> {
         if is_shape(cfg) {
-            return Ok(FreshParams::Init(model_shape(cfg)?, cfg.seed));
+            return Ok(FreshParams::Init(model.clone(), cfg.seed));
         }
-        let (_, blocks, _) = weights::open_pretrained_blocks(Path::new(&cfg.model))?;
+        let blocks = weights::PretrainedBlocks::open(Path::new(&cfg.model), model)?;
         Ok(FreshParams::Pretrained(blocks))
     }
 
@@ -831,7 +832,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     let (initial, mut state) = match resumed {
         Some(x) => x,
         None => {
-            let fresh = FreshParams::of(&cfg)?;
+            let fresh = FreshParams::of(&cfg, &model)?;
             let state = TrainerState {
                 step: 0,
                 data_position: 0,

@@ -28,7 +28,7 @@ use strata_engine::kernels::isa::Isa;
 use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::Model;
 use strata_engine::model::data::{Batch, TokenData};
-use strata_engine::model::weights::{load_pretrained, open_pretrained_blocks};
+use strata_engine::model::weights::{PretrainedBlocks, load_config, load_pretrained};
 use strata_engine::plan::{AllOnDevice, Plan, PlanInput, Policy, StepShape};
 
 const B: usize = 2;
@@ -46,7 +46,8 @@ fn batch(model: &Model, data: &TokenData, step: usize) -> Batch {
 #[test]
 fn reading_a_block_at_a_time_gives_the_files_tensors() {
     for name in MODELS {
-        let (model, blocks, _) = open_pretrained_blocks(&data_dir(name)).unwrap();
+        let model = load_config(&data_dir(name).join("config.json")).unwrap();
+        let blocks = PretrainedBlocks::open(&data_dir(name), &model).unwrap();
         let file = read_f32_tensors(&data_dir(name).join("model.safetensors"));
         let family = model.family();
         for (b, spec) in model.blocks().iter().enumerate() {
@@ -87,7 +88,8 @@ fn reading_a_block_at_a_time_gives_the_files_tensors() {
         serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
     json["intermediate_size"] = (json["intermediate_size"].as_u64().unwrap() * 2).into();
     std::fs::write(&config, json.to_string()).unwrap();
-    let err = open_pretrained_blocks(dir.path())
+    let model = load_config(&config).unwrap();
+    let err = PretrainedBlocks::open(dir.path(), &model)
         .err()
         .expect("a mismatch");
     assert!(err.to_string().contains("mlp"), "{err}");

@@ -1208,9 +1208,10 @@ impl Executor {
 
     /// The first `classes` of this rank's shard of block `b`'s master parameters, m and
     /// v (1: the master parameters alone; 3: all three, one after another), read from
-    /// their home (`staging`: host memory for device-homed state, made on first use and
-    /// kept for the next call). NVMe state's master parameters are read and verified on
-    /// their own (the head of the extent, checksummed apart).
+    /// their home (`staging`: host memory for device-homed state, made when first needed,
+    /// remade larger when a read needs more, and kept for the next call). NVMe state's
+    /// master parameters are read and verified on their own (the head of the extent,
+    /// checksummed apart).
     fn read_state(
         &self,
         b: usize,
@@ -1248,13 +1249,9 @@ impl Executor {
                 crate::device::bytes_of_mut(&mut f).copy_from_slice(&bytes);
             }
             Tier::Device => {
-                if staging.is_none() {
-                    // The largest block's, so that one serves every block.
-                    let largest = (0..self.model.blocks().len())
-                        .map(|b| self.plan.shard_len[b] as usize)
-                        .max()
-                        .unwrap_or(0);
-                    *staging = Some(self.staging((12 * largest).next_multiple_of(4096))?);
+                if staging.as_ref().is_none_or(|s| s.len_bytes() < bytes) {
+                    *staging = None; // freed before the larger one is made
+                    *staging = Some(self.staging(bytes.next_multiple_of(4096))?);
                 }
                 let staging = staging.as_ref().expect("made above");
                 let src = self.device_range(home);

@@ -226,7 +226,7 @@ pub fn load_pretrained(path: &Path) -> Result<(Model, Vec<Vec<f32>>), ModelError
 
 /// A model folder's weights opened for reading one block at a time, so that loading a
 /// model holds one block's f32 parameters, not the model's: every tensor is found and
-/// its shape checked when opened ([`open_pretrained_blocks`]), and each
+/// its shape checked when opened ([`PretrainedBlocks::open`]), and each
 /// [`PretrainedBlocks::read_block`] widens one block's tensors from the mapped files.
 pub struct PretrainedBlocks {
     model: Model,
@@ -234,6 +234,19 @@ pub struct PretrainedBlocks {
 }
 
 impl PretrainedBlocks {
+    /// The weights of `path` (a model folder, a `.safetensors` file or an index) for
+    /// `model`, the model its `config.json` describes ([`load_config`]). Every tensor the
+    /// model needs is found and its shape checked here, so a folder that does not match
+    /// fails before anything is read or allocated.
+    pub fn open(path: &Path, model: &Model) -> Result<Self, ModelError> {
+        let files = WeightFiles::open(path)?;
+        files.check_params(model)?;
+        Ok(PretrainedBlocks {
+            model: model.clone(),
+            files,
+        })
+    }
+
     /// Block `b`'s parameters as f32, as [`load_pretrained`] gives them.
     ///
     /// # Panics
@@ -241,22 +254,6 @@ impl PretrainedBlocks {
     pub fn read_block(&self, b: usize) -> Vec<f32> {
         self.files.read_checked_block(&self.model, "", b)
     }
-}
-
-/// [`load_pretrained`] a block at a time: the model of `path`'s `config.json`, the
-/// folder's description, and a reader of its blocks. Every tensor the model needs is
-/// found and its shape checked here, so a folder that does not match fails before
-/// anything is read or allocated.
-pub fn open_pretrained_blocks(
-    path: &Path,
-) -> Result<(Model, PretrainedBlocks, Pretrained), ModelError> {
-    std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
-    let (config_path, _) = model_files(path);
-    let model = load_config(&config_path)?;
-    let files = WeightFiles::open(path)?;
-    files.check_params(&model)?;
-    let source = files.describe(&model, &config_path)?;
-    Ok((model.clone(), PretrainedBlocks { model, files }, source))
 }
 
 /// [`load_pretrained`], with what the folder holds besides the parameters.
@@ -598,9 +595,7 @@ impl WeightFiles {
     /// tensors of the files the model does not use.
     fn read_params(&self, model: &Model) -> Result<Vec<Vec<f32>>, ModelError> {
         self.check_params(model)?;
-        Ok((0..model.blocks().len())
-            .map(|b| self.read_checked_block(model, "", b))
-            .collect())
+        Ok(self.read_checked_blocks(model, ""))
     }
 
     /// [`Self::check_blocks`] for the parameters, with a warning naming the tensors of
@@ -645,9 +640,15 @@ impl WeightFiles {
         prefix: &str,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         self.check_blocks(model, prefix)?;
-        Ok((0..model.blocks().len())
+        Ok(self.read_checked_blocks(model, prefix))
+    }
+
+    /// Every block's tensors under `prefix`, widened to f32, once [`Self::check_blocks`]
+    /// has found every one of them.
+    fn read_checked_blocks(&self, model: &Model, prefix: &str) -> Vec<Vec<f32>> {
+        (0..model.blocks().len())
             .map(|b| self.read_checked_block(model, prefix, b))
-            .collect())
+            .collect()
     }
 
     /// Finds every tensor of `model` under `prefix` with its shape, reading no data: a
