@@ -230,7 +230,8 @@ fn reseal(dir: &Path, file: &str) {
     let mut manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     let bytes = std::fs::read(dir.join(file)).unwrap();
-    manifest["files"][file] = json!({"len_bytes": bytes.len(), "crc32c": crc32c::crc32c(&bytes)});
+    manifest["files"][file] =
+        json!({"len_bytes": bytes.len(), "crc32c": strata_storage::crc::crc32c(&bytes)});
     std::fs::write(&path, serde_json::to_vec(&manifest).unwrap()).unwrap();
 }
 

@@ -11,6 +11,7 @@
 //! [`TensorStore::register_region`].
 
 pub mod buffer;
+pub mod crc;
 mod error;
 mod file;
 mod io;

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 
 use crate::buffer::{DIRECT_IO_ALIGN, IoBuf, IoRegion};
+use crate::crc;
 use crate::error::StorageError;
 use crate::file::{self, DirectIo, SwapFile};
 use crate::io::faulty::{FaultPlan, FaultySyscalls};
@@ -1057,10 +1058,10 @@ fn write_checksums(bytes: &[u8], head: Option<u64>, checksums: bool) -> (Option<
     match head {
         Some(h) => {
             let (head, tail) = bytes.split_at(h as usize);
-            let head_crc = crc32c::crc32c(head);
-            (Some(crc32c::crc32c_append(head_crc, tail)), Some(head_crc))
+            let head_crc = crc::crc32c(head);
+            (Some(crc::crc32c_combine(head_crc, tail)), Some(head_crc))
         }
-        None => (Some(crc32c::crc32c(bytes)), None),
+        None => (Some(crc::crc32c(bytes)), None),
     }
 }
 
@@ -1133,7 +1134,7 @@ impl<B: IoBuf> Pending<B> {
                 .expect("a pending transfer holds its buffer");
             // SAFETY: the read has completed; the buffer holds at least len_bytes.
             let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr(), self.len_bytes) };
-            let actual = crc32c::crc32c(bytes);
+            let actual = crc::crc32c(bytes);
             if actual != expected {
                 result = Err(StorageError::Checksum {
                     extent: self.store.extent_name(self.id),

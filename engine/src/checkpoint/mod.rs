@@ -1045,7 +1045,7 @@ fn load_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
 fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
     let mut file = File::open(path).map_err(io_error("open", path))?;
     let mut buffer = vec![0u8; 1 << 20];
-    let (mut len_bytes, mut crc) = (0u64, 0u32);
+    let (mut len_bytes, mut crc) = (0u64, strata_storage::crc::Crc32c::new());
     loop {
         let n = match file.read(&mut buffer) {
             Ok(0) => break,
@@ -1053,12 +1053,12 @@ fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(e) => return Err(io_error("read", path)(e)),
         };
-        crc = crc32c::crc32c_append(crc, &buffer[..n]);
+        crc.update(&buffer[..n]);
         len_bytes += n as u64;
     }
     Ok(FileDigest {
         len_bytes,
-        crc32c: crc,
+        crc32c: crc.value(),
     })
 }
 

@@ -106,7 +106,7 @@ impl TextTokenizer {
             inner,
             path: file,
             eos,
-            checksum: crc32c::crc32c(&bytes),
+            checksum: strata_storage::crc::crc32c(&bytes),
             splittable,
         })
     }
@@ -527,7 +527,7 @@ pub fn cached_tokens(
         "{}.{:08x}-{}-{:08x}.tokens.bin",
         data.file_name()
             .map_or("data".into(), |n| n.to_string_lossy()),
-        crc32c::crc32c(content),
+        strata_storage::crc::crc32c(content),
         content.len(),
         tokenizer.checksum()
     );
