@@ -22,8 +22,8 @@ use strata_engine::model::llama::{LlamaConfig, Variant};
 use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Gpt2Config, Llama, Model, gpt2};
 use strata_engine::plan::{
-    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, Lane, NvmeOffload, ParamOffload,
-    Plan, PlanError, PlanInput, Policy, Precision, Recompute, StepShape, Tier,
+    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, Lane, NvmeOffload, OpKind,
+    ParamOffload, Plan, PlanError, PlanInput, Policy, Precision, Recompute, StepShape, Tier,
 };
 use strata_engine::storage::FaultPlan;
 
@@ -475,7 +475,8 @@ fn gradients_spilled_for_the_norm_train_bit_identically_in_less_host_memory() {
 
 /// nvme-offload keeps the embedding's and the head's parameters and optimizer state in
 /// host memory when the budgets have room (`Policy::resident_edges`), and streams them
-/// from NVMe like the other blocks when they do not; the bits are the same.
+/// from NVMe like the other blocks when they do not; the bits are the same. With them
+/// in host memory, the embedding's device copy serves the tied head too.
 #[test]
 fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
     let model = Model::new(small()).unwrap();
@@ -494,6 +495,18 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
     };
     let roomy = plan(u64::MAX);
     assert!(roomy.edges_on_host());
+    // The embedding's device copy, fetched for its forward, is the one the tied head
+    // reads: one copy of block 0's parameters to the device per step, not two.
+    assert_eq!(model.tied(model.blocks().len() - 1), Some(0));
+    let fetches = |p: &Plan| {
+        p.ops
+            .iter()
+            .filter(|op| {
+                matches!(op.kind, OpKind::H2d { from, .. } if p.buffer(from).name == "params[0]@host")
+            })
+            .count()
+    };
+    assert_eq!(fetches(&roomy), 1);
     let nb = model.blocks().len();
     for b in 0..nb {
         let edge = b == 0 || b + 1 == nb;
@@ -1698,4 +1711,79 @@ fn a_panic_in_any_lane_ends_the_step_with_an_error_naming_it() {
             "{text}"
         );
     }
+}
+
+/// A transient buffer that takes over a slot waits for every use of the slot's previous
+/// occupant, so among slots of the size it needs the planner picks the one whose
+/// occupant was last used earliest. The case that showed it: GPT-2's embedding
+/// gradients (copied to the host after the last backward, for the embedding's update)
+/// are about twice a layer's optimizer state, and their host buffer took over the state
+/// staging slot of the last layer updated, so that copy, and the embedding's update
+/// after it, waited for that layer's state to be written to NVMe. Here the embedding's
+/// gradients are 1.3x a layer's state; their copy may wait for no state write issued
+/// after the backward before the last one began.
+#[test]
+fn the_gradients_copied_after_the_last_backward_wait_for_no_late_state_write() {
+    // 3 layers of 64 channels: 49,920 parameters each (599,040 bytes of state); the
+    // embedding 3,000 x 64 + 32 x 64: 194,048 (776,192 bytes of gradients).
+    let model = Model::new(Gpt2Config::new(3, 4, 64, 3000, 32)).unwrap();
+    let input = PlanInput {
+        model: &model,
+        shape: StepShape::cpu(2, 16),
+        budgets: UNLIMITED,
+    };
+    let policy = NvmeOffload {
+        depth: 2,
+        checkpoints: Tier::Host,
+    };
+    let plan = Plan::build(&input, &policy).unwrap();
+    assert!(plan.edges_on_host());
+    let copy = plan
+        .ops
+        .iter()
+        .position(|op| {
+            matches!(op.kind, OpKind::D2h { to, .. } if plan.buffer(to).name == "grads[0]@host")
+        })
+        .expect("the embedding's gradients are copied to the host");
+    // Every operation `op` waits for, directly or through others.
+    let waits = |op: usize| {
+        let mut waits = vec![false; plan.ops.len()];
+        let mut stack = vec![op];
+        while let Some(i) = stack.pop() {
+            for d in &plan.ops[i].deps {
+                if !waits[d.index()] {
+                    waits[d.index()] = true;
+                    stack.push(d.index());
+                }
+            }
+        }
+        waits
+    };
+    // The backward that completes the gradients (the copy's last compute dependency),
+    // and the one before it on the compute lane.
+    let producer = plan.ops[copy]
+        .deps
+        .iter()
+        .map(|d| d.index())
+        .filter(|&d| plan.ops[d].lane == Lane::Compute)
+        .max()
+        .expect("the copy waits for a backward");
+    let before = (0..producer)
+        .rev()
+        .find(|&i| plan.ops[i].lane == Lane::Compute)
+        .expect("a compute before the last backward");
+    // State writes issued after that compute are in flight while the last backward
+    // runs: the copy must not wait for one.
+    let copy_waits = waits(copy);
+    let writes: Vec<String> = (before..plan.ops.len())
+        .filter(|&i| copy_waits[i])
+        .filter_map(|i| match plan.ops[i].kind {
+            OpKind::NvmeWrite { from, .. } => Some(plan.buffer(from).name.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        writes.is_empty(),
+        "the copy of the embedding's gradients waits for NVMe writes of {writes:?}"
+    );
 }

@@ -796,14 +796,26 @@ impl Plan {
     ///
     /// First of all, when the policy allows it ([`Policy::resident_edges`]), the plan
     /// keeping the first and last blocks' parameters and optimizer state in host memory:
-    /// it is the plan if it fits every budget without spilling gradients.
+    /// it is the plan if it fits every budget without spilling gradients. Of two such
+    /// plans, the one whose first block's device copy of parameters serves the whole
+    /// micro-batch (one fetch of the embedding where a tied head reads it too, not two)
+    /// is preferred unless it recomputes more blocks to fit.
     pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
         if policy.resident_edges(input) {
-            let edges = super::EdgesOnHost(policy);
-            if let Ok(plan) = Self::build_spilling(input, &edges)
-                && plan.first_overflow().is_none()
-                && plan.spilled() == 0
+            let edges = |keep_first| {
+                Self::build_spilling(input, &super::EdgesOnHost { policy, keep_first })
+                    .ok()
+                    .filter(|plan| plan.first_overflow().is_none() && plan.spilled() == 0)
+            };
+            let fetched_twice = edges(false);
+            if let Some(kept) = edges(true)
+                && fetched_twice
+                    .as_ref()
+                    .is_none_or(|other| kept.recomputed() <= other.recomputed())
             {
+                return Ok(kept);
+            }
+            if let Some(plan) = fetched_twice {
                 return Ok(plan);
             }
         }

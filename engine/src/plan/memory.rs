@@ -118,16 +118,25 @@ pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPl
         // long-lived buffer never pins a large slot and a large one never inflates a
         // small slot many times over.
         let similar = |s: usize| slots[s].bytes <= 2 * buf.bytes && 2 * slots[s].bytes >= buf.bytes;
+        // Among slots of the size chosen, the one whose occupant was last used earliest:
+        // the reuse makes this buffer's first use wait for that last use, and the later
+        // that is (a state write-back at the end of the backward, say), the likelier the
+        // wait is on the step's critical path. The size comes first, so the arena's size
+        // is what size alone would give.
+        let ended = |s: usize| {
+            let o = occupant[s].expect("occupied");
+            buffers[o.index()].live.expect("live").1
+        };
         let fitting = free
             .iter()
             .copied()
             .filter(|&s| similar(s) && slots[s].bytes >= buf.bytes)
-            .min_by_key(|&s| slots[s].bytes);
+            .min_by_key(|&s| (slots[s].bytes, ended(s)));
         let chosen = fitting.or_else(|| {
             free.iter()
                 .copied()
                 .filter(|&s| similar(s))
-                .max_by_key(|&s| slots[s].bytes)
+                .max_by_key(|&s| (slots[s].bytes, std::cmp::Reverse(ended(s))))
         });
         let slot = match chosen {
             Some(s) => {

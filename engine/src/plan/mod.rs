@@ -467,15 +467,22 @@ pub trait Policy: fmt::Debug + Send + Sync {
 
 /// `policy`, with the first and last blocks' parameters and optimizer state in host
 /// memory where it puts them on NVMe ([`Policy::resident_edges`]); named as `policy`.
+/// With `keep_first`, the first block's device copy of parameters, fetched for the
+/// embedding's forward, is also the one a tied output head reads (released after the
+/// micro-batch's backward, [`Release::AfterBackward`]), instead of a second copy of the
+/// whole embedding fetched for the head.
 #[derive(Debug)]
-pub(crate) struct EdgesOnHost<'a>(pub &'a dyn Policy);
+pub(crate) struct EdgesOnHost<'a> {
+    pub policy: &'a dyn Policy,
+    pub keep_first: bool,
+}
 
 impl Policy for EdgesOnHost<'_> {
     fn name(&self) -> String {
-        self.0.name()
+        self.policy.name()
     }
     fn home(&self, input: &PlanInput<'_>, block: usize, class: TensorClass) -> Tier {
-        let tier = self.0.home(input, block, class);
+        let tier = self.policy.home(input, block, class);
         let edge = block == 0 || block + 1 == input.block_count();
         match class {
             TensorClass::Params | TensorClass::Optimizer if edge && tier == Tier::Nvme => {
@@ -485,10 +492,13 @@ impl Policy for EdgesOnHost<'_> {
         }
     }
     fn prefetch_depth(&self, input: &PlanInput<'_>) -> usize {
-        self.0.prefetch_depth(input)
+        self.policy.prefetch_depth(input)
     }
     fn release(&self, input: &PlanInput<'_>, block: usize) -> Release {
-        self.0.release(input, block)
+        if block == 0 && self.keep_first {
+            return Release::AfterBackward;
+        }
+        self.policy.release(input, block)
     }
 }
 
