@@ -584,6 +584,86 @@ fn the_backward_takes_its_parameters_from_the_state_read_for_the_update() {
     assert_bit_identical(&reference, &run, "nvme-offload, parameters from the state");
 }
 
+/// On the CPU device, whose memory is host memory, the NVMe tier reads the streamed
+/// parameters of the forward (and of the tied head) straight into the device buffers
+/// the computes read: no host staging, no host-to-device copy. The only parameter
+/// copies left are the backward's, from the state staged on the host for the update.
+/// The device's memory checker sees each read as a write of its range; the bits are
+/// all-on-device's, also with every stream operation delayed at random (chaos).
+#[test]
+fn on_the_cpu_device_parameters_are_read_from_nvme_straight_into_device_memory() {
+    // Six layers: with a prefetch depth of 2, the read of a layer's parameters takes
+    // over the device slot of a layer three before it, and so waits for that layer's
+    // forward to end (the dependency chaos would expose if the read did not wait).
+    let model = Model::new(Gpt2Config::new(6, 4, 64, 96, 32)).unwrap();
+    let shape = StepShape::cpu(2, 16);
+    let policy = NvmeOnly(NvmeOffload {
+        depth: 2,
+        checkpoints: Tier::Host,
+    });
+    let input = PlanInput {
+        model: &model,
+        shape,
+        budgets: UNLIMITED,
+    };
+    let plan = Plan::build(&input, &policy).unwrap();
+    let head = model.blocks().len() - 1;
+    let direct: Vec<&str> = plan
+        .ops
+        .iter()
+        .filter_map(|op| match op.kind {
+            OpKind::NvmeRead { into, .. } if plan.buffer(into).tier == Tier::Device => {
+                Some(plan.buffer(into).name.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    // The forward's fetches of the embedding and every layer, and the head's of the
+    // block it is tied to.
+    assert_eq!(
+        direct.len(),
+        head + usize::from(model.tied(head).is_some()),
+        "{direct:?}"
+    );
+    assert!(direct.iter().all(|name| name.starts_with("params[")));
+    let copied: Vec<&str> = plan
+        .ops
+        .iter()
+        .filter_map(|op| match op.kind {
+            OpKind::H2d { from, to, .. } if plan.buffer(to).name.starts_with("params[") => {
+                Some(plan.buffer(from).name.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    // Every block but the embedding, whose backward reads no parameters.
+    assert_eq!(copied.len(), head, "{copied:?}");
+    assert!(
+        copied.iter().all(|name| name.starts_with("adam[")),
+        "{copied:?}"
+    );
+    let reference = train(&model, shape, &AllOnDevice, 3, hyper(1e-3));
+    for chaos in CHAOS {
+        let nvme = tempfile::tempdir().unwrap();
+        let config = ExecConfig {
+            nvme_dirs: vec![nvme.path().to_path_buf()],
+            chaos,
+            ..ExecConfig::default()
+        };
+        let (run, reports) = train_configured(&model, plan.clone(), 3, hyper(1e-3), &config);
+        for (i, report) in reports.iter().enumerate() {
+            // The device's copies, as it counted them (NVMe moves whole 4 KiB blocks).
+            assert_eq!(
+                report.link_bytes[2..],
+                plan.link_bytes[2..],
+                "chaos {chaos:?}, step {i}: bytes copied to and from the device, measured \
+                 against planned"
+            );
+        }
+        assert_bit_identical(&reference, &run, &format!("direct reads, chaos {chaos:?}"));
+    }
+}
+
 /// `export_block` (what `strata train --out` writes from, a block at a time) gives each
 /// block's master parameters as `export` does, whatever tier holds the state: the
 /// device, the host, or NVMe (whose head it reads alone); a block past the model's is

@@ -321,6 +321,36 @@ impl CpuDevice {
         &self.shared.arena
     }
 
+    /// Device memory lent to `lane` for the NVMe tier to read into (its memory is host
+    /// memory): a write of `range`, checked against every other operation's accesses as
+    /// a copy's is, until the returned buffer drops.
+    pub fn direct_write(&self, range: DeviceRange, lane: Lane) -> Result<DirectWrite, EngineError> {
+        if let Some(first) = self
+            .shared
+            .first_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Err(EngineError::DeviceFailed {
+                device: self.shared.name.clone(),
+                first,
+            });
+        }
+        self.shared.arena.check_range(range.bytes())?;
+        let id = self
+            .shared
+            .accesses
+            .begin(lane, std::iter::once((range.bytes(), true)))?;
+        Ok(DirectWrite {
+            // SAFETY: check_range put the range inside the arena's allocation.
+            ptr: HostPtr(unsafe { self.shared.base.get().add(range.offset_bytes) }),
+            len_bytes: range.len_bytes,
+            id,
+            shared: Arc::clone(&self.shared),
+        })
+    }
+
     /// Runs `work` on the compute lane after every event in `after`; the returned event
     /// completes when it has, failing if it failed, panicked, or touched memory another
     /// operation was using.
@@ -974,6 +1004,35 @@ plain!(
     half::f16,
     half::bf16
 );
+
+/// CPU device memory the NVMe tier reads into ([`CpuDevice::direct_write`]); the write
+/// access it holds ends when it drops.
+pub struct DirectWrite {
+    ptr: HostPtr,
+    len_bytes: usize,
+    id: u64,
+    shared: Arc<CpuShared>,
+}
+
+// SAFETY: the range is the I/O's alone while the access is held (the access table
+// refuses every overlapping one), and `shared` keeps the arena's memory alive.
+unsafe impl IoBuf for DirectWrite {
+    fn as_ptr(&self) -> *const u8 {
+        self.ptr.get()
+    }
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.get()
+    }
+    fn capacity_bytes(&self) -> usize {
+        self.len_bytes
+    }
+}
+
+impl Drop for DirectWrite {
+    fn drop(&mut self) {
+        self.shared.accesses.end(self.id);
+    }
+}
 
 /// A host address that may cross to a lane thread.
 #[derive(Clone, Copy)]

@@ -39,8 +39,8 @@ use strata_kernels::cuda::probe;
 use strata_kernels::program::{Dtype, Kernel, Scalars, Target};
 
 pub use cpu::{
-    CpuAccess, CpuDevice, CpuDeviceConfig, Plain, ReadView, WriteView, bytes_of, bytes_of_mut,
-    cast, cast_mut, chaos_from_env,
+    CpuAccess, CpuDevice, CpuDeviceConfig, DirectWrite, Plain, ReadView, WriteView, bytes_of,
+    bytes_of_mut, cast, cast_mut, chaos_from_env,
 };
 pub use cuda::{CudaDevice, CudaDeviceConfig, nccl_available};
 pub use event::{CpuEvent, CudaEventRef, Event};
@@ -442,6 +442,19 @@ impl Device {
         match self {
             Device::Cpu(d) => d.copied_bytes(),
             Device::Cuda(d) => d.copied_bytes(),
+        }
+    }
+
+    /// Device memory for the NVMe tier to read into, lent to `lane` until the returned
+    /// buffer drops: the CPU device only, whose memory is host memory; a GPU's is reached
+    /// through host staging (the planner stages every read for a CUDA plan).
+    pub fn direct_write(&self, range: DeviceRange, lane: Lane) -> Result<DirectWrite, EngineError> {
+        match self {
+            Device::Cpu(d) => d.direct_write(range, lane),
+            Device::Cuda(d) => Err(EngineError::Unsupported {
+                device: d.name().to_string(),
+                what: "reads from the NVMe tier straight into its memory",
+            }),
         }
     }
 

@@ -27,10 +27,10 @@ use half::{bf16, f16};
 use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, GradStats, Grads, State, grad_stats};
 use strata_kernels::isa::Isa;
 use strata_kernels::program::{Scalars, read_stats, write_stats};
-use strata_storage::Pending;
+use strata_storage::{IoBuf, Pending};
 
 use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
-use crate::device::{Bindings, Device, Event, Lane, cast, cast_mut};
+use crate::device::{Bindings, Device, DirectWrite, Event, Lane, cast, cast_mut};
 use crate::memory::HostLease;
 use crate::model::{Bind, TensorSpec};
 use crate::plan::{Binds, BufId, BufKind, GradSource, OpId, OpKind, Precision, Tier};
@@ -73,7 +73,36 @@ pub(super) struct Transfer {
     /// The extent group it reads or writes.
     group: usize,
     started: Instant,
-    pending: Pending<HostLease>,
+    pending: Pending<IoTarget>,
+}
+
+/// The memory an NVMe transfer moves: a range of the host arena, or (a read on the CPU
+/// device) of device memory.
+pub(super) enum IoTarget {
+    Host(HostLease),
+    Device(DirectWrite),
+}
+
+// SAFETY: each variant is an IoBuf; this only forwards to it.
+unsafe impl IoBuf for IoTarget {
+    fn as_ptr(&self) -> *const u8 {
+        match self {
+            IoTarget::Host(b) => b.as_ptr(),
+            IoTarget::Device(b) => b.as_ptr(),
+        }
+    }
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self {
+            IoTarget::Host(b) => b.as_mut_ptr(),
+            IoTarget::Device(b) => b.as_mut_ptr(),
+        }
+    }
+    fn capacity_bytes(&self) -> usize {
+        match self {
+            IoTarget::Host(b) => b.capacity_bytes(),
+            IoTarget::Device(b) => b.capacity_bytes(),
+        }
+    }
 }
 
 impl Executor {
@@ -227,11 +256,20 @@ impl Executor {
             .expect("a plan with extents has a store");
         let pending = match op.kind {
             OpKind::NvmeRead { from, into } => {
-                let lease = self
-                    .host
-                    .lease(op.lane, self.host_range(into), true)
-                    .map_err(device)?;
-                self.read_extent(store, from, lease, op.bytes)?
+                let target = if self.plan.buffer(into).tier == Tier::Device {
+                    IoTarget::Device(
+                        self.device
+                            .direct_write(self.device_range(into), op.lane)
+                            .map_err(device)?,
+                    )
+                } else {
+                    IoTarget::Host(
+                        self.host
+                            .lease(op.lane, self.host_range(into), true)
+                            .map_err(device)?,
+                    )
+                };
+                self.read_extent(store, from, target, op.bytes)?
             }
             OpKind::NvmeWrite {
                 from,
@@ -246,7 +284,7 @@ impl Executor {
                     .host
                     .lease(op.lane, self.host_range(from), false)
                     .map_err(device)?;
-                self.write_extent(store, to, lease)?
+                self.write_extent(store, to, IoTarget::Host(lease))?
             }
             _ => unreachable!("{} is not an NVMe transfer", op.kind.label()),
         };

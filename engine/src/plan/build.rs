@@ -271,11 +271,11 @@ impl fmt::Display for OpLabel {
 /// What an operation does.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OpKind {
-    /// Reads an extent into a host buffer.
+    /// Reads an extent into a host buffer, or (the CPU device) a device buffer.
     NvmeRead {
         /// The extent (a buffer of kind [`BufKind::Extent`]).
         from: BufId,
-        /// Host buffer.
+        /// Host buffer, or device buffer on the CPU device.
         into: BufId,
     },
     /// Writes a host buffer to an extent. Skipped with the update when a step is skipped
@@ -1505,17 +1505,23 @@ impl<'a> Planner<'a> {
         if group.is_empty() {
             return;
         }
+        // The state read for the update is emitted at this same position (`completes`
+        // less the depth), before the fetch.
+        let from_state = group[0] == self.completes(b) && self.state_feeds_backward(b);
+        let bytes = self.len(b) * self.dbytes;
         let id = self.buffer(
             format!("params[{b}]@device"),
             Tier::Device,
-            self.len(b) * self.dbytes,
+            if self.reads_into_device(b, from_state) {
+                // The read moves whole 4 KiB blocks (O_DIRECT).
+                bytes.next_multiple_of(4096)
+            } else {
+                bytes
+            },
         );
         for &k in group.iter() {
             self.dev_params[k][b] = Some(id);
         }
-        // The state read for the update is emitted at this same position (`completes`
-        // less the depth), before the fetch.
-        let from_state = group[0] == self.completes(b) && self.state_feeds_backward(b);
         self.fetches[group[0].saturating_sub(self.depth)].push((b, id, from_state));
         group.clear();
     }
@@ -1801,6 +1807,10 @@ impl<'a> Planner<'a> {
     fn fetch_params(&mut self, b: usize, to: BufId, from_state: bool) {
         let bytes = self.len(b) * self.pbytes;
         let shard_bytes = self.shard(b) * self.pbytes;
+        if self.reads_into_device(b, from_state) {
+            self.nvme_read(Lane::NvmeRead, self.p_home[b].0, to, shard_bytes);
+            return;
+        }
         let from = match self.homes[b].params {
             _ if from_state => self.s_stage[b].expect("the state's host stage"),
             Tier::Host => self.p_home[b].0,
@@ -1813,6 +1823,20 @@ impl<'a> Planner<'a> {
         };
         let from = self.gathered(b, from, "<", false);
         self.copy_in(from, to, bytes, self.param_conversion(), false);
+    }
+
+    /// Whether block `b`'s parameters go from NVMe straight into the device buffer of a
+    /// fetch (`from_state`: whether the fetch takes them from the state read instead),
+    /// with no host staging and no host-to-device copy: on the CPU device, whose memory
+    /// is host memory that the NVMe tier can read into, when the bytes on NVMe are the
+    /// bytes the device computes with (no conversion) and this rank's shard is the whole
+    /// block (alone). On a GPU, which the NVMe tier cannot reach, they are staged.
+    fn reads_into_device(&self, b: usize, from_state: bool) -> bool {
+        !from_state
+            && self.homes[b].params == Tier::Nvme
+            && self.ranks == 1
+            && self.param_conversion().is_none()
+            && self.shape.target == crate::model::Target::Cpu
     }
 
     /// Whether the backward that completes block `b`'s gradients takes its parameters
@@ -2385,7 +2409,16 @@ impl<'a> Planner<'a> {
         let mut ops = self.ops;
         let mut buffers = self.buffers;
         super::memory::derive_dependencies(&mut ops, buffers.len());
-        let slots = super::memory::allocate(&mut ops, &mut buffers);
+        // A device buffer the NVMe tier reads into must start on a 4 KiB boundary
+        // (O_DIRECT); such plans lay every device slot out so.
+        let device_align = if ops.iter().any(|op| {
+            matches!(op.kind, OpKind::NvmeRead { into, .. } if buffers[into.index()].tier == Tier::Device)
+        }) {
+            super::memory::HOST_ALIGN
+        } else {
+            super::memory::DEVICE_ALIGN
+        };
+        let slots = super::memory::allocate(&mut ops, &mut buffers, device_align);
         let mut peak = [0u64; 3];
         for tier in [Tier::Device, Tier::Host] {
             peak[tier.index()] = super::memory::arena_bytes(&slots, tier);

@@ -18,14 +18,6 @@ pub const DEVICE_ALIGN: u64 = 256;
 /// Host slots start at multiples of this (O_DIRECT).
 pub const HOST_ALIGN: u64 = 4096;
 
-fn align(tier: Tier) -> u64 {
-    if tier == Tier::Device {
-        DEVICE_ALIGN
-    } else {
-        HOST_ALIGN
-    }
-}
-
 /// Read-after-write, write-after-read and write-after-write edges, from the accesses.
 pub(super) fn derive_dependencies(ops: &mut [Op], buffers: usize) {
     let mut last_writer: Vec<Option<OpId>> = vec![None; buffers];
@@ -55,8 +47,14 @@ pub(super) fn derive_dependencies(ops: &mut [Op], buffers: usize) {
 }
 
 /// Interval allocation of transient buffers into shared slots; persistent buffers get a
-/// slot each. Adds the reuse edges and lays the slots out in their arenas.
-pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPlan> {
+/// slot each. Adds the reuse edges and lays the slots out in their arenas, device slots
+/// at multiples of `device_align` ([`DEVICE_ALIGN`], or [`HOST_ALIGN`] where the NVMe
+/// tier reads into device memory), host slots at multiples of [`HOST_ALIGN`].
+pub(super) fn allocate(
+    ops: &mut [Op],
+    buffers: &mut [BufferPlan],
+    device_align: u64,
+) -> Vec<SlotPlan> {
     let mut users: Vec<Vec<OpId>> = vec![Vec::new(); buffers.len()];
     for (id, op) in ops.iter().enumerate() {
         let id = OpId::of(id);
@@ -163,7 +161,12 @@ pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPl
     let mut next = [0u64; 3];
     for slot in &mut slots {
         let end = &mut next[slot.tier.index()];
-        slot.offset_bytes = end.next_multiple_of(align(slot.tier));
+        let align = if slot.tier == Tier::Device {
+            device_align
+        } else {
+            HOST_ALIGN
+        };
+        slot.offset_bytes = end.next_multiple_of(align);
         *end = slot.offset_bytes + slot.bytes;
     }
     slots
@@ -177,5 +180,9 @@ pub(super) fn arena_bytes(slots: &[SlotPlan], tier: Tier) -> u64 {
         .map(|s| s.offset_bytes + s.bytes)
         .max()
         .unwrap_or(0)
-        .next_multiple_of(align(tier))
+        .next_multiple_of(if tier == Tier::Device {
+            DEVICE_ALIGN
+        } else {
+            HOST_ALIGN
+        })
 }
