@@ -20,7 +20,7 @@ use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::llama::{LlamaConfig, Variant};
 use strata_engine::model::weights::load_pretrained;
-use strata_engine::model::{Gpt2Config, Llama, Model, gpt2};
+use strata_engine::model::{Gpt2Config, Llama, Model, Target, gpt2};
 use strata_engine::plan::{
     AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, Lane, NvmeOffload, OpKind,
     ParamOffload, Plan, PlanError, PlanInput, Policy, Precision, Recompute, StepShape, Tier,
@@ -588,10 +588,12 @@ fn the_backward_takes_its_parameters_from_the_state_read_for_the_update() {
 /// parameters of the forward (and of the tied head) straight into the device buffers
 /// the computes read: no host staging, no host-to-device copy. The only parameter
 /// copies left are the backward's, from the state staged on the host for the update.
-/// The device's memory checker sees each read as a write of its range; the bits are
-/// all-on-device's, also with every stream operation delayed at random (chaos).
+/// The CPU optimizer reads the gradients from device memory: no copy out. The device's
+/// memory checker sees each read from NVMe as a write of its range and each optimizer's
+/// as a read of the gradients; the bits are all-on-device's, also with every stream
+/// operation delayed at random (chaos).
 #[test]
-fn on_the_cpu_device_parameters_are_read_from_nvme_straight_into_device_memory() {
+fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies() {
     // Six layers: with a prefetch depth of 2, the read of a layer's parameters takes
     // over the device slot of a layer three before it, and so waits for that layer's
     // forward to end (the dependency chaos would expose if the read did not wait).
@@ -642,6 +644,26 @@ fn on_the_cpu_device_parameters_are_read_from_nvme_straight_into_device_memory()
         copied.iter().all(|name| name.starts_with("adam[")),
         "{copied:?}"
     );
+    // The CPU optimizer reads each block's gradients where the backward wrote them: no
+    // copy to the host (with no norm to wait for).
+    for op in &plan.ops {
+        match op.kind {
+            OpKind::Optimizer { grads, .. } => {
+                assert_eq!(
+                    plan.buffer(grads).tier,
+                    Tier::Device,
+                    "{}",
+                    plan.buffer(grads).name
+                )
+            }
+            OpKind::D2h { from, .. } => assert!(
+                !plan.buffer(from).name.starts_with("grads["),
+                "{}",
+                plan.buffer(from).name
+            ),
+            _ => {}
+        }
+    }
     let reference = train(&model, shape, &AllOnDevice, 3, hyper(1e-3));
     for chaos in CHAOS {
         let nvme = tempfile::tempdir().unwrap();
@@ -1195,7 +1217,7 @@ fn recomputing_every_block_none_or_some_trains_bit_identically() {
 
 #[test]
 fn the_planner_keeps_what_fits_and_charges_recomputing_only_where_it_happens() {
-    use strata_engine::model::{Dtype, Pass, Target};
+    use strata_engine::model::{Dtype, Pass};
     let layers = 6;
     let model = Model::new(Gpt2Config::new(layers, 4, 64, 96, 32)).unwrap();
     let dims = model.shape(2, 32).unwrap();
@@ -1807,9 +1829,14 @@ fn the_gradients_copied_after_the_last_backward_wait_for_no_late_state_write() {
     // 3 layers of 64 channels: 49,920 parameters each (599,040 bytes of state); the
     // embedding 3,000 x 64 + 32 x 64: 194,048 (776,192 bytes of gradients).
     let model = Model::new(Gpt2Config::new(3, 4, 64, 3000, 32)).unwrap();
+    // A GPU's plan: the CPU device's optimizer reads the gradients where the backward
+    // left them, so there is no copy to wait.
     let input = PlanInput {
         model: &model,
-        shape: StepShape::cpu(2, 16),
+        shape: StepShape {
+            target: Target::Cuda,
+            ..StepShape::cpu(2, 16)
+        },
         budgets: UNLIMITED,
     };
     let policy = NvmeOffload {

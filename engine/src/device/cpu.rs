@@ -321,10 +321,16 @@ impl CpuDevice {
         &self.shared.arena
     }
 
-    /// Device memory lent to `lane` for the NVMe tier to read into (its memory is host
-    /// memory): a write of `range`, checked against every other operation's accesses as
-    /// a copy's is, until the returned buffer drops.
-    pub fn direct_write(&self, range: DeviceRange, lane: Lane) -> Result<DirectWrite, EngineError> {
+    /// Device memory lent to host work on `lane` (its memory is host memory): the NVMe
+    /// tier reading into it (`write`), or the CPU optimizer reading gradients from it. The
+    /// access is checked against every other operation's, as a copy's is, and ends when
+    /// the returned view drops.
+    pub fn direct(
+        &self,
+        range: DeviceRange,
+        lane: Lane,
+        write: bool,
+    ) -> Result<DirectAccess, EngineError> {
         if let Some(first) = self
             .shared
             .first_failure
@@ -341,8 +347,8 @@ impl CpuDevice {
         let id = self
             .shared
             .accesses
-            .begin(lane, std::iter::once((range.bytes(), true)))?;
-        Ok(DirectWrite {
+            .begin(lane, std::iter::once((range.bytes(), write)))?;
+        Ok(DirectAccess {
             // SAFETY: check_range put the range inside the arena's allocation.
             ptr: HostPtr(unsafe { self.shared.base.get().add(range.offset_bytes) }),
             len_bytes: range.len_bytes,
@@ -1005,18 +1011,20 @@ plain!(
     half::bf16
 );
 
-/// CPU device memory the NVMe tier reads into ([`CpuDevice::direct_write`]); the write
-/// access it holds ends when it drops.
-pub struct DirectWrite {
+/// CPU device memory lent to host work ([`CpuDevice::direct`]); the access it holds
+/// ends when it drops.
+pub struct DirectAccess {
     ptr: HostPtr,
     len_bytes: usize,
     id: u64,
     shared: Arc<CpuShared>,
 }
 
-// SAFETY: the range is the I/O's alone while the access is held (the access table
-// refuses every overlapping one), and `shared` keeps the arena's memory alive.
-unsafe impl IoBuf for DirectWrite {
+// SAFETY: the range is the holder's while the access is held (the access table refuses
+// every overlapping write, and every overlapping access to a written range), and
+// `shared` keeps the arena's memory alive. I/O writes into it only through an access
+// taken for writing (`Executor` reads from NVMe into `direct(.., true)` alone).
+unsafe impl IoBuf for DirectAccess {
     fn as_ptr(&self) -> *const u8 {
         self.ptr.get()
     }
@@ -1028,7 +1036,16 @@ unsafe impl IoBuf for DirectWrite {
     }
 }
 
-impl Drop for DirectWrite {
+impl Deref for DirectAccess {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: inside the arena's allocation (checked when lent); no overlapping write
+        // while the access is held, unless this access is the write.
+        unsafe { std::slice::from_raw_parts(self.ptr.get(), self.len_bytes) }
+    }
+}
+
+impl Drop for DirectAccess {
     fn drop(&mut self) {
         self.shared.accesses.end(self.id);
     }

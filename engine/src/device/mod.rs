@@ -39,7 +39,7 @@ use strata_kernels::cuda::probe;
 use strata_kernels::program::{Dtype, Kernel, Scalars, Target};
 
 pub use cpu::{
-    CpuAccess, CpuDevice, CpuDeviceConfig, DirectWrite, Plain, ReadView, WriteView, bytes_of,
+    CpuAccess, CpuDevice, CpuDeviceConfig, DirectAccess, Plain, ReadView, WriteView, bytes_of,
     bytes_of_mut, cast, cast_mut, chaos_from_env,
 };
 pub use cuda::{CudaDevice, CudaDeviceConfig, nccl_available};
@@ -445,15 +445,21 @@ impl Device {
         }
     }
 
-    /// Device memory for the NVMe tier to read into, lent to `lane` until the returned
-    /// buffer drops: the CPU device only, whose memory is host memory; a GPU's is reached
-    /// through host staging (the planner stages every read for a CUDA plan).
-    pub fn direct_write(&self, range: DeviceRange, lane: Lane) -> Result<DirectWrite, EngineError> {
+    /// Device memory lent to host work on `lane` until the returned view drops: the NVMe
+    /// tier reading into it (`write`), the CPU optimizer reading gradients from it. The
+    /// CPU device only, whose memory is host memory; a GPU's is reached through copies
+    /// (the planner makes none of these for a CUDA plan).
+    pub fn direct(
+        &self,
+        range: DeviceRange,
+        lane: Lane,
+        write: bool,
+    ) -> Result<DirectAccess, EngineError> {
         match self {
-            Device::Cpu(d) => d.direct_write(range, lane),
+            Device::Cpu(d) => d.direct(range, lane, write),
             Device::Cuda(d) => Err(EngineError::Unsupported {
                 device: d.name().to_string(),
-                what: "reads from the NVMe tier straight into its memory",
+                what: "host access to its memory",
             }),
         }
     }

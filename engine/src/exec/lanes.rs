@@ -30,8 +30,8 @@ use strata_kernels::program::{Scalars, read_stats, write_stats};
 use strata_storage::{IoBuf, Pending};
 
 use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
-use crate::device::{Bindings, Device, DirectWrite, Event, Lane, cast, cast_mut};
-use crate::memory::HostLease;
+use crate::device::{Bindings, Device, DirectAccess, Event, Lane, cast, cast_mut};
+use crate::memory::{HostLease, HostRead};
 use crate::model::{Bind, TensorSpec};
 use crate::plan::{Binds, BufId, BufKind, GradSource, OpId, OpKind, Precision, Tier};
 
@@ -76,11 +76,28 @@ pub(super) struct Transfer {
     pending: Pending<IoTarget>,
 }
 
+/// Gradients a host operation reads: from the host arena, or (the CPU device, when the
+/// plan leaves them there) from device memory.
+enum GradView<'a> {
+    Host(HostRead<'a>),
+    Device(DirectAccess),
+}
+
+impl std::ops::Deref for GradView<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            GradView::Host(v) => v,
+            GradView::Device(v) => v,
+        }
+    }
+}
+
 /// The memory an NVMe transfer moves: a range of the host arena, or (a read on the CPU
 /// device) of device memory.
 pub(super) enum IoTarget {
     Host(HostLease),
-    Device(DirectWrite),
+    Device(DirectAccess),
 }
 
 // SAFETY: each variant is an IoBuf; this only forwards to it.
@@ -259,7 +276,7 @@ impl Executor {
                 let target = if self.plan.buffer(into).tier == Tier::Device {
                     IoTarget::Device(
                         self.device
-                            .direct_write(self.device_range(into), op.lane)
+                            .direct(self.device_range(into), op.lane, true)
                             .map_err(device)?,
                     )
                 } else {
@@ -785,6 +802,21 @@ impl Executor {
 
     /// The statistics of block `block`'s host gradients `grads`, scaled by `scale`
     /// (operation `id`'s work: the norm's, or a spill's).
+    /// The first `bytes` of gradient buffer `grads`, for host work on `lane`.
+    fn read_grads(
+        &self,
+        lane: Lane,
+        grads: BufId,
+        bytes: usize,
+    ) -> Result<GradView<'_>, crate::EngineError> {
+        Ok(if self.plan.buffer(grads).tier == Tier::Device {
+            let range = self.device_range(grads).sub(0, bytes);
+            GradView::Device(self.device.direct(range, lane, false)?)
+        } else {
+            GradView::Host(self.host.read(lane, self.host_range(grads).prefix(bytes))?)
+        })
+    }
+
     fn host_stats(
         &self,
         id: OpId,
@@ -796,8 +828,7 @@ impl Executor {
         let label = || op.kind.label().to_string();
         let bytes = 4 * self.model.blocks()[block].len;
         let g = self
-            .host
-            .read(op.lane, self.host_range(grads).prefix(bytes))
+            .read_grads(op.lane, grads, bytes)
             .map_err(|source| ExecError::Device {
                 op: label(),
                 source,
@@ -947,10 +978,7 @@ impl Executor {
             op: label(),
             source,
         };
-        let g = self
-            .host
-            .read(Lane::Cpu, self.host_range(grads).prefix(4 * len))
-            .map_err(err)?;
+        let g = self.read_grads(Lane::Cpu, grads, 4 * len).map_err(err)?;
         let gslice = cast::<f32>(&g);
         if !self.plan.shape.needs_global_norm {
             let s = grad_stats(

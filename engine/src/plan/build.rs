@@ -1397,6 +1397,9 @@ impl<'a> Planner<'a> {
             let grads: Vec<BufId> = (0..nb)
                 .map(|b| match self.g_home_dev[b] {
                     Some(id) if m == 0 && self.ranks == 1 => id,
+                    None if self.homes[b].grads == Tier::Host && self.grads_stay_on_device(b) => {
+                        self.g_host[b].expect("gradients the update reads on the device")
+                    }
                     // Reduce-scattered over device memory: a chunk for every rank.
                     _ => self.buffer(
                         format!("grads[{b}]#{m}@device"),
@@ -1781,12 +1784,32 @@ impl<'a> Planner<'a> {
                 self.buffer(format!("grads[{b}]@host"), Tier::Host, bytes),
                 self.buffer(format!("grads[{b}]<@host"), Tier::Host, bytes),
             )
+        } else if self.grads_stay_on_device(b) {
+            // The backward's own buffer, which the update reads where it is.
+            let id = self.buffer(format!("grads[{b}]#0@device"), Tier::Device, bytes);
+            (id, id)
         } else {
             let id = self.buffer(format!("grads[{b}]@host"), Tier::Host, bytes);
             (id, id)
         };
         self.g_host[b] = Some(fill);
         self.g_apply_host[b] = Some(apply);
+    }
+
+    /// Whether the CPU optimizer reads block `b`'s host-homed gradients from the device
+    /// buffer the backward wrote them into, with no copy to the host: on the CPU device,
+    /// whose memory is host memory, when that buffer holds the step's whole gradients
+    /// (one micro-batch, alone) and the update follows the backward (no global-norm
+    /// barrier, which would hold every block's gradients in device memory until the
+    /// backward ends; no delayed update). The buffer then lives until the update. A
+    /// GPU's are copied.
+    fn grads_stay_on_device(&self, b: usize) -> bool {
+        self.shape.target == crate::model::Target::Cpu
+            && self.ranks == 1
+            && self.shape.grad_accum == 1
+            && !self.shape.needs_global_norm
+            && !self.shape.delayed_update
+            && !self.spill[b]
     }
 
     /// Whether block `b`'s collectives run over device memory (see [`Plan::device_comm`]).
@@ -2096,7 +2119,9 @@ impl<'a> Planner<'a> {
                 _ => host,
             };
             if m == 0 {
-                self.copy_out(from, host, bytes);
+                if from != host {
+                    self.copy_out(from, host, bytes);
+                }
             } else {
                 if let Some(extent) = spill {
                     self.nvme_read(Lane::NvmeRead, extent, host, bytes);
@@ -2350,6 +2375,11 @@ impl<'a> Planner<'a> {
             access,
         );
         self.ops[id.index()].params = len;
+        if flag.is_none() {
+            // With no norm it also takes the gradients' statistics, a pass over them (as
+            // a device-homed block's `DeviceStats` does).
+            self.ops[id.index()].bytes = 4 * len;
+        }
         if self.homes[b].state == Tier::Nvme {
             self.nvme_write(state, self.s_home[b].1, 12 * len, true);
         }

@@ -108,6 +108,7 @@ impl CostModel {
             OpKind::D2h { .. } => op.bytes as f64 / self.d2h_bytes_per_s,
             OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => {
                 op.params as f64 / self.adam_params_per_s
+                    + op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
             }
             // Other memory-bound passes over gradients, on the CPU or the device: at the
             // bandwidth AdamW reaches.
