@@ -134,9 +134,12 @@ pub struct PolicyRow {
     pub saved_activation_bytes: u64,
     /// Blocks whose gradients wait for the clipping norm on NVMe (`--spill-grads`).
     pub spilled_blocks: usize,
-    /// Whether the first and last blocks' parameters and optimizer state stay in host
-    /// memory while the others' are on NVMe (`Policy::resident_edges`).
+    /// Whether the first and last blocks' optimizer state stays in host memory, and
+    /// their parameters off NVMe, while the others' are on NVMe
+    /// (`Policy::resident_edges`).
     pub edges_on_host: bool,
+    /// Where those blocks' parameters and state are, in words, when they stay off NVMe.
+    pub edges: Option<String>,
     /// Its NVMe peak over the parameter count.
     pub nvme_bytes_per_param: f64,
     /// Its NVMe peak times the ranks: what the ranks' swap files hold together.
@@ -257,6 +260,7 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
             saved_activation_bytes: plan.saved_total_bytes(),
             spilled_blocks: plan.spilled(),
             edges_on_host: plan.edges_on_host(),
+            edges: plan.edges_text(),
             nvme_bytes_per_param: plan.peak[Tier::Nvme.index()] as f64 / params as f64,
             nvme_bytes_all_ranks: plan.peak[Tier::Nvme.index()] * ranks as u64,
             step_seconds: p.step_seconds,
@@ -432,12 +436,10 @@ pub fn render(r: &PlanReport) -> String {
         table.row(cells);
     }
     out += &table.render();
-    for row in r.policies.iter().filter(|row| row.edges_on_host) {
-        out += &format!(
-            "{}: the embedding's and the head's parameters and optimizer state stay in host \
-             memory\n",
-            row.policy
-        );
+    for row in r.policies.iter() {
+        if let Some(edges) = &row.edges {
+            out += &format!("{}: {edges}\n", row.policy);
+        }
     }
     for row in r.policies.iter().filter(|row| row.spilled_blocks > 0) {
         out += &format!(

@@ -781,12 +781,8 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
         plan.recompute_summary(),
         predicted.step_seconds
     )?;
-    if plan.edges_on_host() {
-        writeln!(
-            out,
-            "the embedding's and the head's parameters and optimizer state stay in host memory \
-             (their NVMe traffic could not hide under compute)"
-        )?;
+    if let Some(edges) = plan.edges_text() {
+        writeln!(out, "{edges}")?;
     }
     if plan.spilled() > 0 {
         writeln!(

@@ -473,10 +473,12 @@ fn gradients_spilled_for_the_norm_train_bit_identically_in_less_host_memory() {
     }
 }
 
-/// nvme-offload keeps the embedding's and the head's parameters and optimizer state in
-/// host memory when the budgets have room (`Policy::resident_edges`), and streams them
-/// from NVMe like the other blocks when they do not; the bits are the same. With them
-/// in host memory, the embedding's device copy serves the tied head too.
+/// nvme-offload keeps the embedding's and the head's optimizer state in host memory, and
+/// their parameters off NVMe, when the budgets have room (`Policy::resident_edges`),
+/// and streams them from NVMe like the other blocks when they do not; the bits are the
+/// same. On the CPU device their parameters live on the device, updated in place by
+/// the optimizer; for a GPU in host memory, the embedding's device copy serving the
+/// tied head too (one copy to the device per step, not two).
 #[test]
 fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
     let model = Model::new(small()).unwrap();
@@ -485,7 +487,7 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
         depth: 2,
         checkpoints: Tier::Host,
     };
-    let plan = |host: u64| {
+    let plan_for = |shape: StepShape, host: u64| {
         let input = PlanInput {
             model: &model,
             shape,
@@ -493,29 +495,46 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
         };
         Plan::build(&input, &policy).unwrap()
     };
-    let roomy = plan(u64::MAX);
+    let roomy = plan_for(shape, u64::MAX);
     assert!(roomy.edges_on_host());
-    // The embedding's device copy, fetched for its forward, is the one the tied head
-    // reads: one copy of block 0's parameters to the device per step, not two.
-    assert_eq!(model.tied(model.blocks().len() - 1), Some(0));
-    let fetches = |p: &Plan| {
+    let nb = model.blocks().len();
+    let edge = |b: usize| b == 0 || b + 1 == nb;
+    let copies_of_first = |p: &Plan| {
         p.ops
             .iter()
             .filter(|op| {
-                matches!(op.kind, OpKind::H2d { from, .. } if p.buffer(from).name == "params[0]@host")
+                matches!(op.kind, OpKind::H2d { to, .. } if p.buffer(to).name.starts_with("params[0]"))
             })
             .count()
     };
-    assert_eq!(fetches(&roomy), 1);
-    let nb = model.blocks().len();
     for b in 0..nb {
-        let edge = b == 0 || b + 1 == nb;
-        let expect = if edge { Tier::Host } else { Tier::Nvme };
-        assert_eq!(roomy.homes[b][0], expect, "block {b} parameters");
-        assert_eq!(roomy.homes[b][2], expect, "block {b} optimizer state");
+        let (params, state) = if edge(b) {
+            (Tier::Device, Tier::Host)
+        } else {
+            (Tier::Nvme, Tier::Nvme)
+        };
+        assert_eq!(roomy.homes[b][0], params, "block {b} parameters");
+        assert_eq!(roomy.homes[b][2], state, "block {b} optimizer state");
     }
+    // Updated in place: nothing copies the embedding to the device.
+    assert_eq!(copies_of_first(&roomy), 0);
+    let gpu = plan_for(
+        StepShape {
+            target: Target::Cuda,
+            ..shape
+        },
+        u64::MAX,
+    );
+    assert!(gpu.edges_on_host());
+    for b in (0..nb).filter(|&b| edge(b)) {
+        assert_eq!(gpu.homes[b][0], Tier::Host, "a GPU's block {b} parameters");
+    }
+    assert_eq!(model.tied(nb - 1), Some(0));
+    assert_eq!(copies_of_first(&gpu), 1);
+    // Host memory one byte short of the GPU's plan: every block streams, in less host
+    // memory.
     let host = Tier::Host.index();
-    let tight = plan(roomy.peak[host] - 1);
+    let tight = plan_for(gpu.shape, gpu.peak[host] - 1);
     assert!(!tight.edges_on_host());
     assert!(
         tight
@@ -523,17 +542,28 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
             .iter()
             .all(|h| h[0] == Tier::Nvme && h[2] == Tier::Nvme)
     );
-    assert!(tight.peak[host] < roomy.peak[host]);
+    assert!(tight.peak[host] < gpu.peak[host]);
     // The edges' NVMe traffic is gone: their state read and written, their parameters
     // read for the forward and the backward.
     let edges: u64 = [0, nb - 1]
         .iter()
         .map(|&b| model.blocks()[b].len as u64)
         .sum();
-    assert!(tight.link_bytes[0] - roomy.link_bytes[0] >= 12 * edges);
-    assert_eq!(tight.link_bytes[1] - roomy.link_bytes[1], 12 * edges);
+    for p in [&gpu, &roomy] {
+        assert!(tight.link_bytes[0] - p.link_bytes[0] >= 12 * edges);
+        assert_eq!(tight.link_bytes[1] - p.link_bytes[1], 12 * edges);
+    }
+    let streaming = Plan::build(
+        &PlanInput {
+            model: &model,
+            shape,
+            budgets: UNLIMITED,
+        },
+        &NvmeOnly(policy),
+    )
+    .unwrap();
     let reference = train(&model, shape, &AllOnDevice, 4, hyper(1e-3));
-    for (what, p) in [("edges on host", roomy), ("all on NVMe", tight)] {
+    for (what, p) in [("edges off NVMe", roomy), ("all on NVMe", streaming)] {
         let run = train_plan(&model, p, 4, hyper(1e-3), None);
         assert_bit_identical(&reference, &run, what);
     }
@@ -1893,4 +1923,50 @@ fn the_gradients_copied_after_the_last_backward_wait_for_no_late_state_write() {
         writes.is_empty(),
         "the copy of the embedding's gradients waits for NVMe writes of {writes:?}"
     );
+}
+
+/// On the CPU device a block's update reads its gradients from the device buffer the
+/// backward wrote, and runs beside the next block's backward. The canonical order puts
+/// that update between the two backwards, so a slot freed by the update must not go to
+/// the next backward's gradients (which would make every backward wait for the update
+/// before it): gradients alternate between slots, and no backward waits for the
+/// update of the block just before it.
+#[test]
+fn a_backward_does_not_wait_for_the_update_of_the_block_before_it() {
+    let model = Model::new(Gpt2Config::new(6, 4, 64, 96, 32)).unwrap();
+    let input = PlanInput {
+        model: &model,
+        shape: StepShape::cpu(2, 16),
+        budgets: UNLIMITED,
+    };
+    for policy in [
+        Box::new(CpuOffload) as Box<dyn Policy>,
+        Box::new(NvmeOnly(NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        })),
+    ] {
+        let plan = Plan::build(&input, policy.as_ref()).unwrap();
+        let mut last_update: Option<(usize, usize)> = None;
+        for (i, op) in plan.ops.iter().enumerate() {
+            match op.kind {
+                OpKind::Optimizer { block, grads, .. } => {
+                    assert_eq!(plan.buffer(grads).tier, Tier::Device, "{}", policy.name());
+                    last_update = Some((i, block));
+                }
+                OpKind::Compute { .. } if op.kind.label().what == "bwd" => {
+                    if let Some((update, block)) = last_update {
+                        assert!(
+                            !op.deps.iter().any(|d| d.index() == update),
+                            "{}: {} waits for the update of block {block}",
+                            policy.name(),
+                            op.kind.label()
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+        assert!(last_update.is_some());
+    }
 }

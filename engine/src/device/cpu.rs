@@ -352,6 +352,7 @@ impl CpuDevice {
             // SAFETY: check_range put the range inside the arena's allocation.
             ptr: HostPtr(unsafe { self.shared.base.get().add(range.offset_bytes) }),
             len_bytes: range.len_bytes,
+            write,
             id,
             shared: Arc::clone(&self.shared),
         })
@@ -1016,6 +1017,7 @@ plain!(
 pub struct DirectAccess {
     ptr: HostPtr,
     len_bytes: usize,
+    write: bool,
     id: u64,
     shared: Arc<CpuShared>,
 }
@@ -1042,6 +1044,15 @@ impl Deref for DirectAccess {
         // SAFETY: inside the arena's allocation (checked when lent); no overlapping write
         // while the access is held, unless this access is the write.
         unsafe { std::slice::from_raw_parts(self.ptr.get(), self.len_bytes) }
+    }
+}
+
+impl DerefMut for DirectAccess {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        assert!(self.write, "a write through device memory lent for reading");
+        // SAFETY: as for `deref`, and the access was taken for writing: no other access
+        // overlaps it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.get(), self.len_bytes) }
     }
 }
 

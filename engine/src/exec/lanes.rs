@@ -31,7 +31,7 @@ use strata_storage::{IoBuf, Pending};
 
 use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
 use crate::device::{Bindings, Device, DirectAccess, Event, Lane, cast, cast_mut};
-use crate::memory::{HostLease, HostRead};
+use crate::memory::{HostLease, HostRead, HostWrite};
 use crate::model::{Bind, TensorSpec};
 use crate::plan::{Binds, BufId, BufKind, GradSource, OpId, OpKind, Precision, Tier};
 
@@ -89,6 +89,32 @@ impl std::ops::Deref for GradView<'_> {
         match self {
             GradView::Host(v) => v,
             GradView::Device(v) => v,
+        }
+    }
+}
+
+/// Where the CPU optimizer writes new working parameters: a host staging buffer, or (the
+/// CPU device, when the plan says so) their device home.
+enum WorkingView<'a> {
+    Host(HostWrite<'a>),
+    Device(DirectAccess),
+}
+
+impl std::ops::Deref for WorkingView<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            WorkingView::Host(v) => v,
+            WorkingView::Device(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for WorkingView<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            WorkingView::Host(v) => v,
+            WorkingView::Device(v) => v,
         }
     }
 }
@@ -1001,11 +1027,17 @@ impl Executor {
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
         let mut out = match params_out {
-            Some(buf) => Some(
+            Some(buf) if self.plan.buffer(buf).tier == Tier::Device => {
+                let range = self.device_range(buf).sub(0, len * pbytes);
+                Some(WorkingView::Device(
+                    self.device.direct(range, Lane::Cpu, true).map_err(err)?,
+                ))
+            }
+            Some(buf) => Some(WorkingView::Host(
                 self.host
                     .write(Lane::Cpu, self.host_range(buf).prefix(len * pbytes))
                     .map_err(err)?,
-            ),
+            )),
             None => None,
         };
         if self.applied[block].load(Ordering::Acquire) >= shared.adam_step {

@@ -795,39 +795,70 @@ impl Plan {
     /// spilled, and kept if its host peak is lower.
     ///
     /// First of all, when the policy allows it ([`Policy::resident_edges`]), the plan
-    /// keeping the first and last blocks' parameters and optimizer state in host memory:
-    /// it is the plan if it fits every budget without spilling gradients. Of two such
-    /// plans, the one whose first block's device copy of parameters serves the whole
-    /// micro-batch (one fetch of the embedding where a tied head reads it too, not two)
-    /// is preferred unless it recomputes more blocks to fit.
+    /// keeping the first and last blocks' optimizer state in host memory and their
+    /// parameters off NVMe: it is the plan if it fits every budget without spilling
+    /// gradients. Of such plans, the first of these that recomputes no more blocks than
+    /// the others: on the CPU device, parameters on the device (updated in place); on
+    /// the host, with the first block's device copy serving the whole micro-batch (one
+    /// fetch of the embedding where a tied head reads it too, not two); on the host,
+    /// fetched for each use.
     pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
         if policy.resident_edges(input) {
-            let edges = |keep_first| {
-                Self::build_spilling(input, &super::EdgesOnHost { policy, keep_first })
-                    .ok()
-                    .filter(|plan| plan.first_overflow().is_none() && plan.spilled() == 0)
-            };
-            let fetched_twice = edges(false);
-            if let Some(kept) = edges(true)
-                && fetched_twice
-                    .as_ref()
-                    .is_none_or(|other| kept.recomputed() <= other.recomputed())
-            {
-                return Ok(kept);
+            // In order of preference: on the CPU device the edges' parameters on the
+            // device (its optimizer writes them in place: no copy at all), then on the
+            // host with one device copy of the embedding per micro-batch, then with one
+            // per use. The first that fits and recomputes no more blocks than the others.
+            let mut candidates = Vec::new();
+            if input.shape.target == crate::model::Target::Cpu {
+                candidates.push((Tier::Device, false));
             }
-            if let Some(plan) = fetched_twice {
+            candidates.extend([(Tier::Host, true), (Tier::Host, false)]);
+            let plans: Vec<Plan> = candidates
+                .into_iter()
+                .filter_map(|(params, keep_first)| {
+                    let edges = super::EdgesOnHost {
+                        policy,
+                        params,
+                        keep_first,
+                    };
+                    Self::build_spilling(input, &edges)
+                        .ok()
+                        .filter(|plan| plan.first_overflow().is_none() && plan.spilled() == 0)
+                })
+                .collect();
+            let fewest = plans.iter().map(Plan::recomputed).min();
+            if let Some(plan) = plans
+                .into_iter()
+                .find(|plan| Some(plan.recomputed()) == fewest)
+            {
                 return Ok(plan);
             }
         }
         Self::build_spilling(input, policy)
     }
 
-    /// Whether the first and last blocks' state is in host memory while some other
-    /// block's is on NVMe ([`Policy::resident_edges`]).
+    /// Whether the first and last blocks' optimizer state is in host memory and their
+    /// parameters off NVMe while some other block's state is on NVMe
+    /// ([`Policy::resident_edges`]).
     pub fn edges_on_host(&self) -> bool {
         let nb = self.homes.len();
-        let host = |b: usize| self.homes[b][0] == Tier::Host && self.homes[b][2] == Tier::Host;
-        host(0) && host(nb - 1) && self.homes.iter().any(|h| h[2] == Tier::Nvme)
+        let off = |b: usize| self.homes[b][0] != Tier::Nvme && self.homes[b][2] == Tier::Host;
+        off(0) && off(nb - 1) && self.homes.iter().any(|h| h[2] == Tier::Nvme)
+    }
+
+    /// What [`Plan::edges_on_host`] means for this plan, in words (none when it is not).
+    pub fn edges_text(&self) -> Option<String> {
+        self.edges_on_host().then(|| {
+            let params = if self.homes[0][0] == Tier::Device {
+                "their parameters on the device"
+            } else {
+                "their parameters too"
+            };
+            format!(
+                "the embedding's and the head's optimizer state stay in host memory, \
+                 {params} (their NVMe traffic could not hide under compute)"
+            )
+        })
     }
 
     /// [`Plan::build`] for `policy`'s homes as they are: recomputing and spilling as the
@@ -1430,10 +1461,11 @@ impl<'a> Planner<'a> {
             }
             // With ranks and collectives staged through the host, a device update's new
             // parameters (a shard) are gathered there.
-            if (self.homes[b].params == Tier::Nvme && !self.shares_master(b))
+            if ((self.homes[b].params == Tier::Nvme && !self.shares_master(b))
                 || (self.homes[b].params == Tier::Device
                     && (self.homes[b].state != Tier::Device
-                        || (self.ranks > 1 && !self.shape.device_collectives)))
+                        || (self.ranks > 1 && !self.shape.device_collectives))))
+                && !self.update_writes_device(b)
             {
                 self.p_out_stage[b] =
                     Some(self.buffer(format!("params[{b}]>@host"), Tier::Host, len * self.pbytes));
@@ -1794,6 +1826,19 @@ impl<'a> Planner<'a> {
         };
         self.g_host[b] = Some(fill);
         self.g_apply_host[b] = Some(apply);
+    }
+
+    /// Whether the CPU optimizer writes block `b`'s new working parameters straight into
+    /// their device home, with no host staging and no copy: on the CPU device, whose
+    /// memory is host memory, for a device-homed block whose state the CPU updates, when
+    /// the working parameters are the bytes the device computes with (no conversion) and
+    /// the whole block's (alone).
+    fn update_writes_device(&self, b: usize) -> bool {
+        self.shape.target == crate::model::Target::Cpu
+            && self.homes[b].params == Tier::Device
+            && self.homes[b].state != Tier::Device
+            && self.ranks == 1
+            && self.param_conversion().is_none()
     }
 
     /// Whether the CPU optimizer reads block `b`'s host-homed gradients from the device
@@ -2394,6 +2439,9 @@ impl<'a> Planner<'a> {
                 if !self.shape.delayed_update {
                     commit.push(self.p_home[b].1);
                 }
+            }
+            (Tier::Device, Some(params_out)) if params_out == self.p_home[b].1 => {
+                // Written in place by the optimizer (`update_writes_device`).
             }
             (Tier::Device, Some(params_out)) => {
                 let to = self.p_home[b].1;

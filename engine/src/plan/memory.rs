@@ -106,10 +106,26 @@ pub(super) fn allocate(
             continue;
         }
         let (first, _) = buf.live.expect("live");
+        // A device slot whose occupant a host lane used last (the CPU device's optimizer
+        // reading gradients, or the NVMe tier reading into it) is taken by a stream
+        // operation only if its lane has run another operation since that use: the
+        // canonical order puts a block's update between its backward and the next, but
+        // the two run at the same time, and taking the slot at once would make every
+        // backward wait for the previous block's update.
+        let first_lane = ops[first.index()].lane;
+        let settled = |last: OpId| {
+            !(buf.tier == Tier::Device
+                && first_lane.is_stream()
+                && !ops[last.index()].lane.is_stream())
+                || (last.index() + 1..first.index()).any(|i| ops[i].lane == first_lane)
+        };
         let free: Vec<usize> = (0..slots.len())
             .filter(|&s| {
                 slots[s].tier == buf.tier
-                    && occupant[s].is_some_and(|o| buffers[o.index()].live.expect("live").1 < first)
+                    && occupant[s].is_some_and(|o| {
+                        let last = buffers[o.index()].live.expect("live").1;
+                        last < first && settled(last)
+                    })
             })
             .collect();
         // Share only between buffers of similar size (within 2x), so that a small

@@ -465,15 +465,17 @@ pub trait Policy: fmt::Debug + Send + Sync {
     }
 }
 
-/// `policy`, with the first and last blocks' parameters and optimizer state in host
-/// memory where it puts them on NVMe ([`Policy::resident_edges`]); named as `policy`.
-/// With `keep_first`, the first block's device copy of parameters, fetched for the
-/// embedding's forward, is also the one a tied output head reads (released after the
-/// micro-batch's backward, [`Release::AfterBackward`]), instead of a second copy of the
-/// whole embedding fetched for the head.
+/// `policy`, with the first and last blocks' optimizer state in host memory and their
+/// parameters on `params` (the host, or the CPU device, whose optimizer then writes them
+/// in place) where it puts them on NVMe ([`Policy::resident_edges`]); named as `policy`.
+/// With `keep_first` (parameters on the host), the first block's device copy of
+/// parameters, fetched for the embedding's forward, is also the one a tied output head
+/// reads (released after the micro-batch's backward, [`Release::AfterBackward`]),
+/// instead of a second copy of the whole embedding fetched for the head.
 #[derive(Debug)]
 pub(crate) struct EdgesOnHost<'a> {
     pub policy: &'a dyn Policy,
+    pub params: Tier,
     pub keep_first: bool,
 }
 
@@ -485,9 +487,8 @@ impl Policy for EdgesOnHost<'_> {
         let tier = self.policy.home(input, block, class);
         let edge = block == 0 || block + 1 == input.block_count();
         match class {
-            TensorClass::Params | TensorClass::Optimizer if edge && tier == Tier::Nvme => {
-                Tier::Host
-            }
+            TensorClass::Params if edge && tier == Tier::Nvme => self.params,
+            TensorClass::Optimizer if edge && tier == Tier::Nvme => Tier::Host,
             _ => tier,
         }
     }
