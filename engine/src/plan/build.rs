@@ -2487,16 +2487,7 @@ impl<'a> Planner<'a> {
         let mut ops = self.ops;
         let mut buffers = self.buffers;
         super::memory::derive_dependencies(&mut ops, buffers.len());
-        // A device buffer the NVMe tier reads into must start on a 4 KiB boundary
-        // (O_DIRECT); such plans lay every device slot out so.
-        let device_align = if ops.iter().any(|op| {
-            matches!(op.kind, OpKind::NvmeRead { into, .. } if buffers[into.index()].tier == Tier::Device)
-        }) {
-            super::memory::HOST_ALIGN
-        } else {
-            super::memory::DEVICE_ALIGN
-        };
-        let slots = super::memory::allocate(&mut ops, &mut buffers, device_align);
+        let slots = super::memory::allocate(&mut ops, &mut buffers);
         let mut peak = [0u64; 3];
         for tier in [Tier::Device, Tier::Host] {
             peak[tier.index()] = super::memory::arena_bytes(&slots, tier);

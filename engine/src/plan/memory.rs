@@ -11,7 +11,7 @@
 //! edge points backwards in the canonical order, so the lanes cannot deadlock.
 
 use super::Tier;
-use super::build::{Access, BufId, BufKind, BufferPlan, Op, OpId, SlotId, SlotPlan};
+use super::build::{Access, BufId, BufKind, BufferPlan, Op, OpId, OpKind, SlotId, SlotPlan};
 
 /// Device slots start at multiples of this (what CUDA's allocator guarantees).
 pub const DEVICE_ALIGN: u64 = 256;
@@ -48,13 +48,19 @@ pub(super) fn derive_dependencies(ops: &mut [Op], buffers: usize) {
 
 /// Interval allocation of transient buffers into shared slots; persistent buffers get a
 /// slot each. Adds the reuse edges and lays the slots out in their arenas, device slots
-/// at multiples of `device_align` ([`DEVICE_ALIGN`], or [`HOST_ALIGN`] where the NVMe
+/// at multiples of [`DEVICE_ALIGN`] (of [`HOST_ALIGN`] for a slot holding a buffer the NVMe
 /// tier reads into device memory), host slots at multiples of [`HOST_ALIGN`].
-pub(super) fn allocate(
-    ops: &mut [Op],
-    buffers: &mut [BufferPlan],
-    device_align: u64,
-) -> Vec<SlotPlan> {
+pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPlan> {
+    // Device buffers the NVMe tier reads into (O_DIRECT: whole 4 KiB pages).
+    let mut read_into = vec![false; buffers.len()];
+    for op in ops.iter() {
+        if let OpKind::NvmeRead { into, .. } = op.kind
+            && buffers[into.index()].tier == Tier::Device
+        {
+            read_into[into.index()] = true;
+        }
+    }
+    let mut page_aligned: Vec<bool> = Vec::new();
     let mut users: Vec<Vec<OpId>> = vec![Vec::new(); buffers.len()];
     for (id, op) in ops.iter().enumerate() {
         let id = OpId::of(id);
@@ -103,6 +109,10 @@ pub(super) fn allocate(
         if buf.persistent || buf.live.is_none() {
             let s = new_slot(&mut slots, &mut occupant);
             buffers[b].slot = Some(SlotId::of(s));
+            if read_into[b] {
+                page_aligned.resize(slots.len(), false);
+                page_aligned[s] = true;
+            }
             continue;
         }
         let (first, _) = buf.live.expect("live");
@@ -167,6 +177,10 @@ pub(super) fn allocate(
             None => new_slot(&mut slots, &mut occupant),
         };
         occupant[slot] = Some(BufId::of(b));
+        if read_into[b] {
+            page_aligned.resize(slots.len(), false);
+            page_aligned[slot] = true;
+        }
         buffers[b].slot = Some(SlotId::of(slot));
     }
     for op in ops.iter_mut() {
@@ -175,10 +189,11 @@ pub(super) fn allocate(
     }
     // Lay each tier's slots out, in order, aligned.
     let mut next = [0u64; 3];
-    for slot in &mut slots {
+    page_aligned.resize(slots.len(), false);
+    for (slot, &page) in slots.iter_mut().zip(&page_aligned) {
         let end = &mut next[slot.tier.index()];
-        let align = if slot.tier == Tier::Device {
-            device_align
+        let align = if slot.tier == Tier::Device && !page {
+            DEVICE_ALIGN
         } else {
             HOST_ALIGN
         };
