@@ -31,7 +31,7 @@ use strata_storage::{IoBuf, Pending};
 
 use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
 use crate::device::{Bindings, Device, DirectAccess, Event, Lane, cast, cast_mut};
-use crate::memory::{HostLease, HostRead, HostWrite};
+use crate::memory::{HostLease, HostRange, HostRead};
 use crate::model::{Bind, TensorSpec};
 use crate::plan::{Binds, BufId, BufKind, GradSource, OpId, OpKind, Precision, Tier};
 
@@ -73,77 +73,55 @@ pub(super) struct Transfer {
     /// The extent group it reads or writes.
     group: usize,
     started: Instant,
-    pending: Pending<IoTarget>,
+    pending: Pending<Lent<HostLease>>,
 }
 
-/// Gradients a host operation reads: from the host arena, or (the CPU device, when the
-/// plan leaves them there) from device memory.
-enum GradView<'a> {
-    Host(HostRead<'a>),
+/// Memory lent to host work: a view or lease `H` of the host arena, or (on the CPU
+/// device, where the plan puts the buffer in device memory) device memory. The NVMe
+/// lanes move it, the CPU optimizer reads gradients from it and writes parameters into
+/// it.
+pub(super) enum Lent<H> {
+    Host(H),
     Device(DirectAccess),
 }
 
-impl std::ops::Deref for GradView<'_> {
+impl<H: std::ops::Deref<Target = [u8]>> std::ops::Deref for Lent<H> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match self {
-            GradView::Host(v) => v,
-            GradView::Device(v) => v,
+            Lent::Host(v) => v,
+            Lent::Device(v) => v,
         }
     }
 }
 
-/// Where the CPU optimizer writes new working parameters: a host staging buffer, or (the
-/// CPU device, when the plan says so) their device home.
-enum WorkingView<'a> {
-    Host(HostWrite<'a>),
-    Device(DirectAccess),
-}
-
-impl std::ops::Deref for WorkingView<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            WorkingView::Host(v) => v,
-            WorkingView::Device(v) => v,
-        }
-    }
-}
-
-impl std::ops::DerefMut for WorkingView<'_> {
+impl<H: std::ops::DerefMut<Target = [u8]>> std::ops::DerefMut for Lent<H> {
     fn deref_mut(&mut self) -> &mut [u8] {
         match self {
-            WorkingView::Host(v) => v,
-            WorkingView::Device(v) => v,
+            Lent::Host(v) => v,
+            Lent::Device(v) => v,
         }
     }
-}
-
-/// The memory an NVMe transfer moves: a range of the host arena, or (a read on the CPU
-/// device) of device memory.
-pub(super) enum IoTarget {
-    Host(HostLease),
-    Device(DirectAccess),
 }
 
 // SAFETY: each variant is an IoBuf; this only forwards to it.
-unsafe impl IoBuf for IoTarget {
+unsafe impl<H: IoBuf> IoBuf for Lent<H> {
     fn as_ptr(&self) -> *const u8 {
         match self {
-            IoTarget::Host(b) => b.as_ptr(),
-            IoTarget::Device(b) => b.as_ptr(),
+            Lent::Host(b) => b.as_ptr(),
+            Lent::Device(b) => b.as_ptr(),
         }
     }
     fn as_mut_ptr(&mut self) -> *mut u8 {
         match self {
-            IoTarget::Host(b) => b.as_mut_ptr(),
-            IoTarget::Device(b) => b.as_mut_ptr(),
+            Lent::Host(b) => b.as_mut_ptr(),
+            Lent::Device(b) => b.as_mut_ptr(),
         }
     }
     fn capacity_bytes(&self) -> usize {
         match self {
-            IoTarget::Host(b) => b.capacity_bytes(),
-            IoTarget::Device(b) => b.capacity_bytes(),
+            Lent::Host(b) => b.capacity_bytes(),
+            Lent::Device(b) => b.capacity_bytes(),
         }
     }
 }
@@ -299,19 +277,12 @@ impl Executor {
             .expect("a plan with extents has a store");
         let pending = match op.kind {
             OpKind::NvmeRead { from, into } => {
-                let target = if self.plan.buffer(into).tier == Tier::Device {
-                    IoTarget::Device(
-                        self.device
-                            .direct(self.device_range(into), op.lane, true)
-                            .map_err(device)?,
-                    )
-                } else {
-                    IoTarget::Host(
-                        self.host
-                            .lease(op.lane, self.host_range(into), true)
-                            .map_err(device)?,
-                    )
-                };
+                let bytes = self.plan.buffer(into).bytes as usize;
+                let target = self
+                    .lend(into, bytes, op.lane, true, |r| {
+                        self.host.lease(op.lane, r, true)
+                    })
+                    .map_err(device)?;
                 self.read_extent(store, from, target, op.bytes)?
             }
             OpKind::NvmeWrite {
@@ -327,7 +298,7 @@ impl Executor {
                     .host
                     .lease(op.lane, self.host_range(from), false)
                     .map_err(device)?;
-                self.write_extent(store, to, IoTarget::Host(lease))?
+                self.write_extent(store, to, Lent::Host(lease))?
             }
             _ => unreachable!("{} is not an NVMe transfer", op.kind.label()),
         };
@@ -826,23 +797,37 @@ impl Executor {
         }
     }
 
-    /// The statistics of block `block`'s host gradients `grads`, scaled by `scale`
-    /// (operation `id`'s work: the norm's, or a spill's).
+    /// The first `bytes` of buffer `buf` lent to host work on `lane` (`write`: to write
+    /// it): device memory where the plan put `buf` there (the CPU device), else what
+    /// `host` makes of its host-arena range.
+    fn lend<H>(
+        &self,
+        buf: BufId,
+        bytes: usize,
+        lane: Lane,
+        write: bool,
+        host: impl FnOnce(HostRange) -> Result<H, crate::EngineError>,
+    ) -> Result<Lent<H>, crate::EngineError> {
+        Ok(if self.plan.buffer(buf).tier == Tier::Device {
+            let range = self.device_range(buf).sub(0, bytes);
+            Lent::Device(self.device.direct(range, lane, write)?)
+        } else {
+            Lent::Host(host(self.host_range(buf).prefix(bytes))?)
+        })
+    }
+
     /// The first `bytes` of gradient buffer `grads`, for host work on `lane`.
     fn read_grads(
         &self,
         lane: Lane,
         grads: BufId,
         bytes: usize,
-    ) -> Result<GradView<'_>, crate::EngineError> {
-        Ok(if self.plan.buffer(grads).tier == Tier::Device {
-            let range = self.device_range(grads).sub(0, bytes);
-            GradView::Device(self.device.direct(range, lane, false)?)
-        } else {
-            GradView::Host(self.host.read(lane, self.host_range(grads).prefix(bytes))?)
-        })
+    ) -> Result<Lent<HostRead<'_>>, crate::EngineError> {
+        self.lend(grads, bytes, lane, false, |r| self.host.read(lane, r))
     }
 
+    /// The statistics of block `block`'s host gradients `grads`, scaled by `scale`
+    /// (operation `id`'s work: the norm's, or a spill's).
     fn host_stats(
         &self,
         id: OpId,
@@ -1027,17 +1012,12 @@ impl Executor {
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
         let mut out = match params_out {
-            Some(buf) if self.plan.buffer(buf).tier == Tier::Device => {
-                let range = self.device_range(buf).sub(0, len * pbytes);
-                Some(WorkingView::Device(
-                    self.device.direct(range, Lane::Cpu, true).map_err(err)?,
-                ))
-            }
-            Some(buf) => Some(WorkingView::Host(
-                self.host
-                    .write(Lane::Cpu, self.host_range(buf).prefix(len * pbytes))
-                    .map_err(err)?,
-            )),
+            Some(buf) => Some(
+                self.lend(buf, len * pbytes, Lane::Cpu, true, |r| {
+                    self.host.write(Lane::Cpu, r)
+                })
+                .map_err(err)?,
+            ),
             None => None,
         };
         if self.applied[block].load(Ordering::Acquire) >= shared.adam_step {

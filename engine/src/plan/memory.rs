@@ -51,16 +51,6 @@ pub(super) fn derive_dependencies(ops: &mut [Op], buffers: usize) {
 /// at multiples of [`DEVICE_ALIGN`] (of [`HOST_ALIGN`] for a slot holding a buffer the NVMe
 /// tier reads into device memory), host slots at multiples of [`HOST_ALIGN`].
 pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPlan> {
-    // Device buffers the NVMe tier reads into (O_DIRECT: whole 4 KiB pages).
-    let mut read_into = vec![false; buffers.len()];
-    for op in ops.iter() {
-        if let OpKind::NvmeRead { into, .. } = op.kind
-            && buffers[into.index()].tier == Tier::Device
-        {
-            read_into[into.index()] = true;
-        }
-    }
-    let mut page_aligned: Vec<bool> = Vec::new();
     let mut users: Vec<Vec<OpId>> = vec![Vec::new(); buffers.len()];
     for (id, op) in ops.iter().enumerate() {
         let id = OpId::of(id);
@@ -109,10 +99,6 @@ pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPl
         if buf.persistent || buf.live.is_none() {
             let s = new_slot(&mut slots, &mut occupant);
             buffers[b].slot = Some(SlotId::of(s));
-            if read_into[b] {
-                page_aligned.resize(slots.len(), false);
-                page_aligned[s] = true;
-            }
             continue;
         }
         let (first, _) = buf.live.expect("live");
@@ -177,19 +163,23 @@ pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPl
             None => new_slot(&mut slots, &mut occupant),
         };
         occupant[slot] = Some(BufId::of(b));
-        if read_into[b] {
-            page_aligned.resize(slots.len(), false);
-            page_aligned[slot] = true;
-        }
         buffers[b].slot = Some(SlotId::of(slot));
     }
     for op in ops.iter_mut() {
         op.deps.sort_unstable();
         op.deps.dedup();
     }
-    // Lay each tier's slots out, in order, aligned.
+    // Lay each tier's slots out, in order, aligned; a device slot the NVMe tier reads
+    // into starts on a page (O_DIRECT), as host slots do.
+    let mut page_aligned = vec![false; slots.len()];
+    for op in ops.iter() {
+        if let OpKind::NvmeRead { into, .. } = op.kind
+            && let Some(slot) = buffers[into.index()].slot
+        {
+            page_aligned[slot.index()] = true;
+        }
+    }
     let mut next = [0u64; 3];
-    page_aligned.resize(slots.len(), false);
     for (slot, &page) in slots.iter_mut().zip(&page_aligned) {
         let end = &mut next[slot.tier.index()];
         let align = if slot.tier == Tier::Device && !page {
