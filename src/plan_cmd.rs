@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 
 use serde::Serialize;
-use strata_engine::device::Lane;
+use strata_engine::Lane;
 use strata_engine::device::{DeviceChoice, choose_target};
 use strata_engine::model::Target;
 use strata_engine::plan::{
@@ -233,8 +233,8 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
     let params = model.param_count() as u64;
 
     let mut policies: Vec<Box<dyn Policy>> = Vec::new();
-    for name in strata_engine::plan::BUILTIN_POLICIES {
-        policies.extend(named_policy(name, cfg.prefetch)?);
+    for builtin in strata_engine::plan::BuiltinPolicy::ALL {
+        policies.extend(named_policy(builtin.name(), cfg.prefetch)?);
     }
     let mut rows = Vec::new();
     let mut unavailable = Vec::new();

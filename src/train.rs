@@ -60,10 +60,8 @@ pub fn named_policy(name: &str, depth: Option<usize>) -> Result<Option<Box<dyn P
     if name == "auto" {
         return Ok(None);
     }
-    match strata_engine::plan::builtin(name, depth.unwrap_or(2)) {
-        Some(policy) => Ok(Some(policy)),
-        None => Err(format!("unknown policy '{name}'").into()),
-    }
+    let builtin: strata_engine::plan::BuiltinPolicy = name.parse()?;
+    Ok(Some(builtin.policy(depth.unwrap_or(2))))
 }
 
 /// Where swap files and the generated corpus go by default: the system temp dir, or

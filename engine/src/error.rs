@@ -10,7 +10,7 @@ use std::time::Duration;
 use cudarc::driver::DriverError;
 use strata_kernels::cuda::CudaUnavailable;
 
-use crate::device::Lane;
+use crate::lane::Lane;
 
 /// Everything that can go wrong in the engine.
 #[derive(Debug, thiserror::Error)]

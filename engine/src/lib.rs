@@ -12,8 +12,10 @@ pub mod checkpoint;
 pub mod device;
 pub mod error;
 pub mod exec;
+pub mod lane;
 pub mod memory;
 pub mod model;
 pub mod plan;
 
 pub use error::EngineError;
+pub use lane::Lane;

@@ -6,12 +6,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
-use strata_engine::EngineError;
 use strata_engine::device::{
     CpuDevice, CpuDeviceConfig, CudaDevice, CudaDeviceConfig, Device, DeviceChoice, DeviceConfig,
-    DeviceKind, Event, Lane, select,
+    DeviceKind, Event, select,
 };
 use strata_engine::memory::{HostLocking, PinnedPool, PinnedPoolConfig, SlotLease};
+use strata_engine::{EngineError, Lane};
 
 fn cpu_device(copy_latency: Duration) -> Device {
     Device::Cpu(

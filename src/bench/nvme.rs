@@ -24,7 +24,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 
 use super::{ds_io, fio};
-use crate::engine::device::Lane;
+use crate::engine::Lane;
 use crate::engine::exec::NVME_IN_FLIGHT;
 use crate::engine::memory::{HostArena, HostLease, HostLocking, HostRange, Pinning};
 use crate::report::{Table, format_bytes, median, median_index, parse_bytes, write_json};

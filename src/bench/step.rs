@@ -60,7 +60,9 @@ impl PolicyName {
     /// The policy, with `depth` blocks of prefetch where it streams.
     pub fn policy(self, depth: usize) -> Box<dyn Policy> {
         let value = clap::ValueEnum::to_possible_value(&self).expect("every name is listed");
-        strata_engine::plan::builtin(value.get_name(), depth).expect("a built-in policy's name")
+        let builtin: strata_engine::plan::BuiltinPolicy =
+            value.get_name().parse().expect("a built-in policy's name");
+        builtin.policy(depth)
     }
 }
 

@@ -12,8 +12,8 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use super::Lane;
 use crate::error::EngineError;
+use crate::lane::Lane;
 
 /// The accesses in progress on one memory.
 pub(crate) struct AccessTable {

@@ -41,10 +41,9 @@ use strata_storage::IoBuf;
 
 use super::access::AccessTable;
 use super::event::{CpuEvent, Event, EventPool};
-use super::{
-    Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits, check_bindings,
-};
+use super::{Bindings, Convert, DeviceRange, Program, Transfer, assert_copy_fits, check_bindings};
 use crate::error::EngineError;
+use crate::lane::Lane;
 use crate::memory::{
     DeviceArena, DeviceBuffer, HostArena, HostMapping, HostRange, Pinning, SlotLease,
 };

@@ -29,10 +29,9 @@ use strata_kernels::program::{Dtype, Kernel, Scalars, TensorRef};
 use strata_storage::IoBuf;
 
 use super::event::{CudaEventRef, Event};
-use super::{
-    Bindings, Convert, DeviceRange, Lane, Program, Transfer, assert_copy_fits, check_bindings,
-};
+use super::{Bindings, Convert, DeviceRange, Program, Transfer, assert_copy_fits, check_bindings};
 use crate::error::EngineError;
+use crate::lane::Lane;
 use crate::memory::{DeviceArena, DeviceBuffer, HostArena, HostRange, Pinning, SlotLease};
 
 /// How a CUDA device is opened.

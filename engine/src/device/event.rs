@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaEvent;
 
-use super::Lane;
 use crate::error::EngineError;
+use crate::lane::Lane;
 
 /// A point in a lane's work; complete when everything submitted to that lane before it
 /// has completed. Cheap to clone.

@@ -30,7 +30,8 @@ use strata_kernels::program::{Scalars, read_stats, write_stats};
 use strata_storage::{IoBuf, Pending};
 
 use super::{ExecError, Executor, Fault, Norm, StepShared, panic_message};
-use crate::device::{Bindings, Device, DirectAccess, Event, Lane, cast, cast_mut};
+use crate::device::{Bindings, Device, DirectAccess, Event, cast, cast_mut};
+use crate::lane::Lane;
 use crate::memory::{HostLease, HostRange, HostRead};
 use crate::model::{Bind, TensorSpec};
 use crate::plan::{Binds, BufId, BufKind, GradSource, OpId, OpKind, Precision, Tier};

@@ -62,9 +62,10 @@ use strata_storage::{
 };
 
 use crate::device::{
-    CpuDevice, CpuDeviceConfig, Device, DeviceRange, Event, Lane, Program, cast, cast_mut,
+    CpuDevice, CpuDeviceConfig, Device, DeviceRange, Event, Program, cast, cast_mut,
 };
 use crate::error::EngineError;
+use crate::lane::Lane;
 use crate::memory::{DeviceBuffer, HostArena, HostRange};
 use crate::model::{IGNORE_TARGET, Model, ModelError, Pass, update};
 use crate::plan::{

@@ -11,7 +11,8 @@
 
 use strata_kernels::program::{Dtype, Scalars, Target};
 
-use crate::device::{Bindings, Device, DeviceRange, Event, Lane, Program, cast};
+use crate::device::{Bindings, Device, DeviceRange, Event, Program, cast};
+use crate::lane::Lane;
 use crate::memory::{ARENA_ALIGN, DeviceBuffer, HostArena, HostRange};
 use crate::model::{Bind, Model, ModelError, Pass, Shape};
 use crate::plan::{Precision, Recompute};

@@ -14,7 +14,7 @@ use crossbeam::channel::{Receiver, Sender};
 
 use super::lanes::LaneScratch;
 use super::{ExecError, Executor, StepShared, panic_message};
-use crate::device::Lane;
+use crate::lane::Lane;
 
 /// One lane's share of a step.
 struct LaneJob {

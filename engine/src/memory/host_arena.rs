@@ -23,9 +23,9 @@ use strata_storage::{IoBuf, TensorStore};
 
 use super::host::HostMapping;
 use super::pinned::{HostLocking, Pinning};
-use crate::device::Lane;
 use crate::device::access::AccessTable;
 use crate::error::EngineError;
+use crate::lane::Lane;
 
 /// A range of a [`HostArena`], in bytes from its start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

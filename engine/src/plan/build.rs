@@ -38,7 +38,7 @@ use super::{
     Budgets, GradSpill, PlanError, PlanInput, Policy, Precision, Recompute, Release, StepShape,
     TensorClass, Tier,
 };
-use crate::device::Lane;
+use crate::lane::Lane;
 use crate::model::{BlockLayout, Dtype, Pass, Shape, update};
 
 /// Index of an operation in [`Plan::ops`] (the canonical order).

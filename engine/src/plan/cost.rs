@@ -12,7 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::build::{OpKind, Plan};
-use crate::device::Lane;
+use crate::lane::Lane;
 use crate::model::Target;
 
 /// A modelling factor: on the CPU device, whether the compute lane, the update lane and

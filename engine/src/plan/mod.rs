@@ -20,15 +20,21 @@ mod build;
 mod cost;
 mod fit;
 mod memory;
+mod policy;
 
 use std::fmt;
 
-pub use crate::device::Lane;
+pub use crate::lane::Lane;
 pub use build::{
     Access, Binds, BufId, BufKind, BufferPlan, Extent, ExtentKind, ExtentSide, GradSource, Op,
     OpId, OpKind, OpLabel, Plan, SlotId, SlotPlan,
 };
 pub use cost::{CostModel, Prediction};
+pub(crate) use policy::EdgesOnHost;
+pub use policy::{
+    AllOnDevice, BuiltinPolicy, CpuOffload, NvmeOffload, ParamOffload, PlanInput, Policy,
+    PolicyChoice, Release, UnknownPolicy,
+};
 
 use crate::model::{BlockKind, Dtype, Model, Target};
 
@@ -388,250 +394,6 @@ impl StepShape {
     pub fn tokens(&self) -> u64 {
         (self.batch * self.seq * self.grad_accum) as u64
     }
-}
-
-/// When a device copy of a block's streamed parameters is released.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Release {
-    /// After each use (the forward, then fetched again for the backward): least memory.
-    AfterUse,
-    /// Kept from the forward's fetch to the backward's use: one fetch per step.
-    AfterBackward,
-}
-
-/// What a policy is asked about: the model and the step.
-#[derive(Debug, Clone, Copy)]
-pub struct PlanInput<'a> {
-    /// The model.
-    pub model: &'a Model,
-    /// The step.
-    pub shape: StepShape,
-    /// The budgets.
-    pub budgets: Budgets,
-}
-
-impl<'a> PlanInput<'a> {
-    /// A step of `shape` of `model` under `budgets`.
-    pub fn new(model: &'a Model, shape: StepShape, budgets: Budgets) -> Self {
-        PlanInput {
-            model,
-            shape,
-            budgets,
-        }
-    }
-
-    /// Blocks of the model.
-    pub fn block_count(&self) -> usize {
-        self.model.blocks().len()
-    }
-
-    /// What block `block` computes.
-    pub fn block_kind(&self, block: usize) -> BlockKind {
-        self.model.blocks()[block].kind
-    }
-}
-
-/// A swap policy: where each block's tensors live and how far ahead they move.
-///
-/// The planner asks [`Policy::home`] for every block and class, then builds the schedule
-/// (see [`Plan::build`]). A policy only decides; it never allocates or moves anything,
-/// so a user policy is a few lines (see `examples/custom_policy.rs`).
-///
-/// Rules the planner enforces, with an error naming the block: gradients live on the
-/// device or the host, never on NVMe; optimizer state on the device needs gradients and
-/// parameters there too (the device runs AdamW then).
-pub trait Policy: fmt::Debug + Send + Sync {
-    /// A short name for reports (`nvme-offload(depth 2)`).
-    fn name(&self) -> String;
-    /// The home tier of `class` of `block`.
-    fn home(&self, input: &PlanInput<'_>, block: usize, class: TensorClass) -> Tier;
-    /// How many blocks ahead of the compute lane parameters and checkpoints are fetched
-    /// (at least 1).
-    fn prefetch_depth(&self, _input: &PlanInput<'_>) -> usize {
-        2
-    }
-    /// When a streamed block's device copy of parameters is released.
-    fn release(&self, _input: &PlanInput<'_>, _block: usize) -> Release {
-        Release::AfterUse
-    }
-    /// Whether the planner may keep the first and last blocks' parameters and optimizer
-    /// state (the embedding's and the head's) in host memory where [`Policy::home`] puts
-    /// them on NVMe, when the plan then fits every budget without spilling gradients
-    /// ([`GradSpill`]). Their NVMe traffic cannot hide under compute: the first block is
-    /// read before the step's first operation, and the embedding's update follows the
-    /// step's last. See [`Plan::build`]. Default: no.
-    fn resident_edges(&self, _input: &PlanInput<'_>) -> bool {
-        false
-    }
-}
-
-/// `policy`, with the first and last blocks' optimizer state in host memory and their
-/// parameters on `params` (the host, or the CPU device, whose optimizer then writes them
-/// in place) where it puts them on NVMe ([`Policy::resident_edges`]); named as `policy`.
-/// With `keep_first` (parameters on the host), the first block's device copy of
-/// parameters, fetched for the embedding's forward, is also the one a tied output head
-/// reads (released after the micro-batch's backward, [`Release::AfterBackward`]),
-/// instead of a second copy of the whole embedding fetched for the head.
-#[derive(Debug)]
-pub(crate) struct EdgesOnHost<'a> {
-    pub policy: &'a dyn Policy,
-    pub params: Tier,
-    pub keep_first: bool,
-}
-
-impl Policy for EdgesOnHost<'_> {
-    fn name(&self) -> String {
-        self.policy.name()
-    }
-    fn home(&self, input: &PlanInput<'_>, block: usize, class: TensorClass) -> Tier {
-        let tier = self.policy.home(input, block, class);
-        let edge = block == 0 || block + 1 == input.block_count();
-        match class {
-            TensorClass::Params if edge && tier == Tier::Nvme => self.params,
-            TensorClass::Optimizer if edge && tier == Tier::Nvme => Tier::Host,
-            _ => tier,
-        }
-    }
-    fn prefetch_depth(&self, input: &PlanInput<'_>) -> usize {
-        self.policy.prefetch_depth(input)
-    }
-    fn release(&self, input: &PlanInput<'_>, block: usize) -> Release {
-        if block == 0 && self.keep_first {
-            return Release::AfterBackward;
-        }
-        self.policy.release(input, block)
-    }
-}
-
-/// Everything on the device: parameters, gradients, optimizer state and checkpoints.
-/// The fastest plan when it fits; the reference the others are compared with.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AllOnDevice;
-
-impl Policy for AllOnDevice {
-    fn name(&self) -> String {
-        "all-on-device".into()
-    }
-    fn home(&self, _: &PlanInput<'_>, _: usize, _: TensorClass) -> Tier {
-        Tier::Device
-    }
-}
-
-/// ZeRO-Offload: working parameters and checkpoints on the device; master parameters
-/// and optimizer state on the host, updated by the CPU AdamW as each block's gradients
-/// arrive.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CpuOffload;
-
-impl Policy for CpuOffload {
-    fn name(&self) -> String {
-        "cpu-offload".into()
-    }
-    fn home(&self, _: &PlanInput<'_>, _: usize, class: TensorClass) -> Tier {
-        match class {
-            TensorClass::Params | TensorClass::Checkpoints => Tier::Device,
-            TensorClass::Grads | TensorClass::Optimizer => Tier::Host,
-        }
-    }
-}
-
-/// [`CpuOffload`], and the working parameters streamed from the host block by block,
-/// `depth` blocks ahead; checkpoints on `checkpoints` (the device or the host).
-#[derive(Debug, Clone, Copy)]
-pub struct ParamOffload {
-    /// Prefetch depth in blocks.
-    pub depth: usize,
-    /// Where activation checkpoints go.
-    pub checkpoints: Tier,
-}
-
-impl Default for ParamOffload {
-    fn default() -> Self {
-        ParamOffload {
-            depth: 2,
-            checkpoints: Tier::Device,
-        }
-    }
-}
-
-impl Policy for ParamOffload {
-    fn name(&self) -> String {
-        format!("param-offload(depth {})", self.depth)
-    }
-    fn home(&self, _: &PlanInput<'_>, _: usize, class: TensorClass) -> Tier {
-        match class {
-            TensorClass::Params | TensorClass::Grads | TensorClass::Optimizer => Tier::Host,
-            TensorClass::Checkpoints => self.checkpoints,
-        }
-    }
-    fn prefetch_depth(&self, _: &PlanInput<'_>) -> usize {
-        self.depth
-    }
-}
-
-/// ZeRO-Infinity: working parameters, master parameters and optimizer state on NVMe,
-/// read ahead `depth` blocks into host staging and on to the device; gradients to the
-/// host; checkpoints on `checkpoints` (device, host or NVMe).
-#[derive(Debug, Clone, Copy)]
-pub struct NvmeOffload {
-    /// Prefetch depth in blocks.
-    pub depth: usize,
-    /// Where activation checkpoints go.
-    pub checkpoints: Tier,
-}
-
-impl Default for NvmeOffload {
-    fn default() -> Self {
-        NvmeOffload {
-            depth: 2,
-            checkpoints: Tier::Host,
-        }
-    }
-}
-
-impl Policy for NvmeOffload {
-    fn name(&self) -> String {
-        format!("nvme-offload(depth {})", self.depth)
-    }
-    fn resident_edges(&self, _: &PlanInput<'_>) -> bool {
-        true
-    }
-    fn home(&self, _: &PlanInput<'_>, _: usize, class: TensorClass) -> Tier {
-        match class {
-            TensorClass::Params | TensorClass::Optimizer => Tier::Nvme,
-            TensorClass::Grads => Tier::Host,
-            TensorClass::Checkpoints => self.checkpoints,
-        }
-    }
-    fn prefetch_depth(&self, _: &PlanInput<'_>) -> usize {
-        self.depth
-    }
-}
-
-/// The built-in policies' names, as the command line writes them.
-pub const BUILTIN_POLICIES: [&str; 4] = [
-    "all-on-device",
-    "cpu-offload",
-    "param-offload",
-    "nvme-offload",
-];
-
-/// The built-in policy called `name` (one of [`BUILTIN_POLICIES`]), prefetching `depth`
-/// blocks ahead where it streams, with checkpoints where its default puts them.
-pub fn builtin(name: &str, depth: usize) -> Option<Box<dyn Policy>> {
-    Some(match name {
-        "all-on-device" => Box::new(AllOnDevice),
-        "cpu-offload" => Box::new(CpuOffload),
-        "param-offload" => Box::new(ParamOffload {
-            depth,
-            ..ParamOffload::default()
-        }),
-        "nvme-offload" => Box::new(NvmeOffload {
-            depth,
-            ..NvmeOffload::default()
-        }),
-        _ => return None,
-    })
 }
 
 /// The fastest of the built-in plans that fits the budgets, by the cost model.
