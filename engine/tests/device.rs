@@ -516,6 +516,7 @@ fn gpu_times_copies_in_both_directions_at_once() {
 // uses, on both devices.
 
 use strata_engine::device::{Bindings, DeviceRange};
+use strata_engine::kernels::kernel::Gelu;
 use strata_engine::kernels::ops::{self, Cpu};
 use strata_engine::kernels::program::{Dtype, Kernel, Scalars, TensorRef};
 use strata_engine::memory::{HostArena, HostRange};
@@ -536,10 +537,10 @@ fn program_rig(device: Device) -> (Vec<f32>, HostArena, Device, [DeviceRange; 2]
 
 /// out = gelu(in), bound at indices 0 (out) and 1 (in).
 fn gelu_program(dtype: Dtype) -> strata_engine::device::Program {
-    vec![Kernel::Gelu {
+    vec![Kernel::Gelu(Gelu {
         out: TensorRef::new(0, 0, N, dtype),
         inp: TensorRef::new(1, 0, N, dtype),
-    }]
+    })]
     .into()
 }
 

@@ -7,8 +7,7 @@
 
 use std::time::Instant;
 
-use strata_kernels::ops::{self, Cpu};
-use strata_kernels::reference::llama::GqaDims;
+use strata_kernels::ops::{self, Cpu, GqaDims};
 
 /// The best time of `runs` runs of `f`, in seconds.
 fn best(runs: usize, mut f: impl FnMut()) -> f64 {

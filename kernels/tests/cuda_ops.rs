@@ -25,6 +25,12 @@ use rand::{RngExt, SeedableRng};
 use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, grad_stats};
 use strata_kernels::cuda::{CudaKernels, probe};
 use strata_kernels::isa::Isa;
+use strata_kernels::kernel::{
+    AdamWKernel, AddF32, Attention, AttentionBackward, CopyKernel, CrossEntropy,
+    CrossEntropyBackward, Encoder, EncoderBackward, FoldRanks, Gelu, GeluBackward, GqaAttention,
+    GqaAttentionBackward, GradStatsKernel, LayerNorm, LayerNormBackward, Matmul, MatmulBackward,
+    Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, SwiGlu, SwiGluBackward, Zero,
+};
 use strata_kernels::ops::{self, Cpu, WeightLayout};
 use strata_kernels::program::{
     Access, CpuMemory, Dtype, Kernel, Scalars, Target, TensorRef, attention_scratch_bytes,
@@ -333,18 +339,20 @@ fn encoder_matches_cpu() {
             let dwte = random(&mut rng, Dtype::F32, v * c, 1.0);
             let dwpe = random(&mut rng, Dtype::F32, (t + 5) * c, 1.0);
             let what = format!("encoder b={b} t={t} c={c} v={v}");
-            compare(&k, &what, w, &scalars(), 1e-5, |s| Kernel::Encoder {
-                out: s.act(&vec![0.0; b * t * c]),
-                tokens: s.u32s(&tokens),
-                wte: s.act(&wte),
-                wpe: s.act(&wpe),
-                b,
-                t,
-                c,
+            compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                Kernel::Encoder(Encoder {
+                    out: s.act(&vec![0.0; b * t * c]),
+                    tokens: s.u32s(&tokens),
+                    wte: s.act(&wte),
+                    wpe: s.act(&wpe),
+                    b,
+                    t,
+                    c,
+                })
             });
             let what = format!("encoder-backward b={b} t={t} c={c} v={v}");
             compare(&k, &what, w, &scalars(), 1e-5, |s| {
-                Kernel::EncoderBackward {
+                Kernel::EncoderBackward(EncoderBackward {
                     dwte: s.f32s(&dwte),
                     dwpe: s.f32s(&dwpe),
                     dout: s.act(&dout),
@@ -352,7 +360,7 @@ fn encoder_matches_cpu() {
                     b,
                     t,
                     c,
-                }
+                })
             });
         }
     }
@@ -372,15 +380,17 @@ fn layernorm_matches_cpu() {
             let dweight = random(&mut rng, Dtype::F32, c, 1.0);
             let dbias = random(&mut rng, Dtype::F32, c, 1.0);
             let what = format!("layernorm n={n} c={c}");
-            compare(&k, &what, w, &scalars(), 1e-5, |s| Kernel::LayerNorm {
-                out: s.act(&vec![0.0; n * c]),
-                mean: s.f32s(&vec![0.0; n]),
-                rstd: s.f32s(&vec![0.0; n]),
-                inp: s.act(&inp),
-                weight: s.act(&weight),
-                bias: s.act(&bias),
-                n,
-                c,
+            compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                Kernel::LayerNorm(LayerNorm {
+                    out: s.act(&vec![0.0; n * c]),
+                    mean: s.f32s(&vec![0.0; n]),
+                    rstd: s.f32s(&vec![0.0; n]),
+                    inp: s.act(&inp),
+                    weight: s.act(&weight),
+                    bias: s.act(&bias),
+                    n,
+                    c,
+                })
             });
             // Both sides use the CPU's statistics, so only the backward kernels differ.
             let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
@@ -389,7 +399,7 @@ fn layernorm_matches_cpu() {
             );
             let what = format!("layernorm-backward n={n} c={c}");
             compare(&k, &what, w, &scalars(), 1e-5, |s| {
-                Kernel::LayerNormBackward {
+                Kernel::LayerNormBackward(LayerNormBackward {
                     dinp: s.act(&dinp),
                     dweight: s.f32s(&dweight),
                     dbias: s.f32s(&dbias),
@@ -400,7 +410,7 @@ fn layernorm_matches_cpu() {
                     rstd: s.f32s(&rstd),
                     n,
                     c,
-                }
+                })
             });
         }
     }
@@ -425,7 +435,7 @@ fn matmul_matches_cpu() {
                     let dbias = random(&mut rng, Dtype::F32, oc, 1.0);
                     let tag = format!("{layout:?} bias={with_bias} {n}x{c}x{oc}");
                     compare(&k, &format!("matmul {tag}"), w, &scalars(), 1e-5, |s| {
-                        Kernel::Matmul {
+                        Kernel::Matmul(Matmul {
                             out: s.act(&vec![0.0; n * oc]),
                             inp: s.act(&inp),
                             weight: s.act(&weight),
@@ -434,7 +444,7 @@ fn matmul_matches_cpu() {
                             n,
                             c,
                             oc,
-                        }
+                        })
                     });
                     compare(
                         &k,
@@ -442,18 +452,20 @@ fn matmul_matches_cpu() {
                         w,
                         &scalars(),
                         dweight_tolerance,
-                        |s| Kernel::MatmulBackward {
-                            // Overwritten: NaN beforehand shows a read.
-                            dinp: s.act(&vec![f32::NAN; n * c]),
-                            dweight: s.f32s(&dweight),
-                            dbias: with_bias.then(|| s.f32s(&dbias)),
-                            dout: s.act(&dout),
-                            inp: s.act(&inp),
-                            weight: s.act(&weight),
-                            layout,
-                            n,
-                            c,
-                            oc,
+                        |s| {
+                            Kernel::MatmulBackward(MatmulBackward {
+                                // Overwritten: NaN beforehand shows a read.
+                                dinp: s.act(&vec![f32::NAN; n * c]),
+                                dweight: s.f32s(&dweight),
+                                dbias: with_bias.then(|| s.f32s(&dbias)),
+                                dout: s.act(&dout),
+                                inp: s.act(&inp),
+                                weight: s.act(&weight),
+                                layout,
+                                n,
+                                c,
+                                oc,
+                            })
                         },
                     );
                 }
@@ -472,7 +484,7 @@ fn attention_matches_cpu() {
             let dout = random(&mut rng, w, b * t * c, 1.0);
             let tag = format!("b={b} t={t} c={c} nh={nh}");
             compare(&k, &format!("attention {tag}"), w, &scalars(), 1e-5, |s| {
-                Kernel::Attention {
+                Kernel::Attention(Attention {
                     out: s.act(&vec![0.0; b * t * c]),
                     att: s.act(&vec![0.0; b * nh * t * t]),
                     qkv: s.act(&qkv),
@@ -481,7 +493,7 @@ fn attention_matches_cpu() {
                     t,
                     c,
                     nh,
-                }
+                })
             });
             // The backward from the CPU's probabilities (rounded to the working type),
             // so only the backward differs.
@@ -494,16 +506,18 @@ fn attention_matches_cpu() {
                 w,
                 &scalars(),
                 1e-5,
-                |s| Kernel::AttentionBackward {
-                    dqkv: s.act(&vec![f32::NAN; b * t * 3 * c]),
-                    dout: s.act(&dout),
-                    qkv: s.act(&qkv),
-                    att: s.act(&att),
-                    scratch: s.attention_scratch(b, t, c, nh),
-                    b,
-                    t,
-                    c,
-                    nh,
+                |s| {
+                    Kernel::AttentionBackward(AttentionBackward {
+                        dqkv: s.act(&vec![f32::NAN; b * t * 3 * c]),
+                        dout: s.act(&dout),
+                        qkv: s.act(&qkv),
+                        att: s.act(&att),
+                        scratch: s.attention_scratch(b, t, c, nh),
+                        b,
+                        t,
+                        c,
+                        nh,
+                    })
                 },
             );
         }
@@ -521,10 +535,10 @@ fn elementwise_kernels_match_cpu() {
             let acc = random(&mut rng, Dtype::F32, n, 1.0);
             let what = format!("n={n}");
             compare(&k, &format!("gelu {what}"), w, &scalars(), 1e-5, |s| {
-                Kernel::Gelu {
+                Kernel::Gelu(Gelu {
                     out: s.act(&vec![0.0; n]),
                     inp: s.act(&inp),
-                }
+                })
             });
             compare(
                 &k,
@@ -532,36 +546,39 @@ fn elementwise_kernels_match_cpu() {
                 w,
                 &scalars(),
                 1e-5,
-                |s| Kernel::GeluBackward {
-                    dinp: s.act(&vec![0.0; n]),
-                    inp: s.act(&inp),
-                    dout: s.act(&other),
+                |s| {
+                    Kernel::GeluBackward(GeluBackward {
+                        dinp: s.act(&vec![0.0; n]),
+                        inp: s.act(&inp),
+                        dout: s.act(&other),
+                    })
                 },
             );
             compare(&k, &format!("residual {what}"), w, &scalars(), 1e-5, |s| {
-                Kernel::Residual {
+                Kernel::Residual(Residual {
                     out: s.act(&vec![0.0; n]),
                     a: s.act(&inp),
                     b: s.act(&other),
-                }
+                })
             });
             compare(&k, &format!("add {what}"), w, &scalars(), 1e-5, |s| {
-                Kernel::AddF32 {
+                Kernel::AddF32(AddF32 {
                     dst: s.f32s(&acc),
                     src: s.f32s(&other),
-                }
+                })
             });
             // A reduce-scatter's fold: the same left fold in rank order, so the same bits.
             for (ranks, accumulate) in [(1, false), (3, false), (3, true)] {
                 let chunks = random(&mut rng, Dtype::F32, ranks * n, 1.0);
                 let what = format!("fold-ranks {ranks} accumulate {accumulate} {what}");
-                let (kernel, _, after) =
-                    compare(&k, &what, w, &scalars(), 1e-5, |s| Kernel::FoldRanks {
+                let (kernel, _, after) = compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                    Kernel::FoldRanks(FoldRanks {
                         acc: s.f32s(&acc),
                         chunks: s.f32s(&chunks),
                         ranks,
                         accumulate,
-                    });
+                    })
+                });
                 let want: Vec<u32> = (0..n)
                     .map(|i| {
                         let mut sum = if accumulate {
@@ -599,21 +616,23 @@ fn rmsnorm_matches_cpu() {
             let dweight = random(&mut rng, Dtype::F32, c, 1.0);
             let eps = 1e-6;
             let what = format!("rmsnorm n={n} c={c}");
-            compare(&k, &what, w, &scalars(), 1e-5, |s| Kernel::RmsNorm {
-                out: s.act(&vec![0.0; n * c]),
-                rstd: s.f32s(&vec![0.0; n]),
-                inp: s.act(&inp),
-                weight: s.act(&weight),
-                eps,
-                n,
-                c,
+            compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                Kernel::RmsNorm(RmsNorm {
+                    out: s.act(&vec![0.0; n * c]),
+                    rstd: s.f32s(&vec![0.0; n]),
+                    inp: s.act(&inp),
+                    weight: s.act(&weight),
+                    eps,
+                    n,
+                    c,
+                })
             });
             // Both sides use the CPU's statistics, so only the backward kernels differ.
             let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
             ops::rmsnorm_forward(&CPU, &mut out, &mut rstd, &inp, &weight, eps, n, c);
             let what = format!("rmsnorm-backward n={n} c={c}");
             compare(&k, &what, w, &scalars(), 1e-5, |s| {
-                Kernel::RmsNormBackward {
+                Kernel::RmsNormBackward(RmsNormBackward {
                     dinp: s.act(&dinp),
                     dweight: s.f32s(&dweight),
                     dout: s.act(&dout),
@@ -622,7 +641,7 @@ fn rmsnorm_matches_cpu() {
                     rstd: s.f32s(&rstd),
                     n,
                     c,
-                }
+                })
             });
         }
     }
@@ -655,7 +674,7 @@ fn rope_matches_cpu() {
             let x = random(&mut rng, w, len, 2.0);
             let tag = format!("b={b} t={t} h={h} d={d}");
             compare(&k, &format!("rope {tag}"), w, &scalars(), 1e-5, |s| {
-                Kernel::Rope {
+                Kernel::Rope(Rope {
                     out: s.act(&vec![f32::NAN; len]),
                     inp: s.act(&x),
                     cos: s.act(&cos),
@@ -664,7 +683,7 @@ fn rope_matches_cpu() {
                     t,
                     h,
                     d,
-                }
+                })
             });
             compare(
                 &k,
@@ -672,15 +691,17 @@ fn rope_matches_cpu() {
                 w,
                 &scalars(),
                 1e-5,
-                |s| Kernel::RopeBackward {
-                    dinp: s.act(&vec![f32::NAN; len]),
-                    dout: s.act(&x),
-                    cos: s.act(&cos),
-                    sin: s.act(&sin),
-                    b,
-                    t,
-                    h,
-                    d,
+                |s| {
+                    Kernel::RopeBackward(RopeBackward {
+                        dinp: s.act(&vec![f32::NAN; len]),
+                        dout: s.act(&x),
+                        cos: s.act(&cos),
+                        sin: s.act(&sin),
+                        b,
+                        t,
+                        h,
+                        d,
+                    })
                 },
             );
         }
@@ -698,11 +719,11 @@ fn swiglu_matches_cpu() {
             let dout = random(&mut rng, w, n, 1.0);
             let what = format!("n={n}");
             compare(&k, &format!("swiglu {what}"), w, &scalars(), 1e-5, |s| {
-                Kernel::SwiGlu {
+                Kernel::SwiGlu(SwiGlu {
                     out: s.act(&vec![f32::NAN; n]),
                     gate: s.act(&gate),
                     up: s.act(&up),
-                }
+                })
             });
             compare(
                 &k,
@@ -710,12 +731,14 @@ fn swiglu_matches_cpu() {
                 w,
                 &scalars(),
                 1e-5,
-                |s| Kernel::SwiGluBackward {
-                    dgate: s.act(&vec![f32::NAN; n]),
-                    dup: s.act(&vec![f32::NAN; n]),
-                    dout: s.act(&dout),
-                    gate: s.act(&gate),
-                    up: s.act(&up),
+                |s| {
+                    Kernel::SwiGluBackward(SwiGluBackward {
+                        dgate: s.act(&vec![f32::NAN; n]),
+                        dup: s.act(&vec![f32::NAN; n]),
+                        dout: s.act(&dout),
+                        gate: s.act(&gate),
+                        up: s.act(&up),
+                    })
                 },
             );
         }
@@ -746,18 +769,20 @@ fn gqa_attention_matches_cpu() {
                 w,
                 &scalars(),
                 1e-5,
-                |s| Kernel::GqaAttention {
-                    out: s.act(&vec![f32::NAN; dims.q_len()]),
-                    att: s.act(&vec![f32::NAN; dims.att_len()]),
-                    q: s.act(&q),
-                    k: s.act(&kk),
-                    v: s.act(&v),
-                    scratch: s.gqa_scratch(dims),
-                    b,
-                    t,
-                    h,
-                    kv,
-                    d,
+                |s| {
+                    Kernel::GqaAttention(GqaAttention {
+                        out: s.act(&vec![f32::NAN; dims.q_len()]),
+                        att: s.act(&vec![f32::NAN; dims.att_len()]),
+                        q: s.act(&q),
+                        k: s.act(&kk),
+                        v: s.act(&v),
+                        scratch: s.gqa_scratch(dims),
+                        b,
+                        t,
+                        h,
+                        kv,
+                        d,
+                    })
                 },
             );
             // The backward from the CPU's probabilities (rounded to the working type),
@@ -771,21 +796,23 @@ fn gqa_attention_matches_cpu() {
                 w,
                 &scalars(),
                 1e-5,
-                |s| Kernel::GqaAttentionBackward {
-                    dq: s.act(&vec![f32::NAN; dims.q_len()]),
-                    dk: s.act(&vec![f32::NAN; dims.kv_len()]),
-                    dv: s.act(&vec![f32::NAN; dims.kv_len()]),
-                    dout: s.act(&dout),
-                    q: s.act(&q),
-                    k: s.act(&kk),
-                    v: s.act(&v),
-                    att: s.act(&att),
-                    scratch: s.gqa_scratch(dims),
-                    b,
-                    t,
-                    h,
-                    kv,
-                    d,
+                |s| {
+                    Kernel::GqaAttentionBackward(GqaAttentionBackward {
+                        dq: s.act(&vec![f32::NAN; dims.q_len()]),
+                        dk: s.act(&vec![f32::NAN; dims.kv_len()]),
+                        dv: s.act(&vec![f32::NAN; dims.kv_len()]),
+                        dout: s.act(&dout),
+                        q: s.act(&q),
+                        k: s.act(&kk),
+                        v: s.act(&v),
+                        att: s.act(&att),
+                        scratch: s.gqa_scratch(dims),
+                        b,
+                        t,
+                        h,
+                        kv,
+                        d,
+                    })
                 },
             );
         }
@@ -806,12 +833,12 @@ fn zero_and_copy_match_cpu_bit_for_bit() {
                 let build = |s: &mut Side| {
                     let dst = s.act(&values);
                     if zero {
-                        Kernel::Zero { t: dst }
+                        Kernel::Zero(Zero { t: dst })
                     } else {
-                        Kernel::Copy {
+                        Kernel::Copy(CopyKernel {
                             dst,
                             src: s.act(&other),
-                        }
+                        })
                     }
                 };
                 let (ck, gk) = (build(&mut cpu), build(&mut gpu));
@@ -845,13 +872,13 @@ fn crossentropy_matches_cpu() {
             };
             let tag = format!("n={n} v={v}");
             compare(&k, &format!("crossentropy {tag}"), w, &scalars, 1e-5, |s| {
-                Kernel::CrossEntropy {
+                Kernel::CrossEntropy(CrossEntropy {
                     losses: s.f32s(&vec![0.0; n]),
                     logits: s.act(&logits),
                     targets: s.u32s(&targets),
                     n,
                     v,
-                }
+                })
             });
             compare(
                 &k,
@@ -859,11 +886,13 @@ fn crossentropy_matches_cpu() {
                 w,
                 &scalars,
                 1e-5,
-                |s| Kernel::CrossEntropyBackward {
-                    logits: s.act(&logits),
-                    targets: s.u32s(&targets),
-                    n,
-                    v,
+                |s| {
+                    Kernel::CrossEntropyBackward(CrossEntropyBackward {
+                        logits: s.act(&logits),
+                        targets: s.u32s(&targets),
+                        n,
+                        v,
+                    })
                 },
             );
         }
@@ -906,7 +935,7 @@ fn adam_case(
 ) -> (Side, Kernel) {
     let n = inputs[0].len();
     let mut s = Side::new(Target::Cuda, Dtype::F32);
-    let kernel = Kernel::AdamW {
+    let kernel = Kernel::AdamW(AdamWKernel {
         params: s.f32s(&inputs[0]),
         m: s.f32s(&inputs[1]),
         v: s.f32s(&inputs[2]),
@@ -917,7 +946,7 @@ fn adam_case(
         }),
         round: round_to,
         decay,
-    };
+    });
     (s, kernel)
 }
 
@@ -942,13 +971,13 @@ fn adamw_matches_the_reference() {
                 let tag = format!("adamw n={n} copy={copy:?} round={round_to} decay={decay}");
                 let (side, kernel) = adam_case(&inputs, copy, round_to, decay);
                 let after = run_gpu(&k, &kernel, &side.image, &scalars);
-                let Kernel::AdamW {
+                let Kernel::AdamW(AdamWKernel {
                     params,
                     m,
                     v,
                     copy_out,
                     ..
-                } = kernel
+                }) = kernel
                 else {
                     unreachable!()
                 };
@@ -1068,9 +1097,9 @@ fn adamw_skips_and_rounds_edge_cases_as_half_does() {
     for dtype in [Dtype::Bf16, Dtype::F16] {
         let (side, kernel) = adam_case(&inputs, Some(dtype), dtype, true);
         let after = run_gpu(&k, &kernel, &side.image, &scalars);
-        let Kernel::AdamW {
+        let Kernel::AdamW(AdamWKernel {
             params, copy_out, ..
-        } = kernel
+        }) = kernel
         else {
             unreachable!()
         };
@@ -1127,13 +1156,13 @@ fn grad_stats_match_cpu() {
         }
         for (name, g) in cases {
             let mut s = Side::new(Target::Cuda, Dtype::F32);
-            let kernel = Kernel::GradStats {
+            let kernel = Kernel::GradStats(GradStatsKernel {
                 grads: s.f32s(&g),
                 out: s.scratch(16),
                 scratch: s.scratch(grad_stats_scratch_bytes(Target::Cuda, n)),
-            };
+            });
             let after = run_gpu(&k, &kernel, &s.image, &scalars);
-            let Kernel::GradStats { out, .. } = kernel else {
+            let Kernel::GradStats(GradStatsKernel { out, .. }) = kernel else {
                 unreachable!()
             };
             let got = read_stats(&after[out.byte_range()]);
@@ -1183,7 +1212,7 @@ fn kernels_repeat_bit_for_bit() {
         };
         let mut s = Side::new(Target::Cuda, w);
         let kernels = [
-            Kernel::AttentionBackward {
+            Kernel::AttentionBackward(AttentionBackward {
                 dqkv: s.act(&vec![0.0; n * 3 * c]),
                 dout: s.act(&dout),
                 qkv: s.act(&qkv),
@@ -1193,8 +1222,8 @@ fn kernels_repeat_bit_for_bit() {
                 t,
                 c,
                 nh,
-            },
-            Kernel::MatmulBackward {
+            }),
+            Kernel::MatmulBackward(MatmulBackward {
                 dinp: s.act(&vec![0.0; n * c]),
                 dweight: s.f32s(&vec![0.0; c * oc]),
                 dbias: Some(s.f32s(&vec![0.0; oc])),
@@ -1205,8 +1234,8 @@ fn kernels_repeat_bit_for_bit() {
                 n,
                 c,
                 oc,
-            },
-            Kernel::LayerNormBackward {
+            }),
+            Kernel::LayerNormBackward(LayerNormBackward {
                 dinp: s.act(&vec![0.0; n * c]),
                 dweight: s.f32s(&vec![0.0; c]),
                 dbias: s.f32s(&vec![0.0; c]),
@@ -1217,8 +1246,8 @@ fn kernels_repeat_bit_for_bit() {
                 rstd: s.f32s(&vec![1.5; n]),
                 n,
                 c,
-            },
-            Kernel::EncoderBackward {
+            }),
+            Kernel::EncoderBackward(EncoderBackward {
                 dwte: s.f32s(&vec![0.0; 101 * c]),
                 dwpe: s.f32s(&vec![0.0; t * c]),
                 dout: s.act(&dout),
@@ -1226,19 +1255,19 @@ fn kernels_repeat_bit_for_bit() {
                 b,
                 t,
                 c,
-            },
-            Kernel::CrossEntropyBackward {
+            }),
+            Kernel::CrossEntropyBackward(CrossEntropyBackward {
                 logits: s.act(&logits),
                 targets: s.u32s(&targets),
                 n: 5,
                 v,
-            },
-            Kernel::GradStats {
+            }),
+            Kernel::GradStats(GradStatsKernel {
                 grads: s.f32s(&random(&mut rng, Dtype::F32, 300_001, 1.0)),
                 out: s.scratch(16),
                 scratch: s.scratch(grad_stats_scratch_bytes(Target::Cuda, 300_001)),
-            },
-            Kernel::RmsNormBackward {
+            }),
+            Kernel::RmsNormBackward(RmsNormBackward {
                 dinp: s.act(&vec![0.0; n * c]),
                 dweight: s.f32s(&vec![0.0; c]),
                 dout: s.act(&dout),
@@ -1247,8 +1276,8 @@ fn kernels_repeat_bit_for_bit() {
                 rstd: s.f32s(&vec![1.5; n]),
                 n,
                 c,
-            },
-            Kernel::GqaAttentionBackward {
+            }),
+            Kernel::GqaAttentionBackward(GqaAttentionBackward {
                 dq: s.act(&vec![0.0; n * c]),
                 dk: s.act(&vec![0.0; n * c / nh]),
                 dv: s.act(&vec![0.0; n * c / nh]),
@@ -1263,7 +1292,7 @@ fn kernels_repeat_bit_for_bit() {
                 h: nh,
                 kv: 1,
                 d: c / nh,
-            },
+            }),
         ];
         for kernel in &kernels {
             let first = run_gpu(&k, kernel, &s.image, &scalars());

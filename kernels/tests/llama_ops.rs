@@ -12,6 +12,10 @@ mod ops_support;
 use ops_support::{check, cpus, random, wide};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use strata_kernels::kernel::{
+    GqaAttention, GqaAttentionBackward, RmsNorm, RmsNormBackward, Rope, RopeBackward, SwiGlu,
+    SwiGluBackward,
+};
 use strata_kernels::ops::{self, Cpu};
 use strata_kernels::program::{
     CpuMemory, Dtype, Kernel, KernelError, Scalars, Target, TensorRef, gqa_attention_scratch_bytes,
@@ -460,7 +464,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
     let (inp_t, weight_t) = (m.add(&inp, 0), m.add(&weight, 5));
     let (dout_t, dinp_t, dweight_t) = (m.add(&dout, 2), m.add(&dinp0, 0), m.add(&dweight0, 7));
     m.run(
-        &Kernel::RmsNorm {
+        &Kernel::RmsNorm(RmsNorm {
             out: out_t,
             rstd: rstd_t,
             inp: inp_t,
@@ -468,7 +472,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
             eps,
             n,
             c,
-        },
+        }),
         &cpu,
     )
     .unwrap();
@@ -476,7 +480,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
     ops::rmsnorm_forward(&cpu, &mut out, &mut rstd, &inp, &weight, eps, n, c);
     assert_eq!((m.get(&out_t), m.get(&rstd_t)), (&out[..], &rstd[..]));
     m.run(
-        &Kernel::RmsNormBackward {
+        &Kernel::RmsNormBackward(RmsNormBackward {
             dinp: dinp_t,
             dweight: dweight_t,
             dout: dout_t,
@@ -485,7 +489,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
             rstd: rstd_t,
             n,
             c,
-        },
+        }),
         &cpu,
     )
     .unwrap();
@@ -522,7 +526,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         m.add(&vec![0.0; x.len()], 0),
         m.add(&vec![0.0; x.len()], 0),
     );
-    let rope = Kernel::Rope {
+    let rope = Kernel::Rope(Rope {
         out: y_t,
         inp: x_t,
         cos: cos_t,
@@ -531,9 +535,9 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         t,
         h,
         d,
-    };
+    });
     m.run(&rope, &cpu).unwrap();
-    let back = Kernel::RopeBackward {
+    let back = Kernel::RopeBackward(RopeBackward {
         dinp: dx_t,
         dout: x_t,
         cos: cos_t,
@@ -542,7 +546,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         t,
         h,
         d,
-    };
+    });
     m.run(&back, &cpu).unwrap();
     let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
     ops::rope_forward(&cpu, &mut y, &x, &cos, &sin, b, t, h, d);
@@ -563,22 +567,22 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         m.add(&vec![0.0; len], 0),
     );
     m.run(
-        &Kernel::SwiGlu {
+        &Kernel::SwiGlu(SwiGlu {
             out: out_t,
             gate: gate_t,
             up: up_t,
-        },
+        }),
         &cpu,
     )
     .unwrap();
     m.run(
-        &Kernel::SwiGluBackward {
+        &Kernel::SwiGluBackward(SwiGluBackward {
             dgate: dgate_t,
             dup: dup_t,
             dout: dout_t,
             gate: gate_t,
             up: up_t,
-        },
+        }),
         &cpu,
     )
     .unwrap();
@@ -621,7 +625,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         ..scratch
     };
     m.run(
-        &Kernel::GqaAttention {
+        &Kernel::GqaAttention(GqaAttention {
             out: out_t,
             att: att_t,
             q: q_t,
@@ -633,25 +637,27 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
             h,
             kv,
             d,
-        },
+        }),
         &cpu,
     )
     .unwrap();
-    let gqa_backward = |h: usize, kv: usize, scratch: TensorRef| Kernel::GqaAttentionBackward {
-        dq: dq_t,
-        dk: dk_t,
-        dv: dv_t,
-        dout: dout_t,
-        q: q_t,
-        k: k_t,
-        v: v_t,
-        att: att_t,
-        scratch,
-        b,
-        t,
-        h,
-        kv,
-        d,
+    let gqa_backward = |h: usize, kv: usize, scratch: TensorRef| {
+        Kernel::GqaAttentionBackward(GqaAttentionBackward {
+            dq: dq_t,
+            dk: dk_t,
+            dv: dv_t,
+            dout: dout_t,
+            q: q_t,
+            k: k_t,
+            v: v_t,
+            att: att_t,
+            scratch,
+            b,
+            t,
+            h,
+            kv,
+            d,
+        })
     };
     let backward = gqa_backward(h, kv, scratch);
     m.run(&backward, &cpu).unwrap();
@@ -686,7 +692,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         .unwrap_err();
     assert!(e.to_string().contains("scratch"), "{e}");
     assert!(
-        Kernel::GqaAttention {
+        Kernel::GqaAttention(GqaAttention {
             out: out_t,
             att: att_t,
             q: q_t,
@@ -698,7 +704,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
             h,
             kv,
             d
-        }
+        })
         .flops()
             > 0.0
     );

@@ -25,6 +25,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sy
 use cudarc::nccl;
 use strata_comm::Collective;
 use strata_kernels::cuda::CudaKernels;
+use strata_kernels::kernel::FoldRanks;
 use strata_kernels::program::{Dtype, Kernel, Scalars, TensorRef};
 use strata_storage::IoBuf;
 
@@ -457,12 +458,12 @@ impl CudaDevice {
             }
             call("ncclGroupEnd", nccl::result::group_end())
         })?;
-        let program: Program = vec![Kernel::FoldRanks {
+        let program: Program = vec![Kernel::FoldRanks(FoldRanks {
             acc: TensorRef::new(0, 0, n, Dtype::F32),
             chunks: TensorRef::new(1, 0, ranks * n, Dtype::F32),
             ranks,
             accumulate,
-        }]
+        })]
         .into();
         let mut bindings = Bindings::default();
         bindings.set(0, dst);

@@ -4,6 +4,7 @@
 //! cross-entropy; and the backward of both, down to the gradient of the normalised
 //! activations. The families differ only in the norm before it.
 
+use strata_kernels::kernel::{CrossEntropy, CrossEntropyBackward, Matmul, MatmulBackward};
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, TensorRef};
 
@@ -43,7 +44,7 @@ impl LossHead {
             ..
         } = *self;
         [
-            Kernel::Matmul {
+            Kernel::Matmul(Matmul {
                 out: logits,
                 inp,
                 weight,
@@ -52,14 +53,14 @@ impl LossHead {
                 n,
                 c,
                 oc: v,
-            },
-            Kernel::CrossEntropy {
+            }),
+            Kernel::CrossEntropy(CrossEntropy {
                 losses: TensorRef::new(Bind::Losses as u8, 0, n, Dtype::F32),
                 logits,
                 targets,
                 n,
                 v,
-            },
+            }),
         ]
     }
 
@@ -78,13 +79,13 @@ impl LossHead {
             v,
         } = *self;
         [
-            Kernel::CrossEntropyBackward {
+            Kernel::CrossEntropyBackward(CrossEntropyBackward {
                 logits,
                 targets,
                 n,
                 v,
-            },
-            Kernel::MatmulBackward {
+            }),
+            Kernel::MatmulBackward(MatmulBackward {
                 dinp,
                 dweight,
                 dbias: None,
@@ -95,7 +96,7 @@ impl LossHead {
                 n,
                 c,
                 oc: v,
-            },
+            }),
         ]
     }
 }

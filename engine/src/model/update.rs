@@ -6,6 +6,7 @@
 //! Optimizer state is one f32 buffer per block: the master parameters, then m, then v,
 //! each the block's length (alignment gaps included, and left zero).
 
+use strata_kernels::kernel::{AdamWKernel, AddF32, GradStatsKernel};
 use strata_kernels::program::{Dtype, Kernel, TensorRef, grad_stats_scratch_bytes};
 
 use super::{Bind, BlockLayout, Target};
@@ -40,7 +41,7 @@ pub fn adamw_range_program(
             let end = (t.slot.offset + t.slot.len).min(lo + len);
             (start < end).then(|| {
                 let (at, n) = (start - lo, end - start);
-                Kernel::AdamW {
+                Kernel::AdamW(AdamWKernel {
                     params: state(0, at, n),
                     m: state(1, at, n),
                     v: state(2, at, n),
@@ -53,7 +54,7 @@ pub fn adamw_range_program(
                     )),
                     round: precision,
                     decay: t.decays(),
-                }
+                })
             })
         })
         .collect()
@@ -62,7 +63,7 @@ pub fn adamw_range_program(
 /// The statistics of `block`'s gradients ([`Bind::Grads`]) into [`Bind::Stats`], with
 /// the reduction's scratch at the start of [`Bind::Scratch`].
 pub fn grad_stats_program(block: &BlockLayout, target: Target) -> Vec<Kernel> {
-    vec![Kernel::GradStats {
+    vec![Kernel::GradStats(GradStatsKernel {
         grads: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
         out: TensorRef::new(Bind::Stats as u8, 0, 16, Dtype::U8),
         scratch: TensorRef::new(
@@ -71,7 +72,7 @@ pub fn grad_stats_program(block: &BlockLayout, target: Target) -> Vec<Kernel> {
             grad_stats_scratch_bytes(target, block.len),
             Dtype::U8,
         ),
-    }]
+    })]
 }
 
 /// Bytes of scratch [`grad_stats_program`] needs for the largest of `blocks`.
@@ -85,8 +86,8 @@ pub fn grad_stats_scratch(blocks: &[BlockLayout], target: Target) -> usize {
 
 /// `Grads += GradsIn` over `block`'s length (f32).
 pub fn accumulate_program(block: &BlockLayout) -> Vec<Kernel> {
-    vec![Kernel::AddF32 {
+    vec![Kernel::AddF32(AddF32 {
         dst: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
         src: TensorRef::new(Bind::GradsIn as u8, 0, block.len, Dtype::F32),
-    }]
+    })]
 }

@@ -1,23 +1,22 @@
 //! CUDA support: which CUDA libraries this machine has ([`probe`]) and what GPUs
 //! ([`describe_driver`]), the kernel sources and their compilation by NVRTC
 //! ([`program`]), and the runner of programs' kernels on a stream
-//! ([`CudaKernels::run`]: its checks and launch sequences in `run.rs`, the CUDA calls
-//! they are made of in `ops.rs`).
+//! ([`CudaKernels::run`]: its checks in `launch.rs`, each kernel's launch sequence in its
+//! family in [`crate::kernel`], the CUDA calls they are made of in `ops.rs`).
 //!
 //! cudarc loads libcuda, libnvrtc and libcublas at run time and panics on the first call
 //! into a library that is absent, so every GPU path asks [`probe`] first.
 
+pub(crate) mod launch;
 mod ops;
 mod probe;
 pub mod program;
-mod run;
 
 pub use ops::CudaKernels;
 pub use probe::{
     CUBLAS_LIBRARY, CudaLibraries, CudaUnavailable, DriverReport, GpuInfo, NVRTC_LIBRARY,
     describe_driver, probe,
 };
-pub use run::CudaFloat;
 
 /// Why a CUDA operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -1,16 +1,17 @@
 //! The CUDA queue of programs' kernels: [`CudaKernels`] holds the kernels compiled by
-//! NVRTC (`kernels/cuda/*.cu`), loaded into one stream's context, and a cuBLAS handle on
+//! NVRTC (each family's `.cu` file, `crate::kernel`), loaded into one stream's context, and a cuBLAS handle on
 //! that stream, and [`CudaKernels::run`] enqueues one [`Kernel`] of a program there, in
-//! f32, bf16 or f16 (the working type, [`super::CudaFloat`]).
+//! f32, bf16 or f16 (the working type of its activations).
 //!
 //! It is made once per stream from the caller's `Arc<CudaStream>` (the engine's device
 //! layer, or a test's). Tensors are raw device addresses the caller resolves from each
 //! [`TensorRef`] (inside its one big allocation per device), never cudarc slices. What
-//! each kernel checks and launches is in [`super::run`]; this file holds only the four
-//! CUDA calls it is made of: kernel launches, cuBLAS products (`cublasGemmEx`, fp32
-//! compute), and memsets and copies on the stream.
+//! each kernel checks is in [`super::launch`], what it launches in its family; this file
+//! holds only the four CUDA calls they are made of: kernel launches, cuBLAS products
+//! (`cublasGemmEx`, fp32 compute), and memsets and copies on the stream.
 //!
-//! Semantics and shapes are those of the CPU runner ([`crate::program::run_cpu`]):
+//! Semantics and shapes are those of the CPU runner ([`crate::program::run_cpu`]), both
+//! checked against the kernel's one signature:
 //! activations and parameters in the working type, parameter gradients and per-row
 //! statistics in f32 (gradients accumulate), LayerNorm's input gradient accumulates. No
 //! kernel uses float atomics, so runs repeat bit for bit on one GPU. This file does not
@@ -25,10 +26,10 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
-use super::program::{TYPED_KERNELS, UNTYPED_KERNELS};
-use super::run::{Arg, Gemm, KernelQueue};
+use super::launch::{Arg, Gemm, KernelQueue, RunOnCuda, TrustedDevice};
 use super::{CudaError, program};
-use crate::program::{Kernel, KernelError, Scalars, TensorRef};
+use crate::kernel::Kernel;
+use crate::program::{KernelError, Scalars, TensorRef};
 
 /// The compiled kernels and a cuBLAS handle, bound to one stream.
 pub struct CudaKernels {
@@ -47,14 +48,9 @@ impl CudaKernels {
         let cubin = program::compile(major, minor)?;
         let module = context.load_module(Ptx::from_binary(cubin.to_vec()))?;
         let mut functions = HashMap::new();
-        for name in TYPED_KERNELS {
-            for suffix in program::TYPE_SUFFIXES {
-                let function = module.load_function(&format!("{name}_{suffix}"))?;
-                functions.insert((name, suffix), function);
-            }
-        }
-        for name in UNTYPED_KERNELS {
-            functions.insert((name, ""), module.load_function(name)?);
+        for (name, suffix) in program::entries() {
+            let function = module.load_function(&program::entry_name(name, suffix))?;
+            functions.insert((name, suffix), function);
         }
         let blas = CudaBlas::new(stream.clone())?;
         Ok(CudaKernels {
@@ -101,7 +97,8 @@ impl CudaKernels {
             .bind_to_thread()
             .map_err(CudaError::from)?;
         // SAFETY: the caller's promise, passed on.
-        unsafe { self.run_kernel(kernel, scalars, address) }
+        let device = unsafe { TrustedDevice::new(self, address) };
+        kernel.run_on_cuda(scalars, &device)
     }
 }
 

@@ -2,8 +2,8 @@
 //! first use, once per process and GPU architecture, so that building strata needs no
 //! CUDA toolkit.
 //!
-//! The files of `kernels/cuda/` are compiled as one program, `common.cuh` first; `#line`
-//! directives keep NVRTC's messages pointing at the right file and line. The program is
+//! The families' `.cu` files (`crate::kernel`) are compiled as one program, `common.cuh`
+//! first; `#line` directives keep NVRTC's messages pointing at the right file and line. The program is
 //! compiled to machine code (a cubin) for the GPU's own architecture rather than to PTX:
 //! a driver refuses PTX from a newer NVRTC than itself (CUDA's minor-version
 //! compatibility covers machine code, not PTX JIT), and the NVRTC found at run time may
@@ -16,73 +16,47 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::nvrtc::{result, sys};
 
 use super::CudaError;
+use super::launch::{CudaSource, WORKING_TYPES};
 
-/// The kernel sources, in compilation order: (file name, text).
-pub const SOURCES: [(&str, &str); 9] = [
-    ("common.cuh", include_str!("../../cuda/common.cuh")),
-    ("encoder.cu", include_str!("../../cuda/encoder.cu")),
-    ("layernorm.cu", include_str!("../../cuda/layernorm.cu")),
-    ("matmul.cu", include_str!("../../cuda/matmul.cu")),
-    ("attention.cu", include_str!("../../cuda/attention.cu")),
-    ("elementwise.cu", include_str!("../../cuda/elementwise.cu")),
-    (
-        "crossentropy.cu",
-        include_str!("../../cuda/crossentropy.cu"),
-    ),
-    ("adamw.cu", include_str!("../../cuda/adamw.cu")),
-    ("llama.cu", include_str!("../../cuda/llama.cu")),
-];
+/// What every kernel file includes, compiled first.
+const COMMON: CudaSource = ("common.cuh", include_str!("common.cuh"));
 
-/// The suffixes of the working types' entry points (f32, bf16, f16).
-pub const TYPE_SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
+/// The kernel sources, in compilation order: (file name, text): `common.cuh`, then each
+/// family's `.cu` file in the order of the kernels' registry ([`crate::kernel::Kernel`]).
+pub fn sources() -> Vec<(&'static str, &'static str)> {
+    std::iter::once(COMMON)
+        .chain(crate::kernel::cuda_sources())
+        .collect()
+}
 
-/// Kernels with one entry point per working type: `<name>_<suffix>` for each of
-/// [`TYPE_SUFFIXES`].
-pub const TYPED_KERNELS: [&str; 25] = [
-    "encoder_forward",
-    "encoder_backward_wte",
-    "encoder_backward_wpe",
-    "layernorm_forward",
-    "layernorm_backward_input",
-    "layernorm_backward_params",
-    "bias_broadcast",
-    "bias_backward",
-    "attention_split",
-    "attention_join",
-    "attention_heads",
-    "softmax_causal_forward",
-    "softmax_causal_backward",
-    "gelu_forward",
-    "gelu_backward",
-    "residual_forward",
-    "crossentropy_forward",
-    "crossentropy_backward",
-    "rmsnorm_forward",
-    "rmsnorm_backward_input",
-    "rmsnorm_backward_weight",
-    "rope_forward",
-    "rope_backward",
-    "swiglu_forward",
-    "swiglu_backward",
-];
+/// Every entry point the registry's kernels launch, as (name, suffix): a typed kernel's
+/// once per working type (`<name>_f32`, `_bf16`, `_f16`), the others once with no suffix.
+pub(crate) fn entries() -> Vec<(&'static str, &'static str)> {
+    let mut out = Vec::new();
+    for entry in crate::kernel::cuda_entries() {
+        if entry.typed {
+            out.extend(WORKING_TYPES.map(|w| (entry.name, w.suffix)));
+        } else {
+            out.push((entry.name, ""));
+        }
+    }
+    out
+}
 
-/// Kernels with one entry point, under their own name: f32 gradient accumulation, the
-/// fold of a reduce-scatter, the AdamW step and the two passes of the gradient statistics.
-pub const UNTYPED_KERNELS: [&str; 5] = [
-    "add_f32",
-    "fold_ranks",
-    "adamw_step",
-    "grad_stats_partials",
-    "grad_stats_total",
-];
+/// The compiled kernel's name of an entry point.
+pub(crate) fn entry_name(name: &str, suffix: &str) -> String {
+    if suffix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{name}_{suffix}")
+    }
+}
 
-/// Every entry point the program must define.
+/// Every entry point the program must define: those the registry's kernels launch.
 pub fn entry_points() -> Vec<String> {
-    let typed = TYPED_KERNELS
-        .iter()
-        .flat_map(|k| TYPE_SUFFIXES.map(|s| format!("{k}_{s}")));
-    typed
-        .chain(UNTYPED_KERNELS.iter().map(|k| k.to_string()))
+    entries()
+        .into_iter()
+        .map(|(name, suffix)| entry_name(name, suffix))
         .collect()
 }
 
@@ -92,7 +66,7 @@ pub const OLDEST_ARCH: (i32, i32) = (7, 5);
 /// The whole program: every source, each after a `#line` directive naming it.
 pub fn program_source() -> String {
     let mut source = String::new();
-    for (name, text) in SOURCES {
+    for (name, text) in sources() {
         source.push_str(&format!("#line 1 \"{name}\"\n"));
         source.push_str(text);
         source.push('\n');

@@ -1,6 +1,9 @@
-//! Fast CPU kernels of GPT-2's and the Llama family's forward and backward passes, in f32, and casts between
-//! f32, bf16 and fp16. Each has a scalar twin in [`crate::reference`] that tests compare
-//! it with, element by element, on odd sizes.
+//! Fast CPU kernels of GPT-2's and the Llama family's forward and backward passes, in
+//! f32, and casts between f32, bf16 and fp16, as functions over slices. Each has a scalar
+//! twin in [`crate::reference`] that tests compare it with, element by element, on odd
+//! sizes. The program kernels' ops live in their families ([`crate::kernel`]) and are
+//! gathered here; this module holds what they share: [`Cpu`], the row splitting, the
+//! SIMD lanes ([`simd`]), the matrix product ([`gemm()`]) and the casts.
 //!
 //! - Matrix products are strata's own ([`gemm()`]: packed cache blocks and register
 //!   tiles per instruction set, scratch reused per thread so no call allocates), on the
@@ -24,45 +27,28 @@ use std::ops::Range;
 use crate::isa::Isa;
 use crate::parallel;
 
-mod attention;
 mod cast;
-mod crossentropy;
-mod encoder;
-mod gelu;
-mod gemm;
-mod layernorm;
-mod matmul;
-mod residual;
-mod rmsnorm;
-mod rope;
+pub(crate) mod gemm;
 pub mod simd;
-mod swiglu;
 
-pub use attention::{
-    attention_backward, attention_forward, gqa_attention_backward, gqa_attention_forward,
-};
 pub use cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
-pub use crossentropy::{crossentropy_backward_inplace, crossentropy_forward};
-pub use encoder::{encoder_backward, encoder_forward};
-pub use gelu::{gelu_backward, gelu_forward};
 pub use gemm::{MatrixMut, MatrixRef, gemm};
-pub use layernorm::{layernorm_backward, layernorm_forward};
-pub use matmul::{matmul_backward, matmul_forward};
-pub use residual::{add_inplace, residual_forward};
-pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
-pub use rope::{
+
+// The CPU ops of the program's kernels, each in its family (`crate::kernel`).
+pub use crate::kernel::attention::{
+    GqaDims, attention_backward, attention_forward, gqa_attention_backward, gqa_attention_forward,
+};
+pub use crate::kernel::crossentropy::{crossentropy_backward_inplace, crossentropy_forward};
+pub use crate::kernel::elementwise::{add_inplace, residual_forward};
+pub use crate::kernel::encoder::{encoder_backward, encoder_forward};
+pub use crate::kernel::gelu::{gelu_backward, gelu_forward};
+pub use crate::kernel::layernorm::{layernorm_backward, layernorm_forward};
+pub use crate::kernel::matmul::{WeightLayout, matmul_backward, matmul_forward};
+pub use crate::kernel::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+pub use crate::kernel::rope::{
     Llama3Scaling, RopeFreqs, rope_backward, rope_forward, rope_inv_freq, rope_table, rope_table_of,
 };
-pub use swiglu::{swiglu_backward, swiglu_forward};
-
-/// How a linear layer's weight is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WeightLayout {
-    /// (in, out): Hugging Face's `Conv1D`, used by GPT-2's linear layers.
-    InOut,
-    /// (out, in): `torch.nn.Linear`, and the token embedding used as the output head.
-    OutIn,
-}
+pub use crate::kernel::swiglu::{swiglu_backward, swiglu_forward};
 
 /// Where a CPU kernel runs: which instruction set, and at most how many threads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,7 +79,7 @@ impl Cpu {
     }
 
     /// How many threads to use for `work` elements of work.
-    fn threads_for(&self, work: usize) -> usize {
+    pub(crate) fn threads_for(&self, work: usize) -> usize {
         (work / WORK_PER_THREAD_MIN).clamp(1, self.threads.max(1))
     }
 }

@@ -1,7 +1,7 @@
 //! The scalar reference of the matrix product (`ops::gemm`): a triple loop over strided
 //! views, generic over the float type so that tests run it in f64 on the f32 inputs.
 
-use super::gpt2::Real;
+use super::Real;
 
 /// A read-only strided view: element (i, j) is `data[i · row_stride + j · col_stride]`.
 #[derive(Debug, Clone, Copy)]

@@ -9,20 +9,8 @@
 use super::gpt2::{self as k, Real};
 use crate::ops::WeightLayout;
 
-/// The shape of a GPT-2 model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Gpt2Shape {
-    /// Transformer blocks.
-    pub layers: usize,
-    /// Attention heads per block.
-    pub heads: usize,
-    /// Channels (the embedding width, C).
-    pub width: usize,
-    /// Vocabulary size (V).
-    pub vocab: usize,
-    /// Longest sequence (rows of the position embedding).
-    pub ctx: usize,
-}
+/// The model's shape (a production type the reference takes).
+pub use crate::model_shape::Gpt2Shape;
 
 /// The parameters of one transformer block.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,6 @@
 //! GPT-2's shape: the named configurations and any size given by its five numbers.
 
-use strata_kernels::reference::gpt2_model::Gpt2Shape;
+use strata_kernels::model_shape::Gpt2Shape;
 
 use crate::model::ModelError;
 

@@ -27,6 +27,10 @@ pub use config::{Gpt2Config, PRESETS};
 use std::path::Path;
 
 use serde_json::{Value, json};
+use strata_kernels::kernel::{
+    Attention, AttentionBackward, CopyKernel, Encoder, EncoderBackward, Gelu, GeluBackward,
+    LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Residual, Zero,
+};
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, attention_scratch_bytes};
 
@@ -466,7 +470,7 @@ impl Program {
     fn embedding(mut self, e: &EmbeddingSlots, pass: Pass) -> Vec<Kernel> {
         let (b, t, c) = (self.shape.batch, self.shape.seq, self.config.width);
         match pass {
-            Pass::Forward | Pass::ForwardSave => self.push(Kernel::Encoder {
+            Pass::Forward | Pass::ForwardSave => self.push(Kernel::Encoder(Encoder {
                 out: self.act(Bind::Output),
                 tokens: self.ids(Bind::Tokens),
                 wte: self.param(Bind::Params, e.wte),
@@ -474,17 +478,19 @@ impl Program {
                 b,
                 t,
                 c,
-            }),
+            })),
             // The head zeroes this block's gradients (it adds to `wte`'s first).
-            Pass::Backward | Pass::BackwardSaved => self.push(Kernel::EncoderBackward {
-                dwte: self.grad(Bind::Grads, e.wte),
-                dwpe: self.grad(Bind::Grads, e.wpe),
-                dout: self.act(Bind::DOutput),
-                tokens: self.ids(Bind::Tokens),
-                b,
-                t,
-                c,
-            }),
+            Pass::Backward | Pass::BackwardSaved => {
+                self.push(Kernel::EncoderBackward(EncoderBackward {
+                    dwte: self.grad(Bind::Grads, e.wte),
+                    dwpe: self.grad(Bind::Grads, e.wpe),
+                    dout: self.act(Bind::DOutput),
+                    tokens: self.ids(Bind::Tokens),
+                    b,
+                    t,
+                    c,
+                }))
+            }
         }
         self.out
     }
@@ -498,7 +504,7 @@ impl Program {
         let p = |slot| self.param(Bind::Params, slot);
         let io = WeightLayout::InOut;
         let kernels = [
-            Kernel::LayerNorm {
+            Kernel::LayerNorm(LayerNorm {
                 out: s.kept.ln1,
                 mean: s.kept.ln1_mean,
                 rstd: s.kept.ln1_rstd,
@@ -507,8 +513,8 @@ impl Program {
                 bias: p(l.ln_1_bias),
                 n,
                 c,
-            },
-            Kernel::Matmul {
+            }),
+            Kernel::Matmul(Matmul {
                 out: s.kept.qkv,
                 inp: s.kept.ln1,
                 weight: p(l.c_attn_weight),
@@ -517,8 +523,8 @@ impl Program {
                 n,
                 c,
                 oc: 3 * c,
-            },
-            Kernel::Attention {
+            }),
+            Kernel::Attention(Attention {
                 out: s.kept.atty,
                 att: s.kept.att,
                 qkv: s.kept.qkv,
@@ -527,8 +533,8 @@ impl Program {
                 t: self.shape.seq,
                 c,
                 nh: self.config.heads,
-            },
-            Kernel::Matmul {
+            }),
+            Kernel::Matmul(Matmul {
                 out: s.proj,
                 inp: s.kept.atty,
                 weight: p(l.attn_proj_weight),
@@ -537,13 +543,13 @@ impl Program {
                 n,
                 c,
                 oc: c,
-            },
-            Kernel::Residual {
+            }),
+            Kernel::Residual(Residual {
                 out: s.kept.res2,
                 a: x,
                 b: s.proj,
-            },
-            Kernel::LayerNorm {
+            }),
+            Kernel::LayerNorm(LayerNorm {
                 out: s.kept.ln2,
                 mean: s.kept.ln2_mean,
                 rstd: s.kept.ln2_rstd,
@@ -552,8 +558,8 @@ impl Program {
                 bias: p(l.ln_2_bias),
                 n,
                 c,
-            },
-            Kernel::Matmul {
+            }),
+            Kernel::Matmul(Matmul {
                 out: s.kept.fch,
                 inp: s.kept.ln2,
                 weight: p(l.c_fc_weight),
@@ -562,12 +568,12 @@ impl Program {
                 n,
                 c,
                 oc: 4 * c,
-            },
-            Kernel::Gelu {
+            }),
+            Kernel::Gelu(Gelu {
                 out: s.fch_gelu,
                 inp: s.kept.fch,
-            },
-            Kernel::Matmul {
+            }),
+            Kernel::Matmul(Matmul {
                 out: s.proj,
                 inp: s.fch_gelu,
                 weight: p(l.mlp_proj_weight),
@@ -576,7 +582,7 @@ impl Program {
                 n,
                 c: 4 * c,
                 oc: c,
-            },
+            }),
         ];
         self.out.extend(kernels);
     }
@@ -587,24 +593,24 @@ impl Program {
             // Into the scratch, or (ForwardSave) the saved intermediates into Saved.
             self.layer_body(l);
             let out = self.act(Bind::Output);
-            self.push(Kernel::Residual {
+            self.push(Kernel::Residual(Residual {
                 out,
                 a: s.kept.res2,
                 b: s.proj,
-            });
+            }));
             return self.out;
         }
         // Backward: recompute the forward from the input (or, from saved activations, only
         // the GELU's output), then every gradient, into zeroed parameter gradients.
         let (n, c) = (self.shape.rows(), self.config.width);
-        self.push(Kernel::Zero {
+        self.push(Kernel::Zero(Zero {
             t: TensorRef::new(Bind::Grads as u8, 0, self.len, Dtype::F32),
-        });
+        }));
         if pass == Pass::BackwardSaved {
-            self.push(Kernel::Gelu {
+            self.push(Kernel::Gelu(Gelu {
                 out: s.fch_gelu,
                 inp: s.kept.fch,
-            });
+            }));
         } else {
             self.layer_body(l);
         }
@@ -618,7 +624,7 @@ impl Program {
         let io = WeightLayout::InOut;
         let kernels = [
             // out = res2 + mlp(ln2(res2)): dout reaches the MLP's output and res2 directly.
-            Kernel::MatmulBackward {
+            Kernel::MatmulBackward(MatmulBackward {
                 dinp: s.d_fch_gelu,
                 dweight: g(l.mlp_proj_weight),
                 dbias: Some(g(l.mlp_proj_bias)),
@@ -629,13 +635,13 @@ impl Program {
                 n,
                 c: 4 * c,
                 oc: c,
-            },
-            Kernel::GeluBackward {
+            }),
+            Kernel::GeluBackward(GeluBackward {
                 dinp: s.d_fch,
                 inp: s.kept.fch,
                 dout: s.d_fch_gelu,
-            },
-            Kernel::MatmulBackward {
+            }),
+            Kernel::MatmulBackward(MatmulBackward {
                 dinp: s.d_c,
                 dweight: g(l.c_fc_weight),
                 dbias: Some(g(l.c_fc_bias)),
@@ -646,13 +652,13 @@ impl Program {
                 n,
                 c,
                 oc: 4 * c,
-            },
+            }),
             // d_c2 becomes the gradient of res2: dout plus what flows back through ln_2.
-            Kernel::Copy {
+            Kernel::Copy(CopyKernel {
                 dst: s.d_c2,
                 src: dout,
-            },
-            Kernel::LayerNormBackward {
+            }),
+            Kernel::LayerNormBackward(LayerNormBackward {
                 dinp: s.d_c2,
                 dweight: g(l.ln_2_weight),
                 dbias: g(l.ln_2_bias),
@@ -663,9 +669,9 @@ impl Program {
                 rstd: s.kept.ln2_rstd,
                 n,
                 c,
-            },
+            }),
             // res2 = x + attn(ln1(x)).
-            Kernel::MatmulBackward {
+            Kernel::MatmulBackward(MatmulBackward {
                 dinp: s.d_c,
                 dweight: g(l.attn_proj_weight),
                 dbias: Some(g(l.attn_proj_bias)),
@@ -676,8 +682,8 @@ impl Program {
                 n,
                 c,
                 oc: c,
-            },
-            Kernel::AttentionBackward {
+            }),
+            Kernel::AttentionBackward(AttentionBackward {
                 dqkv: s.d_qkv,
                 dout: s.d_c,
                 qkv: s.kept.qkv,
@@ -687,8 +693,8 @@ impl Program {
                 t: self.shape.seq,
                 c,
                 nh: self.config.heads,
-            },
-            Kernel::MatmulBackward {
+            }),
+            Kernel::MatmulBackward(MatmulBackward {
                 dinp: s.d_c,
                 dweight: g(l.c_attn_weight),
                 dbias: Some(g(l.c_attn_bias)),
@@ -699,12 +705,12 @@ impl Program {
                 n,
                 c,
                 oc: 3 * c,
-            },
-            Kernel::Copy {
+            }),
+            Kernel::Copy(CopyKernel {
                 dst: dx,
                 src: s.d_c2,
-            },
-            Kernel::LayerNormBackward {
+            }),
+            Kernel::LayerNormBackward(LayerNormBackward {
                 dinp: dx,
                 dweight: g(l.ln_1_weight),
                 dbias: g(l.ln_1_bias),
@@ -715,7 +721,7 @@ impl Program {
                 rstd: s.kept.ln1_rstd,
                 n,
                 c,
-            },
+            }),
         ];
         self.out.extend(kernels);
         self.out
@@ -729,12 +735,12 @@ impl Program {
         if !pass.is_forward() {
             // Every micro-batch's gradients start from zero; the head is the first to
             // write the tied embedding's.
-            self.push(Kernel::Zero {
+            self.push(Kernel::Zero(Zero {
                 t: TensorRef::new(Bind::Grads as u8, 0, self.len, Dtype::F32),
-            });
-            self.push(Kernel::Zero {
+            }));
+            self.push(Kernel::Zero(Zero {
                 t: TensorRef::new(Bind::TiedGrads as u8, 0, self.tied_len, Dtype::F32),
-            });
+            }));
         }
         let loss = LossHead {
             inp: s.lnf,
@@ -747,7 +753,7 @@ impl Program {
             c,
             v,
         };
-        self.out.push(Kernel::LayerNorm {
+        self.out.push(Kernel::LayerNorm(LayerNorm {
             out: s.lnf,
             mean: s.lnf_mean,
             rstd: s.lnf_rstd,
@@ -756,7 +762,7 @@ impl Program {
             bias: self.param(Bind::Params, h.ln_f_bias),
             n,
             c,
-        });
+        }));
         self.out.extend(loss.forward());
         if pass.is_forward() {
             return self.out;
@@ -764,8 +770,8 @@ impl Program {
         let dx = self.act(Bind::DInput);
         self.out.extend(loss.backward());
         let backward = [
-            Kernel::Zero { t: dx },
-            Kernel::LayerNormBackward {
+            Kernel::Zero(Zero { t: dx }),
+            Kernel::LayerNormBackward(LayerNormBackward {
                 dinp: dx,
                 dweight: self.grad(Bind::Grads, h.ln_f_weight),
                 dbias: self.grad(Bind::Grads, h.ln_f_bias),
@@ -776,7 +782,7 @@ impl Program {
                 rstd: s.lnf_rstd,
                 n,
                 c,
-            },
+            }),
         ];
         self.out.extend(backward);
         self.out

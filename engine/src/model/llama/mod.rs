@@ -32,6 +32,11 @@ pub use config::{LlamaConfig, MODEL_TYPES, Variant, preset_names};
 use std::path::Path;
 
 use serde_json::Value;
+use strata_kernels::kernel::{
+    CopyKernel, Encoder, EncoderBackward, GqaAttention, GqaAttentionBackward, Matmul,
+    MatmulBackward, Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu,
+    SwiGluBackward, Zero,
+};
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, gqa_attention_scratch_bytes};
 
@@ -616,15 +621,15 @@ impl Program<'_> {
 
     /// Zeroes the whole gradient buffer bound at `bind` of `len` elements.
     fn zero_grads(&mut self, bind: Bind, len: usize) {
-        self.out.push(Kernel::Zero {
+        self.out.push(Kernel::Zero(Zero {
             t: TensorRef::new(bind as u8, 0, len, Dtype::F32),
-        });
+        }));
     }
 
     /// `out = inp @ W^T (+ bias)` with W (oc, c) as `nn.Linear` stores it.
     fn linear(&self, out: TensorRef, inp: TensorRef, weight: Slot, bias: Option<Slot>) -> Kernel {
         let n = self.shape.rows();
-        Kernel::Matmul {
+        Kernel::Matmul(Matmul {
             out,
             inp,
             weight: self.param(Bind::Params, weight),
@@ -633,7 +638,7 @@ impl Program<'_> {
             n,
             c: inp.len / n,
             oc: out.len / n,
-        }
+        })
     }
 
     /// The gradients of [`Program::linear`]: `dinp` overwritten, the weight's (and
@@ -647,7 +652,7 @@ impl Program<'_> {
         bias: Option<Slot>,
     ) -> Kernel {
         let n = self.shape.rows();
-        Kernel::MatmulBackward {
+        Kernel::MatmulBackward(MatmulBackward {
             dinp,
             dweight: self.grad(Bind::Grads, weight),
             dbias: bias.map(|b| self.grad(Bind::Grads, b)),
@@ -658,11 +663,11 @@ impl Program<'_> {
             n,
             c: inp.len / n,
             oc: dout.len / n,
-        }
+        })
     }
 
     fn rmsnorm(&self, out: TensorRef, rstd: TensorRef, inp: TensorRef, weight: Slot) -> Kernel {
-        Kernel::RmsNorm {
+        Kernel::RmsNorm(RmsNorm {
             out,
             rstd,
             inp,
@@ -670,7 +675,7 @@ impl Program<'_> {
             eps: self.c.eps,
             n: rstd.len,
             c: inp.len / rstd.len,
-        }
+        })
     }
 
     fn rmsnorm_backward(
@@ -681,7 +686,7 @@ impl Program<'_> {
         rstd: TensorRef,
         weight: Slot,
     ) -> Kernel {
-        Kernel::RmsNormBackward {
+        Kernel::RmsNormBackward(RmsNormBackward {
             dinp,
             dweight: self.grad(Bind::Grads, weight),
             dout,
@@ -690,13 +695,13 @@ impl Program<'_> {
             rstd,
             n: rstd.len,
             c: inp.len / rstd.len,
-        }
+        })
     }
 
     fn rope(&self, out: TensorRef, inp: TensorRef, heads: usize, backward: bool) -> Kernel {
         let (b, t, d, s) = (self.shape.batch, self.shape.seq, self.c.head_dim, self.s);
         if backward {
-            Kernel::RopeBackward {
+            Kernel::RopeBackward(RopeBackward {
                 dinp: out,
                 dout: inp,
                 cos: s.cos,
@@ -705,9 +710,9 @@ impl Program<'_> {
                 t,
                 h: heads,
                 d,
-            }
+            })
         } else {
-            Kernel::Rope {
+            Kernel::Rope(Rope {
                 out,
                 inp,
                 cos: s.cos,
@@ -716,7 +721,7 @@ impl Program<'_> {
                 t,
                 h: heads,
                 d,
-            }
+            })
         }
     }
 
@@ -725,8 +730,8 @@ impl Program<'_> {
         let tokens = self.ids(Bind::Tokens);
         match pass {
             Pass::Forward | Pass::ForwardSave => {
-                self.out.push(Kernel::Zero { t: s.zero_pos });
-                self.out.push(Kernel::Encoder {
+                self.out.push(Kernel::Zero(Zero { t: s.zero_pos }));
+                self.out.push(Kernel::Encoder(Encoder {
                     out: self.act(Bind::Output),
                     tokens,
                     wte: self.param(Bind::Params, embed),
@@ -734,7 +739,7 @@ impl Program<'_> {
                     b,
                     t,
                     c,
-                });
+                }));
             }
             Pass::Backward | Pass::BackwardSaved => {
                 // A tied head zeroed this block's gradients and added its own; an
@@ -742,8 +747,8 @@ impl Program<'_> {
                 if !self.c.tied {
                     self.zero_grads(Bind::Grads, self.len);
                 }
-                self.out.push(Kernel::Zero { t: s.dpos });
-                self.out.push(Kernel::EncoderBackward {
+                self.out.push(Kernel::Zero(Zero { t: s.dpos }));
+                self.out.push(Kernel::EncoderBackward(EncoderBackward {
                     dwte: self.grad(Bind::Grads, embed),
                     dwpe: s.dpos,
                     dout: self.act(Bind::DOutput),
@@ -751,7 +756,7 @@ impl Program<'_> {
                     b,
                     t,
                     c,
-                });
+                }));
             }
         }
         self.out
@@ -759,13 +764,13 @@ impl Program<'_> {
 
     /// The rotary table (cos, sin) of the sequence, into the scratch.
     fn rope_table(&self) -> Kernel {
-        Kernel::RopeTable {
+        Kernel::RopeTable(RopeTable {
             cos: self.s.cos,
             sin: self.s.sin,
             t: self.shape.seq,
             d: self.c.head_dim,
             freqs: self.c.rope,
-        }
+        })
     }
 
     /// The forward of a layer up to its MLP's output in `proj` (the caller adds the
@@ -796,7 +801,7 @@ impl Program<'_> {
         k.extend([
             self.rope(s.qr, q_in, h, false),
             self.rope(s.kr, k_in, kvh, false),
-            Kernel::GqaAttention {
+            Kernel::GqaAttention(GqaAttention {
                 out: s.atty,
                 att: s.att,
                 q: s.qr,
@@ -808,21 +813,21 @@ impl Program<'_> {
                 h,
                 kv: kvh,
                 d: c.head_dim,
-            },
+            }),
             self.linear(s.proj, s.atty, l.o, None),
-            Kernel::Residual {
+            Kernel::Residual(Residual {
                 out: s.res2,
                 a: x,
                 b: s.proj,
-            },
+            }),
             self.rmsnorm(s.xn2, s.rstd2, s.res2, l.post_norm),
             self.linear(s.gate, s.xn2, l.gate, None),
             self.linear(s.up, s.xn2, l.up, None),
-            Kernel::SwiGlu {
+            Kernel::SwiGlu(SwiGlu {
                 out: s.hmid,
                 gate: s.gate,
                 up: s.up,
-            },
+            }),
             self.linear(s.proj, s.hmid, l.down, None),
         ]);
         self.out.extend(k);
@@ -834,11 +839,11 @@ impl Program<'_> {
             // Into the scratch, or (ForwardSave) the saved intermediates into Saved.
             self.layer_body(l);
             let out = self.act(Bind::Output);
-            self.out.push(Kernel::Residual {
+            self.out.push(Kernel::Residual(Residual {
                 out,
                 a: s.res2,
                 b: s.proj,
-            });
+            }));
             return self.out;
         }
         // Backward: recompute the forward from the input (or, from saved activations, only
@@ -849,11 +854,11 @@ impl Program<'_> {
             let table = self.rope_table();
             self.out.extend([
                 table,
-                Kernel::SwiGlu {
+                Kernel::SwiGlu(SwiGlu {
                     out: s.hmid,
                     gate: s.gate,
                     up: s.up,
-                },
+                }),
             ]);
         } else {
             self.layer_body(l);
@@ -871,29 +876,29 @@ impl Program<'_> {
         let mut k = vec![
             // out = res2 + down(silu(gate(xn2)) * up(xn2)), xn2 = norm(res2).
             self.linear_backward(s.d_h, dout, s.hmid, l.down, None),
-            Kernel::SwiGluBackward {
+            Kernel::SwiGluBackward(SwiGluBackward {
                 dgate: s.d_gate,
                 dup: s.d_up,
                 dout: s.d_h,
                 gate: s.gate,
                 up: s.up,
-            },
+            }),
             self.linear_backward(s.d_c, s.d_gate, s.xn2, l.gate, None),
             self.linear_backward(s.d_c2, s.d_up, s.xn2, l.up, None),
-            Kernel::Residual {
+            Kernel::Residual(Residual {
                 out: s.d_c3,
                 a: s.d_c,
                 b: s.d_c2,
-            },
+            }),
             // d_res2: dout plus what flows back through the post-attention norm.
-            Kernel::Copy {
+            Kernel::Copy(CopyKernel {
                 dst: s.d_res2,
                 src: dout,
-            },
+            }),
             self.rmsnorm_backward(s.d_res2, s.d_c3, s.res2, s.rstd2, l.post_norm),
             // res2 = x + o(attention(rope(q), rope(k), v)).
             self.linear_backward(s.d_atty, s.d_res2, s.atty, l.o, None),
-            Kernel::GqaAttentionBackward {
+            Kernel::GqaAttentionBackward(GqaAttentionBackward {
                 dq: s.dq,
                 dk: s.dk,
                 dv: s.dv,
@@ -908,16 +913,16 @@ impl Program<'_> {
                 h,
                 kv: kvh,
                 d: self.c.head_dim,
-            },
+            }),
             self.rope(s.dq_pre, s.dq, h, true),
             self.rope(s.dk_pre, s.dk, kvh, true),
         ];
         let (dq_in, dk_in) = match l.qk_norm {
             Some((qn, kn)) => {
                 k.extend([
-                    Kernel::Zero { t: s.dq_lin },
+                    Kernel::Zero(Zero { t: s.dq_lin }),
                     self.rmsnorm_backward(s.dq_lin, s.dq_pre, s.q, s.qn_rstd, qn),
-                    Kernel::Zero { t: s.dk_lin },
+                    Kernel::Zero(Zero { t: s.dk_lin }),
                     self.rmsnorm_backward(s.dk_lin, s.dk_pre, s.k, s.kn_rstd, kn),
                 ]);
                 (s.dq_lin, s.dk_lin)
@@ -927,21 +932,21 @@ impl Program<'_> {
         k.extend([
             self.linear_backward(s.d_c, dq_in, s.xn, l.q, bq),
             self.linear_backward(s.d_c2, dk_in, s.xn, l.k, bk),
-            Kernel::Residual {
+            Kernel::Residual(Residual {
                 out: s.d_c3,
                 a: s.d_c,
                 b: s.d_c2,
-            },
+            }),
             self.linear_backward(s.d_c, s.dv, s.xn, l.v, bv),
-            Kernel::Residual {
+            Kernel::Residual(Residual {
                 out: s.d_c2,
                 a: s.d_c3,
                 b: s.d_c,
-            },
-            Kernel::Copy {
+            }),
+            Kernel::Copy(CopyKernel {
                 dst: dx,
                 src: s.d_res2,
-            },
+            }),
             self.rmsnorm_backward(dx, s.d_c2, x, s.rstd1, l.input_norm),
         ]);
         self.out.extend(k);
@@ -988,7 +993,7 @@ impl Program<'_> {
         let dx = self.act(Bind::DInput);
         self.out.extend(loss.backward());
         let backward = [
-            Kernel::Zero { t: dx },
+            Kernel::Zero(Zero { t: dx }),
             self.rmsnorm_backward(dx, s.head_d, x, s.rstdf, h.norm),
         ];
         self.out.extend(backward);

@@ -38,40 +38,12 @@ use super::simd;
 use super::{Cpu, Isa};
 use crate::parallel;
 
+mod operand;
 mod pack;
 mod tile;
 
+pub(crate) use operand::Operand;
 use tile::Lanes;
-
-/// A matrix operand: base pointer and (row, column) strides in elements.
-#[derive(Clone, Copy)]
-pub(crate) struct Operand {
-    pub(crate) ptr: *const f32,
-    pub(crate) row_stride: isize,
-    pub(crate) col_stride: isize,
-}
-
-impl Operand {
-    /// The operand read transposed.
-    fn transposed(self) -> Operand {
-        Operand {
-            ptr: self.ptr,
-            row_stride: self.col_stride,
-            col_stride: self.row_stride,
-        }
-    }
-
-    /// The operand from element (row, col) on. The pointer is computed with wrapping
-    /// arithmetic: only dereferencing it needs the element to exist.
-    fn at(self, row: usize, col: usize) -> Operand {
-        Operand {
-            ptr: self
-                .ptr
-                .wrapping_offset(row as isize * self.row_stride + col as isize * self.col_stride),
-            ..self
-        }
-    }
-}
 
 /// One matrix product `dst (m, n) = [dst +] lhs (m, k) @ rhs (k, n) * scale`, over
 /// strided views; `dst`'s column stride is 1.

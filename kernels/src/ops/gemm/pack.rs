@@ -13,7 +13,7 @@
 //! time in registers where the panel width allows; other strides go element by
 //! element.
 
-use super::Operand;
+use super::operand::Operand;
 use super::tile::Lanes;
 
 /// Steps of k a transposing copy moves per round: one 32-byte read from each column.

@@ -1,9 +1,20 @@
-//! Linear layers: their three matrix products by strata's own (`ops::gemm`), on the
-//! worker pool; bias broadcast and bias gradient here.
+//! The linear layers' CPU ops: their three matrix products by strata's own
+//! (`ops::gemm`), on the worker pool; bias broadcast and bias gradient here. The weight's
+//! layout ([`WeightLayout`]) is the ops' own type, which the signatures (`super`) and the
+//! reference take.
 
-use super::gemm::{Operand, Product};
-use super::simd::on_isa;
-use super::{Cpu, RowsMut, WeightLayout, par_rows, simd};
+use crate::ops::gemm::{Operand, Product};
+use crate::ops::simd::on_isa;
+use crate::ops::{Cpu, RowsMut, par_rows, simd};
+
+/// How a linear layer's weight is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightLayout {
+    /// (in, out): Hugging Face's `Conv1D`, used by GPT-2's linear layers.
+    InOut,
+    /// (out, in): `torch.nn.Linear`, and the token embedding used as the output head.
+    OutIn,
+}
 
 /// Strides (row, column), in elements, of a weight stored in `layout`, seen as the
 /// (C, OC) matrix that multiplies the input.

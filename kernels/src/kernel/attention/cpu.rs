@@ -7,17 +7,67 @@
 //! Qwen, Mistral), where a key/value head serves H / KV query heads and the backward
 //! runs those heads one after the other on one thread, adding their key and value
 //! gradients up.
+//!
+//! These are the CPU ops of the attention kernels (`super`); [`GqaDims`], their shape,
+//! is the ops' own type, which the signatures and the reference take.
 
 use std::ops::Range;
 
-use super::gemm::{Operand, Product};
-use super::simd::on_isa;
-use super::{Cpu, simd};
+use crate::ops::gemm::{Operand, Product};
+use crate::ops::simd::on_isa;
+use crate::ops::{Cpu, simd};
 use crate::parallel;
-use crate::reference::llama::GqaDims;
 
 /// Rows per block of the causal products: rows `r0..r1` only need columns `0..r1`.
 const BLOCK_ROWS: usize = 64;
+
+/// The shapes of a grouped-query attention call: batch, sequence, query heads, key/value
+/// heads (dividing `h`) and channels per head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GqaDims {
+    /// Batch.
+    pub b: usize,
+    /// Sequence.
+    pub t: usize,
+    /// Query heads.
+    pub h: usize,
+    /// Key and value heads; divides `h`.
+    pub kv: usize,
+    /// Channels per head.
+    pub d: usize,
+}
+
+impl GqaDims {
+    /// Elements of q or out: B × T × H × D.
+    pub fn q_len(&self) -> usize {
+        self.b * self.t * self.h * self.d
+    }
+
+    /// Elements of k or v: B × T × KV × D.
+    pub fn kv_len(&self) -> usize {
+        self.b * self.t * self.kv * self.d
+    }
+
+    /// Elements of the probabilities: B × H × T × T.
+    pub fn att_len(&self) -> usize {
+        self.b * self.h * self.t * self.t
+    }
+
+    /// The key/value head query head `h` reads.
+    pub fn kv_head(&self, h: usize) -> usize {
+        h / (self.h / self.kv)
+    }
+
+    /// Panics unless `kv` divides `h` (both positive).
+    pub fn check(&self) {
+        assert!(
+            self.kv > 0 && self.h.is_multiple_of(self.kv),
+            "{} key/value heads do not divide {} query heads",
+            self.kv,
+            self.h
+        );
+    }
+}
 
 /// A raw pointer that may cross threads; each thread writes a disjoint part of it.
 #[derive(Clone, Copy)]

@@ -1,0 +1,42 @@
+// Elementwise kernels: the residual add, the f32 accumulation of gradients and the fold
+// of a reduce-scatter. One thread per element.
+
+// out: (N) = a + b.
+template <typename T>
+__device__ void residual_forward(T* out, const T* a, const T* b, long long n) {
+    long long i = global_index();
+    if (i >= n) {
+        return;
+    }
+    out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+}
+
+#define ELEMENTWISE_KERNELS(T, S)                                                             \
+    extern "C" __global__ void residual_forward_##S(T* out, const T* a, const T* b,           \
+                                                    long long n) {                            \
+        residual_forward<T>(out, a, b, n);                                                    \
+    }
+FOR_EACH_TYPE(ELEMENTWISE_KERNELS)
+
+// dst: (N) f32 += src: (N) f32 (gradient accumulation).
+extern "C" __global__ void add_f32(float* dst, const float* src, long long n) {
+    long long i = global_index();
+    if (i < n) {
+        dst[i] = dst[i] + src[i];
+    }
+}
+
+// The fold of a reduce-scatter: acc[i] = ((acc[i] + x_0[i]) + x_1[i]) + ... over `ranks`
+// chunks of n laid one after another (rank order), or from x_0[i] without `accumulate`:
+// strata-comm's order, so NCCL's exchange followed by this fold gives MPI's bits.
+extern "C" __global__ void fold_ranks(float* acc, const float* chunks, long long n, int ranks,
+                                      int accumulate) {
+    long long i = global_index();
+    if (i < n) {
+        float sum = accumulate ? acc[i] + chunks[i] : chunks[i];
+        for (int p = 1; p < ranks; ++p) {
+            sum = sum + chunks[(long long)p * n + i];
+        }
+        acc[i] = sum;
+    }
+}

@@ -1,0 +1,413 @@
+//! Kernels over whole tensors, element by element: zeroing, copying, the residual add,
+//! f32 gradient accumulation and the fold of a reduce-scatter. Each kernel's signature,
+//! CPU op and CUDA launch are here; `elementwise.cu` holds its CUDA kernels (zeroing and
+//! copying are a memset and a copy), [`reference`] the scalar reference.
+
+use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch, int, long, per_element};
+use crate::ops::simd::{self, on_isa};
+use crate::ops::{Cpu, par_chunks};
+use crate::program::{
+    CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars, Signature,
+    TensorRef,
+};
+
+pub mod reference;
+
+/// The family's CUDA kernels.
+const SOURCE: CudaSource = ("elementwise.cu", include_str!("elementwise.cu"));
+
+const RESIDUAL_FORWARD: Entry = Entry::typed("residual_forward");
+const ADD_F32: Entry = Entry::untyped("add_f32");
+const FOLD_RANKS: Entry = Entry::untyped("fold_ranks");
+
+/// out: (N)  a: (N)  b: (N).  `out = a + b`. Its backward passes `dout` to both inputs,
+/// which callers do by reusing or adding `dout` ([`add_inplace`]).
+pub fn residual_forward(cpu: &Cpu, out: &mut [f32], a: &[f32], b: &[f32]) {
+    assert_eq!((a.len(), b.len()), (out.len(), out.len()));
+    par_chunks(cpu, out, simd::LANES, |r, out| {
+        let (a, b) = (&a[r.clone()], &b[r]);
+        on_isa!(cpu.isa, {
+            for i in 0..out.len() {
+                out[i] = a[i] + b[i];
+            }
+        })
+    });
+}
+
+/// dst: (N) +=  src: (N).
+pub fn add_inplace(cpu: &Cpu, dst: &mut [f32], src: &[f32]) {
+    assert_eq!(src.len(), dst.len());
+    par_chunks(cpu, dst, simd::LANES, |r, dst| {
+        on_isa!(cpu.isa, simd::add_assign(dst, &src[r]))
+    });
+}
+
+/// acc: (N) = `((acc + x_0) + x_1) + ...` (or from `x_0` without `accumulate`) over the
+/// `chunks.len() / N` chunks of `chunks`, in order.
+fn fold_ranks(acc: &mut [f32], chunks: &[f32], ranks: usize, accumulate: bool) {
+    let n = acc.len();
+    assert_eq!(chunks.len(), ranks * n);
+    for (i, a) in acc.iter_mut().enumerate() {
+        let mut sum = if accumulate {
+            *a + chunks[i]
+        } else {
+            chunks[i]
+        };
+        for p in 1..ranks {
+            sum += chunks[p * n + i];
+        }
+        *a = sum;
+    }
+}
+
+/// `t = 0`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Zero {
+    /// Any dtype.
+    pub t: TensorRef,
+}
+
+impl Signature for Zero {
+    const NAME: &'static str = "zero";
+    type Shape = ();
+
+    fn shape(&self) -> Result<(), KernelError> {
+        Ok(())
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        each(Param::write("t", &self.t, DtypeRule::Any, LenRule::AnyLen));
+    }
+
+    fn flops(&self) -> f64 {
+        0.0
+    }
+}
+
+impl CpuKernel for Zero {
+    fn run_cpu(&self, _: &(), _: &Cpu, _: &Scalars, t: &CpuTensors<'_>) -> Result<(), KernelError> {
+        t.bytes_mut(&self.t).fill(0);
+        Ok(())
+    }
+}
+
+impl CudaKernel for Zero {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[];
+
+    fn launch(&self, _: &(), _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        Ok(q.zero(q.address(&self.t), self.t.bytes())?)
+    }
+}
+
+/// `dst = src` (same dtype and length). Named `CopyKernel` to leave `Copy` to the trait;
+/// the program calls it [`Kernel::Copy`](crate::kernel::Kernel::Copy).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CopyKernel {
+    /// Destination.
+    pub dst: TensorRef,
+    /// Source.
+    pub src: TensorRef,
+}
+
+impl Signature for CopyKernel {
+    const NAME: &'static str = "copy";
+    type Shape = ();
+
+    fn shape(&self) -> Result<(), KernelError> {
+        Ok(())
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let (dtype, len) = (self.dst.dtype, self.dst.len);
+        each(Param::write(
+            "dst",
+            &self.dst,
+            DtypeRule::Any,
+            LenRule::AnyLen,
+        ));
+        each(Param::read(
+            "src",
+            &self.src,
+            DtypeRule::Exactly(dtype),
+            LenRule::Len(len),
+        ));
+    }
+
+    fn flops(&self) -> f64 {
+        0.0
+    }
+}
+
+impl CpuKernel for CopyKernel {
+    fn run_cpu(&self, _: &(), _: &Cpu, _: &Scalars, t: &CpuTensors<'_>) -> Result<(), KernelError> {
+        t.bytes_mut(&self.dst).copy_from_slice(t.bytes(&self.src));
+        Ok(())
+    }
+}
+
+impl CudaKernel for CopyKernel {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[];
+
+    fn launch(&self, _: &(), _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        let bytes = self.dst.bytes();
+        if bytes > 0 {
+            q.copy(q.address(&self.dst), q.address(&self.src), bytes)?;
+        }
+        Ok(())
+    }
+}
+
+/// `dst += src`, elementwise in f32 (gradient accumulation).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AddF32 {
+    /// f32, accumulated into.
+    pub dst: TensorRef,
+    /// f32, same length.
+    pub src: TensorRef,
+}
+
+impl Signature for AddF32 {
+    const NAME: &'static str = "add";
+    /// Elements.
+    type Shape = usize;
+
+    fn shape(&self) -> Result<usize, KernelError> {
+        Ok(self.dst.len)
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let (f32_, n) = (DtypeRule::Exactly(Dtype::F32), LenRule::Len(self.dst.len));
+        each(Param::write("dst", &self.dst, f32_, n));
+        each(Param::read("src", &self.src, f32_, n));
+    }
+
+    fn flops(&self) -> f64 {
+        self.dst.len as f64
+    }
+}
+
+impl CpuKernel for AddF32 {
+    fn run_cpu(
+        &self,
+        _: &usize,
+        cpu: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        add_inplace(cpu, t.f32_mut(&self.dst), t.f32(&self.src));
+        Ok(())
+    }
+}
+
+impl CudaKernel for AddF32 {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[ADD_F32];
+
+    fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        // add_f32(float* dst, const float* src, long long n): n elements of each.
+        let args = [q.ptr(&self.dst), q.ptr(&self.src), long(n)];
+        Ok(q.launch(ADD_F32, per_element(n), &args)?)
+    }
+}
+
+/// The fold of a reduce-scatter: `acc[i] = ((acc[i] + x_0[i]) + x_1[i]) + ...` over
+/// `ranks` chunks `x_p` of `acc`'s length laid one after another in `chunks` (rank
+/// order), or from `x_0[i]` itself without `accumulate`: the order every transport
+/// of `strata-comm` sums in, so a device's reduce-scatter gives their bits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FoldRanks {
+    /// f32, the result (and, with `accumulate`, the start).
+    pub acc: TensorRef,
+    /// f32, `ranks` times `acc`'s length.
+    pub chunks: TensorRef,
+    /// How many chunks.
+    pub ranks: usize,
+    /// Whether `acc` is added to (else it is overwritten).
+    pub accumulate: bool,
+}
+
+impl Signature for FoldRanks {
+    const NAME: &'static str = "fold-ranks";
+    /// Elements of `acc`.
+    type Shape = usize;
+
+    fn shape(&self) -> Result<usize, KernelError> {
+        Ok(self.acc.len)
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let (f32_, n) = (DtypeRule::Exactly(Dtype::F32), self.acc.len);
+        each(Param::write("acc", &self.acc, f32_, LenRule::Len(n)));
+        each(Param::read(
+            "chunks",
+            &self.chunks,
+            f32_,
+            LenRule::Len(self.ranks * n),
+        ));
+    }
+
+    fn flops(&self) -> f64 {
+        self.chunks.len as f64
+    }
+}
+
+impl CpuKernel for FoldRanks {
+    fn run_cpu(
+        &self,
+        _: &usize,
+        _: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        let acc = t.f32_mut(&self.acc);
+        fold_ranks(acc, t.f32(&self.chunks), self.ranks, self.accumulate);
+        Ok(())
+    }
+}
+
+impl CudaKernel for FoldRanks {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[FOLD_RANKS];
+
+    fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        // fold_ranks(float* acc, const float* chunks, long long n, int ranks, int
+        // accumulate): n elements of acc, ranks · n of chunks.
+        let args = [
+            q.ptr(&self.acc),
+            q.ptr(&self.chunks),
+            long(n),
+            int(self.ranks),
+            int(usize::from(self.accumulate)),
+        ];
+        Ok(q.launch(FOLD_RANKS, per_element(n), &args)?)
+    }
+}
+
+/// out = a + b, elementwise.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Residual {
+    /// Output.
+    pub out: TensorRef,
+    /// First input.
+    pub a: TensorRef,
+    /// Second input.
+    pub b: TensorRef,
+}
+
+impl Signature for Residual {
+    const NAME: &'static str = "residual";
+    /// Elements.
+    type Shape = usize;
+
+    fn shape(&self) -> Result<usize, KernelError> {
+        Ok(self.out.len)
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let (w, n) = (DtypeRule::Working, LenRule::Len(self.out.len));
+        each(Param::write("out", &self.out, w, n));
+        each(Param::read("a", &self.a, w, n));
+        each(Param::read("b", &self.b, w, n));
+    }
+
+    fn flops(&self) -> f64 {
+        self.out.len as f64
+    }
+}
+
+impl CpuKernel for Residual {
+    fn run_cpu(
+        &self,
+        _: &usize,
+        cpu: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        residual_forward(cpu, t.f32_mut(&self.out), t.f32(&self.a), t.f32(&self.b));
+        Ok(())
+    }
+}
+
+impl CudaKernel for Residual {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[RESIDUAL_FORWARD];
+
+    fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        // residual_forward_<T>(T* out, const T* a, const T* b, long long n).
+        let args = [q.ptr(&self.out), q.ptr(&self.a), q.ptr(&self.b), long(n)];
+        Ok(q.launch(RESIDUAL_FORWARD, per_element(n), &args)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::launch::tests::{Emulated, Layout};
+
+    impl Emulated for Zero {
+        fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
+            vec![Zero { t: l.tensor(7, w) }]
+        }
+    }
+
+    impl Emulated for CopyKernel {
+        fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
+            vec![CopyKernel {
+                dst: l.tensor(7, w),
+                src: l.tensor(7, w),
+            }]
+        }
+    }
+
+    impl Emulated for AddF32 {
+        fn samples(_: Dtype, l: &mut Layout) -> Vec<Self> {
+            vec![AddF32 {
+                dst: l.tensor(4097, Dtype::F32),
+                src: l.tensor(4097, Dtype::F32),
+            }]
+        }
+
+        fn dimensions(&self) -> Vec<(&'static str, usize)> {
+            vec![("n", self.dst.len)]
+        }
+    }
+
+    impl Emulated for FoldRanks {
+        fn samples(_: Dtype, l: &mut Layout) -> Vec<Self> {
+            [(1, false), (3, true)]
+                .map(|(ranks, accumulate)| FoldRanks {
+                    acc: l.tensor(4097, Dtype::F32),
+                    chunks: l.tensor(ranks * 4097, Dtype::F32),
+                    ranks,
+                    accumulate,
+                })
+                .to_vec()
+        }
+
+        fn dimensions(&self) -> Vec<(&'static str, usize)> {
+            vec![
+                ("n", self.acc.len),
+                ("ranks", self.ranks),
+                ("accumulate", usize::from(self.accumulate)),
+            ]
+        }
+    }
+
+    impl Emulated for Residual {
+        fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
+            [4097, 0]
+                .map(|len| Residual {
+                    out: l.tensor(len, w),
+                    a: l.tensor(len, w),
+                    b: l.tensor(len, w),
+                })
+                .to_vec()
+        }
+
+        fn dimensions(&self) -> Vec<(&'static str, usize)> {
+            vec![("n", self.out.len)]
+        }
+    }
+}
