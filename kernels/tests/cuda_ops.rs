@@ -11,8 +11,9 @@
 //! Tensors lie in one device allocation per case, as in the engine's arena, at offsets
 //! that are multiples of 256 bytes; each tensor's address is the allocation's plus its
 //! offset. Scratch starts filled with 0xff bytes (NaN), so a read before a write shows.
-//! Each test runs where a GPU and the CUDA libraries are present and prints why it skips
-//! elsewhere. `src/cuda/run/tests.rs` checks every launch's arguments and every product's
+//! Each test needs a GPU and the CUDA libraries, so `cargo test` lists it as ignored;
+//! run with `--include-ignored` (`scripts/gpu-check` does), it fails saying what is
+//! missing where they are not. `src/cuda/run/tests.rs` checks every launch's arguments and every product's
 //! operands without a GPU.
 
 // Element-wise checks index several parallel arrays at once; an index reads best.
@@ -29,9 +30,10 @@ use strata_kernels::kernel::{
     AdamWKernel, AddF32, Attention, AttentionBackward, CopyKernel, CrossEntropy,
     CrossEntropyBackward, Encoder, EncoderBackward, FoldRanks, Gelu, GeluBackward, GqaAttention,
     GqaAttentionBackward, GradStatsKernel, LayerNorm, LayerNormBackward, Matmul, MatmulBackward,
-    Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, SwiGlu, SwiGluBackward, Zero,
+    Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu, SwiGluBackward,
+    Zero,
 };
-use strata_kernels::ops::{self, Cpu, WeightLayout};
+use strata_kernels::ops::{self, Cpu, Llama3Scaling, RopeFreqs, WeightLayout};
 use strata_kernels::program::{
     Access, CpuMemory, Dtype, Kernel, Scalars, Target, TensorRef, attention_scratch_bytes,
     gqa_attention_scratch_bytes, grad_stats_scratch_bytes, read_stats, run_cpu,
@@ -39,15 +41,15 @@ use strata_kernels::program::{
 use strata_kernels::reference;
 use strata_kernels::reference::llama::GqaDims;
 
-/// The kernels on GPU 0, or `None` (after saying why) when CUDA is not usable here.
-fn gpu() -> Option<CudaKernels> {
+/// The kernels on GPU 0; panics, saying what is missing, where CUDA is not usable (the
+/// tests that call it are ignored unless asked for: `--include-ignored` on a GPU machine).
+fn gpu() -> CudaKernels {
     if let Err(e) = probe().require_all() {
-        println!("skipped: {e}");
-        return None;
+        panic!("this test needs a GPU: {e}");
     }
     let context = CudaContext::new(0).expect("GPU 0");
     let stream = context.new_stream().expect("a stream");
-    Some(CudaKernels::new(stream).expect("the kernels load"))
+    CudaKernels::new(stream).expect("the kernels load")
 }
 
 const WORKING: [Dtype; 3] = [Dtype::F32, Dtype::Bf16, Dtype::F16];
@@ -327,8 +329,9 @@ fn scalars() -> Scalars {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn encoder_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(1);
     for w in WORKING {
         for (b, t, c, v) in [(3, 37, 50, 101), (1, 1, 1, 1), (2, 7, 22, 13)] {
@@ -367,8 +370,9 @@ fn encoder_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn layernorm_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(2);
     for w in WORKING {
         for (n, c) in [(1, 7), (77, 50), (130, 768), (22, 1)] {
@@ -417,8 +421,9 @@ fn layernorm_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn matmul_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(3);
     for w in WORKING {
         // Weight gradients from 16-bit operands: cuBLAS may accumulate tensor-core
@@ -475,8 +480,9 @@ fn matmul_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn attention_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(4);
     for w in WORKING {
         for (b, t, c, nh) in [(1, 1, 4, 1), (2, 37, 48, 3), (1, 130, 64, 4), (3, 7, 22, 2)] {
@@ -525,8 +531,9 @@ fn attention_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn elementwise_kernels_match_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(5);
     for w in WORKING {
         for n in [1, 7, 22, 4097, 1_000_003] {
@@ -603,8 +610,9 @@ fn elementwise_kernels_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn rmsnorm_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(21);
     for w in WORKING {
         // (78, 12): Qwen3's q/k norm, rows of one head.
@@ -648,8 +656,9 @@ fn rmsnorm_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn rope_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(22);
     for w in WORKING {
         for (b, t, h, d) in [
@@ -709,8 +718,40 @@ fn rope_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
+fn rope_table_matches_cpu() {
+    let k = gpu();
+    let llama3 = Llama3Scaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context: 8192.0,
+    };
+    for w in WORKING {
+        for (t, d, scaling) in [(1, 2, None), (7, 12, None), (130, 64, Some(llama3))] {
+            let len = t * d / 2;
+            let freqs = RopeFreqs {
+                theta: 500_000.0,
+                llama3: scaling,
+            };
+            let tag = format!("rope-table t={t} d={d} llama3={}", scaling.is_some());
+            compare(&k, &tag, w, &scalars(), 1e-5, |s| {
+                Kernel::RopeTable(RopeTable {
+                    cos: s.act(&vec![f32::NAN; len]),
+                    sin: s.act(&vec![f32::NAN; len]),
+                    t,
+                    d,
+                    freqs,
+                })
+            });
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn swiglu_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(23);
     for w in WORKING {
         for n in [1, 7, 22, 4097, 1_000_003] {
@@ -746,8 +787,9 @@ fn swiglu_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn gqa_attention_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(24);
     for w in WORKING {
         for (b, t, h, kv, d) in [
@@ -820,8 +862,9 @@ fn gqa_attention_matches_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn zero_and_copy_match_cpu_bit_for_bit() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(8);
     for w in WORKING {
         for n in [1, 7, 22, 4097] {
@@ -859,8 +902,9 @@ fn zero_and_copy_match_cpu_bit_for_bit() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn crossentropy_matches_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(6);
     for w in WORKING {
         for (n, v) in [(1, 1), (7, 22), (37, 101), (5, 50257)] {
@@ -951,8 +995,9 @@ fn adam_case(
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn adamw_matches_the_reference() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(9);
     let hp = AdamW::default();
     let no_decay = AdamW {
@@ -1050,8 +1095,9 @@ fn adamw_matches_the_reference() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn adamw_skips_and_rounds_edge_cases_as_half_does() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(10);
     // With the skip flag nothing changes, constants or not.
     let inputs = adam_inputs(&mut rng, 4097);
@@ -1134,8 +1180,9 @@ fn adamw_skips_and_rounds_edge_cases_as_half_does() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn grad_stats_match_cpu() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(12);
     let scale = 0.5;
     let scalars = Scalars {
@@ -1188,8 +1235,9 @@ fn grad_stats_match_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn kernels_repeat_bit_for_bit() {
-    let Some(k) = gpu() else { return };
+    let k = gpu();
     let mut rng = StdRng::seed_from_u64(13);
     for w in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
         let (b, t, c, nh, v) = (2, 37, 48, 3, 50257);
