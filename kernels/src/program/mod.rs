@@ -1,5 +1,5 @@
 //! Kernels as data: what a model's block computes, as a list of
-//! [`Kernel`](crate::kernel::Kernel)s over tensors that name a bound buffer and a byte
+//! [`Kernel`]s over tensors that name a bound buffer and a byte
 //! range in it ([`TensorRef`]), so that one list runs on any device: [`run_cpu`] calls
 //! the kernels' CPU ops; the CUDA kernels run the same list on a stream
 //! (`crate::cuda::CudaKernels::run`). Each kernel's signature ([`Signature`]) is checked

@@ -7,14 +7,14 @@ use crate::adamw::AdamStep;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Scalars {
     /// The gradient of the loss with respect to each position's loss
-    /// ([`Kernel::CrossEntropyBackward`]).
+    /// ([`Kernel::CrossEntropyBackward`](crate::kernel::Kernel::CrossEntropyBackward)).
     pub dloss: f32,
-    /// The factor gradients are multiplied by in [`Kernel::GradStats`].
+    /// The factor gradients are multiplied by in [`Kernel::GradStats`](crate::kernel::Kernel::GradStats).
     pub stats_scale: f32,
     /// AdamW's constants with weight decay.
     pub adam: Option<AdamStep>,
     /// AdamW's constants without weight decay.
     pub adam_no_decay: Option<AdamStep>,
-    /// Skip every [`Kernel::AdamW`] (non-finite gradients).
+    /// Skip every [`Kernel::AdamW`](crate::kernel::Kernel::AdamW) (non-finite gradients).
     pub skip_update: bool,
 }

@@ -1,8 +1,8 @@
 //! Causal multi-head self-attention, forward and backward, one (batch, head) pair at a
 //! time on the worker pool; the products inside a pair are strata's matrix products
 //! (`ops::gemm`, one thread each) over strided views of the inputs, restricted to the
-//! lower triangle in blocks of [`BLOCK_ROWS`] rows. Two layouts share the per-head code
-//! ([`head_forward`], [`head_backward`]): GPT-2's fused qkv (B, T, 3C), and
+//! lower triangle in blocks of `BLOCK_ROWS` rows. Two layouts share the per-head code
+//! (`head_forward`, `head_backward`): GPT-2's fused qkv (B, T, 3C), and
 //! grouped-query attention's separate q (B, T, H, D) and k, v (B, T, KV, D) (Llama,
 //! Qwen, Mistral), where a key/value head serves H / KV query heads and the backward
 //! runs those heads one after the other on one thread, adding their key and value

@@ -3,7 +3,7 @@
 //! and their two runners' dispatch. Their shapes and the scratch they need per target are
 //! in `shape.rs`, the CPU ops in [`cpu`], the CUDA launch sequences (cuBLAS's batched
 //! products around `attention.cu`'s layout and softmax kernels) in `cuda.rs`;
-//! [`reference`] holds the scalar reference.
+//! [`reference`](mod@reference) holds the scalar reference.
 
 use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch};
 use crate::ops::Cpu;

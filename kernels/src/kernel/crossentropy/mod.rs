@@ -1,6 +1,6 @@
 //! Softmax cross-entropy over the vocabulary, per position, and its gradient: the
 //! kernels' signatures, CPU ops and CUDA launches; `crossentropy.cu` holds the CUDA
-//! kernels, [`reference`] the scalar reference.
+//! kernels, [`reference`](mod@reference) the scalar reference.
 
 use crate::cuda::launch::Arg;
 use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch, int, per_row_block};

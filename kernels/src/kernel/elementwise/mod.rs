@@ -1,7 +1,7 @@
 //! Kernels over whole tensors, element by element: zeroing, copying, the residual add,
 //! f32 gradient accumulation and the fold of a reduce-scatter. Each kernel's signature,
 //! CPU op and CUDA launch are here; `elementwise.cu` holds its CUDA kernels (zeroing and
-//! copying are a memset and a copy), [`reference`] the scalar reference.
+//! copying are a memset and a copy), [`reference`](mod@reference) the scalar reference.
 
 use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch, int, long, per_element};
 use crate::ops::simd::{self, on_isa};

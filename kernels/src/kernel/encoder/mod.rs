@@ -1,5 +1,5 @@
 //! Token and position embedding, forward and backward: the kernels' signatures, CPU ops
-//! and CUDA launches; `encoder.cu` holds the CUDA kernels, [`reference`] the scalar
+//! and CUDA launches; `encoder.cu` holds the CUDA kernels, [`reference`](mod@reference) the scalar
 //! reference.
 
 use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch, int, per_element};
@@ -128,7 +128,7 @@ pub struct EncoderShape {
 
 impl EncoderShape {
     fn of(b: usize, t: usize, c: usize, table: &TensorRef) -> Self {
-        let v = if c == 0 { 0 } else { table.len / c };
+        let v = table.len.checked_div(c).unwrap_or(0);
         EncoderShape { b, t, c, v }
     }
 }

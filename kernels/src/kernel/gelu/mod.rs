@@ -1,5 +1,5 @@
 //! GELU with GPT-2's tanh approximation ("gelu_new"), forward and backward: the kernels'
-//! signatures, CPU ops and CUDA launches; `gelu.cu` holds the CUDA kernels, [`reference`]
+//! signatures, CPU ops and CUDA launches; `gelu.cu` holds the CUDA kernels, [`reference`](mod@reference)
 //! the scalar reference.
 //!
 //! Computed through the identity 0.5 (1 + tanh(u)) = sigmoid(2u), which keeps full

@@ -1,5 +1,5 @@
 //! LayerNorm (eps 1e-5, biased variance), forward and backward: the kernels' signatures,
-//! CPU ops and CUDA launches; `layernorm.cu` holds the CUDA kernels, [`reference`] the
+//! CPU ops and CUDA launches; `layernorm.cu` holds the CUDA kernels, [`reference`](mod@reference) the
 //! scalar reference.
 
 use crate::cuda::launch::{

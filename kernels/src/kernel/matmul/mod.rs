@@ -1,6 +1,6 @@
 //! Linear layers, forward and backward: the kernels' signatures and their two runners'
 //! dispatch — the CPU ops are in [`cpu`] (strata's own products), the CUDA launch
-//! sequences here (cuBLAS products around `matmul.cu`'s bias kernels); [`reference`] holds
+//! sequences here (cuBLAS products around `matmul.cu`'s bias kernels); [`reference`](mod@reference) holds
 //! the scalar reference.
 
 use crate::cuda::launch::{

@@ -1,6 +1,6 @@
 //! RMSNorm (Llama, Qwen, Mistral; eps the model's), forward and backward: the kernels'
 //! signatures, CPU ops and CUDA launches; `rmsnorm.cu` holds the CUDA kernels,
-//! [`reference`] the scalar reference. The same kernels normalise Qwen3's per-head q and
+//! [`reference`](mod@reference) the scalar reference. The same kernels normalise Qwen3's per-head q and
 //! k: rows of a (B, T, H, D) tensor are its B × T × H heads of D channels.
 
 use crate::cuda::launch::{

@@ -9,7 +9,7 @@
 //! is kept).
 //!
 //! Here: the kernels' signatures, CPU ops and CUDA launches; `rope.cu` holds the CUDA
-//! kernels, [`reference`] the scalar reference.
+//! kernels, [`reference`](mod@reference) the scalar reference.
 
 use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Launch, int, per_element};
 use crate::ops::simd::on_isa;

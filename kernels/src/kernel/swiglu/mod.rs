@@ -1,6 +1,6 @@
 //! The elementwise part of the SiLU-gated MLP (SwiGLU): `silu(gate) * up`, forward and
 //! backward: the kernels' signatures, CPU ops and CUDA launches; `swiglu.cu` holds the
-//! CUDA kernels, [`reference`] the scalar reference. The three projections around it are
+//! CUDA kernels, [`reference`](mod@reference) the scalar reference. The three projections around it are
 //! matrix products ([`super::matmul`]).
 
 use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch, long, per_element};
