@@ -13,8 +13,8 @@
 //! offset. Scratch starts filled with 0xff bytes (NaN), so a read before a write shows.
 //! Each test needs a GPU and the CUDA libraries, so `cargo test` lists it as ignored;
 //! run with `--include-ignored` (`scripts/gpu-check` does), it fails saying what is
-//! missing where they are not. `src/cuda/run/tests.rs` checks every launch's arguments and every product's
-//! operands without a GPU.
+//! missing where they are not. `src/cuda/launch/tests.rs` checks every launch's arguments
+//! and every product's operands without a GPU.
 
 // Element-wise checks index several parallel arrays at once; an index reads best.
 #![allow(clippy::needless_range_loop)]

@@ -71,7 +71,7 @@ impl Layout {
 
 /// Host memory of a [`Layout`]: each buffer 8-byte aligned, with its exact length.
 #[derive(Clone)]
-struct Buffers {
+pub(crate) struct Buffers {
     words: Vec<Vec<f64>>,
     bytes: Vec<usize>,
 }
@@ -815,7 +815,6 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
 
 #[test]
 fn the_products_launch_sequences_compute_what_the_cpu_computes() {
-    let mut rng = StdRng::seed_from_u64(11);
     let mut l = Layout::default();
     let f = Dtype::F32;
     let mut kernels = Vec::new();
@@ -912,20 +911,10 @@ fn the_products_launch_sequences_compute_what_the_cpu_computes() {
             d,
         }));
     }
-    let mut inputs = Buffers::new(&l);
+    let mut inputs = random_inputs(&l, &kernels, 11);
+    // The backward's probabilities are zero above the diagonal, as the forward leaves
+    // them.
     for kernel in &kernels {
-        kernel.for_each_tensor(|t, _| {
-            if t.dtype == Dtype::U8 {
-                // Scratch: NaN everywhere, so that reading it before writing shows.
-                let at = t.byte_range();
-                inputs.buffer_mut(t.buf.into())[at].fill(0xff);
-            } else {
-                let values: Vec<f32> = (0..t.len).map(|_| rng.random_range(-1.0..1.0)).collect();
-                inputs.write_f32(t, &values);
-            }
-        });
-        // The backward's probabilities are zero above the diagonal, as the forward
-        // leaves them.
         if let &Kernel::AttentionBackward(AttentionBackward { ref att, t, .. })
         | &Kernel::GqaAttentionBackward(GqaAttentionBackward { ref att, t, .. }) = kernel
         {
@@ -938,13 +927,40 @@ fn the_products_launch_sequences_compute_what_the_cpu_computes() {
             inputs.write_f32(att, &a);
         }
     }
+    check_emulation(&kernels, inputs, 1e-5);
+}
+
+/// Memory for `kernels`' tensors (made by `l`): random values in [-1, 1) in every f32
+/// tensor (from `seed`, in the kernels' and their tensors' order), and 0xff bytes (NaN)
+/// in every scratch, so that reading it before writing shows.
+pub(crate) fn random_inputs(l: &Layout, kernels: &[Kernel], seed: u64) -> Buffers {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut inputs = Buffers::new(l);
+    for kernel in kernels {
+        kernel.for_each_tensor(|t, _| {
+            if t.dtype == Dtype::U8 {
+                let at = t.byte_range();
+                inputs.buffer_mut(t.buf.into())[at].fill(0xff);
+            } else {
+                let values: Vec<f32> = (0..t.len).map(|_| rng.random_range(-1.0..1.0)).collect();
+                inputs.write_f32(t, &values);
+            }
+        });
+    }
+    inputs
+}
+
+/// Runs `kernels` (f32) one after another on the CPU (portable, one thread) and on the
+/// executing emulator, both from `inputs`, and asserts after each that every f32 tensor
+/// it writes agrees: ‖emulated − cpu‖ / ‖cpu‖ below `tolerance`.
+pub(crate) fn check_emulation(kernels: &[Kernel], inputs: Buffers, tolerance: f64) {
     let mut cpu_memory = inputs.clone();
     let cpu = Cpu {
         isa: Isa::Portable,
         threads: 1,
     };
     let queue = Emulator::executing(inputs);
-    for kernel in &kernels {
+    for kernel in kernels {
         {
             let view = cpu_memory.cpu_view();
             // SAFETY: every tensor lies inside its own buffer of the view.
@@ -956,7 +972,7 @@ fn the_products_launch_sequences_compute_what_the_cpu_computes() {
             if access == Access::Write && t.dtype == Dtype::F32 {
                 let err = relative_error(&emulated.read_f32(t), &cpu_memory.read_f32(t));
                 assert!(
-                    err < 1e-5,
+                    err < tolerance,
                     "{}: {t:?}: relative error {err:e}",
                     kernel.name()
                 );

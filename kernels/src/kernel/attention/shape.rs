@@ -43,18 +43,6 @@ impl Heads {
     pub fn hs(&self) -> usize {
         self.c / self.nh
     }
-
-    /// As grouped-query attention's dimensions, with as many key/value heads as query
-    /// heads.
-    pub fn gqa(&self) -> GqaDims {
-        GqaDims {
-            b: self.b,
-            t: self.t,
-            h: self.nh,
-            kv: self.nh,
-            d: self.hs(),
-        }
-    }
 }
 
 impl GqaDims {

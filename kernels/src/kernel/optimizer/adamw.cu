@@ -11,7 +11,7 @@
 // statistics are a fixed two-pass reduction).
 
 // The constants of one AdamW step (crate::adamw::AdamStep), passed by value. The host
-// mirror is `AdamConstants` in kernels/src/cuda/ops.rs: nine f32, in this order.
+// mirror is `AdamConstants` in kernels/src/cuda/launch.rs: nine f32, in this order.
 struct AdamConstants {
     float grad_scale;
     // 1 - lr * weight_decay (1 without decay).
@@ -27,7 +27,7 @@ struct AdamConstants {
     float eps;
 };
 
-// What adamw_step writes to `copy_out` (the host's `CopyMode` in ops.rs): nothing, the
+// What adamw_step writes to `copy_out` (the host's `CopyMode` in mod.rs): nothing, the
 // new parameters as bf16 or f16, or as f32 exactly, or rounded to bf16 or f16 and held
 // as f32.
 #define COPY_NONE 0
@@ -83,7 +83,7 @@ extern "C" __global__ void adamw_step(float* params, float* m, float* v, const f
 }
 
 // Threads per block of both statistics kernels (a power of two; the host's
-// GRAD_STATS_THREADS in program.rs). Launches must use exactly this many.
+// GRAD_STATS_THREADS in kernel/optimizer/mod.rs). Launches must use exactly this many.
 #define GRAD_STATS_THREADS 256
 
 // Sums the GRAD_STATS_THREADS values of `shared` into shared[0], pairwise in a fixed

@@ -24,8 +24,8 @@ __device__ void rope_rotate(T* out, const T* inp, const T* cos, const T* sin, in
     out[at + half] = from_float<T>(x2 * c + x1 * s);
 }
 
-// cos, sin: (T, D/2), half = D/2: the rotary table of positions 0..t (program.rs's
-// Kernel::RopeTable, ops::rope_table_of on the CPU). inv_freq[i] = theta^(-2i/D) in double,
+// cos, sin: (T, D/2), half = D/2: the rotary table of positions 0..t (the RopeTable
+// kernel, mod.rs; rope_table_of on the CPU). inv_freq[i] = theta^(-2i/D) in double,
 // rounded to float; with Llama 3 scaling (factor > 0) rescaled in double from that float
 // and rounded again; the angle is the float product pos * inv_freq[i], its cosine and sine
 // taken in double. One thread per entry.
