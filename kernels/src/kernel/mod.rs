@@ -35,6 +35,7 @@ pub mod matmul;
 pub mod optimizer;
 pub mod rmsnorm;
 pub mod rope;
+pub mod scale;
 pub mod swiglu;
 
 pub use attention::{Attention, AttentionBackward, GqaAttention, GqaAttentionBackward};
@@ -47,6 +48,7 @@ pub use matmul::{Matmul, MatmulBackward};
 pub use optimizer::{AdamWKernel, GradStatsKernel};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
 pub use rope::{Rope, RopeBackward, RopeTable};
+pub use scale::Scale;
 pub use swiglu::{SwiGlu, SwiGluBackward};
 
 /// Declares [`Kernel`], one variant per kernel struct, and its dispatch to the structs'
@@ -250,6 +252,8 @@ registry! {
     GradStats(GradStatsKernel),
     /// One AdamW step over one tensor ([`AdamWKernel`]).
     AdamW(AdamWKernel),
+    /// `x *= factor` in f32 ([`Scale`]).
+    Scale(Scale),
 }
 
 impl Kernel {
