@@ -5,11 +5,14 @@
 //! ([`Signature`]: the tensors it reads and writes with their dtypes and lengths, its
 //! FLOPs, its dimensions checked), its CPU op ([`CpuKernel`](crate::program::CpuKernel))
 //! and its CUDA launch sequence (`CudaKernel`, in `crate::cuda::launch`) beside its `.cu`
-//! file, and its scalar reference. The registry makes a
+//! file, and its scalar reference: `mod.rs`, `reference.rs` and `<family>.cu` (a large
+//! family keeps its CPU op in `cpu.rs`, as attention and matmul do). The registry makes a
 //! program's instruction set of them; the runners ([`crate::program::run_cpu`],
 //! [`crate::cuda::CudaKernels::run`]), the CUDA program's sources and entry points, and
 //! the tests' samples all come from it. Adding a kernel to a family is its struct and
-//! impls there, its kernel in the `.cu` file, its reference, and its line here.
+//! impls (and tests) there, its kernel in the `.cu` file, its reference, and its line
+//! here: four files; a new family is its folder's three and the lines here (see
+//! [`scale`]).
 //!
 //! Semantics are those of the CPU kernels: row-major tensors; forward kernels overwrite
 //! their outputs; backward kernels accumulate (`+=`) into parameter gradients and

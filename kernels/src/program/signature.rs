@@ -44,34 +44,35 @@ pub enum LenRule {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteRule {
     /// Bytes needed on the CPU.
-    pub cpu: usize,
+    pub cpu_bytes: usize,
     /// Bytes needed on CUDA.
-    pub cuda: usize,
+    pub cuda_bytes: usize,
     /// Whether the tensor must span exactly that many (else at least).
     pub exact: bool,
-    /// The alignment its start needs, in bytes.
-    pub align: usize,
+    /// The alignment its start needs.
+    pub align_bytes: usize,
     /// What errors call it (e.g. `"scratch (bytes)"`).
     pub label: &'static str,
 }
 
 impl ByteRule {
-    /// Scratch of at least `cpu` or `cuda` bytes, starting at a multiple of `align`.
-    pub const fn scratch(cpu: usize, cuda: usize, align: usize) -> Self {
+    /// Scratch of at least `cpu_bytes` or `cuda_bytes`, starting at a multiple of
+    /// `align_bytes`.
+    pub const fn scratch(cpu_bytes: usize, cuda_bytes: usize, align_bytes: usize) -> Self {
         ByteRule {
-            cpu,
-            cuda,
+            cpu_bytes,
+            cuda_bytes,
             exact: false,
-            align,
+            align_bytes,
             label: "scratch (bytes)",
         }
     }
 
     /// The bytes `target` needs.
-    pub const fn on(&self, target: Target) -> usize {
+    pub const fn bytes_on(&self, target: Target) -> usize {
         match target {
-            Target::Cpu => self.cpu,
-            Target::Cuda => self.cuda,
+            Target::Cpu => self.cpu_bytes,
+            Target::Cuda => self.cuda_bytes,
         }
     }
 }
@@ -135,7 +136,7 @@ impl<'a> Param<'a> {
     /// rule's.
     pub const fn align_bytes(&self) -> usize {
         match self.len {
-            LenRule::Bytes(rule) => rule.align,
+            LenRule::Bytes(rule) => rule.align_bytes,
             _ => self.tensor.dtype.size(),
         }
     }
@@ -168,7 +169,7 @@ impl<'a> Param<'a> {
             LenRule::AtLeast(n) if len < n => (self.name, len, n),
             LenRule::Rows(c) if !len.is_multiple_of(c) => (self.name, len, len.next_multiple_of(c)),
             LenRule::Bytes(rule) => {
-                let (bytes, need) = (self.tensor.bytes(), rule.on(target));
+                let (bytes, need) = (self.tensor.bytes(), rule.bytes_on(target));
                 if bytes >= need && (!rule.exact || bytes == need) {
                     return Ok(());
                 }

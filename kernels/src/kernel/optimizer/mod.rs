@@ -118,10 +118,10 @@ impl Signature for GradStatsKernel {
 
     fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
         let record = ByteRule {
-            cpu: 16,
-            cuda: 16,
+            cpu_bytes: 16,
+            cuda_bytes: 16,
             exact: true,
-            align: 8,
+            align_bytes: 8,
             label: "out (bytes)",
         };
         let u8_ = DtypeRule::Exactly(Dtype::U8);
