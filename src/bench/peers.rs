@@ -8,8 +8,8 @@
 //! AdamW on fp32 parameters), all-on-device's.
 //!
 //! The bf16 peer, and for a Llama-family model (Llama, Mistral, Qwen2, Qwen3) all of
-//! them, run `step_peer.py`, embedded here: transformers builds the model from the
-//! config.json strata writes for its own shape, so both sides train the same
+//! them, run `benches/peers/step_peer.py`, embedded here: transformers builds the model
+//! from the config.json strata writes for its own shape, so both sides train the same
 //! architecture at the same size.
 //!
 //! `DIR` is the folder `../shared/anchors/setup DIR` makes: a Python env in `DIR/venv`
@@ -85,7 +85,7 @@ pub struct PeerResult {
 
 /// strata's own peer script (see the module's documentation): written into the peer's
 /// work folder to run, where the anchors' scripts run from beside the env.
-const STEP_PEER: &str = include_str!("step_peer.py");
+const STEP_PEER: &str = include_str!("../../benches/peers/step_peer.py");
 
 /// File name of [`STEP_PEER`] in a peer's work folder.
 const STEP_PEER_SCRIPT: &str = "step_peer.py";
