@@ -25,7 +25,7 @@ use strata_kernels::ops::{Cpu, MatrixMut, MatrixRef, gemm};
 use strata_kernels::parallel;
 
 use super::adam::{load_average, parse_isa};
-use crate::doctor::cpu_model;
+use crate::machine::cpu_model;
 use crate::report::{Table, median};
 
 /// The PyTorch peer, run with `--python -c`.

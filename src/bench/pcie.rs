@@ -21,7 +21,8 @@ use serde::{Deserialize, Serialize};
 use strata_engine::device::{CudaDevice, Device, DeviceChoice, DeviceConfig, select};
 use strata_engine::memory::{PinnedPool, PinnedPoolConfig, Pinning};
 
-use crate::report::{LineChart, Series, Table, format_bytes, parse_bytes, write_json};
+use crate::report::{LineChart, Series, Table, format_bytes, write_json};
+use crate::size::parse_bytes;
 
 /// The PyTorch peer, run with `python3 -c`.
 const TORCH_PEER: &str = include_str!("../../benches/peers/pcie_torch.py");
