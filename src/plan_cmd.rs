@@ -509,11 +509,7 @@ fn policies_table(r: &PlanReport) -> String {
 fn render_auto(r: &PlanReport, auto: &AutoChoice) -> String {
     let mut out = format!(
         "\nauto picks {} (of {} candidates): recompute: {}; predicted {:.3} s/step, overlap efficiency {:.2}\n",
-        auto.policy,
-        auto.candidates,
-        auto.recomputed,
-        auto.step_seconds,
-        auto.overlap_efficiency
+        auto.policy, auto.candidates, auto.recomputed, auto.step_seconds, auto.overlap_efficiency
     );
     if r.ranks > 1 {
         // The lanes overlap: their busy times add up to more than the step.

@@ -109,8 +109,9 @@ fn nvme_folders(cfg: &TrainConfig) -> Result<(Vec<PathBuf>, u64), Error> {
 }
 
 /// The budgets of a configuration on `target`, and the folders of the NVMe tier. With
-/// no device budget stated it is what the device has ([`device_default`]); with no host
-/// budget, the available RAM; with no NVMe budget stated, 90% of the folders' free space.
+/// no device budget stated it is what the device has (the available RAM for the CPU
+/// device, the GPU's memory less 1 GiB for CUDA's own); with no host budget, the
+/// available RAM; with no NVMe budget stated, 90% of the folders' free space.
 pub fn budgets_of(cfg: &TrainConfig, target: Target) -> Result<RunBudgets, Error> {
     let ram = meminfo_bytes("MemAvailable").unwrap_or(8 << 30);
     let device = match cfg.device_mem.bytes() {

@@ -53,7 +53,10 @@ impl fmt::Display for ByteSize {
     /// [`FromStr`] reads back to the same size.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let bytes = self.0;
-        match UNITS.iter().find(|(_, unit)| bytes >= *unit && bytes % unit == 0) {
+        match UNITS
+            .iter()
+            .find(|(_, unit)| bytes >= *unit && bytes.is_multiple_of(*unit))
+        {
             Some((name, unit)) => write!(f, "{}{name}", bytes / unit),
             None => write!(f, "{bytes}"),
         }

@@ -98,7 +98,12 @@ fn policy_name<S: Serializer>(policy: &BuiltinPolicy, s: S) -> Result<S::Ok, S::
 }
 
 /// A peer: its name, strata counterpart, script and extra arguments.
-type Peer = (&'static str, BuiltinPolicy, &'static str, &'static [&'static str]);
+type Peer = (
+    &'static str,
+    BuiltinPolicy,
+    &'static str,
+    &'static [&'static str],
+);
 
 /// The bf16 peer.
 const BF16_PEER: Peer = (

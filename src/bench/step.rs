@@ -39,9 +39,7 @@ use super::adam::load_average;
 use super::peers::{self, PeerResult, PeerShape};
 use crate::machine::{cpu_model, meminfo_bytes, swap_folder_refusal};
 use crate::model_info::{self, LlamaShapeArgs, ModelArgs, ShapeArgs};
-use crate::report::{
-    LineChart, Series, Table, format_bytes, median, median_index, write_json,
-};
+use crate::report::{LineChart, Series, Table, format_bytes, median, median_index, write_json};
 use crate::size::parse_bytes;
 
 /// `--policies`' values: each built-in policy's name, with what it keeps where.
@@ -55,9 +53,7 @@ fn policy_values() -> impl TypedValueParser<Value = BuiltinPolicy> {
             BuiltinPolicy::ParamOffload => {
                 "CPU offload, and parameters streamed from the host `--depth` blocks ahead"
             }
-            BuiltinPolicy::NvmeOffload => {
-                "ZeRO-Infinity: parameters and optimizer state on NVMe"
-            }
+            BuiltinPolicy::NvmeOffload => "ZeRO-Infinity: parameters and optimizer state on NVMe",
         })
     });
     PossibleValuesParser::new(values).try_map(|name| name.parse::<BuiltinPolicy>())
@@ -477,7 +473,12 @@ struct Rig {
 
 impl Rig {
     /// `builtin`'s plan, not started.
-    fn new(builtin: BuiltinPolicy, policy: Box<dyn Policy>, recompute: Recompute, plan: Plan) -> Self {
+    fn new(
+        builtin: BuiltinPolicy,
+        policy: Box<dyn Policy>,
+        recompute: Recompute,
+        plan: Plan,
+    ) -> Self {
         Rig {
             builtin,
             policy,
@@ -945,9 +946,9 @@ fn run_rigs(
         for rig in rigs.iter_mut() {
             rig.executor = Some(setup.executor(&rig.plan)?);
         }
-        for s in 0..total {
+        for (s, batches) in data.iter().enumerate() {
             for rig in rigs.iter_mut() {
-                rig.step(&data[s], setup, s, (args.warmup, total))?;
+                rig.step(batches, setup, s, (args.warmup, total))?;
             }
         }
         rigs.iter_mut().for_each(Rig::finish);
@@ -1047,7 +1048,10 @@ fn run_peers(
 ) -> Vec<PeerResult> {
     let mut strata: Vec<(BuiltinPolicy, f64)> = Vec::new();
     for (rig, p) in rigs.iter().zip(policies) {
-        match strata.iter_mut().find(|(builtin, _)| *builtin == rig.builtin) {
+        match strata
+            .iter_mut()
+            .find(|(builtin, _)| *builtin == rig.builtin)
+        {
             Some(best) => best.1 = best.1.max(p.tokens_per_s),
             None => strata.push((rig.builtin, p.tokens_per_s)),
         }
@@ -1310,7 +1314,13 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
         plan.peak[Tier::Host.index()] <= budgets.host,
         "check_fits held the budget"
     );
-    print_scale_header(args, &setup, &plan, (checkpoints, budgets.host), state_bytes);
+    print_scale_header(
+        args,
+        &setup,
+        &plan,
+        (checkpoints, budgets.host),
+        state_bytes,
+    );
     let (steps, peak_measured) = scale_steps(args, &setup, &plan)?;
     machine.load_average[1] = load_average();
     let timed: Vec<f64> = steps
@@ -1517,6 +1527,10 @@ mod tests {
             .try_get_matches_from(["step"])
             .unwrap();
         let args = <StepArgs as clap::FromArgMatches>::from_arg_matches(&args).unwrap();
-        assert_eq!(args.policies, BuiltinPolicy::ALL, "every built-in by default");
+        assert_eq!(
+            args.policies,
+            BuiltinPolicy::ALL,
+            "every built-in by default"
+        );
     }
 }

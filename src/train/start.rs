@@ -74,7 +74,10 @@ pub fn starting_point(
 ) -> Result<(Initial, TrainerState), Error> {
     let (initial, mut state) = match &cfg.resume {
         Some(path) => resumed(path, cfg, model, plan, ranks)?,
-        None => (Initial::Fresh(FreshParams::of(cfg, model)?), fresh_state(cfg)),
+        None => (
+            Initial::Fresh(FreshParams::of(cfg, model)?),
+            fresh_state(cfg),
+        ),
     };
     state.config = serde_json::to_value(cfg)?;
     if let Some(config) = state.config.as_object_mut() {

@@ -176,11 +176,7 @@ impl<'a> StepLoop<'a> {
     }
 
     /// Runs step `step`, and moves the trainer state past it.
-    fn step(
-        &mut self,
-        exec: &mut Executor,
-        step: u64,
-    ) -> Result<(StepReport, StepParams), Error> {
+    fn step(&mut self, exec: &mut Executor, step: u64) -> Result<(StepReport, StepParams), Error> {
         let cfg = self.cfg;
         self.read_batches(exec.model().vocab())?;
         let refs: Vec<(&[u32], &[u32])> = self
@@ -403,12 +399,7 @@ struct StepLine {
 
 /// Step `at.step`'s line: on the bar, or (without a terminal) on standard error every
 /// few steps.
-fn progress(
-    bar: &indicatif::ProgressBar,
-    at: StepLine,
-    r: &StepReport,
-    eval_loss: Option<f32>,
-) {
+fn progress(bar: &indicatif::ProgressBar, at: StepLine, r: &StepReport, eval_loss: Option<f32>) {
     let StepLine {
         step,
         steps,

@@ -102,12 +102,13 @@ fn unknown_key(
             key.replace('_', "-"),
             s.replace('_', "-")
         ),
-        (Origin::Flag, None) => write!(
+        (Origin::Flag, None) => {
+            write!(f, "unexpected argument '--{}' found", key.replace('_', "-"))
+        }
+        (_, Some(s)) => write!(
             f,
-            "unexpected argument '--{}' found",
-            key.replace('_', "-")
+            "{place}unknown key `{key}`; did you mean `{s}`? ({LIST})"
         ),
-        (_, Some(s)) => write!(f, "{place}unknown key `{key}`; did you mean `{s}`? ({LIST})"),
         (_, None) => write!(f, "{place}unknown key `{key}` ({LIST})"),
     }
 }

@@ -280,7 +280,10 @@ mod tests {
         let mut config = TrainConfig::default();
         let table: toml::Table = toml::from_str("colour = \"blue\"").unwrap();
         let e = config.overlay(table, &Origin::Flag).unwrap_err();
-        assert!(e.to_string().starts_with("unexpected argument '--colour'"), "{e}");
+        assert!(
+            e.to_string().starts_with("unexpected argument '--colour'"),
+            "{e}"
+        );
         let table: toml::Table = toml::from_str("batch = \"4\"").unwrap();
         let e = config.overlay(table, &Origin::Flag).unwrap_err();
         assert_eq!(

@@ -255,7 +255,11 @@ mod tests {
         let help = flag_help();
         for key in &keys {
             let flag = help.iter().find(|(k, _)| k == key);
-            assert_eq!(flag.map(|(_, h)| h.clone()), Some(setting(key).help()), "{key}");
+            assert_eq!(
+                flag.map(|(_, h)| h.clone()),
+                Some(setting(key).help()),
+                "{key}"
+            );
         }
         for s in SETTINGS {
             for alias in s.aliases {
