@@ -315,6 +315,40 @@ mod tests {
         assert_eq!(e, "--batch must be at least 1 (found 0)");
     }
 
+    /// Every setting's flag reaches its field: a flag whose value parser and reader
+    /// disagreed on its type would be dropped without a word.
+    #[test]
+    fn every_flag_is_read_into_its_setting() {
+        let expected = TrainConfig {
+            nvme: vec!["a".into(), "b".into()],
+            delayed_update: true,
+            ..everything_set()
+        };
+        let table = toml::Table::try_from(&expected).expect("serializes");
+        let mut argv = vec!["train".to_string()];
+        for s in SETTINGS {
+            let flag = format!("--{}", s.key.replace('_', "-"));
+            match &table[s.key] {
+                toml::Value::String(v) => argv.extend([flag, v.clone()]),
+                toml::Value::Array(items) => {
+                    for item in items {
+                        argv.extend([flag.clone(), item.as_str().expect("a path").into()]);
+                    }
+                }
+                toml::Value::Boolean(b) => argv.push(format!("{flag}={b}")),
+                other => argv.extend([flag, other.to_string()]),
+            }
+        }
+        let matches = <TrainArgs as clap::Args>::augment_args(Command::new("train"))
+            .try_get_matches_from(&argv)
+            .expect("flags parse");
+        let args = TrainArgs::from_arg_matches(&matches).expect("read");
+        let mut config = TrainConfig::default();
+        let given = args.flags.0.apply(&mut config);
+        assert_eq!(given.len(), SETTINGS.len(), "{given:?}");
+        assert_eq!(config, expected);
+    }
+
     #[test]
     fn a_flag_given_is_applied_and_named() {
         let matches = <TrainArgs as clap::Args>::augment_args(Command::new("train"))
