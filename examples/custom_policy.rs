@@ -10,8 +10,8 @@ use strata::engine::exec::{ExecConfig, Executor, StepParams};
 use strata::engine::kernels::adamw::AdamW;
 use strata::engine::model::{BlockKind, Gpt2Config, Model};
 use strata::engine::plan::{
-    AllOnDevice, Budgets, CostModel, CpuOffload, ParamOffload, Plan, PlanInput, Policy, StepShape,
-    TensorClass, Tier,
+    AllOnDevice, Budgets, BuiltinPolicy, CostModel, CpuOffload, ParamOffload, Plan, PlanInput,
+    Policy, StepShape, TensorClass, Tier,
 };
 use strata::report::{Table, format_bytes};
 
@@ -90,10 +90,12 @@ fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let got = train(&model, ours)?;
     let bits = |p: &[Vec<f32>]| p.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
     if bits(&expected) == bits(&got) {
-        println!("parameters after 3 steps: bit-identical to all-on-device");
+        let aod = BuiltinPolicy::AllOnDevice;
+        println!("parameters after 3 steps: bit-identical to {aod}");
         Ok(ExitCode::SUCCESS)
     } else {
-        eprintln!("parameters after 3 steps differ from all-on-device's");
+        let aod = BuiltinPolicy::AllOnDevice;
+        eprintln!("parameters after 3 steps differ from {aod}'s");
         Ok(ExitCode::FAILURE)
     }
 }

@@ -6,9 +6,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use strata_engine::checkpoint;
-use strata_engine::model::weights::{self, FileDtype, SaveOptions};
+use strata_engine::model::weights::{self, SaveOptions};
 
-use crate::train_config::Dtype;
+use crate::train_config::{Dtype, TrainConfig};
 
 /// What `strata checkpoint` does.
 #[derive(Debug, clap::Subcommand)]
@@ -45,9 +45,9 @@ pub fn run(command: &CheckpointCommand, out: &mut dyn Write) -> Result<(), Box<d
 /// The model folder a checkpoint's run trained from, when its recorded configuration
 /// names one that is still there (its config.json and tokenizer files are carried).
 fn trained_from(config: &serde_json::Value) -> Option<weights::Pretrained> {
-    let (cfg, _) = crate::train::recorded_config(config)?;
+    let (cfg, _) = TrainConfig::recorded(config)?;
     let path = Path::new(&cfg.model);
-    if !path.join(weights::CONFIG_FILE).is_file() || crate::train::has_no_weights(path) {
+    if !path.join(weights::CONFIG_FILE).is_file() || crate::model_source::has_no_weights(path) {
         return None;
     }
     weights::describe_pretrained(path).ok().map(|(_, p)| p)
@@ -64,11 +64,7 @@ fn export(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             base: Some(b),
             ..SaveOptions::default()
         });
-    options.dtype = match args.dtype.unwrap_or(Dtype::Fp32) {
-        Dtype::Fp32 => FileDtype::F32,
-        Dtype::Bf16 => FileDtype::Bf16,
-        Dtype::Fp16 => FileDtype::F16,
-    };
+    options.dtype = args.dtype.unwrap_or(Dtype::Fp32).file_dtype();
     weights::save_pretrained_with(&ckpt.model, &ckpt.params, &args.out, &options)?;
     writeln!(
         out,

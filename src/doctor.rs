@@ -8,8 +8,8 @@
 //!
 //! The facts come from the probes the engine itself decides by (the io_uring probe, the
 //! swap-file O_DIRECT checks, the CUDA library probe, the ISA choice), so the report says
-//! what strata will do, not what a separate check guesses. This module also holds the
-//! readers of /proc the benchmarks share ([`cpu_model`], [`meminfo_bytes`]). It changes
+//! what strata will do, not what a separate check guesses; the readers of /proc it shares
+//! with the benchmarks and the training loop are [`crate::machine`]'s. It changes
 //! nothing on the machine: the one file it writes per swap folder is removed again.
 
 use std::error::Error;
@@ -25,6 +25,7 @@ use strata_storage::{
     probe_direct_io, probe_uring,
 };
 
+use crate::machine::{cpu_model, meminfo_bytes, swap_folder_refusal};
 use crate::report::{format_bytes, write_json};
 
 /// Arguments of `strata doctor`.
@@ -332,7 +333,7 @@ fn examine_folder(path: &Path) -> FolderReport {
         return report;
     }
     report.tmpfs = is_tmpfs(path);
-    if let Some(why) = crate::train::swap_folder_refusal(path) {
+    if let Some(why) = swap_folder_refusal(path) {
         // The answer `train` gives, whatever the O_DIRECT probe would say.
         report.verdict = format!("not usable: {why}");
         return report;
@@ -780,47 +781,4 @@ fn render_cuda(cuda: &CudaReport) -> Vec<(String, String)> {
         ));
     }
     lines
-}
-
-/// The CPU's model name from /proc/cpuinfo with its family and model numbers (a
-/// virtual machine's name, "AMD EPYC" say, is the same for every generation; the numbers
-/// tell them apart), or the architecture where it has none.
-pub fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            let field = |key: &str| {
-                text.lines()
-                    .find(|l| l.split(':').next().map(str::trim) == Some(key))
-                    .and_then(|l| l.split(':').nth(1))
-                    .map(|s| s.trim().to_string())
-            };
-            let name = field("model name")?;
-            Some(match (field("cpu family"), field("model")) {
-                (Some(family), Some(model)) => format!("{name} (family {family}, model {model})"),
-                _ => name,
-            })
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
-/// A field of /proc/meminfo (`MemTotal`, `MemAvailable`...), in bytes.
-pub fn meminfo_bytes(field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.split(':').next() == Some(field))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn meminfo_reads_total_and_available() {
-        let total = meminfo_bytes("MemTotal").expect("MemTotal");
-        let available = meminfo_bytes("MemAvailable").expect("MemAvailable");
-        assert!(available <= total && total > 0);
-        assert_eq!(meminfo_bytes("NoSuchField"), None);
-    }
 }

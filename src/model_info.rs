@@ -202,7 +202,7 @@ pub struct ShapeArgs {
 impl ShapeArgs {
     /// The configuration named `name` with these fields overridden, checked.
     pub fn resolve(&self, name: &str) -> Result<Gpt2Config, Box<dyn Error>> {
-        let base = match crate::train::custom_shape(name) {
+        let base = match crate::model_source::custom_shape(name) {
             Some(shape) => shape,
             None => Gpt2Config::preset(name)?,
         };

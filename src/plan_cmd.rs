@@ -22,11 +22,13 @@ use strata_engine::Lane;
 use strata_engine::device::{DeviceChoice, choose_target};
 use strata_engine::model::Target;
 use strata_engine::plan::{
-    Auto, CostModel, Plan, PlanError, PlanInput, Policy, Prediction, TensorClass, Tier, fmt_bytes,
+    Auto, BuiltinPolicy, CostModel, Plan, PlanError, PlanInput, Prediction, TensorClass, Tier,
+    fmt_bytes,
 };
 
+use crate::model_source::model_shape;
 use crate::report::{Table, write_json};
-use crate::train::{budgets_of, named_policy, shape_of};
+use crate::run_setup::{budgets_of, prefetch_depth, shape_of};
 use crate::train_config::{PlanArgs, TrainConfig};
 
 type Error = Box<dyn std::error::Error>;
@@ -215,9 +217,9 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
                 .into(),
         );
     }
-    let model = crate::train::model_shape(cfg)?;
+    let model = model_shape(&cfg.model)?;
     // A plan for a GPU needs no GPU here: `--device cuda` plans for CUDA's kernels.
-    let target = match crate::train::device_choice(cfg) {
+    let target = match cfg.device {
         DeviceChoice::Cuda => Target::Cuda,
         choice => choose_target(choice)?,
     };
@@ -231,75 +233,8 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
     };
     let cost = CostModel::default();
     let params = model.param_count() as u64;
-
-    let mut policies: Vec<Box<dyn Policy>> = Vec::new();
-    for builtin in strata_engine::plan::BuiltinPolicy::ALL {
-        policies.extend(named_policy(builtin.name(), cfg.prefetch)?);
-    }
-    let mut rows = Vec::new();
-    let mut unavailable = Vec::new();
-    for policy in &policies {
-        let plan = match Plan::build(&input, policy.as_ref()) {
-            Ok(plan) => plan,
-            // With ranks the planner refuses gradients and optimizer state on the
-            // device: an answer about this policy, not a failure of the command.
-            Err(PlanError::BadPolicy { policy, reason }) if ranks > 1 => {
-                unavailable.push(Unavailable { policy, reason });
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let p = cost.predict(&plan);
-        let short: Vec<String> = plan.short_tiers().map(|t| t.to_string()).collect();
-        rows.push(PolicyRow {
-            policy: plan.policy.clone(),
-            fits: short.is_empty(),
-            short,
-            peak_bytes: TierBytes::of(plan.peak),
-            recomputed_blocks: plan.recomputed(),
-            saved_activation_bytes: plan.saved_total_bytes(),
-            spilled_blocks: plan.spilled(),
-            edges_on_host: plan.edges_on_host(),
-            edges: plan.edges_text(),
-            nvme_bytes_per_param: plan.peak[Tier::Nvme.index()] as f64 / params as f64,
-            nvme_bytes_all_ranks: plan.peak[Tier::Nvme.index()] * ranks as u64,
-            step_seconds: p.step_seconds,
-            collective_seconds: p.lane_seconds[Lane::Comm.index()],
-            tokens_per_s: (shape.tokens() * ranks as u64) as f64 / p.step_seconds,
-        });
-    }
-    let choice = match (Auto { cost }).choose(&input) {
-        Ok((_, plan, candidates)) => {
-            let p = cost.predict(&plan);
-            let by_class = plan
-                .bytes_by_class()
-                .into_iter()
-                .map(|(class, bytes)| ClassRow {
-                    class: match class {
-                        TensorClass::Params => "working params",
-                        TensorClass::Grads => "gradients",
-                        TensorClass::Optimizer => "master params + Adam m, v",
-                        TensorClass::Checkpoints => "activation checkpoints",
-                    }
-                    .to_string(),
-                    bytes: TierBytes::of(bytes),
-                })
-                .collect();
-            Ok(AutoChoice {
-                policy: plan.policy.clone(),
-                candidates: candidates.len(),
-                step_seconds: p.step_seconds,
-                overlap_efficiency: p.overlap_efficiency(),
-                lane_seconds: lane_seconds(&p),
-                by_class,
-                scratch_bytes: plan.buffer(plan.scratch).bytes,
-                peak_bytes: TierBytes::of(plan.peak),
-                recomputed: plan.recomputed_of(),
-                saved_activation_bytes: plan.saved_total_bytes(),
-            })
-        }
-        Err(e) => Err(e.to_string()),
-    };
+    let (policies, unavailable) = policy_rows(&input, cost, prefetch_depth(cfg))?;
+    let choice = auto_choice(&input, cost);
     Ok(PlanReport {
         model: cfg.model.to_string(),
         params,
@@ -323,7 +258,17 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
             .map(|d| d.display().to_string())
             .collect(),
         nvme_budget_source: run_budgets.nvme_source(),
-        rates: Rates {
+        rates: Rates::of(&cost),
+        policies,
+        unavailable,
+        no_fit: choice.as_ref().err().cloned(),
+        auto: choice.ok(),
+    })
+}
+
+impl Rates {
+    fn of(cost: &CostModel) -> Self {
+        Rates {
             source: cost.source.to_string(),
             compute_flops: cost.compute_flops,
             nvme_read_bytes_per_s: cost.nvme_read_bytes_per_s,
@@ -331,16 +276,105 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
             copy_bytes_per_s: cost.h2d_bytes_per_s,
             adam_params_per_s: cost.adam_params_per_s,
             collective_bytes_per_s: cost.collective_bytes_per_s,
-        },
-        policies: rows,
-        unavailable,
-        no_fit: choice.as_ref().err().cloned(),
-        auto: choice.ok(),
+        }
+    }
+}
+
+/// A row per built-in policy (prefetching `depth` blocks ahead where it streams), and the
+/// policies the planner refuses for this step with ranks.
+fn policy_rows(
+    input: &PlanInput<'_>,
+    cost: CostModel,
+    depth: usize,
+) -> Result<(Vec<PolicyRow>, Vec<Unavailable>), Error> {
+    let ranks = input.shape.ranks;
+    let mut rows = Vec::new();
+    let mut unavailable = Vec::new();
+    for builtin in BuiltinPolicy::ALL {
+        let policy = builtin.policy(depth);
+        match Plan::build(input, policy.as_ref()) {
+            Ok(plan) => rows.push(policy_row(input, cost, &plan)),
+            // With ranks the planner refuses gradients and optimizer state on the
+            // device: an answer about this policy, not a failure of the command.
+            Err(PlanError::BadPolicy { policy, reason }) if ranks > 1 => {
+                unavailable.push(Unavailable { policy, reason });
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok((rows, unavailable))
+}
+
+/// `plan`'s row: whether it fits, its peaks, and what the cost model predicts.
+fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan) -> PolicyRow {
+    let ranks = input.shape.ranks as u64;
+    let params = input.model.param_count() as f64;
+    let nvme = plan.peak[Tier::Nvme.index()];
+    let p = cost.predict(plan);
+    let short: Vec<String> = plan.short_tiers().map(|t| t.to_string()).collect();
+    PolicyRow {
+        policy: plan.policy.clone(),
+        fits: short.is_empty(),
+        short,
+        peak_bytes: TierBytes::of(plan.peak),
+        recomputed_blocks: plan.recomputed(),
+        saved_activation_bytes: plan.saved_total_bytes(),
+        spilled_blocks: plan.spilled(),
+        edges_on_host: plan.edges_on_host(),
+        edges: plan.edges_text(),
+        nvme_bytes_per_param: nvme as f64 / params,
+        nvme_bytes_all_ranks: nvme * ranks,
+        step_seconds: p.step_seconds,
+        collective_seconds: p.lane_seconds[Lane::Comm.index()],
+        tokens_per_s: (input.shape.tokens() * ranks) as f64 / p.step_seconds,
+    }
+}
+
+/// The plan `auto` picks, or why none fits.
+fn auto_choice(input: &PlanInput<'_>, cost: CostModel) -> Result<AutoChoice, String> {
+    let (_, plan, candidates) = (Auto { cost }).choose(input).map_err(|e| e.to_string())?;
+    let p = cost.predict(&plan);
+    let by_class = plan
+        .bytes_by_class()
+        .into_iter()
+        .map(|(class, bytes)| ClassRow {
+            class: match class {
+                TensorClass::Params => "working params",
+                TensorClass::Grads => "gradients",
+                TensorClass::Optimizer => "master params + Adam m, v",
+                TensorClass::Checkpoints => "activation checkpoints",
+            }
+            .to_string(),
+            bytes: TierBytes::of(bytes),
+        })
+        .collect();
+    Ok(AutoChoice {
+        policy: plan.policy.clone(),
+        candidates: candidates.len(),
+        step_seconds: p.step_seconds,
+        overlap_efficiency: p.overlap_efficiency(),
+        lane_seconds: lane_seconds(&p),
+        by_class,
+        scratch_bytes: plan.buffer(plan.scratch).bytes,
+        peak_bytes: TierBytes::of(plan.peak),
+        recomputed: plan.recomputed_of(),
+        saved_activation_bytes: plan.saved_total_bytes(),
     })
 }
 
 /// The report as `strata plan` prints it.
 pub fn render(r: &PlanReport) -> String {
+    let mut out = render_header(r);
+    out += &render_policies(r);
+    match (&r.auto, &r.no_fit) {
+        (Some(auto), _) => out += &render_auto(r, auto),
+        (None, e) => out += &format!("\nno plan fits: {}\n", e.as_deref().unwrap_or("")),
+    }
+    out
+}
+
+/// The model, the step, the ranks and the rates.
+fn render_header(r: &PlanReport) -> String {
     let mut out = String::new();
     let b = &r.budgets;
     out += &format!(
@@ -392,7 +426,39 @@ pub fn render(r: &PlanReport) -> String {
             String::new()
         }
     );
-    // With ranks, two more columns: the ranks' NVMe together, and the collective lane.
+    out
+}
+
+/// The table of policies, then what each keeps off NVMe, spills, or cannot do.
+fn render_policies(r: &PlanReport) -> String {
+    let mut out = policies_table(r);
+    let n = r.ranks;
+    for row in r.policies.iter() {
+        if let Some(edges) = &row.edges {
+            out += &format!("{}: {edges}\n", row.policy);
+        }
+    }
+    for row in r.policies.iter().filter(|row| row.spilled_blocks > 0) {
+        out += &format!(
+            "{}: the gradients of {} blocks wait for the clipping norm on NVMe, not in host \
+             memory (--spill-grads)\n",
+            row.policy, row.spilled_blocks
+        );
+    }
+    for u in &r.unavailable {
+        out += &format!(
+            "{} is not available with {n} ranks: {}\n",
+            u.policy, u.reason
+        );
+    }
+    out
+}
+
+/// A row per policy; with ranks, two more columns: the ranks' NVMe together, and the
+/// collective lane.
+fn policies_table(r: &PlanReport) -> String {
+    let n = r.ranks;
+    let ranked = n > 1;
     let mut headers = vec!["policy", "fits", "device", "host", "nvme"];
     let nvme_all = format!("nvme x{n}");
     if ranked {
@@ -435,96 +501,81 @@ pub fn render(r: &PlanReport) -> String {
         cells.resize(columns, "-".to_string());
         table.row(cells);
     }
-    out += &table.render();
-    for row in r.policies.iter() {
-        if let Some(edges) = &row.edges {
-            out += &format!("{}: {edges}\n", row.policy);
-        }
+    table.render()
+}
+
+/// What `auto` picks: its prediction, and (with ranks) each lane's busy time, then its
+/// bytes per tensor class and tier.
+fn render_auto(r: &PlanReport, auto: &AutoChoice) -> String {
+    let mut out = format!(
+        "\nauto picks {} (of {} candidates): recompute: {}; predicted {:.3} s/step, overlap efficiency {:.2}\n",
+        auto.policy, auto.candidates, auto.recomputed, auto.step_seconds, auto.overlap_efficiency
+    );
+    if r.ranks > 1 {
+        // The lanes overlap: their busy times add up to more than the step.
+        let busy: Vec<String> = Lane::ALL
+            .iter()
+            .map(|lane| lane.to_string())
+            .filter_map(|lane| {
+                let s = auto.lane_seconds.get(&lane).copied().unwrap_or(0.0);
+                (s > 0.0).then(|| format!("{lane} {s:.3}"))
+            })
+            .collect();
+        out += &format!("busy seconds per lane: {}\n", busy.join(", "));
     }
-    for row in r.policies.iter().filter(|row| row.spilled_blocks > 0) {
-        out += &format!(
-            "{}: the gradients of {} blocks wait for the clipping norm on NVMe, not in host \
-             memory (--spill-grads)\n",
-            row.policy, row.spilled_blocks
-        );
-    }
-    for u in &r.unavailable {
-        out += &format!(
-            "{} is not available with {n} ranks: {}\n",
-            u.policy, u.reason
-        );
-    }
-    match (&r.auto, &r.no_fit) {
-        (Some(auto), _) => {
-            out += &format!(
-                "\nauto picks {} (of {} candidates): recompute: {}; predicted {:.3} s/step, overlap efficiency {:.2}\n",
-                auto.policy,
-                auto.candidates,
-                auto.recomputed,
-                auto.step_seconds,
-                auto.overlap_efficiency
-            );
-            if ranked {
-                // The lanes overlap: their busy times add up to more than the step.
-                let busy: Vec<String> = Lane::ALL
-                    .iter()
-                    .map(|lane| lane.to_string())
-                    .filter_map(|lane| {
-                        let s = auto.lane_seconds.get(&lane).copied().unwrap_or(0.0);
-                        (s > 0.0).then(|| format!("{lane} {s:.3}"))
-                    })
-                    .collect();
-                out += &format!("busy seconds per lane: {}\n", busy.join(", "));
-            }
-            let mut by_class = Table::new(["tensor class", "device", "host", "nvme"]);
-            for row in &auto.by_class {
-                by_class.row([
-                    row.class.clone(),
-                    fmt_bytes(row.bytes.device),
-                    fmt_bytes(row.bytes.host),
-                    fmt_bytes(row.bytes.nvme),
-                ]);
-            }
-            by_class.row([
-                "device working set (one block's activations)".to_string(),
-                fmt_bytes(auto.scratch_bytes),
-                "-".into(),
-                "-".into(),
-            ]);
-            by_class.row([
-                "saved activations (layers not recomputed)".to_string(),
-                fmt_bytes(auto.saved_activation_bytes),
-                "-".into(),
-                "-".into(),
-            ]);
-            by_class.row([
-                if ranked { "peak per rank" } else { "peak" }.to_string(),
-                fmt_bytes(auto.peak_bytes.device),
-                fmt_bytes(auto.peak_bytes.host),
-                fmt_bytes(auto.peak_bytes.nvme),
-            ]);
-            if ranked {
-                by_class.row([
-                    format!("nvme of all {n} ranks"),
-                    "-".into(),
-                    "-".into(),
-                    fmt_bytes(auto.peak_bytes.nvme * n as u64),
-                ]);
-            }
-            let per_param = |bytes: u64| format!("{:.2} B", bytes as f64 / r.params.max(1) as f64);
-            by_class.row([
-                "peak per parameter".to_string(),
-                per_param(auto.peak_bytes.device),
-                per_param(auto.peak_bytes.host),
-                per_param(auto.peak_bytes.nvme),
-            ]);
-            out += &by_class.render();
-            out += "(class rows count each class's buffers; buffers with disjoint lifetimes share \
-                    memory, so the peak can be lower than their sum)\n";
-        }
-        (None, e) => out += &format!("\nno plan fits: {}\n", e.as_deref().unwrap_or("")),
-    }
+    out += &by_class_table(r, auto);
+    out += "(class rows count each class's buffers; buffers with disjoint lifetimes share \
+            memory, so the peak can be lower than their sum)\n";
     out
+}
+
+/// `auto`'s plan: bytes per tensor class and tier, the working set, the peak.
+fn by_class_table(r: &PlanReport, auto: &AutoChoice) -> String {
+    let n = r.ranks;
+    let ranked = n > 1;
+    let mut by_class = Table::new(["tensor class", "device", "host", "nvme"]);
+    for row in &auto.by_class {
+        by_class.row([
+            row.class.clone(),
+            fmt_bytes(row.bytes.device),
+            fmt_bytes(row.bytes.host),
+            fmt_bytes(row.bytes.nvme),
+        ]);
+    }
+    by_class.row([
+        "device working set (one block's activations)".to_string(),
+        fmt_bytes(auto.scratch_bytes),
+        "-".into(),
+        "-".into(),
+    ]);
+    by_class.row([
+        "saved activations (layers not recomputed)".to_string(),
+        fmt_bytes(auto.saved_activation_bytes),
+        "-".into(),
+        "-".into(),
+    ]);
+    by_class.row([
+        if ranked { "peak per rank" } else { "peak" }.to_string(),
+        fmt_bytes(auto.peak_bytes.device),
+        fmt_bytes(auto.peak_bytes.host),
+        fmt_bytes(auto.peak_bytes.nvme),
+    ]);
+    if ranked {
+        by_class.row([
+            format!("nvme of all {n} ranks"),
+            "-".into(),
+            "-".into(),
+            fmt_bytes(auto.peak_bytes.nvme * n as u64),
+        ]);
+    }
+    let per_param = |bytes: u64| format!("{:.2} B", bytes as f64 / r.params.max(1) as f64);
+    by_class.row([
+        "peak per parameter".to_string(),
+        per_param(auto.peak_bytes.device),
+        per_param(auto.peak_bytes.host),
+        per_param(auto.peak_bytes.nvme),
+    ]);
+    by_class.render()
 }
 
 /// `strata plan`: prints the report (and writes it as JSON when asked); an error when no

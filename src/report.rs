@@ -1,5 +1,5 @@
-//! What every benchmark shares: parsing sizes from the command line, printing a table,
-//! writing JSON, and drawing a line chart as SVG.
+//! What every benchmark shares: printing a table, writing JSON, and drawing a line chart
+//! as SVG. Sizes and counts on the command line are [`crate::size`]'s.
 //!
 //! Benchmarks measure; this module only presents. It holds no timing code.
 
@@ -7,57 +7,6 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 pub use strata_storage::format_bytes;
-
-/// Parses a byte size such as `4GiB`, `1MiB`, `512k`, `4096` or `1.5G`.
-///
-/// Units say what they mean: `KiB`, `MiB`, `GiB`, `TiB` are powers of 1024 and `KB`, `MB`,
-/// `GB`, `TB` powers of 1000 (so `24GB` is 24 * 10^9 bytes, what a drive's label says);
-/// a bare `K`, `M`, `G` or `T` is taken as binary, as buffer sizes usually are.
-pub fn parse_bytes(text: &str) -> Result<u64, String> {
-    parse_scaled(text, 1024).map_err(|e| format!("{e} (examples: 4096, 64KiB, 1MiB, 4GiB, 500GB)"))
-}
-
-/// Parses a count such as `64M`, `1.5G`, `100000` or `7k`, with decimal multiples.
-pub fn parse_count(text: &str) -> Result<u64, String> {
-    parse_scaled(text, 1000).map_err(|e| format!("{e} (examples: 100000, 7k, 64M, 1.5G)"))
-}
-
-fn parse_scaled(text: &str, base: u64) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
-        .unwrap_or(t.len());
-    let (number, suffix) = t.split_at(split);
-    let number: f64 = number
-        .replace('_', "")
-        .parse()
-        .map_err(|_| format!("'{text}' is not a number with an optional unit"))?;
-    let suffix = suffix.trim().to_ascii_lowercase();
-    // "KB", "MB", ... are decimal whatever the base; "KiB", ... binary.
-    let (stem, base) = match suffix.strip_suffix("ib") {
-        Some(stem) => (stem.to_string(), 1024),
-        None => match suffix.strip_suffix('b') {
-            Some(stem) if !stem.is_empty() => (stem.to_string(), 1000),
-            _ => (suffix.clone(), base),
-        },
-    };
-    let power = match stem.as_str() {
-        "" | "b" if suffix.len() <= 1 => 0,
-        "k" => 1,
-        "m" => 2,
-        "g" => 3,
-        "t" => 4,
-        _ => return Err(format!("unknown unit '{suffix}' in '{text}'")),
-    };
-    let value = number * (base as f64).powi(power);
-    if !value.is_finite() || value < 0.0 || value > u64::MAX as f64 {
-        return Err(format!("'{text}' is out of range"));
-    }
-    if value.fract() != 0.0 {
-        return Err(format!("'{text}' is not a whole number"));
-    }
-    Ok(value as u64)
-}
 
 /// The process's peak resident memory (VmHWM in /proc/self/status), if known.
 pub fn peak_rss_bytes() -> Option<u64> {
@@ -351,28 +300,6 @@ fn escape(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_sizes_and_counts() {
-        assert_eq!(parse_bytes("4096"), Ok(4096));
-        assert_eq!(parse_bytes("1MiB"), Ok(1 << 20));
-        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
-        assert_eq!(parse_bytes("64k"), Ok(64 << 10));
-        assert_eq!(parse_bytes("1.5G"), Ok(3 << 29));
-        assert_eq!(parse_bytes("24GB"), Ok(24_000_000_000));
-        assert_eq!(parse_bytes("24gb"), Ok(24_000_000_000));
-        assert_eq!(parse_bytes("24GiB"), Ok(24 << 30));
-        assert_eq!(parse_bytes("1TB"), Ok(1_000_000_000_000));
-        assert_eq!(parse_bytes("512B"), Ok(512));
-        assert_eq!(parse_bytes("3KB"), Ok(3000));
-        assert!(parse_bytes("3iB").is_err());
-        assert!(parse_bytes("3xB").is_err());
-        assert_eq!(parse_count("64M"), Ok(64_000_000));
-        assert_eq!(parse_count("100_003"), Ok(100_003));
-        assert!(parse_bytes("4 parsecs").is_err());
-        assert!(parse_bytes("").is_err());
-        assert!(parse_bytes("0.5").is_err());
-    }
 
     #[test]
     fn median_of_odd_even_and_none() {

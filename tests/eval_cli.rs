@@ -86,11 +86,21 @@ fn eval_reproduces_pytorch_on_the_cpu_and_on_the_automatic_choice() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn eval_reproduces_pytorch_on_a_gpu() {
+    // Run anyway where CUDA is not usable, it fails naming what is missing.
     if let Err(e) = strata::kernels::cuda::probe().require_all() {
-        println!("skipped: {e}");
-        // Asked for explicitly, CUDA fails with the probe's reason.
-        let out = strata(&[
+        panic!("this test needs a GPU: {e}");
+    }
+    check_golden_eval("cuda");
+}
+
+#[test]
+fn eval_on_cuda_without_a_gpu_fails_naming_why() {
+    // Asked for explicitly where no GPU is visible (hidden here, so that a machine with
+    // one checks this too), CUDA fails with the probe's reason.
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
             "eval",
             "--model",
             golden().to_str().unwrap(),
@@ -102,13 +112,13 @@ fn eval_reproduces_pytorch_on_a_gpu() {
             "16",
             "--device",
             "cuda",
-        ]);
-        assert!(!out.status.success());
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains("CUDA is not usable here"), "{stderr}");
-        return;
-    }
-    check_golden_eval("cuda");
+        ])
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .output()
+        .expect("the strata binary runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("CUDA is not usable here"), "{stderr}");
 }
 
 #[test]

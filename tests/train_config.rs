@@ -5,7 +5,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use strata::engine::plan::Recompute;
+use strata::engine::device::DeviceChoice;
+use strata::engine::plan::{BuiltinPolicy, PolicyChoice, Recompute};
+use strata::size::MemBudget;
 use strata::train_config::{ConfigError, Dtype, LrSchedule, Origin, TrainArgs, TrainConfig};
 
 #[derive(Debug, Parser)]
@@ -77,8 +79,8 @@ fn no_file_no_flags_is_the_default_job() {
     assert_eq!(config, TrainConfig::default());
     assert_eq!(config.model, "small");
     assert_eq!(config.data, None);
-    assert_eq!(config.device_mem_bytes().expect("a size"), Some(16 << 20));
-    assert_eq!(config.host_mem_bytes().expect("a size"), Some(8 << 20));
+    assert_eq!(config.device_mem.bytes(), Some(16 << 20));
+    assert_eq!(config.host_mem.bytes(), Some(8 << 20));
     assert_eq!((config.steps, config.batch, config.seq), (600, 8, 64));
     assert_eq!(config.lr_schedule, LrSchedule::Cosine);
 }
@@ -126,10 +128,10 @@ fn print_config_reads_back_equal() {
     fs::create_dir(&resume).expect("mkdir");
     round_trip(&TrainConfig {
         data: Some(data),
-        device_mem: None,
-        host_mem: Some("1.5GiB".into()),
+        device_mem: MemBudget::All,
+        host_mem: "1.5GiB".parse().expect("a size"),
         nvme: vec![dir.path().to_path_buf(), resume.clone()],
-        policy: "nvme-offload".into(),
+        policy: PolicyChoice::Builtin(BuiltinPolicy::NvmeOffload),
         prefetch: Some(3),
         recompute: Recompute::None,
         lr: 6e-4,
@@ -140,7 +142,7 @@ fn print_config_reads_back_equal() {
         dtype: Dtype::Fp16,
         seed: u64::MAX >> 1,
         delayed_update: true,
-        device: "cpu".into(),
+        device: DeviceChoice::Cpu,
         checkpoint_dir: Some(dir.path().join("out ck")),
         out: Some("model-out".into()),
         log_jsonl: Some("log.jsonl".into()),
@@ -282,16 +284,19 @@ fn bad_sizes_from_file_and_flag() {
             path.display()
         )
     );
-    let e = args(&["--host-mem", "lots"])
-        .resolve()
-        .expect_err("refused");
-    assert_eq!(
-        e.to_string(),
-        "--host-mem is not a size: 'lots' is not a number with an optional unit \
-         (examples: 4096, 64KiB, 1MiB, 4GiB, 500GB)"
+    // A flag's size is read where clap reads the flag: its error names the flag and says
+    // the same about the value.
+    let e = Cli::try_parse_from(["train", "--host-mem", "lots"]).expect_err("refused");
+    let message = e.to_string();
+    assert!(
+        message.contains(
+            "invalid value 'lots' for '--host-mem <SIZE>': 'lots' is not a number with an \
+             optional unit (examples: 4096, 64KiB, 1MiB, 4GiB, 500GB)"
+        ),
+        "{message}"
     );
     let unlimited = args(&["--device-mem", "all"]).resolve().expect("valid");
-    assert_eq!(unlimited.device_mem, None);
+    assert_eq!(unlimited.device_mem, MemBudget::All);
     let e = args(&["--device-mem", "0"]).resolve().expect_err("refused");
     assert_eq!(
         e.to_string(),

@@ -1,20 +1,15 @@
 //! `strata.plan(...)` and `strata.doctor()`: the CLI's answers, found by the same library
 //! functions (`strata::plan_cmd::report`, `strata::doctor::examine`) and handed to Python
 //! as JSON text (which `strata/__init__.py` turns into dicts), with the CLI's printout.
+//! `strata.plan`'s keywords reach the settings as typed values (a JSON object), checked
+//! as the CLI checks its flags, not as a command line.
 
-use clap::Parser;
+use std::path::PathBuf;
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use strata::doctor::DoctorArgs;
 use strata::train_config::PlanArgs;
-
-/// `strata plan`'s flags, parsed as the command line parses them.
-#[derive(Debug, Parser)]
-#[command(name = "strata.plan", no_binary_name = true)]
-struct PlanFlags {
-    #[command(flatten)]
-    args: PlanArgs,
-}
 
 fn with_text(mut value: serde_json::Value, text: String) -> PyResult<String> {
     if let Some(object) = value.as_object_mut() {
@@ -23,15 +18,24 @@ fn with_text(mut value: serde_json::Value, text: String) -> PyResult<String> {
     serde_json::to_string(&value).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// Plans a step for the flags `argv` (as `strata plan` takes them); JSON.
+/// Plans a step for `options` (a JSON object of `strata plan`'s flags by key, as
+/// `--print-config` names them, with typed values), as one of `ranks` ranks, over the
+/// TOML file `config` when given; JSON.
 #[pyfunction]
-pub fn plan_json(py: Python<'_>, argv: Vec<String>) -> PyResult<String> {
-    let flags = PlanFlags::try_parse_from(&argv)
-        .map_err(|e| PyValueError::new_err(e.render().to_string().trim().to_string()))?;
+#[pyo3(signature = (options, ranks = 1, config = None))]
+pub fn plan_json(
+    py: Python<'_>,
+    options: &str,
+    ranks: usize,
+    config: Option<PathBuf>,
+) -> PyResult<String> {
+    let options: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(options).map_err(|e| PyValueError::new_err(e.to_string()))?;
     let report = py
         .detach(move || {
-            let cfg = flags.args.resolve().map_err(|e| e.to_string())?;
-            strata::plan_cmd::report(&cfg, flags.args.ranks).map_err(|e| e.to_string())
+            let cfg = PlanArgs::resolve_keywords(config.as_deref(), &options)
+                .map_err(|e| e.to_string())?;
+            strata::plan_cmd::report(&cfg, ranks).map_err(|e| e.to_string())
         })
         .map_err(PyValueError::new_err)?;
     let text = strata::plan_cmd::render(&report);
@@ -52,5 +56,5 @@ pub fn doctor_json(py: Python<'_>, nvme: Vec<std::path::PathBuf>) -> PyResult<St
 /// Bytes from a size such as "4GiB", read as the CLI reads sizes.
 #[pyfunction]
 pub fn parse_bytes(text: &str) -> PyResult<u64> {
-    strata::report::parse_bytes(text).map_err(PyValueError::new_err)
+    strata::size::parse_bytes(text).map_err(PyValueError::new_err)
 }

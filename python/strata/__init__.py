@@ -3,7 +3,8 @@
 - ``strata.optim.CPUAdamW``: a ``torch.optim.Optimizer`` running strata's SIMD AdamW on
   the CPU (fp32 or 8-bit state), on the tensors' own memory.
 - ``strata.io.Store``: the NVMe tier's checksummed tensor store (io_uring).
-- ``strata.plan(...)`` and ``strata.doctor()``: the CLI's answers, as dicts.
+- ``strata.plan(...)`` and ``strata.doctor()``: the CLI's answers, as dicts (the settings
+  reach strata typed, as keywords, not as a command line).
 
 ``import strata`` does not import torch; ``strata.optim`` does.
 """
@@ -26,35 +27,23 @@ def __getattr__(name):
     raise AttributeError(f"module 'strata' has no attribute {name!r}")
 
 
-def _flags(options):
-    argv = []
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                argv += [flag, str(item)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-def plan(**options):
+def plan(ranks=1, config=None, **options):
     """What ``strata plan`` answers, as a dict.
 
-    Takes ``strata plan``'s flags as keyword arguments (``model="gpt2-xl",
-    device_mem="24GiB", host_mem="64GiB", batch=4, seq=1024, clip=0``; a list repeats a
-    flag, ``True`` gives a bare flag; ``ranks=2`` plans one rank of two). Keys: the model
-    and step, ``ranks``, ``budgets``, ``rates``, one row per built-in policy in
-    ``policies`` and the policies refused for this step, with the reason, in
-    ``unavailable``, ``auto`` (the plan auto picks, or None with the reason in
+    Takes ``strata plan``'s flags as keyword arguments, named as ``--print-config`` names
+    them and typed (``model="gpt2-xl", device_mem="24GiB", host_mem="64GiB", batch=4,
+    seq=1024, clip=0``; a list for a flag that repeats, ``nvme=["/mnt/a", "/mnt/b"]``;
+    ``True`` or ``False`` for a switch; ``None`` leaves a setting as it is), ``ranks=2`` to
+    plan one rank of two, and ``config`` for a TOML file of settings the keywords
+    override. Keys: the model and step, ``ranks``, ``budgets``, ``rates``, one row per
+    built-in policy in ``policies`` and the policies refused for this step, with the
+    reason, in ``unavailable``, ``auto`` (the plan auto picks, or None with the reason in
     ``no_fit``), and ``text``, the CLI's printout.
-    Raises ValueError for flags the CLI would refuse.
+    Raises ValueError for what the CLI would refuse.
     """
-    return _json.loads(_native.plan_json(_flags(options)))
+    typed = {key: value for key, value in options.items() if value is not None}
+    config = None if config is None else str(config)
+    return _json.loads(_native.plan_json(_json.dumps(typed), ranks, config))
 
 
 def doctor(nvme=None):

@@ -26,8 +26,9 @@ use strata_kernels::adamw::{
 use strata_kernels::isa::Isa;
 use strata_kernels::parallel;
 
-use crate::doctor::{cpu_model, meminfo_bytes};
-use crate::report::{Table, format_bytes, median, parse_count};
+use crate::machine::{cpu_model, meminfo_bytes};
+use crate::report::{Table, format_bytes, median};
+use crate::size::parse_count;
 
 /// Gradient dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]

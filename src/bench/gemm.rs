@@ -1,7 +1,7 @@
 //! `strata bench gemm`: strata's f32 matrix product (`ops::gemm`) on the products one
 //! training step of GPT-2 124M makes (batch 4 × 128: 512 rows), and in the same run
 //! PyTorch's (`torch.mm`, `addmm_`, `bmm` on the same shapes, layouts and thread count;
-//! `gemm_torch.py`, run with `--python`), when PyTorch can be imported.
+//! `benches/peers/gemm_torch.py`, run with `--python`), when PyTorch can be imported.
 //!
 //! The shapes: each linear layer's three products (out = in @ W, dIn = dOut @ Wᵀ,
 //! dW += inᵀ @ dOut, W stored (in, out) as GPT-2's Conv1D stores it) for the four
@@ -25,11 +25,11 @@ use strata_kernels::ops::{Cpu, MatrixMut, MatrixRef, gemm};
 use strata_kernels::parallel;
 
 use super::adam::{load_average, parse_isa};
-use crate::doctor::cpu_model;
+use crate::machine::cpu_model;
 use crate::report::{Table, median};
 
 /// The PyTorch peer, run with `--python -c`.
-const TORCH_PEER: &str = include_str!("gemm_torch.py");
+const TORCH_PEER: &str = include_str!("../../benches/peers/gemm_torch.py");
 
 /// Options of `strata bench gemm`.
 #[derive(Debug, Clone, clap::Args)]

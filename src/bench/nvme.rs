@@ -27,7 +27,8 @@ use super::{ds_io, fio};
 use crate::engine::Lane;
 use crate::engine::exec::NVME_IN_FLIGHT;
 use crate::engine::memory::{HostArena, HostLease, HostLocking, HostRange, Pinning};
-use crate::report::{Table, format_bytes, median, median_index, parse_bytes, write_json};
+use crate::report::{Table, format_bytes, median, median_index, write_json};
+use crate::size::parse_bytes;
 use crate::storage::{
     BackendChoice, ExtentId, IoStats, Pending, StoreConfig, TensorStore, filesystem_type, is_tmpfs,
 };
@@ -562,34 +563,7 @@ fn validate(args: &NvmeArgs) -> Result<(), String> {
 /// Runs the bench, prints its tables, and writes JSON if asked.
 pub fn run(args: &NvmeArgs) -> Result<NvmeReport, Box<dyn std::error::Error>> {
     validate(args)?;
-    let filesystems: Vec<String> = args
-        .paths
-        .iter()
-        .map(|p| filesystem_type(p).unwrap_or_else(|| "unknown".into()))
-        .collect();
-    for (path, fs) in args.paths.iter().zip(&filesystems) {
-        if is_tmpfs(path) {
-            log::warn!(
-                "{} is on {fs} (RAM): this measures memory, not a drive; pass --path on the drive",
-                path.display()
-            );
-        }
-    }
-    eprintln!(
-        "strata: bench nvme: {} per pass in {}-byte extents, block {}, queue depth {}, {} passes, in {}",
-        format_bytes(args.size),
-        args.extent,
-        format_bytes(args.block),
-        args.qd,
-        args.repeat,
-        args.paths
-            .iter()
-            .zip(&filesystems)
-            .map(|(p, fs)| format!("{} ({fs})", p.display()))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-
+    let filesystems = filesystems(args);
     let settings: &[bool] = match args.checksums {
         Checksums::Off => &[false],
         Checksums::On => &[true],
@@ -605,155 +579,12 @@ pub fn run(args: &NvmeArgs) -> Result<NvmeReport, Box<dyn std::error::Error>> {
     }
     let backend = rigs[0].store.backend().name().to_string();
     let host_memory = locking_name(rigs[0].arena.locking());
-
     let fio_version = if args.no_fio { None } else { fio::version() };
-    let mut skipped = Vec::new();
-    let mut fio_runs = Vec::new();
-    match &fio_version {
-        Some(_) => {
-            let run = |engine: &'static fio::FioEngine| {
-                let args_of = engine.args.iter().map(|a| a.to_string()).collect();
-                (engine, PeerRun::new(engine.name, args_of))
-            };
-            fio_runs.extend(fio::ENGINES.iter().map(run));
-            match fio::huge_pages_short(args.qd as u64 * args.block) {
-                Some(reason) => skipped.push(Skipped {
-                    name: fio::HUGE.name.to_string(),
-                    reason,
-                }),
-                None => fio_runs.push(run(&fio::HUGE)),
-            }
-        }
-        None if args.no_fio => {}
-        None => {
-            let reason = "fio is not on the PATH (install it: apt-get install fio)".to_string();
-            log::warn!("{reason}, so there is no fio to compare with");
-            skipped.push(Skipped {
-                name: "fio".into(),
-                reason,
-            });
-        }
-    }
-    let mut ds = args.peers.as_ref().map(|env| {
-        let run = PeerRun::new(
-            "DeepSpeed ds_io aio_handle",
-            vec!["--engine".into(), "aio_handle".into()],
-        );
-        (env, run)
-    });
-
-    // Rounds: in each, strata in every setting, then every peer, writes then reads, so
-    // that all see the drive in the same state and its swings spread over all of them.
-    let fio_file = args.paths[0].join(format!("strata-fio-{}.dat", std::process::id()));
-    let mut strata_samples = vec![Samples::default(); rigs.len()];
-    let mut chunks = vec![(0u64, 0u64); rigs.len()];
-    for round in 0..args.repeat {
-        eprintln!("strata: round {} of {}", round + 1, args.repeat);
-        for ((rig, samples), chunks) in rigs.iter_mut().zip(&mut strata_samples).zip(&mut chunks) {
-            for write in [true, false] {
-                let (rate, stats, extent_ns) = rig.pass(write)?;
-                let chunk_ns = if write {
-                    &stats.write_latency_ns
-                } else {
-                    &stats.read_latency_ns
-                };
-                eprintln!(
-                    "strata: strata {} checksums {}: {rate:.2} GiB/s",
-                    if write { "write" } else { "read " },
-                    if rig.store.checksums() { "on " } else { "off" },
-                );
-                chunks.0 += stats.fixed_chunks;
-                chunks.1 += stats.plain_chunks;
-                samples.push(
-                    write,
-                    (
-                        rate,
-                        Some(Percentiles::of(chunk_ns)),
-                        Some(Percentiles::of(&extent_ns)),
-                    ),
-                );
-            }
-        }
-        for (engine, run) in &mut fio_runs {
-            run.round(|write| {
-                let r = fio::run(engine, write, &fio_file, args.size, args.block, args.qd)?;
-                let [p50_us, p99_us, p999_us] = r.latency_us;
-                let latency = Percentiles {
-                    p50_us,
-                    p99_us,
-                    p999_us,
-                };
-                Ok((r.bytes_per_s / GIB, Some(latency), None))
-            });
-        }
-        if let Some((env, run)) = &mut ds {
-            run.round(|write| {
-                let rate = ds_io::run(env, &args.paths[0], write, args.size, args.block, args.qd)?;
-                Ok((rate / GIB, None, None))
-            });
-        }
-    }
-    let _ = std::fs::remove_file(&fio_file);
-    let strata: Vec<StrataResult> = rigs
-        .iter()
-        .zip(&strata_samples)
-        .zip(&chunks)
-        .map(|((rig, samples), &(fixed_chunks, plain_chunks))| {
-            let (write, read) = samples.phases();
-            StrataResult {
-                checksums: rig.store.checksums(),
-                write,
-                read,
-                fixed_chunks,
-                plain_chunks,
-            }
-        })
-        .collect();
+    let mut peers = Peers::new(args, fio_version.is_some());
+    let strata = run_rounds(args, &mut rigs, &mut peers)?;
     drop(rigs);
-    let mut fio_results = Vec::new();
-    for (_, run) in fio_runs {
-        match run.finish() {
-            Ok(result) => fio_results.push(result),
-            Err(skip) => skipped.push(skip),
-        }
-    }
-    let ds_io = match ds.map(|(_, run)| run.finish()) {
-        Some(Ok(result)) => Some(result),
-        Some(Err(skip)) => {
-            skipped.push(skip);
-            None
-        }
-        None => None,
-    };
-
-    let mut ratios = Vec::new();
-    for direction in ["write", "read"] {
-        let pick = |p: &Phase, q: &Phase| {
-            if direction == "write" {
-                p.median_gib_per_s
-            } else {
-                q.median_gib_per_s
-            }
-        };
-        let best_fio = fio_results
-            .iter()
-            .max_by(|a, b| pick(&a.write, &a.read).total_cmp(&pick(&b.write, &b.read)));
-        for peer in best_fio.into_iter().chain(&ds_io) {
-            let theirs = pick(&peer.write, &peer.read);
-            for s in &strata {
-                let mine = pick(&s.write, &s.read);
-                ratios.push(Ratio {
-                    direction,
-                    checksums: s.checksums,
-                    strata_gib_per_s: mine,
-                    peer: peer.name.clone(),
-                    peer_gib_per_s: theirs,
-                    ratio: mine / theirs,
-                });
-            }
-        }
-    }
-
+    let (fio_results, ds_io, skipped) = peers.finish();
+    let ratios = ratios(&strata, &fio_results, ds_io.as_ref());
     let sweep = if args.sweep { sweep(args)? } else { Vec::new() };
     let report = NvmeReport {
         paths: args.paths.clone(),
@@ -781,6 +612,234 @@ pub fn run(args: &NvmeArgs) -> Result<NvmeReport, Box<dyn std::error::Error>> {
         eprintln!("strata: wrote {}", path.display());
     }
     Ok(report)
+}
+
+/// Each `--path`'s filesystem (a warning for one in RAM), after saying what the bench
+/// will do.
+fn filesystems(args: &NvmeArgs) -> Vec<String> {
+    let filesystems: Vec<String> = args
+        .paths
+        .iter()
+        .map(|p| filesystem_type(p).unwrap_or_else(|| "unknown".into()))
+        .collect();
+    for (path, fs) in args.paths.iter().zip(&filesystems) {
+        if is_tmpfs(path) {
+            log::warn!(
+                "{} is on {fs} (RAM): this measures memory, not a drive; pass --path on the drive",
+                path.display()
+            );
+        }
+    }
+    eprintln!(
+        "strata: bench nvme: {} per pass in {}-byte extents, block {}, queue depth {}, {} passes, in {}",
+        format_bytes(args.size),
+        args.extent,
+        format_bytes(args.block),
+        args.qd,
+        args.repeat,
+        args.paths
+            .iter()
+            .zip(&filesystems)
+            .map(|(p, fs)| format!("{} ({fs})", p.display()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    filesystems
+}
+
+/// The peers in the rounds: fio in each of its configurations (when it is here), and
+/// DeepSpeed's ds_io (with `--peers`); and those that cannot run, with why.
+struct Peers {
+    fio: Vec<(&'static fio::FioEngine, PeerRun)>,
+    ds: Option<(PathBuf, PeerRun)>,
+    skipped: Vec<Skipped>,
+}
+
+impl Peers {
+    fn new(args: &NvmeArgs, have_fio: bool) -> Self {
+        let mut peers = Peers {
+            fio: Vec::new(),
+            ds: None,
+            skipped: Vec::new(),
+        };
+        if have_fio {
+            let run = |engine: &'static fio::FioEngine| {
+                let args_of = engine.args.iter().map(|a| a.to_string()).collect();
+                (engine, PeerRun::new(engine.name, args_of))
+            };
+            peers.fio.extend(fio::ENGINES.iter().map(run));
+            match fio::huge_pages_short(args.qd as u64 * args.block) {
+                Some(reason) => peers.skipped.push(Skipped {
+                    name: fio::HUGE.name.to_string(),
+                    reason,
+                }),
+                None => peers.fio.push(run(&fio::HUGE)),
+            }
+        } else if !args.no_fio {
+            let reason = "fio is not on the PATH (install it: apt-get install fio)".to_string();
+            log::warn!("{reason}, so there is no fio to compare with");
+            peers.skipped.push(Skipped {
+                name: "fio".into(),
+                reason,
+            });
+        }
+        peers.ds = args.peers.as_ref().map(|env| {
+            let run = PeerRun::new(
+                "DeepSpeed ds_io aio_handle",
+                vec!["--engine".into(), "aio_handle".into()],
+            );
+            (env.clone(), run)
+        });
+        peers
+    }
+
+    /// One round of every peer, on the same size, block size and queue depth.
+    fn round(&mut self, args: &NvmeArgs, fio_file: &std::path::Path) {
+        for (engine, run) in &mut self.fio {
+            run.round(|write| {
+                let r = fio::run(engine, write, fio_file, args.size, args.block, args.qd)?;
+                let [p50_us, p99_us, p999_us] = r.latency_us;
+                let latency = Percentiles {
+                    p50_us,
+                    p99_us,
+                    p999_us,
+                };
+                Ok((r.bytes_per_s / GIB, Some(latency), None))
+            });
+        }
+        if let Some((env, run)) = &mut self.ds {
+            run.round(|write| {
+                let rate = ds_io::run(env, &args.paths[0], write, args.size, args.block, args.qd)?;
+                Ok((rate / GIB, None, None))
+            });
+        }
+    }
+
+    /// fio's results, ds_io's, and every peer that did not run, with why.
+    fn finish(mut self) -> (Vec<PeerResult>, Option<PeerResult>, Vec<Skipped>) {
+        let mut fio_results = Vec::new();
+        for (_, run) in self.fio {
+            match run.finish() {
+                Ok(result) => fio_results.push(result),
+                Err(skip) => self.skipped.push(skip),
+            }
+        }
+        let ds_io = match self.ds.map(|(_, run)| run.finish()) {
+            Some(Ok(result)) => Some(result),
+            Some(Err(skip)) => {
+                self.skipped.push(skip);
+                None
+            }
+            None => None,
+        };
+        (fio_results, ds_io, self.skipped)
+    }
+}
+
+/// `--repeat` rounds: in each, strata in every setting, then every peer, writes then
+/// reads, so that all see the drive in the same state and its swings spread over all of
+/// them. strata's results per setting.
+fn run_rounds(
+    args: &NvmeArgs,
+    rigs: &mut [Rig],
+    peers: &mut Peers,
+) -> Result<Vec<StrataResult>, Box<dyn std::error::Error>> {
+    let fio_file = args.paths[0].join(format!("strata-fio-{}.dat", std::process::id()));
+    let mut strata_samples = vec![Samples::default(); rigs.len()];
+    let mut chunks = vec![(0u64, 0u64); rigs.len()];
+    for round in 0..args.repeat {
+        eprintln!("strata: round {} of {}", round + 1, args.repeat);
+        for ((rig, samples), chunks) in rigs.iter_mut().zip(&mut strata_samples).zip(&mut chunks) {
+            strata_round(rig, samples, chunks)?;
+        }
+        peers.round(args, &fio_file);
+    }
+    let _ = std::fs::remove_file(&fio_file);
+    Ok(rigs
+        .iter()
+        .zip(&strata_samples)
+        .zip(&chunks)
+        .map(|((rig, samples), &(fixed_chunks, plain_chunks))| {
+            let (write, read) = samples.phases();
+            StrataResult {
+                checksums: rig.store.checksums(),
+                write,
+                read,
+                fixed_chunks,
+                plain_chunks,
+            }
+        })
+        .collect())
+}
+
+/// One round of strata in `rig`'s setting: a write pass, then a read pass; their samples,
+/// and the chunks each kind of I/O took (fixed, plain).
+fn strata_round(
+    rig: &mut Rig,
+    samples: &mut Samples,
+    chunks: &mut (u64, u64),
+) -> Result<(), Box<dyn std::error::Error>> {
+    for write in [true, false] {
+        let (rate, stats, extent_ns) = rig.pass(write)?;
+        let chunk_ns = if write {
+            &stats.write_latency_ns
+        } else {
+            &stats.read_latency_ns
+        };
+        eprintln!(
+            "strata: strata {} checksums {}: {rate:.2} GiB/s",
+            if write { "write" } else { "read " },
+            if rig.store.checksums() { "on " } else { "off" },
+        );
+        chunks.0 += stats.fixed_chunks;
+        chunks.1 += stats.plain_chunks;
+        samples.push(
+            write,
+            (
+                rate,
+                Some(Percentiles::of(chunk_ns)),
+                Some(Percentiles::of(&extent_ns)),
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// strata's rate over the best fio configuration's and over ds_io's, per direction and
+/// checksum setting.
+fn ratios(
+    strata: &[StrataResult],
+    fio_results: &[PeerResult],
+    ds_io: Option<&PeerResult>,
+) -> Vec<Ratio> {
+    let mut ratios = Vec::new();
+    for direction in ["write", "read"] {
+        let pick = |p: &Phase, q: &Phase| {
+            if direction == "write" {
+                p.median_gib_per_s
+            } else {
+                q.median_gib_per_s
+            }
+        };
+        let best_fio = fio_results
+            .iter()
+            .max_by(|a, b| pick(&a.write, &a.read).total_cmp(&pick(&b.write, &b.read)));
+        for peer in best_fio.into_iter().chain(ds_io) {
+            let theirs = pick(&peer.write, &peer.read);
+            for s in strata {
+                let mine = pick(&s.write, &s.read);
+                ratios.push(Ratio {
+                    direction,
+                    checksums: s.checksums,
+                    strata_gib_per_s: mine,
+                    peer: peer.name.clone(),
+                    peer_gib_per_s: theirs,
+                    ratio: mine / theirs,
+                });
+            }
+        }
+    }
+    ratios
 }
 
 /// The report as the tables `run` prints.

@@ -6,7 +6,7 @@
 //! and p99 latency of one copy. In the same run it reads the PCIe generation and width
 //! the link trained at (from sysfs, at the PCI address the driver reports), computes the
 //! link's theoretical rate, and, when PyTorch is installed, times the same pinned copies
-//! with PyTorch (`pcie_torch.py`) so the two can be compared.
+//! with PyTorch (`benches/peers/pcie_torch.py`) so the two can be compared.
 //!
 //! It also measures the pinned pool every transfer goes through (acquire and release,
 //! alone and contended), which needs no GPU. Without a GPU it says so and measures only
@@ -21,10 +21,11 @@ use serde::{Deserialize, Serialize};
 use strata_engine::device::{CudaDevice, Device, DeviceChoice, DeviceConfig, select};
 use strata_engine::memory::{PinnedPool, PinnedPoolConfig, Pinning};
 
-use crate::report::{LineChart, Series, Table, format_bytes, parse_bytes, write_json};
+use crate::report::{LineChart, Series, Table, format_bytes, write_json};
+use crate::size::parse_bytes;
 
 /// The PyTorch peer, run with `python3 -c`.
-const TORCH_PEER: &str = include_str!("pcie_torch.py");
+const TORCH_PEER: &str = include_str!("../../benches/peers/pcie_torch.py");
 
 /// Timed copies thrown away before measuring each point (first-touch and clock ramp-up).
 const WARMUP: usize = 2;

@@ -8,8 +8,8 @@
 //! AdamW on fp32 parameters), all-on-device's.
 //!
 //! The bf16 peer, and for a Llama-family model (Llama, Mistral, Qwen2, Qwen3) all of
-//! them, run `step_peer.py`, embedded here: transformers builds the model from the
-//! config.json strata writes for its own shape, so both sides train the same
+//! them, run `benches/peers/step_peer.py`, embedded here: transformers builds the model
+//! from the config.json strata writes for its own shape, so both sides train the same
 //! architecture at the same size.
 //!
 //! `DIR` is the folder `../shared/anchors/setup DIR` makes: a Python env in `DIR/venv`
@@ -21,8 +21,9 @@
 use std::path::Path;
 use std::process::Command;
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 use serde_json::Value;
+use strata_engine::plan::BuiltinPolicy;
 
 use crate::report::Table;
 
@@ -64,7 +65,8 @@ pub struct PeerResult {
     /// The peer (`pytorch-eager`, `deepspeed-zero-offload`, `deepspeed-zero-infinity`).
     pub peer: &'static str,
     /// The strata policy it is compared with.
-    pub strata_policy: &'static str,
+    #[serde(serialize_with = "policy_name")]
+    pub strata_policy: BuiltinPolicy,
     /// Whether it ran; when not, `reason` says why.
     pub ran: bool,
     /// Why it did not run.
@@ -85,53 +87,71 @@ pub struct PeerResult {
 
 /// strata's own peer script (see the module's documentation): written into the peer's
 /// work folder to run, where the anchors' scripts run from beside the env.
-const STEP_PEER: &str = include_str!("step_peer.py");
+const STEP_PEER: &str = include_str!("../../benches/peers/step_peer.py");
 
 /// File name of [`STEP_PEER`] in a peer's work folder.
 const STEP_PEER_SCRIPT: &str = "step_peer.py";
 
-/// The bf16 peer: its name, strata counterpart, script and arguments.
-const BF16_PEER: (&str, &str, &str, &[&str]) = (
+/// A policy in JSON: its name.
+fn policy_name<S: Serializer>(policy: &BuiltinPolicy, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(policy)
+}
+
+/// A peer: its name, strata counterpart, script and extra arguments.
+type Peer = (
+    &'static str,
+    BuiltinPolicy,
+    &'static str,
+    &'static [&'static str],
+);
+
+/// The bf16 peer.
+const BF16_PEER: Peer = (
     "pytorch-eager-bf16-autocast",
-    "all-on-device",
+    BuiltinPolicy::AllOnDevice,
     STEP_PEER_SCRIPT,
     &["--engine", "eager", "--autocast", "bf16"],
 );
 
-/// The fp32 peers, each with its strata counterpart, script and extra arguments.
-const PEERS: [(&str, &str, &str, &[&str]); 3] = [
-    ("pytorch-eager", "all-on-device", "gpt2_step_bench.py", &[]),
+/// The fp32 peers.
+const PEERS: [Peer; 3] = [
+    (
+        "pytorch-eager",
+        BuiltinPolicy::AllOnDevice,
+        "gpt2_step_bench.py",
+        &[],
+    ),
     (
         "deepspeed-zero-offload",
-        "cpu-offload",
+        BuiltinPolicy::CpuOffload,
         "ds_zero3_bench.py",
         &["--offload", "cpu", "--zero-init"],
     ),
     (
         "deepspeed-zero-infinity",
-        "nvme-offload",
+        BuiltinPolicy::NvmeOffload,
         "ds_zero3_bench.py",
         &["--offload", "nvme", "--zero-init"],
     ),
 ];
 
 /// The Llama-family peers: [`PEERS`]' engines, from [`STEP_PEER`].
-const LLAMA_PEERS: [(&str, &str, &str, &[&str]); 3] = [
+const LLAMA_PEERS: [Peer; 3] = [
     (
         "pytorch-eager",
-        "all-on-device",
+        BuiltinPolicy::AllOnDevice,
         STEP_PEER_SCRIPT,
         &["--engine", "eager"],
     ),
     (
         "deepspeed-zero-offload",
-        "cpu-offload",
+        BuiltinPolicy::CpuOffload,
         STEP_PEER_SCRIPT,
         &["--engine", "zero", "--offload", "cpu"],
     ),
     (
         "deepspeed-zero-infinity",
-        "nvme-offload",
+        BuiltinPolicy::NvmeOffload,
         STEP_PEER_SCRIPT,
         &["--engine", "zero", "--offload", "nvme"],
     ),
@@ -142,19 +162,13 @@ fn is_gpt2(shape: &PeerShape) -> bool {
     shape.hf_config["model_type"] == "gpt2"
 }
 
-/// The strata policy name a peer is compared with, as `bench step` names its results
-/// (`nvme-offload(depth 2)` counts as `nvme-offload`).
-fn matches_policy(result_name: &str, policy: &str) -> bool {
-    result_name == policy || result_name.starts_with(&format!("{policy}("))
-}
-
-/// Runs every peer whose strata counterpart is among `strata` (policy name, tokens/s),
+/// Runs every peer whose strata counterpart is among `strata` (policy, tokens/s),
 /// from the anchors folder `dir`, with `nvme_dir` under which ZeRO-Infinity may make its
 /// swap folder (removed afterwards). Prints each peer's progress on standard error.
 pub fn run(
     dir: &Path,
     shape: &PeerShape,
-    strata: &[(String, f64)],
+    strata: &[(BuiltinPolicy, f64)],
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
     let peers = if is_gpt2(shape) { &PEERS } else { &LLAMA_PEERS };
@@ -165,7 +179,7 @@ pub fn run(
 pub fn run_bf16(
     dir: &Path,
     shape: &PeerShape,
-    strata: &[(String, f64)],
+    strata: &[(BuiltinPolicy, f64)],
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
     run_set(dir, shape, strata, nvme_dir, &[BF16_PEER])
@@ -174,15 +188,15 @@ pub fn run_bf16(
 fn run_set(
     dir: &Path,
     shape: &PeerShape,
-    strata: &[(String, f64)],
+    strata: &[(BuiltinPolicy, f64)],
     nvme_dir: &Path,
-    peers: &[(&'static str, &'static str, &str, &[&str])],
+    peers: &[Peer],
 ) -> Vec<PeerResult> {
     let mut results = Vec::new();
     for &(peer, policy, script, extra) in peers {
         let strata_tps = strata
             .iter()
-            .find(|(name, _)| matches_policy(name, policy))
+            .find(|(builtin, _)| *builtin == policy)
             .map(|(_, tps)| *tps);
         let mut result = PeerResult {
             peer,
@@ -425,10 +439,17 @@ mod tests {
     }
 
     #[test]
-    fn policies_with_a_depth_match_their_peer() {
-        assert!(matches_policy("nvme-offload(depth 2)", "nvme-offload"));
-        assert!(matches_policy("all-on-device", "all-on-device"));
-        assert!(!matches_policy("param-offload(depth 2)", "cpu-offload"));
+    fn a_peer_result_names_its_policy_in_json() {
+        let results = run(
+            Path::new("/nonexistent/strata-peers"),
+            &tiny_shape(1),
+            &[(BuiltinPolicy::NvmeOffload, 1.0)],
+            Path::new("/nonexistent/strata-peers"),
+        );
+        let json = serde_json::to_value(&results[2]).unwrap();
+        assert_eq!(json["strata_policy"], "nvme-offload");
+        assert_eq!(results[2].strata_tokens_per_s, Some(1.0));
+        assert_eq!(results[1].strata_tokens_per_s, None);
     }
 
     /// A tiny model's shape, one step.
@@ -462,7 +483,7 @@ mod tests {
         let results = run(
             dir.path(),
             &shape,
-            &[("all-on-device".into(), 100.0)],
+            &[(BuiltinPolicy::AllOnDevice, 100.0)],
             dir.path(),
         );
         assert_eq!(results.len(), 3);
@@ -504,7 +525,7 @@ echo '{"median_step_s": 0.5, "tokens_per_s": 16.0, "final_loss": 3.0}' >> "$2"
         let results = run_bf16(
             dir.path(),
             &shape,
-            &[("all-on-device".into(), 24.0)],
+            &[(BuiltinPolicy::AllOnDevice, 24.0)],
             dir.path(),
         );
         assert_eq!(results.len(), 1);
@@ -545,9 +566,9 @@ echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
             ..tiny_shape(2)
         };
         let strata = [
-            ("all-on-device".into(), 4.0),
-            ("cpu-offload".into(), 4.0),
-            ("nvme-offload(depth 2)".into(), 4.0),
+            (BuiltinPolicy::AllOnDevice, 4.0),
+            (BuiltinPolicy::CpuOffload, 4.0),
+            (BuiltinPolicy::NvmeOffload, 4.0),
         ];
         let results = run(dir.path(), &shape, &strata, dir.path());
         let ratios: Vec<_> = results

@@ -23,6 +23,7 @@
 
 use std::path::{Path, PathBuf};
 
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use serde::Serialize;
 use serde_json::{Value, json};
 use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
@@ -30,40 +31,32 @@ use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Llama, Model};
 use strata_engine::plan::{
-    AllOnDevice, Budgets, CostModel, GradSpill, Lane, NvmeOffload, Plan, PlanInput, Policy,
+    Budgets, BuiltinPolicy, CostModel, GradSpill, Lane, NvmeOffload, Plan, PlanInput, Policy,
     Precision, Prediction, Recompute, StepShape, Tier,
 };
 
 use super::adam::load_average;
 use super::peers::{self, PeerResult, PeerShape};
-use crate::doctor::{cpu_model, meminfo_bytes};
+use crate::machine::{cpu_model, meminfo_bytes, swap_folder_refusal};
 use crate::model_info::{self, LlamaShapeArgs, ModelArgs, ShapeArgs};
-use crate::report::{
-    LineChart, Series, Table, format_bytes, median, median_index, parse_bytes, write_json,
-};
+use crate::report::{LineChart, Series, Table, format_bytes, median, median_index, write_json};
+use crate::size::parse_bytes;
 
-/// A built-in policy, as named on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PolicyName {
-    /// Everything on the device: the reference.
-    AllOnDevice,
-    /// ZeRO-Offload: optimizer state on the host, updated by the CPU.
-    CpuOffload,
-    /// CPU offload, and parameters streamed from the host `--depth` blocks ahead.
-    ParamOffload,
-    /// ZeRO-Infinity: parameters and optimizer state on NVMe.
-    NvmeOffload,
-}
-
-impl PolicyName {
-    /// The policy, with `depth` blocks of prefetch where it streams.
-    pub fn policy(self, depth: usize) -> Box<dyn Policy> {
-        let value = clap::ValueEnum::to_possible_value(&self).expect("every name is listed");
-        let builtin: strata_engine::plan::BuiltinPolicy =
-            value.get_name().parse().expect("a built-in policy's name");
-        builtin.policy(depth)
-    }
+/// `--policies`' values: each built-in policy's name, with what it keeps where.
+fn policy_values() -> impl TypedValueParser<Value = BuiltinPolicy> {
+    let values = BuiltinPolicy::ALL.map(|policy| {
+        PossibleValue::new(policy.name()).help(match policy {
+            BuiltinPolicy::AllOnDevice => "Everything on the device: the reference",
+            BuiltinPolicy::CpuOffload => {
+                "ZeRO-Offload: optimizer state on the host, updated by the CPU"
+            }
+            BuiltinPolicy::ParamOffload => {
+                "CPU offload, and parameters streamed from the host `--depth` blocks ahead"
+            }
+            BuiltinPolicy::NvmeOffload => "ZeRO-Infinity: parameters and optimizer state on NVMe",
+        })
+    });
+    PossibleValuesParser::new(values).try_map(|name| name.parse::<BuiltinPolicy>())
 }
 
 /// The working dtype of the parameters.
@@ -113,11 +106,11 @@ pub struct StepArgs {
     /// Policies to compare, comma-separated.
     #[arg(
         long,
-        value_enum,
+        value_parser = policy_values(),
         value_delimiter = ',',
-        default_value = "all-on-device,cpu-offload,param-offload,nvme-offload"
+        default_value = BuiltinPolicy::ALL.map(BuiltinPolicy::name).join(",")
     )]
-    pub policies: Vec<PolicyName>,
+    pub policies: Vec<BuiltinPolicy>,
     /// Prefetch depth, in blocks, of the policies that stream.
     #[arg(long, visible_alias = "prefetch", default_value_t = 2)]
     pub depth: usize,
@@ -465,6 +458,8 @@ pub struct ScaleReport {
 
 /// One policy being run.
 struct Rig {
+    /// The built-in policy, as asked for.
+    builtin: BuiltinPolicy,
     policy: Box<dyn Policy>,
     recompute: Recompute,
     plan: Plan,
@@ -474,6 +469,65 @@ struct Rig {
     reports: Vec<StepReport>,
     peak_measured: [u64; 3],
     latency: Vec<Latency>,
+}
+
+impl Rig {
+    /// `builtin`'s plan, not started.
+    fn new(
+        builtin: BuiltinPolicy,
+        policy: Box<dyn Policy>,
+        recompute: Recompute,
+        plan: Plan,
+    ) -> Self {
+        Rig {
+            builtin,
+            policy,
+            recompute,
+            plan,
+            executor: None,
+            warmup: Vec::new(),
+            steps: Vec::new(),
+            reports: Vec::new(),
+            peak_measured: [0; 3],
+            latency: Vec::new(),
+        }
+    }
+
+    /// Step `s` of `warmup + measured = total` (a warm-up step while `s < warmup`) on
+    /// `batches`.
+    fn step(
+        &mut self,
+        batches: &[(Vec<u32>, Vec<u32>)],
+        setup: &Setup,
+        s: usize,
+        (warmup, total): (usize, usize),
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let executor = self.executor.as_mut().expect("started");
+        let report = executor.step(&refs(batches), &setup.step_params)?;
+        eprintln!(
+            "  {} ({}) step {}/{total}{}: {:.3} s, loss {:.4}",
+            self.policy.name(),
+            self.plan.recompute_summary(),
+            s + 1,
+            if s < warmup { " (warm-up)" } else { "" },
+            report.seconds,
+            report.loss
+        );
+        if s < warmup {
+            self.warmup.push(StepSample::from(&report));
+        } else {
+            self.steps.push(StepSample::from(&report));
+            self.reports.push(report);
+        }
+        Ok(())
+    }
+
+    /// Ends the run: its peaks and latencies kept, its executor dropped.
+    fn finish(&mut self) {
+        let executor = self.executor.take().expect("started");
+        self.peak_measured = executor.peak_measured();
+        self.latency = latencies(&executor);
+    }
 }
 
 /// What every policy of a run shares: the model, its initial parameters, the step.
@@ -652,7 +706,7 @@ fn check_nvme_dir(dir: &Path) -> Result<(), String> {
             dir.display()
         ));
     }
-    match crate::train::swap_folder_refusal(dir) {
+    match swap_folder_refusal(dir) {
         Some(why) => Err(format!("--nvme {why}")),
         None => Ok(()),
     }
@@ -715,19 +769,80 @@ pub fn run(args: &StepArgs) -> Result<(), Box<dyn std::error::Error>> {
 pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::error::Error>> {
     let mut machine = Machine::now();
     let setup = Setup::new(args, true)?;
+    let (mut rigs, refused) = plan_rigs(args, &setup);
+    if rigs.is_empty() {
+        return Err("no policy fits the budgets; see the refusals above".into());
+    }
+    if rigs.iter().any(|r| !r.plan.extent_groups.is_empty()) {
+        check_nvme_dir(&args.nvme)?;
+    }
+    let (schedule, schedule_reason) = schedule(&rigs, &setup, &machine);
+    print_compare_header(args, &setup, &machine, schedule);
+    println!("schedule: {schedule_reason}");
+    run_rigs(&mut rigs, args, &setup, schedule)?;
+    machine.load_average[1] = load_average();
+
+    let cost = CostModel::default();
+    let policies = policy_results(&rigs, setup.shape.tokens(), cost);
+    let losses = |r: &Rig| -> Vec<u32> {
+        r.warmup
+            .iter()
+            .chain(&r.steps)
+            .map(|s| s.loss.to_bits())
+            .collect()
+    };
+    let losses_identical = rigs.iter().all(|r| losses(r) == losses(&rigs[0]));
+    let recompute = recompute_comparisons(&policies);
+    let peers = match &args.peers {
+        None => Vec::new(),
+        Some(dir) => {
+            let results = run_peers(dir, args, &setup, &rigs, &policies);
+            machine.load_average[1] = load_average();
+            results
+        }
+    };
+    let report = StepBenchReport {
+        machine,
+        model: setup.desc.clone(),
+        batch: args.batch,
+        seq: args.seq,
+        grad_accum: args.grad_accum,
+        dtype: setup.shape.precision.to_string(),
+        delayed_update: setup.shape.delayed_update,
+        nvme_in_flight: args.nvme_in_flight,
+        warmup: args.warmup,
+        steps: args.steps,
+        schedule,
+        schedule_reason,
+        nvme_dir: args.nvme.clone(),
+        budgets: [args.device_mem, args.host_mem, None],
+        cost_model: cost,
+        losses_identical,
+        policies,
+        recompute,
+        refused,
+        peers,
+    };
+    print_compare(&report, args, &rigs)?;
+    Ok(report)
+}
+
+/// Plans every policy asked for under every `--recompute` asked for: a rig for each plan
+/// that fits, a refusal (printed) for each that does not.
+fn plan_rigs(args: &StepArgs, setup: &Setup) -> (Vec<Rig>, Vec<Refusal>) {
     let mut rigs = Vec::new();
     let mut refused = Vec::new();
-    let mut asked: Vec<(PolicyName, Recompute)> = Vec::new();
-    for (&name, &recompute) in args
+    let mut asked: Vec<(BuiltinPolicy, Recompute)> = Vec::new();
+    for (&builtin, &recompute) in args
         .policies
         .iter()
         .flat_map(|n| args.recompute.iter().map(move |r| (n, r)))
     {
-        if asked.contains(&(name, recompute)) {
+        if asked.contains(&(builtin, recompute)) {
             continue;
         }
-        asked.push((name, recompute));
-        let policy = name.policy(args.depth);
+        asked.push((builtin, recompute));
+        let policy = builtin.policy(args.depth);
         let input = PlanInput {
             model: &setup.model,
             shape: setup.shape.recomputing(recompute),
@@ -737,17 +852,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
             plan.check_fits(&input)?;
             Ok(plan)
         }) {
-            Ok(plan) => rigs.push(Rig {
-                policy,
-                recompute,
-                plan,
-                executor: None,
-                warmup: Vec::new(),
-                steps: Vec::new(),
-                reports: Vec::new(),
-                peak_measured: [0; 3],
-                latency: Vec::new(),
-            }),
+            Ok(plan) => rigs.push(Rig::new(builtin, policy, recompute, plan)),
             Err(e) => {
                 let policy = if args.recompute.len() > 1 {
                     format!("{}, --recompute {recompute}", policy.name())
@@ -762,23 +867,20 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
             }
         }
     }
-    if rigs.is_empty() {
-        return Err("no policy fits the budgets; see the refusals above".into());
-    }
-    if rigs.iter().any(|r| !r.plan.extent_groups.is_empty()) {
-        check_nvme_dir(&args.nvme)?;
-    }
-    let config = &setup.desc;
-    let tokens = setup.shape.tokens();
-    // Every executor held at once (interleaved) needs the sum of the plans' device and
-    // host peaks (the CPU device's memory is host memory), next to the initial
-    // parameters; run sequentially when that would crowd out the page cache and others.
+    (rigs, refused)
+}
+
+/// Whether the rigs run interleaved (every executor held at once) or one after another,
+/// and why. Held at once, they need the sum of the plans' device and host peaks (the CPU
+/// device's memory is host memory), next to the initial parameters; they run
+/// sequentially when that would crowd out the page cache and others.
+fn schedule(rigs: &[Rig], setup: &Setup, machine: &Machine) -> (&'static str, String) {
     let held: u64 = rigs
         .iter()
         .map(|r| r.plan.peak[Tier::Device.index()] + r.plan.peak[Tier::Host.index()])
         .sum::<u64>()
-        + 4 * config.params;
-    let (schedule, schedule_reason) = match machine.mem_available_bytes {
+        + 4 * setup.desc.params;
+    match machine.mem_available_bytes {
         Some(available) if held as f64 > 0.8 * available as f64 => (
             "sequential",
             format!(
@@ -795,7 +897,12 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
                 format_bytes(held)
             ),
         ),
-    };
+    }
+}
+
+fn print_compare_header(args: &StepArgs, setup: &Setup, machine: &Machine, schedule: &str) {
+    let config = &setup.desc;
+    let tokens = setup.shape.tokens();
     println!(
         "bench step: {} {} ({} layers, {} heads, width {}, vocab {}, {} params), batch {} x seq {} \
          x accum {} = {tokens} tokens/step, {}{}, {} warm-up + {} measured steps per policy, \
@@ -821,69 +928,53 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         machine.cpu,
         machine.cores
     );
-    println!("schedule: {schedule_reason}");
+}
 
+/// Runs `--warmup` and then `--steps` steps of every rig on the same batches, one step of
+/// each per round (`interleaved`) or each in turn.
+fn run_rigs(
+    rigs: &mut [Rig],
+    args: &StepArgs,
+    setup: &Setup,
+    schedule: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
     let data: Vec<_> = (0..args.warmup + args.steps)
-        .map(|s| synthetic_batches(config.vocab, &setup.shape, args.seed, s))
+        .map(|s| synthetic_batches(setup.desc.vocab, &setup.shape, args.seed, s))
         .collect();
     let total = args.warmup + args.steps;
-    let one_step = |rig: &mut Rig, s: usize| -> Result<(), Box<dyn std::error::Error>> {
-        let executor = rig.executor.as_mut().expect("started");
-        let report = executor.step(&refs(&data[s]), &setup.step_params)?;
-        eprintln!(
-            "  {} ({}) step {}/{total}{}: {:.3} s, loss {:.4}",
-            rig.policy.name(),
-            rig.plan.recompute_summary(),
-            s + 1,
-            if s < args.warmup { " (warm-up)" } else { "" },
-            report.seconds,
-            report.loss
-        );
-        if s < args.warmup {
-            rig.warmup.push(StepSample::from(&report));
-        } else {
-            rig.steps.push(StepSample::from(&report));
-            rig.reports.push(report);
-        }
-        Ok(())
-    };
-    let finish = |rig: &mut Rig| {
-        let executor = rig.executor.take().expect("started");
-        rig.peak_measured = executor.peak_measured();
-        rig.latency = latencies(&executor);
-    };
     if schedule == "interleaved" {
-        for rig in &mut rigs {
+        for rig in rigs.iter_mut() {
             rig.executor = Some(setup.executor(&rig.plan)?);
         }
-        for s in 0..total {
-            for rig in &mut rigs {
-                one_step(rig, s)?;
+        for (s, batches) in data.iter().enumerate() {
+            for rig in rigs.iter_mut() {
+                rig.step(batches, setup, s, (args.warmup, total))?;
             }
         }
-        rigs.iter_mut().for_each(finish);
+        rigs.iter_mut().for_each(Rig::finish);
     } else {
-        for rig in &mut rigs {
+        for rig in rigs.iter_mut() {
             rig.executor = Some(setup.executor(&rig.plan)?);
-            for s in 0..total {
-                one_step(rig, s)?;
+            for (s, batches) in data.iter().enumerate() {
+                rig.step(batches, setup, s, (args.warmup, total))?;
             }
-            finish(rig);
+            rig.finish();
         }
     }
-    machine.load_average[1] = load_average();
+    Ok(())
+}
 
-    let cost = CostModel::default();
+/// Each rig's results, against `AllOnDevice`'s when it ran.
+fn policy_results(rigs: &[Rig], tokens: u64, cost: CostModel) -> Vec<PolicyResult> {
     let reference = rigs
         .iter()
-        .find(|r| r.plan.policy == AllOnDevice.name())
+        .find(|r| r.builtin == BuiltinPolicy::AllOnDevice)
         .map(|r| {
             let step = median(&r.steps.iter().map(|s| s.seconds).collect::<Vec<_>>());
             let compute = median(&r.steps.iter().map(compute_busy).collect::<Vec<_>>());
             (step, compute)
         });
-    let policies: Vec<PolicyResult> = rigs
-        .iter()
+    rigs.iter()
         .map(|rig| {
             let seconds: Vec<f64> = rig.steps.iter().map(|s| s.seconds).collect();
             let step_s = median(&seconds);
@@ -920,21 +1011,17 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
                 latency: rig.latency.clone(),
             }
         })
-        .collect();
-    let losses = |r: &Rig| -> Vec<u32> {
-        r.warmup
-            .iter()
-            .chain(&r.steps)
-            .map(|s| s.loss.to_bits())
-            .collect()
-    };
-    let losses_identical = rigs.iter().all(|r| losses(r) == losses(&rigs[0]));
+        .collect()
+}
+
+/// Per policy run both recomputing every layer and none, the two compared.
+fn recompute_comparisons(policies: &[PolicyResult]) -> Vec<RecomputeComparison> {
     let result = |policy: &str, recompute: Recompute| {
         policies
             .iter()
             .find(|p| p.policy == policy && p.recompute == recompute)
     };
-    let recompute = policies
+    policies
         .iter()
         .filter(|p| p.recompute == Recompute::All)
         .filter_map(|all| {
@@ -947,83 +1034,76 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
                 device_peak_planned: [all.peak_planned[0], none.peak_planned[0]],
             })
         })
-        .collect();
-    let peers = match &args.peers {
-        None => Vec::new(),
-        Some(dir) => {
-            // Each policy at its fastest recompute choice of this run (the peers keep
-            // every activation).
-            let mut strata: Vec<(String, f64)> = Vec::new();
-            for p in &policies {
-                match strata.iter_mut().find(|(name, _)| *name == p.policy) {
-                    Some(best) => best.1 = best.1.max(p.tokens_per_s),
-                    None => strata.push((p.policy.clone(), p.tokens_per_s)),
-                }
-            }
-            let shape = PeerShape {
-                layers: config.layers,
-                heads: config.heads,
-                width: config.width,
-                vocab: config.vocab,
-                ctx: config.ctx,
-                batch: args.batch * args.grad_accum,
-                seq: args.seq,
-                steps: args.steps,
-                warmup: args.warmup,
-                threads: strata_engine::kernels::parallel::max_threads(),
-                lr: args.lr,
-                hf_config: setup.hf_config.clone(),
-            };
-            let results = match args.dtype {
-                Dtype::Fp32 => peers::run(dir, &shape, &strata, &args.nvme),
-                Dtype::Bf16 => peers::run_bf16(dir, &shape, &strata, &args.nvme),
-            };
-            machine.load_average[1] = load_average();
-            results
+        .collect()
+}
+
+/// The peers of `--peers DIR`, each against its strata policy at that policy's fastest
+/// recompute choice of this run (the peers keep every activation).
+fn run_peers(
+    dir: &Path,
+    args: &StepArgs,
+    setup: &Setup,
+    rigs: &[Rig],
+    policies: &[PolicyResult],
+) -> Vec<PeerResult> {
+    let mut strata: Vec<(BuiltinPolicy, f64)> = Vec::new();
+    for (rig, p) in rigs.iter().zip(policies) {
+        match strata
+            .iter_mut()
+            .find(|(builtin, _)| *builtin == rig.builtin)
+        {
+            Some(best) => best.1 = best.1.max(p.tokens_per_s),
+            None => strata.push((rig.builtin, p.tokens_per_s)),
         }
-    };
-    let report = StepBenchReport {
-        machine,
-        model: config.clone(),
-        batch: args.batch,
+    }
+    let config = &setup.desc;
+    let shape = PeerShape {
+        layers: config.layers,
+        heads: config.heads,
+        width: config.width,
+        vocab: config.vocab,
+        ctx: config.ctx,
+        batch: args.batch * args.grad_accum,
         seq: args.seq,
-        grad_accum: args.grad_accum,
-        dtype: setup.shape.precision.to_string(),
-        delayed_update: setup.shape.delayed_update,
-        nvme_in_flight: args.nvme_in_flight,
-        warmup: args.warmup,
         steps: args.steps,
-        schedule,
-        schedule_reason,
-        nvme_dir: args.nvme.clone(),
-        budgets: [args.device_mem, args.host_mem, None],
-        cost_model: cost,
-        losses_identical,
-        policies,
-        recompute,
-        refused,
-        peers,
+        warmup: args.warmup,
+        threads: strata_engine::kernels::parallel::max_threads(),
+        lr: args.lr,
+        hf_config: setup.hf_config.clone(),
     };
-    print!("{}", render(&report));
+    match args.dtype {
+        Dtype::Fp32 => peers::run(dir, &shape, &strata, &args.nvme),
+        Dtype::Bf16 => peers::run_bf16(dir, &shape, &strata, &args.nvme),
+    }
+}
+
+/// Prints the report (and the peers'), writes the trace when asked, and refuses a run
+/// whose policies' losses differ.
+fn print_compare(
+    report: &StepBenchReport,
+    args: &StepArgs,
+    rigs: &[Rig],
+) -> Result<(), Box<dyn std::error::Error>> {
+    print!("{}", render(report));
     if !report.peers.is_empty() {
         println!();
         print!("{}", peers::render(&report.peers));
     }
     if let Some(path) = &args.trace {
-        write_json(path, &combined_trace(&rigs))?;
+        write_json(path, &combined_trace(rigs))?;
         println!(
             "wrote {} (open it in https://ui.perfetto.dev)",
             path.display()
         );
     }
-    if !losses_identical {
+    if !report.losses_identical {
         return Err(
             "the policies' losses differ: offloading changed the math (invariant 1); this is \
              a bug, please report it with the JSON"
                 .into(),
         );
     }
-    Ok(report)
+    Ok(())
 }
 
 fn compute_busy(s: &StepSample) -> f64 {
@@ -1060,11 +1140,13 @@ fn ratio(value: Option<f64>, suffix: &str) -> String {
 
 /// The tables of a comparison run.
 pub fn render(report: &StepBenchReport) -> String {
+    let aod = BuiltinPolicy::AllOnDevice;
+    let vs_aod = format!("vs {aod}");
     let mut time = Table::new([
         "policy",
         "step s",
         "tokens/s",
-        "vs all-on-device",
+        vs_aod.as_str(),
         "overlap (AOD compute)",
         "overlap (own compute)",
         "stall %",
@@ -1113,15 +1195,15 @@ pub fn render(report: &StepBenchReport) -> String {
         memory.row(row);
     }
     let mut out = time.render();
-    out.push_str(
-        "step s: median of the measured steps; vs all-on-device: step time over all-on-device's;\n\
-         overlap (AOD compute): all-on-device's compute-lane busy time / this step time (1 = \
+    out.push_str(&format!(
+        "step s: median of the measured steps; vs {aod}: step time over {aod}'s;\n\
+         overlap (AOD compute): {aod}'s compute-lane busy time / this step time (1 = \
          as fast as no data movement);\n\
          overlap (own compute): this policy's compute-lane busy time / its step time (1 = every \
          transfer hidden under compute);\n\
          stall: the compute lane waiting for data; predicted: the cost model's defaults \
          (engine::plan::CostModel).\n",
-    );
+    ));
     out.push('\n');
     out.push_str(&memory.render());
     out.push_str(
@@ -1212,106 +1294,44 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
     const DEFAULT_HOST_BYTES: u64 = 900 << 20;
     let mut machine = Machine::now();
     let setup = Setup::new(args, false)?;
-    let config = setup.desc.clone();
     let budgets = budgets(args, Some(DEFAULT_HOST_BYTES));
-    let params = config.params;
     let state_per_param = setup.shape.precision.param_bytes() + 12;
-    let state_bytes = params * state_per_param;
+    let state_bytes = setup.desc.params * state_per_param;
     if state_bytes < 2 * budgets.host {
         return Err(format!(
             "the scale run needs a training state at least twice the host budget, but {} \
-             ({params} params x {state_per_param} B) is less than twice --host-mem {}; pick a \
+             ({} params x {state_per_param} B) is less than twice --host-mem {}; pick a \
              larger --model or a smaller --host-mem",
             format_bytes(state_bytes),
+            setup.desc.params,
             format_bytes(budgets.host)
         )
         .into());
     }
     check_nvme_dir(&args.nvme)?;
-    let input = PlanInput {
-        model: &setup.model,
-        shape: setup.shape,
-        budgets,
-    };
-    // Checkpoints on the host if that fits, else on NVMe too (ZeRO-Infinity's choice for
-    // the largest models): the first NvmeOffload that fits the budgets.
-    let mut refusal = None;
-    let mut chosen = None;
-    for checkpoints in [Tier::Host, Tier::Nvme] {
-        let plan = Plan::build(
-            &input,
-            &NvmeOffload {
-                depth: args.depth,
-                checkpoints,
-            },
-        )?;
-        match plan.check_fits(&input) {
-            Ok(()) => {
-                chosen = Some((plan, checkpoints));
-                break;
-            }
-            Err(e) => refusal = Some(e),
-        }
-    }
-    let Some((plan, checkpoints)) = chosen else {
-        return Err(refusal.expect("a refusal when nothing fits").into());
-    };
-    let host = Tier::Host.index();
+    let (plan, checkpoints) = scale_plan(args, &setup, budgets)?;
     assert!(
-        plan.peak[host] <= budgets.host,
+        plan.peak[Tier::Host.index()] <= budgets.host,
         "check_fits held the budget"
     );
-    println!(
-        "bench step --scale: {} {} ({params} params), training state {} ({state_per_param} \
-         B/param: working {} params, fp32 master, Adam m and v) = {:.2}x the host budget {}; \
-         {} with checkpoints on {checkpoints}{}, planned peak: device {}, host {}, nvme {}",
-        config.family,
-        config.name,
-        format_bytes(state_bytes),
-        setup.shape.precision,
-        state_bytes as f64 / budgets.host as f64,
-        format_bytes(budgets.host),
-        plan.policy,
-        match (args.clip > 0.0, plan.spilled()) {
-            (false, _) => String::new(),
-            (true, 0) => format!(", clipping at {}", args.clip),
-            (true, n) => format!(
-                ", clipping at {}, the gradients of {n} blocks waiting for the norm on NVMe",
-                args.clip
-            ),
-        },
-        format_bytes(plan.peak[Tier::Device.index()]),
-        format_bytes(plan.peak[host]),
-        format_bytes(plan.peak[Tier::Nvme.index()]),
+    print_scale_header(
+        args,
+        &setup,
+        &plan,
+        (checkpoints, budgets.host),
+        state_bytes,
     );
-    let mut executor = setup.executor(&plan)?;
-    // One batch, every step: the loss must fall.
-    let batch = synthetic_batches(config.vocab, &setup.shape, args.seed, 0);
-    let mut steps = Vec::new();
-    for s in 0..args.steps {
-        let report = executor.step(&refs(&batch), &setup.step_params)?;
-        eprintln!(
-            "  step {}/{}: {:.3} s, loss {:.4}",
-            s + 1,
-            args.steps,
-            report.seconds,
-            report.loss
-        );
-        steps.push(StepSample::from(&report));
-    }
+    let (steps, peak_measured) = scale_steps(args, &setup, &plan)?;
     machine.load_average[1] = load_average();
-    let peak_measured = executor.peak_measured();
-    drop(executor);
     let timed: Vec<f64> = steps
         .iter()
         .skip(args.warmup.min(args.steps - 1))
         .map(|s| s.seconds)
         .collect();
     let step_s = median(&timed);
-    let losses: Vec<f32> = steps.iter().map(|s| s.loss).collect();
     let report = ScaleReport {
         machine,
-        model: config,
+        model: setup.desc.clone(),
         policy: plan.policy.clone(),
         checkpoints: checkpoints.to_string(),
         clip: args.clip,
@@ -1328,26 +1348,130 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
         peak_measured,
         tokens_per_s: setup.shape.tokens() as f64 / step_s,
         step_s_median: step_s,
-        losses,
+        losses: steps.iter().map(|s| s.loss).collect(),
         steps,
     };
+    check_scale(&report, &plan, args)?;
+    Ok(report)
+}
+
+/// The first `NvmeOffload` plan that fits: checkpoints on the host if that fits, else on
+/// NVMe too (ZeRO-Infinity's choice for the largest models); and where they are.
+fn scale_plan(
+    args: &StepArgs,
+    setup: &Setup,
+    budgets: Budgets,
+) -> Result<(Plan, Tier), Box<dyn std::error::Error>> {
+    let input = PlanInput {
+        model: &setup.model,
+        shape: setup.shape,
+        budgets,
+    };
+    let mut refusal = None;
+    for checkpoints in [Tier::Host, Tier::Nvme] {
+        let plan = Plan::build(
+            &input,
+            &NvmeOffload {
+                depth: args.depth,
+                checkpoints,
+            },
+        )?;
+        match plan.check_fits(&input) {
+            Ok(()) => return Ok((plan, checkpoints)),
+            Err(e) => refusal = Some(e),
+        }
+    }
+    Err(refusal.expect("a refusal when nothing fits").into())
+}
+
+/// What the scale run trains, and its plan: `checkpoints` where its checkpoints live,
+/// `host_budget` the budget it fits.
+fn print_scale_header(
+    args: &StepArgs,
+    setup: &Setup,
+    plan: &Plan,
+    (checkpoints, host_budget): (Tier, u64),
+    state_bytes: u64,
+) {
+    let config = &setup.desc;
+    println!(
+        "bench step --scale: {} {} ({} params), training state {} ({} \
+         B/param: working {} params, fp32 master, Adam m and v) = {:.2}x the host budget {}; \
+         {} with checkpoints on {checkpoints}{}, planned peak: device {}, host {}, nvme {}",
+        config.family,
+        config.name,
+        config.params,
+        format_bytes(state_bytes),
+        setup.shape.precision.param_bytes() + 12,
+        setup.shape.precision,
+        state_bytes as f64 / host_budget as f64,
+        format_bytes(host_budget),
+        plan.policy,
+        match (args.clip > 0.0, plan.spilled()) {
+            (false, _) => String::new(),
+            (true, 0) => format!(", clipping at {}", args.clip),
+            (true, n) => format!(
+                ", clipping at {}, the gradients of {n} blocks waiting for the norm on NVMe",
+                args.clip
+            ),
+        },
+        format_bytes(plan.peak[Tier::Device.index()]),
+        format_bytes(plan.peak[Tier::Host.index()]),
+        format_bytes(plan.peak[Tier::Nvme.index()]),
+    );
+}
+
+/// `--steps` steps of `plan` on one batch, every step (the loss must fall); the samples
+/// and the measured peaks.
+fn scale_steps(
+    args: &StepArgs,
+    setup: &Setup,
+    plan: &Plan,
+) -> Result<(Vec<StepSample>, [u64; 3]), Box<dyn std::error::Error>> {
+    let mut executor = setup.executor(plan)?;
+    let batch = synthetic_batches(setup.desc.vocab, &setup.shape, args.seed, 0);
+    let mut steps = Vec::new();
+    for s in 0..args.steps {
+        let report = executor.step(&refs(&batch), &setup.step_params)?;
+        eprintln!(
+            "  step {}/{}: {:.3} s, loss {:.4}",
+            s + 1,
+            args.steps,
+            report.seconds,
+            report.loss
+        );
+        steps.push(StepSample::from(&report));
+    }
+    Ok((steps, executor.peak_measured()))
+}
+
+/// Prints what the scale run reached, and refuses one that broke a claim: its host peak
+/// over the plan's, or a loss that did not fall.
+fn check_scale(
+    report: &ScaleReport,
+    plan: &Plan,
+    args: &StepArgs,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (host, device) = (Tier::Host.index(), Tier::Device.index());
     let (first, last) = (report.losses[0], report.losses[report.losses.len() - 1]);
+    let peak_measured = report.peak_measured;
     println!(
         "{} steps: {:.1} tokens/s ({:.3} s/step, median after {} warm-up), loss {first:.4} -> \
          {last:.4}; measured peak: device {}, host {} (budget {})",
         report.steps.len(),
         report.tokens_per_s,
-        step_s,
+        report.step_s_median,
         args.warmup.min(args.steps - 1),
-        format_bytes(peak_measured[Tier::Device.index()]),
+        format_bytes(peak_measured[device]),
         format_bytes(peak_measured[host]),
-        format_bytes(budgets.host)
+        format_bytes(report.host_budget_bytes)
     );
     // On the CPU device the device tier is host memory too: say what RAM the run held.
+    let ram = plan.peak[device] + plan.peak[host];
     println!(
         "RAM planned for the device and host tiers together: {} (the training state is {:.2}x that)",
-        format_bytes(plan.peak[Tier::Device.index()] + plan.peak[host]),
-        state_bytes as f64 / (plan.peak[Tier::Device.index()] + plan.peak[host]) as f64
+        format_bytes(ram),
+        report.state_bytes as f64 / ram as f64
     );
     if peak_measured[host] > plan.peak[host] {
         return Err(format!(
@@ -1363,7 +1487,7 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
         )
         .into());
     }
-    Ok(report)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1390,14 +1514,23 @@ mod tests {
     #[test]
     fn policy_names_parse_and_name_their_depth() {
         use clap::ValueEnum;
-        let p = PolicyName::from_str("nvme-offload", false).unwrap();
+        let p = BuiltinPolicy::from_str("nvme-offload", false).unwrap();
         assert_eq!(p.policy(3).name(), "nvme-offload(depth 3)");
         assert_eq!(
-            PolicyName::from_str("all-on-device", false)
+            BuiltinPolicy::from_str("all-on-device", false)
                 .unwrap()
                 .policy(2)
                 .name(),
             "all-on-device"
+        );
+        let args = <StepArgs as clap::Args>::augment_args(clap::Command::new("step"))
+            .try_get_matches_from(["step"])
+            .unwrap();
+        let args = <StepArgs as clap::FromArgMatches>::from_arg_matches(&args).unwrap();
+        assert_eq!(
+            args.policies,
+            BuiltinPolicy::ALL,
+            "every built-in by default"
         );
     }
 }

@@ -1,0 +1,136 @@
+//! What a `--model` value names: a preset (GPT-2's, or a Llama-family published shape), a
+//! GPT-2 shape written `LAYERSxWIDTH`, or a folder holding `config.json` (with weights to
+//! fine-tune, or alone: a shape). `train`, `plan`, `checkpoint export` and the config's
+//! check read a name the same way through these functions.
+//!
+//! Not here: reading a model's weights (the engine's `model::weights`) or the training
+//! loop's use of them.
+
+use std::path::Path;
+
+use strata_engine::model::weights::{self, Pretrained};
+use strata_engine::model::{Gpt2Config, Llama, LlamaConfig, Model, PRESETS};
+
+type Error = Box<dyn std::error::Error>;
+
+/// The preset the default job trains, which the model module may not list yet.
+pub const SMALL_PRESET: &str = "small";
+
+/// The preset names `--model` accepts.
+pub fn preset_names() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = PRESETS.iter().map(|(name, _)| *name).collect();
+    if !names.contains(&SMALL_PRESET) {
+        names.insert(1.min(names.len()), SMALL_PRESET);
+    }
+    // The Llama family's published shapes (no weights).
+    names.extend(strata_engine::model::llama::preset_names());
+    names
+}
+
+/// A model shape written `LAYERSxWIDTH` (`40x5120`): layers and channels, for sizes with
+/// no preset.
+pub fn shape_spec(name: &str) -> Option<(usize, usize)> {
+    let (layers, width) = name.split_once('x')?;
+    let (layers, width) = (layers.parse().ok()?, width.parse().ok()?);
+    (layers > 0 && width > 0).then_some((layers, width))
+}
+
+/// A GPT-2 shape written `LAYERSxWIDTH` (`40x5120`: heads of 128 channels, GPT-2's
+/// vocabulary and context), for planning sizes that have no preset.
+pub fn custom_shape(name: &str) -> Option<Gpt2Config> {
+    let (layers, width) = shape_spec(name)?;
+    Some(Gpt2Config::new(
+        layers,
+        (width / 128).max(1),
+        width,
+        50257,
+        1024,
+    ))
+}
+
+/// Whether `path` is a model folder holding a `config.json` and no weights of any
+/// format: a shape, trained from a random initialisation like a preset.
+pub fn has_no_weights(path: &Path) -> bool {
+    path.is_dir()
+        && path.join(weights::CONFIG_FILE).is_file()
+        && ![
+            weights::WEIGHTS_FILE,
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+        ]
+        .iter()
+        .any(|f| path.join(f).exists())
+}
+
+/// Whether `name` is a shape without weights (a preset, `LAYERSxWIDTH`, or a folder of
+/// only `config.json`), initialised from the seed.
+pub fn is_shape(name: &str) -> bool {
+    Gpt2Config::preset(name).is_ok()
+        || LlamaConfig::preset(name).is_some()
+        || custom_shape(name).is_some()
+        || has_no_weights(Path::new(name))
+}
+
+/// The model `name` names, without parameters: a preset, `LAYERSxWIDTH`, or a folder's
+/// `config.json`.
+pub fn model_shape(name: &str) -> Result<Model, Error> {
+    if let Ok(config) = Gpt2Config::preset(name) {
+        return Ok(Model::new(config)?);
+    }
+    if let Some(config) = LlamaConfig::preset(name) {
+        return Ok(Model::of(Llama::new(config)?));
+    }
+    if let Some(config) = custom_shape(name) {
+        return Ok(Model::new(config)?);
+    }
+    let (config, _) = weights::model_files(Path::new(name));
+    Ok(weights::load_config(&config)?)
+}
+
+/// The folder `name` names, described (headers only), when it names one with weights
+/// rather than a preset or a shape.
+pub fn pretrained_source(name: &str) -> Result<Option<Pretrained>, Error> {
+    if is_shape(name) {
+        return Ok(None);
+    }
+    Ok(Some(weights::describe_pretrained(Path::new(name))?.1))
+}
+
+/// Why `name` names no model strata can train, in words that follow the setting's name:
+/// not a preset, a shape or a folder; a folder without `config.json`; a family strata
+/// does not run; weights in a format it does not read (with the command that converts
+/// them). Looks at the file system.
+pub fn refusal(name: &str) -> Option<String> {
+    let presets = preset_names();
+    if presets.contains(&name) || shape_spec(name).is_some() {
+        return None;
+    }
+    let dir = Path::new(name);
+    if !dir.is_dir() {
+        return Some(format!(
+            "must be a preset ({}), a shape LAYERSxWIDTH (such as 40x5120), or a directory \
+             holding config.json and model.safetensors, or only a config.json for a shape \
+             without weights (found \"{name}\")",
+            presets.join(", "),
+        ));
+    }
+    let config = dir.join(weights::CONFIG_FILE);
+    if !config.is_file() {
+        return Some(format!(
+            "names the directory {} but it has no config.json; save a model there with \
+             save_pretrained or `strata model --init DIR`",
+            dir.display()
+        ));
+    }
+    // A family strata does not run is said first, whatever the weights' format.
+    if let Err(e) = weights::load_config(&config) {
+        return Some(e.to_string());
+    }
+    // A folder of only config.json is a shape, initialised like a preset; else one
+    // model.safetensors or sharded ones; pytorch_model.bin refused with the command that
+    // converts it.
+    if has_no_weights(dir) {
+        return None;
+    }
+    weights::weights_layout(dir).err().map(|e| e.to_string())
+}

@@ -1,0 +1,203 @@
+//! What a run does after its last step ([`finish`]): applies a delayed update still
+//! waiting, says why it stopped and where its last checkpoint is, writes the trained
+//! model to `--out` in Hugging Face's format, and prints the summary table (losses, step
+//! time, bytes per link and peaks per tier, measured against the plan).
+//!
+//! Not here: the steps ([`super::steps`]) or the checkpoints they write.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use strata_engine::exec::{Executor, StepReport};
+use strata_engine::model::weights::{self, SaveOptions};
+use strata_engine::model::{Model, ModelError};
+use strata_engine::plan::{Tier, fmt_bytes};
+
+use super::group::Ranks;
+use super::steps::Outcome;
+use crate::model_source::pretrained_source;
+use crate::report::Table;
+use crate::train_config::TrainConfig;
+
+type Error = Box<dyn std::error::Error>;
+
+/// Ends the run after `outcome`'s steps (rank 0 prints and writes the model).
+pub fn finish(
+    cfg: &TrainConfig,
+    exec: &mut Executor,
+    outcome: &Outcome,
+    ranks: &Ranks,
+    out: &mut impl Write,
+    started: Instant,
+) -> Result<(), Error> {
+    if let Some(p) = &outcome.last_params {
+        exec.flush(p)?;
+    }
+    if outcome.interrupted {
+        writeln!(
+            out,
+            "interrupted at step {}: stopped after finishing it",
+            outcome.state.step
+        )?;
+    }
+    if let Some(saved) = &outcome.last_saved {
+        writeln!(out, "checkpoint: {}", saved.display())?;
+    }
+    if let Some(dir) = &cfg.out {
+        save_model(cfg, exec, dir, ranks, out)?;
+        if ranks.rank != 0 {
+            return Ok(()); // rank 0 writes the model
+        }
+    }
+    summary(out, exec, outcome, started)
+}
+
+/// Writes the trained model to `dir`. With ranks every rank gathers the parameters (a
+/// collective) and rank 0 writes them; alone, each block is read from its tier as the
+/// file reaches it, so that saving holds one block's parameters, not the model's.
+fn save_model(
+    cfg: &TrainConfig,
+    exec: &Executor,
+    dir: &Path,
+    ranks: &Ranks,
+    out: &mut impl Write,
+) -> Result<(), Error> {
+    let gathered = if ranks.ranks > 1 {
+        Some(exec.export()?.0)
+    } else {
+        None
+    };
+    if ranks.rank != 0 {
+        return Ok(());
+    }
+    let model = exec.model();
+    let source = pretrained_source(&cfg.model)?;
+    let mut options = source
+        .as_ref()
+        .map_or_else(SaveOptions::default, |s| s.save_options());
+    if let Some(dtype) = cfg.save_dtype {
+        options.dtype = dtype.file_dtype();
+    }
+    match &gathered {
+        Some(params) => weights::save_pretrained_with(model, params, dir, &options)?,
+        None => weights::save_pretrained_blocks(
+            model,
+            &|b| {
+                exec.export_block(b).map_err(|e| ModelError::Source {
+                    what: format!("reading block {b}'s parameters to write {}", dir.display()),
+                    source: Box::new(e),
+                })
+            },
+            dir,
+            &options,
+        )?,
+    }
+    writeln!(
+        out,
+        "model: {} (Hugging Face safetensors in {}{}, config.json{})",
+        dir.display(),
+        options.dtype.torch_name(),
+        if sharded(model, &options) {
+            ", sharded"
+        } else {
+            ""
+        },
+        if source.is_some() {
+            " and the input's tokenizer files"
+        } else {
+            ""
+        }
+    )?;
+    Ok(())
+}
+
+/// Whether `options` shard `model`'s weights over several files.
+fn sharded(model: &Model, options: &SaveOptions) -> bool {
+    options.max_shard_bytes < model.param_count() as u64 * options.dtype.size_bytes() as u64
+}
+
+/// The run's summary table.
+fn summary(
+    out: &mut impl Write,
+    exec: &Executor,
+    outcome: &Outcome,
+    started: Instant,
+) -> Result<(), Error> {
+    let (reports, losses) = (&outcome.reports, &outcome.losses);
+    if reports.is_empty() {
+        writeln!(out, "no steps to run: the run is already at its last step")?;
+        return Ok(());
+    }
+    let secs: Vec<f64> = reports.iter().map(|r| r.seconds).collect();
+    let median = crate::report::median(&secs);
+    let stall: Vec<f64> = reports.iter().map(|r| r.stall_fraction()).collect();
+    let plan = exec.plan();
+    let mut t = Table::new(["", "value"]);
+    t.row(["policy".to_string(), plan.policy.clone()]);
+    t.row(["recompute".to_string(), plan.recomputed_of()]);
+    t.row(["steps".to_string(), reports.len().to_string()]);
+    t.row([
+        "loss first -> last".to_string(),
+        format!("{:.4} -> {:.4}", losses[0], losses[losses.len() - 1]),
+    ]);
+    t.row(["median step".to_string(), format!("{median:.3} s")]);
+    t.row([
+        "tokens/s (median step)".to_string(),
+        format!("{:.0}", outcome.tokens_per_step as f64 / median),
+    ]);
+    t.row([
+        "compute stall (median)".to_string(),
+        format!("{:.1}%", 100.0 * crate::report::median(&stall)),
+    ]);
+    let median_report = &reports[crate::report::median_index(&secs)];
+    traffic_and_peaks(&mut t, exec, median_report);
+    t.row([
+        "wall time".to_string(),
+        format!("{:.1} s", started.elapsed().as_secs_f64()),
+    ]);
+    write!(out, "{}", t.render())?;
+    Ok(())
+}
+
+/// The summary's rows of bytes per link (the median step's, against the plan), peaks per
+/// tier, the process's peak memory and the operations' latencies.
+fn traffic_and_peaks(t: &mut Table, exec: &Executor, median_report: &StepReport) {
+    let plan = exec.plan();
+    let live = exec.peak_measured();
+    for (i, name) in ["nvme read", "nvme write", "h2d", "d2h"].iter().enumerate() {
+        t.row([
+            format!("{name} per step (measured / plan)"),
+            format!(
+                "{} / {}",
+                fmt_bytes(median_report.link_bytes[i]),
+                fmt_bytes(plan.link_bytes[i])
+            ),
+        ]);
+    }
+    for tier in Tier::ALL {
+        t.row([
+            format!("peak {tier} (measured / plan / budget)"),
+            format!(
+                "{} / {} / {}",
+                fmt_bytes(live[tier.index()]),
+                fmt_bytes(plan.peak[tier.index()]),
+                fmt_bytes(
+                    [plan.budgets.device, plan.budgets.host, plan.budgets.nvme][tier.index()]
+                )
+            ),
+        ]);
+    }
+    if let Some(rss) = crate::report::peak_rss_bytes() {
+        t.row([
+            "process peak RSS (all memory, VmHWM)".to_string(),
+            fmt_bytes(rss),
+        ]);
+    }
+    for (kind, count, p50, p99, _) in exec.latency_summary() {
+        t.row([
+            format!("{kind} p50 / p99"),
+            format!("{p50} / {p99} µs ({count} ops)"),
+        ]);
+    }
+}

@@ -1,0 +1,220 @@
+//! Where a run's parameters and trainer state come from ([`starting_point`]): initialised
+//! from the seed, read from a model folder's weights, or resumed from a checkpoint (the
+//! whole of one, or this rank's shard of one sharded by as many ranks), refused when the
+//! checkpoint's model or data position does not fit this run; and the executor that holds
+//! them ([`executor`]).
+//!
+//! Not here: the checkpoint format (the engine's `checkpoint`) or the steps.
+
+use std::path::Path;
+
+use strata_engine::checkpoint::{self, TrainerState};
+use strata_engine::device::Device;
+use strata_engine::exec::{ExecConfig, Executor, TrainingState};
+use strata_engine::model::Model;
+use strata_engine::model::weights;
+use strata_engine::plan::Plan;
+
+use super::group::Ranks;
+use crate::model_source::is_shape;
+use crate::train_config::{Dtype, TrainConfig};
+
+type Error = Box<dyn std::error::Error>;
+
+/// The initial fp16 loss scale.
+const FP16_INITIAL_SCALE: f32 = 65536.0;
+
+/// Where a fresh run's parameters come from, a block at a time: initialised from the
+/// seed (a preset, a shape, or a folder of only `config.json`) or read from a folder's
+/// weights. Neither holds more than one block's parameters while the executor loads.
+pub enum FreshParams {
+    /// `Model::init_block` from the seed.
+    Init(Model, u64),
+    /// A folder's weights, every tensor found and checked when opened.
+    Pretrained(weights::PretrainedBlocks),
+}
+
+impl FreshParams {
+    /// `model` being the configuration's.
+    fn of(cfg: &TrainConfig, model: &Model) -> Result<Self, Error> {
+        if is_shape(&cfg.model) {
+            return Ok(FreshParams::Init(model.clone(), cfg.seed));
+        }
+        let blocks = weights::PretrainedBlocks::open(Path::new(&cfg.model), model)?;
+        Ok(FreshParams::Pretrained(blocks))
+    }
+
+    /// Block `b`'s f32 parameters.
+    fn block(&self, b: usize) -> Vec<f32> {
+        match self {
+            FreshParams::Init(model, seed) => model.init_block(b, *seed),
+            FreshParams::Pretrained(blocks) => blocks.read_block(b),
+        }
+    }
+}
+
+/// Where a run's parameters come from.
+pub enum Initial {
+    /// A fresh run's, made or read a block at a time as they are loaded.
+    Fresh(FreshParams),
+    /// Whole blocks of an ordinary checkpoint, with its moments.
+    Whole(Vec<Vec<f32>>, [Vec<Vec<f32>>; 2]),
+    /// This rank's shards of a sharded checkpoint.
+    Shard(TrainingState),
+}
+
+/// The run's parameters and trainer state: resumed from `cfg.resume` (this rank's
+/// shard of a checkpoint sharded by as many ranks as this run's, else the whole), or a
+/// fresh run's. The state records the configuration and the ranks.
+pub fn starting_point(
+    cfg: &TrainConfig,
+    model: &Model,
+    plan: &Plan,
+    ranks: &Ranks,
+) -> Result<(Initial, TrainerState), Error> {
+    let (initial, mut state) = match &cfg.resume {
+        Some(path) => resumed(path, cfg, model, plan, ranks)?,
+        None => (
+            Initial::Fresh(FreshParams::of(cfg, model)?),
+            fresh_state(cfg),
+        ),
+    };
+    state.config = serde_json::to_value(cfg)?;
+    if let Some(config) = state.config.as_object_mut() {
+        config.insert("ranks".into(), ranks.ranks.into());
+    }
+    Ok((initial, state))
+}
+
+/// A fresh run's trainer state: step 0, at the start of the data.
+fn fresh_state(cfg: &TrainConfig) -> TrainerState {
+    TrainerState {
+        step: 0,
+        data_position: 0,
+        rng: cfg.seed,
+        loss_scale: if cfg.dtype == Dtype::Fp16 {
+            FP16_INITIAL_SCALE
+        } else {
+            1.0
+        },
+        good_steps: 0,
+        skipped_steps: 0,
+        config: serde_json::Value::Null,
+    }
+}
+
+/// The checkpoint at `path`: this rank's shard when it was sharded by as many ranks and
+/// of this plan's shard lengths (shards of another length, from a strata that padded
+/// them otherwise, are read whole instead), else the whole.
+fn resumed(
+    path: &Path,
+    cfg: &TrainConfig,
+    model: &Model,
+    plan: &Plan,
+    ranks: &Ranks,
+) -> Result<(Initial, TrainerState), Error> {
+    let dir = checkpoint::resolve(path)?;
+    let expected: Vec<usize> = (0..model.blocks().len())
+        .map(|b| plan.shard_len[b] as usize)
+        .collect();
+    let sharded = ranks.ranks > 1 && checkpoint::written_by_ranks(&dir)? == Some(ranks.ranks);
+    let shard = if sharded {
+        Some(checkpoint::load_shard(&dir, ranks.rank, ranks.ranks)?)
+            .filter(|s| s.shard_len == expected)
+    } else {
+        None
+    };
+    if let Some(shard) = shard {
+        check_resumed_model(path, &shard.model, model)?;
+        check_resume_settings(path, &shard.state.config, cfg, ranks.ranks)?;
+        return Ok((
+            Initial::Shard((shard.params, shard.m, shard.v)),
+            shard.state,
+        ));
+    }
+    let ckpt = checkpoint::load(&dir)?;
+    check_resumed_model(path, &ckpt.model, model)?;
+    check_resume_settings(path, &ckpt.state.config, cfg, ranks.ranks)?;
+    Ok((Initial::Whole(ckpt.params, [ckpt.m, ckpt.v]), ckpt.state))
+}
+
+/// Refuses a checkpoint of another model than the configured one.
+fn check_resumed_model(path: &Path, found: &Model, configured: &Model) -> Result<(), Error> {
+    if found != configured {
+        return Err(format!(
+            "--resume {}: the checkpoint's model, {}, is not the configured one, {}; resume \
+             with the same --model",
+            path.display(),
+            found.describe(),
+            configured.describe()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Refuses to resume a checkpoint under settings that change what its data position
+/// means: the batch, the sequence length, the accumulation, or the data file.
+fn check_resume_settings(
+    path: &Path,
+    saved: &serde_json::Value,
+    cfg: &TrainConfig,
+    ranks: usize,
+) -> Result<(), Error> {
+    let Some((saved, saved_ranks)) = TrainConfig::recorded(saved) else {
+        // A checkpoint from before settings were recorded: nothing to compare.
+        return Ok(());
+    };
+    let data = |d: &Option<std::path::PathBuf>| {
+        d.as_ref().map_or("the built-in corpus".to_string(), |p| {
+            p.display().to_string()
+        })
+    };
+    let mut changed = Vec::new();
+    for (name, then, now) in [
+        ("--batch", saved.batch.to_string(), cfg.batch.to_string()),
+        ("--seq", saved.seq.to_string(), cfg.seq.to_string()),
+        (
+            // A step's micro-batches: N ranks' --grad-accum a are one process's N * a.
+            "--grad-accum x ranks",
+            (saved.grad_accum * saved_ranks).to_string(),
+            (cfg.grad_accum * ranks).to_string(),
+        ),
+        ("--data", data(&saved.data), data(&cfg.data)),
+    ] {
+        if then != now {
+            changed.push(format!("{name} {then} (now {now})"));
+        }
+    }
+    if changed.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "--resume {}: the checkpoint was trained with {}; its data position counts batches \
+         of those, so resume with the same settings",
+        path.display(),
+        changed.join(", ")
+    )
+    .into())
+}
+
+/// The executor of `plan` on `device`, holding `initial`, at step `state`'s (less its
+/// skipped steps, which AdamW did not count).
+pub fn executor(
+    model: &Model,
+    plan: Plan,
+    device: Device,
+    exec_config: &ExecConfig,
+    initial: Initial,
+    state: &TrainerState,
+) -> Result<Executor, Error> {
+    let mut exec = Executor::new(model.clone(), plan, device, exec_config)?;
+    match &initial {
+        Initial::Whole(params, [m, v]) => exec.load(params, Some((&m[..], &v[..])))?,
+        Initial::Shard(shard) => exec.load_shard(shard)?,
+        Initial::Fresh(fresh) => exec.load_blocks(&|b| fresh.block(b))?,
+    }
+    drop(initial);
+    exec.set_steps(state.step - state.skipped_steps);
+    Ok(exec)
+}
