@@ -137,12 +137,6 @@ const ALLOWED_CYCLES: &[&[&str]] = &[
         "engine/src/checkpoint/sharded.rs",
     ],
     &[
-        "engine/src/device/cpu.rs",
-        "engine/src/device/cuda.rs",
-        "engine/src/device/event.rs",
-        "engine/src/device/mod.rs",
-    ],
-    &[
         "engine/src/exec/lanes.rs",
         "engine/src/exec/mod.rs",
         "engine/src/exec/workers.rs",
