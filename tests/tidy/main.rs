@@ -141,15 +141,6 @@ const ALLOWED_CYCLES: &[&[&str]] = &[
         "engine/src/exec/mod.rs",
         "engine/src/exec/workers.rs",
     ],
-    &["engine/src/memory/host.rs", "engine/src/memory/pinned.rs"],
-    &["engine/src/model/data.rs", "engine/src/model/tokenize.rs"],
-    &[
-        "engine/src/model/gpt2/init.rs",
-        "engine/src/model/gpt2/mod.rs",
-        "engine/src/model/head.rs",
-        "engine/src/model/layout.rs",
-        "engine/src/model/mod.rs",
-    ],
     &[
         "engine/src/plan/build.rs",
         "engine/src/plan/memory.rs",

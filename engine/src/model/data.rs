@@ -17,7 +17,6 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use super::tokenize::mask_path;
 use super::{IGNORE_TARGET, ModelError};
 
 /// llm.c's token file magic number.
@@ -246,6 +245,13 @@ impl TokenData {
         }
         Ok(())
     }
+}
+
+/// The mask file of a token file: `OUT.mask` beside `OUT` (the tokenizer writes it).
+pub fn mask_path(tokens: &Path) -> PathBuf {
+    let mut name = tokens.as_os_str().to_owned();
+    name.push(".mask");
+    PathBuf::from(name)
 }
 
 /// The mask beside the token file `path`, if there is one, checked to hold one byte per

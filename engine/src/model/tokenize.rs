@@ -27,6 +27,7 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use super::ModelError;
+pub use super::data::mask_path;
 use super::data::{LLMC_HEADER_BYTES, LLMC_MAGIC};
 
 /// The names end-of-sequence tokens go by, tried in order when no configuration file
@@ -261,13 +262,6 @@ pub struct EncodeSummary {
     pub masked: u64,
     /// Whether the ids are uint32 (version 2) rather than uint16.
     pub wide: bool,
-}
-
-/// The mask file of a token file: `OUT.mask` beside `OUT`.
-pub fn mask_path(tokens: &Path) -> PathBuf {
-    let mut name = tokens.as_os_str().to_owned();
-    name.push(".mask");
-    PathBuf::from(name)
 }
 
 fn partial(path: &Path) -> PathBuf {
