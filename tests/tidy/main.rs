@@ -85,8 +85,8 @@ const UNSAFE_FILES: &[&str] = &[
     "src/train.rs",
     "storage/src/buffer.rs",
     "storage/src/file.rs",
+    "storage/src/io/backend.rs",
     "storage/src/io/faulty.rs",
-    "storage/src/io/mod.rs",
     "storage/src/io/threads.rs",
     "storage/src/io/uring.rs",
     "storage/src/store.rs",
@@ -161,11 +161,6 @@ const ALLOWED_CYCLES: &[&[&str]] = &[
         "kernels/src/ops/gemm/pack.rs",
     ],
     &["src/doctor.rs", "src/train.rs", "src/train_config.rs"],
-    &[
-        "storage/src/error.rs",
-        "storage/src/io/mod.rs",
-        "storage/src/io/uring.rs",
-    ],
 ];
 
 fn workspace() -> source::Workspace {
