@@ -27,6 +27,7 @@ pub mod gpt2;
 mod head;
 pub mod layout;
 pub mod llama;
+mod mapped;
 pub mod tokenize;
 pub mod update;
 pub mod weights;
