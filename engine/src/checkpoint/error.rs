@@ -136,7 +136,7 @@ pub enum CheckpointError {
         dir: PathBuf,
         /// The version in its manifest.
         found: u64,
-        /// [`FORMAT_VERSION`].
+        /// [`FORMAT_VERSION`](super::FORMAT_VERSION).
         supported: u32,
     },
     /// Any other inconsistency: a tensor missing, files that disagree on the step.
