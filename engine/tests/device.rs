@@ -1,17 +1,24 @@
-//! Devices: the CPU device's budget, copies and compute ordered by events, an ordering
-//! bug caught instead of raced, no pinned slot reused while a copy holds it, device
-//! selection; and the same copies on a GPU, which skip with the reason where there is none.
+//! Devices. On both devices, each test written once (`test_device!`: a CPU test, and a
+//! GPU test ignored unless asked for, failing without a GPU): a device holds its budget,
+//! pinned memory is locked as the device asks, copies are ordered by events across the
+//! copy streams, no pinned slot is reused while a copy holds it, a program runs between
+//! its copies, a tensor outside its binding is refused. On the CPU device alone (what
+//! only it has: host closures, its view checker, copy latency, chaos, widening copies):
+//! copies and compute ordered by events, an ordering bug caught instead of raced, a
+//! failure that stops the device. On a GPU alone: timed copies. And device selection.
+
+mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use strata_engine::device::{
-    CpuDevice, CpuDeviceConfig, CudaDevice, CudaDeviceConfig, Device, DeviceChoice, DeviceConfig,
-    DeviceKind, Event, select,
+    CpuDevice, CpuDeviceConfig, Device, DeviceChoice, DeviceConfig, DeviceKind, Event, select,
 };
-use strata_engine::memory::{HostLocking, PinnedPool, PinnedPoolConfig, SlotLease};
+use strata_engine::memory::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning, SlotLease};
 use strata_engine::{EngineError, Lane};
+use support::{DeviceSpec, test_device};
 
 fn cpu_device(copy_latency: Duration) -> Device {
     Device::Cpu(
@@ -53,9 +60,12 @@ fn cause(error: &EngineError) -> &EngineError {
     }
 }
 
-#[test]
-fn the_cpu_device_holds_its_budget() {
-    let device = cpu_device(Duration::ZERO);
+test_device!(
+    a_device_holds_its_budget,
+    DeviceSpec::new(1 << 20).copies_only()
+);
+
+fn a_device_holds_its_budget(device: &Device) {
     let a = device.alloc(768 << 10).unwrap();
     match device.alloc(512 << 10) {
         Err(EngineError::DeviceOutOfBudget {
@@ -63,7 +73,7 @@ fn the_cpu_device_holds_its_budget() {
             budget_bytes,
             ..
         }) => {
-            assert_eq!(name, "cpu");
+            assert_eq!(name, device.name());
             assert_eq!(budget_bytes, 1 << 20);
         }
         other => panic!("expected DeviceOutOfBudget, got {other:?}"),
@@ -152,17 +162,29 @@ fn compute_starts_only_after_the_copy_it_waits_for_has_ended() {
     assert!(compute.elapsed_since(upload.event()).is_ok());
 }
 
-#[test]
-fn no_pinned_slot_is_reused_while_a_copy_reads_it() {
-    // One slot and a deliberately slow copy lane.
-    let device = cpu_device(Duration::from_millis(300));
-    let pool = pool_for(&device, 4096, 1);
-    let buffer = device.alloc(4096).unwrap();
+// The CPU device holds the copy in flight by its latency; a GPU, by its size.
+test_device!(
+    no_pinned_slot_is_reused_while_a_copy_reads_it,
+    DeviceSpec::new(256 << 20)
+        .cpu_copy_latency_ms(300)
+        .copies_only()
+);
+
+fn no_pinned_slot_is_reused_while_a_copy_reads_it(device: &Device) {
+    // One slot.
+    let len = match device.kind() {
+        DeviceKind::Cpu => 4096,
+        DeviceKind::Cuda => 256 << 20,
+    };
+    let pool = pool_for(device, len, 1);
+    let buffer = device.alloc(len).unwrap();
     let upload = device
         .copy_h2d(&buffer, filled(&pool, |_| 0xA1), &[])
         .unwrap();
-    // While the copy is in flight the slot is not in the pool.
-    assert!(!upload.is_complete().unwrap());
+    if device.kind() == DeviceKind::Cpu {
+        assert!(!upload.is_complete().unwrap(), "held by the copy latency");
+    }
+    // While the transfer holds the slot it is not in the pool.
     assert!(pool.try_acquire().is_none());
     assert!(matches!(
         pool.acquire_timeout(Duration::from_millis(20)),
@@ -404,40 +426,29 @@ fn select_says_which_device_and_why() {
     );
 }
 
-// GPU tests: compiled everywhere, run where a GPU is present, skip with the reason elsewhere.
+test_device!(
+    pinned_memory_is_locked_as_the_device_asks,
+    DeviceSpec::new(1 << 20).copies_only()
+);
 
-fn gpu_or_skip(budget_bytes: usize) -> Option<Device> {
-    // These tests only copy, so they need only the driver.
-    if let Err(why) = strata_engine::kernels::cuda::probe().require_driver() {
-        println!("skipped: no GPU: {}", why.reason);
-        return None;
+fn pinned_memory_is_locked_as_the_device_asks(device: &Device) {
+    let pool = pool_for(device, 1 << 20, 2);
+    match (device.pinning(), pool.locking()) {
+        (Pinning::Cuda(_), HostLocking::CudaRegistered) => {}
+        // mlock may be refused (RLIMIT_MEMLOCK); the pool then says why.
+        (Pinning::Mlock, HostLocking::Mlocked | HostLocking::Unlocked { .. }) => {}
+        (pinning, locking) => panic!("{pinning:?} gave {locking:?}"),
     }
-    Some(Device::Cuda(
-        CudaDevice::new(CudaDeviceConfig {
-            ordinal: 0,
-            memory_budget_bytes: budget_bytes,
-            needs_kernels: false,
-        })
-        .expect("the probe found a GPU, so the device must open"),
-    ))
 }
 
-#[test]
-fn gpu_pool_memory_is_registered_with_the_driver() {
-    let Some(device) = gpu_or_skip(1 << 20) else {
-        return;
-    };
-    let pool = pool_for(&device, 1 << 20, 2);
-    assert_eq!(pool.locking(), &HostLocking::CudaRegistered);
-}
+test_device!(
+    a_round_trip_is_ordered_by_events_across_the_copy_streams,
+    DeviceSpec::new(2 * (64 << 20)).copies_only()
+);
 
-#[test]
-fn gpu_round_trip_ordered_by_events_across_the_copy_streams() {
+fn a_round_trip_is_ordered_by_events_across_the_copy_streams(device: &Device) {
     const LEN: usize = 64 << 20;
-    let Some(device) = gpu_or_skip(2 * LEN) else {
-        return;
-    };
-    let pool = pool_for(&device, LEN, 2);
+    let pool = pool_for(device, LEN, 2);
     let buffer = device.alloc(LEN).unwrap();
     let upload = device
         .copy_h2d(&buffer, filled(&pool, |i| (i % 251) as u8), &[])
@@ -464,29 +475,10 @@ fn gpu_round_trip_ordered_by_events_across_the_copy_streams() {
 }
 
 #[test]
-fn gpu_slot_stays_with_the_transfer_until_the_copy_completes() {
-    const LEN: usize = 256 << 20;
-    let Some(device) = gpu_or_skip(LEN) else {
-        return;
-    };
-    let pool = pool_for(&device, LEN, 1);
-    let buffer = device.alloc(LEN).unwrap();
-    let upload = device.copy_h2d(&buffer, filled(&pool, |_| 3), &[]).unwrap();
-    assert!(pool.try_acquire().is_none());
-    let event = upload.event().clone();
-    drop(upload);
-    assert!(event.is_complete().unwrap());
-    let slot = pool.try_acquire().expect("back after the copy");
-    let download = device.copy_d2h(slot, &buffer, &[event]).unwrap();
-    assert!(download.wait().unwrap().as_slice().iter().all(|&b| b == 3));
-}
-
-#[test]
-fn gpu_times_copies_in_both_directions_at_once() {
+#[ignore = "needs a GPU"]
+fn a_gpu_times_copies_in_both_directions_at_once() {
     const LEN: usize = 16 << 20;
-    let Some(device) = gpu_or_skip(2 * LEN) else {
-        return;
-    };
+    let device = support::open(DeviceKind::Cuda, DeviceSpec::new(2 * LEN).copies_only());
     let cuda = device.as_cuda().unwrap();
     let pool = pool_for(&device, LEN, 2);
     let up = device.alloc(LEN).unwrap();
@@ -524,7 +516,7 @@ use strata_engine::memory::{HostArena, HostRange};
 const N: usize = 4099;
 
 /// The input values, their host arena, and a device with room for two f32 tensors of N.
-fn program_rig(device: Device) -> (Vec<f32>, HostArena, Device, [DeviceRange; 2]) {
+fn program_rig(device: &Device) -> (Vec<f32>, HostArena, [DeviceRange; 2]) {
     let input: Vec<f32> = (0..N).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
     let host = HostArena::new("test", 2 * 4 * N, &device.pinning()).unwrap();
     host.write(Lane::Cpu, HostRange::new(0, 4 * N))
@@ -532,7 +524,7 @@ fn program_rig(device: Device) -> (Vec<f32>, HostArena, Device, [DeviceRange; 2]
         .copy_from_slice(strata_engine::device::bytes_of(&input));
     let a = DeviceRange::of(&device.alloc(4 * N).unwrap());
     let b = DeviceRange::of(&device.alloc(4 * N).unwrap());
-    (input, host, device, [a, b])
+    (input, host, [a, b])
 }
 
 /// out = gelu(in), bound at indices 0 (out) and 1 (in).
@@ -571,20 +563,41 @@ fn upload_gelu_download(
     strata_engine::device::cast::<f32>(&bytes).to_vec()
 }
 
-#[test]
-fn a_program_runs_between_its_copies_ordered_by_events() {
-    // Slow copies: a program that did not wait for the upload would read zeros.
-    let (input, host, device, [a, b]) = program_rig(cpu_device(Duration::from_millis(50)));
-    let got = upload_gelu_download(&device, &host, a, b);
+// Slow copies on the CPU device: a program that did not wait for the upload would read
+// zeros.
+test_device!(
+    a_program_runs_between_its_copies_ordered_by_events,
+    DeviceSpec::new(1 << 20).cpu_copy_latency_ms(50)
+);
+
+fn a_program_runs_between_its_copies_ordered_by_events(device: &Device) {
+    let (input, host, [a, b]) = program_rig(device);
+    let got = upload_gelu_download(device, &host, a, b);
     let mut want = vec![0.0; N];
     ops::gelu_forward(&Cpu::default(), &mut want, &input);
-    assert_eq!(got, want);
+    match device.kind() {
+        // The same kernel on the same inputs: the same bits.
+        DeviceKind::Cpu => assert_eq!(got, want),
+        DeviceKind::Cuda => {
+            assert_eq!(host.locking(), &HostLocking::CudaRegistered);
+            let err = rel_err(&got, &want);
+            assert!(err < 1e-5, "relative error {err:.2e}");
+        }
+    }
     assert_eq!(device.copied_bytes(), [4 * N as u64, 4 * N as u64]);
+}
+
+/// ‖got − want‖ / ‖want‖.
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+    let diff = norm(&mut got.iter().zip(want).map(|(g, w)| f64::from(g - w)));
+    diff / norm(&mut want.iter().map(|w| f64::from(*w)))
 }
 
 #[test]
 fn a_program_that_forgot_its_upload_is_an_ordering_violation() {
-    let (_, host, device, [a, b]) = program_rig(cpu_device(Duration::from_millis(200)));
+    let device = cpu_device(Duration::from_millis(200));
+    let (_, host, [a, b]) = program_rig(&device);
     let up = device
         .copy_to_device(&host, HostRange::new(0, 4 * N), a, None, &[])
         .unwrap();
@@ -619,7 +632,8 @@ fn a_program_that_forgot_its_upload_is_an_ordering_violation() {
 
 #[test]
 fn a_host_arena_range_is_checked_against_the_copies_using_it() {
-    let (_, host, device, [a, _]) = program_rig(cpu_device(Duration::from_millis(200)));
+    let device = cpu_device(Duration::from_millis(200));
+    let (_, host, [a, _]) = program_rig(&device);
     let src = HostRange::new(0, 4 * N);
     let up = device.copy_to_device(&host, src, a, None, &[]).unwrap();
     std::thread::sleep(Duration::from_millis(50));
@@ -682,9 +696,13 @@ fn the_cpu_device_widens_bf16_and_fp16_on_the_way_in() {
     }
 }
 
-#[test]
-fn a_tensor_outside_its_binding_is_refused_naming_the_kernel() {
-    let (_, _, device, [a, b]) = program_rig(cpu_device(Duration::ZERO));
+test_device!(
+    a_tensor_outside_its_binding_is_refused_naming_the_kernel,
+    DeviceSpec::new(1 << 20)
+);
+
+fn a_tensor_outside_its_binding_is_refused_naming_the_kernel(device: &Device) {
+    let (_, _, [a, b]) = program_rig(device);
     let mut bind = Bindings::default();
     bind.set(0, b.sub(0, 4 * (N - 1)));
     bind.set(1, a);
@@ -717,44 +735,10 @@ fn chaos_reorders_the_streams_but_not_the_results() {
             })
             .unwrap(),
         );
-        let (input, host, device, [a, b]) = program_rig(device);
+        let (input, host, [a, b]) = program_rig(&device);
         let got = upload_gelu_download(&device, &host, a, b);
         let mut want = vec![0.0; N];
         ops::gelu_forward(&Cpu::default(), &mut want, &input);
         assert_eq!(got, want, "seed {seed}");
     }
-}
-
-#[test]
-fn gpu_a_program_runs_between_its_copies_ordered_by_events() {
-    if let Err(why) = strata_engine::kernels::cuda::probe().require_all() {
-        println!("skipped: {why}");
-        return;
-    }
-    let device = Device::Cuda(
-        CudaDevice::new(CudaDeviceConfig {
-            ordinal: 0,
-            memory_budget_bytes: 1 << 20,
-            needs_kernels: true,
-        })
-        .expect("the probe found a GPU"),
-    );
-    let (input, host, device, [a, b]) = program_rig(device);
-    assert_eq!(host.locking(), &HostLocking::CudaRegistered);
-    let got = upload_gelu_download(&device, &host, a, b);
-    let mut want = vec![0.0; N];
-    ops::gelu_forward(&Cpu::default(), &mut want, &input);
-    let err: f64 = got
-        .iter()
-        .zip(&want)
-        .map(|(g, w)| f64::from(g - w).powi(2))
-        .sum::<f64>()
-        .sqrt()
-        / want
-            .iter()
-            .map(|w| f64::from(*w).powi(2))
-            .sum::<f64>()
-            .sqrt();
-    assert!(err < 1e-5, "relative error {err:.2e}");
-    assert_eq!(device.copied_bytes(), [4 * N as u64, 4 * N as u64]);
 }

@@ -1,48 +1,37 @@
-//! The model on a GPU, through a whole-model [`Runner`] on the device layer's CUDA
-//! device: the reference data from PyTorch in f32 (‖out − ref‖ / ‖ref‖ < 1e-5, as on the
-//! CPU), bf16 against the CPU device's f32 on the same bf16-rounded parameters, and
-//! repeatability. Runs where a GPU and the CUDA libraries are present, and says why it
-//! skips elsewhere.
+//! The model through a whole-model [`Runner`] on each device: the reference data from
+//! PyTorch in f32 (‖out − ref‖ / ‖ref‖ < 1e-5) and repeatability, written once for the CPU
+//! device and the CUDA device (`test_device!`); and on a GPU alone, bf16 against the CPU
+//! device's f32 on the same bf16-rounded parameters. The GPU tests are ignored unless
+//! asked for (`scripts/gpu-check` does), and fail without a GPU.
 
 mod model_support;
+mod support;
 
 use half::bf16;
 use model_support::{PassOut, cpu_runner, forward_backward, golden_dir, read_f32_tensors, rel_err};
-use strata_engine::device::{CudaDevice, CudaDeviceConfig, Device};
+use strata_engine::device::DeviceKind;
 use strata_engine::exec::Runner;
-use strata_engine::kernels::cuda::probe;
 use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::gpt2::PREFIX;
 use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Model, Target};
 use strata_engine::plan::Precision;
+use support::{DeviceSpec, test_device};
 
 const B: usize = 2;
 const T: usize = 16;
 
-/// Whether a GPU with the CUDA libraries strata's kernels need is here; prints why not.
-fn gpu_present() -> bool {
-    match probe().require_all() {
-        Ok(()) => true,
-        Err(e) => {
-            println!("skipped: {e}");
-            false
-        }
-    }
-}
-
-/// `model` on GPU 0, with a device memory budget of exactly what the runner needs and
-/// working parameters in `precision`.
-fn gpu_runner(model: &Model, precision: Precision) -> Runner {
-    let bytes = Runner::device_bytes(model, B, T, Target::Cuda, precision.dtype()).unwrap();
-    let config = CudaDeviceConfig {
-        ordinal: 0,
-        memory_budget_bytes: bytes,
-        needs_kernels: true,
+/// `model` on the device of `kind`, with a device memory budget of exactly what the
+/// runner needs and working parameters in `precision`.
+fn runner_on(kind: DeviceKind, model: &Model, precision: Precision) -> Runner {
+    let target = match kind {
+        DeviceKind::Cpu => Target::Cpu,
+        DeviceKind::Cuda => Target::Cuda,
     };
-    let device = CudaDevice::new(config).expect("GPU 0 opens");
-    Runner::new(model.clone(), Device::Cuda(device), B, T, precision).unwrap()
+    let bytes = Runner::device_bytes(model, B, T, target, precision.dtype()).unwrap();
+    let device = support::open(kind, DeviceSpec::new(bytes));
+    Runner::new(model.clone(), device, B, T, precision).unwrap()
 }
 
 /// The runner's device and precision, in words.
@@ -81,14 +70,12 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-#[test]
-fn f32_on_the_gpu_matches_pytorch() {
-    if !gpu_present() {
-        return;
-    }
+test_device!(f32_matches_pytorch);
+
+fn f32_matches_pytorch(kind: DeviceKind) {
     let (model, params, batch) = golden();
     let expected = read_f32_tensors(&golden_dir().join("expected.safetensors"));
-    let mut runner = gpu_runner(&model, Precision::Fp32);
+    let mut runner = runner_on(kind, &model, Precision::Fp32);
     runner.load(&params).unwrap();
     let out = forward_backward(&mut runner, &batch.inputs, &batch.targets);
     let logits_err = rel_err(&out.logits, &expected["logits0"]);
@@ -117,10 +104,9 @@ fn f32_on_the_gpu_matches_pytorch() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn bf16_on_the_gpu_stays_close_to_the_cpu() {
-    if !gpu_present() {
-        return;
-    }
+    support::require_gpu(true);
     let (model, params, batch) = golden();
     // Both sides start from the bf16-rounded parameters, so only the arithmetic differs:
     // the CPU device computes in f32 on parameters rounded here (which the GPU runner's
@@ -132,7 +118,7 @@ fn bf16_on_the_gpu_stays_close_to_the_cpu() {
     let mut cpu = cpu_runner(&model, B, T, Cpu::default());
     cpu.load(&rounded).unwrap();
     let want = forward_backward(&mut cpu, &batch.inputs, &batch.targets);
-    let mut gpu = gpu_runner(&model, Precision::Bf16);
+    let mut gpu = runner_on(DeviceKind::Cuda, &model, Precision::Bf16);
     gpu.load(&rounded).unwrap();
     let got = forward_backward(&mut gpu, &batch.inputs, &batch.targets);
     let loss_err = rel_err(&[got.loss], &[want.loss]);

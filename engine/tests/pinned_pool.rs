@@ -1,6 +1,11 @@
 //! The pinned host pool: slots are disjoint and never handed out twice, many threads can
 //! share a pool, an empty pool waits with a bound and then fails naming its budget, and stats
 //! count what happened. How the memory is locked is tested in pinned_pool_locking.rs.
+//! The slot layout and an NVMe read into a registered slot are written once for each
+//! device's pinning (`test_device!`: mlock for the CPU device, registered with the
+//! driver for a GPU, whose test is ignored unless asked for and fails without one).
+
+mod support;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,10 +13,22 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use strata_engine::EngineError;
+use strata_engine::device::Device;
 use strata_engine::memory::{PinnedPool, PinnedPoolConfig, Pinning};
 use strata_engine::storage::{DIRECT_IO_ALIGN, IoBuf};
+use support::{DeviceSpec, test_device};
 
 fn pool(name: &str, slot_bytes: usize, slot_count: usize, timeout: Duration) -> PinnedPool {
+    pool_pinned(name, slot_bytes, slot_count, timeout, &Pinning::Mlock)
+}
+
+fn pool_pinned(
+    name: &str,
+    slot_bytes: usize,
+    slot_count: usize,
+    timeout: Duration,
+    pinning: &Pinning,
+) -> PinnedPool {
     PinnedPool::new(
         PinnedPoolConfig {
             name: name.into(),
@@ -19,13 +36,20 @@ fn pool(name: &str, slot_bytes: usize, slot_count: usize, timeout: Duration) -> 
             slot_bytes,
             acquire_timeout: timeout,
         },
-        &Pinning::Mlock,
+        pinning,
     )
     .expect("pool")
 }
 
-#[test]
-fn slots_are_aligned_disjoint_and_inside_the_registered_region() {
+/// The device is opened for its pinning only.
+const PINNING_ONLY: DeviceSpec = DeviceSpec::new(1 << 20).copies_only();
+
+test_device!(
+    slots_are_aligned_disjoint_and_inside_the_registered_region,
+    PINNING_ONLY
+);
+
+fn slots_are_aligned_disjoint_and_inside_the_registered_region(device: &Device) {
     let pool = PinnedPool::new(
         PinnedPoolConfig {
             name: "layout".into(),
@@ -35,7 +59,7 @@ fn slots_are_aligned_disjoint_and_inside_the_registered_region() {
             slot_bytes: 65000,
             acquire_timeout: Duration::from_millis(10),
         },
-        &Pinning::Mlock,
+        &device.pinning(),
     )
     .unwrap();
     assert_eq!(pool.slot_bytes(), 65536);
@@ -221,15 +245,16 @@ fn a_release_wakes_a_waiting_acquire() {
     assert!(stats.wait_p50 >= Duration::from_millis(20));
 }
 
-#[test]
-fn an_nvme_read_lands_in_a_registered_slot() {
+test_device!(an_nvme_read_lands_in_a_registered_slot, PINNING_ONLY);
+
+fn an_nvme_read_lands_in_a_registered_slot(device: &Device) {
     use strata_engine::storage::{BackendKind, StoreConfig, TensorStore};
 
     const LEN: usize = 3 << 20;
     // On disk, not tmpfs, so O_DIRECT can be used where the filesystem allows it.
     let dir = tempfile::tempdir_in(std::env::current_dir().unwrap()).unwrap();
     let store = TensorStore::create(StoreConfig::new(dir.path(), 4 * LEN as u64)).unwrap();
-    let pool = pool("nvme", LEN, 2, Duration::from_secs(1));
+    let pool = pool_pinned("nvme", LEN, 2, Duration::from_secs(1), &device.pinning());
     pool.register_with(&store).unwrap();
 
     let extent = store.allocate("block0.params", LEN as u64).unwrap();

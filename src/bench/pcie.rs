@@ -18,7 +18,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use strata_engine::device::{CudaDevice, Device, DeviceChoice, DeviceConfig, select};
+use strata_engine::device::{CudaDevice, Device, DeviceChoice, DeviceConfig, DeviceOps, select};
 use strata_engine::memory::{PinnedPool, PinnedPoolConfig, Pinning};
 
 use crate::report::{LineChart, Series, Table, format_bytes, write_json};

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::io::OpKind;
+use crate::io::kind::OpKind;
 
 /// Everything that can go wrong in the storage crate.
 #[derive(Debug, thiserror::Error)]

@@ -29,25 +29,20 @@ use std::fs;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
 use strata_comm::Collective;
 
-use super::{
-    CONFIG_FILE, Checkpoint, CheckpointError, Dir, FORMAT_VERSION, FileDigest, LeftoverKind,
-    MANIFEST_FILE, Manifest, STATE_FILE, TrainerState, check_space, digest, dir_name, io_error,
-    leftover_path, leftover_path_of, prune, publish, resolve, sync_dir, write_synced,
+use super::error::{CheckpointError, io_error};
+use super::folder::{
+    LeftoverKind, advice, check_space, dir_name, leftover_path, leftover_path_of, prune, publish,
+    resolve, sync_dir, write_synced,
 };
+use super::format::{
+    Checkpoint, FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, STATE_FILE, ShardLayout,
+    TrainerState,
+};
+use super::verify::{Dir, digest};
 use crate::model::Model;
-use crate::model::weights::{self, F32View, FileDtype};
-
-/// A sharded checkpoint's layout, in its manifest.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(super) struct Layout {
-    /// The ranks that wrote it, one file each.
-    pub(super) ranks: usize,
-    /// Per block, the elements of each rank's shard.
-    pub(super) shard_len: Vec<usize>,
-}
+use crate::model::weights::{self, CONFIG_FILE, F32View, FileDtype};
 
 /// The file of rank `rank` (from 0) of `ranks`: `shard-00001-of-00002.safetensors`.
 pub fn shard_file(rank: usize, ranks: usize) -> String {
@@ -322,7 +317,7 @@ fn finish(tmp: &Path, shard: &Shard, digests: &[FileDigest]) -> Result<(), Check
         format_version: FORMAT_VERSION,
         step: shard.state.step,
         files,
-        shards: Some(Layout {
+        shards: Some(ShardLayout {
             ranks: shard.ranks,
             shard_len: shard.shard_len.clone(),
         }),
@@ -333,14 +328,14 @@ fn finish(tmp: &Path, shard: &Shard, digests: &[FileDigest]) -> Result<(), Check
 }
 
 /// Every file of a sharded checkpoint: the small ones, then each rank's.
-fn files(layout: &Layout) -> Vec<String> {
+fn files(layout: &ShardLayout) -> Vec<String> {
     let mut files = vec![CONFIG_FILE.to_string(), STATE_FILE.to_string()];
     files.extend((0..layout.ranks).map(|r| shard_file(r, layout.ranks)));
     files
 }
 
 /// Checks the layout against the model.
-fn check_layout(d: &Dir<'_>, model: &Model, layout: &Layout) -> Result<(), CheckpointError> {
+fn check_layout(d: &Dir<'_>, model: &Model, layout: &ShardLayout) -> Result<(), CheckpointError> {
     let blocks = model.blocks();
     let fits = layout.ranks > 0
         && layout.shard_len.len() == blocks.len()
@@ -364,7 +359,7 @@ fn check_layout(d: &Dir<'_>, model: &Model, layout: &Layout) -> Result<(), Check
 /// Rank `rank`'s master, m and v shards from its (verified) file.
 fn read_shard(
     d: &Dir<'_>,
-    layout: &Layout,
+    layout: &ShardLayout,
     rank: usize,
 ) -> Result<[Vec<Vec<f32>>; 3], CheckpointError> {
     let file = shard_file(rank, layout.ranks);
@@ -380,7 +375,7 @@ fn read_shard(
                     tensor: name.into(),
                     expected: Box::new([len]),
                     found: shape.into(),
-                    advice: super::advice(d.0),
+                    advice: advice(d.0),
                 });
             }
             out[class].push(data);
@@ -435,7 +430,7 @@ pub fn load_shard(path: &Path, rank: usize, ranks: usize) -> Result<Shard, Check
 pub(super) fn load_whole(
     dir: &Path,
     manifest: &Manifest,
-    layout: &Layout,
+    layout: &ShardLayout,
 ) -> Result<Checkpoint, CheckpointError> {
     let d = Dir(dir);
     let files = files(layout);

@@ -36,12 +36,14 @@ use crossbeam::channel::{Receiver, Sender};
 use half::{bf16, f16};
 use strata_comm::Collective;
 use strata_kernels::ops::{self, Cpu};
-use strata_kernels::program::{Access, CpuMemory, Dtype, Scalars, TensorRef, run_cpu};
+use strata_kernels::program::{Access, CpuMemory, Dtype, Scalars, Target, TensorRef, run_cpu};
 use strata_storage::IoBuf;
 
 use super::access::AccessTable;
+use super::bindings::{Bindings, Convert, DeviceRange, Program, check_bindings};
 use super::event::{CpuEvent, Event, EventPool};
-use super::{Bindings, Convert, DeviceRange, Program, Transfer, assert_copy_fits, check_bindings};
+use super::ops::{DeviceOps, assert_gather_lengths, assert_kernel_stream, assert_scatter_lengths};
+use super::transfer::{Transfer, assert_copy_fits};
 use crate::error::EngineError;
 use crate::lane::Lane;
 use crate::memory::{
@@ -305,21 +307,6 @@ impl CpuDevice {
         })
     }
 
-    /// The device's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// How pinned pools for this device lock their memory: `mlock`.
-    pub fn pinning(&self) -> Pinning {
-        Pinning::Mlock
-    }
-
-    /// The device memory arena.
-    pub fn arena(&self) -> &DeviceArena {
-        &self.shared.arena
-    }
-
     /// Device memory lent to host work on `lane` (its memory is host memory): the NVMe
     /// tier reading into it (`write`), or the CPU optimizer reading gradients from it. The
     /// access is checked against every other operation's, as a copy's is, and ends when
@@ -368,117 +355,6 @@ impl CpuDevice {
             .map(Event::Cpu)
     }
 
-    /// Copies the first `dst.len_bytes()` bytes of `src` into `dst` on the host-to-device
-    /// lane, after `after`. The slot stays with the returned [`Transfer`] until the copy
-    /// has completed.
-    pub fn copy_h2d(
-        &self,
-        dst: &DeviceBuffer,
-        src: SlotLease,
-        after: &[Event],
-    ) -> Result<Transfer, EngineError> {
-        self.shared.arena.check_owns(dst)?;
-        assert_copy_fits(dst, &src);
-        let from = HostPtr(src.as_ptr().cast_mut());
-        let to = dst.clone();
-        let delay = self.copy_time(dst.len_bytes());
-        let event = self.submit(Lane::H2d, after, Work::SlotToDevice { from, to, delay })?;
-        Ok(Transfer::new(Event::Cpu(event), src, dst.clone()))
-    }
-
-    /// Copies `src` into the first `src.len_bytes()` bytes of `dst` on the device-to-host
-    /// lane, after `after`. [`Transfer::wait`] hands the slot back once it holds the data.
-    pub fn copy_d2h(
-        &self,
-        dst: SlotLease,
-        src: &DeviceBuffer,
-        after: &[Event],
-    ) -> Result<Transfer, EngineError> {
-        self.shared.arena.check_owns(src)?;
-        assert_copy_fits(src, &dst);
-        let to = HostPtr(dst.as_ptr().cast_mut());
-        let from = src.clone();
-        let delay = self.copy_time(src.len_bytes());
-        let event = self.submit(Lane::D2h, after, Work::DeviceToSlot { from, to, delay })?;
-        Ok(Transfer::new(Event::Cpu(event), dst, src.clone()))
-    }
-
-    /// Runs `program` on kernel stream `lane` after `after`: each kernel's tensors are
-    /// resolved through `bindings`, checked to lie inside their bound range, registered
-    /// with the view checker for the kernel's run, and computed by the CPU kernels.
-    pub fn run_program(
-        &self,
-        lane: Lane,
-        program: &Program,
-        bindings: &Bindings,
-        scalars: &Scalars,
-        after: &[Event],
-    ) -> Result<Event, EngineError> {
-        for kernel in program.iter() {
-            check_bindings(&self.shared.arena, kernel, bindings)?;
-        }
-        let work = Work::Program {
-            program: Arc::clone(program),
-            bindings: *bindings,
-            scalars: *scalars,
-        };
-        self.submit(lane, after, work).map(Event::Cpu)
-    }
-
-    /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`,
-    /// converting bf16 or fp16 to f32 where `convert` says so.
-    pub fn copy_to_device(
-        &self,
-        host: &HostArena,
-        src: HostRange,
-        dst: DeviceRange,
-        convert: Convert,
-        after: &[Event],
-    ) -> Result<Event, EngineError> {
-        self.shared.arena.check_range(dst.bytes())?;
-        check_conversion(convert, src.len_bytes, dst.len_bytes);
-        let work = Work::ToDevice {
-            host: host.clone(),
-            src,
-            dst,
-            convert,
-            delay: self.copy_time(dst.len_bytes),
-        };
-        self.submit(Lane::H2d, after, work).map(Event::Cpu)
-    }
-
-    /// [`Device::all_gather`](super::Device::all_gather) on the calling thread: the host
-    /// collective on device memory, the views checked against the streams' operations
-    /// as theirs are against each other.
-    pub fn all_gather(
-        &self,
-        comm: &dyn Collective,
-        src: DeviceRange,
-        dst: DeviceRange,
-    ) -> Result<(), EngineError> {
-        let access = self.collective_access(src, dst)?;
-        let from = access.read_range(src)?;
-        let mut to = access.write_range(dst)?;
-        comm.all_gather(&from, &mut to)
-            .map_err(|e| EngineError::collective(&self.name, e))
-    }
-
-    /// [`Device::reduce_scatter`](super::Device::reduce_scatter) on the calling thread, as
-    /// [`CpuDevice::all_gather`] runs.
-    pub fn reduce_scatter(
-        &self,
-        comm: &dyn Collective,
-        src: DeviceRange,
-        dst: DeviceRange,
-        accumulate: bool,
-    ) -> Result<(), EngineError> {
-        let access = self.collective_access(src, dst)?;
-        let from = access.read_range(src)?;
-        let mut to = access.write_range(dst)?;
-        comm.reduce_scatter_sum(cast::<f32>(&from), cast_mut::<f32>(&mut to), accumulate)
-            .map_err(|e| EngineError::collective(&self.name, e))
-    }
-
     /// Access to device memory for a collective of the executor's collective lane.
     fn collective_access(
         &self,
@@ -491,55 +367,6 @@ impl CpuDevice {
             shared: &self.shared,
             lane: Lane::Comm,
         })
-    }
-
-    /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
-    pub fn copy_to_host(
-        &self,
-        src: DeviceRange,
-        host: &HostArena,
-        dst: HostRange,
-        after: &[Event],
-    ) -> Result<Event, EngineError> {
-        self.shared.arena.check_range(src.bytes())?;
-        assert_eq!(
-            src.len_bytes, dst.len_bytes,
-            "a copy between ranges of equal length"
-        );
-        let work = Work::ToHost {
-            src,
-            host: host.clone(),
-            dst,
-            delay: self.copy_time(src.len_bytes),
-        };
-        self.submit(Lane::D2h, after, work).map(Event::Cpu)
-    }
-
-    /// Bytes copied host to device and device to host so far.
-    pub fn copied_bytes(&self) -> [u64; 2] {
-        [
-            self.shared.copied[0].load(Ordering::Relaxed),
-            self.shared.copied[1].load(Ordering::Relaxed),
-        ]
-    }
-
-    /// An event that completes when everything submitted to `lane` so far has.
-    pub fn record(&self, lane: Lane) -> Result<Event, EngineError> {
-        self.submit(lane, &[], Work::Marker).map(Event::Cpu)
-    }
-
-    /// Makes everything submitted to `lane` from now on wait for `events`.
-    pub fn wait_for(&self, lane: Lane, events: &[Event]) -> Result<(), EngineError> {
-        self.submit(lane, events, Work::Marker).map(drop)
-    }
-
-    /// Blocks until every stream has run everything submitted so far.
-    pub fn synchronize(&self) -> Result<(), EngineError> {
-        let markers = Lane::STREAMS.map(|lane| self.record(lane));
-        for marker in markers {
-            marker?.wait()?;
-        }
-        Ok(())
     }
 
     /// Queues `work` on stream `lane` after `after`. Allocates nothing once the lane's
@@ -589,6 +416,191 @@ impl CpuDevice {
                 Duration::from_secs_f64(len_bytes as f64 / rate)
             });
         self.copy_latency + transfer
+    }
+}
+
+impl DeviceOps for CpuDevice {
+    /// The device's name.
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How pinned pools for this device lock their memory: `mlock`.
+    fn pinning(&self) -> Pinning {
+        Pinning::Mlock
+    }
+
+    /// The device memory arena.
+    fn arena(&self) -> &DeviceArena {
+        &self.shared.arena
+    }
+
+    fn target(&self) -> Target {
+        Target::Cpu
+    }
+
+    /// Runs `program` on kernel stream `lane` after `after`: each kernel's tensors are
+    /// resolved through `bindings`, checked to lie inside their bound range, registered
+    /// with the view checker for the kernel's run, and computed by the CPU kernels.
+    fn run_program(
+        &self,
+        lane: Lane,
+        program: &Program,
+        bindings: &Bindings,
+        scalars: &Scalars,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        assert_kernel_stream(lane);
+        for kernel in program.iter() {
+            check_bindings(&self.shared.arena, kernel, bindings)?;
+        }
+        let work = Work::Program {
+            program: Arc::clone(program),
+            bindings: *bindings,
+            scalars: *scalars,
+        };
+        self.submit(lane, after, work).map(Event::Cpu)
+    }
+
+    /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`,
+    /// converting bf16 or fp16 to f32 where `convert` says so.
+    fn copy_to_device(
+        &self,
+        host: &HostArena,
+        src: HostRange,
+        dst: DeviceRange,
+        convert: Convert,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        self.shared.arena.check_range(dst.bytes())?;
+        check_conversion(convert, src.len_bytes, dst.len_bytes);
+        let work = Work::ToDevice {
+            host: host.clone(),
+            src,
+            dst,
+            convert,
+            delay: self.copy_time(dst.len_bytes),
+        };
+        self.submit(Lane::H2d, after, work).map(Event::Cpu)
+    }
+
+    /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
+    fn copy_to_host(
+        &self,
+        src: DeviceRange,
+        host: &HostArena,
+        dst: HostRange,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        self.shared.arena.check_range(src.bytes())?;
+        assert_eq!(
+            src.len_bytes, dst.len_bytes,
+            "a copy between ranges of equal length"
+        );
+        let work = Work::ToHost {
+            src,
+            host: host.clone(),
+            dst,
+            delay: self.copy_time(src.len_bytes),
+        };
+        self.submit(Lane::D2h, after, work).map(Event::Cpu)
+    }
+
+    /// [`DeviceOps::all_gather`] on the calling thread: the host
+    /// collective on device memory, the views checked against the streams' operations
+    /// as theirs are against each other.
+    fn all_gather(
+        &self,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+    ) -> Result<(), EngineError> {
+        assert_gather_lengths(comm, src, dst);
+        let access = self.collective_access(src, dst)?;
+        let from = access.read_range(src)?;
+        let mut to = access.write_range(dst)?;
+        comm.all_gather(&from, &mut to)
+            .map_err(|e| EngineError::collective(&self.name, e))
+    }
+
+    /// [`DeviceOps::reduce_scatter`] on the calling thread, as
+    /// [`DeviceOps::all_gather`] runs.
+    fn reduce_scatter(
+        &self,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+        _scratch: Option<DeviceRange>,
+        accumulate: bool,
+    ) -> Result<(), EngineError> {
+        assert_scatter_lengths(comm, src, dst);
+        let access = self.collective_access(src, dst)?;
+        let from = access.read_range(src)?;
+        let mut to = access.write_range(dst)?;
+        comm.reduce_scatter_sum(cast::<f32>(&from), cast_mut::<f32>(&mut to), accumulate)
+            .map_err(|e| EngineError::collective(&self.name, e))
+    }
+
+    /// Bytes copied host to device and device to host so far.
+    fn copied_bytes(&self) -> [u64; 2] {
+        [
+            self.shared.copied[0].load(Ordering::Relaxed),
+            self.shared.copied[1].load(Ordering::Relaxed),
+        ]
+    }
+
+    /// Copies the first `dst.len_bytes()` bytes of `src` into `dst` on the host-to-device
+    /// lane, after `after`. The slot stays with the returned [`Transfer`] until the copy
+    /// has completed.
+    fn copy_h2d(
+        &self,
+        dst: &DeviceBuffer,
+        src: SlotLease,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.shared.arena.check_owns(dst)?;
+        assert_copy_fits(dst, &src);
+        let from = HostPtr(src.as_ptr().cast_mut());
+        let to = dst.clone();
+        let delay = self.copy_time(dst.len_bytes());
+        let event = self.submit(Lane::H2d, after, Work::SlotToDevice { from, to, delay })?;
+        Ok(Transfer::new(Event::Cpu(event), src, dst.clone()))
+    }
+
+    /// Copies `src` into the first `src.len_bytes()` bytes of `dst` on the device-to-host
+    /// lane, after `after`. [`Transfer::wait`] hands the slot back once it holds the data.
+    fn copy_d2h(
+        &self,
+        dst: SlotLease,
+        src: &DeviceBuffer,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.shared.arena.check_owns(src)?;
+        assert_copy_fits(src, &dst);
+        let to = HostPtr(dst.as_ptr().cast_mut());
+        let from = src.clone();
+        let delay = self.copy_time(src.len_bytes());
+        let event = self.submit(Lane::D2h, after, Work::DeviceToSlot { from, to, delay })?;
+        Ok(Transfer::new(Event::Cpu(event), dst, src.clone()))
+    }
+
+    /// An event that completes when everything submitted to `lane` so far has.
+    fn record(&self, lane: Lane) -> Result<Event, EngineError> {
+        self.submit(lane, &[], Work::Marker).map(Event::Cpu)
+    }
+
+    /// Makes everything submitted to `lane` from now on wait for `events`.
+    fn wait_for(&self, lane: Lane, events: &[Event]) -> Result<(), EngineError> {
+        self.submit(lane, events, Work::Marker).map(drop)
+    }
+
+    /// Blocks until every stream has run everything submitted so far.
+    fn synchronize(&self) -> Result<(), EngineError> {
+        let markers = Lane::STREAMS.map(|lane| self.record(lane));
+        for marker in markers {
+            marker?.wait()?;
+        }
+        Ok(())
     }
 }
 

@@ -26,11 +26,13 @@ use cudarc::nccl;
 use strata_comm::Collective;
 use strata_kernels::cuda::CudaKernels;
 use strata_kernels::kernel::FoldRanks;
-use strata_kernels::program::{Dtype, Kernel, Scalars, TensorRef};
+use strata_kernels::program::{Dtype, Kernel, Scalars, Target, TensorRef};
 use strata_storage::IoBuf;
 
-use super::event::{CudaEventRef, Event};
-use super::{Bindings, Convert, DeviceRange, Program, Transfer, assert_copy_fits, check_bindings};
+use super::bindings::{Bindings, Convert, DeviceRange, Program, check_bindings};
+use super::event::{CudaEventRef, Event, retry_once};
+use super::ops::{DeviceOps, assert_gather_lengths, assert_kernel_stream, assert_scatter_lengths};
+use super::transfer::{Transfer, assert_copy_fits};
 use crate::error::EngineError;
 use crate::lane::Lane;
 use crate::memory::{DeviceArena, DeviceBuffer, HostArena, HostRange, Pinning, SlotLease};
@@ -229,11 +231,6 @@ impl CudaDevice {
         })
     }
 
-    /// The device's name in the engine (`cuda:0`).
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// The GPU's product name, as the driver reports it.
     pub fn gpu_name(&self) -> &str {
         &self.gpu_name
@@ -253,16 +250,6 @@ impl CudaDevice {
         Ok(id.to_string_lossy().into_owned())
     }
 
-    /// How pinned pools for this device lock their memory: registered with the driver.
-    pub fn pinning(&self) -> Pinning {
-        Pinning::Cuda(Arc::clone(&self.ctx))
-    }
-
-    /// The device memory arena.
-    pub fn arena(&self) -> &DeviceArena {
-        &self.arena
-    }
-
     /// The cudarc context, for the kernels crate (modules, cuBLAS handles). Its event
     /// tracking is off: order work by events.
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -276,200 +263,6 @@ impl CudaDevice {
             .stream_index()
             .unwrap_or_else(|| panic!("{lane} is not a stream of a CUDA device"));
         &self.streams[index]
-    }
-
-    /// Runs `program` on kernel stream `lane` (compute or update) after `after`, each
-    /// tensor at the address of its binding plus its offset; the event (timed) completes
-    /// with the last kernel.
-    pub fn run_program(
-        &self,
-        lane: Lane,
-        program: &Program,
-        bindings: &Bindings,
-        scalars: &Scalars,
-        after: &[Event],
-    ) -> Result<Event, EngineError> {
-        let kernels = self.kernels.as_ref().ok_or(EngineError::Unsupported {
-            device: self.name.clone(),
-            what: "programs (it was opened for copies only, without NVRTC and cuBLAS)",
-        })?;
-        let kernels = &kernels[usize::from(lane == Lane::Update)];
-        for kernel in program.iter() {
-            check_bindings(&self.arena, kernel, bindings)?;
-        }
-        let stream = self.stream(lane);
-        self.wait_events(stream, after)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(EngineError::cuda("binding the context"))?;
-        let base = self.arena_base();
-        for kernel in program.iter() {
-            let address = |t: &TensorRef| {
-                let r = bindings.get(t.buf).expect("bound (checked)");
-                base + (r.offset_bytes + t.offset_bytes) as u64
-            };
-            // SAFETY: every tensor lies inside its bound range and every bound range inside
-            // the arena's allocation (both checked above), which lives as long as
-            // this device; the plan orders every other access to those ranges by events
-            // the compute stream waited for above, and the kernel reads and writes only
-            // its tensors.
-            unsafe { kernels.run(kernel, scalars, &address) }.map_err(|source| {
-                EngineError::Kernel {
-                    kernel: kernel.name(),
-                    source,
-                }
-            })?;
-        }
-        self.record(lane)
-    }
-
-    /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`. The
-    /// host arena is page-locked by this device (its pinning), so the copy is DMA; a
-    /// conversion is refused (a GPU computes in the working dtype the host holds).
-    pub fn copy_to_device(
-        &self,
-        host: &HostArena,
-        src: HostRange,
-        dst: DeviceRange,
-        convert: Convert,
-        after: &[Event],
-    ) -> Result<Event, EngineError> {
-        if let Some((from, to)) = convert
-            && from != to
-        {
-            return Err(EngineError::Unsupported {
-                device: self.name.clone(),
-                what: "converting copies (host and device hold the same dtype on a GPU)",
-            });
-        }
-        assert_eq!(
-            src.len_bytes, dst.len_bytes,
-            "a copy between ranges of equal length"
-        );
-        self.arena.check_range(dst.bytes())?;
-        let host_ptr = host.address(src);
-        let stream = self.stream(Lane::H2d);
-        self.wait_events(stream, after)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(EngineError::cuda("binding the context"))?;
-        // SAFETY: the device range lies inside the arena's allocation (checked); the host
-        // range inside the arena's page-locked mapping (checked by `address`), which the
-        // caller keeps alive until this copy's event has completed.
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                self.arena_base() + dst.offset_bytes as u64,
-                host_ptr.cast(),
-                dst.len_bytes,
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(EngineError::cuda("cuMemcpyHtoDAsync"))?;
-        self.copied[0].fetch_add(dst.len_bytes as u64, Ordering::Relaxed);
-        self.record(Lane::H2d)
-    }
-
-    /// [`Device::all_gather`](super::Device::all_gather): `ncclAllGather` on the update
-    /// stream (after its AdamW, which wrote the shard), waited for.
-    pub fn all_gather(
-        &self,
-        comm: &dyn Collective,
-        src: DeviceRange,
-        dst: DeviceRange,
-    ) -> Result<(), EngineError> {
-        self.arena.check_range(src.bytes())?;
-        self.arena.check_range(dst.bytes())?;
-        let base = self.arena_base();
-        let stream = self.stream(Lane::Update);
-        self.with_nccl(comm, |c| {
-            // SAFETY: both ranges lie inside the arena (checked above) and do not overlap
-            // (the plan's buffers); the collective lane waited for their writers.
-            unsafe {
-                nccl::result::all_gather(
-                    (base + src.offset_bytes as u64) as *const c_void,
-                    (base + dst.offset_bytes as u64) as *mut c_void,
-                    src.len_bytes,
-                    nccl::sys::ncclDataType_t::ncclUint8,
-                    c,
-                    stream.cu_stream() as nccl::sys::cudaStream_t,
-                )
-            }
-            .map(|_| ())
-            .map_err(|e| self.nccl_error("ncclAllGather", e))
-        })?;
-        self.record(Lane::Update)?.wait()
-    }
-
-    /// [`Device::reduce_scatter`](super::Device::reduce_scatter): every rank's chunk
-    /// exchanged with `ncclSend`/`ncclRecv` into `scratch`, then folded in rank order by
-    /// [`Kernel::FoldRanks`](strata_kernels::program::Kernel::FoldRanks) on the update
-    /// stream, waited for. Not `ncclReduceScatter`, whose summation order NCCL picks.
-    pub fn reduce_scatter(
-        &self,
-        comm: &dyn Collective,
-        src: DeviceRange,
-        dst: DeviceRange,
-        scratch: Option<DeviceRange>,
-        accumulate: bool,
-    ) -> Result<(), EngineError> {
-        let scratch = scratch.ok_or_else(|| EngineError::Unsupported {
-            device: self.name.clone(),
-            what: "a reduce-scatter without scratch for every rank's chunk",
-        })?;
-        for r in [src, dst, scratch] {
-            self.arena.check_range(r.bytes())?;
-        }
-        let (ranks, n) = (comm.size(), dst.len_bytes / 4);
-        let base = self.arena_base();
-        let stream = self.stream(Lane::Update);
-        self.with_nccl(comm, |c| {
-            let call = |what, r: Result<nccl::result::NcclStatus, nccl::result::NcclError>| {
-                r.map(|_| ()).map_err(|e| self.nccl_error(what, e))
-            };
-            call("ncclGroupStart", nccl::result::group_start())?;
-            for peer in 0..ranks {
-                let at = (peer * dst.len_bytes) as u64;
-                // SAFETY: chunk `peer` of `src` and of `scratch` lie inside them (each
-                // `ranks` chunks long, checked inside the arena above); the collective
-                // lane waited for `src`'s writers and nothing else uses `scratch`.
-                let (sent, received) = unsafe {
-                    (
-                        nccl::result::send(
-                            (base + src.offset_bytes as u64 + at) as *const c_void,
-                            n,
-                            nccl::sys::ncclDataType_t::ncclFloat32,
-                            peer as c_int,
-                            c,
-                            stream.cu_stream() as nccl::sys::cudaStream_t,
-                        ),
-                        nccl::result::recv(
-                            (base + scratch.offset_bytes as u64 + at) as *mut c_void,
-                            n,
-                            nccl::sys::ncclDataType_t::ncclFloat32,
-                            peer as c_int,
-                            c,
-                            stream.cu_stream() as nccl::sys::cudaStream_t,
-                        ),
-                    )
-                };
-                call("ncclSend", sent)?;
-                call("ncclRecv", received)?;
-            }
-            call("ncclGroupEnd", nccl::result::group_end())
-        })?;
-        let program: Program = vec![Kernel::FoldRanks(FoldRanks {
-            acc: TensorRef::new(0, 0, n, Dtype::F32),
-            chunks: TensorRef::new(1, 0, ranks * n, Dtype::F32),
-            ranks,
-            accumulate,
-        })]
-        .into();
-        let mut bindings = Bindings::default();
-        bindings.set(0, dst);
-        bindings.set(1, scratch);
-        self.run_program(Lane::Update, &program, &bindings, &Scalars::default(), &[])?
-            .wait()
     }
 
     /// Runs `f` with this device's NCCL communicator, made on first use: rank 0's
@@ -545,48 +338,6 @@ impl CudaDevice {
         )
     }
 
-    /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
-    pub fn copy_to_host(
-        &self,
-        src: DeviceRange,
-        host: &HostArena,
-        dst: HostRange,
-        after: &[Event],
-    ) -> Result<Event, EngineError> {
-        assert_eq!(
-            src.len_bytes, dst.len_bytes,
-            "a copy between ranges of equal length"
-        );
-        self.arena.check_range(src.bytes())?;
-        let host_ptr = host.address(dst);
-        let stream = self.stream(Lane::D2h);
-        self.wait_events(stream, after)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(EngineError::cuda("binding the context"))?;
-        // SAFETY: as in copy_to_device, the other way.
-        unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                host_ptr.cast(),
-                self.arena_base() + src.offset_bytes as u64,
-                src.len_bytes,
-                stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(EngineError::cuda("cuMemcpyDtoHAsync"))?;
-        self.copied[1].fetch_add(src.len_bytes as u64, Ordering::Relaxed);
-        self.record(Lane::D2h)
-    }
-
-    /// Bytes copied host to device and device to host so far.
-    pub fn copied_bytes(&self) -> [u64; 2] {
-        [
-            self.copied[0].load(Ordering::Relaxed),
-            self.copied[1].load(Ordering::Relaxed),
-        ]
-    }
-
     /// The device address of the arena's first byte.
     fn arena_base(&self) -> u64 {
         self.arena.base_address()
@@ -596,29 +347,6 @@ impl CudaDevice {
     pub fn device_ptr(&self, buffer: &DeviceBuffer) -> Result<sys::CUdeviceptr, EngineError> {
         self.arena.check_owns(buffer)?;
         Ok(buffer.address())
-    }
-
-    /// Copies the first `dst.len_bytes()` bytes of the slot into `dst` on the
-    /// host-to-device stream, after `after`. The slot stays with the returned
-    /// [`Transfer`] until the copy has completed.
-    pub fn copy_h2d(
-        &self,
-        dst: &DeviceBuffer,
-        src: SlotLease,
-        after: &[Event],
-    ) -> Result<Transfer, EngineError> {
-        self.copy(Lane::H2d, dst, src, after)
-    }
-
-    /// Copies `src` into the start of the slot on the device-to-host stream, after
-    /// `after`. [`Transfer::wait`] hands the slot back once it holds the data.
-    pub fn copy_d2h(
-        &self,
-        dst: SlotLease,
-        src: &DeviceBuffer,
-        after: &[Event],
-    ) -> Result<Transfer, EngineError> {
-        self.copy(Lane::D2h, src, dst, after)
     }
 
     fn copy(
@@ -677,33 +405,6 @@ impl CudaDevice {
             timed: false,
         });
         Ok(Transfer::new(event, slot, buffer.clone()))
-    }
-
-    /// A timed event that completes when everything queued on `lane` so far has.
-    pub fn record(&self, lane: Lane) -> Result<Event, EngineError> {
-        let event = self.events[1].take(&self.ctx)?;
-        event
-            .record(self.stream(lane))
-            .map_err(EngineError::cuda("cuEventRecord"))?;
-        Ok(Event::Cuda(CudaEventRef {
-            event,
-            lane,
-            timed: true,
-        }))
-    }
-
-    /// Makes everything queued on `lane` from now on wait for `events` (on the GPU; the
-    /// host does not block).
-    pub fn wait_for(&self, lane: Lane, events: &[Event]) -> Result<(), EngineError> {
-        self.wait_events(self.stream(lane), events)
-    }
-
-    /// Blocks until every stream has finished everything queued so far.
-    pub fn synchronize(&self) -> Result<(), EngineError> {
-        for stream in &self.streams {
-            synchronize_stream(stream).map_err(EngineError::cuda("cuStreamSynchronize"))?;
-        }
-        Ok(())
     }
 
     /// Times one copy, or two at once: `h2d` copies host bytes into a device buffer on the
@@ -827,6 +528,316 @@ impl CudaDevice {
     }
 }
 
+impl DeviceOps for CudaDevice {
+    /// The device's name in the engine (`cuda:0`).
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How pinned pools for this device lock their memory: registered with the driver.
+    fn pinning(&self) -> Pinning {
+        Pinning::Cuda(Arc::clone(&self.ctx))
+    }
+
+    /// The device memory arena.
+    fn arena(&self) -> &DeviceArena {
+        &self.arena
+    }
+
+    fn target(&self) -> Target {
+        Target::Cuda
+    }
+
+    /// Runs `program` on kernel stream `lane` (compute or update) after `after`, each
+    /// tensor at the address of its binding plus its offset; the event (timed) completes
+    /// with the last kernel.
+    fn run_program(
+        &self,
+        lane: Lane,
+        program: &Program,
+        bindings: &Bindings,
+        scalars: &Scalars,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        assert_kernel_stream(lane);
+        let kernels = self.kernels.as_ref().ok_or(EngineError::Unsupported {
+            device: self.name.clone(),
+            what: "programs (it was opened for copies only, without NVRTC and cuBLAS)",
+        })?;
+        let kernels = &kernels[usize::from(lane == Lane::Update)];
+        for kernel in program.iter() {
+            check_bindings(&self.arena, kernel, bindings)?;
+        }
+        let stream = self.stream(lane);
+        self.wait_events(stream, after)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        let base = self.arena_base();
+        for kernel in program.iter() {
+            let address = |t: &TensorRef| {
+                let r = bindings.get(t.buf).expect("bound (checked)");
+                base + (r.offset_bytes + t.offset_bytes) as u64
+            };
+            // SAFETY: every tensor lies inside its bound range and every bound range inside
+            // the arena's allocation (both checked above), which lives as long as
+            // this device; the plan orders every other access to those ranges by events
+            // the compute stream waited for above, and the kernel reads and writes only
+            // its tensors.
+            unsafe { kernels.run(kernel, scalars, &address) }.map_err(|source| {
+                EngineError::Kernel {
+                    kernel: kernel.name(),
+                    source,
+                }
+            })?;
+        }
+        self.record(lane)
+    }
+
+    /// Copies `src` of `host` into `dst` on the host-to-device stream after `after`. The
+    /// host arena is page-locked by this device (its pinning), so the copy is DMA; a
+    /// conversion is refused (a GPU computes in the working dtype the host holds).
+    fn copy_to_device(
+        &self,
+        host: &HostArena,
+        src: HostRange,
+        dst: DeviceRange,
+        convert: Convert,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        if let Some((from, to)) = convert
+            && from != to
+        {
+            return Err(EngineError::Unsupported {
+                device: self.name.clone(),
+                what: "converting copies (host and device hold the same dtype on a GPU)",
+            });
+        }
+        assert_eq!(
+            src.len_bytes, dst.len_bytes,
+            "a copy between ranges of equal length"
+        );
+        self.arena.check_range(dst.bytes())?;
+        let host_ptr = host.address(src);
+        let stream = self.stream(Lane::H2d);
+        self.wait_events(stream, after)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        // SAFETY: the device range lies inside the arena's allocation (checked); the host
+        // range inside the arena's page-locked mapping (checked by `address`), which the
+        // caller keeps alive until this copy's event has completed.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                self.arena_base() + dst.offset_bytes as u64,
+                host_ptr.cast(),
+                dst.len_bytes,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(EngineError::cuda("cuMemcpyHtoDAsync"))?;
+        self.copied[0].fetch_add(dst.len_bytes as u64, Ordering::Relaxed);
+        self.record(Lane::H2d)
+    }
+
+    /// Copies `src` into `dst` of `host` on the device-to-host stream after `after`.
+    fn copy_to_host(
+        &self,
+        src: DeviceRange,
+        host: &HostArena,
+        dst: HostRange,
+        after: &[Event],
+    ) -> Result<Event, EngineError> {
+        assert_eq!(
+            src.len_bytes, dst.len_bytes,
+            "a copy between ranges of equal length"
+        );
+        self.arena.check_range(src.bytes())?;
+        let host_ptr = host.address(dst);
+        let stream = self.stream(Lane::D2h);
+        self.wait_events(stream, after)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(EngineError::cuda("binding the context"))?;
+        // SAFETY: as in copy_to_device, the other way.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                host_ptr.cast(),
+                self.arena_base() + src.offset_bytes as u64,
+                src.len_bytes,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(EngineError::cuda("cuMemcpyDtoHAsync"))?;
+        self.copied[1].fetch_add(src.len_bytes as u64, Ordering::Relaxed);
+        self.record(Lane::D2h)
+    }
+
+    /// [`DeviceOps::all_gather`]: `ncclAllGather` on the update
+    /// stream (after its AdamW, which wrote the shard), waited for.
+    fn all_gather(
+        &self,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+    ) -> Result<(), EngineError> {
+        assert_gather_lengths(comm, src, dst);
+        self.arena.check_range(src.bytes())?;
+        self.arena.check_range(dst.bytes())?;
+        let base = self.arena_base();
+        let stream = self.stream(Lane::Update);
+        self.with_nccl(comm, |c| {
+            // SAFETY: both ranges lie inside the arena (checked above) and do not overlap
+            // (the plan's buffers); the collective lane waited for their writers.
+            unsafe {
+                nccl::result::all_gather(
+                    (base + src.offset_bytes as u64) as *const c_void,
+                    (base + dst.offset_bytes as u64) as *mut c_void,
+                    src.len_bytes,
+                    nccl::sys::ncclDataType_t::ncclUint8,
+                    c,
+                    stream.cu_stream() as nccl::sys::cudaStream_t,
+                )
+            }
+            .map(|_| ())
+            .map_err(|e| self.nccl_error("ncclAllGather", e))
+        })?;
+        self.record(Lane::Update)?.wait()
+    }
+
+    /// [`DeviceOps::reduce_scatter`]: every rank's chunk
+    /// exchanged with `ncclSend`/`ncclRecv` into `scratch`, then folded in rank order by
+    /// [`Kernel::FoldRanks`](strata_kernels::program::Kernel::FoldRanks) on the update
+    /// stream, waited for. Not `ncclReduceScatter`, whose summation order NCCL picks.
+    fn reduce_scatter(
+        &self,
+        comm: &dyn Collective,
+        src: DeviceRange,
+        dst: DeviceRange,
+        scratch: Option<DeviceRange>,
+        accumulate: bool,
+    ) -> Result<(), EngineError> {
+        assert_scatter_lengths(comm, src, dst);
+        let scratch = scratch.ok_or_else(|| EngineError::Unsupported {
+            device: self.name.clone(),
+            what: "a reduce-scatter without scratch for every rank's chunk",
+        })?;
+        for r in [src, dst, scratch] {
+            self.arena.check_range(r.bytes())?;
+        }
+        let (ranks, n) = (comm.size(), dst.len_bytes / 4);
+        let base = self.arena_base();
+        let stream = self.stream(Lane::Update);
+        self.with_nccl(comm, |c| {
+            let call = |what, r: Result<nccl::result::NcclStatus, nccl::result::NcclError>| {
+                r.map(|_| ()).map_err(|e| self.nccl_error(what, e))
+            };
+            call("ncclGroupStart", nccl::result::group_start())?;
+            for peer in 0..ranks {
+                let at = (peer * dst.len_bytes) as u64;
+                // SAFETY: chunk `peer` of `src` and of `scratch` lie inside them (each
+                // `ranks` chunks long, checked inside the arena above); the collective
+                // lane waited for `src`'s writers and nothing else uses `scratch`.
+                let (sent, received) = unsafe {
+                    (
+                        nccl::result::send(
+                            (base + src.offset_bytes as u64 + at) as *const c_void,
+                            n,
+                            nccl::sys::ncclDataType_t::ncclFloat32,
+                            peer as c_int,
+                            c,
+                            stream.cu_stream() as nccl::sys::cudaStream_t,
+                        ),
+                        nccl::result::recv(
+                            (base + scratch.offset_bytes as u64 + at) as *mut c_void,
+                            n,
+                            nccl::sys::ncclDataType_t::ncclFloat32,
+                            peer as c_int,
+                            c,
+                            stream.cu_stream() as nccl::sys::cudaStream_t,
+                        ),
+                    )
+                };
+                call("ncclSend", sent)?;
+                call("ncclRecv", received)?;
+            }
+            call("ncclGroupEnd", nccl::result::group_end())
+        })?;
+        let program: Program = vec![Kernel::FoldRanks(FoldRanks {
+            acc: TensorRef::new(0, 0, n, Dtype::F32),
+            chunks: TensorRef::new(1, 0, ranks * n, Dtype::F32),
+            ranks,
+            accumulate,
+        })]
+        .into();
+        let mut bindings = Bindings::default();
+        bindings.set(0, dst);
+        bindings.set(1, scratch);
+        self.run_program(Lane::Update, &program, &bindings, &Scalars::default(), &[])?
+            .wait()
+    }
+
+    /// Bytes copied host to device and device to host so far.
+    fn copied_bytes(&self) -> [u64; 2] {
+        [
+            self.copied[0].load(Ordering::Relaxed),
+            self.copied[1].load(Ordering::Relaxed),
+        ]
+    }
+
+    /// Copies the first `dst.len_bytes()` bytes of the slot into `dst` on the
+    /// host-to-device stream, after `after`. The slot stays with the returned
+    /// [`Transfer`] until the copy has completed.
+    fn copy_h2d(
+        &self,
+        dst: &DeviceBuffer,
+        src: SlotLease,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.copy(Lane::H2d, dst, src, after)
+    }
+
+    /// Copies `src` into the start of the slot on the device-to-host stream, after
+    /// `after`. [`Transfer::wait`] hands the slot back once it holds the data.
+    fn copy_d2h(
+        &self,
+        dst: SlotLease,
+        src: &DeviceBuffer,
+        after: &[Event],
+    ) -> Result<Transfer, EngineError> {
+        self.copy(Lane::D2h, src, dst, after)
+    }
+
+    /// A timed event that completes when everything queued on `lane` so far has.
+    fn record(&self, lane: Lane) -> Result<Event, EngineError> {
+        let event = self.events[1].take(&self.ctx)?;
+        event
+            .record(self.stream(lane))
+            .map_err(EngineError::cuda("cuEventRecord"))?;
+        Ok(Event::Cuda(CudaEventRef {
+            event,
+            lane,
+            timed: true,
+        }))
+    }
+
+    /// Makes everything queued on `lane` from now on wait for `events` (on the GPU; the
+    /// host does not block).
+    fn wait_for(&self, lane: Lane, events: &[Event]) -> Result<(), EngineError> {
+        self.wait_events(self.stream(lane), events)
+    }
+
+    /// Blocks until every stream has finished everything queued so far.
+    fn synchronize(&self) -> Result<(), EngineError> {
+        for stream in &self.streams {
+            synchronize_stream(stream).map_err(EngineError::cuda("cuStreamSynchronize"))?;
+        }
+        Ok(())
+    }
+}
+
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaDevice")
@@ -849,27 +860,8 @@ pub(crate) fn cuda_usable(
     }
 }
 
-/// cudarc reports an error stored by an earlier failed call in the context (one made
-/// from a `Drop`, which cannot return it) on the next call that binds the context, and
-/// clears it. Such an error is about that earlier call, so it is logged and the wait is
-/// tried once more; only a second failure is this wait's own.
-fn retry_once(
-    what: &str,
-    mut wait: impl FnMut() -> Result<(), DriverError>,
-) -> Result<(), DriverError> {
-    wait().or_else(|first| {
-        log::error!("{what}: {first} (retrying once: it may be an earlier call's error)");
-        wait()
-    })
-}
-
 fn synchronize_stream(stream: &CudaStream) -> Result<(), DriverError> {
     retry_once("cuStreamSynchronize", || stream.synchronize())
-}
-
-/// Waits for a CUDA event, as [`synchronize_stream`] does for a stream.
-pub(crate) fn synchronize_event(event: &CudaEvent) -> Result<(), DriverError> {
-    retry_once("cuEventSynchronize", || event.synchronize())
 }
 
 /// Returns `slot` to its pool once `stream` has drained; if the driver cannot say that it

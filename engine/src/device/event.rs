@@ -3,12 +3,14 @@
 //!
 //! On the CPU device an event is a completion flag with a condition variable, set by the
 //! lane's worker thread, carrying the operation's error if it failed. On CUDA it is a
-//! `CUevent` recorded on the lane's stream. This file does not submit work; the devices do.
+//! `CUevent` recorded on the lane's stream, waited for with one retry (`retry_once`,
+//! which the CUDA device's stream waits share). This file does not submit work; the
+//! devices do.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::CudaEvent;
+use cudarc::driver::{CudaEvent, DriverError};
 
 use crate::error::EngineError;
 use crate::lane::Lane;
@@ -36,8 +38,9 @@ impl Event {
     pub fn wait(&self) -> Result<(), EngineError> {
         match self {
             Event::Cpu(e) => e.wait(),
-            Event::Cuda(e) => super::cuda::synchronize_event(&e.event)
-                .map_err(EngineError::cuda("cuEventSynchronize")),
+            Event::Cuda(e) => {
+                synchronize_event(&e.event).map_err(EngineError::cuda("cuEventSynchronize"))
+            }
         }
     }
 
@@ -296,6 +299,25 @@ impl std::fmt::Debug for CpuEvent {
             .field("state", &state)
             .finish()
     }
+}
+
+/// cudarc reports an error stored by an earlier failed call in the context (one made
+/// from a `Drop`, which cannot return it) on the next call that binds the context, and
+/// clears it. Such an error is about that earlier call, so it is logged and the wait is
+/// tried once more; only a second failure is this wait's own.
+pub(super) fn retry_once(
+    what: &str,
+    mut wait: impl FnMut() -> Result<(), DriverError>,
+) -> Result<(), DriverError> {
+    wait().or_else(|first| {
+        log::error!("{what}: {first} (retrying once: it may be an earlier call's error)");
+        wait()
+    })
+}
+
+/// Waits for a CUDA event, retried once as a stream synchronize is.
+fn synchronize_event(event: &CudaEvent) -> Result<(), DriverError> {
+    retry_once("cuEventSynchronize", || event.synchronize())
 }
 
 #[cfg(test)]

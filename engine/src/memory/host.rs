@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, Once};
 use cudarc::driver::{CudaContext, sys};
 use strata_storage::{HUGE_PAGE_BYTES, IoRegion, TensorStore};
 
-use super::pinned::{HostLocking, Pinning};
+use super::locking::{HostLocking, Pinning};
 use crate::error::EngineError;
 
 /// An anonymous private mapping, unlocked (and unregistered) and unmapped on drop.

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use strata_storage::{IoBuf, TensorStore};
 
 use super::host::HostMapping;
-use super::pinned::{HostLocking, Pinning};
+use super::locking::{HostLocking, Pinning};
 use crate::device::access::AccessTable;
 use crate::error::EngineError;
 use crate::lane::Lane;

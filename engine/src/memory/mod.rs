@@ -10,10 +10,12 @@
 mod arena;
 mod host;
 mod host_arena;
+mod locking;
 mod pinned;
 
 pub use arena::{ARENA_ALIGN, ArenaStats, DeviceArena, DeviceBuffer};
 pub(crate) use host::HostMapping;
 pub use host::MemlockLimit;
 pub use host_arena::{HostArena, HostLease, HostRange, HostRead, HostWrite};
-pub use pinned::{HostLocking, PinnedPool, PinnedPoolConfig, Pinning, PoolStats, SlotLease};
+pub use locking::{HostLocking, Pinning};
+pub use pinned::{PinnedPool, PinnedPoolConfig, PoolStats, SlotLease};

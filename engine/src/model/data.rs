@@ -17,7 +17,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use super::tokenize::mask_path;
+use super::mapped::map_read_only;
 use super::{IGNORE_TARGET, ModelError};
 
 /// llm.c's token file magic number.
@@ -65,9 +65,9 @@ impl TokenData {
         let map = if len == 0 {
             None // mmap refuses empty files; an empty file holds no tokens.
         } else {
-            // SAFETY: the map is only read; a file changed under it by another process may
-            // give other tokens, which the vocabulary check still guards.
-            Some(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?)
+            // A file changed under the map may give other tokens, which the vocabulary
+            // check still guards.
+            Some(map_read_only(&file).map_err(|e| ModelError::io(path, e))?)
         };
         let bytes: &[u8] = map.as_deref().unwrap_or(&[]);
         let header_int = |i: usize| {
@@ -248,6 +248,13 @@ impl TokenData {
     }
 }
 
+/// The mask file of a token file: `OUT.mask` beside `OUT` (the tokenizer writes it).
+pub fn mask_path(tokens: &Path) -> PathBuf {
+    let mut name = tokens.as_os_str().to_owned();
+    name.push(".mask");
+    PathBuf::from(name)
+}
+
 /// The mask beside the token file `path`, if there is one, checked to hold one byte per
 /// token.
 fn open_mask(path: &Path, token_count: u64) -> Result<Option<memmap2::Mmap>, ModelError> {
@@ -269,7 +276,6 @@ fn open_mask(path: &Path, token_count: u64) -> Result<Option<memmap2::Mmap>, Mod
     if len == 0 {
         return Ok(None);
     }
-    // SAFETY: the map is only read; a file changed under it may give another mask.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(&mask, e))?;
+    let map = map_read_only(&file).map_err(|e| ModelError::io(&mask, e))?;
     Ok(Some(map))
 }

@@ -27,7 +27,9 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use super::ModelError;
+pub use super::data::mask_path;
 use super::data::{LLMC_HEADER_BYTES, LLMC_MAGIC};
+use super::mapped::map_read_only;
 
 /// The names end-of-sequence tokens go by, tried in order when no configuration file
 /// names the tokenizer's.
@@ -263,13 +265,6 @@ pub struct EncodeSummary {
     pub wide: bool,
 }
 
-/// The mask file of a token file: `OUT.mask` beside `OUT`.
-pub fn mask_path(tokens: &Path) -> PathBuf {
-    let mut name = tokens.as_os_str().to_owned();
-    name.push(".mask");
-    PathBuf::from(name)
-}
-
 fn partial(path: &Path) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(".partial");
@@ -387,9 +382,8 @@ fn map_text(path: &Path) -> Result<Option<memmap2::Mmap>, ModelError> {
     if file.metadata().map_err(|e| ModelError::io(path, e))?.len() == 0 {
         return Ok(None);
     }
-    // SAFETY: the map is only read; a file changed under it by another process may give
-    // other text, which UTF-8 validation still guards.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+    // A file changed under the map may give other text, which UTF-8 validation guards.
+    let map = map_read_only(&file).map_err(|e| ModelError::io(path, e))?;
     if let Err(e) = std::str::from_utf8(&map) {
         return Err(ModelError::BadInput(format!(
             "{}: not UTF-8 text (invalid byte at offset {}); give text files, JSON lines, \

@@ -27,6 +27,7 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
 use serde_json::Value;
 
+use super::mapped::map_read_only;
 use super::{Gpt2, Llama, Model, ModelError, llama};
 
 /// The weights file's name in a model folder.
@@ -330,10 +331,7 @@ pub(crate) struct SafetensorsFile {
 impl SafetensorsFile {
     pub(crate) fn open(path: &Path) -> Result<Self, ModelError> {
         let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
-        // SAFETY: the map is only read. If another process truncates or rewrites the
-        // file while it is mapped, reads may fault or see the new bytes: the usual caveat
-        // of reading a checkpoint through mmap, accepted for loading speed.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+        let map = map_read_only(&file).map_err(|e| ModelError::io(path, e))?;
         let bad = |message: String| ModelError::BadSafetensors {
             path: path.to_path_buf(),
             message,

@@ -314,7 +314,7 @@ pub struct StepShape {
     /// a GPU) rather than staged through host memory (copies out, the host collective,
     /// copies in). Ignored alone.
     ///
-    /// [`Device::all_gather`]: crate::device::Device::all_gather
+    /// [`Device::all_gather`]: crate::device::DeviceOps::all_gather
     pub device_collectives: bool,
 }
 

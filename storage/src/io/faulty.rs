@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::kind::{BackendKind, OpKind};
 use super::threads::{Posix, Syscalls};
-use super::{BackendKind, OpKind};
 use crate::buffer::DIRECT_IO_ALIGN;
 
 /// The kinds of fault the injector can cause.

@@ -13,10 +13,10 @@ use std::time::Instant;
 
 use crossbeam::channel::{Receiver, Sender};
 
-use super::{
-    Backend, BackendKind, FileTable, IoStats, MAX_RETRIES, OpGroup, OpKind, RawOp, chunk_count,
-    io_error, is_transient,
+use super::backend::{
+    Backend, FileTable, IoStats, MAX_RETRIES, OpGroup, RawOp, chunk_count, io_error, is_transient,
 };
+use super::kind::{BackendKind, OpKind};
 use crate::buffer::IoRegion;
 use crate::error::StorageError;
 
@@ -269,7 +269,7 @@ impl<S: Syscalls> Backend for ThreadIo<S> {
             .clone()
     }
 
-    fn counters(&self) -> super::IoCounters {
+    fn counters(&self) -> super::backend::IoCounters {
         self.shared
             .stats
             .lock()

@@ -18,10 +18,10 @@ use std::time::Instant;
 use crossbeam::channel::{Receiver, Sender};
 use io_uring::{IoUring, Probe, opcode, squeue, types};
 
-use super::{
-    Backend, BackendKind, FileTable, IoStats, MAX_RETRIES, OpGroup, OpKind, RawOp, chunk_count,
-    io_error, is_transient,
+use super::backend::{
+    Backend, FileTable, IoStats, MAX_RETRIES, OpGroup, RawOp, chunk_count, io_error, is_transient,
 };
+use super::kind::{BackendKind, OpKind};
 use crate::buffer::{AlignedBuf, IoBuf, IoRegion};
 use crate::error::{Errno, StorageError};
 
@@ -132,7 +132,7 @@ impl Backend for UringIo {
         self.stats.lock().expect("stats lock poisoned").clone()
     }
 
-    fn counters(&self) -> super::IoCounters {
+    fn counters(&self) -> super::backend::IoCounters {
         self.stats.lock().expect("stats lock poisoned").counters()
     }
 
