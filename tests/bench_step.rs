@@ -104,7 +104,8 @@ fn every_policy_has_a_row_and_json() {
         assert!(p["predicted"]["step_seconds"].as_f64().unwrap() > 0.0);
         // Invariant 2, as the bench sees it: measured peaks stay within the plan.
         for tier in 0..2 {
-            assert!(p["peak_measured"][tier].as_u64() <= p["peak_planned"][tier].as_u64());
+            let measured = p["peak_measured"][tier].as_u64().expect("peak_measured");
+            assert!(measured <= p["peak_planned"][tier].as_u64().expect("peak_planned"));
         }
     }
     let nvme = &policies[3];
@@ -185,7 +186,12 @@ fn recompute_all_and_none_run_side_by_side_and_compare() {
         assert!(all > 0.0 && none > 0.0, "{c}");
         assert!((c["none_over_all"].as_f64().unwrap() - none / all).abs() < 1e-9);
         let peaks = &c["device_peak_planned"];
-        assert!(peaks[1].as_u64() > peaks[0].as_u64(), "{c}");
+        let peak = |i: usize| {
+            peaks[i]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no peak {i}: {c}"))
+        };
+        assert!(peak(1) > peak(0), "{c}");
         assert!(
             stdout.contains(&format!("{policy}: keeping every layer's activations")),
             "{stdout}"
@@ -274,7 +280,8 @@ fn scale_run_with_clipping_spills_gradients_when_the_host_needs_it() {
     assert!(report["peak_planned"][1].as_u64().unwrap() <= host_budget);
     assert!(report["peak_measured"][1].as_u64().unwrap() <= host_budget);
     let losses = report["losses"].as_array().unwrap();
-    assert!(losses[2].as_f64() < losses[0].as_f64(), "{losses:?}");
+    let loss = |i: usize| losses[i].as_f64().expect("a loss");
+    assert!(loss(2) < loss(0), "{losses:?}");
 
     let mut held = strata();
     args(&mut held);
