@@ -22,8 +22,9 @@ use strata_engine::model::llama::{LlamaConfig, Variant};
 use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Gpt2Config, Llama, Model, Target, gpt2};
 use strata_engine::plan::{
-    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, Lane, NvmeOffload, OpKind,
-    ParamOffload, Plan, PlanError, PlanInput, Policy, Precision, Recompute, StepShape, Tier,
+    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, HostOp, Lane, NvmeOffload,
+    NvmeOp, OpKind, ParamOffload, Plan, PlanError, PlanInput, Policy, Precision, Recompute,
+    StepShape, StreamOp, Tier,
 };
 use strata_engine::storage::FaultPlan;
 
@@ -503,7 +504,7 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
         p.ops
             .iter()
             .filter(|op| {
-                matches!(op.kind, OpKind::H2d { to, .. } if p.buffer(to).name.starts_with("params[0]"))
+                matches!(op.kind, OpKind::Stream(StreamOp::H2d { to, .. }) if p.buffer(to).name.starts_with("params[0]"))
             })
             .count()
     };
@@ -644,7 +645,7 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
         .ops
         .iter()
         .filter_map(|op| match op.kind {
-            OpKind::NvmeRead { into, .. } if plan.buffer(into).tier == Tier::Device => {
+            OpKind::Nvme(NvmeOp::Read { into, .. }) if plan.buffer(into).tier == Tier::Device => {
                 Some(plan.buffer(into).name.as_str())
             }
             _ => None,
@@ -662,7 +663,9 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
         .ops
         .iter()
         .filter_map(|op| match op.kind {
-            OpKind::H2d { from, to, .. } if plan.buffer(to).name.starts_with("params[") => {
+            OpKind::Stream(StreamOp::H2d { from, to, .. })
+                if plan.buffer(to).name.starts_with("params[") =>
+            {
                 Some(plan.buffer(from).name.as_str())
             }
             _ => None,
@@ -678,7 +681,7 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
     // copy to the host (with no norm to wait for).
     for op in &plan.ops {
         match op.kind {
-            OpKind::Optimizer { grads, .. } => {
+            OpKind::Host(HostOp::Optimizer { grads, .. }) => {
                 assert_eq!(
                     plan.buffer(grads).tier,
                     Tier::Device,
@@ -686,7 +689,7 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
                     plan.buffer(grads).name
                 )
             }
-            OpKind::D2h { from, .. } => assert!(
+            OpKind::Stream(StreamOp::D2h { from, .. }) => assert!(
                 !plan.buffer(from).name.starts_with("grads["),
                 "{}",
                 plan.buffer(from).name
@@ -1879,7 +1882,7 @@ fn the_gradients_copied_after_the_last_backward_wait_for_no_late_state_write() {
         .ops
         .iter()
         .position(|op| {
-            matches!(op.kind, OpKind::D2h { to, .. } if plan.buffer(to).name == "grads[0]@host")
+            matches!(op.kind, OpKind::Stream(StreamOp::D2h { to, .. }) if plan.buffer(to).name == "grads[0]@host")
         })
         .expect("the embedding's gradients are copied to the host");
     // Every operation `op` waits for, directly or through others.
@@ -1915,7 +1918,7 @@ fn the_gradients_copied_after_the_last_backward_wait_for_no_late_state_write() {
     let writes: Vec<String> = (before..plan.ops.len())
         .filter(|&i| copy_waits[i])
         .filter_map(|i| match plan.ops[i].kind {
-            OpKind::NvmeWrite { from, .. } => Some(plan.buffer(from).name.clone()),
+            OpKind::Nvme(NvmeOp::Write { from, .. }) => Some(plan.buffer(from).name.clone()),
             _ => None,
         })
         .collect();
@@ -1950,11 +1953,11 @@ fn a_backward_does_not_wait_for_the_update_of_the_block_before_it() {
         let mut last_update: Option<(usize, usize)> = None;
         for (i, op) in plan.ops.iter().enumerate() {
             match op.kind {
-                OpKind::Optimizer { block, grads, .. } => {
+                OpKind::Host(HostOp::Optimizer { block, grads, .. }) => {
                     assert_eq!(plan.buffer(grads).tier, Tier::Device, "{}", policy.name());
                     last_update = Some((i, block));
                 }
-                OpKind::Compute { .. } if op.kind.label().what == "bwd" => {
+                OpKind::Stream(StreamOp::Compute { .. }) if op.kind.label().what == "bwd" => {
                     if let Some((update, block)) = last_update {
                         assert!(
                             !op.deps.iter().any(|d| d.index() == update),

@@ -157,12 +157,6 @@ const ALLOWED_CYCLES: &[&[&str]] = &[
         "engine/src/model/mod.rs",
     ],
     &[
-        "engine/src/plan/build.rs",
-        "engine/src/plan/memory.rs",
-        "engine/src/plan/mod.rs",
-        "engine/src/plan/policy.rs",
-    ],
-    &[
         "kernels/src/ops/attention.rs",
         "kernels/src/ops/crossentropy.rs",
         "kernels/src/ops/gelu.rs",

@@ -34,7 +34,10 @@ use crate::device::{Bindings, Device, DirectAccess, Event, cast, cast_mut};
 use crate::lane::Lane;
 use crate::memory::{HostLease, HostRange, HostRead};
 use crate::model::{Bind, TensorSpec};
-use crate::plan::{Binds, BufId, BufKind, GradSource, OpId, OpKind, Precision, Tier};
+use crate::plan::{
+    Binds, BufId, BufKind, CommOp, GradSource, HostOp, NvmeOp, OpId, OpKind, Precision, StreamOp,
+    Tier,
+};
 
 /// Whether `e` only says the lane stopped for another's failure.
 pub(super) fn is_abort(e: &ExecError) -> bool {
@@ -243,8 +246,8 @@ impl Executor {
     /// other operation.
     fn transfer_group(&self, id: OpId) -> Option<usize> {
         let extent = match self.plan.op(id).kind {
-            OpKind::NvmeRead { from, .. } => from,
-            OpKind::NvmeWrite { to, .. } => to,
+            OpKind::Nvme(NvmeOp::Read { from, .. }) => from,
+            OpKind::Nvme(NvmeOp::Write { to, .. }) => to,
             _ => return None,
         };
         match self.plan.buffer(extent).kind {
@@ -277,7 +280,7 @@ impl Executor {
             .as_ref()
             .expect("a plan with extents has a store");
         let pending = match op.kind {
-            OpKind::NvmeRead { from, into } => {
+            OpKind::Nvme(NvmeOp::Read { from, into }) => {
                 let bytes = self.plan.buffer(into).bytes as usize;
                 let target = self
                     .lend(into, bytes, op.lane, true, |r| {
@@ -286,11 +289,11 @@ impl Executor {
                     .map_err(device)?;
                 self.read_extent(store, from, target, op.bytes)?
             }
-            OpKind::NvmeWrite {
+            OpKind::Nvme(NvmeOp::Write {
                 from,
                 to,
                 with_update,
-            } => {
+            }) => {
                 if with_update && self.skipped() {
                     self.record_span(id, started, Instant::now(), shared);
                     return Ok(true);
@@ -529,13 +532,13 @@ impl Executor {
         let op = self.plan.op(id);
         let err = self.device_error(op.kind.label());
         let event = match op.kind {
-            OpKind::H2d {
+            OpKind::Stream(StreamOp::H2d {
                 from,
                 to,
                 bytes,
                 convert,
                 with_update,
-            } => {
+            }) => {
                 if with_update && self.skipped() {
                     return Ok(None);
                 }
@@ -546,18 +549,18 @@ impl Executor {
                 self.device
                     .copy_to_device(&self.host, src, dst, convert, after)
             }
-            OpKind::D2h { from, to, bytes } => {
+            OpKind::Stream(StreamOp::D2h { from, to, bytes }) => {
                 let bytes = bytes as usize;
                 let src = self.device_range(from).sub(0, bytes);
                 let dst = self.host_range(to).prefix(bytes);
                 self.device.copy_to_host(src, &self.host, dst, after)
             }
-            OpKind::Compute {
+            OpKind::Stream(StreamOp::Compute {
                 block,
                 pass,
                 ref binds,
                 ..
-            } => {
+            }) => {
                 let scalars = Scalars {
                     dloss: shared.params.loss_scale / shared.counted_targets as f32,
                     ..Scalars::default()
@@ -566,7 +569,7 @@ impl Executor {
                 self.device
                     .run_program(op.lane, program, &self.bindings(binds), &scalars, after)
             }
-            OpKind::Accumulate { block, from, to } => {
+            OpKind::Stream(StreamOp::Accumulate { block, from, to }) => {
                 let mut b = Bindings::default();
                 b.set(Bind::Grads as u8, self.device_range(to));
                 b.set(Bind::GradsIn as u8, self.device_range(from));
@@ -578,11 +581,11 @@ impl Executor {
                     after,
                 )
             }
-            OpKind::DeviceStats {
+            OpKind::Stream(StreamOp::DeviceStats {
                 block,
                 grads,
                 stats,
-            } => {
+            }) => {
                 let mut b = Bindings::default();
                 b.set(Bind::Grads as u8, self.device_range(grads));
                 b.set(Bind::Stats as u8, self.device_range(stats));
@@ -597,12 +600,12 @@ impl Executor {
                 self.device
                     .run_program(op.lane, &self.programs.stats[block], &b, &scalars, after)
             }
-            OpKind::DeviceUpdate {
+            OpKind::Stream(StreamOp::DeviceUpdate {
                 block,
                 grads,
                 state,
                 params,
-            } => {
+            }) => {
                 if self.applied[block].load(Ordering::Acquire) >= shared.adam_step {
                     return Ok(None); // committed before a failure: a retry skips it
                 }
@@ -648,7 +651,7 @@ impl Executor {
             source,
         };
         match op.kind {
-            OpKind::HostAccumulate { block, from, to } => {
+            OpKind::Host(HostOp::Accumulate { block, from, to }) => {
                 let bytes = 4 * self.model.blocks()[block].len;
                 let src = self
                     .host
@@ -665,11 +668,11 @@ impl Executor {
                 );
                 Ok(())
             }
-            OpKind::HostStats {
+            OpKind::Host(HostOp::Stats {
                 block,
                 grads,
                 stats,
-            } => {
+            }) => {
                 let scale = 1.0 / shared.update_loss_scale;
                 let s = self.host_stats(id, block, grads, scale)?;
                 let mut out = self
@@ -679,12 +682,12 @@ impl Executor {
                 write_stats(&mut out, s);
                 Ok(())
             }
-            OpKind::GradNorm { ref sources } if self.comm.size() > 1 => {
-                let total = self.ranks_norm(sources, shared)?;
+            OpKind::Collective(CommOp::GradNorm { ref grads }) => {
+                let total = self.ranks_norm(grads, shared)?;
                 self.set_norm(total, shared);
                 Ok(())
             }
-            OpKind::GradNorm { ref sources } => {
+            OpKind::Host(HostOp::GradNorm { ref sources }) => {
                 let scale = 1.0 / shared.update_loss_scale;
                 let mut total = GradStats::default();
                 for &(block, source) in sources {
@@ -703,12 +706,12 @@ impl Executor {
                 self.set_norm(total, shared);
                 Ok(())
             }
-            OpKind::AllGather {
+            OpKind::Collective(CommOp::AllGather {
                 from,
                 into,
                 with_update,
                 block,
-            } => {
+            }) => {
                 if with_update && self.skipped() {
                     return Ok(()); // every rank skips alike: the norm is global
                 }
@@ -737,13 +740,13 @@ impl Executor {
                     .all_gather(&src, &mut dst)
                     .map_err(|e| self.comm_error(label(), e))
             }
-            OpKind::ReduceScatter {
+            OpKind::Collective(CommOp::ReduceScatter {
                 block,
                 from,
                 into,
                 scratch,
                 accumulate,
-            } => {
+            }) => {
                 let shard = self.plan.shard_len[block] as usize;
                 if self.plan.buffer(from).tier == Tier::Device {
                     // Over device memory: the device's collective. What the backward did
@@ -775,13 +778,13 @@ impl Executor {
                     .reduce_scatter_sum(cast::<f32>(&send), cast_mut::<f32>(&mut acc), accumulate)
                     .map_err(|e| self.comm_error(label(), e))
             }
-            OpKind::Optimizer {
+            OpKind::Host(HostOp::Optimizer {
                 block,
                 grads,
                 state,
                 params_out,
-            } => self.host_adamw(block, grads, state, params_out, shared),
-            OpKind::Commit { block } => {
+            }) => self.host_adamw(block, grads, state, params_out, shared),
+            OpKind::Nvme(NvmeOp::Commit { block }) => {
                 if self.skipped() {
                     return Ok(());
                 }
@@ -880,7 +883,7 @@ impl Executor {
     /// is the same bits as one process's.
     fn ranks_norm(
         &self,
-        sources: &[(usize, GradSource)],
+        grads: &[(usize, BufId)],
         shared: &StepShared<'_>,
     ) -> Result<GradStats, ExecError> {
         use strata_kernels::adamw::{STATS_PIECE, grad_stats_pieces};
@@ -890,14 +893,11 @@ impl Executor {
         let (mine, all) = &mut *pieces;
         mine.fill(0.0);
         let mut at = 0;
-        for &(block, source) in sources {
-            let GradSource::Host(grads) = source else {
-                unreachable!("with ranks every block's gradients are on the host");
-            };
+        for &(block, buf) in grads {
             let (_, shard, valid) = self.shard(block);
             let g = self
                 .host
-                .read(Lane::Comm, self.host_range(grads).prefix(4 * valid))
+                .read(Lane::Comm, self.host_range(buf).prefix(4 * valid))
                 .map_err(|source| ExecError::Device {
                     op: label(),
                     source,
@@ -928,7 +928,7 @@ impl Executor {
         let per_rank = mine.len();
         let mut total = GradStats::default();
         let mut at = 0;
-        for &(block, _) in sources {
+        for &(block, _) in grads {
             let n = (self.plan.shard_len[block] as usize).div_ceil(STATS_PIECE);
             let mut sum = GradStats::default();
             for r in 0..self.comm.size() {

@@ -69,7 +69,7 @@ use crate::lane::Lane;
 use crate::memory::{DeviceBuffer, HostArena, HostRange};
 use crate::model::{IGNORE_TARGET, Model, ModelError, Pass, update};
 use crate::plan::{
-    BufId, BufKind, ExtentKind, ExtentSide, OpId, OpKind, Plan, Precision, SlotId, Tier,
+    BufId, BufKind, ExtentKind, ExtentSide, OpId, OpKind, Plan, Precision, SlotId, StreamOp, Tier,
 };
 
 /// Why a step (or setting up the executor) failed.
@@ -1460,7 +1460,7 @@ impl Executor {
         if drained.is_ok() && !skipped {
             // The device's updates that ran are applied, whatever failed after them.
             for (id, op) in self.plan.ops.iter().enumerate() {
-                if let OpKind::DeviceUpdate { block, .. } = op.kind
+                if let OpKind::Stream(StreamOp::DeviceUpdate { block, .. }) = op.kind
                     && self.ops[id]
                         .event
                         .lock()

@@ -3,8 +3,12 @@
 //! keeping them all, a lower prefetch depth, a smaller micro-batch with more accumulation,
 //! other built-in policies).
 
-use super::build::{BufKind, ExtentKind, ExtentSide, Plan};
-use super::{PlanError, PlanInput, Policy, Recompute, Shortfall, TensorClass, Tier};
+use super::auto::Auto;
+use super::error::{PlanError, Shortfall, fmt_bytes};
+use super::ir::{BufKind, ExtentKind, ExtentSide, Plan};
+use super::policy::{PlanInput, Policy};
+use super::shape::{GradSpill, Recompute, StepShape};
+use super::tier::{TensorClass, Tier};
 use crate::model::BlockKind;
 
 impl Plan {
@@ -94,7 +98,7 @@ impl Plan {
             return Ok(());
         }
         let mut suggestions = Vec::new();
-        let fits = |shape: super::StepShape, policy: &dyn Policy| {
+        let fits = |shape: StepShape, policy: &dyn Policy| {
             let alt = PlanInput { shape, ..*input };
             Plan::build(&alt, policy)
                 .ok()
@@ -115,7 +119,7 @@ impl Plan {
             let mut text = format!(
                 "keeping the activations of all {kept} blocks (--recompute none) takes {} \
                  of the device",
-                super::fmt_bytes(self.saved_total_bytes())
+                fmt_bytes(self.saved_total_bytes())
             );
             let auto = PlanInput {
                 shape: input.shape.recomputing(Recompute::Auto),
@@ -139,11 +143,11 @@ impl Plan {
             suggestions.push(text);
         }
         // Gradients held for the norm on the host, where they could wait on NVMe.
-        if input.shape.grad_spill == super::GradSpill::Never
+        if input.shape.grad_spill == GradSpill::Never
             && self.short_tiers().any(|t| t == Tier::Host)
             && (0..self.homes.len()).any(|b| self.can_spill(b))
         {
-            let shape = input.shape.spilling(super::GradSpill::Always);
+            let shape = input.shape.spilling(GradSpill::Always);
             if fits(shape, &homes).is_some() {
                 suggestions.push(
                     "with the gradients waiting for the norm on NVMe it fits (--spill-grads auto)"
@@ -169,7 +173,7 @@ impl Plan {
         let mut batch = input.shape.batch;
         while batch > 1 {
             batch /= 2;
-            let shape = super::StepShape {
+            let shape = StepShape {
                 batch,
                 grad_accum: input.shape.grad_accum * (input.shape.batch / batch).max(1),
                 ..input.shape
@@ -184,7 +188,7 @@ impl Plan {
         }
         // Other policies.
         let mut others = Vec::new();
-        for policy in super::Auto::candidates(input) {
+        for policy in Auto::candidates(input) {
             if policy.name() != self.policy && fits(input.shape, policy.as_ref()).is_some() {
                 let name = policy.name();
                 let family = name.split('(').next().unwrap_or(&name).to_string();
@@ -211,7 +215,7 @@ impl Plan {
                     format!(
                         "the {} budget to at least {}",
                         s.tier,
-                        super::fmt_bytes(s.need_bytes)
+                        fmt_bytes(s.need_bytes)
                     )
                 })
                 .collect();

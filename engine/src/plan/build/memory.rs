@@ -1,4 +1,4 @@
-//! The planner's last stage: dependencies derived from each operation's reads and writes,
+//! Stage 4 of the planner: dependencies derived from each operation's reads and writes,
 //! and the memory plan by liveness analysis.
 //!
 //! Every transient buffer is live from its first to its last use in the canonical order.
@@ -10,8 +10,11 @@
 //! of their own. Slots are then laid out one after another in their tier's arena. Every
 //! edge points backwards in the canonical order, so the lanes cannot deadlock.
 
-use super::Tier;
-use super::build::{Access, BufId, BufKind, BufferPlan, Op, OpId, OpKind, SlotId, SlotPlan};
+use crate::plan::ir::{
+    Access, BufId, BufKind, BufferPlan, Extent, ExtentKind, NvmeOp, Op, OpId, OpKind, SlotId,
+    SlotPlan,
+};
+use crate::plan::tier::Tier;
 
 /// Device slots start at multiples of this (what CUDA's allocator guarantees).
 pub const DEVICE_ALIGN: u64 = 256;
@@ -173,7 +176,7 @@ pub(super) fn allocate(ops: &mut [Op], buffers: &mut [BufferPlan]) -> Vec<SlotPl
     // into starts on a page (O_DIRECT), as host slots do.
     let mut page_aligned = vec![false; slots.len()];
     for op in ops.iter() {
-        if let OpKind::NvmeRead { into, .. } = op.kind
+        if let OpKind::Nvme(NvmeOp::Read { into, .. }) = op.kind
             && let Some(slot) = buffers[into.index()].slot
         {
             page_aligned[slot.index()] = true;
@@ -206,4 +209,34 @@ pub(super) fn arena_bytes(slots: &[SlotPlan], tier: Tier) -> u64 {
         } else {
             HOST_ALIGN
         })
+}
+
+/// The spares shadow paging needs: for each size of the shadow-paged groups, as many as
+/// one block has groups of that size (a block's commit holds them until it flips; the
+/// NVMe write lane commits block by block, in order). Sizes are exact: an extent keeps
+/// the length it was allocated with.
+pub(super) fn spare_extents(groups: &[Extent]) -> Vec<(u64, usize)> {
+    let mut per_block: std::collections::BTreeMap<(usize, u64), usize> = Default::default();
+    for g in groups.iter().filter(|g| g.kind == ExtentKind::Shadow) {
+        *per_block.entry((g.block, g.bytes)).or_default() += 1;
+    }
+    let mut spares: std::collections::BTreeMap<u64, usize> = Default::default();
+    for ((_, bytes), n) in per_block {
+        let most = spares.entry(bytes).or_default();
+        *most = (*most).max(n);
+    }
+    spares.into_iter().collect()
+}
+
+/// Bytes of the NVMe tier: every group's own extents and the spares.
+pub(super) fn nvme_bytes(groups: &[Extent], spares: &[(u64, usize)]) -> u64 {
+    groups
+        .iter()
+        .map(Extent::stored_bytes)
+        .chain(
+            spares
+                .iter()
+                .map(|&(bytes, n)| bytes.next_multiple_of(4096) * n as u64),
+        )
+        .sum()
 }
