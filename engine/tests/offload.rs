@@ -23,7 +23,7 @@ use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Gpt2Config, Llama, Model, Target, gpt2};
 use strata_engine::plan::{
     AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, HostOp, Lane, NvmeOffload,
-    NvmeOp, OpKind, ParamOffload, Plan, PlanError, PlanInput, Policy, Precision, Recompute,
+    NvmeOp, OpId, OpKind, ParamOffload, Plan, PlanError, PlanInput, Policy, Precision, Recompute,
     StepShape, StreamOp, Tier,
 };
 use strata_engine::storage::FaultPlan;
@@ -1731,9 +1731,9 @@ fn a_failure_at_any_operation_commits_each_block_whole_under_every_policy() {
         let steps = start(good).0.steps();
         // Outcomes by position: (no block committed, some, all).
         let mut outcomes = [0usize; 3];
-        for op in 0..plan.ops.len() {
+        for op in (0..plan.ops.len()).map(OpId::of) {
             // Every operation returns an error; the update's also panic.
-            let faults: &[Fault] = if plan.ops[op].update {
+            let faults: &[Fault] = if plan.op(op).update {
                 &[Fault::Error, Fault::Panic]
             } else {
                 &[Fault::Error]
@@ -1742,7 +1742,7 @@ fn a_failure_at_any_operation_commits_each_block_whole_under_every_policy() {
                 let what = format!(
                     "{}, delayed {delayed}, spilled {spilled}: {fault:?} at {} ({op})",
                     plan.policy,
-                    plan.ops[op].kind.label()
+                    plan.op(op).kind.label()
                 );
                 let (mut exec, _nvme) = start(good);
                 exec.fail_next_at(op, fault);
@@ -1811,23 +1811,19 @@ fn a_panic_in_any_lane_ends_the_step_with_an_error_naming_it() {
     let mut firsts = Vec::new();
     for lane in strata_engine::plan::Lane::ALL {
         if let Some(&id) = plan.lanes[lane.index()].first() {
-            firsts.push((lane, plan.op(id).kind.label().to_string()));
+            firsts.push((lane, id, plan.op(id).kind.label().to_string()));
         }
     }
     assert_eq!(firsts.len(), 6, "the plan uses every lane");
-    for (lane, label) in firsts {
+    for (lane, id, label) in firsts {
         let (model, plan, refs) = (model.clone(), plan.clone(), data[0].clone());
         let (send, recv) = std::sync::mpsc::channel();
-        let panic_at = label.clone();
         std::thread::spawn(move || {
             let nvme = tempfile::tempdir().unwrap();
-            let config = ExecConfig {
-                nvme_dirs: vec![nvme.path().into()],
-                panic_at: Some(panic_at),
-                ..ExecConfig::default()
-            };
+            let config = ExecConfig::with_nvme(vec![nvme.path().into()]);
             let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
             exec.load(&model.init_params(1), None).unwrap();
+            exec.fail_next_at(id, Fault::Panic);
             let refs: Vec<(&[u32], &[u32])> = refs.iter().map(|(t, y)| (&t[..], &y[..])).collect();
             let _ = send.send(exec.step(&refs, &hyper(1e-3)).map(|_| ()));
         });
