@@ -224,6 +224,53 @@ fn small() -> Gpt2Config {
     Gpt2Config::new(3, 4, 64, 96, 32)
 }
 
+/// The plan types each operation by the lanes that run it, so that each lane's dispatch
+/// is exhaustive over its own family: every operation is on a lane its kind runs on
+/// (stream work on its stream, NVMe transfers on an NVMe lane, commits on the write lane,
+/// host arithmetic on the CPU lane, collectives on the collective lane), in every shape
+/// of step and every policy.
+#[test]
+fn every_operation_is_on_a_lane_its_kind_runs_on() {
+    let model = Model::new(small()).unwrap();
+    let base = StepShape::cpu(2, 16);
+    let shapes = [
+        base,
+        base.clipped().delayed(),
+        base.clipped().spilling(GradSpill::Always),
+        StepShape {
+            grad_accum: 2,
+            ..base
+        },
+        base.with_ranks(2),
+        base.with_ranks(2)
+            .with_device_collectives(false)
+            .on(Target::Cuda),
+    ];
+    for shape in shapes {
+        for policy in model_support::all_policies() {
+            let input = PlanInput {
+                model: &model,
+                shape,
+                budgets: UNLIMITED,
+            };
+            let plan = Plan::build(&input, policy.as_ref()).unwrap();
+            for (lane, ids) in Lane::ALL.iter().zip(&plan.lanes) {
+                for &id in ids {
+                    let op = plan.op(id);
+                    assert_eq!(op.lane, *lane);
+                    assert!(
+                        op.kind.runs_on(op.lane),
+                        "{}: {} on the {} lane",
+                        policy.name(),
+                        op.kind.label(),
+                        op.lane
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn every_policy_and_depth_trains_bit_identically() {
     for (config, batch, seq) in [(Gpt2Config::tiny(), 2, 16), (small(), 2, 32)] {

@@ -4,6 +4,8 @@
 //! tier's reads and writes ([`calibrate`]); with ranks, the group's all-gather
 //! ([`CostModel::calibrate_collective`], a collective every rank calls). About half a
 //! second; sizes are capped so a 13B model's shape costs no more.
+//!
+//! Not here: the cost model the rates feed (`plan::CostModel`).
 
 use std::path::Path;
 use std::time::Instant;

@@ -8,6 +8,9 @@
 //! A compute operation's FLOPs are those of the program it runs, so a layer's backward
 //! is charged its forward's FLOPs again only where the plan recomputes the block
 //! ([`Plan::kept`]); a kept block's backward costs its backward kernels alone.
+//!
+//! Not here: the rates' measurement (`exec::calibrate`), or the choice among plans
+//! (`auto.rs`).
 
 use serde::{Deserialize, Serialize};
 

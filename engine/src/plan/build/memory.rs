@@ -9,6 +9,9 @@
 //! once every reader of the previous occupant has finished. Persistent buffers have slots
 //! of their own. Slots are then laid out one after another in their tier's arena. Every
 //! edge points backwards in the canonical order, so the lanes cannot deadlock.
+//! The NVMe tier's size (extents and the spares shadow paging needs) is counted here too.
+//!
+//! Not here: the plan those make (`assemble.rs`), or the executor's allocation of it.
 
 use crate::plan::ir::{
     Access, BufId, BufKind, BufferPlan, Extent, ExtentKind, NvmeOp, Op, OpId, OpKind, SlotId,

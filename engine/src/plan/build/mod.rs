@@ -30,6 +30,9 @@
 //!
 //! The planner knows blocks, tensor classes and tiers; what a block computes is the
 //! model family's (it is asked for sizes and FLOPs only).
+//!
+//! Not here: the plan it makes, readable on its own (`plan/ir/`), or whether it fits
+//! (`plan/fit.rs`). This module only names the stages.
 
 mod assemble;
 mod emit;

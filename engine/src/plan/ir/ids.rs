@@ -1,5 +1,7 @@
 //! The plan's typed ids: operations, logical buffers and physical slots are indices into
 //! the plan's tables, each with a type of its own so that one is never taken for another.
+//!
+//! Not here: the tables themselves (`buffers.rs`, `ops.rs`, `schedule.rs`).
 
 use std::fmt;
 
