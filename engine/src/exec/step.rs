@@ -49,39 +49,13 @@ impl Executor {
             self.model.check_tokens(t)?;
             self.model.check_targets(y)?;
         }
-        // The loss is the mean over the positions whose target counts (not masked out by
-        // IGNORE_TARGET), across the micro-batches; at least one, so that a step whose
-        // every target is masked has a zero loss and zero gradients rather than NaNs.
-        // With ranks, across every rank's micro-batches (a step is the same computation
-        // as one process's with all of them).
-        let mut counted = [batches
-            .iter()
-            .map(|(_, y)| y.iter().filter(|&&t| t != IGNORE_TARGET).count())
-            .sum::<usize>() as f64];
-        if shape.ranks > 1 {
-            self.comm
-                .all_reduce_sum_f64(&mut counted)
-                .map_err(|source| ExecError::Comm {
-                    op: "counting the step's targets".into(),
-                    source,
-                })?;
-        }
-        self.counted_targets = (counted[0] as usize).max(1);
+        self.counted_targets = self.count_targets(batches)?;
         if params.clip > 0.0 && !shape.needs_global_norm {
             return Err(ExecError::BadInput(
                 "clipping needs a plan built with needs_global_norm".into(),
             ));
         }
-        for (m, (t, y)) in batches.iter().enumerate() {
-            let range = self.host_range(self.plan.tokens_host[m]).prefix(8 * n);
-            let mut bytes = self
-                .host()
-                .write(Lane::Cpu, range)
-                .map_err(self.device_error("writing the batch"))?;
-            let ids = cast_mut::<u32>(&mut bytes);
-            ids[..n].copy_from_slice(t);
-            ids[n..].copy_from_slice(y);
-        }
+        self.write_batches(batches)?;
         let delayed = shape.delayed_update;
         let run_update = !delayed || self.pending.is_some();
         let update_scale = if delayed {
@@ -101,6 +75,43 @@ impl Executor {
             self.commit_update();
         }
         Ok(report)
+    }
+
+    /// The positions whose loss counts in a step of `batches`: those whose target is not
+    /// masked out by [`IGNORE_TARGET`], across the micro-batches; at least one, so that a
+    /// step whose every target is masked has a zero loss and zero gradients rather than
+    /// NaNs. With ranks, across every rank's micro-batches (a step is the same
+    /// computation as one process's with all of them).
+    fn count_targets(&self, batches: &[(&[u32], &[u32])]) -> Result<usize, ExecError> {
+        let mut counted = [batches
+            .iter()
+            .map(|(_, y)| y.iter().filter(|&&t| t != IGNORE_TARGET).count())
+            .sum::<usize>() as f64];
+        if self.plan.shape.ranks > 1 {
+            self.comm
+                .all_reduce_sum_f64(&mut counted)
+                .map_err(|source| ExecError::Comm {
+                    op: "counting the step's targets".into(),
+                    source,
+                })?;
+        }
+        Ok((counted[0] as usize).max(1))
+    }
+
+    /// Writes each micro-batch's token ids then target ids into its host buffer.
+    fn write_batches(&self, batches: &[(&[u32], &[u32])]) -> Result<(), ExecError> {
+        let n = self.plan.shape.batch * self.plan.shape.seq;
+        for (m, (t, y)) in batches.iter().enumerate() {
+            let range = self.host_range(self.plan.tokens_host[m]).prefix(8 * n);
+            let mut bytes = self
+                .host()
+                .write(Lane::Cpu, range)
+                .map_err(self.device_error("writing the batch"))?;
+            let ids = cast_mut::<u32>(&mut bytes);
+            ids[..n].copy_from_slice(t);
+            ids[n..].copy_from_slice(y);
+        }
+        Ok(())
     }
 
     /// With a delayed update, applies the last step's gradients now (at the end of a run,
