@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering;
 
 use half::{bf16, f16};
-use strata_kernels::adamw::{AdamStep, CopyOut, GradStats, Grads, State, grad_stats};
+use strata_kernels::adamw::{AdamError, AdamStep, CopyOut, GradStats, Grads, State, grad_stats};
 use strata_kernels::isa::Isa;
 use strata_kernels::program::{read_stats, write_stats};
 
@@ -186,17 +186,8 @@ impl Executor {
         let g = self.read_grads(Lane::Cpu, grads, 4 * len).map_err(err)?;
         let gslice = cast::<f32>(&g);
         if !self.plan.shape.needs_global_norm {
-            let s = grad_stats(
-                self.cpu.isa,
-                self.limits.optimizer_threads,
-                Grads::F32(gslice),
-                1.0 / shared.update_loss_scale,
-            )
-            .map_err(adam_err)?;
-            self.norms
-                .block_stats
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())[block] = Some(s);
+            self.record_block_stats(block, gslice, shared)
+                .map_err(adam_err)?;
         }
         let steps = shared.adam_steps(coef)?;
         let mut st = self
@@ -225,43 +216,42 @@ impl Executor {
             }
             return Ok(());
         }
-        let tensors = &self.model.blocks()[block].tensors;
-        let (isa, threads) = (self.cpu.isa, self.limits.optimizer_threads);
-        let update = |out: WorkingOut<'_>, master: &mut [f32], m: &mut [f32], v: &mut [f32]| {
-            update_block(
-                tensors,
-                lo..lo + valid,
-                [&steps[0], &steps[1]],
-                isa,
-                threads,
-                master,
-                m,
-                v,
-                gslice,
-                out,
-            )
-            .map_err(adam_err)
+        let update = BlockUpdate {
+            tensors: &self.model.blocks()[block].tensors,
+            range: lo..lo + valid,
+            steps: [&steps[0], &steps[1]],
+            isa: self.cpu.isa,
+            threads: self.limits.optimizer_threads,
+            grads: gslice,
         };
-        let out = out.as_deref_mut();
-        match (precision, out) {
-            (Precision::Fp32, out) => {
-                update(WorkingOut::None, master, m, v)?;
-                if let Some(out) = out {
-                    cast_mut::<f32>(out).copy_from_slice(master);
-                }
-            }
-            (Precision::Bf16, Some(out)) => {
-                update(WorkingOut::Bf16(cast_mut::<bf16>(out)), master, m, v)?
-            }
-            (Precision::Fp16, Some(out)) => {
-                update(WorkingOut::F16(cast_mut::<f16>(out)), master, m, v)?
-            }
-            (_, None) => unreachable!("only fp32 working parameters share the master copy"),
-        }
+        update
+            .apply_in(precision, master, (m, v), out.as_deref_mut())
+            .map_err(adam_err)?;
         if self.plan.homes[block][2] == Tier::Host {
             // Updated in place: applied now (NVMe-homed state counts at its commit).
             self.applied[block].store(shared.adam_step, Ordering::Release);
         }
+        Ok(())
+    }
+
+    /// Without a global norm, nothing else takes the gradients' statistics: block
+    /// `block`'s, of `grads`, for the step's report.
+    fn record_block_stats(
+        &self,
+        block: usize,
+        grads: &[f32],
+        shared: &StepShared<'_>,
+    ) -> Result<(), AdamError> {
+        let s = grad_stats(
+            self.cpu.isa,
+            self.limits.optimizer_threads,
+            Grads::F32(grads),
+            1.0 / shared.update_loss_scale,
+        )?;
+        self.norms
+            .block_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())[block] = Some(s);
         Ok(())
     }
 }
@@ -278,54 +268,96 @@ enum WorkingOut<'a> {
 /// decay) for tensors that decay, `steps[1]` for the others. Alignment gaps and a
 /// shard's padding are left alone (zero). AdamW is elementwise, so a shard's update is
 /// the same bits as those elements' in the whole block's.
-#[allow(clippy::too_many_arguments)]
-fn update_block(
-    tensors: &[TensorSpec],
+struct BlockUpdate<'a> {
+    /// The block's tensors.
+    tensors: &'a [TensorSpec],
     range: std::ops::Range<usize>,
-    steps: [&AdamStep; 2],
+    steps: [&'a AdamStep; 2],
     isa: Isa,
     threads: usize,
-    mut master: &mut [f32],
-    mut m: &mut [f32],
-    mut v: &mut [f32],
-    mut grads: &[f32],
-    mut out: WorkingOut<'_>,
-) -> Result<(), strata_kernels::adamw::AdamError> {
-    fn cut<'a, T>(s: &mut &'a mut [T], skip: usize, take: usize) -> &'a mut [T] {
-        let (_, rest) = std::mem::take(s).split_at_mut(skip);
-        let (now, rest) = rest.split_at_mut(take);
-        *s = rest;
-        now
-    }
-    let mut done = 0;
-    for t in tensors {
-        let start = t.slot.offset.max(range.start);
-        let end = (t.slot.offset + t.slot.len).min(range.end);
-        if start >= end {
-            continue;
+    /// The gradients of `range`.
+    grads: &'a [f32],
+}
+
+impl BlockUpdate<'_> {
+    /// Updates `master` and the moments `(m, v)`, and writes the new working parameters
+    /// into `out` in `precision` (none where the fp32 master copy is the working one).
+    fn apply_in(
+        &self,
+        precision: Precision,
+        master: &mut [f32],
+        (m, v): (&mut [f32], &mut [f32]),
+        out: Option<&mut [u8]>,
+    ) -> Result<(), AdamError> {
+        match (precision, out) {
+            (Precision::Fp32, out) => {
+                self.apply(WorkingOut::None, master, m, v)?;
+                if let Some(out) = out {
+                    cast_mut::<f32>(out).copy_from_slice(master);
+                }
+            }
+            (Precision::Bf16, Some(out)) => {
+                self.apply(WorkingOut::Bf16(cast_mut::<bf16>(out)), master, m, v)?
+            }
+            (Precision::Fp16, Some(out)) => {
+                self.apply(WorkingOut::F16(cast_mut::<f16>(out)), master, m, v)?
+            }
+            (_, None) => unreachable!("only fp32 working parameters share the master copy"),
         }
-        let (skip, take) = (start - range.start - done, end - start);
-        done = end - range.start;
-        let (_, g) = grads.split_at(skip);
-        let (g_now, g_rest) = g.split_at(take);
-        grads = g_rest;
-        let copy = match &mut out {
-            WorkingOut::None => CopyOut::None,
-            WorkingOut::Bf16(o) => CopyOut::Bf16(cut(o, skip, take)),
-            WorkingOut::F16(o) => CopyOut::F16(cut(o, skip, take)),
-        };
-        let step = if t.decays() { steps[0] } else { steps[1] };
-        step.apply(
-            isa,
-            threads,
-            cut(&mut master, skip, take),
-            State::F32 {
-                m: cut(&mut m, skip, take),
-                v: cut(&mut v, skip, take),
-            },
-            Grads::F32(g_now),
-            copy,
-        )?;
+        Ok(())
     }
-    Ok(())
+
+    /// The update itself, tensor by tensor, copying out the working parameters as `out`
+    /// says.
+    fn apply(
+        &self,
+        mut out: WorkingOut<'_>,
+        mut master: &mut [f32],
+        mut m: &mut [f32],
+        mut v: &mut [f32],
+    ) -> Result<(), AdamError> {
+        fn cut<'a, T>(s: &mut &'a mut [T], skip: usize, take: usize) -> &'a mut [T] {
+            let (_, rest) = std::mem::take(s).split_at_mut(skip);
+            let (now, rest) = rest.split_at_mut(take);
+            *s = rest;
+            now
+        }
+        let range = &self.range;
+        let mut grads = self.grads;
+        let mut done = 0;
+        for t in self.tensors {
+            let start = t.slot.offset.max(range.start);
+            let end = (t.slot.offset + t.slot.len).min(range.end);
+            if start >= end {
+                continue;
+            }
+            let (skip, take) = (start - range.start - done, end - start);
+            done = end - range.start;
+            let (_, g) = grads.split_at(skip);
+            let (g_now, g_rest) = g.split_at(take);
+            grads = g_rest;
+            let copy = match &mut out {
+                WorkingOut::None => CopyOut::None,
+                WorkingOut::Bf16(o) => CopyOut::Bf16(cut(o, skip, take)),
+                WorkingOut::F16(o) => CopyOut::F16(cut(o, skip, take)),
+            };
+            let step = if t.decays() {
+                self.steps[0]
+            } else {
+                self.steps[1]
+            };
+            step.apply(
+                self.isa,
+                self.threads,
+                cut(&mut master, skip, take),
+                State::F32 {
+                    m: cut(&mut m, skip, take),
+                    v: cut(&mut v, skip, take),
+                },
+                Grads::F32(g_now),
+                copy,
+            )?;
+        }
+        Ok(())
+    }
 }
