@@ -22,8 +22,9 @@ use strata_engine::model::llama::{LlamaConfig, Variant};
 use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Gpt2Config, Llama, Model, Target, gpt2};
 use strata_engine::plan::{
-    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, Lane, NvmeOffload, OpKind,
-    ParamOffload, Plan, PlanError, PlanInput, Policy, Precision, Recompute, StepShape, Tier,
+    AllOnDevice, Auto, Budgets, CostModel, CpuOffload, GradSpill, HostOp, Lane, NvmeOffload,
+    NvmeOp, OpId, OpKind, ParamOffload, Plan, PlanError, PlanInput, Policy, Precision, Recompute,
+    StepShape, StreamOp, Tier,
 };
 use strata_engine::storage::FaultPlan;
 
@@ -221,6 +222,53 @@ fn assert_bit_identical(reference: &Run, other: &Run, what: &str) {
 
 fn small() -> Gpt2Config {
     Gpt2Config::new(3, 4, 64, 96, 32)
+}
+
+/// The plan types each operation by the lanes that run it, so that each lane's dispatch
+/// is exhaustive over its own family: every operation is on a lane its kind runs on
+/// (stream work on its stream, NVMe transfers on an NVMe lane, commits on the write lane,
+/// host arithmetic on the CPU lane, collectives on the collective lane), in every shape
+/// of step and every policy.
+#[test]
+fn every_operation_is_on_a_lane_its_kind_runs_on() {
+    let model = Model::new(small()).unwrap();
+    let base = StepShape::cpu(2, 16);
+    let shapes = [
+        base,
+        base.clipped().delayed(),
+        base.clipped().spilling(GradSpill::Always),
+        StepShape {
+            grad_accum: 2,
+            ..base
+        },
+        base.with_ranks(2),
+        base.with_ranks(2)
+            .with_device_collectives(false)
+            .on(Target::Cuda),
+    ];
+    for shape in shapes {
+        for policy in model_support::all_policies() {
+            let input = PlanInput {
+                model: &model,
+                shape,
+                budgets: UNLIMITED,
+            };
+            let plan = Plan::build(&input, policy.as_ref()).unwrap();
+            for (lane, ids) in Lane::ALL.iter().zip(&plan.lanes) {
+                for &id in ids {
+                    let op = plan.op(id);
+                    assert_eq!(op.lane, *lane);
+                    assert!(
+                        op.kind.runs_on(op.lane),
+                        "{}: {} on the {} lane",
+                        policy.name(),
+                        op.kind.label(),
+                        op.lane
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]
@@ -503,7 +551,7 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
         p.ops
             .iter()
             .filter(|op| {
-                matches!(op.kind, OpKind::H2d { to, .. } if p.buffer(to).name.starts_with("params[0]"))
+                matches!(op.kind, OpKind::Stream(StreamOp::H2d { to, .. }) if p.buffer(to).name.starts_with("params[0]"))
             })
             .count()
     };
@@ -644,7 +692,7 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
         .ops
         .iter()
         .filter_map(|op| match op.kind {
-            OpKind::NvmeRead { into, .. } if plan.buffer(into).tier == Tier::Device => {
+            OpKind::Nvme(NvmeOp::Read { into, .. }) if plan.buffer(into).tier == Tier::Device => {
                 Some(plan.buffer(into).name.as_str())
             }
             _ => None,
@@ -662,7 +710,9 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
         .ops
         .iter()
         .filter_map(|op| match op.kind {
-            OpKind::H2d { from, to, .. } if plan.buffer(to).name.starts_with("params[") => {
+            OpKind::Stream(StreamOp::H2d { from, to, .. })
+                if plan.buffer(to).name.starts_with("params[") =>
+            {
                 Some(plan.buffer(from).name.as_str())
             }
             _ => None,
@@ -678,7 +728,7 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
     // copy to the host (with no norm to wait for).
     for op in &plan.ops {
         match op.kind {
-            OpKind::Optimizer { grads, .. } => {
+            OpKind::Host(HostOp::Optimizer { grads, .. }) => {
                 assert_eq!(
                     plan.buffer(grads).tier,
                     Tier::Device,
@@ -686,7 +736,7 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
                     plan.buffer(grads).name
                 )
             }
-            OpKind::D2h { from, .. } => assert!(
+            OpKind::Stream(StreamOp::D2h { from, .. }) => assert!(
                 !plan.buffer(from).name.starts_with("grads["),
                 "{}",
                 plan.buffer(from).name
@@ -1728,9 +1778,9 @@ fn a_failure_at_any_operation_commits_each_block_whole_under_every_policy() {
         let steps = start(good).0.steps();
         // Outcomes by position: (no block committed, some, all).
         let mut outcomes = [0usize; 3];
-        for op in 0..plan.ops.len() {
+        for op in (0..plan.ops.len()).map(OpId::of) {
             // Every operation returns an error; the update's also panic.
-            let faults: &[Fault] = if plan.ops[op].update {
+            let faults: &[Fault] = if plan.op(op).update {
                 &[Fault::Error, Fault::Panic]
             } else {
                 &[Fault::Error]
@@ -1739,7 +1789,7 @@ fn a_failure_at_any_operation_commits_each_block_whole_under_every_policy() {
                 let what = format!(
                     "{}, delayed {delayed}, spilled {spilled}: {fault:?} at {} ({op})",
                     plan.policy,
-                    plan.ops[op].kind.label()
+                    plan.op(op).kind.label()
                 );
                 let (mut exec, _nvme) = start(good);
                 exec.fail_next_at(op, fault);
@@ -1808,23 +1858,19 @@ fn a_panic_in_any_lane_ends_the_step_with_an_error_naming_it() {
     let mut firsts = Vec::new();
     for lane in strata_engine::plan::Lane::ALL {
         if let Some(&id) = plan.lanes[lane.index()].first() {
-            firsts.push((lane, plan.op(id).kind.label().to_string()));
+            firsts.push((lane, id, plan.op(id).kind.label().to_string()));
         }
     }
     assert_eq!(firsts.len(), 6, "the plan uses every lane");
-    for (lane, label) in firsts {
+    for (lane, id, label) in firsts {
         let (model, plan, refs) = (model.clone(), plan.clone(), data[0].clone());
         let (send, recv) = std::sync::mpsc::channel();
-        let panic_at = label.clone();
         std::thread::spawn(move || {
             let nvme = tempfile::tempdir().unwrap();
-            let config = ExecConfig {
-                nvme_dirs: vec![nvme.path().into()],
-                panic_at: Some(panic_at),
-                ..ExecConfig::default()
-            };
+            let config = ExecConfig::with_nvme(vec![nvme.path().into()]);
             let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
             exec.load(&model.init_params(1), None).unwrap();
+            exec.fail_next_at(id, Fault::Panic);
             let refs: Vec<(&[u32], &[u32])> = refs.iter().map(|(t, y)| (&t[..], &y[..])).collect();
             let _ = send.send(exec.step(&refs, &hyper(1e-3)).map(|_| ()));
         });
@@ -1879,7 +1925,7 @@ fn the_gradients_copied_after_the_last_backward_wait_for_no_late_state_write() {
         .ops
         .iter()
         .position(|op| {
-            matches!(op.kind, OpKind::D2h { to, .. } if plan.buffer(to).name == "grads[0]@host")
+            matches!(op.kind, OpKind::Stream(StreamOp::D2h { to, .. }) if plan.buffer(to).name == "grads[0]@host")
         })
         .expect("the embedding's gradients are copied to the host");
     // Every operation `op` waits for, directly or through others.
@@ -1915,7 +1961,7 @@ fn the_gradients_copied_after_the_last_backward_wait_for_no_late_state_write() {
     let writes: Vec<String> = (before..plan.ops.len())
         .filter(|&i| copy_waits[i])
         .filter_map(|i| match plan.ops[i].kind {
-            OpKind::NvmeWrite { from, .. } => Some(plan.buffer(from).name.clone()),
+            OpKind::Nvme(NvmeOp::Write { from, .. }) => Some(plan.buffer(from).name.clone()),
             _ => None,
         })
         .collect();
@@ -1950,11 +1996,11 @@ fn a_backward_does_not_wait_for_the_update_of_the_block_before_it() {
         let mut last_update: Option<(usize, usize)> = None;
         for (i, op) in plan.ops.iter().enumerate() {
             match op.kind {
-                OpKind::Optimizer { block, grads, .. } => {
+                OpKind::Host(HostOp::Optimizer { block, grads, .. }) => {
                     assert_eq!(plan.buffer(grads).tier, Tier::Device, "{}", policy.name());
                     last_update = Some((i, block));
                 }
-                OpKind::Compute { .. } if op.kind.label().what == "bwd" => {
+                OpKind::Stream(StreamOp::Compute { .. }) if op.kind.label().what == "bwd" => {
                     if let Some((update, block)) = last_update {
                         assert!(
                             !op.deps.iter().any(|d| d.index() == update),

@@ -11,11 +11,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use strata_comm::{Collective, ThreadGroup};
-use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams, TrainingState};
+use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams, TrainingState};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model};
 use strata_engine::plan::{
-    AllOnDevice, CpuOffload, NvmeOffload, Plan, PlanInput, Policy, Precision, StepShape, Tier,
+    AllOnDevice, CpuOffload, HostOp, NvmeOffload, OpId, OpKind, Plan, PlanInput, Policy, Precision,
+    StepShape, Tier,
 };
 
 mod model_support;
@@ -274,13 +275,25 @@ fn a_rank_that_fails_ends_every_rank_with_an_error_naming_it() {
                     let rank = g.rank();
                     let plan =
                         Plan::build(&PlanInput::new(&model, shape, UNLIMITED), policy).unwrap();
+                    // Rank 1's CPU AdamW of block 1 panics, as a bug in it would.
+                    let adamw_1 = (0..plan.ops.len())
+                        .map(OpId::of)
+                        .find(|&id| {
+                            matches!(
+                                plan.op(id).kind,
+                                OpKind::Host(HostOp::Optimizer { block: 1, .. })
+                            )
+                        })
+                        .expect("block 1's CPU update");
                     let config = ExecConfig {
                         comm: Some(Arc::new(g)),
-                        panic_at: (rank == 1).then(|| "adamw 1".to_string()),
                         ..ExecConfig::default()
                     };
                     let mut exec = Executor::on_cpu(model.clone(), plan, &config)?;
                     exec.load(&model.init_params(3), None)?;
+                    if rank == 1 {
+                        exec.fail_next_at(adamw_1, Fault::Panic);
+                    }
                     let (t, y) = micro(0, rank);
                     exec.step(&[(&t, &y)], &params(1.0)).map(|_| ())
                 })

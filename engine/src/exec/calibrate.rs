@@ -4,6 +4,8 @@
 //! tier's reads and writes ([`calibrate`]); with ranks, the group's all-gather
 //! ([`CostModel::calibrate_collective`], a collective every rank calls). About half a
 //! second; sizes are capped so a 13B model's shape costs no more.
+//!
+//! Not here: the cost model the rates feed (`plan::CostModel`).
 
 use std::path::Path;
 use std::time::Instant;
@@ -14,7 +16,8 @@ use strata_kernels::isa::Isa;
 use strata_storage::{AlignedBuf, StoreConfig, TensorStore};
 
 use super::{ExecError, Runner};
-use crate::device::{DeviceChoice, DeviceConfig, DeviceRange, select};
+use crate::device::{Device, DeviceChoice, DeviceConfig, DeviceRange, select};
+use crate::error::EngineError;
 use crate::memory::{ARENA_ALIGN, HostArena, HostRange};
 use crate::model::{Dtype, Gpt2Config, Model, Pass, Target};
 use crate::plan::{CostModel, Precision};
@@ -40,11 +43,27 @@ pub fn calibrate(
     target: Target,
     nvme_dir: Option<&Path>,
 ) -> Result<CostModel, ExecError> {
-    let model_err = ExecError::Model;
     let mut cost = CostModel::default();
+    device_rates(model, batch, seq, target, &mut cost)?;
+    cost.adam_params_per_s = adam_params_per_s()?;
+    if let Some(dir) = nvme_dir {
+        nvme_rates(dir, &mut cost)?;
+    }
+    cost.source = "measured at start";
+    Ok(cost)
+}
 
-    // Compute: the forward of a one-layer model of this width (at most 1024 wide and
-    // 512 rows), its FLOPs counted from its programs.
+/// The device's compute and copy rates into `cost`: the forward of a one-layer model of
+/// `model`'s width (at most 1024 wide and 512 rows), its FLOPs counted from its programs,
+/// and 64 MiB copied each way between the pinned host arena and device memory.
+fn device_rates(
+    model: &Model,
+    batch: usize,
+    seq: usize,
+    target: Target,
+    cost: &mut CostModel,
+) -> Result<(), ExecError> {
+    let model_err = ExecError::Model;
     let width = model.width().min(1024);
     let heads = (1..=width.min(64))
         .rev()
@@ -59,24 +78,15 @@ pub fn calibrate(
         .sum();
     let params = small.init_params(1);
     let copy_bytes = 64 << 20;
-    let dtype = if target == Target::Cpu {
-        Dtype::F32
+    let (dtype, precision) = if target == Target::Cpu {
+        (Dtype::F32, Precision::Fp32)
     } else {
-        Dtype::Bf16
-    };
-    let precision = if target == Target::Cpu {
-        Precision::Fp32
-    } else {
-        Precision::Bf16
+        (Dtype::Bf16, Precision::Bf16)
     };
     let budget = Runner::device_bytes(&small, batch, seq, target, dtype).map_err(model_err)?;
     let choice = match target {
         Target::Cpu => DeviceChoice::Cpu,
         Target::Cuda => DeviceChoice::Cuda,
-    };
-    let device_err = |source| ExecError::Device {
-        op: "calibrating".into(),
-        source,
     };
     let config = DeviceConfig {
         memory_budget_bytes: budget + copy_bytes + ARENA_ALIGN,
@@ -84,10 +94,36 @@ pub fn calibrate(
         cuda_needs_kernels: true,
     };
     let (device, _) = select(choice, &config).map_err(device_err)?;
-    // Copies: 64 MiB each way between the pinned host arena and device memory.
-    let host = HostArena::new("calibration", copy_bytes, &device.pinning()).map_err(device_err)?;
-    let buffer = device.alloc(copy_bytes).map_err(device_err)?;
-    let (src, dst) = (HostRange::new(0, copy_bytes), DeviceRange::of(&buffer));
+    let (h2d, d2h) = copy_seconds(&device, copy_bytes)?;
+    cost.h2d_bytes_per_s = copy_bytes as f64 / h2d;
+    cost.d2h_bytes_per_s = copy_bytes as f64 / d2h;
+    let mut runner = Runner::new(small, device, batch, seq, precision).map_err(model_err)?;
+    runner.load(&params).map_err(model_err)?;
+    let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % 256) as u32).collect();
+    let seconds = best_of(3, || {
+        runner
+            .forward(&tokens, &tokens)
+            .map(drop)
+            .map_err(model_err)
+    })?;
+    cost.compute_flops = flops / seconds;
+    Ok(())
+}
+
+/// A device error while calibrating.
+fn device_err(source: EngineError) -> ExecError {
+    ExecError::Device {
+        op: "calibrating".into(),
+        source,
+    }
+}
+
+/// The best seconds of copying `bytes` to `device` and back, from and to a pinned host
+/// arena.
+fn copy_seconds(device: &Device, bytes: usize) -> Result<(f64, f64), ExecError> {
+    let host = HostArena::new("calibration", bytes, &device.pinning()).map_err(device_err)?;
+    let buffer = device.alloc(bytes).map_err(device_err)?;
+    let (src, dst) = (HostRange::new(0, bytes), DeviceRange::of(&buffer));
     let h2d = best_of(3, || {
         device
             .copy_to_device(&host, src, dst, None, &[])
@@ -100,21 +136,13 @@ pub fn calibrate(
             .and_then(|e| e.wait())
             .map_err(device_err)
     })?;
-    cost.h2d_bytes_per_s = copy_bytes as f64 / h2d;
-    cost.d2h_bytes_per_s = copy_bytes as f64 / d2h;
-    drop(buffer);
-    let mut runner = Runner::new(small, device, batch, seq, precision).map_err(model_err)?;
-    runner.load(&params).map_err(model_err)?;
-    let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % 256) as u32).collect();
-    let seconds = best_of(3, || {
-        runner
-            .forward(&tokens, &tokens)
-            .map(drop)
-            .map_err(model_err)
-    })?;
-    cost.compute_flops = flops / seconds;
+    Ok((h2d, d2h))
+}
 
-    // AdamW: 4M parameters.
+/// The CPU AdamW's rate over 4M parameters, on all cores. That the CPU device's compute
+/// shares those cores with the optimizer is the cost model's to say
+/// (`CPU_DEVICE_SHARES_CORES`), not this rate's.
+fn adam_params_per_s() -> Result<f64, ExecError> {
     let len = 4 << 20;
     let (mut p, mut m, mut v, g) = (
         vec![0.5f32; len],
@@ -122,10 +150,11 @@ pub fn calibrate(
         vec![0.0; len],
         vec![1e-3f32; len],
     );
-    let step = AdamStep::new(&AdamW::default(), 1, 1.0).map_err(|source| ExecError::Adam {
+    let adam_err = |source| ExecError::Adam {
         op: "calibrating".into(),
         source,
-    })?;
+    };
+    let step = AdamStep::new(&AdamW::default(), 1, 1.0).map_err(adam_err)?;
     let threads = strata_kernels::parallel::max_threads();
     let adam = best_of(3, || {
         step.apply(
@@ -139,44 +168,39 @@ pub fn calibrate(
             Grads::F32(&g),
             CopyOut::None,
         )
-        .map_err(|source| ExecError::Adam {
-            op: "calibrating".into(),
-            source,
-        })
+        .map_err(adam_err)
     })?;
-    // As timed, on all cores. That the CPU device's compute shares those cores with the
-    // optimizer is the cost model's to say (`CPU_DEVICE_SHARES_CORES`), not this rate's.
-    cost.adam_params_per_s = len as f64 / adam;
+    Ok(len as f64 / adam)
+}
 
-    // NVMe: one 64 MiB extent written and read back.
-    if let Some(dir) = nvme_dir {
-        let bytes = 64 << 20;
-        let store =
-            TensorStore::create(StoreConfig::new(dir, bytes as u64)).map_err(ExecError::Tier)?;
-        let id = store
-            .allocate("calibration", bytes as u64)
-            .map_err(ExecError::Tier)?;
-        let mut buf = Some(AlignedBuf::zeroed(bytes));
-        let mut io = |write: bool| -> Result<f64, ExecError> {
-            let data = buf.take().expect("the buffer between transfers");
-            let t = Instant::now();
-            let (r, data) = if write {
-                store.write(id, data).wait()
-            } else {
-                store.read(id, data).wait()
-            };
-            let s = t.elapsed().as_secs_f64();
-            buf = Some(data);
-            r.map_err(ExecError::Tier)?;
-            Ok(s)
+/// The NVMe tier's rates in `dir` into `cost`: one 64 MiB extent written and read back,
+/// the better of two each.
+fn nvme_rates(dir: &Path, cost: &mut CostModel) -> Result<(), ExecError> {
+    let bytes = 64 << 20;
+    let store =
+        TensorStore::create(StoreConfig::new(dir, bytes as u64)).map_err(ExecError::Tier)?;
+    let id = store
+        .allocate("calibration", bytes as u64)
+        .map_err(ExecError::Tier)?;
+    let mut buf = Some(AlignedBuf::zeroed(bytes));
+    let mut io = |write: bool| -> Result<f64, ExecError> {
+        let data = buf.take().expect("the buffer between transfers");
+        let t = Instant::now();
+        let (r, data) = if write {
+            store.write(id, data).wait()
+        } else {
+            store.read(id, data).wait()
         };
-        let w = io(true)?.min(io(true)?);
-        let r = io(false)?.min(io(false)?);
-        cost.nvme_write_bytes_per_s = bytes as f64 / w;
-        cost.nvme_read_bytes_per_s = bytes as f64 / r;
-    }
-    cost.source = "measured at start";
-    Ok(cost)
+        let s = t.elapsed().as_secs_f64();
+        buf = Some(data);
+        r.map_err(ExecError::Tier)?;
+        Ok(s)
+    };
+    let w = io(true)?.min(io(true)?);
+    let r = io(false)?.min(io(false)?);
+    cost.nvme_write_bytes_per_s = bytes as f64 / w;
+    cost.nvme_read_bytes_per_s = bytes as f64 / r;
+    Ok(())
 }
 
 /// The largest message per rank [`CostModel::calibrate_collective`] times: 16 MiB, so a

@@ -1,24 +1,11 @@
 //! A step's operations as a Chrome trace (the JSON `chrome://tracing` and Perfetto open).
+//!
+//! Not here: the records it draws ([`OpRecord`](super::OpRecord), `report.rs`).
 
 use serde_json::{Value, json};
 
-use super::StepReport;
-use crate::plan::{Lane, OpLabel};
-
-/// When one operation ran, relative to the step's start.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OpRecord {
-    /// What it did (`fwd 3`, `nvme read`).
-    pub label: OpLabel,
-    /// Its lane.
-    pub lane: Lane,
-    /// Start, nanoseconds after the step began.
-    pub start_ns: u64,
-    /// End.
-    pub end_ns: u64,
-    /// Bytes it moved (or the optimizer's bytes of state).
-    pub bytes: u64,
-}
+use super::report::StepReport;
+use crate::lane::Lane;
 
 impl StepReport {
     /// The step as a Chrome trace: one track per lane, one slice per operation (with its

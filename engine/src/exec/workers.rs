@@ -3,46 +3,52 @@
 //!
 //! A step hands each lane that has work a [`LaneJob`] (two pointers and the lane: no
 //! allocation) and then waits for every job's result before it returns. The jobs borrow
-//! the executor and the step's shared values; that wait is what makes the borrow sound,
-//! so nothing between sending and the last result may return early or unwind.
+//! the step's work (a closure over the executor and the step's shared values) and its
+//! failure flag; that wait is what makes the borrow sound, so nothing between sending and
+//! the last result may return early or unwind. Each thread keeps a scratch `S` of its
+//! own from step to step (the lanes' [`LaneScratch`](super::scratch::LaneScratch)).
+//!
+//! Not here: what a lane does (`lanes.rs`); this module knows lanes only by name.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam::channel::{Receiver, Sender};
 
-use super::lanes::LaneScratch;
-use super::{ExecError, Executor, StepShared, panic_message};
+use super::error::{ExecError, panic_message};
 use crate::lane::Lane;
 
+/// A step's work for its lanes: runs lane `lane` with its thread's scratch.
+pub(super) type LaneWork<'a, S> = dyn Fn(Lane, &mut S) -> Result<(), ExecError> + Sync + 'a;
+
 /// One lane's share of a step.
-struct LaneJob {
-    exec: *const Executor,
-    shared: *const StepShared<'static>,
+struct LaneJob<S> {
+    work: *const LaneWork<'static, S>,
+    failed: *const AtomicBool,
     lane: Lane,
 }
 
 // SAFETY: the pointers are only dereferenced while `LaneThreads::run_step` waits for the
-// job's result, during which both referents are alive; `Executor` and `StepShared` are
-// shared between the lane threads by reference (both are `Sync`).
-unsafe impl Send for LaneJob {}
+// job's result, during which both referents are alive; the work and the flag are shared
+// between the lane threads by reference (the work is `Sync`, the flag atomic).
+unsafe impl<S> Send for LaneJob<S> {}
 
-/// The lane threads of one executor.
-pub(super) struct LaneThreads {
-    jobs: Vec<Sender<LaneJob>>,
+/// The lane threads of one executor, each with its scratch `S`.
+pub(super) struct LaneThreads<S> {
+    jobs: Vec<Sender<LaneJob<S>>>,
     done: Receiver<(Lane, Result<(), ExecError>)>,
     threads: Vec<JoinHandle<()>>,
 }
 
-impl LaneThreads {
+impl<S: Default + 'static> LaneThreads<S> {
     /// Starts one thread per lane.
     pub(super) fn start() -> Result<Self, ExecError> {
         let (done_tx, done) = crossbeam::channel::bounded(Lane::COUNT);
         let mut jobs = Vec::with_capacity(Lane::COUNT);
         let mut threads = Vec::with_capacity(Lane::COUNT);
         for lane in Lane::ALL {
-            let (tx, rx) = crossbeam::channel::bounded::<LaneJob>(1);
+            let (tx, rx) = crossbeam::channel::bounded::<LaneJob<S>>(1);
             let done_tx = done_tx.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("strata-{lane}"))
@@ -58,27 +64,35 @@ impl LaneThreads {
         })
     }
 
-    /// Runs `lanes` of a step, each on its thread, and returns their errors by lane
-    /// order once every one has finished.
+    /// Runs `work` for `lanes` of a step, each on its thread, and returns their errors
+    /// by lane order once every one has finished. A thread whose work panics sets
+    /// `failed`, so that the other lanes stop at their next wait.
     pub(super) fn run_step(
         &self,
-        exec: &Executor,
-        shared: &StepShared<'_>,
+        work: &LaneWork<'_, S>,
+        failed: &AtomicBool,
         lanes: impl Iterator<Item = Lane>,
     ) -> Vec<ExecError> {
-        let shared = std::ptr::from_ref(shared).cast::<StepShared<'static>>();
+        // SAFETY: only the trait object's lifetime bound changes (the pointers have the
+        // same layout); the jobs dereference it only while this call waits for them, so
+        // within the borrow of `work`.
+        let work: *const LaneWork<'static, S> = unsafe {
+            std::mem::transmute::<*const LaneWork<'_, S>, *const LaneWork<'static, S>>(
+                std::ptr::from_ref(work),
+            )
+        };
         let mut sent = 0;
         let mut broken = false;
         for lane in lanes {
             let job = LaneJob {
-                exec: std::ptr::from_ref(exec),
-                shared,
+                work,
+                failed: std::ptr::from_ref(failed),
                 lane,
             };
             if self.jobs[lane.index()].send(job).is_err() {
                 // Its thread is gone (it never exits while the executor lives): the jobs
                 // already sent must still be waited for, so stop sending.
-                exec.failed.store(true, Ordering::SeqCst);
+                failed.store(true, Ordering::SeqCst);
                 broken = true;
                 break;
             }
@@ -109,30 +123,28 @@ impl LaneThreads {
 }
 
 /// A lane thread's loop: run each job, always answer.
-fn serve(jobs: &Receiver<LaneJob>, done: &Sender<(Lane, Result<(), ExecError>)>) {
-    let mut scratch = LaneScratch::default();
+fn serve<S: Default>(jobs: &Receiver<LaneJob<S>>, done: &Sender<(Lane, Result<(), ExecError>)>) {
+    let mut scratch = S::default();
     while let Ok(job) = jobs.recv() {
         // SAFETY: `run_step` keeps both alive until it has this job's result.
-        let (exec, shared) = unsafe { (&*job.exec, &*job.shared) };
+        let (work, failed) = unsafe { (&*job.work, &*job.failed) };
         let lane = job.lane;
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            exec.run_lane(lane, shared, &mut scratch)
-        }))
-        .unwrap_or_else(|panic| {
-            exec.failed.store(true, Ordering::SeqCst);
-            Err(ExecError::Panicked {
-                lane,
-                op: "its loop".into(),
-                message: panic_message(&*panic),
-            })
-        });
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| work(lane, &mut scratch)))
+            .unwrap_or_else(|panic| {
+                failed.store(true, Ordering::SeqCst);
+                Err(ExecError::Panicked {
+                    lane,
+                    op: "its loop".into(),
+                    message: panic_message(&*panic),
+                })
+            });
         if done.send((lane, result)).is_err() {
             break;
         }
     }
 }
 
-impl Drop for LaneThreads {
+impl<S> Drop for LaneThreads<S> {
     fn drop(&mut self) {
         // Closing the job channels ends the threads' loops.
         self.jobs.clear();

@@ -8,10 +8,13 @@
 //! A compute operation's FLOPs are those of the program it runs, so a layer's backward
 //! is charged its forward's FLOPs again only where the plan recomputes the block
 //! ([`Plan::kept`]); a kept block's backward costs its backward kernels alone.
+//!
+//! Not here: the rates' measurement (`exec::calibrate`), or the choice among plans
+//! (`auto.rs`).
 
 use serde::{Deserialize, Serialize};
 
-use super::build::{OpKind, Plan};
+use super::ir::{CommOp, HostOp, NvmeOp, Op, OpKind, Plan, StreamOp};
 use crate::lane::Lane;
 use crate::model::Target;
 
@@ -100,28 +103,32 @@ impl Prediction {
 
 impl CostModel {
     /// Seconds `op` takes alone.
-    pub fn duration(&self, op: &super::Op) -> f64 {
+    pub fn duration(&self, op: &Op) -> f64 {
         match op.kind {
-            OpKind::NvmeRead { .. } => op.bytes as f64 / self.nvme_read_bytes_per_s,
-            OpKind::NvmeWrite { .. } => op.bytes as f64 / self.nvme_write_bytes_per_s,
-            OpKind::H2d { .. } => op.bytes as f64 / self.h2d_bytes_per_s,
-            OpKind::D2h { .. } => op.bytes as f64 / self.d2h_bytes_per_s,
-            OpKind::Optimizer { .. } | OpKind::DeviceUpdate { .. } => {
+            OpKind::Nvme(NvmeOp::Read { .. }) => op.bytes as f64 / self.nvme_read_bytes_per_s,
+            OpKind::Nvme(NvmeOp::Write { .. }) => op.bytes as f64 / self.nvme_write_bytes_per_s,
+            // Bookkeeping: no bytes move.
+            OpKind::Nvme(NvmeOp::Commit { .. }) => 0.0,
+            OpKind::Stream(StreamOp::H2d { .. }) => op.bytes as f64 / self.h2d_bytes_per_s,
+            OpKind::Stream(StreamOp::D2h { .. }) => op.bytes as f64 / self.d2h_bytes_per_s,
+            OpKind::Host(HostOp::Optimizer { .. })
+            | OpKind::Stream(StreamOp::DeviceUpdate { .. }) => {
                 op.params as f64 / self.adam_params_per_s
                     + op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
             }
             // Other memory-bound passes over gradients, on the CPU or the device: at the
             // bandwidth AdamW reaches.
-            OpKind::GradNorm { .. }
-            | OpKind::DeviceStats { .. }
-            | OpKind::HostStats { .. }
-            | OpKind::HostAccumulate { .. } => {
+            OpKind::Host(
+                HostOp::GradNorm { .. } | HostOp::Stats { .. } | HostOp::Accumulate { .. },
+            )
+            | OpKind::Collective(CommOp::GradNorm { .. })
+            | OpKind::Stream(StreamOp::DeviceStats { .. }) => {
                 op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
             }
-            OpKind::Compute { .. } | OpKind::Accumulate { .. } => op.flops / self.compute_flops,
-            // Bookkeeping: no bytes move.
-            OpKind::Commit { .. } => 0.0,
-            OpKind::AllGather { .. } | OpKind::ReduceScatter { .. } => {
+            OpKind::Stream(StreamOp::Compute { .. } | StreamOp::Accumulate { .. }) => {
+                op.flops / self.compute_flops
+            }
+            OpKind::Collective(CommOp::AllGather { .. } | CommOp::ReduceScatter { .. }) => {
                 op.bytes as f64 / self.collective_bytes_per_s
             }
         }

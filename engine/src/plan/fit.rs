@@ -3,8 +3,12 @@
 //! keeping them all, a lower prefetch depth, a smaller micro-batch with more accumulation,
 //! other built-in policies).
 
-use super::build::{BufKind, ExtentKind, ExtentSide, Plan};
-use super::{PlanError, PlanInput, Policy, Recompute, Shortfall, TensorClass, Tier};
+use super::auto::Auto;
+use super::error::{PlanError, Shortfall, fmt_bytes};
+use super::ir::{BufKind, ExtentKind, ExtentSide, Plan};
+use super::policy::{PlanInput, Policy};
+use super::shape::{GradSpill, Recompute, StepShape};
+use super::tier::{TensorClass, Tier};
 use crate::model::BlockKind;
 
 impl Plan {
@@ -93,109 +97,16 @@ impl Plan {
         if self.first_overflow().is_none() {
             return Ok(());
         }
-        let mut suggestions = Vec::new();
-        let fits = |shape: super::StepShape, policy: &dyn Policy| {
-            let alt = PlanInput { shape, ..*input };
-            Plan::build(&alt, policy)
-                .ok()
-                .filter(|p| p.first_overflow().is_none())
-        };
-        let homes = FixedDepth {
-            name: self.policy.clone(),
-            homes: self.homes.clone(),
-            depth: self.depth,
-        };
-        // Keeping every block's activations was asked for and is what overflows the
-        // device: say what they take, and whether recomputing some would fit.
-        if input.shape.recompute == Recompute::None
-            && self.short_tiers().any(|t| t == Tier::Device)
-            && self.saved_total_bytes() > 0
-        {
-            let kept = self.kept.iter().filter(|&&k| k).count();
-            let mut text = format!(
-                "keeping the activations of all {kept} blocks (--recompute none) takes {} \
-                 of the device",
-                super::fmt_bytes(self.saved_total_bytes())
-            );
-            let auto = PlanInput {
-                shape: input.shape.recomputing(Recompute::Auto),
-                ..*input
-            };
-            let device = |p: &Plan| p.peak[Tier::Device.index()] <= input.budgets.device;
-            match Plan::build(&auto, &homes).ok().filter(device) {
-                Some(plan) => {
-                    text += &format!(
-                        "; with --recompute auto {}, recomputing {} of {kept} blocks",
-                        if plan.first_overflow().is_none() {
-                            "it fits"
-                        } else {
-                            "the device fits"
-                        },
-                        plan.recomputed()
-                    )
-                }
-                None => text += "; recomputing every block does not fit the device either",
-            }
-            suggestions.push(text);
-        }
-        // Gradients held for the norm on the host, where they could wait on NVMe.
-        if input.shape.grad_spill == super::GradSpill::Never
-            && self.short_tiers().any(|t| t == Tier::Host)
-            && (0..self.homes.len()).any(|b| self.can_spill(b))
-        {
-            let shape = input.shape.spilling(super::GradSpill::Always);
-            if fits(shape, &homes).is_some() {
-                suggestions.push(
-                    "with the gradients waiting for the norm on NVMe it fits (--spill-grads auto)"
-                        .to_string(),
-                );
-            }
-        }
-        // Same policy family, lower depth.
-        if self.depth > 1 {
-            for depth in (1..self.depth).rev() {
-                let fixed = FixedDepth {
-                    name: self.policy.clone(),
-                    homes: self.homes.clone(),
-                    depth,
-                };
-                if fits(input.shape, &fixed).is_some() {
-                    suggestions.push(format!("prefetch depth {depth} fits (--prefetch {depth})"));
-                    break;
-                }
-            }
-        }
-        // Smaller micro-batch (with more accumulation, the same tokens per step).
-        let mut batch = input.shape.batch;
-        while batch > 1 {
-            batch /= 2;
-            let shape = super::StepShape {
-                batch,
-                grad_accum: input.shape.grad_accum * (input.shape.batch / batch).max(1),
-                ..input.shape
-            };
-            if fits(shape, &homes).is_some() {
-                suggestions.push(format!(
-                    "batch {batch} with --grad-accum {} fits (same tokens per step)",
-                    shape.grad_accum
-                ));
-                break;
-            }
-        }
-        // Other policies.
-        let mut others = Vec::new();
-        for policy in super::Auto::candidates(input) {
-            if policy.name() != self.policy && fits(input.shape, policy.as_ref()).is_some() {
-                let name = policy.name();
-                let family = name.split('(').next().unwrap_or(&name).to_string();
-                if !others.contains(&family) {
-                    others.push(family);
-                }
-            }
-        }
-        if !others.is_empty() {
-            suggestions.push(format!("policies that fit: {}", others.join(", ")));
-        }
+        let mut suggestions: Vec<String> = [
+            self.recompute_suggestion(input),
+            self.spill_suggestion(input),
+            self.depth_suggestion(input),
+            self.batch_suggestion(input),
+            self.policies_suggestion(input),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         let short: Vec<Shortfall> = self
             .short_tiers()
             .map(|t| Shortfall {
@@ -211,7 +122,7 @@ impl Plan {
                     format!(
                         "the {} budget to at least {}",
                         s.tier,
-                        super::fmt_bytes(s.need_bytes)
+                        fmt_bytes(s.need_bytes)
                     )
                 })
                 .collect();
@@ -223,6 +134,118 @@ impl Plan {
             suggestions,
         })
     }
+
+    /// This plan's homes at its own depth, to plan again with another step shape.
+    fn same_homes(&self) -> FixedDepth {
+        self.at_depth(self.depth)
+    }
+
+    /// This plan's homes at prefetch depth `depth`.
+    fn at_depth(&self, depth: usize) -> FixedDepth {
+        FixedDepth {
+            name: self.policy.clone(),
+            homes: self.homes.clone(),
+            depth,
+        }
+    }
+
+    /// Keeping every block's activations was asked for and is what overflows the
+    /// device: what they take, and whether recomputing some would fit.
+    fn recompute_suggestion(&self, input: &PlanInput<'_>) -> Option<String> {
+        if input.shape.recompute != Recompute::None
+            || !self.short_tiers().any(|t| t == Tier::Device)
+            || self.saved_total_bytes() == 0
+        {
+            return None;
+        }
+        let kept = self.kept.iter().filter(|&&k| k).count();
+        let mut text = format!(
+            "keeping the activations of all {kept} blocks (--recompute none) takes {} \
+             of the device",
+            fmt_bytes(self.saved_total_bytes())
+        );
+        let auto = PlanInput {
+            shape: input.shape.recomputing(Recompute::Auto),
+            ..*input
+        };
+        let device = |p: &Plan| p.peak[Tier::Device.index()] <= input.budgets.device;
+        match Plan::build(&auto, &self.same_homes()).ok().filter(device) {
+            Some(plan) => {
+                text += &format!(
+                    "; with --recompute auto {}, recomputing {} of {kept} blocks",
+                    if plan.first_overflow().is_none() {
+                        "it fits"
+                    } else {
+                        "the device fits"
+                    },
+                    plan.recomputed()
+                )
+            }
+            None => text += "; recomputing every block does not fit the device either",
+        }
+        Some(text)
+    }
+
+    /// Gradients held for the norm on the host, where they could wait on NVMe.
+    fn spill_suggestion(&self, input: &PlanInput<'_>) -> Option<String> {
+        let could = input.shape.grad_spill == GradSpill::Never
+            && self.short_tiers().any(|t| t == Tier::Host)
+            && (0..self.homes.len()).any(|b| self.can_spill(b));
+        let shape = input.shape.spilling(GradSpill::Always);
+        (could && fits(input, shape, &self.same_homes())).then(|| {
+            "with the gradients waiting for the norm on NVMe it fits (--spill-grads auto)"
+                .to_string()
+        })
+    }
+
+    /// The same policy family at a lower depth.
+    fn depth_suggestion(&self, input: &PlanInput<'_>) -> Option<String> {
+        (1..self.depth)
+            .rev()
+            .find(|&depth| fits(input, input.shape, &self.at_depth(depth)))
+            .map(|depth| format!("prefetch depth {depth} fits (--prefetch {depth})"))
+    }
+
+    /// A smaller micro-batch, with more accumulation: the same tokens per step.
+    fn batch_suggestion(&self, input: &PlanInput<'_>) -> Option<String> {
+        let mut batch = input.shape.batch;
+        while batch > 1 {
+            batch /= 2;
+            let shape = StepShape {
+                batch,
+                grad_accum: input.shape.grad_accum * (input.shape.batch / batch).max(1),
+                ..input.shape
+            };
+            if fits(input, shape, &self.same_homes()) {
+                return Some(format!(
+                    "batch {batch} with --grad-accum {} fits (same tokens per step)",
+                    shape.grad_accum
+                ));
+            }
+        }
+        None
+    }
+
+    /// Other built-in policies that fit, by family.
+    fn policies_suggestion(&self, input: &PlanInput<'_>) -> Option<String> {
+        let mut others = Vec::new();
+        for policy in Auto::candidates(input) {
+            if policy.name() != self.policy && fits(input, input.shape, policy.as_ref()) {
+                let name = policy.name();
+                let family = name.split('(').next().unwrap_or(&name).to_string();
+                if !others.contains(&family) {
+                    others.push(family);
+                }
+            }
+        }
+        (!others.is_empty()).then(|| format!("policies that fit: {}", others.join(", ")))
+    }
+}
+
+/// Whether `policy` fits every budget of `input` in a step of `shape`.
+fn fits(input: &PlanInput<'_>, shape: StepShape, policy: &dyn Policy) -> bool {
+    let alt = PlanInput { shape, ..*input };
+    Plan::build(&alt, policy).is_ok_and(|p| p.first_overflow().is_none())
 }
 
 /// A plan's homes with another prefetch depth (for suggestions).

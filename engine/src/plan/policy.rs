@@ -8,7 +8,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::{Budgets, StepShape, TensorClass, Tier};
+use super::shape::StepShape;
+use super::tier::{Budgets, TensorClass, Tier};
 use crate::model::{BlockKind, Model};
 
 /// When a device copy of a block's streamed parameters is released.

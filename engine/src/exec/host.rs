@@ -1,0 +1,363 @@
+//! Host arithmetic on the CPU lane: gradient accumulation on the host, the statistics of
+//! host gradients (for the norm, before a spill), the global norm of one process, and
+//! AdamW on the CPU over a block (its state in host memory, or staged from NVMe; its
+//! gradients on the host, or on the CPU device where the backward left them; its new
+//! working parameters into a host buffer or, on the CPU device, their device home).
+//!
+//! Not here: when they run (`lanes.rs`), or the norm among ranks (`comm.rs`).
+
+use std::sync::atomic::Ordering;
+
+use half::{bf16, f16};
+use strata_kernels::adamw::{AdamError, AdamStep, CopyOut, GradStats, Grads, State, grad_stats};
+use strata_kernels::isa::Isa;
+use strata_kernels::program::{read_stats, write_stats};
+
+use super::error::ExecError;
+use super::executor::Executor;
+use super::state::write_working;
+use super::step_state::{Norm, StepShared};
+use crate::device::{cast, cast_mut};
+use crate::lane::Lane;
+use crate::model::TensorSpec;
+use crate::plan::{BufId, GradSource, HostOp, OpId, Precision, Tier};
+
+impl Executor {
+    /// Host operation `id` (`op`) itself, on the CPU lane.
+    pub(super) fn host_op(
+        &self,
+        id: OpId,
+        op: &HostOp,
+        shared: &StepShared<'_>,
+    ) -> Result<(), ExecError> {
+        match *op {
+            HostOp::Accumulate { block, from, to } => self.host_accumulate(id, block, from, to),
+            HostOp::Stats {
+                block,
+                grads,
+                stats,
+            } => {
+                let scale = 1.0 / shared.update_loss_scale;
+                let s = self.host_stats(id, block, grads, scale)?;
+                let mut out = self
+                    .host()
+                    .write(Lane::Cpu, self.host_range(stats).prefix(16))
+                    .map_err(self.device_error(self.plan.op(id).kind.label()))?;
+                write_stats(&mut out, s);
+                Ok(())
+            }
+            HostOp::GradNorm { ref sources } => self.grad_norm(id, sources, shared),
+            HostOp::Optimizer {
+                block,
+                grads,
+                state,
+                params_out,
+            } => self.host_adamw(block, grads, state, params_out, shared),
+        }
+    }
+
+    /// Adds block `block`'s gradients `from` (a micro-batch's, copied to the host) to
+    /// the host gradients `to` (operation `id`).
+    fn host_accumulate(
+        &self,
+        id: OpId,
+        block: usize,
+        from: BufId,
+        to: BufId,
+    ) -> Result<(), ExecError> {
+        let label = || self.plan.op(id).kind.label().to_string();
+        let err = |source| ExecError::Device {
+            op: label(),
+            source,
+        };
+        let bytes = 4 * self.model.blocks()[block].len;
+        let src = self
+            .host()
+            .read(Lane::Cpu, self.host_range(from).prefix(bytes))
+            .map_err(err)?;
+        let mut dst = self
+            .host()
+            .write(Lane::Cpu, self.host_range(to).prefix(bytes))
+            .map_err(err)?;
+        strata_kernels::ops::add_inplace(&self.cpu, cast_mut::<f32>(&mut dst), cast::<f32>(&src));
+        Ok(())
+    }
+
+    /// The global gradient norm and overflow check of one process (operation `id`), over
+    /// every block's statistics from `sources`.
+    fn grad_norm(
+        &self,
+        id: OpId,
+        sources: &[(usize, GradSource)],
+        shared: &StepShared<'_>,
+    ) -> Result<(), ExecError> {
+        let scale = 1.0 / shared.update_loss_scale;
+        let mut total = GradStats::default();
+        for &(block, source) in sources {
+            let stats = match source {
+                GradSource::Host(grads) => self.host_stats(id, block, grads, scale)?,
+                GradSource::Stats(stats) => {
+                    let bytes = self
+                        .host()
+                        .read(Lane::Cpu, self.host_range(stats).prefix(16))
+                        .map_err(self.device_error(self.plan.op(id).kind.label()))?;
+                    read_stats(&bytes)
+                }
+            };
+            total = total.merge(stats);
+        }
+        self.set_norm(total, shared);
+        Ok(())
+    }
+
+    /// The statistics of block `block`'s host gradients `grads`, scaled by `scale`
+    /// (operation `id`'s work: the norm's, or a spill's).
+    fn host_stats(
+        &self,
+        id: OpId,
+        block: usize,
+        grads: BufId,
+        scale: f32,
+    ) -> Result<GradStats, ExecError> {
+        let op = self.plan.op(id);
+        let label = || op.kind.label().to_string();
+        let bytes = 4 * self.model.blocks()[block].len;
+        let g = self
+            .read_grads(op.lane, grads, bytes)
+            .map_err(|source| ExecError::Device {
+                op: label(),
+                source,
+            })?;
+        grad_stats(
+            self.cpu.isa,
+            self.limits.optimizer_threads,
+            Grads::F32(cast::<f32>(&g)),
+            scale,
+        )
+        .map_err(|source| ExecError::Adam {
+            op: label(),
+            source,
+        })
+    }
+
+    /// Records the global norm of `total` and what it means for the update: the
+    /// clipping coefficient, and whether the step is skipped (non-finite gradients).
+    pub(super) fn set_norm(&self, total: GradStats, shared: &StepShared<'_>) {
+        let norm = total.norm();
+        let clip = shared.params.clip;
+        let coef = if clip > 0.0 && norm > clip {
+            (clip / (norm + 1e-6)) as f32
+        } else {
+            1.0
+        };
+        *self.norms.norm.lock().unwrap_or_else(|e| e.into_inner()) = Norm {
+            norm,
+            coef,
+            skip: total.non_finite,
+        };
+    }
+
+    /// AdamW on the CPU over block `block`: gradients, state and the new working
+    /// parameters in the host arena.
+    fn host_adamw(
+        &self,
+        block: usize,
+        grads: BufId,
+        state: BufId,
+        params_out: Option<BufId>,
+        shared: &StepShared<'_>,
+    ) -> Result<(), ExecError> {
+        let label = || format!("adamw {block}");
+        let Norm { coef, skip, .. } = self.norms.norm();
+        if skip {
+            return Ok(());
+        }
+        // With ranks, this rank's shard: `valid` of its `len` elements are the block's,
+        // from element `lo` on (the rest is padding, left alone).
+        let (lo, len, valid) = self.shard(block);
+        let err = |source| ExecError::Device {
+            op: label(),
+            source,
+        };
+        let adam_err = |source| ExecError::Adam {
+            op: label(),
+            source,
+        };
+        let g = self.read_grads(Lane::Cpu, grads, 4 * len).map_err(err)?;
+        let gslice = cast::<f32>(&g);
+        if !self.plan.shape.needs_global_norm {
+            self.record_block_stats(block, gslice, shared)
+                .map_err(adam_err)?;
+        }
+        let steps = shared.adam_steps(coef)?;
+        let mut st = self
+            .host()
+            .write(Lane::Cpu, self.host_range(state).prefix(12 * len))
+            .map_err(err)?;
+        let f = cast_mut::<f32>(&mut st);
+        let (master, rest) = f.split_at_mut(len);
+        let (m, v) = rest.split_at_mut(len);
+        let precision = self.plan.shape.precision;
+        let pbytes = precision.param_bytes() as usize;
+        let mut out = match params_out {
+            Some(buf) => Some(
+                self.lend(buf, len * pbytes, Lane::Cpu, true, |r| {
+                    self.host().write(Lane::Cpu, r)
+                })
+                .map_err(err)?,
+            ),
+            None => None,
+        };
+        if self.applied[block].load(Ordering::Acquire) >= shared.adam_step {
+            // Committed before a failure of this step: the retry applies nothing again,
+            // and writes the working parameters anew from the master copy.
+            if let Some(out) = &mut out {
+                write_working(precision, master, out);
+            }
+            return Ok(());
+        }
+        let update = BlockUpdate {
+            tensors: &self.model.blocks()[block].tensors,
+            range: lo..lo + valid,
+            steps: [&steps[0], &steps[1]],
+            isa: self.cpu.isa,
+            threads: self.limits.optimizer_threads,
+            grads: gslice,
+        };
+        update
+            .apply_in(precision, master, (m, v), out.as_deref_mut())
+            .map_err(adam_err)?;
+        if self.plan.homes[block][2] == Tier::Host {
+            // Updated in place: applied now (NVMe-homed state counts at its commit).
+            self.applied[block].store(shared.adam_step, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Without a global norm, nothing else takes the gradients' statistics: block
+    /// `block`'s, of `grads`, for the step's report.
+    fn record_block_stats(
+        &self,
+        block: usize,
+        grads: &[f32],
+        shared: &StepShared<'_>,
+    ) -> Result<(), AdamError> {
+        let s = grad_stats(
+            self.cpu.isa,
+            self.limits.optimizer_threads,
+            Grads::F32(grads),
+            1.0 / shared.update_loss_scale,
+        )?;
+        self.norms
+            .block_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())[block] = Some(s);
+        Ok(())
+    }
+}
+
+/// Where the optimizer writes a block's new working parameters, if anywhere.
+enum WorkingOut<'a> {
+    None,
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+/// AdamW over the elements `range` of one block (the whole block, or a rank's shard of
+/// it, whose slices start at `range.start`), tensor by tensor: `steps[0]` (with weight
+/// decay) for tensors that decay, `steps[1]` for the others. Alignment gaps and a
+/// shard's padding are left alone (zero). AdamW is elementwise, so a shard's update is
+/// the same bits as those elements' in the whole block's.
+struct BlockUpdate<'a> {
+    /// The block's tensors.
+    tensors: &'a [TensorSpec],
+    range: std::ops::Range<usize>,
+    steps: [&'a AdamStep; 2],
+    isa: Isa,
+    threads: usize,
+    /// The gradients of `range`.
+    grads: &'a [f32],
+}
+
+impl BlockUpdate<'_> {
+    /// Updates `master` and the moments `(m, v)`, and writes the new working parameters
+    /// into `out` in `precision` (none where the fp32 master copy is the working one).
+    fn apply_in(
+        &self,
+        precision: Precision,
+        master: &mut [f32],
+        (m, v): (&mut [f32], &mut [f32]),
+        out: Option<&mut [u8]>,
+    ) -> Result<(), AdamError> {
+        match (precision, out) {
+            (Precision::Fp32, out) => {
+                self.apply(WorkingOut::None, master, m, v)?;
+                if let Some(out) = out {
+                    cast_mut::<f32>(out).copy_from_slice(master);
+                }
+            }
+            (Precision::Bf16, Some(out)) => {
+                self.apply(WorkingOut::Bf16(cast_mut::<bf16>(out)), master, m, v)?
+            }
+            (Precision::Fp16, Some(out)) => {
+                self.apply(WorkingOut::F16(cast_mut::<f16>(out)), master, m, v)?
+            }
+            (_, None) => unreachable!("only fp32 working parameters share the master copy"),
+        }
+        Ok(())
+    }
+
+    /// The update itself, tensor by tensor, copying out the working parameters as `out`
+    /// says.
+    fn apply(
+        &self,
+        mut out: WorkingOut<'_>,
+        mut master: &mut [f32],
+        mut m: &mut [f32],
+        mut v: &mut [f32],
+    ) -> Result<(), AdamError> {
+        fn cut<'a, T>(s: &mut &'a mut [T], skip: usize, take: usize) -> &'a mut [T] {
+            let (_, rest) = std::mem::take(s).split_at_mut(skip);
+            let (now, rest) = rest.split_at_mut(take);
+            *s = rest;
+            now
+        }
+        let range = &self.range;
+        let mut grads = self.grads;
+        let mut done = 0;
+        for t in self.tensors {
+            let start = t.slot.offset.max(range.start);
+            let end = (t.slot.offset + t.slot.len).min(range.end);
+            if start >= end {
+                continue;
+            }
+            let (skip, take) = (start - range.start - done, end - start);
+            done = end - range.start;
+            let (_, g) = grads.split_at(skip);
+            let (g_now, g_rest) = g.split_at(take);
+            grads = g_rest;
+            let copy = match &mut out {
+                WorkingOut::None => CopyOut::None,
+                WorkingOut::Bf16(o) => CopyOut::Bf16(cut(o, skip, take)),
+                WorkingOut::F16(o) => CopyOut::F16(cut(o, skip, take)),
+            };
+            let step = if t.decays() {
+                self.steps[0]
+            } else {
+                self.steps[1]
+            };
+            step.apply(
+                self.isa,
+                self.threads,
+                cut(&mut master, skip, take),
+                State::F32 {
+                    m: cut(&mut m, skip, take),
+                    v: cut(&mut v, skip, take),
+                },
+                Grads::F32(g_now),
+                copy,
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,473 @@
+//! What moves into and out of the executor's homes outside a step: loading the training
+//! state (master parameters, AdamW's moments, the working parameters made from them) into
+//! each block's homes on the device, in host memory or on NVMe, and reading it back
+//! (export). With ranks each rank holds its shard; whole blocks are gathered where a
+//! home needs them.
+//!
+//! Not here: how bytes reach a home (the arenas, `arenas.rs`; the NVMe tier,
+//! `extents.rs`), or what a step moves (the plan's operations).
+
+use strata_kernels::ops::Cpu;
+use strata_kernels::program::Dtype;
+use strata_storage::AlignedBuf;
+
+use super::error::ExecError;
+use super::executor::Executor;
+use crate::device::{DeviceRange, bytes_of, bytes_of_mut, cast_mut};
+use crate::lane::Lane;
+use crate::memory::{HostArena, HostRange};
+use crate::plan::{BufId, Precision, Tier};
+
+/// AdamW's first and second moments, one buffer per block.
+pub type Moments<'a> = (&'a [Vec<f32>], &'a [Vec<f32>]);
+
+/// Master parameters, m and v, one f32 buffer per block each.
+pub type TrainingState = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// What [`Executor::load`], [`Executor::load_blocks`] and [`Executor::load_shard`]
+/// write.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// Whole blocks, of which each rank takes its shards.
+    Whole {
+        params: &'a [Vec<f32>],
+        moments: Option<Moments<'a>>,
+    },
+    /// This rank's shards.
+    Shard(&'a TrainingState),
+    /// Whole blocks, each made when it is loaded (zero moments), so that no more than
+    /// one block's parameters are held at once.
+    Blocks(&'a dyn Fn(usize) -> Vec<f32>),
+}
+
+/// One block of a [`Source`].
+#[derive(Clone, Copy)]
+enum BlockSource<'a> {
+    /// The whole block's master parameters, and its moments (zero when none); each rank
+    /// takes its shard.
+    Whole {
+        params: &'a [f32],
+        moments: Option<(&'a [f32], &'a [f32])>,
+    },
+    /// This rank's shard of the master parameters, m and v.
+    Shard {
+        params: &'a [f32],
+        m: &'a [f32],
+        v: &'a [f32],
+    },
+}
+
+impl Executor {
+    /// Writes `params` (one f32 buffer per block) as the master and working parameters,
+    /// and `moments` as AdamW's m and v (zero when `None`), to their homes. With ranks,
+    /// each rank takes its shards from them.
+    pub fn load(
+        &mut self,
+        params: &[Vec<f32>],
+        moments: Option<Moments<'_>>,
+    ) -> Result<(), ExecError> {
+        let blocks = self.model.blocks();
+        if params.len() != blocks.len() || params.iter().zip(blocks).any(|(p, b)| p.len() != b.len)
+        {
+            return Err(ExecError::BadInput(format!(
+                "parameters do not match the model's {} blocks",
+                blocks.len()
+            )));
+        }
+        if let Some((m, v)) = moments
+            && (m.len() != blocks.len()
+                || v.len() != blocks.len()
+                || m.iter()
+                    .chain(v)
+                    .zip(blocks.iter().chain(blocks))
+                    .any(|(x, b)| x.len() != b.len))
+        {
+            return Err(ExecError::BadInput(
+                "optimizer moments do not match the model's blocks".into(),
+            ));
+        }
+        self.load_from(Source::Whole { params, moments })
+    }
+
+    /// As [`Executor::load`] with zero moments, the parameters of block `b` being
+    /// `make(b)`, called once per block in order and dropped once written: loading holds
+    /// one block's parameters, not the model's (`Model::init_block` initialises a model
+    /// larger than the memory its whole parameters would take beside the executor's).
+    pub fn load_blocks(&mut self, make: &dyn Fn(usize) -> Vec<f32>) -> Result<(), ExecError> {
+        self.load_from(Source::Blocks(make))
+    }
+
+    /// Writes this rank's shards (per block, [`Executor::shard`]'s length of the master
+    /// parameters, m and v, as [`Executor::export_shard`] returns them) to their homes.
+    /// With ranks it is a collective where working parameters live whole on the device
+    /// (every rank calls it; the blocks' parameters are gathered).
+    pub fn load_shard(&mut self, shard: &TrainingState) -> Result<(), ExecError> {
+        let (p, m, v) = shard;
+        let blocks = self.model.blocks().len();
+        let fits = |x: &Vec<Vec<f32>>| {
+            x.len() == blocks && (0..blocks).all(|b| x[b].len() == self.plan.shard_len[b] as usize)
+        };
+        if !(fits(p) && fits(m) && fits(v)) {
+            return Err(ExecError::BadInput(format!(
+                "the shards do not match this plan's {blocks} blocks of {} ranks",
+                self.comm.size()
+            )));
+        }
+        self.load_from(Source::Shard(shard))
+    }
+
+    fn load_from(&mut self, source: Source<'_>) -> Result<(), ExecError> {
+        // Fresh parameters: no delayed update is waiting.
+        self.pending = None;
+        let blocks = self.model.blocks();
+        let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
+        let staging = self.staging((12 * largest).next_multiple_of(4096))?;
+        for (b, block) in blocks.iter().enumerate() {
+            let made;
+            let from = match source {
+                Source::Whole { params, moments } => BlockSource::Whole {
+                    params: &params[b],
+                    moments: moments.map(|(m, v)| (&m[b][..], &v[b][..])),
+                },
+                Source::Blocks(make) => {
+                    made = make(b);
+                    if made.len() != block.len {
+                        return Err(ExecError::BadInput(format!(
+                            "block {b}'s parameters have {} values, not the model's {}",
+                            made.len(),
+                            block.len
+                        )));
+                    }
+                    BlockSource::Whole {
+                        params: &made,
+                        moments: None,
+                    }
+                }
+                Source::Shard((p, m, v)) => BlockSource::Shard {
+                    params: &p[b],
+                    m: &m[b],
+                    v: &v[b],
+                },
+            };
+            self.load_block(b, from, &staging)?;
+        }
+        Ok(())
+    }
+
+    /// Writes block `b`'s state from `from` (this rank's shard of it: zero past the
+    /// block's end) to its home, through `staging`, and its working parameters to theirs
+    /// when they are not the master copy.
+    fn load_block(
+        &self,
+        b: usize,
+        from: BlockSource<'_>,
+        staging: &HostArena,
+    ) -> Result<(), ExecError> {
+        let homes = self.plan.block_homes[b];
+        let (_, shard, valid) = self.shard(b);
+        let part = self.shard_part(b);
+        let state_range = HostRange::new(0, 12 * shard);
+        {
+            let mut bytes = staging
+                .write(Lane::Cpu, state_range)
+                .map_err(self.device_error("loading"))?;
+            let f = cast_mut::<f32>(&mut bytes);
+            f.fill(0.0);
+            let (p, rest) = f.split_at_mut(shard);
+            let (m, v) = rest.split_at_mut(shard);
+            match from {
+                BlockSource::Shard {
+                    params,
+                    m: mm,
+                    v: vv,
+                } => {
+                    p[..valid].copy_from_slice(&params[..valid]);
+                    m[..valid].copy_from_slice(&mm[..valid]);
+                    v[..valid].copy_from_slice(&vv[..valid]);
+                }
+                BlockSource::Whole { params, moments } => {
+                    p[..valid].copy_from_slice(&params[part.clone()]);
+                    if let Some((mm, vv)) = moments {
+                        m[..valid].copy_from_slice(&mm[part.clone()]);
+                        v[..valid].copy_from_slice(&vv[part]);
+                    }
+                }
+            }
+        }
+        self.put_home(staging, state_range, homes.state, None)?;
+        if homes.params == homes.state {
+            return Ok(()); // the working parameters are the master copy
+        }
+        self.load_working(b, from, staging)
+    }
+
+    /// Writes block `b`'s working parameters, from the master parameters of `from`, to
+    /// their home through `staging`: the whole block to the device (gathered from every
+    /// rank's shard), this rank's shard elsewhere.
+    fn load_working(
+        &self,
+        b: usize,
+        from: BlockSource<'_>,
+        staging: &HostArena,
+    ) -> Result<(), ExecError> {
+        let home = self.plan.block_homes[b].params;
+        let precision = self.plan.shape.precision;
+        let pbytes = precision.param_bytes() as usize;
+        let (_, shard, valid) = self.shard(b);
+        let whole = self.plan.buffer(home).tier == Tier::Device;
+        let gathered;
+        let master: &[f32] = match (from, whole) {
+            (BlockSource::Whole { params, .. }, true) => params,
+            (BlockSource::Whole { params, .. }, false) => &params[self.shard_part(b)],
+            (BlockSource::Shard { params, .. }, false) => &params[..valid],
+            (BlockSource::Shard { params, .. }, true) => {
+                // The whole block, from every rank's shard.
+                gathered = self.gather_block(b, params)?;
+                &gathered
+            }
+        };
+        let len = self.model.blocks()[b].len;
+        let working = HostRange::new(0, if whole { len } else { shard } * pbytes);
+        {
+            let mut bytes = staging
+                .write(Lane::Cpu, working)
+                .map_err(self.device_error("loading"))?;
+            bytes.fill(0);
+            write_working(precision, master, &mut bytes[..master.len() * pbytes]);
+        }
+        let convert = (precision.dtype() != self.plan.shape.device_dtype())
+            .then(|| (precision.dtype(), self.plan.shape.device_dtype()));
+        self.put_home(staging, working, home, convert)
+    }
+
+    /// The elements of block `b` in this rank's shard (all of them alone).
+    fn shard_part(&self, b: usize) -> std::ops::Range<usize> {
+        let len = self.model.blocks()[b].len;
+        let (lo, _, valid) = self.shard(b);
+        lo.min(len)..lo.min(len) + valid
+    }
+
+    /// Block `b` whole, from every rank's `shard` of it (rank order; a collective).
+    fn gather_block(&self, b: usize, shard: &[f32]) -> Result<Vec<f32>, ExecError> {
+        let ranks = self.comm.size();
+        let mut all = vec![0f32; ranks * shard.len()];
+        self.comm
+            .all_gather(bytes_of(shard), bytes_of_mut(&mut all))
+            .map_err(|source| ExecError::Comm {
+                op: format!("gathering block {b}"),
+                source,
+            })?;
+        all.truncate(self.model.blocks()[b].len);
+        Ok(all)
+    }
+
+    /// Copies `src` of `staging` to home buffer `home` (device, host or NVMe).
+    fn put_home(
+        &self,
+        staging: &HostArena,
+        src: HostRange,
+        home: BufId,
+        convert: Option<(Dtype, Dtype)>,
+    ) -> Result<(), ExecError> {
+        let name = &self.plan.buffer(home).name;
+        match self.plan.buffer(home).tier {
+            Tier::Device => {
+                let dst = self.device_range(home);
+                let dst = match convert {
+                    Some((a, b)) => {
+                        DeviceRange::new(dst.offset_bytes, src.len_bytes / a.size() * b.size())
+                    }
+                    None => DeviceRange::new(dst.offset_bytes, src.len_bytes),
+                };
+                self.device
+                    .copy_to_device(staging, src, dst, convert, &[])
+                    .and_then(|e| e.wait())
+                    .map_err(self.device_error(format!("loading {name}")))
+            }
+            Tier::Host => {
+                let from = staging
+                    .read(Lane::Cpu, src)
+                    .map_err(self.device_error("loading"))?;
+                let mut to = self
+                    .host()
+                    .write(Lane::Cpu, self.host_range(home).prefix(src.len_bytes))
+                    .map_err(self.device_error(format!("loading {name}")))?;
+                to.copy_from_slice(&from);
+                Ok(())
+            }
+            Tier::Nvme => {
+                let mut buf = AlignedBuf::zeroed(src.len_bytes.next_multiple_of(4096));
+                buf.as_mut_slice()[..src.len_bytes].copy_from_slice(
+                    &staging
+                        .read(Lane::Cpu, src)
+                        .map_err(self.device_error("loading"))?,
+                );
+                let (r, _) = self.write_extent(home, buf)?.wait();
+                r.map_err(|source| ExecError::Storage {
+                    op: format!("writing {name}"),
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Reads the master parameters and AdamW's m and v of every block from their homes.
+    /// With ranks it is a collective: every rank calls it, and every rank gets the
+    /// whole state (its shards gathered).
+    pub fn export(&self) -> Result<TrainingState, ExecError> {
+        let (sp, sm, sv) = self.export_shard()?;
+        let ranks = self.comm.size();
+        if ranks == 1 {
+            return Ok((sp, sm, sv));
+        }
+        let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for (b, block) in self.model.blocks().iter().enumerate() {
+            let shard = self.plan.shard_len[b] as usize;
+            // Every rank's shard, in rank order: rank r's (master, m, v) of `shard` each.
+            let mut mine = Vec::with_capacity(3 * shard);
+            for class in [&sp[b], &sm[b], &sv[b]] {
+                mine.extend_from_slice(class);
+            }
+            let mut all = vec![0f32; ranks * 3 * shard];
+            self.comm
+                .all_gather(bytes_of(&mine), bytes_of_mut(&mut all))
+                .map_err(|source| ExecError::Comm {
+                    op: format!(
+                        "gathering {}",
+                        self.plan.buffer(self.plan.block_homes[b].state).name
+                    ),
+                    source,
+                })?;
+            let class = |c: usize| -> Vec<f32> {
+                let mut out = Vec::with_capacity(ranks * shard);
+                for r in 0..ranks {
+                    let at = (3 * r + c) * shard;
+                    out.extend_from_slice(&all[at..at + shard]);
+                }
+                out.truncate(block.len);
+                out
+            };
+            p.push(class(0));
+            m.push(class(1));
+            v.push(class(2));
+        }
+        Ok((p, m, v))
+    }
+
+    /// Reads this rank's shard of the master parameters and AdamW's m and v of every
+    /// block from their homes: per block, [`Executor::shard`]'s length of each, zero past
+    /// the block's end (alone: the whole blocks). Not a collective.
+    pub fn export_shard(&self) -> Result<TrainingState, ExecError> {
+        let (mut p, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        let mut staging = None;
+        for b in 0..self.model.blocks().len() {
+            let shard = self.plan.shard_len[b] as usize;
+            let mut f = self.read_state(b, 3, &mut staging)?;
+            v.push(f.split_off(2 * shard));
+            m.push(f.split_off(shard));
+            p.push(f);
+        }
+        Ok((p, m, v))
+    }
+
+    /// Block `b`'s master parameters, read from their home: one block of what
+    /// [`Executor::export`] returns, for writing a model a block at a time. Alone only:
+    /// with ranks each holds a shard, and `export` gathers them (a collective).
+    pub fn export_block(&self, b: usize) -> Result<Vec<f32>, ExecError> {
+        if self.comm.size() != 1 {
+            return Err(ExecError::BadInput(format!(
+                "export_block reads one process's blocks; with {} ranks, export gathers \
+                 every rank's shards",
+                self.comm.size()
+            )));
+        }
+        let Some(block) = self.model.blocks().get(b) else {
+            return Err(ExecError::BadInput(format!(
+                "block {b} is not one of the model's {}",
+                self.model.blocks().len()
+            )));
+        };
+        let mut f = self.read_state(b, 1, &mut None)?;
+        f.truncate(block.len);
+        Ok(f)
+    }
+
+    /// The first `classes` of this rank's shard of block `b`'s master parameters, m and
+    /// v (1: the master parameters alone; 3: all three, one after another), read from
+    /// their home (`staging`: host memory for device-homed state, made when first needed,
+    /// remade larger when a read needs more, and kept for the next call). NVMe state's
+    /// master parameters are read and verified on their own (the head of the extent,
+    /// checksummed apart).
+    fn read_state(
+        &self,
+        b: usize,
+        classes: usize,
+        staging: &mut Option<HostArena>,
+    ) -> Result<Vec<f32>, ExecError> {
+        let shard = self.plan.shard_len[b] as usize;
+        let home = self.plan.block_homes[b].state;
+        let name = &self.plan.buffer(home).name;
+        let bytes = 4 * classes * shard;
+        let range = HostRange::new(0, bytes);
+        let mut f = vec![0f32; classes * shard];
+        match self.plan.buffer(home).tier {
+            Tier::Nvme => {
+                let (r, buf) = self
+                    .read_extent(
+                        home,
+                        AlignedBuf::zeroed(bytes.next_multiple_of(4096)),
+                        bytes as u64,
+                    )?
+                    .wait();
+                r.map_err(|source| ExecError::Storage {
+                    op: format!("reading {name}"),
+                    source,
+                })?;
+                bytes_of_mut(&mut f).copy_from_slice(&buf.as_slice()[..bytes]);
+            }
+            Tier::Host => {
+                let bytes = self
+                    .host()
+                    .read(Lane::Cpu, self.host_range(home).prefix(bytes))
+                    .map_err(self.device_error(format!("reading {name}")))?;
+                bytes_of_mut(&mut f).copy_from_slice(&bytes);
+            }
+            Tier::Device => {
+                if staging.as_ref().is_none_or(|s| s.len_bytes() < bytes) {
+                    *staging = None; // freed before the larger one is made
+                    *staging = Some(self.staging(bytes.next_multiple_of(4096))?);
+                }
+                let staging = staging.as_ref().expect("made above");
+                let src = self.device_range(home);
+                self.device
+                    .copy_to_host(
+                        DeviceRange::new(src.offset_bytes, bytes),
+                        staging,
+                        range,
+                        &[],
+                    )
+                    .and_then(|e| e.wait())
+                    .map_err(self.device_error(format!("reading {name}")))?;
+                let bytes = staging
+                    .read(Lane::Cpu, range)
+                    .map_err(self.device_error("exporting"))?;
+                bytes_of_mut(&mut f).copy_from_slice(&bytes);
+            }
+        }
+        Ok(f)
+    }
+}
+
+/// The working copy of `master` in `precision`, rounded to nearest even, into `out`.
+pub(super) fn write_working(precision: Precision, master: &[f32], out: &mut [u8]) {
+    let cpu = Cpu::default();
+    match precision {
+        Precision::Fp32 => cast_mut::<f32>(out).copy_from_slice(master),
+        Precision::Bf16 => {
+            strata_kernels::ops::f32_to_bf16(&cpu, cast_mut::<half::bf16>(out), master)
+        }
+        Precision::Fp16 => {
+            strata_kernels::ops::f32_to_f16(&cpu, cast_mut::<half::f16>(out), master)
+        }
+    }
+}

@@ -1,0 +1,486 @@
+//! Stage 3 of the planner: every operation, in one canonical order, a topological order
+//! of the step. The compute sequence (forward blocks, the head's forward and backward,
+//! backward blocks), with fetches placed `depth` compute operations ahead of their use,
+//! and gradient copies, updates and write-backs right after the backward that completes
+//! a block's gradients (after a global-norm barrier when clipping, or spread over the
+//! next step's compute with a delayed update). Each lane runs its operations in this
+//! order.
+//!
+//! This file holds the driver and the operations before and of each compute (fetches,
+//! checkpoints, the compute itself); `emit_update.rs` those after a backward (gradients
+//! out, statistics, the norm, the update and its write-backs).
+//!
+//! Not here: dependencies (derived from the accesses in stage 4, `memory.rs`).
+
+use super::frame::Frame;
+use super::homes::Homes;
+use super::sequence::{Compute, Sequence};
+use super::step_buffers::{Fetches, StepBuffers};
+use super::table::BufferTable;
+use crate::lane::Lane;
+use crate::model::{Dtype, Pass};
+use crate::plan::ir::{Access, Binds, BufId, CommOp, HostOp, NvmeOp, Op, OpId, OpKind, StreamOp};
+use crate::plan::tier::Tier;
+
+/// Stage 3 while it runs: what the earlier stages made, and the operations so far.
+pub(super) struct Emitter<'p, 'a> {
+    pub(super) f: &'p Frame<'a>,
+    pub(super) homes: &'p Homes,
+    pub(super) step: &'p StepBuffers,
+    pub(super) seq: &'p Sequence,
+    /// Stage 3 makes buffers too (staging, gathered parameters, scratch).
+    pub(super) table: &'p mut BufferTable,
+    pub(super) ops: Vec<Op>,
+}
+
+impl<'p, 'a> Emitter<'p, 'a> {
+    /// Stage 3: every operation, in canonical order.
+    pub(super) fn emit(
+        f: &'p Frame<'a>,
+        homes: &'p Homes,
+        (step, fetches): (&'p StepBuffers, Fetches),
+        seq: &'p Sequence,
+        table: &'p mut BufferTable,
+    ) -> Vec<Op> {
+        let mut e = Emitter {
+            f,
+            homes,
+            step,
+            seq,
+            table,
+            ops: Vec::new(),
+        };
+        e.sequence(fetches);
+        e.ops
+    }
+
+    /// The operations of every compute of the sequence, the updates between or after
+    /// them.
+    fn sequence(&mut self, mut fetches: Fetches) {
+        let f = self.f;
+        let delayed = f.shape.delayed_update;
+        let last_micro = f.shape.grad_accum - 1;
+        let mut pending: Vec<usize> = Vec::new();
+        // A delayed update applies the last step's gradients block by block in forward
+        // order, spread evenly over this step's compute sequence, which it overlaps.
+        let delayed_order: Vec<usize> = if delayed {
+            (0..f.nb()).collect()
+        } else {
+            Vec::new()
+        };
+        let steps = self.seq.len();
+        for k in 0..steps {
+            if delayed {
+                self.delayed_updates(k, steps, &delayed_order);
+            }
+            self.fetches_before(k, &mut fetches);
+            let step = self.seq.steps[k];
+            self.emit_compute(k, step);
+            // After the compute: checkpoint copies out, gradient copies out, updates.
+            let m = step.micro();
+            match step {
+                Compute::Embed(_) => self.save_checkpoint(0, m),
+                Compute::Layer(b, _) => self.save_checkpoint(b, m),
+                _ => {}
+            }
+            let Some(b) = step.finishes(f.head) else {
+                continue;
+            };
+            self.gradients_out(b, m);
+            if m == last_micro {
+                self.spill_gradients(b);
+                if delayed {
+                    // Applied during the next step.
+                } else if self.homes.norm_flag.is_some() {
+                    pending.push(b);
+                } else {
+                    self.emit_update(b);
+                }
+            }
+        }
+        if !delayed {
+            self.emit_norm();
+        }
+        self.read_ahead(&pending);
+        self.updates_in_turn(&pending, 0..pending.len());
+    }
+
+    /// Before compute `k` of `steps`, with a delayed update: at the start the norm and
+    /// the first `depth` state reads, then the updates of the blocks `order` spreads to
+    /// this compute, each with the state read `depth` blocks ahead.
+    fn delayed_updates(&mut self, k: usize, steps: usize, order: &[usize]) {
+        let n = order.len();
+        let at = |i: usize| i * steps / n.max(1);
+        let here = (0..n).filter(|&i| at(i) == k).fold(n..n, |r, i| {
+            if r.is_empty() {
+                i..i + 1
+            } else {
+                r.start..i + 1
+            }
+        });
+        if k == 0 {
+            self.emit_norm();
+            self.read_ahead(order);
+        }
+        self.updates_in_turn(order, here);
+    }
+
+    /// The state reads of the first `depth` blocks of `order`, ahead of their updates.
+    fn read_ahead(&mut self, order: &[usize]) {
+        for &b in order.iter().take(self.f.depth) {
+            self.read_state(b);
+        }
+    }
+
+    /// The updates of `order[range]`, each followed by the state read of the block
+    /// `depth` places later in `order`.
+    fn updates_in_turn(&mut self, order: &[usize], range: std::ops::Range<usize>) {
+        let depth = self.f.depth;
+        for i in range {
+            self.emit_update(order[i]);
+            if let Some(&next) = order.get(i + depth) {
+                self.read_state(next);
+            }
+        }
+    }
+
+    /// What is fetched before compute `k`: state reads, checkpoints, tokens, parameters.
+    fn fetches_before(&mut self, k: usize, fetches: &mut Fetches) {
+        for b in std::mem::take(&mut fetches.state_reads[k]) {
+            self.read_state(b);
+        }
+        for (i, m) in std::mem::take(&mut fetches.ckpts[k]) {
+            self.fetch_checkpoint(i, m);
+        }
+        for m in std::mem::take(&mut fetches.tokens[k]) {
+            let (from, to) = (self.homes.tokens_host[m], self.step.tokens_dev[m]);
+            let bytes = 8 * self.f.dims.rows() as u64;
+            self.copy_in(from, to, bytes, None, false);
+        }
+        for (b, to, from_state) in std::mem::take(&mut fetches.params[k]) {
+            self.fetch_params(b, to, from_state);
+        }
+    }
+
+    /// A new operation of `kind` on `lane`.
+    fn op(&mut self, lane: Lane, kind: OpKind, access: Vec<Access>) -> OpId {
+        debug_assert!(kind.runs_on(lane), "{} on the {lane} lane", kind.label());
+        self.ops.push(Op {
+            kind,
+            lane,
+            deps: Vec::new(),
+            access,
+            bytes: 0,
+            flops: 0.0,
+            params: 0,
+            update: false,
+        });
+        OpId::of(self.ops.len() - 1)
+    }
+
+    /// Stream work, on its stream.
+    pub(super) fn stream(&mut self, op: StreamOp, access: Vec<Access>) -> OpId {
+        let lane = op.lane();
+        self.op(lane, OpKind::Stream(op), access)
+    }
+
+    /// Host arithmetic, on the CPU lane.
+    pub(super) fn host(&mut self, op: HostOp, access: Vec<Access>) -> OpId {
+        self.op(Lane::Cpu, OpKind::Host(op), access)
+    }
+
+    /// A collective, on the collective lane.
+    pub(super) fn collective(&mut self, op: CommOp, access: Vec<Access>) -> OpId {
+        self.op(Lane::Comm, OpKind::Collective(op), access)
+    }
+
+    /// NVMe work on NVMe lane `lane`.
+    pub(super) fn nvme(&mut self, lane: Lane, op: NvmeOp, access: Vec<Access>) -> OpId {
+        self.op(lane, OpKind::Nvme(op), access)
+    }
+
+    /// Sets operation `id`'s bytes.
+    pub(super) fn set_bytes(&mut self, id: OpId, bytes: u64) {
+        self.ops[id.index()].bytes = bytes;
+    }
+
+    /// Marks the operations from `first` on as part of the update.
+    pub(super) fn mark_update(&mut self, first: usize) {
+        for op in &mut self.ops[first..] {
+            op.update = true;
+        }
+    }
+
+    /// A host-to-device copy of `bytes` from `from` into `to`.
+    pub(super) fn copy_in(
+        &mut self,
+        from: BufId,
+        to: BufId,
+        bytes: u64,
+        convert: Option<(Dtype, Dtype)>,
+        with_update: bool,
+    ) {
+        let op = StreamOp::H2d {
+            from,
+            to,
+            bytes,
+            convert,
+            with_update,
+        };
+        let id = self.stream(op, vec![Access::Read(from), Access::Write(to)]);
+        self.set_bytes(id, bytes);
+    }
+
+    /// A device-to-host copy of `bytes` from `from` into `to`.
+    pub(super) fn copy_out(&mut self, from: BufId, to: BufId, bytes: u64) {
+        let op = StreamOp::D2h { from, to, bytes };
+        let id = self.stream(op, vec![Access::Read(from), Access::Write(to)]);
+        self.set_bytes(id, bytes);
+    }
+
+    /// A read of `bytes` of extent `from` into `into`, on NVMe lane `lane`.
+    pub(super) fn nvme_read(&mut self, lane: Lane, from: BufId, into: BufId, bytes: u64) {
+        let op = NvmeOp::Read { from, into };
+        let id = self.nvme(lane, op, vec![Access::Read(from), Access::Write(into)]);
+        self.set_bytes(id, bytes);
+    }
+
+    /// A write of `bytes` of `from` to extent `to`, on the NVMe write lane.
+    pub(super) fn nvme_write(&mut self, from: BufId, to: BufId, bytes: u64, with_update: bool) {
+        let op = NvmeOp::Write {
+            from,
+            to,
+            with_update,
+        };
+        let access = vec![Access::Read(from), Access::Write(to)];
+        let id = self.nvme(Lane::NvmeWrite, op, access);
+        self.set_bytes(id, bytes);
+    }
+
+    /// Block `b`'s working parameters from their home to the device buffer `to`, or
+    /// (`from_state`) from the head of its optimizer state, staged on the host for the
+    /// update by a read emitted just before. With ranks, the home holds this rank's
+    /// shard: the shards are gathered on the host first.
+    fn fetch_params(&mut self, b: usize, to: BufId, from_state: bool) {
+        let f = self.f;
+        let bytes = f.len(b) * f.pbytes;
+        let shard_bytes = f.shard(b) * f.pbytes;
+        let home = self.homes.params[b].0;
+        if f.reads_into_device(b, from_state) {
+            self.nvme_read(Lane::NvmeRead, home, to, shard_bytes);
+            return;
+        }
+        let from = match f.tiers[b].params {
+            _ if from_state => self.step.s_stage[b].expect("the state's host stage"),
+            Tier::Host => home,
+            Tier::Nvme => {
+                let stage =
+                    self.table
+                        .buffer(format!("params[{b}]<@host"), Tier::Host, shard_bytes);
+                self.nvme_read(Lane::NvmeRead, home, stage, shard_bytes);
+                stage
+            }
+            Tier::Device => unreachable!("device-resident parameters are not fetched"),
+        };
+        let from = self.gathered(b, from, "<", false);
+        self.copy_in(from, to, bytes, f.param_conversion(), false);
+    }
+
+    /// With ranks: block `b`'s working parameters gathered from every rank's shard,
+    /// `shard` being this rank's, into a new host buffer (returned). Alone: `shard`.
+    pub(super) fn gathered(
+        &mut self,
+        b: usize,
+        shard: BufId,
+        dir: &str,
+        with_update: bool,
+    ) -> BufId {
+        let f = self.f;
+        if f.ranks == 1 {
+            return shard;
+        }
+        let bytes = f.ranks as u64 * f.shard(b) * f.pbytes;
+        let into = self
+            .table
+            .buffer(format!("params[{b}]*{dir}@host"), Tier::Host, bytes);
+        let first = self.ops.len();
+        let op = CommOp::AllGather {
+            block: b,
+            from: shard,
+            into,
+            with_update,
+        };
+        let id = self.collective(op, vec![Access::Read(shard), Access::Write(into)]);
+        self.set_bytes(id, bytes);
+        if with_update {
+            self.mark_update(first);
+        }
+        into
+    }
+
+    /// Checkpoint `i` of micro-batch `m` back to the device for the backward.
+    fn fetch_checkpoint(&mut self, i: usize, m: usize) {
+        let act = self.f.act_bytes();
+        let ck = &self.step.ckpts[m][i];
+        let (host, bwd) = (ck.host.expect("offloaded"), ck.bwd);
+        let from = match self.homes.ckpt_extent[i] {
+            Some(extent) => {
+                let stage = self
+                    .table
+                    .buffer(format!("ckpt[{i}]#{m}<@host"), Tier::Host, act);
+                self.nvme_read(Lane::NvmeRead, extent, stage, act);
+                stage
+            }
+            None => host,
+        };
+        self.copy_in(from, bwd, act, None, false);
+    }
+
+    /// After the forward producing checkpoint `i` of micro-batch `m`: its copy out (and
+    /// on to NVMe) when it does not stay on the device.
+    fn save_checkpoint(&mut self, i: usize, m: usize) {
+        let act = self.f.act_bytes();
+        let ck = &self.step.ckpts[m][i];
+        let (fwd, host) = (ck.fwd, ck.host);
+        if let Some(host) = host {
+            self.copy_out(fwd, host, act);
+            if let Some(extent) = self.homes.ckpt_extent[i] {
+                self.nvme_write(host, extent, act, false);
+            }
+        }
+    }
+
+    /// Compute `k` of the sequence, with its buffers bound.
+    fn emit_compute(&mut self, k: usize, step: Compute) {
+        let f = self.f;
+        let m = step.micro();
+        let (block, pass, binds) = self.binds(k, step);
+        // The saved forward writes the saved activations; the saved backward reads them.
+        let (saved_read, saved_written) = if pass.is_forward() {
+            (None, binds.saved)
+        } else {
+            (binds.saved, None)
+        };
+        let mut access: Vec<Access> = Vec::new();
+        for r in [
+            binds.params,
+            binds.tied_params,
+            binds.input,
+            binds.d_output,
+            binds.tokens,
+            saved_read,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            access.push(Access::Read(r));
+        }
+        for w in [
+            binds.grads,
+            binds.tied_grads,
+            binds.output,
+            binds.d_input,
+            binds.losses,
+            saved_written,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            access.push(Access::Write(w));
+        }
+        access.push(Access::Write(self.homes.scratch));
+        let op = StreamOp::Compute {
+            block,
+            micro: m,
+            pass,
+            binds,
+        };
+        let id = self.stream(op, access);
+        self.ops[id.index()].flops = f.input.model.flops(block, pass, f.dims);
+        if let Compute::Head(_) = step {
+            let rows = f.dims.rows() as u64;
+            self.copy_out(self.step.losses_dev[m], self.homes.losses_host[m], 4 * rows);
+        }
+    }
+
+    /// Compute `k` of the sequence (`step`): its block, program and buffers.
+    fn binds(&self, k: usize, step: Compute) -> (usize, Pass, Binds) {
+        let (f, s) = (self.f, self.step);
+        let (head, layers) = (f.head, f.layers);
+        let m = step.micro();
+        let params = |b: usize| s.dev_params[k][b].expect("fetched for this compute");
+        let ckpt = &s.ckpts[m];
+        match step {
+            Compute::Embed(_) => (
+                0,
+                Pass::Forward,
+                Binds {
+                    params: Some(params(0)),
+                    output: Some(ckpt[0].fwd),
+                    tokens: Some(s.tokens_dev[m]),
+                    ..Binds::default()
+                },
+            ),
+            Compute::Layer(b, _) => (
+                b,
+                if f.kept[b] {
+                    Pass::ForwardSave
+                } else {
+                    Pass::Forward
+                },
+                Binds {
+                    params: Some(params(b)),
+                    input: Some(ckpt[b - 1].fwd),
+                    output: Some(ckpt[b].fwd),
+                    saved: s.saved[m][b],
+                    ..Binds::default()
+                },
+            ),
+            Compute::Head(_) => {
+                let tied = f.input.model.tied(head);
+                (
+                    head,
+                    Pass::Backward,
+                    Binds {
+                        params: Some(params(head)),
+                        grads: Some(s.g_dev[m][head]),
+                        tied_params: tied.map(params),
+                        tied_grads: tied.map(|t| s.g_dev[m][t]),
+                        input: Some(ckpt[layers].fwd),
+                        d_input: Some(s.dact[m][layers]),
+                        tokens: Some(s.tokens_dev[m]),
+                        losses: Some(s.losses_dev[m]),
+                        ..Binds::default()
+                    },
+                )
+            }
+            Compute::LayerBack(b, _) => (
+                b,
+                if f.kept[b] {
+                    Pass::BackwardSaved
+                } else {
+                    Pass::Backward
+                },
+                Binds {
+                    params: Some(params(b)),
+                    grads: Some(s.g_dev[m][b]),
+                    input: Some(ckpt[b - 1].bwd),
+                    d_output: Some(s.dact[m][b]),
+                    d_input: Some(s.dact[m][b - 1]),
+                    saved: s.saved[m][b],
+                    ..Binds::default()
+                },
+            ),
+            Compute::EmbedBack(_) => (
+                0,
+                Pass::Backward,
+                Binds {
+                    grads: Some(s.g_dev[m][0]),
+                    d_output: Some(s.dact[m][0]),
+                    tokens: Some(s.tokens_dev[m]),
+                    ..Binds::default()
+                },
+            ),
+        }
+    }
+}

@@ -1,0 +1,393 @@
+//! Stage 3 of the planner, after a backward: a block's gradients out of the device (the
+//! accumulation across micro-batches, the reduce-scatter among ranks, the spill to
+//! NVMe), their statistics and the global norm, and the block's update with its
+//! write-backs and commit.
+//!
+//! Not here: the driver and the operations before and of each compute (`emit.rs`).
+
+use super::emit::Emitter;
+use crate::lane::Lane;
+use crate::model::Target;
+use crate::plan::ir::{Access, BufId, CommOp, GradSource, HostOp, NvmeOp, StreamOp};
+use crate::plan::tier::Tier;
+
+impl Emitter<'_, '_> {
+    /// After micro-batch `m`'s backward finished block `b`'s gradients: accumulation on
+    /// the device, or the copy to the host (added to the host gradients after the first
+    /// micro-batch).
+    pub(super) fn gradients_out(&mut self, b: usize, m: usize) {
+        let f = self.f;
+        let grads = &self.homes.grads;
+        if let (Some(home), true) = (grads.home_dev[b], m > 0 && f.ranks == 1) {
+            let from = self.step.g_dev[m][b];
+            let op = StreamOp::Accumulate {
+                block: b,
+                from,
+                to: home,
+            };
+            let id = self.stream(op, vec![Access::Read(from), Access::Write(home)]);
+            self.ops[id.index()].flops = f.len(b) as f64;
+        }
+        if f.device_comm(b) {
+            self.reduce_over_device(b, m);
+        } else if let (Some(host), true) = (grads.host[b], f.ranks > 1) {
+            self.reduce_over_host(b, m, host);
+        } else if let Some(host) = grads.host[b] {
+            self.gradients_to_host(b, m, host);
+        }
+    }
+
+    /// With ranks, over device memory: micro-batch `m`'s gradients of block `b`
+    /// reduce-scattered into the shard's device gradients, then (after the last
+    /// micro-batch) a host copy for the norm.
+    fn reduce_over_device(&mut self, b: usize, m: usize) {
+        let f = self.f;
+        let grads = &self.homes.grads;
+        let from = self.step.g_dev[m][b];
+        let into = grads.home_dev[b].expect("device gradients");
+        let host = grads.host[b];
+        let full = 4 * f.ranks as u64 * f.shard(b);
+        let scratch = (f.shape.target == Target::Cuda).then(|| {
+            self.table
+                .buffer(format!("grads[{b}]#{m}<@device"), Tier::Device, full)
+        });
+        self.reduce_scatter(b, m, from, into, scratch);
+        if m + 1 == f.shape.grad_accum {
+            let host = host.expect("a host copy of the gradients");
+            self.copy_out(into, host, 4 * f.shard(b));
+        }
+    }
+
+    /// With ranks, staged through the host: every micro-batch's gradients go to every
+    /// rank, a shard to each, and are added there (into `host`) in rank order: the order
+    /// of one process's micro-batches.
+    fn reduce_over_host(&mut self, b: usize, m: usize, host: BufId) {
+        let f = self.f;
+        let from = self.step.g_dev[m][b];
+        let full = 4 * f.ranks as u64 * f.shard(b);
+        let stage = self
+            .table
+            .buffer(format!("grads[{b}]#{m}>@host"), Tier::Host, full);
+        self.copy_out(from, stage, 4 * f.len(b));
+        self.reduce_scatter(b, m, stage, host, None);
+        if let (Some(dev), true) = (self.homes.grads.home_dev[b], m + 1 == f.shape.grad_accum) {
+            // The step's sum of this rank's shard, to the device for its AdamW.
+            self.copy_in(host, dev, 4 * f.shard(b), None, false);
+        }
+    }
+
+    /// Alone: micro-batch `m`'s gradients of block `b` copied to the host gradients
+    /// `host` (the first), or added to them (the others). Spilled, the earlier
+    /// micro-batches' sum waits on NVMe, read back to add this one's, and written out
+    /// again until the last (see [`Self::spill_gradients`]).
+    fn gradients_to_host(&mut self, b: usize, m: usize, host: BufId) {
+        let f = self.f;
+        let bytes = 4 * f.len(b);
+        let from = self.step.g_dev[m][b];
+        let spill = self.homes.grads.spill[b];
+        let last = m + 1 == f.shape.grad_accum;
+        let host = match spill {
+            Some(_) if !last => {
+                self.table
+                    .buffer(format!("grads[{b}]#{m}@host"), Tier::Host, bytes)
+            }
+            _ => host,
+        };
+        if m == 0 {
+            if from != host {
+                self.copy_out(from, host, bytes);
+            }
+        } else {
+            if let Some(extent) = spill {
+                self.nvme_read(Lane::NvmeRead, extent, host, bytes);
+            }
+            let stage = self
+                .table
+                .buffer(format!("grads[{b}]#{m}>@host"), Tier::Host, bytes);
+            self.copy_out(from, stage, bytes);
+            let op = HostOp::Accumulate {
+                block: b,
+                from: stage,
+                to: host,
+            };
+            let id = self.host(op, vec![Access::Read(stage), Access::Write(host)]);
+            // Reads both, writes one.
+            self.set_bytes(id, 3 * bytes);
+        }
+        if let (Some(extent), false) = (spill, last) {
+            self.nvme_write(host, extent, bytes, false);
+        }
+    }
+
+    /// Micro-batch `m`'s gradients of block `b`, whole in `from` (room for every rank's
+    /// chunk), reduce-scattered into this rank's shard `into` on the collective lane,
+    /// added to the earlier micro-batches' after the first; `scratch` where the device
+    /// needs room for the chunks it receives.
+    fn reduce_scatter(
+        &mut self,
+        b: usize,
+        m: usize,
+        from: BufId,
+        into: BufId,
+        scratch: Option<BufId>,
+    ) {
+        let mut access = vec![Access::Read(from), Access::Write(into)];
+        access.extend(scratch.map(Access::Write));
+        let op = CommOp::ReduceScatter {
+            block: b,
+            from,
+            into,
+            scratch,
+            accumulate: m > 0,
+        };
+        let id = self.collective(op, access);
+        self.set_bytes(id, 4 * self.f.ranks as u64 * self.f.shard(b));
+    }
+
+    /// A state read of an NVMe-homed block into its host staging, `depth` blocks ahead of
+    /// its update. With a delayed update nothing this step computes waits for the
+    /// update's I/O, so its reads go on the write lane, behind nothing the compute lane
+    /// needs.
+    pub(super) fn read_state(&mut self, b: usize) {
+        let Some(stage) = self.step.s_stage[b] else {
+            return;
+        };
+        let f = self.f;
+        let lane = if f.shape.delayed_update {
+            Lane::NvmeWrite
+        } else {
+            Lane::NvmeRead
+        };
+        let first = self.ops.len();
+        self.nvme_read(lane, self.homes.state[b].0, stage, 12 * f.shard(b));
+        if let Some(extent) = self.homes.grads.spill[b] {
+            let into = self.homes.grads.apply_host[b].expect("host gradients");
+            self.nvme_read(lane, extent, into, 4 * f.shard(b));
+        }
+        self.mark_update(first);
+    }
+
+    /// Spilled block `b`'s gradients, complete on the host: their statistics for the
+    /// norm (CPU), then the write to their extent, which frees the host buffer.
+    pub(super) fn spill_gradients(&mut self, b: usize) {
+        let g = &self.homes.grads;
+        let Some(extent) = g.spill[b] else {
+            return;
+        };
+        let (grads, stats) = (
+            g.host[b].expect("host gradients"),
+            g.stats_spill[b].expect("a statistics buffer"),
+        );
+        let bytes = 4 * self.f.shard(b);
+        let op = HostOp::Stats {
+            block: b,
+            grads,
+            stats,
+        };
+        let id = self.host(op, vec![Access::Read(grads), Access::Write(stats)]);
+        self.set_bytes(id, bytes);
+        self.nvme_write(grads, extent, bytes, false);
+    }
+
+    /// The statistics of device-homed block `b`'s gradients, computed on the device and
+    /// copied to the host (part of the update).
+    fn device_stats(&mut self, b: usize) {
+        let g = &self.homes.grads;
+        let (Some(stats), Some(host)) = (g.stats_dev[b], g.stats_host[b]) else {
+            return;
+        };
+        let first = self.ops.len();
+        let grads = g.apply_dev[b].expect("device gradients");
+        let op = StreamOp::DeviceStats {
+            block: b,
+            grads,
+            stats,
+        };
+        let access = vec![
+            Access::Read(grads),
+            Access::Write(stats),
+            Access::Write(self.homes.stats_scratch),
+        ];
+        let id = self.stream(op, access);
+        self.set_bytes(id, 4 * self.f.len(b));
+        self.copy_out(stats, host, 16);
+        self.mark_update(first);
+    }
+
+    /// The global norm over every block, when the step needs it (part of the update);
+    /// the device-homed blocks' statistics first. With ranks the norm is a collective
+    /// (every rank's pieces, summed in order), over every block's host gradients.
+    pub(super) fn emit_norm(&mut self) {
+        let Some(flag) = self.homes.norm_flag else {
+            return;
+        };
+        let f = self.f;
+        let nb = f.nb();
+        for b in 0..nb {
+            self.device_stats(b);
+        }
+        let g = &self.homes.grads;
+        let sources: Vec<(usize, GradSource)> = (0..nb)
+            .map(|b| match (g.apply_host[b], g.stats_host[b]) {
+                _ if f.spill[b] => (b, GradSource::Stats(g.stats_spill[b].expect("spilled"))),
+                (Some(grads), _) => (b, GradSource::Host(grads)),
+                (None, Some(stats)) => (b, GradSource::Stats(stats)),
+                (None, None) => unreachable!("every block's gradients are on the host or device"),
+            })
+            .collect();
+        let mut access: Vec<Access> = sources
+            .iter()
+            .map(|&(_, s)| match s {
+                GradSource::Host(g) | GradSource::Stats(g) => Access::Read(g),
+            })
+            .collect();
+        access.push(Access::Write(flag));
+        let total: u64 = (0..nb).map(|b| f.shard(b)).sum();
+        let first = self.ops.len();
+        let id = if f.ranks > 1 {
+            let grads = (0..nb)
+                .map(|b| {
+                    let grads = g.apply_host[b];
+                    (
+                        b,
+                        grads.expect("with ranks every block's gradients are on the host"),
+                    )
+                })
+                .collect();
+            self.collective(CommOp::GradNorm { grads }, access)
+        } else {
+            self.host(HostOp::GradNorm { sources }, access)
+        };
+        self.set_bytes(id, 4 * total);
+        self.mark_update(first);
+    }
+
+    /// AdamW on block `b` and the write-backs of its state and parameters.
+    pub(super) fn emit_update(&mut self, b: usize) {
+        let first = self.ops.len();
+        if self.f.tiers[b].state == Tier::Device {
+            self.device_update(b);
+        } else {
+            self.host_update(b);
+        }
+        self.mark_update(first);
+    }
+
+    /// AdamW on device-homed block `b`, on the device's update stream; with ranks, the
+    /// gather of every rank's new parameters.
+    fn device_update(&mut self, b: usize) {
+        let f = self.f;
+        let len = f.shard(b);
+        let flag = self.homes.norm_flag;
+        if flag.is_none() {
+            self.device_stats(b);
+        }
+        let grads = self.homes.grads.apply_dev[b].expect("device gradients");
+        let state = self.homes.state[b].0;
+        let next = self.homes.params[b].1;
+        // With ranks the update writes this rank's shard of the new parameters, which
+        // every rank's are gathered with: over device memory (in the device's dtype),
+        // or on the host (in the host's precision).
+        let device_comm = f.device_comm(b);
+        let out = (f.ranks > 1).then(|| {
+            let bytes = len * if device_comm { f.dbytes } else { f.pbytes };
+            self.table
+                .buffer(format!("params[{b}]>@device"), Tier::Device, bytes)
+        });
+        let params = out.unwrap_or(next);
+        let mut access = vec![
+            Access::Read(grads),
+            Access::Write(state),
+            Access::Write(params),
+        ];
+        access.extend(flag.map(Access::Read));
+        let op = StreamOp::DeviceUpdate {
+            block: b,
+            grads,
+            state,
+            params,
+        };
+        let id = self.stream(op, access);
+        self.ops[id.index()].params = len;
+        if let (Some(out), true) = (out, device_comm) {
+            let op = CommOp::AllGather {
+                block: b,
+                from: out,
+                into: next,
+                with_update: true,
+            };
+            let id = self.collective(op, vec![Access::Read(out), Access::Write(next)]);
+            self.set_bytes(id, f.ranks as u64 * len * f.dbytes);
+        } else if let Some(out) = out {
+            let stage = self.step.p_out_stage[b].expect("a host stage for the new shard");
+            self.copy_out(out, stage, len * f.pbytes);
+            let from = self.gathered(b, stage, ">", true);
+            self.copy_in(from, next, f.len(b) * f.pbytes, f.param_conversion(), true);
+        }
+    }
+
+    /// AdamW on block `b` on the CPU, the write-backs of its state and parameters, and
+    /// the commit of what went to NVMe.
+    fn host_update(&mut self, b: usize) {
+        let f = self.f;
+        let len = f.shard(b);
+        let flag = self.homes.norm_flag;
+        let (s_home, p_home) = (self.homes.state[b], self.homes.params[b]);
+        let grads = self.homes.grads.apply_host[b].expect("host gradients");
+        let state = self.step.s_stage[b].unwrap_or(s_home.0);
+        let params_out = if f.shares_master(b) {
+            None
+        } else {
+            Some(self.step.p_out_stage[b].unwrap_or(p_home.1))
+        };
+        let mut access = vec![Access::Read(grads), Access::Write(state)];
+        access.extend(params_out.map(Access::Write));
+        access.extend(flag.map(Access::Read));
+        let op = HostOp::Optimizer {
+            block: b,
+            grads,
+            state,
+            params_out,
+        };
+        let id = self.host(op, access);
+        self.ops[id.index()].params = len;
+        if flag.is_none() {
+            // With no norm it also takes the gradients' statistics, a pass over them (as
+            // a device-homed block's `DeviceStats` does).
+            self.set_bytes(id, 4 * len);
+        }
+        let mut commit = Vec::new();
+        if f.tiers[b].state == Tier::Nvme {
+            self.nvme_write(state, s_home.1, 12 * len, true);
+            commit.push(s_home.1);
+        }
+        match (f.tiers[b].params, params_out) {
+            (_, None) => {} // written with the state
+            (Tier::Nvme, Some(params_out)) => {
+                self.nvme_write(params_out, p_home.1, len * f.pbytes, true);
+                if !f.shape.delayed_update {
+                    commit.push(p_home.1);
+                }
+            }
+            (Tier::Device, Some(params_out)) if params_out == p_home.1 => {
+                // Written in place by the optimizer (`update_writes_device`).
+            }
+            (Tier::Device, Some(params_out)) => {
+                let from = self.gathered(b, params_out, ">", true);
+                self.copy_in(
+                    from,
+                    p_home.1,
+                    f.len(b) * f.pbytes,
+                    f.param_conversion(),
+                    true,
+                );
+            }
+            (Tier::Host, _) => {}
+        }
+        if !commit.is_empty() {
+            // After the block's writes (write after write on their extents).
+            let access = commit.into_iter().map(Access::Write).collect();
+            self.nvme(Lane::NvmeWrite, NvmeOp::Commit { block: b }, access);
+        }
+    }
+}

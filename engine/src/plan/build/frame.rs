@@ -1,0 +1,259 @@
+//! Stage 1 of the planner: the step's shape and every block's homes, checked against the
+//! engine's rules, with what follows from them (shard lengths, element sizes, the rules a
+//! block's tiers imply). The [`Frame`] is what every later stage reads and none writes.
+//!
+//! Not here: any buffer or operation (stages 2 and 3), or the choice of which blocks keep
+//! their activations and spill their gradients (`search.rs`, which hands its choice to
+//! the frame).
+
+use crate::model::{BlockLayout, Dtype, Shape, Target};
+use crate::plan::error::PlanError;
+use crate::plan::policy::{PlanInput, Policy};
+use crate::plan::shape::{StepShape, shard_len};
+use crate::plan::tier::{TensorClass, Tier};
+
+/// One block's homes, resolved and checked.
+pub(super) struct BlockTiers {
+    pub(super) params: Tier,
+    pub(super) grads: Tier,
+    pub(super) state: Tier,
+    /// Of the block's input checkpoint (transformer blocks only).
+    pub(super) ckpt: Tier,
+}
+
+/// The step as every stage of the planner sees it.
+pub(super) struct Frame<'a> {
+    pub(super) input: &'a PlanInput<'a>,
+    pub(super) policy: &'a dyn Policy,
+    /// The policy's name.
+    pub(super) name: String,
+    /// The step's shape (with ranks, always with the global norm).
+    pub(super) shape: StepShape,
+    pub(super) dims: Shape,
+    /// Prefetch depth, at least 1.
+    pub(super) depth: usize,
+    pub(super) blocks: &'a [BlockLayout],
+    pub(super) tiers: Vec<BlockTiers>,
+    /// Index of the head block.
+    pub(super) head: usize,
+    /// Transformer blocks.
+    pub(super) layers: usize,
+    /// Processes training together, and each block's shard length (elements).
+    pub(super) ranks: usize,
+    pub(super) shard: Vec<u64>,
+    /// Bytes of a working parameter on the host, and of a device element.
+    pub(super) pbytes: u64,
+    pub(super) dbytes: u64,
+    /// Per block: whether it keeps its saved activations (the search's choice).
+    pub(super) kept: Vec<bool>,
+    /// Per block: whether its gradients are spilled to NVMe for the norm.
+    pub(super) spill: Vec<bool>,
+}
+
+impl<'a> Frame<'a> {
+    /// Stage 1: the step's shape and every block's homes, checked; no block keeps its
+    /// activations or spills its gradients until told ([`Frame::keeping`],
+    /// [`Frame::spilling`]).
+    pub(super) fn new(input: &'a PlanInput<'a>, policy: &'a dyn Policy) -> Result<Self, PlanError> {
+        let name = policy.name();
+        let mut shape = input.shape;
+        // With ranks the norm is always the global one, computed with every rank's
+        // shards (the reports' norm is the step's, not a shard's).
+        if shape.ranks > 1 {
+            shape.needs_global_norm = true;
+        }
+        if shape.batch == 0 || shape.seq == 0 || shape.grad_accum == 0 {
+            return Err(PlanError::Invalid(
+                "batch, sequence length and gradient accumulation must be at least 1".into(),
+            ));
+        }
+        let dims = input
+            .model
+            .shape(shape.batch, shape.seq)
+            .map_err(|e| PlanError::Invalid(e.to_string()))?;
+        let blocks = input.model.blocks();
+        let nb = blocks.len();
+        let tiers = (0..nb)
+            .map(|b| block_tiers(input, policy, &name, b))
+            .collect::<Result<Vec<_>, _>>()?;
+        if shape.ranks == 0 {
+            return Err(PlanError::Invalid("ranks must be at least 1".into()));
+        }
+        Ok(Frame {
+            input,
+            policy,
+            name,
+            shape,
+            dims,
+            depth: policy.prefetch_depth(input).max(1),
+            blocks,
+            tiers,
+            head: nb - 1,
+            layers: nb - 2,
+            ranks: shape.ranks,
+            shard: blocks
+                .iter()
+                .map(|b| shard_len(b.len, shape.ranks) as u64)
+                .collect(),
+            pbytes: shape.precision.param_bytes(),
+            dbytes: shape.device_dtype().size() as u64,
+            kept: vec![false; nb],
+            spill: vec![false; nb],
+        })
+    }
+
+    /// The same frame with the layer blocks marked in `kept` keeping their saved
+    /// activations.
+    pub(super) fn keeping(self, kept: Vec<bool>) -> Self {
+        Frame { kept, ..self }
+    }
+
+    /// The same frame with every block that can spilling its gradients to NVMe (when
+    /// `spill`).
+    pub(super) fn spilling(self, spill: bool) -> Self {
+        if !spill {
+            return self;
+        }
+        let spill = self
+            .tiers
+            .iter()
+            .map(|t| self.shape.can_spill(t.state))
+            .collect();
+        Frame { spill, ..self }
+    }
+
+    /// Blocks.
+    pub(super) fn nb(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Elements of block `b`.
+    pub(super) fn len(&self, b: usize) -> u64 {
+        self.blocks[b].len as u64
+    }
+
+    /// Elements of this rank's shard of block `b` (its length with one rank).
+    pub(super) fn shard(&self, b: usize) -> u64 {
+        self.shard[b]
+    }
+
+    /// Bytes of one activation (B, T, width) on the device.
+    pub(super) fn act_bytes(&self) -> u64 {
+        (self.dims.rows() * self.input.model.width()) as u64 * self.dbytes
+    }
+
+    /// Whether the step waits for the global norm before its updates (then the plan has
+    /// a norm flag).
+    pub(super) fn has_norm(&self) -> bool {
+        self.shape.needs_global_norm
+    }
+
+    /// Whether block `b`'s working parameters are its fp32 master copy, read from the
+    /// head of its NVMe optimizer state (see
+    /// [`Plan::shares_master`](crate::plan::Plan::shares_master)).
+    pub(super) fn shares_master(&self, b: usize) -> bool {
+        self.shape
+            .shares_master(self.tiers[b].params, self.tiers[b].state)
+    }
+
+    /// Whether block `b`'s collectives run over device memory (see
+    /// [`Plan::device_comm`](crate::plan::Plan::device_comm)).
+    pub(super) fn device_comm(&self, b: usize) -> bool {
+        self.shape.device_comm(self.tiers[b].state)
+    }
+
+    /// How working parameters convert on their way to the device.
+    pub(super) fn param_conversion(&self) -> Option<(Dtype, Dtype)> {
+        let (host, device) = (self.shape.precision.dtype(), self.shape.device_dtype());
+        (host != device).then_some((host, device))
+    }
+
+    /// Whether the CPU optimizer writes block `b`'s new working parameters straight into
+    /// their device home, with no host staging and no copy: on the CPU device, whose
+    /// memory is host memory, for a device-homed block whose state the CPU updates, when
+    /// the working parameters are the bytes the device computes with (no conversion) and
+    /// the whole block's (alone).
+    pub(super) fn update_writes_device(&self, b: usize) -> bool {
+        self.shape.target == Target::Cpu
+            && self.tiers[b].params == Tier::Device
+            && self.tiers[b].state != Tier::Device
+            && self.ranks == 1
+            && self.param_conversion().is_none()
+    }
+
+    /// Whether the CPU optimizer reads block `b`'s host-homed gradients from the device
+    /// buffer the backward wrote them into, with no copy to the host: on the CPU device,
+    /// whose memory is host memory, when that buffer holds the step's whole gradients
+    /// (one micro-batch, alone) and the update follows the backward (no global-norm
+    /// barrier, which would hold every block's gradients in device memory until the
+    /// backward ends; no delayed update). The buffer then lives until the update. A
+    /// GPU's are copied.
+    pub(super) fn grads_stay_on_device(&self, b: usize) -> bool {
+        self.shape.target == Target::Cpu
+            && self.ranks == 1
+            && self.shape.grad_accum == 1
+            && !self.shape.needs_global_norm
+            && !self.shape.delayed_update
+            && !self.spill[b]
+    }
+
+    /// Whether block `b`'s parameters go from NVMe straight into the device buffer of a
+    /// fetch (`from_state`: whether the fetch takes them from the state read instead),
+    /// with no host staging and no host-to-device copy: on the CPU device, whose memory
+    /// is host memory that the NVMe tier can read into, when the bytes on NVMe are the
+    /// bytes the device computes with (no conversion) and this rank's shard is the whole
+    /// block (alone). On a GPU, which the NVMe tier cannot reach, they are staged.
+    pub(super) fn reads_into_device(&self, b: usize, from_state: bool) -> bool {
+        !from_state
+            && self.tiers[b].params == Tier::Nvme
+            && self.ranks == 1
+            && self.param_conversion().is_none()
+            && self.shape.target == Target::Cpu
+    }
+
+    /// Whether the backward that completes block `b`'s gradients takes its parameters
+    /// from the state read for the block's update instead of reading them from NVMe
+    /// again: when the fp32 master copy heads the NVMe state ([`Self::shares_master`])
+    /// and that read is emitted `depth` computes before that backward, as the backward's
+    /// fetch is (no global-norm barrier, no delayed update). Each such block's backward
+    /// then reads 12 bytes per parameter from NVMe instead of 4 + 12.
+    pub(super) fn state_feeds_backward(&self, b: usize) -> bool {
+        self.shares_master(b) && !self.has_norm()
+    }
+}
+
+/// Block `b`'s homes as `policy` names them, checked: gradients never on NVMe, and on
+/// the device exactly when the optimizer state is, whose parameters are there too.
+fn block_tiers(
+    input: &PlanInput<'_>,
+    policy: &dyn Policy,
+    name: &str,
+    b: usize,
+) -> Result<BlockTiers, PlanError> {
+    let bad = |reason: String| PlanError::BadPolicy {
+        policy: name.to_string(),
+        reason,
+    };
+    let t = BlockTiers {
+        params: policy.home(input, b, TensorClass::Params),
+        grads: policy.home(input, b, TensorClass::Grads),
+        state: policy.home(input, b, TensorClass::Optimizer),
+        ckpt: policy.home(input, b, TensorClass::Checkpoints),
+    };
+    if t.grads == Tier::Nvme {
+        return Err(bad(format!("block {b}: gradients cannot live on NVMe")));
+    }
+    if (t.state == Tier::Device) != (t.grads == Tier::Device) {
+        return Err(bad(format!(
+            "block {b}: gradients must live with the optimizer state's tier when that \
+             is the device, and on the host otherwise (got gradients on {}, state on {})",
+            t.grads, t.state
+        )));
+    }
+    if t.state == Tier::Device && t.params != Tier::Device {
+        return Err(bad(format!(
+            "block {b}: optimizer state on the device needs the parameters there too"
+        )));
+    }
+    Ok(t)
+}

@@ -1,0 +1,197 @@
+//! The planner's search around its stages: [`Plan::build`] plans a step once per choice
+//! it weighs and keeps the best. First, where the policy allows, the plans that keep the
+//! first and last blocks' state in host memory; then which layer blocks keep their saved
+//! activations (all when the device peak allows, else as many as fit, chosen by the FLOPs
+//! each saves per byte it keeps, found by bisection); then whether gradients wait for the
+//! norm on NVMe (when the host budget needs it).
+//!
+//! Not here: the stages themselves (`frame.rs` to `assemble.rs`).
+
+use super::assemble::{Stages, assemble};
+use super::emit::Emitter;
+use super::frame::Frame;
+use super::homes::Homes;
+use super::sequence::Sequence;
+use super::step_buffers::StepBuffers;
+use super::table::BufferTable;
+use crate::model::Target;
+use crate::plan::error::PlanError;
+use crate::plan::ir::Plan;
+use crate::plan::policy::{EdgesOnHost, PlanInput, Policy};
+use crate::plan::shape::{GradSpill, Recompute};
+use crate::plan::tier::Tier;
+
+impl Plan {
+    /// Plans one training step of `input.model` under `policy`. Allocates nothing.
+    /// Does not check the budgets: see [`Plan::check_fits`].
+    ///
+    /// Which layer blocks keep their saved activations follows
+    /// [`StepShape::recompute`]: none ([`Recompute::All`]), all ([`Recompute::None`]),
+    /// or ([`Recompute::Auto`]) all when the device peak then fits its budget, else the
+    /// most that fit, in [`Plan::keep_order`]: the device peak grows with every block
+    /// kept, so the count is found by bisection between keeping none and keeping all.
+    /// When even keeping none is over the device budget, the plan keeps none (and
+    /// [`Plan::check_fits`] refuses it, as a plan that recomputes everything).
+    ///
+    /// Then gradients spill to NVMe as [`StepShape::grad_spill`] says: with
+    /// [`GradSpill::Auto`], when the plan is over the host budget and some block can
+    /// spill ([`Plan::can_spill`]), the same plan is made again with every such block
+    /// spilled, and kept if its host peak is lower.
+    ///
+    /// First of all, when the policy allows it ([`Policy::resident_edges`]), the plan
+    /// keeping the first and last blocks' optimizer state in host memory and their
+    /// parameters off NVMe: it is the plan if it fits every budget without spilling
+    /// gradients. Of such plans, the first of these that recomputes no more blocks than
+    /// the others: on the CPU device, parameters on the device (updated in place); on
+    /// the host, with the first block's device copy serving the whole micro-batch (one
+    /// fetch of the embedding where a tied head reads it too, not two); on the host,
+    /// fetched for each use.
+    ///
+    /// [`StepShape::recompute`]: crate::plan::StepShape::recompute
+    /// [`StepShape::grad_spill`]: crate::plan::StepShape::grad_spill
+    pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
+        if policy.resident_edges(input) {
+            // In order of preference: on the CPU device the edges' parameters on the
+            // device (its optimizer writes them in place: no copy at all), then on the
+            // host with one device copy of the embedding per micro-batch, then with one
+            // per use. The first that fits and recomputes no more blocks than the others.
+            let mut candidates = Vec::new();
+            if input.shape.target == Target::Cpu {
+                candidates.push((Tier::Device, false));
+            }
+            candidates.extend([(Tier::Host, true), (Tier::Host, false)]);
+            let plans: Vec<Plan> = candidates
+                .into_iter()
+                .filter_map(|(params, keep_first)| {
+                    let edges = EdgesOnHost {
+                        policy,
+                        params,
+                        keep_first,
+                    };
+                    Self::build_spilling(input, &edges)
+                        .ok()
+                        .filter(|plan| plan.first_overflow().is_none() && plan.spilled() == 0)
+                })
+                .collect();
+            let fewest = plans.iter().map(Plan::recomputed).min();
+            if let Some(plan) = plans
+                .into_iter()
+                .find(|plan| Some(plan.recomputed()) == fewest)
+            {
+                return Ok(plan);
+            }
+        }
+        Self::build_spilling(input, policy)
+    }
+
+    /// [`Plan::build`] for `policy`'s homes as they are: recomputing and spilling as the
+    /// step asks.
+    fn build_spilling(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
+        let always = input.shape.grad_spill == GradSpill::Always;
+        let plan = Self::build_recomputing(input, policy, always)?;
+        if input.shape.grad_spill != GradSpill::Auto
+            || plan.peak[Tier::Host.index()] <= input.budgets.host
+            || !(0..plan.homes.len()).any(|b| plan.can_spill(b))
+        {
+            return Ok(plan);
+        }
+        let spilled = Self::build_keeping(input, policy, plan.kept.clone(), true)?;
+        Ok(
+            if spilled.peak[Tier::Host.index()] < plan.peak[Tier::Host.index()] {
+                spilled
+            } else {
+                plan
+            },
+        )
+    }
+
+    /// [`Plan::build`]'s choice of the blocks that keep their activations, with
+    /// gradients spilled (where they can be) or not.
+    fn build_recomputing(
+        input: &PlanInput<'_>,
+        policy: &dyn Policy,
+        spill: bool,
+    ) -> Result<Plan, PlanError> {
+        let order = Self::keep_order(input);
+        let keeping = |count: usize| {
+            let mut kept = vec![false; input.block_count()];
+            for &b in &order[..count] {
+                kept[b] = true;
+            }
+            Self::build_keeping(input, policy, kept, spill)
+        };
+        match input.shape.recompute {
+            Recompute::All => keeping(0),
+            Recompute::None => keeping(order.len()),
+            Recompute::Auto => {
+                let device_fits =
+                    |plan: &Plan| plan.peak[Tier::Device.index()] <= input.budgets.device;
+                let all = keeping(order.len())?;
+                if device_fits(&all) || order.is_empty() {
+                    return Ok(all);
+                }
+                // Invariant: keeping `fits` blocks fits the device, keeping `over` does not.
+                let mut best = keeping(0)?;
+                if !device_fits(&best) {
+                    return Ok(best);
+                }
+                let (mut fits, mut over) = (0, order.len());
+                while over - fits > 1 {
+                    let mid = (fits + over) / 2;
+                    let plan = keeping(mid)?;
+                    if device_fits(&plan) {
+                        (fits, best) = (mid, plan);
+                    } else {
+                        over = mid;
+                    }
+                }
+                Ok(best)
+            }
+        }
+    }
+
+    /// The layer blocks in the order [`Recompute::Auto`] keeps them, by the cost model's
+    /// trade: keeping a block saves recomputing its forward (its backward's FLOPs less
+    /// its saved backward's) and costs its saved activations' bytes on the device, so
+    /// blocks that save the most FLOPs per byte come first; among equals (every layer of
+    /// a family is the same), the later block first, whose saved activations live the
+    /// shortest (from its forward to its backward, around the head).
+    pub fn keep_order(input: &PlanInput<'_>) -> Vec<usize> {
+        let model = input.model;
+        let Ok(dims) = model.shape(input.shape.batch, input.shape.seq) else {
+            return Vec::new();
+        };
+        let (target, dtype) = (input.shape.target, input.shape.device_dtype());
+        let mut order: Vec<(usize, f64)> = (0..input.block_count())
+            .filter_map(|b| {
+                let bytes = model.saved_bytes(b, dims, target, dtype);
+                (bytes > 0).then(|| (b, model.recompute_flops(b, dims) / bytes as f64))
+            })
+            .collect();
+        order.sort_by(|(a, fa), (b, fb)| fb.total_cmp(fa).then(b.cmp(a)));
+        order.into_iter().map(|(b, _)| b).collect()
+    }
+
+    /// Plans one step in which the layer blocks marked in `kept` keep their saved
+    /// activations and the others recompute.
+    fn build_keeping(
+        input: &PlanInput<'_>,
+        policy: &dyn Policy,
+        kept: Vec<bool>,
+        spill: bool,
+    ) -> Result<Plan, PlanError> {
+        let frame = Frame::new(input, policy)?.keeping(kept).spilling(spill);
+        let mut table = BufferTable::default();
+        let homes = Homes::plan(&frame, &mut table);
+        let seq = Sequence::new(&frame);
+        let (step, fetches) = StepBuffers::plan(&frame, &homes, &seq, &mut table);
+        let ops = Emitter::emit(&frame, &homes, (&step, fetches), &seq, &mut table);
+        Ok(assemble(Stages {
+            frame,
+            homes,
+            saved_bytes: step.saved_bytes,
+            table,
+            ops,
+        }))
+    }
+}
