@@ -8,8 +8,8 @@
 //!
 //! `--ranks N` plans the step as one of N ranks of ZeRO-3 data parallelism (`mpirun -np
 //! N strata train`): the peaks are one rank's, the step time includes the collective
-//! lane, and the policies the planner refuses with ranks (gradients or optimizer state
-//! on the device) are listed as not available, with the planner's reason.
+//! lane, and a policy the planner refuses with ranks would be listed as not available,
+//! with the planner's reason (none is today: every built-in runs with ranks).
 //!
 //! [`report`] finds the answers (as data: the Python module returns them as a dict);
 //! [`render`] prints them as the command does.
@@ -22,8 +22,8 @@ use strata_engine::Lane;
 use strata_engine::device::{DeviceChoice, choose_target};
 use strata_engine::model::Target;
 use strata_engine::plan::{
-    Auto, BuiltinPolicy, CostModel, Plan, PlanError, PlanInput, Prediction, TensorClass, Tier,
-    fmt_bytes,
+    Auto, BuiltinPolicy, CostModel, DEFAULT_SOURCE, Plan, PlanError, PlanInput, Prediction,
+    TensorClass, Tier, fmt_bytes,
 };
 
 use crate::model_source::model_shape;
@@ -258,7 +258,7 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
             .map(|d| d.display().to_string())
             .collect(),
         nvme_budget_source: run_budgets.nvme_source(),
-        rates: Rates::of(&cost),
+        rates: Rates::of(&cost, target),
         policies,
         unavailable,
         no_fit: choice.as_ref().err().cloned(),
@@ -267,9 +267,19 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
 }
 
 impl Rates {
-    fn of(cost: &CostModel) -> Self {
+    /// The rates `cost` ranks plans for `target` with, and where they come from: the
+    /// defaults are CPU rates, which a CUDA plan is ranked with too until a GPU's rates
+    /// are recorded.
+    fn of(cost: &CostModel, target: Target) -> Self {
+        let source = if target == Target::Cuda && cost.source == DEFAULT_SOURCE {
+            format!(
+                "{DEFAULT_SOURCE} for the CPU; no GPU's rates are recorded yet, so CUDA plans are ranked with them"
+            )
+        } else {
+            cost.source.to_string()
+        };
         Rates {
-            source: cost.source.to_string(),
+            source,
             compute_flops: cost.compute_flops,
             nvme_read_bytes_per_s: cost.nvme_read_bytes_per_s,
             nvme_write_bytes_per_s: cost.nvme_write_bytes_per_s,

@@ -171,3 +171,27 @@ fn ranks_zero_is_refused_in_one_line() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
 }
+
+/// The rates a plan is ranked with say where they come from: the defaults are set by
+/// hand for the CPU, so a plan for a GPU says it is ranked with CPU rates, and one for
+/// the CPU device says only that they are defaults.
+#[test]
+fn a_gpu_plan_says_it_is_ranked_with_the_cpus_default_rates() {
+    for (device, gpu_words) in [("cuda", true), ("cpu", false)] {
+        let mut args = vec!["plan", "--device", device];
+        args.extend(STEP);
+        let out = strata(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        let rates = stdout
+            .lines()
+            .find(|l| l.starts_with("rates ("))
+            .unwrap_or_else(|| panic!("no rates line in {stdout}"));
+        assert!(rates.starts_with("rates (defaults"), "{rates}");
+        assert_eq!(
+            rates.contains("no GPU's rates are recorded"),
+            gpu_words,
+            "--device {device}: {rates}"
+        );
+    }
+}

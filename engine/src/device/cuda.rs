@@ -1,5 +1,6 @@
-//! The CUDA device: one GPU through cudarc (dynamic loading, always compiled), with a
-//! compute stream, a host-to-device stream and a device-to-host stream, ordered by events.
+//! The CUDA device: one GPU through cudarc (dynamic loading, always compiled), with four
+//! streams ordered by events: compute, the update of device-homed optimizer state,
+//! host-to-device copies and device-to-host copies.
 //!
 //! The device's memory budget is one `cuMemAlloc` when it opens, sub-allocated by a
 //! [`DeviceArena`]. Copies go between arena buffers and pinned pool slots with

@@ -33,6 +33,9 @@ pub const ADAM_BYTES_PER_PARAM: f64 = 28.0;
 /// memory copy or two). A run across machines is slower by its network.
 pub const COLLECTIVE_BYTES_PER_S: f64 = 4e9;
 
+/// What [`CostModel::default`]'s rates say of where they come from.
+pub const DEFAULT_SOURCE: &str = "defaults";
+
 /// Rates of this machine's links and processors (bytes and operations per second).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CostModel {
@@ -58,13 +61,17 @@ pub struct CostModel {
 }
 
 impl Default for CostModel {
-    /// Rates measured on the 2-core development machine by `strata bench step` on GPT-2
-    /// 124M (benches/results/step-amd-epyc-2c.json): 170 GFLOP/s of CPU compute (the
-    /// all-on-device compute lane), 8 GB/s memory copies, NVMe 2.0 GB/s read and 2.5
-    /// GB/s write as the NVMe lane achieves them one extent at a time (the raw tier
-    /// does 3 and 6), and AdamW at 0.5 G params/s while the compute lane shares the
-    /// cores. It does not model that contention for cores: on a machine with few cores
-    /// the predicted offload cost is low.
+    /// Modelling defaults, set by hand, not measured by strata on any machine: rates of the
+    /// order of what `strata bench step` showed on GPT-2 124M on a 2-core AMD EPYC (Zen 3)
+    /// in `benches/results/step-amd-epyc-2c.json`, whose measured steps give 189 GFLOP/s
+    /// on the all-on-device compute lane, copies at 10.5-11 GB/s, the NVMe lanes at 1.8
+    /// GB/s each way one extent at a time, and the CPU AdamW at 0.28-0.45 G params/s beside
+    /// the compute (that file's own `cost_model` block is these defaults, `"source":
+    /// "defaults"`, which it predicted with). They are CPU rates: a plan for a GPU is
+    /// ranked with them too until a GPU's rates are recorded (`strata plan` says so). They
+    /// do not model contention for cores: on a machine with few cores the predicted
+    /// offload cost is low. `strata train` measures its own rates at start instead
+    /// ([`CostModel::source`] then says so).
     fn default() -> Self {
         CostModel {
             compute_flops: 170e9,
@@ -74,7 +81,7 @@ impl Default for CostModel {
             nvme_write_bytes_per_s: 2.5e9,
             adam_params_per_s: 0.5e9,
             collective_bytes_per_s: COLLECTIVE_BYTES_PER_S,
-            source: "defaults",
+            source: DEFAULT_SOURCE,
         }
     }
 }

@@ -34,7 +34,7 @@ mod tier;
 
 pub use crate::lane::Lane;
 pub use auto::{Auto, Candidate, Choice};
-pub use cost::{CostModel, Prediction};
+pub use cost::{CostModel, DEFAULT_SOURCE, Prediction};
 pub use error::{PlanError, Shortfall, fmt_bytes};
 pub use ir::{
     Access, Binds, BlockHomes, BufId, BufKind, BufferPlan, CommOp, Extent, ExtentKind, ExtentSide,
