@@ -1,6 +1,6 @@
 //! What a device operation names: a range of device memory ([`DeviceRange`]), a program
 //! ([`Program`]) and the ranges its tensors are bound to ([`Bindings`], checked by
-//! [`check_bindings`] before a device touches memory), and the conversion a copy makes
+//! [`check_program`] before a device touches memory), and the conversion a copy makes
 //! on the way ([`Convert`]). Shared by both devices and by the executor that calls them.
 //!
 //! Not here: the devices themselves (`cpu`, `cuda`) and the operations they run (`ops`).
@@ -10,6 +10,7 @@ use std::sync::Arc;
 use strata_kernels::program::{Dtype, Kernel};
 
 use crate::error::EngineError;
+use crate::lane::Lane;
 use crate::memory::{DeviceArena, DeviceBuffer};
 
 /// A range of a device's memory, in bytes from the start of its arena.
@@ -51,17 +52,34 @@ impl DeviceRange {
     }
 }
 
-/// `Ok` when every bound range lies in `arena` and every tensor of `kernel` inside the
-/// range bound for it; else an error naming the kernel and the tensor. Both devices check
-/// a program with this before it touches memory.
-pub(crate) fn check_bindings(
+/// `Ok` when `program` may run on `lane` (a kernel stream: anything else is a caller's
+/// bug, and panics), every bound range lies in `arena` (checked once for the program)
+/// and every tensor of every kernel inside the range bound for it; else an error naming
+/// the kernel and the tensor. Both devices check a program with this before it touches
+/// memory.
+pub(crate) fn check_program(
     arena: &DeviceArena,
-    kernel: &Kernel,
+    lane: Lane,
+    program: &Program,
     bindings: &Bindings,
 ) -> Result<(), EngineError> {
+    assert!(
+        matches!(lane, Lane::Compute | Lane::Update),
+        "programs run on the compute or the update stream, not {lane}"
+    );
+    if program.is_empty() {
+        return Ok(());
+    }
     for b in bindings.0.iter().flatten() {
         arena.check_range(b.bytes())?;
     }
+    program
+        .iter()
+        .try_for_each(|kernel| check_tensors(kernel, bindings))
+}
+
+/// `Ok` when every tensor of `kernel` lies inside the range bound for it.
+fn check_tensors(kernel: &Kernel, bindings: &Bindings) -> Result<(), EngineError> {
     let mut unbound = None;
     kernel.for_each_tensor(|t, _| {
         let fits = bindings.get(t.buf).is_some_and(|r| {

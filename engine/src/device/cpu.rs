@@ -40,9 +40,9 @@ use strata_kernels::program::{Access, CpuMemory, Dtype, Scalars, Target, TensorR
 use strata_storage::IoBuf;
 
 use super::access::AccessTable;
-use super::bindings::{Bindings, Convert, DeviceRange, Program, check_bindings};
+use super::bindings::{Bindings, Convert, DeviceRange, Program, check_program};
 use super::event::{CpuEvent, Event, EventPool};
-use super::ops::{DeviceOps, assert_gather_lengths, assert_kernel_stream, assert_scatter_lengths};
+use super::ops::{DeviceOps, assert_gather_lengths, assert_scatter_lengths};
 use super::transfer::{Transfer, assert_copy_fits};
 use crate::error::EngineError;
 use crate::lane::Lane;
@@ -450,10 +450,7 @@ impl DeviceOps for CpuDevice {
         scalars: &Scalars,
         after: &[Event],
     ) -> Result<Event, EngineError> {
-        assert_kernel_stream(lane);
-        for kernel in program.iter() {
-            check_bindings(&self.shared.arena, kernel, bindings)?;
-        }
+        check_program(&self.shared.arena, lane, program, bindings)?;
         let work = Work::Program {
             program: Arc::clone(program),
             bindings: *bindings,

@@ -30,9 +30,9 @@ use strata_kernels::kernel::FoldRanks;
 use strata_kernels::program::{Dtype, Kernel, Scalars, Target, TensorRef};
 use strata_storage::IoBuf;
 
-use super::bindings::{Bindings, Convert, DeviceRange, Program, check_bindings};
+use super::bindings::{Bindings, Convert, DeviceRange, Program, check_program};
 use super::event::{CudaEventRef, Event, retry_once};
-use super::ops::{DeviceOps, assert_gather_lengths, assert_kernel_stream, assert_scatter_lengths};
+use super::ops::{DeviceOps, assert_gather_lengths, assert_scatter_lengths};
 use super::transfer::{Transfer, assert_copy_fits};
 use crate::error::EngineError;
 use crate::lane::Lane;
@@ -560,15 +560,12 @@ impl DeviceOps for CudaDevice {
         scalars: &Scalars,
         after: &[Event],
     ) -> Result<Event, EngineError> {
-        assert_kernel_stream(lane);
         let kernels = self.kernels.as_ref().ok_or(EngineError::Unsupported {
             device: self.name.clone(),
             what: "programs (it was opened for copies only, without NVRTC and cuBLAS)",
         })?;
+        check_program(&self.arena, lane, program, bindings)?;
         let kernels = &kernels[usize::from(lane == Lane::Update)];
-        for kernel in program.iter() {
-            check_bindings(&self.arena, kernel, bindings)?;
-        }
         let stream = self.stream(lane);
         self.wait_events(stream, after)?;
         self.ctx

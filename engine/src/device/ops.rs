@@ -146,14 +146,6 @@ pub trait DeviceOps: Send + Sync {
     fn synchronize(&self) -> Result<(), EngineError>;
 }
 
-/// Programs run on a kernel stream; anything else is a caller's bug.
-pub(super) fn assert_kernel_stream(lane: Lane) {
-    assert!(
-        matches!(lane, Lane::Compute | Lane::Update),
-        "programs run on the compute or the update stream, not {lane}"
-    );
-}
-
 /// An all-gather's output holds every rank's input.
 pub(super) fn assert_gather_lengths(comm: &dyn Collective, src: DeviceRange, dst: DeviceRange) {
     assert_eq!(
