@@ -297,14 +297,6 @@ impl BuiltinPolicy {
             }),
         }
     }
-
-    /// Whether it streams parameters block by block (and so has a prefetch depth).
-    pub const fn streams(self) -> bool {
-        matches!(
-            self,
-            BuiltinPolicy::ParamOffload | BuiltinPolicy::NvmeOffload
-        )
-    }
 }
 
 impl fmt::Display for BuiltinPolicy {
