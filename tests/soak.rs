@@ -30,6 +30,9 @@ struct Soak {
     /// Each run lets faults in after a drawn 0 to this many steps' time (the undisturbed
     /// run's median step): a fault that reaches the run comes at its first step after.
     after_steps_max: u64,
+    /// Runs stopped by a fault wanted at least: until there are this many, each run lets
+    /// faults in within a quarter of `after_steps_max`.
+    fault_exits_min: usize,
     /// Kills wanted at least: until there are this many, every run is armed with one.
     kills_min: usize,
     /// Beyond those, the chance that a run is armed with a kill.
@@ -43,7 +46,7 @@ struct Soak {
 /// The fault kinds and rates of both soaks: most fault seeds hold a fault that reaches
 /// the run (it stops at its first step after `after-ms`); every run absorbs short
 /// transfers, EINTR and delays.
-const FAULTS: &str = "rate=0.01,kinds=eio,enospc,eof,bitflip,short=0.05,eintr=0.05,delay=0.02";
+const FAULTS: &str = "rate=0.03,kinds=eio,enospc,eof,bitflip,short=0.05,eintr=0.05,delay=0.02";
 
 /// A splitmix64 stream: the driver's draws.
 struct Draws(u64);
@@ -171,7 +174,8 @@ fn run_once(
     let log = dir.join("log.jsonl");
     let mut log_from = std::fs::metadata(&log).map_or(0, |m| m.len());
     let mut last_step = 0;
-    let mut child = cmd.spawn().expect("the strata binary runs");
+    let mut child = Reaped(cmd.spawn().expect("the strata binary runs"));
+    let child = &mut child.0;
     let started = Instant::now();
     let end = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -204,8 +208,17 @@ fn run_once(
         );
         std::thread::sleep(Duration::from_millis(2));
     };
-    let _ = child.wait();
     (end, std::fs::read_to_string(&err_path).unwrap())
+}
+
+/// A run killed when dropped, so that a failed assertion leaves no run behind.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The highest step in the lines appended to the metrics log since `from` (moved on).
@@ -347,9 +360,13 @@ fn disturbed_run(
     // A partial --out of a run that failed while writing it is no result.
     let _ = std::fs::remove_dir_all(dir.join("out"));
     let seed = draws.next();
+    let window = match tally.fault_exits < s.fault_exits_min {
+        true => s.after_steps_max / 4,
+        false => s.after_steps_max,
+    };
     let faults = format!(
         "seed={seed},after-ms={},{}",
-        draws.range(0, s.after_steps_max * step_ms),
+        draws.range(0, window * step_ms),
         s.faults
     );
     let armed = start < s.steps && (tally.kills < s.kills_min || draws.chance(s.kill_chance));
@@ -496,7 +513,8 @@ fn a_short_soak_with_faults_and_a_kill_ends_byte_identical() {
         steps: 20,
         checkpoint_every: 5,
         faults: FAULTS,
-        after_steps_max: 10,
+        after_steps_max: 20,
+        fault_exits_min: 3,
         kills_min: 1,
         kill_chance: 0.2,
         seed: 28,
@@ -505,7 +523,11 @@ fn a_short_soak_with_faults_and_a_kill_ends_byte_identical() {
     let t = soak(&s, root.path());
     assert!(t.kills >= 1, "kills: {}", t.kills);
     assert!(t.total_faults() >= 5, "faults: {:?}", t.faults);
-    assert!(t.fault_exits >= 1, "no run stopped on a fault: {:?}", t.faults);
+    assert!(
+        t.fault_exits >= 1,
+        "no run stopped on a fault: {:?}",
+        t.faults
+    );
     assert!(t.checkpoints_checked >= 4);
 }
 
@@ -519,7 +541,8 @@ fn the_long_soak_ends_byte_identical() {
         steps: env("SOAK_STEPS", 240),
         checkpoint_every: 5,
         faults: FAULTS,
-        after_steps_max: 10,
+        after_steps_max: 20,
+        fault_exits_min: 20,
         kills_min: 8,
         kill_chance: 0.3,
         seed: env("SOAK_SEED", 28),
