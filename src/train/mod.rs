@@ -12,6 +12,7 @@
 //! format with the summary (`finish`).
 
 mod data;
+mod faults;
 mod finish;
 mod group;
 mod interrupt;
@@ -90,11 +91,13 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     if let Some(r) = &cfg.resume {
         writeln!(out, "resuming {} at step {}", r.display(), state.step)?;
     }
-    let exec_config = ExecConfig {
+    let mut exec_config = ExecConfig {
         nvme_dirs: planned.budgets.nvme_dirs.clone(),
         comm: ranks.group.clone(),
         ..ExecConfig::default()
     };
+    // Tests: STRATA_FAULTS injects I/O faults; the guard counts them when the run ends.
+    let _faults = faults::from_env(&mut exec_config)?;
     let tokens_per_step = planned.shape.tokens() * ranks.ranks as u64;
     let plan = planned.plan;
     let mut exec = start::executor(&model, plan, device, &exec_config, initial, &state)?;
