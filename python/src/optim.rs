@@ -130,11 +130,19 @@ pub fn adamw_steps(
     }
     let mut checked = Vec::with_capacity(jobs.len());
     for ((param, grad, state, hyper, step, copy_out), label) in jobs.iter().zip(&labels) {
-        let job = Job::check(param, grad, state, *hyper, *step, grad_scale, copy_out.as_ref())
-            .map_err(|e| {
-                let message = format!("{label}: {}", e.value(py));
-                PyErr::from_type(e.get_type(py), message)
-            })?;
+        let job = Job::check(
+            param,
+            grad,
+            state,
+            *hyper,
+            *step,
+            grad_scale,
+            copy_out.as_ref(),
+        )
+        .map_err(|e| {
+            let message = format!("{label}: {}", e.value(py));
+            PyErr::from_type(e.get_type(py), message)
+        })?;
         checked.push(job);
     }
     let threads = threads.max(1);
