@@ -8,6 +8,8 @@ bfloat16 tensors: 4 bytes per parameter) or 8-bit (``q8``: block-wise quantized 
 sqrt(v), 2 bytes per parameter plus a scale per 256).
 """
 
+import numbers
+
 import torch
 
 from . import _native
@@ -20,7 +22,8 @@ _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
 def _number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: Python's and numpy's ints and floats (numpy registers its scalars).
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
     return float(value)
 
@@ -33,13 +36,13 @@ def _hyper(group):
         if lr.numel() != 1:
             raise ValueError(f"a tensor lr must have one element, not {lr.numel()}")
         lr = float(lr.item())
-    elif isinstance(lr, bool) or not isinstance(lr, (int, float)):
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         raise TypeError(f"lr must be a number or a one-element tensor, not {type(lr).__name__}")
     else:
         lr = float(lr)
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or not all(
-        isinstance(b, (int, float, torch.Tensor)) and not isinstance(b, bool) for b in betas
+        isinstance(b, (numbers.Real, torch.Tensor)) and not isinstance(b, bool) for b in betas
     ):
         raise TypeError(f"betas must be a pair of numbers, not {betas!r}")
     if len(betas) != 2:

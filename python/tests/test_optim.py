@@ -478,6 +478,15 @@ def test_hyperparameters_of_the_wrong_type_or_range_are_refused_at_construction(
         CPUAdamW([p], **kwargs)
 
 
+def test_numpy_and_tensor_hyperparameters_are_numbers_as_for_torch():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = CPUAdamW([p], lr=np.float32(0.1), betas=(np.float64(0.9), torch.tensor(0.999)),
+                   eps=np.float32(1e-8), weight_decay=np.int64(0))
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((3,), 0.9))
+
+
 @pytest.mark.parametrize(
     "group, error, message",
     [
