@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::exceptions::{PyKeyError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use strata::machine::swap_folder_refusal;
+use strata_engine::EngineError;
 use strata_engine::memory::{PinnedPool, PinnedPoolConfig, Pinning, SlotLease};
 use strata_storage::{
     AlignedBuf, BackendChoice, DIRECT_IO_ALIGN, ExtentId, IoBuf, Pending, StorageError,
@@ -201,6 +203,10 @@ impl Store {
         if paths.is_empty() {
             return Err(PyValueError::new_err("strata.io needs at least one path"));
         }
+        // The rule `strata train` applies to its swap folders, with its words.
+        if let Some(why) = paths.iter().find_map(|p| swap_folder_refusal(p)) {
+            return Err(PyValueError::new_err(why));
+        }
         let mut config = StoreConfig::new(paths[0].clone(), capacity_bytes);
         config.dirs = paths;
         config.queue_depth = queue_depth;
@@ -342,9 +348,9 @@ impl Store {
                 let pool = PinnedPool::new(config, &Pinning::Mlock)?;
                 pool.register_with(&store)?;
                 let lease = pool.acquire()?;
-                Ok::<_, strata_engine::EngineError>((pool, lease))
+                Ok::<_, EngineError>((pool, lease))
             })
-            .map_err(|e| PyRuntimeError::new_err(format!("pinned_empty: {e}")))?;
+            .map_err(pinned_error)?;
         let start = lease.as_ptr() as usize;
         let pool = Arc::new(pool);
         let mut pinned = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
@@ -493,6 +499,19 @@ fn storage_error(e: StorageError, name: &str) -> PyErr {
         }
         _ if name.is_empty() => PyOSError::new_err(message),
         _ => PyOSError::new_err(format!("{message} (extent '{name}')")),
+    }
+}
+
+/// A failure to make pinned memory: OSError with the errno for what the system refused
+/// (the mapping, the registration with io_uring), RuntimeError for the rest.
+fn pinned_error(e: EngineError) -> PyErr {
+    let message = format!("pinned_empty: {e}");
+    match e {
+        EngineError::HostMemory { source, .. } => {
+            PyOSError::new_err((source.raw_os_error().unwrap_or(0), message))
+        }
+        EngineError::Storage(e) => storage_error(e, ""),
+        _ => PyRuntimeError::new_err(message),
     }
 }
 

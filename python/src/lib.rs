@@ -20,6 +20,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     strata::logging::init();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(optim::adamw_step, m)?)?;
+    m.add_function(wrap_pyfunction!(optim::adamw_steps, m)?)?;
+    m.add_function(wrap_pyfunction!(optim::adamw_check, m)?)?;
     m.add_function(wrap_pyfunction!(optim::q8_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(optim::q8_convert, m)?)?;
     m.add_function(wrap_pyfunction!(optim::max_threads, m)?)?;

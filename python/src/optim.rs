@@ -45,6 +45,34 @@ pub fn q8_sizes(n: usize) -> (usize, usize) {
     (n, q8::scale_count(n))
 }
 
+/// One tensor's AdamW step, every view checked: what [`Job::run`] updates.
+struct Job {
+    param: View,
+    grad: View,
+    /// `(m, v)` or the four tensors of 8-bit state.
+    state: Vec<View>,
+    copy_out: Option<View>,
+    step: AdamStep,
+}
+
+/// The AdamW hyperparameters of a `(lr, beta1, beta2, eps, weight_decay)` tuple.
+fn adamw_of(hyper: (f64, f64, f64, f64, f64)) -> AdamW {
+    AdamW {
+        lr: hyper.0,
+        beta1: hyper.1,
+        beta2: hyper.2,
+        eps: hyper.3,
+        weight_decay: hyper.4,
+    }
+}
+
+/// Checks `(lr, beta1, beta2, eps, weight_decay)` by the kernel's rule (ValueError).
+#[pyfunction]
+pub fn adamw_check(hyper: (f64, f64, f64, f64, f64)) -> PyResult<()> {
+    AdamStep::new(&adamw_of(hyper), 1, 1.0).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(())
+}
+
 /// One AdamW step of one tensor.
 ///
 /// `state` is `(m, v)` (both fp32 or both bf16) or `(m_codes, m_scales, v_codes,
@@ -65,91 +93,133 @@ pub fn adamw_step(
     threads: usize,
     copy_out: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
-    let p = view_mut(param, "the parameter")?;
-    expect_dtype(&p, "the parameter (the fp32 master copy)", &[Dtype::F32])?;
-    let n = p.numel;
-    let g = view(grad, "the gradient")?;
-    expect_dtype(&g, "the gradient", &[Dtype::F32, Dtype::F16, Dtype::Bf16])?;
-    expect_numel(&g, "the gradient", n, "the parameter")?;
-    let mut written = vec![(p, "the parameter")];
-    let state_views = match state.len() {
-        2 => {
-            let m = view_mut(&state[0], "exp_avg")?;
-            let v = view_mut(&state[1], "exp_avg_sq")?;
-            for (x, name) in [(&m, "exp_avg"), (&v, "exp_avg_sq")] {
-                expect_dtype(x, name, &[Dtype::F32, Dtype::Bf16])?;
-                expect_numel(x, name, n, "the parameter")?;
-                written.push((*x, name));
-            }
-            if m.dtype != v.dtype {
-                return Err(PyTypeError::new_err(format!(
-                    "exp_avg is {} but exp_avg_sq is {}: both moments must be float32 or \
-                     both bfloat16",
-                    m.dtype.name(),
-                    v.dtype.name()
-                )));
-            }
-            vec![m, v]
-        }
-        4 => {
-            let views = q8_views(&state, n, true, "8-bit state of the parameter")?;
-            let names = ["m codes", "m scales", "v codes", "v scales"];
-            written.extend(views.iter().copied().zip(names));
-            views
-        }
-        k => {
-            return Err(PyValueError::new_err(format!(
-                "the state has {k} tensors: fp32 and bf16 state are (exp_avg, exp_avg_sq), \
-                 8-bit state (m codes, m scales, v codes, v scales)"
-            )));
-        }
-    };
-    let out = match copy_out {
-        Some(obj) => {
-            let o = view_mut(obj, "the working copy")?;
-            expect_dtype(&o, "the working copy", &[Dtype::F16, Dtype::Bf16])?;
-            expect_numel(&o, "the working copy", n, "the parameter")?;
-            written.push((o, "the working copy"));
-            Some(o)
-        }
-        None => None,
-    };
-    // Rust may not alias a written slice: refuse shared memory instead.
-    for (i, (a, a_name)) in written.iter().enumerate() {
-        if a.overlaps(&g) {
-            return Err(PyValueError::new_err(format!(
-                "{a_name} and the gradient share memory"
-            )));
-        }
-        for (b, b_name) in &written[i + 1..] {
-            if a.overlaps(b) {
-                return Err(PyValueError::new_err(format!(
-                    "{a_name} and {b_name} share memory"
-                )));
-            }
-        }
-    }
-    let hp = AdamW {
-        lr: hyper.0,
-        beta1: hyper.1,
-        beta2: hyper.2,
-        eps: hyper.3,
-        weight_decay: hyper.4,
-    };
-    let k =
-        AdamStep::new(&hp, step, grad_scale).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let job = Job::check(param, grad, &state, hyper, step, grad_scale, copy_out)?;
     let threads = threads.max(1);
-    let result = py.detach(move || {
-        // SAFETY: every view was checked above (CPU, contiguous, writable where written,
-        // dtype, element count, alignment, no overlap between written buffers or with the
-        // gradient); the Python objects owning them are borrowed by the caller for the
-        // whole call, so the memory stays alive.
+    py.detach(move || job.run(threads))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// The tensors of one step: `(param, grad, state, hyper, step, copy_out)` as for
+/// [`adamw_step`].
+type JobArgs<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Vec<Bound<'py, PyAny>>,
+    (f64, f64, f64, f64, f64),
+    u64,
+    Option<Bound<'py, PyAny>>,
+);
+
+/// One AdamW step of many tensors, all checked before any is updated (so a refused
+/// tensor leaves every tensor as it was), then updated with the GIL released once. A
+/// refusal names the tensor by its label in `labels`.
+#[pyfunction]
+pub fn adamw_steps(
+    py: Python<'_>,
+    jobs: Vec<JobArgs<'_>>,
+    labels: Vec<String>,
+    grad_scale: f32,
+    threads: usize,
+) -> PyResult<()> {
+    if labels.len() != jobs.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} jobs but {} labels",
+            jobs.len(),
+            labels.len()
+        )));
+    }
+    let mut checked = Vec::with_capacity(jobs.len());
+    for ((param, grad, state, hyper, step, copy_out), label) in jobs.iter().zip(&labels) {
+        let job = Job::check(
+            param,
+            grad,
+            state,
+            *hyper,
+            *step,
+            grad_scale,
+            copy_out.as_ref(),
+        )
+        .map_err(|e| {
+            let message = format!("{label}: {}", e.value(py));
+            PyErr::from_type(e.get_type(py), message)
+        })?;
+        checked.push(job);
+    }
+    let threads = threads.max(1);
+    py.detach(move || checked.iter().try_for_each(|job| job.run(threads)))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+impl Job {
+    /// Checks every tensor of one step: CPU, contiguous, writable where written, dtype,
+    /// element count, alignment, no overlap between written buffers or with the
+    /// gradient; and the hyperparameters.
+    fn check(
+        param: &Bound<'_, PyAny>,
+        grad: &Bound<'_, PyAny>,
+        state: &[Bound<'_, PyAny>],
+        hyper: (f64, f64, f64, f64, f64),
+        step: u64,
+        grad_scale: f32,
+        copy_out: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Job> {
+        let p = view_mut(param, "the parameter")?;
+        expect_dtype(&p, "the parameter (the fp32 master copy)", &[Dtype::F32])?;
+        let n = p.numel;
+        let g = view(grad, "the gradient")?;
+        expect_dtype(&g, "the gradient", &[Dtype::F32, Dtype::F16, Dtype::Bf16])?;
+        expect_numel(&g, "the gradient", n, "the parameter")?;
+        let mut written = vec![(p, "the parameter")];
+        let state_views = state_views(state, n, &mut written)?;
+        let out = match copy_out {
+            Some(obj) => {
+                let o = view_mut(obj, "the working copy")?;
+                expect_dtype(&o, "the working copy", &[Dtype::F16, Dtype::Bf16])?;
+                expect_numel(&o, "the working copy", n, "the parameter")?;
+                written.push((o, "the working copy"));
+                Some(o)
+            }
+            None => None,
+        };
+        // Rust may not alias a written slice: refuse shared memory instead.
+        for (i, (a, a_name)) in written.iter().enumerate() {
+            if a.overlaps(&g) {
+                return Err(PyValueError::new_err(format!(
+                    "{a_name} and the gradient share memory"
+                )));
+            }
+            for (b, b_name) in &written[i + 1..] {
+                if a.overlaps(b) {
+                    return Err(PyValueError::new_err(format!(
+                        "{a_name} and {b_name} share memory"
+                    )));
+                }
+            }
+        }
+        let step = AdamStep::new(&adamw_of(hyper), step, grad_scale)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Job {
+            param: p,
+            grad: g,
+            state: state_views,
+            copy_out: out,
+            step,
+        })
+    }
+
+    /// Runs the kernel on the checked tensors.
+    fn run(&self, threads: usize) -> Result<(), strata_kernels::adamw::AdamError> {
+        let (p, g, state_views) = (&self.param, &self.grad, &self.state);
+        // SAFETY: every view was checked by `Job::check` (CPU, contiguous, writable where
+        // written, dtype, element count, alignment, no overlap between written buffers or
+        // with the gradient); the Python objects owning them are borrowed by the caller
+        // for the whole call, so the memory stays alive.
         unsafe {
-            let params = slice_mut::<f32>(&p);
+            let params = slice_mut::<f32>(p);
             let grads = match g.dtype {
-                Dtype::F32 => Grads::F32(slice::<f32>(&g)),
-                Dtype::F16 => Grads::F16(slice::<f16>(&g)),
-                _ => Grads::Bf16(slice::<bf16>(&g)),
+                Dtype::F32 => Grads::F32(slice::<f32>(g)),
+                Dtype::F16 => Grads::F16(slice::<f16>(g)),
+                _ => Grads::Bf16(slice::<bf16>(g)),
             };
             let state = if state_views.len() == 2 && state_views[0].dtype == Dtype::Bf16 {
                 State::Bf16 {
@@ -169,15 +239,54 @@ pub fn adamw_step(
                     v_scales: slice_mut::<f32>(&state_views[3]),
                 })
             };
-            let copy_out = match out {
+            let copy_out = match self.copy_out {
                 None => CopyOut::None,
                 Some(o) if o.dtype == Dtype::F16 => CopyOut::F16(slice_mut::<f16>(&o)),
                 Some(o) => CopyOut::Bf16(slice_mut::<bf16>(&o)),
             };
-            k.apply(Isa::active(), threads, params, state, grads, copy_out)
+            self.step
+                .apply(Isa::active(), threads, params, state, grads, copy_out)
         }
-    });
-    result.map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+}
+
+/// The views of a parameter's optimizer state for `n` parameters, checked, added to
+/// `written`: `(m, v)` (both fp32 or both bf16) or the four tensors of 8-bit state.
+fn state_views(
+    state: &[Bound<'_, PyAny>],
+    n: usize,
+    written: &mut Vec<(View, &'static str)>,
+) -> PyResult<Vec<View>> {
+    match state.len() {
+        2 => {
+            let m = view_mut(&state[0], "exp_avg")?;
+            let v = view_mut(&state[1], "exp_avg_sq")?;
+            for (x, name) in [(&m, "exp_avg"), (&v, "exp_avg_sq")] {
+                expect_dtype(x, name, &[Dtype::F32, Dtype::Bf16])?;
+                expect_numel(x, name, n, "the parameter")?;
+                written.push((*x, name));
+            }
+            if m.dtype != v.dtype {
+                return Err(PyTypeError::new_err(format!(
+                    "exp_avg is {} but exp_avg_sq is {}: both moments must be float32 or \
+                     both bfloat16",
+                    m.dtype.name(),
+                    v.dtype.name()
+                )));
+            }
+            Ok(vec![m, v])
+        }
+        4 => {
+            let views = q8_views(state, n, true, "8-bit state of the parameter")?;
+            let names = ["m codes", "m scales", "v codes", "v scales"];
+            written.extend(views.iter().copied().zip(names));
+            Ok(views)
+        }
+        k => Err(PyValueError::new_err(format!(
+            "the state has {k} tensors: fp32 and bf16 state are (exp_avg, exp_avg_sq), \
+             8-bit state (m codes, m scales, v codes, v scales)"
+        ))),
+    }
 }
 
 /// The four tensors of 8-bit state for `n` parameters (m codes, m scales, v codes,

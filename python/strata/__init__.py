@@ -10,6 +10,8 @@
 """
 
 import json as _json
+import math as _math
+import os as _os
 
 from . import _native
 from . import io
@@ -39,11 +41,41 @@ def plan(ranks=1, config=None, **options):
     built-in policy in ``policies`` and the policies refused for this step, with the
     reason, in ``unavailable``, ``auto`` (the plan auto picks, or None with the reason in
     ``no_fit``), and ``text``, the CLI's printout.
-    Raises ValueError for what the CLI would refuse.
+    Raises ValueError for what the CLI would refuse, TypeError for a value no flag takes
+    (a path may be a ``pathlib.Path``).
     """
-    typed = {key: value for key, value in options.items() if value is not None}
-    config = None if config is None else str(config)
+    typed = {key: _keyword(key, value) for key, value in options.items() if value is not None}
+    if isinstance(ranks, bool) or not isinstance(ranks, int):
+        raise TypeError(f"ranks must be an int, not {type(ranks).__name__}")
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks}: a step needs at least one rank")
+    config = None if config is None else _path("config", config)
     return _json.loads(_native.plan_json(_json.dumps(typed), ranks, config))
+
+
+def _path(name, value):
+    """A path given as a str, bytes or os.PathLike, as a str; TypeError for the rest."""
+    if not isinstance(value, (str, bytes, _os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), not {type(value).__name__}")
+    return _os.fsdecode(_os.fspath(value))
+
+
+def _keyword(key, value):
+    """A keyword of ``plan`` as the JSON value the settings take: paths as strings, and
+    what JSON cannot carry (non-finite numbers, other objects) refused naming the flag."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, (list, tuple)):
+        return [_keyword(key, v) for v in value]
+    if isinstance(value, _os.PathLike):
+        return _os.fsdecode(_os.fspath(value))
+    if isinstance(value, float) and not _math.isfinite(value):
+        raise ValueError(f"{flag} must be a finite number, not {value}")
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(
+        f"{key}={value!r}: {flag} takes a str, int, float, bool or a list of them, "
+        f"not {type(value).__name__}"
+    )
 
 
 def doctor(nvme=None):
@@ -55,7 +87,7 @@ def doctor(nvme=None):
     if nvme is None:
         paths = []
     elif isinstance(nvme, (list, tuple)):
-        paths = [str(p) for p in nvme]
+        paths = [_path("nvme", p) for p in nvme]
     else:
-        paths = [str(nvme)]
+        paths = [_path("nvme", nvme)]
     return _json.loads(_native.doctor_json(paths))

@@ -8,12 +8,71 @@ bfloat16 tensors: 4 bytes per parameter) or 8-bit (``q8``: block-wise quantized 
 sqrt(v), 2 bytes per parameter plus a scale per 256).
 """
 
+import numbers
+
 import torch
 
 from . import _native
 
 STATES = ("fp32", "bf16", "q8")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_PARAM_DTYPES = (torch.float32, *_LOW_PRECISION)
+#: torch.optim.AdamW's options that CPUAdamW does not compute: refused, never ignored.
+_UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+def _number(name, value):
+    # numbers.Real: Python's and numpy's ints and floats (numpy registers its scalars).
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    return float(value)
+
+
+def _hyper(group):
+    """``(lr, beta1, beta2, eps, weight_decay)`` of a param group as floats, checked for
+    their types here and their ranges by the kernel's rule (TypeError, ValueError)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"a tensor lr must have one element, not {lr.numel()}")
+        lr = float(lr.item())
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"lr must be a number or a one-element tensor, not {type(lr).__name__}")
+    else:
+        lr = float(lr)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or not all(
+        isinstance(b, (numbers.Real, torch.Tensor)) and not isinstance(b, bool) for b in betas
+    ):
+        raise TypeError(f"betas must be a pair of numbers, not {betas!r}")
+    if len(betas) != 2:
+        raise ValueError(f"Invalid beta parameters: {betas} (a pair: beta1, beta2)")
+    hyper = (
+        lr,
+        float(betas[0]),
+        float(betas[1]),
+        _number("eps", group["eps"]),
+        _number("weight_decay", group["weight_decay"]),
+    )
+    _native.adamw_check(hyper)
+    return hyper
+
+
+def _check_param(p):
+    """A parameter strata can update: fp32, bf16 or fp16, on the CPU, contiguous."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"a parameter must be a torch tensor, not {type(p).__name__}")
+    if p.dtype not in _PARAM_DTYPES:
+        raise TypeError(f"CPUAdamW updates float32, bfloat16 or float16 parameters, not {p.dtype}")
+    if p.device.type != "cpu":
+        raise TypeError(
+            f"a parameter is a {p.device.type} tensor; CPUAdamW updates CPU tensors "
+            "(move it with .cpu())"
+        )
+    if not p.is_contiguous():
+        raise ValueError(
+            f"a parameter is not contiguous (strides {p.stride()}); pass .contiguous()"
+        )
 
 
 class CPUAdamW(torch.optim.Optimizer):
@@ -54,48 +113,47 @@ class CPUAdamW(torch.optim.Optimizer):
         differentiable=False,
         fused=None,
     ):
-        for name, value in (
-            ("amsgrad", amsgrad),
-            ("maximize", maximize),
-            ("capturable", capturable),
-            ("differentiable", differentiable),
-        ):
-            if value:
-                raise ValueError(f"CPUAdamW does not support {name}=True")
         if state not in STATES:
             raise ValueError(f"state={state!r} is not one of {', '.join(map(repr, STATES))}")
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError("a tensor lr must have one element")
-        elif not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-            raise ValueError(f"Invalid beta parameters: {betas}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if threads is None:
             threads = _native.max_threads()
-        if not isinstance(threads, int) or threads < 1:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer, not {threads!r}")
         self.threads = threads
         self.state_format = state
         # torch.optim.AdamW's keys, so that its load_state_dict accepts our param groups.
+        # Each group, these defaults included, is checked by add_param_group.
         defaults = dict(
             lr=lr,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
-            amsgrad=False,
-            maximize=False,
+            amsgrad=amsgrad,
+            maximize=maximize,
             foreach=foreach,
-            capturable=False,
-            differentiable=False,
+            capturable=capturable,
+            differentiable=differentiable,
             fused=fused,
         )
         super().__init__(params, defaults)
         self._copies = {}
+
+    def add_param_group(self, param_group):
+        """torch's ``add_param_group``, then this group checked as the constructor's
+        arguments are (options, hyperparameters, each parameter's dtype, device and
+        layout); a refused group is not kept."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            for name in _UNSUPPORTED:
+                if group.get(name):
+                    raise ValueError(f"CPUAdamW does not support {name}=True")
+            _hyper(group)
+            for p in group["params"]:
+                _check_param(p)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     def attach_copy(self, param, out):
         """Each step also writes ``param``'s update, rounded, into ``out`` (bf16/fp16, as
@@ -149,12 +207,12 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            lr = group["lr"]
-            lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
-            beta1, beta2 = (float(b) for b in group["betas"])
-            hyper = (lr, beta1, beta2, float(group["eps"]), float(group["weight_decay"]))
-            for p in group["params"]:
+        # Everything is checked before any tensor is updated: a refused tensor leaves
+        # every parameter, moment and step count as it was.
+        jobs, labels, states = [], [], []
+        for g, group in enumerate(self.param_groups):
+            hyper = _hyper(group)
+            for i, p in enumerate(group["params"]):
                 grad = p.grad
                 if grad is None:
                     continue
@@ -168,17 +226,13 @@ class CPUAdamW(torch.optim.Optimizer):
                     master, copy_out = p, self._copies.get(p)
                 else:
                     copy_out = p
-                st["step"] += 1
-                _native.adamw_step(
-                    master,
-                    grad,
-                    self._moments(st),
-                    hyper,
-                    int(st["step"].item()),
-                    1.0,
-                    self.threads,
-                    copy_out,
-                )
+                step = int(st["step"].item()) + 1
+                jobs.append((master, grad, self._moments(st), hyper, step, copy_out))
+                labels.append(f"param_groups[{g}]['params'][{i}]")
+                states.append(st)
+        _native.adamw_steps(jobs, labels, 1.0, self.threads)
+        for st in states:
+            st["step"] += 1
         return loss
 
     def load_state_dict(self, state_dict):
@@ -186,20 +240,39 @@ class CPUAdamW(torch.optim.Optimizer):
         moments are rounded to nearest even for bf16 state, quantized for 8-bit state,
         widened (exactly) or expanded for fp32."""
         saved = {k: dict(v) for k, v in state_dict["state"].items()}
+        # Checked and converted before anything loads: a refused state dict leaves the
+        # optimizer as it was.
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                "the state dict's param groups have other sizes than this optimizer's "
+                f"({[len(g['params']) for g in groups]} parameters against "
+                f"{[len(g['params']) for g in self.param_groups]})"
+            )
+        for group in groups:
+            for name in _UNSUPPORTED:
+                if group.get(name):
+                    raise ValueError(f"the state dict has {name}=True, which CPUAdamW does not support")
+            _hyper(group)
+        ids = [i for g in groups for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        converted = [(p, self._convert(p, saved[i], i)) for i, p in zip(ids, params) if i in saved]
         super().load_state_dict(state_dict)
         # torch casts floating state to each parameter's dtype; strata keeps fp32 moments
-        # and masters whatever the parameter's dtype, so take the saved tensors again.
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for index, p in zip(ids, params):
-            if index not in saved:
-                continue
-            self.state[p] = self._convert(p, saved[index])
+        # and masters whatever the parameter's dtype, so take the converted tensors.
+        for p, st in converted:
+            self.state[p] = st
 
-    def _convert(self, p, old):
+    def _convert(self, p, old, index):
         def f32(t):
             return t.detach().to(device="cpu", dtype=torch.float32).contiguous().clone()
 
+        for key in ("exp_avg", "exp_avg_sq", "m_codes", "v_codes", "master"):
+            if key in old and old[key].numel() != p.numel():
+                raise ValueError(
+                    f"the saved state of parameter {index} has {old[key].numel()} elements "
+                    f"in {key}; the parameter has {p.numel()}"
+                )
         st = {}
         step = old.get("step", 0.0)
         st["step"] = (

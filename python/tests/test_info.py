@@ -2,6 +2,7 @@
 binary prints (when one is built beside this checkout)."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import pytest
 import strata
 from conftest import REPO
 
-PLAN_FLAGS = dict(model="gpt2-xl", device_mem="24GiB", host_mem="64GiB", batch=4, seq=1024, clip=0)
+# nvme_mem stated: the free space of the temporary folder moves between two looks.
+PLAN_FLAGS = dict(model="gpt2-xl", device_mem="24GiB", host_mem="64GiB", nvme_mem="100GiB", batch=4,
+                  seq=1024, clip=0)
 
 
 def _cli():
@@ -62,7 +65,9 @@ def test_plan_text_is_what_the_cli_prints():
     for k, v in PLAN_FLAGS.items():
         flags += ["--" + k.replace("_", "-"), str(v)]
     out = subprocess.run([_cli(), "plan", *flags], capture_output=True, text=True, check=True)
-    assert strata.plan(**PLAN_FLAGS)["text"] == out.stdout
+    # The free space it reports moves between two looks (other processes write to the disk).
+    free = re.compile(r"[0-9.]+ [KMGT]?i?B free")
+    assert free.sub("N free", strata.plan(**PLAN_FLAGS)["text"]) == free.sub("N free", out.stdout)
 
 
 def test_doctor_answers_as_a_dict(tmp_path):
@@ -93,3 +98,40 @@ def test_doctor_json_is_what_the_cli_writes(tmp_path):
     assert ours["summary"]["device"] == cli["summary"]["device"]
     assert ours["cuda"]["usable_for_training"] == cli["cuda"]["usable_for_training"]
     assert ours["nvme"][0]["filesystem"] == cli["nvme"][0]["filesystem"]
+
+
+def test_plan_keywords_of_the_wrong_type_are_refused_naming_the_keyword(tmp_path):
+    with pytest.raises(TypeError, match="batch"):
+        strata.plan(model="gpt2", batch=object())
+    with pytest.raises(ValueError, match="--clip"):
+        strata.plan(model="gpt2", clip=float("nan"))
+    with pytest.raises(ValueError, match="--clip"):
+        strata.plan(model="gpt2", clip=float("inf"))
+    with pytest.raises(ValueError, match="ranks"):
+        strata.plan(model="gpt2", ranks=-1)
+    with pytest.raises(TypeError, match="ranks"):
+        strata.plan(model="gpt2", ranks="2")
+    with pytest.raises(TypeError, match="config"):
+        strata.plan(model="gpt2", config=3)
+    # The CLI's own checks: sizes are strings, a list for nvme.
+    with pytest.raises(ValueError, match="--device-mem must be a size string"):
+        strata.plan(model="gpt2", device_mem=24)
+    with pytest.raises(ValueError, match="unknown unit 'xb'"):
+        strata.plan(model="gpt2", device_mem="1XB")
+    with pytest.raises(ValueError, match="--batch must be a whole number"):
+        strata.plan(model="gpt2", batch="4")
+
+
+def test_plan_takes_pathlib_paths_as_the_cli_takes_folders(tmp_path):
+    r = strata.plan(model="gpt2", nvme=[tmp_path], host_mem="1GiB", nvme_mem="1GiB")
+    s = strata.plan(model="gpt2", nvme=[str(tmp_path)], host_mem="1GiB", nvme_mem="1GiB")
+    free = re.compile(r"[0-9.]+ [KMGT]?i?B free")  # moves between two looks
+    assert free.sub("N free", r["text"]) == free.sub("N free", s["text"])
+    config = tmp_path / "plan.toml"
+    config.write_text('batch = 2\n')
+    assert strata.plan(model="gpt2", config=config)["batch"] == 2
+
+
+def test_doctor_refuses_a_folder_that_is_not_a_path():
+    with pytest.raises(TypeError, match="nvme"):
+        strata.doctor(nvme=3)

@@ -4,6 +4,7 @@ as a Python exception."""
 
 import errno
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,7 +144,7 @@ def test_bad_tensors_are_refused_with_clear_messages(swap_dir):
             store.read("x", ro)
         with pytest.raises(ValueError, match="empty"):
             store.write("e", torch.zeros(0))
-    with pytest.raises(ValueError, match="queue depth"):
+    with pytest.raises(ValueError, match="queue_depth must be at least 1"):
         Store(swap_dir, "1MiB", queue_depth=0)
     with pytest.raises(ValueError, match="block size"):
         Store(swap_dir, "1MiB", block_size=1000)
@@ -182,3 +183,143 @@ def test_import_strata_does_not_need_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == strata.__version__
+
+
+# Each promise of the README's "From Python" section about strata.io, as a user meets it.
+
+
+@pytest.mark.parametrize("capacity", [-1, 1 << 64, "1XB", "-1GiB", "", 0, "0"])
+def test_a_bad_capacity_is_a_value_error(swap_dir, capacity):
+    with pytest.raises(ValueError):
+        Store(swap_dir, capacity)
+
+
+@pytest.mark.parametrize("capacity", [1.5, None, b"1GiB", True])
+def test_a_capacity_of_the_wrong_type_is_a_type_error(swap_dir, capacity):
+    with pytest.raises(TypeError, match="size"):
+        Store(swap_dir, capacity)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(queue_depth=-1), ValueError, "queue_depth"),
+        (dict(queue_depth="8"), TypeError, "queue_depth"),
+        (dict(queue_depth=2.7), TypeError, "queue_depth"),
+        (dict(queue_depth=True), TypeError, "queue_depth"),
+        (dict(block_size=-4096), ValueError, "size"),
+        (dict(block_size="1XB"), ValueError, "unknown unit"),
+        (dict(checksums="no"), TypeError, "checksums"),
+        (dict(checksums=None), TypeError, "checksums"),
+        (dict(backend=3), TypeError, "backend"),
+    ],
+)
+def test_store_settings_of_the_wrong_type_or_range_are_refused(swap_dir, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Store(swap_dir, "1MiB", **kwargs)
+
+
+def test_paths_must_be_folders_named_by_str_bytes_or_pathlike(swap_dir):
+    import pathlib
+
+    with pytest.raises(TypeError, match="path"):
+        Store([1], "1MiB")
+    with pytest.raises(TypeError, match="path"):
+        Store(None, "1MiB")
+    # bytes and pathlib paths name the folder itself (not "b'/var/tmp'").
+    for p in (os.fsencode(swap_dir), pathlib.Path(swap_dir)):
+        with Store(p, "1MiB") as store:
+            assert os.path.dirname(str(store.files[0])) == swap_dir
+
+
+def _tmpfs_folder():
+    """A fresh folder on tmpfs (/dev/shm), or None where there is none."""
+    if not os.path.isdir("/dev/shm") or not strata.doctor(nvme="/dev/shm")["nvme"][0]["tmpfs"]:
+        return None
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="strata-pytest-", dir="/dev/shm")
+
+
+def test_a_store_on_tmpfs_is_refused_as_strata_train_refuses_it(swap_dir):
+    d = _tmpfs_folder()
+    if d is None:
+        pytest.skip("no tmpfs at /dev/shm")
+    try:
+        with pytest.raises(ValueError, match="is on tmpfs, which is RAM, not a drive"):
+            Store(d, "1MiB")
+        with pytest.raises(ValueError, match="tmpfs"):
+            Store([swap_dir, d], "1MiB")  # one folder of several
+        assert os.listdir(d) == [] and os.listdir(swap_dir) == []  # no swap file made
+        # doctor gives the same verdict for the folder.
+        assert "tmpfs" in strata.doctor(nvme=d)["nvme"][0]["verdict"]
+    finally:
+        os.rmdir(d)
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        torch.zeros(1024, dtype=torch.int32),
+        torch.zeros(4096, dtype=torch.bfloat16),
+        np.zeros(1024, np.uint32),
+        np.zeros(512, np.float64),
+    ],
+    ids=["int32", "bfloat16-larger", "numpy-uint32", "numpy-float64"],
+)
+def test_reading_into_another_dtype_is_a_type_error(swap_dir, out):
+    with Store(swap_dir, "1MiB") as store:
+        store.write("x", torch.arange(1024, dtype=torch.float32)).wait()
+        with pytest.raises(TypeError, match="'x' was written as float32"):
+            store.read("x", out)
+        # The same dtype from numpy or torch reads back the bytes written.
+        back = np.zeros(1024, np.float32)
+        store.read("x", back).wait()
+        assert np.array_equal(back, np.arange(1024, dtype=np.float32))
+
+
+def test_pinned_empty_refuses_shapes_and_dtypes_numpy_and_torch_refuse(swap_dir):
+    with Store(swap_dir, "1MiB") as store:
+        for shape in ((2.5,), ("3",), (None,)):
+            with pytest.raises(TypeError, match="shape"):
+                store.pinned_empty(shape, torch.float32)
+        with pytest.raises(ValueError, match="negative"):
+            store.pinned_empty((-1,), torch.float32)
+        # Object arrays would hold null pointers: refused, as is a missing dtype.
+        for dtype in (object, np.dtype([("a", object)]), None):
+            with pytest.raises(TypeError, match="dtype"):
+                store.pinned_empty((3,), dtype)
+        with pytest.raises(TypeError, match="unsupported dtype"):
+            store.pinned_empty((3,), torch.complex64)
+
+
+def test_pinned_memory_the_system_refuses_is_an_oserror_with_errno(swap_dir):
+    with Store(swap_dir, "1MiB") as store:
+        with pytest.raises(OSError) as info:
+            store.pinned_empty((1 << 50,), torch.uint8)  # a petabyte: mmap refuses it
+        assert info.value.errno == errno.ENOMEM
+
+
+def test_a_closed_store_is_a_value_error_not_an_attribute_error(swap_dir):
+    store = Store(swap_dir, "1MiB")
+    store.write("x", torch.ones(8)).wait()
+    store.close()
+    store.close()  # closing twice does nothing
+    for call in (
+        lambda: store.write("x", torch.ones(8)),
+        lambda: store.read("x", torch.ones(8)),
+        lambda: store.wait_all(),
+        lambda: store.pinned_empty(8, torch.float32),
+        lambda: store.names(),
+    ):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+
+
+def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
+    """The README's "From Python" example, run as a user would paste it."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## From Python", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md (From Python)", "exec"), {})

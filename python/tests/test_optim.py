@@ -364,7 +364,7 @@ def test_threads_do_not_change_the_result():
         (dict(amsgrad=True), "amsgrad"),
         (dict(maximize=True), "maximize"),
         (dict(state="fp8"), "state"),
-        (dict(lr=-1.0), "learning rate"),
+        (dict(lr=-1.0), "lr = -1 is invalid"),
         (dict(betas=(0.9, 1.0)), "beta"),
         (dict(threads=0), "threads"),
     ],
@@ -444,3 +444,125 @@ def test_numpy_arrays_are_used_in_place():
         p.setflags(write=False)
         _native.adamw_step(p, g, [m, v], (0.1, 0.9, 0.999, 1e-8, 0.0), 2, 1.0, 1)
     assert not math.isnan(float(p[0]))
+
+
+# Each promise of the README's "From Python" section about CPUAdamW, as a user meets it:
+# everything is checked when the optimizer is built (or a group added, or a state dict
+# loaded), and a step that refuses a tensor updates none.
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(lr="0.1"), TypeError, "lr must be a number"),
+        (dict(lr=None), TypeError, "lr must be a number"),
+        (dict(lr=float("inf")), ValueError, "lr = inf is invalid"),
+        (dict(lr=torch.tensor([0.1, 0.2])), ValueError, "one element"),
+        (dict(betas=0.9), TypeError, "betas must be a pair"),
+        (dict(betas=(0.9,)), ValueError, "beta"),
+        (dict(betas=("a", "b")), TypeError, "betas must be a pair"),
+        (dict(betas=(float("nan"), 0.9)), ValueError, "beta1 = NaN is invalid"),
+        (dict(eps="x"), TypeError, "eps must be a number"),
+        (dict(eps=float("nan")), ValueError, "eps"),
+        (dict(weight_decay=None), TypeError, "weight_decay must be a number"),
+        (dict(weight_decay=float("inf")), ValueError, "weight_decay = inf is invalid"),
+        (dict(threads=True), ValueError, "threads"),
+        (dict(threads=2.0), ValueError, "threads"),
+    ],
+)
+def test_hyperparameters_of_the_wrong_type_or_range_are_refused_at_construction(
+    kwargs, error, message
+):
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(error, match=message):
+        CPUAdamW([p], **kwargs)
+
+
+def test_numpy_and_tensor_hyperparameters_are_numbers_as_for_torch():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = CPUAdamW([p], lr=np.float32(0.1), betas=(np.float64(0.9), torch.tensor(0.999)),
+                   eps=np.float32(1e-8), weight_decay=np.int64(0))
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((3,), 0.9))
+
+
+@pytest.mark.parametrize(
+    "group, error, message",
+    [
+        (dict(amsgrad=True), ValueError, "amsgrad"),
+        (dict(maximize=True), ValueError, "maximize"),
+        (dict(lr="x"), TypeError, "lr must be a number"),
+        (dict(lr=-1.0), ValueError, "lr = -1 is invalid"),
+        (dict(betas=(2.0, 0.5)), ValueError, "beta1 = 2 is invalid"),
+    ],
+)
+def test_a_param_group_is_checked_as_the_defaults_are(group, error, message):
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(error, match=message):
+        CPUAdamW([{"params": [a]}, {"params": [b], **group}], lr=0.1)
+    opt = CPUAdamW([a], lr=0.1)
+    with pytest.raises(error, match=message):
+        opt.add_param_group({"params": [b], **group})
+    assert len(opt.param_groups) == 1  # the refused group was not kept
+
+
+@pytest.mark.parametrize(
+    "tensor, error, message",
+    [
+        (torch.zeros(3, dtype=torch.float64), TypeError, "float32, bfloat16 or float16"),
+        (torch.zeros(3, dtype=torch.int32), TypeError, "float32, bfloat16 or float16"),
+        (torch.zeros(3, device="meta"), TypeError, "meta tensor"),
+        (torch.zeros(8, 4).t(), ValueError, "not contiguous"),
+    ],
+    ids=["float64", "int32", "meta", "non-contiguous"],
+)
+def test_a_parameter_strata_cannot_update_is_refused_at_construction(tensor, error, message):
+    with pytest.raises(error, match=message):
+        CPUAdamW([torch.nn.Parameter(tensor, requires_grad=tensor.is_floating_point())])
+
+
+def test_a_step_that_refuses_one_tensor_updates_none():
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = CPUAdamW([a, b], lr=0.1)
+    a.grad = torch.ones(4)
+    b.grad = torch.ones(8)[::2]  # not contiguous: refused
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*not contiguous"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.ones(4))  # the first tensor was not updated
+    assert all(int(opt.state[p].get("step", torch.tensor(0.0))) == 0 for p in (a, b))
+    # A learning rate set to something invalid after construction is refused the same way.
+    b.grad = torch.ones(4)
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="lr = NaN is invalid"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.ones(4))
+    opt.param_groups[0]["lr"] = 0.1
+    opt.step()
+    assert int(opt.state[a]["step"]) == 1 and not torch.equal(a.detach(), torch.ones(4))
+
+
+def test_a_state_dict_of_other_sizes_or_options_is_refused_before_anything_loads():
+    a = torch.nn.Parameter(torch.zeros(4))
+    a.grad = torch.ones(4)
+    ref = torch.optim.AdamW([a])
+    ref.step()
+    b = torch.nn.Parameter(torch.zeros(5))
+    b.grad = torch.ones(5)
+    opt = CPUAdamW([b], lr=0.5)
+    with pytest.raises(ValueError, match="4 elements.*5"):
+        opt.load_state_dict(ref.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.5 and len(opt.state) == 0  # nothing loaded
+    # torch's AdamW with amsgrad: CPUAdamW would ignore it; refused instead.
+    c = torch.nn.Parameter(torch.zeros(5))
+    c.grad = torch.ones(5)
+    ams = torch.optim.AdamW([c], amsgrad=True)
+    ams.step()
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.load_state_dict(ams.state_dict())
+    assert opt.param_groups[0]["amsgrad"] is False and len(opt.state) == 0
+    # 8-bit state of another size is refused too, not found at the next step.
+    q = CPUAdamW([a], state="q8")
+    q.step()
+    with pytest.raises(ValueError, match="4 elements.*5"):
+        CPUAdamW([b], state="q8").load_state_dict(q.state_dict())
