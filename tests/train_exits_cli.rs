@@ -287,6 +287,9 @@ fn a_closed_stdout_and_stderr_never_panic_and_train_still_saves() {
         &["model"],
         &["doctor"],
         &["train", "--print-config"],
+        // The benches print with println!, which panics on a closed stdout unless
+        // SIGPIPE ends the process first.
+        &["bench", "adam", "--params", "1000", "--threads", "1"],
     ] {
         let status = Command::new(strata)
             .args(args)
@@ -297,4 +300,82 @@ fn a_closed_stdout_and_stderr_never_panic_and_train_still_saves() {
             .unwrap();
         assert_ne!(status.code(), Some(101), "strata {args:?} panicked");
     }
+}
+
+/// Overwrites a few bytes in every 12 KiB of each swap file `pid` holds open (they are
+/// unlinked: reached through /proc), as a failing drive would.
+fn corrupt_swap_files(pid: u32) {
+    use std::io::{Seek, SeekFrom, Write};
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return;
+    };
+    for fd in fds.flatten() {
+        let is_swap = std::fs::read_link(fd.path())
+            .is_ok_and(|target| target.to_string_lossy().contains(".swap"));
+        let Ok(mut file) = std::fs::OpenOptions::new().write(true).open(fd.path()) else {
+            continue;
+        };
+        let len = file.metadata().map_or(0, |m| m.len());
+        for offset in (0..len).step_by(3 * 4096).filter(|_| is_swap) {
+            let _ = file.seek(SeekFrom::Start(offset));
+            let _ = file.write_all(&[0xff; 64]);
+        }
+    }
+}
+
+#[test]
+fn a_step_that_fails_twice_keeps_what_it_can_and_names_the_last_checkpoint() {
+    let run = Run::new();
+    let ckpt = run.path("ckpt");
+    let mut child = run
+        .command(&[
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "3",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while stderr.read_line(&mut line).unwrap() > 0 && !line.contains("saved checkpoint") {
+        line.clear();
+    }
+    let reader = std::thread::spawn(move || {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+        rest
+    });
+    // The swap files go bad under the run, and stay bad: the step fails, and so does its
+    // retry.
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(60) {
+        corrupt_swap_files(child.id());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = child.kill();
+    let status = child.wait().unwrap();
+    let rest = reader.join().unwrap();
+    assert_eq!(status.code(), Some(1), "{rest}");
+    let error = rest
+        .lines()
+        .find(|l| l.starts_with("strata: error:"))
+        .unwrap_or_else(|| panic!("no error:\n{rest}"));
+    if error.starts_with("strata: error: step ") {
+        assert!(error.contains("retried with the same batches"), "{error}");
+    }
+    // What remains is named, and whole: the checkpoint of the state before the step when
+    // it was the last saved, else the last checkpoint (the state on the drive cannot be
+    // read back, or its blocks hold different steps).
+    let named = ["is in the checkpoint ", "the last checkpoint, "]
+        .iter()
+        .find_map(|words| error.find(words).map(|at| &error[at + words.len()..]))
+        .unwrap_or_else(|| panic!("no checkpoint named: {error}"));
+    let last = PathBuf::from(named.split([',', ' ']).next().unwrap());
+    assert!(last.starts_with(&ckpt), "{error}");
+    strata::engine::checkpoint::load(&last).unwrap();
 }
