@@ -95,3 +95,48 @@ pub fn init() {
         log::set_max_level(level);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A writer whose reader has gone after `accepts` writes, failing with `kind`.
+    struct Closing {
+        accepts: usize,
+        calls: usize,
+        kind: ErrorKind,
+    }
+
+    impl Write for Closing {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.calls += 1;
+            match self.calls > self.accepts {
+                true => Err(self.kind.into()),
+                false => Ok(buf.len()),
+            }
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_broken_pipe_stops_the_writes_and_other_errors_come_back() {
+        let mut w = UntilClosed::new(Closing {
+            accepts: 1,
+            calls: 0,
+            kind: ErrorKind::BrokenPipe,
+        });
+        for _ in 0..3 {
+            writeln!(w, "a line").unwrap();
+        }
+        assert_eq!(w.inner.calls, 2, "nothing written after the pipe closed");
+        let mut w = UntilClosed::new(Closing {
+            accepts: 0,
+            calls: 0,
+            kind: ErrorKind::StorageFull,
+        });
+        assert!(writeln!(w, "a line").is_err());
+    }
+}
