@@ -379,3 +379,27 @@ fn a_step_that_fails_twice_keeps_what_it_can_and_names_the_last_checkpoint() {
     assert!(last.starts_with(&ckpt), "{error}");
     strata::engine::checkpoint::load(&last).unwrap();
 }
+
+#[test]
+fn a_model_write_the_system_refuses_names_the_system_error() {
+    let run = Run::new();
+    let ckpt = run.path("ckpt");
+    let out = run.train(&["--steps", "1", "--checkpoint-dir", ckpt.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // A file size limit of 1000 KiB (SIGXFSZ ignored, so the write fails with EFBIG)
+    // stands for a full disk: the 3.4 MB model file cannot be written.
+    let exported = run.path("exported");
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 1000; exec {} checkpoint export {} --out {}",
+        env!("CARGO_BIN_EXE_strata"),
+        ckpt.join("step-00000001").display(),
+        exported.display()
+    );
+    let out = Command::new("bash").args(["-c", &script]).output().unwrap();
+    let error = error_line(&out);
+    assert!(error.contains("File too large (os error 27)"), "{error}");
+    assert!(
+        !error.contains("not a readable safetensors file"),
+        "{error}"
+    );
+}
