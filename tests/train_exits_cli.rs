@@ -164,6 +164,26 @@ fn a_write_that_fails_mid_run_keeps_the_state() {
     );
     assert!(error.contains("kept the state after step 1 in"), "{error}");
     assert_resumes(&run, &resume_path(&error), 1, &[]);
+
+    // With --checkpoint-dir, beside the schedule's checkpoints, not among them.
+    let ckpt = run.path("ckpt");
+    let out = run.train(&[
+        "--steps",
+        "5",
+        "--log-jsonl",
+        "/dev/full",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ]);
+    let error = error_line(&out);
+    let rescued = resume_path(&error);
+    assert_eq!(
+        rescued,
+        ckpt.join("rescue").join("step-00000001"),
+        "{error}"
+    );
+    assert!(strata::engine::checkpoint::list(&ckpt).unwrap().is_empty());
+    assert_resumes(&run, &rescued, 1, &[]);
 }
 
 #[test]
@@ -371,11 +391,17 @@ fn a_step_that_fails_twice_keeps_what_it_can_and_names_the_last_checkpoint() {
     // What remains is named, and whole: the checkpoint of the state before the step when
     // it was the last saved, else the last checkpoint (the state on the drive cannot be
     // read back, or its blocks hold different steps).
-    let named = ["is in the checkpoint ", "the last checkpoint, "]
-        .iter()
-        .find_map(|words| error.find(words).map(|at| &error[at + words.len()..]))
-        .unwrap_or_else(|| panic!("no checkpoint named: {error}"));
-    let last = PathBuf::from(named.split([',', ' ']).next().unwrap());
+    let last = match error.contains("kept the state after step") {
+        // Saved apart from the schedule's checkpoints.
+        true => resume_path(error),
+        false => {
+            let named = ["is in the checkpoint ", "the last checkpoint, "]
+                .iter()
+                .find_map(|words| error.find(words).map(|at| &error[at + words.len()..]))
+                .unwrap_or_else(|| panic!("no checkpoint named: {error}"));
+            PathBuf::from(named.split([',', ' ']).next().unwrap())
+        }
+    };
     assert!(last.starts_with(&ckpt), "{error}");
     strata::engine::checkpoint::load(&last).unwrap();
 }

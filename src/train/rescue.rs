@@ -1,10 +1,12 @@
 //! What a run keeps when it cannot go on: a step that failed (a data error, an I/O error
 //! of a tier), a non-finite loss, a metrics or checkpoint write that failed, or an
 //! `--out` that could not be written. Its state is saved as a checkpoint (the engine's
-//! format, resumable with `--resume`) in `--checkpoint-dir`, else (or when that fails) in
-//! the run's rescue folder, `<scratch>/strata-rescue/run-<pid>`; when it cannot be saved,
-//! the message names the last checkpoint that remains. Ctrl-C without `--checkpoint-dir`
-//! saves there too.
+//! format, resumable with `--resume`) in `<--checkpoint-dir>/rescue`, else (or when that
+//! fails) in the run's rescue folder, `<scratch>/strata-rescue/run-<pid>`; when it cannot
+//! be saved, the message names the last checkpoint that remains. Ctrl-C without
+//! `--checkpoint-dir` saves in the rescue folder too. Emergency saves stay out of
+//! `--checkpoint-dir` itself, which holds the schedule's checkpoints only (so that
+//! `--keep-checkpoints` never drops one of those for a rescue).
 //!
 //! Not here: the regular checkpoints' schedule ([`super::steps`]) or the checkpoint format
 //! (`strata_engine::checkpoint`).
@@ -96,8 +98,8 @@ pub fn write_checkpoint(
 }
 
 /// Keeps `exec`'s state, `state` (a delayed update already applied): names
-/// `last_saved` when it holds that step, else saves it in `--checkpoint-dir` or, failing
-/// that, the rescue folder. What was kept, in words for the end of an error message.
+/// `last_saved` when it holds that step, else saves it in `<--checkpoint-dir>/rescue` or,
+/// failing that, this process's rescue folder. What was kept, in words for the end of an error message.
 pub fn keep(
     cfg: &TrainConfig,
     exec: &Executor,
@@ -119,9 +121,9 @@ pub fn keep(
         );
     }
     let mut failures = Vec::new();
-    let dirs = cfg.checkpoint_dir.iter().map(PathBuf::as_path);
-    for dir in dirs.chain([default_dir()]) {
-        match write_checkpoint(exec, ranks, dir, state, cfg.keep_checkpoints) {
+    let dirs = cfg.checkpoint_dir.iter().map(|d| d.join("rescue"));
+    for dir in dirs.chain([default_dir().to_path_buf()]) {
+        match write_checkpoint(exec, ranks, &dir, state, cfg.keep_checkpoints) {
             Ok(path) => {
                 return format!(
                     "kept the state after step {} in {} (resume with --resume {})",

@@ -292,8 +292,8 @@ settings! {
         check(|c| within(c.clip, "0 (no clipping) or more", at_least_zero(c.clip)));
 
     /// At a step whose loss or gradients are not finite (fp32, bf16): stop before its
-    /// update is applied, saving the state before it (in --checkpoint-dir, else the
-    /// rescue folder the run names), or skip its update and go on; fp16 always skips and
+    /// update is applied, saving the state before it (in <--checkpoint-dir>/rescue, else
+    /// the rescue folder the run names), or skip its update and go on; fp16 always skips and
     /// halves the loss scale. With --clip 0 updates start as gradients arrive, so such a
     /// step is found after its update: the run stops keeping its last checkpoint, and
     /// skip is refused [default: stop].
