@@ -1,5 +1,6 @@
 //! The `strata` command line.
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -53,10 +54,10 @@ enum BenchCommand {
 }
 
 /// Prints what strata sees of this machine: cores and the CPU features its kernels use.
-fn info() -> Result<(), Box<dyn std::error::Error>> {
-    println!("strata {}", env!("CARGO_PKG_VERSION"));
+fn info(out: &mut impl Write) -> Result<(), Box<dyn std::error::Error>> {
+    writeln!(out, "strata {}", env!("CARGO_PKG_VERSION"))?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!("cpu: {cores} threads available");
+    writeln!(out, "cpu: {cores} threads available")?;
     #[cfg(target_arch = "x86_64")]
     {
         let features = [
@@ -66,7 +67,7 @@ fn info() -> Result<(), Box<dyn std::error::Error>> {
             ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
         ];
         let present: Vec<&str> = features.iter().filter(|f| f.1).map(|f| f.0).collect();
-        println!("cpu features: {}", present.join(" "));
+        writeln!(out, "cpu features: {}", present.join(" "))?;
     }
     Ok(())
 }
@@ -74,6 +75,11 @@ fn info() -> Result<(), Box<dyn std::error::Error>> {
 fn main() -> ExitCode {
     strata::logging::init();
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Train(_)) {
+        // A closed stdout ends the other subcommands quietly; `train` trains on (and
+        // saves) whatever becomes of its output.
+        strata::train::die_on_closed_pipe();
+    }
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         Command::Bench(bench) => match bench {
             BenchCommand::Adam(args) => strata::bench::adam::main(&args),
@@ -82,7 +88,7 @@ fn main() -> ExitCode {
             BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),
             BenchCommand::Step(args) => strata::bench::step::run(&args),
         },
-        Command::Info => info(),
+        Command::Info => info(&mut std::io::stdout().lock()),
         Command::Eval(args) => strata::eval::run(&args, &mut std::io::stdout().lock()).map(drop),
         Command::Train(args) => strata::train::run(&args),
         Command::Plan(args) => strata::plan_cmd::run(&args, &mut std::io::stdout().lock()),
@@ -96,7 +102,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("strata: error: {error}");
+            strata::logging::stderr_line(&format!("strata: error: {error}"));
             ExitCode::FAILURE
         }
     }

@@ -1,7 +1,8 @@
 //! What a run does after its last step ([`finish`]): applies a delayed update still
 //! waiting, says why it stopped and where its last checkpoint is, writes the trained
-//! model to `--out` in Hugging Face's format, and prints the summary table (losses, step
-//! time, bytes per link and peaks per tier, measured against the plan).
+//! model to `--out` in Hugging Face's format (when it cannot, keeping the trained state
+//! as a checkpoint instead), and prints the summary table (losses, step time, bytes per
+//! link and peaks per tier, measured against the plan).
 //!
 //! Not here: the steps ([`super::steps`]) or the checkpoints they write.
 
@@ -15,6 +16,7 @@ use strata_engine::model::{Model, ModelError};
 use strata_engine::plan::{Tier, fmt_bytes};
 
 use super::group::Ranks;
+use super::rescue;
 use super::steps::Outcome;
 use crate::model_source::pretrained_source;
 use crate::report::Table;
@@ -42,10 +44,29 @@ pub fn finish(
         )?;
     }
     if let Some(saved) = &outcome.last_saved {
-        writeln!(out, "checkpoint: {}", saved.display())?;
+        writeln!(
+            out,
+            "checkpoint: {} (resume with --resume {})",
+            saved.display(),
+            saved.display()
+        )?;
     }
     if let Some(dir) = &cfg.out {
-        save_model(cfg, exec, dir, ranks, out)?;
+        if let Err(e) = save_model(cfg, exec, dir, ranks, out) {
+            let kept = rescue::keep(
+                cfg,
+                exec,
+                ranks,
+                &outcome.state,
+                outcome.last_saved.as_deref(),
+            );
+            return Err(format!(
+                "writing the trained model to --out {}: {e}; {kept} (strata checkpoint \
+                 export writes it as a model)",
+                dir.display()
+            )
+            .into());
+        }
         if ranks.rank != 0 {
             return Ok(()); // rank 0 writes the model
         }

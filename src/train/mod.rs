@@ -8,8 +8,10 @@
 //! (initialised, loaded, or resumed) and the executor (`start`); the steps, with the
 //! learning-rate schedule, gradient accumulation, clipping and fp16 loss scaling, a
 //! progress line, JSON-lines metrics, a Chrome trace of one step and checkpoints every N
-//! steps and on Ctrl-C (`steps`, `interrupt`); and the trained model in Hugging Face's
-//! format with the summary (`finish`).
+//! steps and on Ctrl-C (`steps`, `interrupt`); what a run keeps when it stops early or
+//! cannot write its model (`rescue`); and the trained model in Hugging Face's format with
+//! the summary (`finish`). What it prints goes through writers that stop at a closed pipe
+//! and train on.
 
 mod data;
 mod faults;
@@ -17,6 +19,7 @@ mod finish;
 mod group;
 mod interrupt;
 mod planning;
+mod rescue;
 mod start;
 mod steps;
 
@@ -31,10 +34,12 @@ use strata_engine::model::Model;
 use strata_engine::plan::{Tier, fmt_bytes};
 
 pub use group::open_group;
+pub use interrupt::die_on_closed_pipe;
 
 use self::data::RunData;
 use self::group::Ranks;
 use self::planning::{Planned, plan_run};
+use crate::logging::{UntilClosed, stderr_line};
 use crate::machine::default_scratch_dir;
 use crate::model_source::model_shape;
 use crate::train_config::{TrainArgs, TrainConfig};
@@ -46,7 +51,11 @@ type Error = Box<dyn std::error::Error>;
 pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let cfg = args.resolve()?;
     if args.print_config {
-        print!("{}", cfg.to_toml());
+        write!(
+            UntilClosed::new(std::io::stdout().lock()),
+            "{}",
+            cfg.to_toml()
+        )?;
         return Ok(());
     }
     let group = open_group()?;
@@ -54,7 +63,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     if let (Err(e), Some(group)) = (&result, &group) {
         // The other ranks would wait for this one at their next collective: end the job,
         // saying why first (MPI's abort ends every process, this one included).
-        eprintln!("strata: error: rank {}: {e}", group.rank());
+        stderr_line(&format!("strata: error: rank {}: {e}", group.rank()));
         group.abort(&e.to_string());
     }
     result
@@ -74,7 +83,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     cfg.nvme = ranks.nvme_dirs(&cfg.nvme);
     let target = choose_target(cfg.device)?;
     let started = Instant::now();
-    let mut out = ranks.out();
+    let mut out = UntilClosed::new(ranks.out());
 
     // The model's shape, the data, and the plan: refused here, before any parameter is
     // allocated, when it does not fit.
@@ -102,6 +111,14 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     let plan = planned.plan;
     let mut exec = start::executor(&model, plan, device, &exec_config, initial, &state)?;
     interrupt::install_handler();
+    if cfg.checkpoint_dir.is_none() && cfg.out.is_none() && ranks.ranks == 1 {
+        writeln!(
+            out,
+            "nothing of this run is saved except on Ctrl-C or a failure, to {} (give \
+             --checkpoint-dir or --out to keep it)",
+            rescue::default_dir().display()
+        )?;
+    }
 
     let outcome = steps::train(
         &cfg,

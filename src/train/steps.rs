@@ -2,7 +2,10 @@
 //! of rank r is the step's k × ranks + r), the learning rate by schedule, fp16 dynamic
 //! loss scaling (halved on overflow and the step skipped, doubled after 200 good steps),
 //! the held-out loss, a JSON line and a progress line per step, a Chrome trace of one
-//! step, and checkpoints every N steps, at the end and on Ctrl-C.
+//! step, and checkpoints every N steps, at the end and on Ctrl-C. A step that fails is
+//! retried once with the same batches (the executor applies no block's update twice); a
+//! step whose loss or gradients are not finite stops the run before its update, or is
+//! skipped (`--on-nonfinite`); a run that stops keeps its state ([`super::rescue`]).
 //!
 //! Not here: the step itself (the executor's) or what the run does after its last step.
 
@@ -11,7 +14,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use strata_engine::checkpoint::{self, Checkpoint, TrainerState};
+use strata_engine::checkpoint::TrainerState;
 use strata_engine::exec::{ExecError, Executor, Runner, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::data::Batch;
@@ -20,7 +23,8 @@ use strata_engine::plan::fmt_bytes;
 use super::data::RunData;
 use super::group::Ranks;
 use super::interrupt::interrupted;
-use crate::train_config::{Dtype, TrainConfig};
+use super::rescue::{self, Kept, Stop};
+use crate::train_config::{Dtype, OnNonFinite, TrainConfig};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -50,8 +54,6 @@ struct StepLoop<'a> {
     cfg: &'a TrainConfig,
     data: &'a RunData,
     ranks: &'a Ranks,
-    /// Each block's shard length, for a sharded checkpoint.
-    shard_len: Vec<usize>,
     /// The metrics file, appended to (rank 0's).
     jsonl: Option<File>,
     /// This rank's micro-batches of the step, reused.
@@ -64,7 +66,8 @@ struct StepLoop<'a> {
 }
 
 /// Runs the steps after `state`'s up to the configured last (or Ctrl-C); every rank's
-/// steps train on `tokens_per_step` tokens together.
+/// steps train on `tokens_per_step` tokens together. A run that stops on an error keeps
+/// its state and says where in the error.
 pub fn train(
     cfg: &TrainConfig,
     exec: &mut Executor,
@@ -74,32 +77,19 @@ pub fn train(
     ranks: &Ranks,
     out: &mut impl Write,
 ) -> Result<Outcome, Error> {
-    let mut run = StepLoop::new(cfg, exec, data, state, ranks)?;
+    let mut run = StepLoop::new(cfg, data, state, ranks)?;
     run.outcome.tokens_per_step = tokens_per_step;
-    for step in run.first_step..=cfg.steps {
-        run.announce_epoch(step, out)?;
-        let (report, params) = run.step(exec, step)?;
-        let eval_loss = match data.held_out {
-            Some(k) if step.is_multiple_of(cfg.eval_every) || step == cfg.steps => {
-                Some(evaluate(exec, data, k, cfg)?)
-            }
-            _ => None,
-        };
-        run.record(step, report, eval_loss)?;
-        run.outcome.interrupted = interrupted();
-        run.checkpoint_if_due(exec, step, &params)?;
-        if run.outcome.interrupted {
-            break;
-        }
-    }
+    let ran = run.steps(exec, out);
     run.bar.finish_and_clear();
-    Ok(run.outcome)
+    match ran {
+        Ok(()) => Ok(run.outcome),
+        Err(stop) => Err(run.rescue(exec, stop).into()),
+    }
 }
 
 impl<'a> StepLoop<'a> {
     fn new(
         cfg: &'a TrainConfig,
-        exec: &Executor,
         data: &'a RunData,
         state: TrainerState,
         ranks: &'a Ranks,
@@ -126,7 +116,6 @@ impl<'a> StepLoop<'a> {
             cfg,
             data,
             ranks,
-            shard_len: exec.plan().shard_len.iter().map(|&s| s as usize).collect(),
             jsonl,
             micro: vec![Batch::default(); cfg.grad_accum],
             bar,
@@ -143,6 +132,61 @@ impl<'a> StepLoop<'a> {
                 interrupted: false,
             },
         })
+    }
+
+    /// The steps, up to the last or Ctrl-C; why they stopped, if they did.
+    fn steps(&mut self, exec: &mut Executor, out: &mut impl Write) -> Result<(), Stop> {
+        let (cfg, data) = (self.cfg, self.data);
+        for step in self.first_step..=cfg.steps {
+            self.announce_epoch(step, out).map_err(Stop::kept)?;
+            let (report, params) = self.step(exec, step)?;
+            let eval_loss = match data.held_out {
+                Some(k) if step.is_multiple_of(cfg.eval_every) || step == cfg.steps => {
+                    Some(evaluate(exec, data, k, cfg).map_err(Stop::kept)?)
+                }
+                _ => None,
+            };
+            self.record(step, report, eval_loss).map_err(Stop::kept)?;
+            self.outcome.interrupted = interrupted();
+            self.checkpoint_if_due(exec, step, &params)
+                .map_err(Stop::kept)?;
+            if self.outcome.interrupted {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// After `stop`, keeps what can be kept: the error, with what was kept and where.
+    fn rescue(&mut self, exec: &mut Executor, stop: Stop) -> String {
+        let kept = match stop.kept {
+            Kept::State => {
+                // A delayed update still waiting is applied first, as before a checkpoint.
+                let flushed = match &self.outcome.last_params {
+                    Some(p) => exec.flush(p).map(drop),
+                    None => Ok(()),
+                };
+                match flushed {
+                    Ok(()) => rescue::keep(
+                        self.cfg,
+                        exec,
+                        self.ranks,
+                        &self.outcome.state,
+                        self.outcome.last_saved.as_deref(),
+                    ),
+                    Err(e) => format!(
+                        "applying the delayed update failed ({e}), so the state is not \
+                         saved; {}",
+                        rescue::last_checkpoint(self.outcome.last_saved.as_deref())
+                    ),
+                }
+            }
+            Kept::Lost(why) => format!(
+                "{why}, so it is not saved; {}",
+                rescue::last_checkpoint(self.outcome.last_saved.as_deref())
+            ),
+        };
+        format!("{}; {kept}", stop.why)
     }
 
     /// Says so when `step` starts reading the data again from the start.
@@ -175,15 +219,12 @@ impl<'a> StepLoop<'a> {
         Ok(())
     }
 
-    /// Runs step `step`, and moves the trainer state past it.
-    fn step(&mut self, exec: &mut Executor, step: u64) -> Result<(StepReport, StepParams), Error> {
+    /// Runs step `step`, and moves the trainer state past it (or not, when it stops
+    /// the run).
+    fn step(&mut self, exec: &mut Executor, step: u64) -> Result<(StepReport, StepParams), Stop> {
         let cfg = self.cfg;
-        self.read_batches(exec.model().vocab())?;
-        let refs: Vec<(&[u32], &[u32])> = self
-            .micro
-            .iter()
-            .map(|b| (&b.inputs[..], &b.targets[..]))
-            .collect();
+        self.read_batches(exec.model().vocab())
+            .map_err(|e| Stop::kept(format!("step {step}: {e}")))?;
         let step_params = StepParams {
             adam: AdamW {
                 lr: cfg.lr_at(step),
@@ -195,21 +236,118 @@ impl<'a> StepLoop<'a> {
             clip: cfg.clip,
             loss_scale: self.outcome.state.loss_scale,
         };
-        let report = exec.step(&refs, &step_params).map_err(|e| match e {
-            ExecError::Storage { .. } => format!(
-                "step {step}: {e}; the run stops here, and what it trained after its last \
-                 checkpoint is not kept (--resume from that checkpoint, or rerun)"
-            ),
-            e => format!("step {step}: {e}"),
-        })?;
-        let mut skipped = report.skipped;
+        let report = self.run_step(exec, step, &step_params)?;
+        let mut skipped = self.check_finite(step, &report)?;
         // A delayed update starts after the warm-up (as ZeRO-Offload's does): until then
         // each step's update is applied at once, as without it.
         if cfg.delayed_update && step <= cfg.warmup_steps {
-            skipped |= exec.flush(&step_params)?.is_some_and(|f| f.skipped);
+            match exec.flush(&step_params) {
+                Ok(f) => skipped |= f.is_some_and(|f| f.skipped),
+                Err(e) => return Err(self.after_failure(exec, step, format!("step {step}: {e}"))),
+            }
         }
         self.advance(step, skipped);
         Ok((report, step_params))
+    }
+
+    /// The executor's step over the batches read, retried once when it fails (an I/O
+    /// error that passes is absorbed; the retry applies no block's update twice).
+    fn run_step(
+        &mut self,
+        exec: &mut Executor,
+        step: u64,
+        params: &StepParams,
+    ) -> Result<StepReport, Stop> {
+        let refs: Vec<(&[u32], &[u32])> = self
+            .micro
+            .iter()
+            .map(|b| (&b.inputs[..], &b.targets[..]))
+            .collect();
+        let first = match exec.step(&refs, params) {
+            Ok(report) => return Ok(report),
+            // Refused before anything ran: a retry would be refused again.
+            Err(e @ (ExecError::BadInput(_) | ExecError::Model(_))) => {
+                return Err(Stop::kept(format!("step {step}: {e}")));
+            }
+            Err(e) => e,
+        };
+        match exec.step(&refs, params) {
+            Ok(report) => {
+                log::warn!("step {step}: {first}; retried with the same batches, it succeeded");
+                Ok(report)
+            }
+            Err(e) => Err(self.after_failure(
+                exec,
+                step,
+                format!("step {step}: {first}; retried with the same batches: {e}"),
+            )),
+        }
+    }
+
+    /// Why the run stops after step `step` failed (`why`), and whether its state is whole:
+    /// every block as before the step, or (without a delayed update) every block updated
+    /// by it, the trainer state then moved past it.
+    fn after_failure(&mut self, exec: &Executor, step: u64, why: String) -> Stop {
+        let before = exec.steps();
+        let blocks = exec.block_steps();
+        let delayed = self.cfg.delayed_update;
+        if blocks.iter().all(|&b| b == before)
+            || (delayed && blocks.iter().all(|&b| b == before + 1))
+        {
+            Stop {
+                why: format!("{why}; every block is as before step {step}"),
+                kept: Kept::State,
+            }
+        } else if blocks.iter().all(|&b| b == before + 1) {
+            self.advance(step, false);
+            Stop {
+                why: format!("{why}; every block holds step {step}'s update"),
+                kept: Kept::State,
+            }
+        } else {
+            Stop {
+                why,
+                kept: Kept::Lost(format!(
+                    "some blocks hold step {step}'s update and some do not"
+                )),
+            }
+        }
+    }
+
+    /// Whether step `step`'s update was skipped; with fp32 or bf16, a non-finite loss or
+    /// gradients stop the run (its update not applied, the state before it kept) or are
+    /// skipped, as `--on-nonfinite` says. fp16's overflows are skipped as ever.
+    fn check_finite(&mut self, step: u64, report: &StepReport) -> Result<bool, Stop> {
+        let finite = !report.skipped && report.loss.is_finite();
+        if self.cfg.dtype == Dtype::Fp16 || finite {
+            return Ok(report.skipped);
+        }
+        let what = format!(
+            "step {step}: the loss is {} and the gradient norm {}",
+            report.loss, report.grad_norm
+        );
+        if report.updated {
+            // Without clipping each update is applied as its gradients arrive.
+            return Err(Stop {
+                why: format!(
+                    "{what}; its update was applied (--clip 0 applies each block's as its gradients arrive)"
+                ),
+                kept: Kept::Lost("the parameters may not be finite".to_string()),
+            });
+        }
+        match self.cfg.on_nonfinite {
+            OnNonFinite::Skip => {
+                log::warn!("{what}: its update is skipped (--on-nonfinite skip)");
+                Ok(true)
+            }
+            OnNonFinite::Stop => Err(Stop {
+                why: format!(
+                    "{what}: stopped before its update (--on-nonfinite stop; a lower --lr, \
+                     or --on-nonfinite skip to go on)"
+                ),
+                kept: Kept::State,
+            }),
+        }
     }
 
     /// The trainer state after step `step`: its data position, and the fp16 loss scale
@@ -294,7 +432,8 @@ impl<'a> StepLoop<'a> {
     }
 
     /// Writes a checkpoint after step `step` when one is due: every `checkpoint_every`
-    /// steps, at the last step, or on Ctrl-C.
+    /// steps, at the last step, or on Ctrl-C (without `--checkpoint-dir`, in the rescue
+    /// folder).
     fn checkpoint_if_due(
         &mut self,
         exec: &mut Executor,
@@ -304,45 +443,23 @@ impl<'a> StepLoop<'a> {
         let cfg = self.cfg;
         self.outcome.last_params = Some(*params);
         let due = cfg.checkpoint_every > 0 && step.is_multiple_of(cfg.checkpoint_every);
-        let Some(dir) = &cfg.checkpoint_dir else {
-            return Ok(());
+        let dir = match &cfg.checkpoint_dir {
+            Some(dir) if due || self.outcome.interrupted || step == cfg.steps => dir.as_path(),
+            None if self.outcome.interrupted && self.ranks.ranks == 1 => rescue::default_dir(),
+            _ => return Ok(()),
         };
-        if !(due || self.outcome.interrupted || step == cfg.steps) {
-            return Ok(());
-        }
         // A delayed update still waiting is applied first, so the checkpoint holds
         // every step's update (and resuming from it continues from the same state).
         if exec.flush(params)?.is_some_and(|f| f.skipped) {
             self.outcome.state.skipped_steps += 1;
         }
-        let saved = match &self.ranks.group {
-            // Each rank writes its own shard (a collective).
-            Some(group) => {
-                let (params, m, v) = exec.export_shard()?;
-                let shard = checkpoint::Shard {
-                    model: exec.model().clone(),
-                    ranks: self.ranks.ranks,
-                    rank: self.ranks.rank,
-                    shard_len: self.shard_len.clone(),
-                    params,
-                    m,
-                    v,
-                    state: self.outcome.state.clone(),
-                };
-                checkpoint::save_sharded(dir, group.as_ref(), &shard, cfg.keep_checkpoints)?
-            }
-            None => {
-                let (params, m, v) = exec.export()?;
-                let ckpt = Checkpoint {
-                    model: exec.model().clone(),
-                    params,
-                    m,
-                    v,
-                    state: self.outcome.state.clone(),
-                };
-                checkpoint::save(dir, &ckpt, cfg.keep_checkpoints)?
-            }
-        };
+        let saved = rescue::write_checkpoint(
+            exec,
+            self.ranks,
+            dir,
+            &self.outcome.state,
+            cfg.keep_checkpoints,
+        )?;
         self.outcome.last_saved = Some(saved);
         Ok(())
     }
@@ -426,7 +543,7 @@ fn progress(bar: &indicatif::ProgressBar, at: StepLine, r: &StepReport, eval_los
         r.loss,
         100.0 * r.stall_fraction(),
         if r.skipped {
-            " (skipped: overflow)"
+            " (skipped: non-finite gradients)"
         } else {
             ""
         }
@@ -434,7 +551,7 @@ fn progress(bar: &indicatif::ProgressBar, at: StepLine, r: &StepReport, eval_los
     if bar.is_hidden() {
         let every = (steps / 20).max(10);
         if step == first || step == steps || step.is_multiple_of(every) || eval_loss.is_some() {
-            eprintln!("step {step}/{steps} {msg} eta {eta:.0}s");
+            crate::logging::stderr_line(&format!("step {step}/{steps} {msg} eta {eta:.0}s"));
         }
     } else {
         bar.set_position(step);

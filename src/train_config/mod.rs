@@ -24,4 +24,4 @@ mod values;
 pub use error::{ConfigError, Origin};
 pub use flags::{PlanArgs, SettingFlags, StepFlags, TrainArgs, TrainFlags};
 pub use table::TrainConfig;
-pub use values::{Dtype, LrSchedule};
+pub use values::{Dtype, LrSchedule, OnNonFinite};

@@ -19,7 +19,7 @@ use strata_engine::device::DeviceChoice;
 use strata_engine::plan::{GradSpill, PolicyChoice, Recompute};
 
 use super::error::ConfigError;
-use super::values::{Dtype, LrSchedule, SettingType};
+use super::values::{Dtype, LrSchedule, OnNonFinite, SettingType};
 use crate::model_source::SMALL_PRESET;
 use crate::size::MemBudget;
 
@@ -291,6 +291,16 @@ settings! {
         aliases("grad_clip", "max_grad_norm"),
         check(|c| within(c.clip, "0 (no clipping) or more", at_least_zero(c.clip)));
 
+    /// At a step whose loss or gradients are not finite (fp32, bf16): stop before its
+    /// update is applied, saving the state before it (in <--checkpoint-dir>/rescue, else
+    /// the rescue folder the run names), or skip its update and go on; fp16 always skips and
+    /// halves the loss scale. With --clip 0 updates start as gradients arrive, so such a
+    /// step is found after its update: the run stops keeping its last checkpoint, and
+    /// skip is refused [default: stop].
+    Run on_nonfinite: OnNonFinite = OnNonFinite::Stop,
+        aliases("nan_policy"),
+        check(check_on_nonfinite);
+
     /// Working precision on the device; master weights and Adam state stay fp32
     /// [default: fp32].
     Step dtype: Dtype = Dtype::Fp32,
@@ -366,6 +376,20 @@ settings! {
     Run eval_every: u64 = 0,
         flag(value_name = "N"),
         aliases("eval_interval");
+}
+
+/// Skipping a non-finite step needs every update to wait for the global gradient norm,
+/// which only clipping (or fp16's overflow check) plans.
+fn check_on_nonfinite(c: &TrainConfig) -> Result<(), String> {
+    if c.on_nonfinite == OnNonFinite::Skip && c.clip == 0.0 && c.dtype != Dtype::Fp16 {
+        return Err(
+            "is skip, which needs clipping: with --clip 0 each update is applied as its \
+             gradients arrive, before a non-finite one is known; give --clip 1.0 (or \
+             --on-nonfinite stop)"
+                .to_string(),
+        );
+    }
+    Ok(())
 }
 
 fn at_least_one(value: u64) -> Result<(), String> {

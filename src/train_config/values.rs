@@ -27,6 +27,18 @@ pub enum LrSchedule {
     Cosine,
 }
 
+/// What a run does at a step whose loss or gradients are not finite (fp32 and bf16; fp16's
+/// overflow always skips the step and halves the loss scale).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    /// Stop before the step's update is applied, keeping the state before it.
+    #[default]
+    Stop,
+    /// Skip the step's update and go on with the next step.
+    Skip,
+}
+
 /// The working precision of parameters and activations on the device. Master weights and
 /// optimizer state stay fp32 whatever this says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
@@ -217,7 +229,7 @@ macro_rules! choice_setting {
     )*};
 }
 
-choice_setting!(LrSchedule, Dtype, Recompute, GradSpill);
+choice_setting!(LrSchedule, Dtype, Recompute, GradSpill, OnNonFinite);
 
 /// "must be one of a, b (found "c")": how a word that names no policy or device is
 /// refused.

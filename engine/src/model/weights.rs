@@ -1042,11 +1042,13 @@ fn write_safetensors_checked<V: safetensors::View>(
 ) -> Result<(), ModelError> {
     let partial = partial_path(path);
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(metadata), &partial).map_err(|e| {
-        ModelError::BadSafetensors {
+    safetensors::serialize_to_file(views, Some(metadata), &partial).map_err(|e| match e {
+        // A full disk or a refused write: the operating system's error, not a format's.
+        safetensors::SafeTensorError::IoError(source) => ModelError::io(&partial, source),
+        e => ModelError::BadSafetensors {
             path: partial.clone(),
             message: format!("could not write: {e}"),
-        }
+        },
     })?;
     if let Some(e) = failed() {
         let _ = std::fs::remove_file(&partial);

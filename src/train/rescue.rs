@@ -1,0 +1,163 @@
+//! What a run keeps when it cannot go on: a step that failed (a data error, an I/O error
+//! of a tier), a non-finite loss, a metrics or checkpoint write that failed, or an
+//! `--out` that could not be written. Its state is saved as a checkpoint (the engine's
+//! format, resumable with `--resume`) in `<--checkpoint-dir>/rescue`, else (or when that
+//! fails) in the run's rescue folder, `<scratch>/strata-rescue/run-<pid>`; when it cannot
+//! be saved, the message names the last checkpoint that remains. Ctrl-C without
+//! `--checkpoint-dir` saves in the rescue folder too. Emergency saves stay out of
+//! `--checkpoint-dir` itself, which holds the schedule's checkpoints only (so that
+//! `--keep-checkpoints` never drops one of those for a rescue).
+//!
+//! Not here: the regular checkpoints' schedule ([`super::steps`]) or the checkpoint format
+//! (`strata_engine::checkpoint`).
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use strata_engine::checkpoint::{self, Checkpoint, TrainerState};
+use strata_engine::exec::Executor;
+
+use super::group::Ranks;
+use crate::machine::default_scratch_dir;
+use crate::train_config::TrainConfig;
+
+type Error = Box<dyn std::error::Error>;
+
+/// Why a run stopped before its last step, and whether its state can be kept.
+pub struct Stop {
+    /// What happened, one line.
+    pub why: String,
+    /// Whether the loop's trainer state describes the executor's state.
+    pub kept: Kept,
+}
+
+/// Whether the state a run stopped in is worth saving.
+pub enum Kept {
+    /// The trainer state describes the executor's parameters and optimizer state.
+    State,
+    /// Not consistent (the reason): only the last checkpoint remains.
+    Lost(String),
+}
+
+impl Stop {
+    /// A stop after `error`, the executor's state that of the trainer state.
+    pub fn kept(error: impl Into<Error>) -> Stop {
+        Stop {
+            why: error.into().to_string(),
+            kept: Kept::State,
+        }
+    }
+}
+
+/// This process's rescue folder: `<scratch>/strata-rescue/run-<pid>`.
+pub fn default_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        default_scratch_dir()
+            .join("strata-rescue")
+            .join(format!("run-{}", std::process::id()))
+    })
+}
+
+/// Writes a checkpoint of `exec` at `state` in `dir` (with ranks, each rank its shard, a
+/// collective); its path.
+pub fn write_checkpoint(
+    exec: &Executor,
+    ranks: &Ranks,
+    dir: &Path,
+    state: &TrainerState,
+    keep: usize,
+) -> Result<PathBuf, Error> {
+    Ok(match &ranks.group {
+        Some(group) => {
+            let (params, m, v) = exec.export_shard()?;
+            let shard = checkpoint::Shard {
+                model: exec.model().clone(),
+                ranks: ranks.ranks,
+                rank: ranks.rank,
+                shard_len: exec.plan().shard_len.iter().map(|&s| s as usize).collect(),
+                params,
+                m,
+                v,
+                state: state.clone(),
+            };
+            checkpoint::save_sharded(dir, group.as_ref(), &shard, keep)?
+        }
+        None => {
+            let (params, m, v) = exec.export()?;
+            let ckpt = Checkpoint {
+                model: exec.model().clone(),
+                params,
+                m,
+                v,
+                state: state.clone(),
+            };
+            checkpoint::save(dir, &ckpt, keep)?
+        }
+    })
+}
+
+/// Keeps `exec`'s state, `state` (a delayed update already applied): names
+/// `last_saved` when it holds that step, else saves it in `<--checkpoint-dir>/rescue` or,
+/// failing that, this process's rescue folder. What was kept, in words for the end of an error message.
+pub fn keep(
+    cfg: &TrainConfig,
+    exec: &Executor,
+    ranks: &Ranks,
+    state: &TrainerState,
+    last_saved: Option<&Path>,
+) -> String {
+    if let Some(last) = last_saved.filter(|p| checkpoint_step(p) == Some(state.step)) {
+        return format!(
+            "the state after step {} is in the checkpoint {} (--resume it)",
+            state.step,
+            last.display()
+        );
+    }
+    if ranks.ranks > 1 {
+        return format!(
+            "an emergency save is not made with ranks; {}",
+            last_checkpoint(last_saved)
+        );
+    }
+    let mut failures = Vec::new();
+    let dirs = cfg.checkpoint_dir.iter().map(|d| d.join("rescue"));
+    for dir in dirs.chain([default_dir().to_path_buf()]) {
+        match write_checkpoint(exec, ranks, &dir, state, cfg.keep_checkpoints) {
+            Ok(path) => {
+                return format!(
+                    "kept the state after step {} in {} (resume with --resume {})",
+                    state.step,
+                    path.display(),
+                    path.display()
+                );
+            }
+            Err(e) => failures.push(format!("{}: {e}", dir.display())),
+        }
+    }
+    format!(
+        "the emergency save failed ({}); {}",
+        failures.join("; "),
+        last_checkpoint(last_saved)
+    )
+}
+
+/// Which checkpoint remains, in words.
+pub fn last_checkpoint(last_saved: Option<&Path>) -> String {
+    match last_saved {
+        Some(p) => format!(
+            "the last checkpoint, {}, remains (--resume it)",
+            p.display()
+        ),
+        None => "no checkpoint of this run remains".to_string(),
+    }
+}
+
+/// The step of a checkpoint folder `step-N`.
+fn checkpoint_step(path: &Path) -> Option<u64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse()
+        .ok()
+}
