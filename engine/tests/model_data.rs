@@ -224,3 +224,43 @@ fn batch_sizes_past_what_a_file_could_hold_are_errors_not_overflows() {
         );
     }
 }
+
+/// The vocabulary scan's rate on 100M ids (200 MB of uint16, then 400 MB of uint32),
+/// warm in the page cache: a measurement, not a check (ignored by default, never
+/// asserted). `STRATA_SCAN_TOKENS` sets the count. Run it with
+/// `cargo test -p strata-engine --test model_data -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+fn vocab_scan_rate() {
+    let count: usize = std::env::var("STRATA_SCAN_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    for (version, width) in [(1, 2), (2, 4)] {
+        let path = llmc_file(
+            dir.path(),
+            "big.bin",
+            LLMC_MAGIC,
+            version,
+            &[],
+            count as i32,
+        );
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.extend((0..count).flat_map(|i| {
+            let id = (i as u32).wrapping_mul(2_654_435_761) % 50_000;
+            id.to_le_bytes().into_iter().take(width)
+        }));
+        std::fs::write(&path, bytes).unwrap();
+        let data = TokenData::open(&path).unwrap();
+        data.check_vocab(50_000).unwrap(); // warms the page cache
+        let started = std::time::Instant::now();
+        data.check_vocab(50_000).unwrap();
+        let seconds = started.elapsed().as_secs_f64();
+        println!(
+            "uint{}: {count} ids scanned in {seconds:.3} s: {:.0} M tokens/s",
+            width * 8,
+            count as f64 / seconds / 1e6
+        );
+    }
+}
