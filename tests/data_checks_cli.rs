@@ -247,6 +247,16 @@ fn data_short_of_the_batches_asked_is_refused_alike_by_eval_and_train() {
     );
     let e = refused(&train_args(&g, s, nvme, "2"));
     assert!(e.contains(want) && e.contains("training needs 1"), "{e}");
+    // One batch, and training with held-out evaluation needs two.
+    token_file(&short, &[1; 33], &[]);
+    let mut train = train_args(&g, s, nvme, "2");
+    train.extend(["--eval-every", "1"]);
+    let e = refused(&train);
+    assert!(
+        e.contains("33 tokens hold 1 whole batch of 2 x 16 (+1) tokens, and training besides \
+             the held-out batch needs 2"),
+        "{e}"
+    );
     // The golden 97 tokens hold 3 batches: --steps 4 is refused before the first.
     let golden = data("gpt2-tiny/tokens.bin");
     let mut eval = eval_args(&g, golden.to_str().unwrap());
