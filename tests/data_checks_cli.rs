@@ -4,43 +4,17 @@
 //! model folder's tokenizer by both; data too short for the batches asked is refused in
 //! the same words by both.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+#[path = "support/cli.rs"]
+mod cli;
 
+use std::path::{Path, PathBuf};
+
+use cli::{data, ok, strata, text};
 use serde_json::Value;
 use strata::engine::model::Model;
 use strata::engine::model::data::LLMC_MAGIC;
 use strata::engine::model::llama::Llama;
 use strata::engine::model::weights;
-
-fn data(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
-        .join(name)
-}
-
-fn strata(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .output()
-        .expect("the strata binary runs")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = strata(args);
-    assert!(
-        out.status.success(),
-        "strata {}\nstdout:\n{}\nstderr:\n{}",
-        args.join(" "),
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    text(&out.stdout)
-}
 
 /// The one error line of a failed run, which must not have trained or evaluated a step.
 fn refused(args: &[&str]) -> String {
@@ -69,6 +43,15 @@ fn token_file(path: &Path, tokens: &[u16], extra: &[u8]) {
     std::fs::write(path, bytes).unwrap();
 }
 
+/// A temporary folder with an empty `nvme` folder in it, and that folder's path.
+fn scratch() -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let nvme = dir.path().join("nvme");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let nvme = nvme.to_str().unwrap().to_string();
+    (dir, nvme)
+}
+
 /// The golden GPT-2 (vocabulary 64).
 fn gpt2_tiny() -> String {
     data("gpt2-tiny").to_str().unwrap().to_string()
@@ -92,17 +75,15 @@ fn eval_args<'a>(model: &'a str, data: &'a str) -> Vec<&'a str> {
 #[test]
 fn an_id_outside_the_vocabulary_anywhere_is_refused_before_step_1() {
     let g = gpt2_tiny();
-    let dir = tempfile::tempdir().unwrap();
-    let nvme = dir.path().join("nvme");
-    std::fs::create_dir_all(&nvme).unwrap();
+    let (dir, nvme) = scratch();
     // 10,000 ids below the golden model's vocabulary of 64 but one at position 5,000,
     // which step 157 of 2 x 16 would read first (and which eval --steps 1 never reads).
     let mut tokens: Vec<u16> = (0..10_000).map(|i| (i * 7 % 64) as u16).collect();
     tokens[5000] = 64;
     let path = dir.path().join("tokens.bin");
     token_file(&path, &tokens, &[]);
-    let (path, nvme) = (path.to_str().unwrap(), nvme.to_str().unwrap());
-    let e = refused(&train_args(&g, path, nvme, "200"));
+    let path = path.to_str().unwrap();
+    let e = refused(&train_args(&g, path, &nvme, "200"));
     assert!(
         e.contains("token 64 at position 5000 (of 10000) is outside the model's vocabulary of 64")
             && e.contains("tokenize it with this model's tokenizer"),
@@ -117,10 +98,7 @@ fn an_id_outside_the_vocabulary_anywhere_is_refused_before_step_1() {
 #[test]
 fn a_bad_mask_or_bytes_past_the_tokens_are_refused_before_step_1() {
     let g = gpt2_tiny();
-    let dir = tempfile::tempdir().unwrap();
-    let nvme = dir.path().join("nvme");
-    std::fs::create_dir_all(&nvme).unwrap();
-    let nvme = nvme.to_str().unwrap();
+    let (dir, nvme) = scratch();
     let tokens: Vec<u16> = (0..200).map(|i| (i % 64) as u16).collect();
     let path = dir.path().join("tokens.bin");
     token_file(&path, &tokens, &[]);
@@ -129,7 +107,7 @@ fn a_bad_mask_or_bytes_past_the_tokens_are_refused_before_step_1() {
     bytes[150] = 2;
     std::fs::write(&mask, &bytes).unwrap();
     let p = path.to_str().unwrap();
-    let e = refused(&train_args(&g, p, nvme, "2"));
+    let e = refused(&train_args(&g, p, &nvme, "2"));
     assert!(
         e.contains("tokens.bin.mask: byte 2 at position 150; a mask holds 0"),
         "{e}"
@@ -140,7 +118,7 @@ fn a_bad_mask_or_bytes_past_the_tokens_are_refused_before_step_1() {
     std::fs::remove_file(&mask).unwrap();
     // Two bytes past the 200 counted ids: a 201st id the header does not count.
     token_file(&path, &tokens, &[5, 0]);
-    for args in [train_args(&g, p, nvme, "2"), eval_args(&g, p)] {
+    for args in [train_args(&g, p, &nvme, "2"), eval_args(&g, p)] {
         let e = refused(&args);
         assert!(
             e.contains("tokens.bin: 2 bytes past the 200 uint16 tokens its header counts"),
@@ -205,12 +183,10 @@ fn eval_tokenizes_text_with_the_model_tokenizer_as_train_does() {
 
 #[test]
 fn text_for_a_model_without_a_tokenizer_is_refused_by_eval_as_by_train() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, nvme) = scratch();
     let model = llama_folder(dir.path(), false);
     let corpus = dir.path().join("corpus.txt");
     std::fs::write(&corpus, "some text ".repeat(500)).unwrap();
-    let nvme = dir.path().join("nvme");
-    std::fs::create_dir_all(&nvme).unwrap();
     let (m, c) = (model.to_str().unwrap(), corpus.to_str().unwrap());
     let e = refused(&eval_args(m, c));
     assert!(
@@ -218,43 +194,35 @@ fn text_for_a_model_without_a_tokenizer_is_refused_by_eval_as_by_train() {
             && e.contains("strata tokenize"),
         "{e}"
     );
-    let train = [
-        "train",
-        "--model",
-        m,
-        "--data",
-        c,
-        "--nvme",
-        nvme.to_str().unwrap(),
-    ];
+    let train = ["train", "--model", m, "--data", c, "--nvme", &nvme];
     assert_eq!(refused(&train), e);
 }
 
 #[test]
 fn data_short_of_the_batches_asked_is_refused_alike_by_eval_and_train() {
     let g = gpt2_tiny();
-    let dir = tempfile::tempdir().unwrap();
-    let nvme = dir.path().join("nvme");
-    std::fs::create_dir_all(&nvme).unwrap();
+    let (dir, nvme) = scratch();
     let short = dir.path().join("short.bin");
     token_file(&short, &[1; 32], &[]); // 2 x 16 + 1 tokens are one batch
-    let (s, nvme) = (short.to_str().unwrap(), nvme.to_str().unwrap());
+    let s = short.to_str().unwrap();
     let want = "short.bin: 32 tokens hold 0 whole batches of 2 x 16 (+1) tokens";
     let e = refused(&eval_args(&g, s));
     assert!(
         e.contains(want) && e.contains("evaluation needs 1; give more data"),
         "{e}"
     );
-    let e = refused(&train_args(&g, s, nvme, "2"));
+    let e = refused(&train_args(&g, s, &nvme, "2"));
     assert!(e.contains(want) && e.contains("training needs 1"), "{e}");
     // One batch, and training with held-out evaluation needs two.
     token_file(&short, &[1; 33], &[]);
-    let mut train = train_args(&g, s, nvme, "2");
+    let mut train = train_args(&g, s, &nvme, "2");
     train.extend(["--eval-every", "1"]);
     let e = refused(&train);
     assert!(
-        e.contains("33 tokens hold 1 whole batch of 2 x 16 (+1) tokens, and training besides \
-             the held-out batch needs 2"),
+        e.contains(
+            "33 tokens hold 1 whole batch of 2 x 16 (+1) tokens, and training besides \
+             the held-out batch needs 2"
+        ),
         "{e}"
     );
     // The golden 97 tokens hold 3 batches: --steps 4 is refused before the first.
