@@ -226,7 +226,15 @@ fn tokenize_cached(
         },
     )?;
     bar.finish_and_clear();
-    let data = TokenData::open(&tokens)?;
+    // The cache is derived data: a damaged one (a full disk, a copy cut short) is named
+    // with the way to have it made again.
+    let data = TokenData::open(&tokens).map_err(|e| {
+        format!(
+            "{e}; this is strata's cache of {} tokenized: remove it, and the next run \
+             tokenizes the text again",
+            path.display()
+        )
+    })?;
     let seconds = started.elapsed().as_secs_f64();
     writeln!(
         out,

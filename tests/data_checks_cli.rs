@@ -9,7 +9,7 @@ mod cli;
 
 use std::path::{Path, PathBuf};
 
-use cli::{data, ok, strata, text};
+use cli::{data, error_line, ok, strata, text};
 use serde_json::Value;
 use strata::engine::model::Model;
 use strata::engine::model::data::LLMC_MAGIC;
@@ -20,17 +20,11 @@ use strata::engine::model::weights;
 fn refused(args: &[&str]) -> String {
     let out = strata(args);
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(!out.status.success(), "expected a refusal: {stdout}");
     assert!(
         !stdout.contains("step ") && !stderr.contains("step "),
         "refused only after steps ran:\n{stdout}\n{stderr}"
     );
-    let lines: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with("strata: error:"))
-        .collect();
-    assert_eq!(lines.len(), 1, "{stderr}");
-    lines[0].to_string()
+    error_line(&out)
 }
 
 /// An llm.c token file (uint16 ids) holding `tokens`, with `extra` bytes after them.
@@ -178,6 +172,21 @@ fn eval_tokenizes_text_with_the_model_tokenizer_as_train_does() {
     let want = losses(&ok(&on_tokens));
     assert_eq!(losses(&text(&out.stdout)), want);
     // From the cache the second time, the same.
+    assert_eq!(losses(&ok(&on_text)), want);
+    // A damaged cache is named, with the way to have it made again.
+    let cache = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_str().unwrap().ends_with(".tokens.bin"))
+        .unwrap();
+    let bytes = std::fs::read(&cache).unwrap();
+    std::fs::write(&cache, &bytes[..bytes.len() - 1]).unwrap();
+    let e = refused(&on_text);
+    assert!(
+        e.contains("file too short") && e.contains("remove it, and the next run tokenizes"),
+        "{e}"
+    );
+    std::fs::remove_file(&cache).unwrap();
     assert_eq!(losses(&ok(&on_text)), want);
 }
 
