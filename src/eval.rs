@@ -1,5 +1,6 @@
-//! `strata eval`: the loss of a model on the first batches of a token file, under the
-//! loaded parameters, on the CPU or a GPU.
+//! `strata eval`: the loss of a model on the first batches of its data (read as `strata
+//! train` reads it: [`crate::tokenize::open_data`]), under the loaded parameters, on the
+//! CPU or a GPU.
 //!
 //! Prints `step K loss X` for each batch K (0-based, in file order: batch K reads the
 //! K-th window of B×T+1 tokens) with X in full f32 precision (the shortest decimal that
@@ -12,8 +13,10 @@ use std::path::PathBuf;
 use strata_engine::device::{DeviceChoice, DeviceConfig, select};
 use strata_engine::exec::Runner;
 use strata_engine::kernels::program::{Dtype, Target};
-use strata_engine::model::data::{Batch, TokenData};
+use strata_engine::model::data::Batch;
 use strata_engine::model::weights::load_pretrained;
+
+use crate::tokenize::{open_data, whole_batches};
 
 /// Arguments of `strata eval`.
 #[derive(Debug, Clone, clap::Args)]
@@ -22,7 +25,9 @@ pub struct EvalArgs {
     /// save_pretrained writes them), or the .safetensors file with config.json beside it.
     #[arg(long)]
     pub model: PathBuf,
-    /// Token data: an llm.c token file (*.bin), or any other file read as bytes.
+    /// Token data, read as `strata train` reads it: an llm.c token file (*.bin), or text
+    /// or JSON lines tokenized with the model folder's tokenizer.json (cached beside the
+    /// data), or read as bytes for a model of vocabulary 256 without one.
     #[arg(long)]
     pub data: PathBuf,
     /// Sequences per batch (B).
@@ -64,27 +69,22 @@ pub struct EvalReport {
 
 /// Runs `strata eval`, writing its lines to `out`.
 pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn Error>> {
-    let (model, params) = load_pretrained(&args.model)?;
-    let data = TokenData::open(&args.data)?;
-    model.shape(args.batch, args.seq)?;
-    let available = data.batch_count(args.batch, args.seq);
     if args.steps == Some(0) {
         return Err("--steps must be at least 1".into());
     }
+    let (model, params) = load_pretrained(&args.model)?;
+    model.shape(args.batch, args.seq)?;
+    // The data as `strata train` reads it (text tokenized with the model folder's
+    // tokenizer, every id checked), what was done going to stderr: stdout is the losses.
+    let data = open_data(&args.data, &args.model, &model, &mut std::io::stderr())?;
+    let what = match args.steps {
+        Some(steps) => format!("--steps {steps}"),
+        None => "evaluation".into(),
+    };
+    let needed = args.steps.unwrap_or(1);
+    let available = whole_batches(&data, args.batch, args.seq, needed, &what)?;
     let steps = args.steps.unwrap_or(available);
-    if steps == 0 {
-        return Err(format!(
-            "{}: {} tokens hold no whole batch of {}x{}+1",
-            args.data.display(),
-            data.len(),
-            args.batch,
-            args.seq
-        )
-        .into());
-    }
-    // Ask for the last batch first, so a file too short fails before any work.
     let mut batch = Batch::default();
-    data.read_batch(steps - 1, args.batch, args.seq, model.vocab(), &mut batch)?;
     let cuda = match args.device {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda => true,

@@ -146,7 +146,7 @@ fn bad_input_is_a_clear_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        stderr.contains("token 70 at position 40 is outside the vocabulary (size 64)"),
+        stderr.contains("token 70 at position 40 (of 97) is outside the model's vocabulary of 64"),
         "{stderr}"
     );
 
@@ -157,7 +157,7 @@ fn bad_input_is_a_clear_error() {
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && stderr.contains("holds 97 tokens"),
+        !out.status.success() && stderr.contains("97 tokens hold 3 whole batches"),
         "{stderr}"
     );
 

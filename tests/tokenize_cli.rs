@@ -3,55 +3,18 @@
 //! "epoch 2", a bf16 sharded model trained and written back as it came with its
 //! tokenizer, and one-line errors for text without a tokenizer.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+#[path = "support/cli.rs"]
+mod cli;
 
+use std::path::{Path, PathBuf};
+
+use cli::{data, error_line, ok, strata};
 use strata::engine::model::Model;
 use strata::engine::model::data::TokenData;
 use strata::engine::model::gpt2::Gpt2Config;
 use strata::engine::model::weights::{
     self, FileDtype, INDEX_FILE, SaveOptions, WEIGHTS_FILE, WeightFiles,
 };
-
-fn data(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
-        .join(name)
-}
-
-fn strata(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .output()
-        .expect("the strata binary runs")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = strata(args);
-    assert!(
-        out.status.success(),
-        "strata {}\nstdout:\n{}\nstderr:\n{}",
-        args.join(" "),
-        text(&out.stdout),
-        text(&out.stderr)
-    );
-    text(&out.stdout)
-}
-
-fn error_line(out: &Output) -> String {
-    assert!(!out.status.success(), "{}", text(&out.stdout));
-    let stderr = text(&out.stderr);
-    let lines: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with("strata: error:"))
-        .collect();
-    assert_eq!(lines.len(), 1, "{stderr}");
-    lines[0].to_string()
-}
 
 /// The golden ids, from the golden token file (`eval.bin`).
 fn golden_ids() -> Vec<u32> {

@@ -10,6 +10,10 @@
 //!   [`super::IGNORE_TARGET`].
 //! - Raw text, any other file: each byte is a token (vocabulary 256).
 //!
+//! Checked at open: an llm.c file holds exactly the tokens its header counts, and a mask
+//! one byte of 0 or 1 per token, counting at least one; and once per run, before its
+//! first batch, every id against the model's vocabulary ([`TokenData::check_vocab`]).
+//!
 //! Batching: batch `k` of B × T reads the k-th contiguous window of B×T+1 tokens,
 //! `w = tokens[k*B*T .. (k+1)*B*T + 1]`; row b has inputs `w[b*T .. b*T+T]` and targets
 //! `w[b*T+1 .. b*T+T+1]`.
@@ -125,6 +129,19 @@ impl TokenData {
                 bytes.len()
             )));
         }
+        if bytes.len() as u64 > needed {
+            // llm.c and `strata tokenize` write the tokens and nothing after them: bytes
+            // past the last are a file written twice over, or ids wider than the header's
+            // version says.
+            return Err(ModelError::BadInput(format!(
+                "{}: {} bytes past the {token_count} uint{} tokens its header counts ({needed} \
+                 bytes with the header); not an llm.c token file as written (a wrong version \
+                 or count in the header, or two files joined): tokenize the data again",
+                path.display(),
+                bytes.len() as u64 - needed,
+                width * 8
+            )));
+        }
         let mask = open_mask(path, token_count)?;
         Ok(TokenData {
             path: path.to_path_buf(),
@@ -163,6 +180,40 @@ impl TokenData {
     /// The vocabulary the format implies, when it does (raw bytes: 256).
     pub fn implied_vocab(&self) -> Option<usize> {
         (self.format == TokenFormat::Bytes).then_some(256)
+    }
+
+    /// Checks that every token id is below `vocab`, scanning the whole file once (before
+    /// a run reads its first batch, so that a bad id at any position is refused up front,
+    /// not when its batch comes). The error names the first bad id, its position, the
+    /// vocabulary and what to do.
+    pub fn check_vocab(&self, vocab: usize) -> Result<(), ModelError> {
+        let limit = u32::try_from(vocab).unwrap_or(u32::MAX);
+        let bytes = self.map.as_deref().unwrap_or(&[]);
+        let count = self.token_count as usize;
+        let found = match self.format {
+            TokenFormat::Bytes if vocab > usize::from(u8::MAX) => None,
+            TokenFormat::LlmcU16 if vocab > usize::from(u16::MAX) => None,
+            TokenFormat::Bytes => first_at_or_above::<1>(&bytes[..count], limit, |t| t[0] as u32),
+            TokenFormat::LlmcU16 => {
+                let body = &bytes[LLMC_HEADER_BYTES..LLMC_HEADER_BYTES + 2 * count];
+                first_at_or_above::<2>(body, limit, |t| u16::from_le_bytes([t[0], t[1]]) as u32)
+            }
+            TokenFormat::LlmcU32 => {
+                let body = &bytes[LLMC_HEADER_BYTES..LLMC_HEADER_BYTES + 4 * count];
+                first_at_or_above::<4>(body, limit, |t| {
+                    u32::from_le_bytes([t[0], t[1], t[2], t[3]])
+                })
+            }
+        };
+        let Some((position, token)) = found else {
+            return Ok(());
+        };
+        Err(ModelError::BadInput(format!(
+            "{}: token {token} at position {position} (of {count}) is outside the model's \
+             vocabulary of {vocab} ids: the data was tokenized for another model; tokenize it \
+             with this model's tokenizer, or give the model it was made for",
+            self.path.display()
+        )))
     }
 
     /// Token `index` (below [`TokenData::len`]).
@@ -248,6 +299,30 @@ impl TokenData {
     }
 }
 
+/// The first of the `W`-byte little-endian ids in `body` that is at least `limit`, with
+/// its index. A chunk's maximum is taken first (a loop the compiler vectorizes), and only
+/// a chunk holding a bad id is searched for it.
+fn first_at_or_above<const W: usize>(
+    body: &[u8],
+    limit: u32,
+    read: impl Fn(&[u8]) -> u32,
+) -> Option<(u64, u32)> {
+    const CHUNK_TOKENS: usize = 1 << 12;
+    for (c, chunk) in body.chunks(CHUNK_TOKENS * W).enumerate() {
+        let max = chunk.chunks_exact(W).map(&read).fold(0, u32::max);
+        if max >= limit {
+            let (i, token) = chunk
+                .chunks_exact(W)
+                .map(&read)
+                .enumerate()
+                .find(|&(_, t)| t >= limit)
+                .expect("the chunk's maximum is one");
+            return Some(((c * CHUNK_TOKENS + i) as u64, token));
+        }
+    }
+    None
+}
+
 /// The mask file of a token file: `OUT.mask` beside `OUT` (the tokenizer writes it).
 pub fn mask_path(tokens: &Path) -> PathBuf {
     let mut name = tokens.as_os_str().to_owned();
@@ -277,5 +352,27 @@ fn open_mask(path: &Path, token_count: u64) -> Result<Option<memmap2::Mmap>, Mod
         return Ok(None);
     }
     let map = map_read_only(&file).map_err(|e| ModelError::io(&mask, e))?;
+    check_mask(&mask, &map)?;
     Ok(Some(map))
+}
+
+/// Refuses a mask holding a byte other than 0 and 1 (the tokenizer writes no other; any
+/// other is a file that is not a mask), or one that counts no token (a run on it would
+/// train on nothing, its loss 0).
+fn check_mask(mask: &Path, bytes: &[u8]) -> Result<(), ModelError> {
+    if let Some((position, value)) = first_at_or_above::<1>(bytes, 2, |b| b[0] as u32) {
+        return Err(ModelError::BadInput(format!(
+            "{}: byte {value} at position {position}; a mask holds 0 (not a target of the \
+             loss) or 1 (a target) for each token: remove it, or tokenize again",
+            mask.display()
+        )));
+    }
+    if first_at_or_above::<1>(bytes, 1, |b| b[0] as u32).is_none() {
+        return Err(ModelError::BadInput(format!(
+            "{}: every byte is 0, so the loss would count no token: remove it to count \
+             every token, or tokenize again with some completions",
+            mask.display()
+        )));
+    }
+    Ok(())
 }
