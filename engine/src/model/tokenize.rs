@@ -81,14 +81,16 @@ impl TextTokenizer {
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let file = tokenizer_file(path);
         let bytes = std::fs::read(&file).map_err(|e| ModelError::io(&file, e))?;
+        // JSON first: the tokenizers library panics on some syntax errors (a decoder's
+        // `expect("Helper")` in 0.22), so it is given only JSON that parses.
+        let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+            ModelError::BadInput(format!("{}: not valid JSON: {e}", file.display()))
+        })?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
             ModelError::BadInput(format!(
                 "{}: not a tokenizer.json the tokenizers library reads: {e}",
                 file.display()
             ))
-        })?;
-        let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
-            ModelError::BadInput(format!("{}: not valid JSON: {e}", file.display()))
         })?;
         let pre = json
             .get("pre_tokenizer")
