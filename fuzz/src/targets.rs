@@ -156,7 +156,14 @@ pub fn config_json(data: &[u8]) {
 pub fn tokenizer_json(data: &[u8]) {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     let path = DIR
-        .get_or_init(|| scratch("tokenizer"))
+        .get_or_init(|| {
+            // libfuzzer-sys's panic hook aborts at the panic, before the product's
+            // catch_unwind around the tokenizers library could refuse the file; with the
+            // default hook, a panic the product does not catch still aborts (in
+            // libfuzzer-sys's own catch_unwind), so it is still a crash.
+            drop(std::panic::take_hook());
+            scratch("tokenizer")
+        })
         .join("tokenizer.json");
     fs::write(&path, data).expect("write input");
     let Ok(tokenizer) = TextTokenizer::open(&path) else {

@@ -86,12 +86,18 @@ impl TextTokenizer {
         let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
             ModelError::BadInput(format!("{}: not valid JSON: {e}", file.display()))
         })?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+        let unreadable = |e: String| {
             ModelError::BadInput(format!(
                 "{}: not a tokenizer.json the tokenizers library reads: {e}",
                 file.display()
             ))
-        })?;
+        };
+        // Valid JSON can still panic the library (a `Precompiled` normalizer whose
+        // charsmap does not decode: `expect("Precompiled")` in 0.22): refused like any
+        // other file it cannot read.
+        let inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes))
+            .map_err(|_| unreadable("the library panicked reading it (see above)".into()))?
+            .map_err(|e| unreadable(e.to_string()))?;
         let pre = json
             .get("pre_tokenizer")
             .map(|p| p.to_string())
