@@ -81,7 +81,7 @@ fn mutate(input: &[u8], k: usize, rng: &mut Rng) -> Vec<u8> {
 }
 
 /// Runs `target` over its corpus and the mutations; the inputs that panicked.
-fn replay(name: &str, target: fn(&[u8])) -> Vec<String> {
+fn replay(name: &str, target: targets::Target) -> Vec<String> {
     let mut failures = Vec::new();
     let files = corpus(name);
     assert!(!files.is_empty(), "fuzz/corpus/{name} holds no input");

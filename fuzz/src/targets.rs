@@ -20,8 +20,14 @@ use strata::engine::model::weights::{self, PretrainedBlocks, WeightFiles};
 use strata::train_config::TrainConfig;
 use strata_comm::Solo;
 
+/// A target's body: its input, as bytes.
+pub type Target = fn(&[u8]);
+
+/// A saved checkpoint folder, and the bytes of its files a target may overwrite.
+type Template = (PathBuf, Vec<(String, Vec<u8>)>);
+
 /// Every target, by name: the name of its cargo-fuzz target and corpus folder.
-pub const TARGETS: [(&str, fn(&[u8])); 7] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("safetensors_header", safetensors_header),
     ("safetensors_index", safetensors_index),
     ("config_json", config_json),
@@ -227,7 +233,7 @@ pub fn token_file(data: &[u8]) {
 /// that the parse goes on past the checksums); bits 1 and 2 replace `trainer_state.json`
 /// and `config.json` by the second and third NUL-separated parts of the rest.
 pub fn checkpoint_manifest(data: &[u8]) {
-    static TEMPLATES: OnceLock<[(PathBuf, Vec<(String, Vec<u8>)>); 2]> = OnceLock::new();
+    static TEMPLATES: OnceLock<[Template; 2]> = OnceLock::new();
     let templates = TEMPLATES.get_or_init(checkpoint_templates);
     let Some((&flags, rest)) = data.split_first() else {
         return;
@@ -260,7 +266,7 @@ pub fn checkpoint_manifest(data: &[u8]) {
 /// Checkpoints of tests/data's tiny GPT-2 at step 2, saved by the product: an ordinary
 /// one and one sharded by a group of one rank; with each, the bytes of its small files
 /// (the ones a target may overwrite).
-fn checkpoint_templates() -> [(PathBuf, Vec<(String, Vec<u8>)>); 2] {
+fn checkpoint_templates() -> [Template; 2] {
     let (model, params) =
         weights::load_pretrained(&repo().join("tests/data/gpt2-tiny")).expect("tests/data");
     let zeros: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
