@@ -81,17 +81,16 @@ impl TextTokenizer {
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let file = tokenizer_file(path);
         let bytes = std::fs::read(&file).map_err(|e| ModelError::io(&file, e))?;
-        // JSON first: the tokenizers library panics on some syntax errors (a decoder's
-        // `expect("Helper")` in 0.22), so it is given only JSON that parses.
-        let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
-            ModelError::BadInput(format!("{}: not valid JSON: {e}", file.display()))
-        })?;
         let unreadable = |e: String| {
             ModelError::BadInput(format!(
                 "{}: not a tokenizer.json the tokenizers library reads: {e}",
                 file.display()
             ))
         };
+        // JSON first: the tokenizers library panics on some syntax errors (a decoder's
+        // `expect("Helper")` in 0.22), so it is given only JSON that parses.
+        let json: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
         // Valid JSON can still panic the library (a `Precompiled` normalizer whose
         // charsmap does not decode: `expect("Precompiled")` in 0.22): refused like any
         // other file it cannot read.
