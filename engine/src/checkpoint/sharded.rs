@@ -342,7 +342,7 @@ fn check_layout(d: &Dir<'_>, model: &Model, layout: &ShardLayout) -> Result<(), 
         && blocks
             .iter()
             .zip(&layout.shard_len)
-            .all(|(b, &s)| s * layout.ranks >= b.len);
+            .all(|(b, &s)| s.checked_mul(layout.ranks).is_some_and(|n| n >= b.len));
     if fits {
         Ok(())
     } else {

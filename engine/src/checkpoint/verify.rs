@@ -108,6 +108,17 @@ impl Dir<'_> {
         }
         let manifest: Manifest = serde_json::from_value(json)
             .map_err(|e| self.bad_json(MANIFEST_FILE, e.to_string()))?;
+        // Each rank wrote a file the manifest lists: a rank count past that is damage, and
+        // is refused before a file name is made for each rank.
+        if let Some(layout) = manifest.shards.as_ref()
+            && layout.ranks > manifest.files.len()
+        {
+            return Err(self.invalid(format!(
+                "{MANIFEST_FILE} says {} ranks wrote it, but lists {} files",
+                layout.ranks,
+                manifest.files.len()
+            )));
+        }
         let named_step = self
             .0
             .file_name()

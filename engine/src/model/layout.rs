@@ -18,6 +18,11 @@ use super::Bind;
 /// Tensors start at multiples of this many elements (128 bytes of f32, 64 of bf16).
 pub const TENSOR_ALIGN_ELEMENTS: usize = 32;
 
+/// The most transformer blocks a model may have: each has a block layout in host memory
+/// from the moment its `config.json` is read, so a count past any real model's (the
+/// largest have some hundreds) is refused before the layouts are built.
+pub const MAX_LAYERS: usize = 1 << 16;
+
 /// Where one tensor lies in its block's buffer, in elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Slot {

@@ -81,15 +81,30 @@ impl TextTokenizer {
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let file = tokenizer_file(path);
         let bytes = std::fs::read(&file).map_err(|e| ModelError::io(&file, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+        let unreadable = |e: String| {
             ModelError::BadInput(format!(
                 "{}: not a tokenizer.json the tokenizers library reads: {e}",
                 file.display()
             ))
-        })?;
-        let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
-            ModelError::BadInput(format!("{}: not valid JSON: {e}", file.display()))
-        })?;
+        };
+        // JSON first: the tokenizers library panics on some syntax errors (a decoder's
+        // `expect("Helper")` in 0.22), so it is given only JSON that parses.
+        let json: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
+        // Valid JSON can still panic the library (a `Precompiled` normalizer whose
+        // charsmap does not decode: `expect("Precompiled")` in 0.22): refused like any
+        // other file it cannot read.
+        let inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes))
+            .map_err(|_| unreadable("the library panicked reading it (see above)".into()))?
+            .map_err(|e| unreadable(e.to_string()))?;
+        // A template naming a special token the file does not define panics at every
+        // encode (tokenizers 0.22, `no entry found for key`): one probe here refuses
+        // the file before any text is read.
+        // (An error from the probe is left to the encode that would give it.)
+        let _probe = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            inner.encode_fast("a", true)
+        }))
+        .map_err(|_| unreadable("the library panicked encoding with it (see above)".into()))?;
         let pre = json
             .get("pre_tokenizer")
             .map(|p| p.to_string())

@@ -411,13 +411,16 @@ impl SafetensorsFile {
                 available: data.len(),
             });
         }
-        let elements = info.shape.iter().product::<usize>();
-        if end < start || end - start != elements * dtype.size_bytes() {
+        // A shape whose size overflows is damage like any other mismatch, not a panic.
+        let elements = (info.shape.iter()).try_fold(1usize, |n, &d| n.checked_mul(d));
+        let bytes = elements.and_then(|n| n.checked_mul(dtype.size_bytes()));
+        if end < start || Some(end - start) != bytes {
             return Err(ModelError::BadSafetensors {
                 path: self.path.clone(),
                 message: format!(
-                    "tensor `{name}` has {} data bytes for {elements} elements of {}",
+                    "tensor `{name}` has {} data bytes for shape {:?} of {}",
                     end.saturating_sub(start),
+                    info.shape,
                     info.dtype
                 ),
             });

@@ -3,6 +3,7 @@
 use strata_kernels::model_shape::Gpt2Shape;
 
 use crate::model::ModelError;
+use crate::model::layout::MAX_LAYERS;
 
 /// The shape of a GPT-2 model. The rest of the architecture is fixed: pre-LayerNorm
 /// blocks (eps 1e-5), 4x MLP with tanh-approximated GELU, learned position embedding,
@@ -95,6 +96,12 @@ impl Gpt2Config {
             return Err(ModelError::InvalidConfig(format!(
                 "{name} {value} exceeds the largest supported, {}",
                 i32::MAX
+            )));
+        }
+        if self.layers > MAX_LAYERS {
+            return Err(ModelError::InvalidConfig(format!(
+                "layers {} exceeds the most strata supports, {MAX_LAYERS}",
+                self.layers
             )));
         }
         if self.checked_param_count().is_none() {

@@ -8,6 +8,7 @@ use serde_json::{Map, Value, json};
 use strata_kernels::ops::{Llama3Scaling, RopeFreqs};
 
 use crate::model::ModelError;
+use crate::model::layout::MAX_LAYERS;
 
 /// Which member of the family: they share the block structure and differ in details.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -242,6 +243,12 @@ impl LlamaConfig {
             return Err(ModelError::InvalidConfig(format!(
                 "{name} {value} exceeds the largest supported, {}",
                 i32::MAX
+            )));
+        }
+        if self.layers > MAX_LAYERS {
+            return Err(ModelError::InvalidConfig(format!(
+                "num_hidden_layers {} exceeds the most strata supports, {MAX_LAYERS}",
+                self.layers
             )));
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
