@@ -94,13 +94,20 @@ impl TextTokenizer {
         // Valid JSON can still panic the library (a `Precompiled` normalizer whose
         // charsmap does not decode: `expect("Precompiled")` in 0.22): refused like any
         // other file it cannot read.
-        let inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes))
+        let mut inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes))
             .map_err(|_| unreadable("the library panicked reading it (see above)".into()))?
             .map_err(|e| unreadable(e.to_string()))?;
+        // A corpus is tokenized whole: a file's truncation would cut every document to
+        // its max_length in silence (and a stride over it panics the library), and its
+        // padding would add tokens that are not in the text.
+        inner
+            .with_truncation(None)
+            .map_err(|e| unreadable(e.to_string()))?;
+        inner.with_padding(None);
         // A template naming a special token the file does not define panics at every
         // encode (tokenizers 0.22, `no entry found for key`): one probe here refuses
-        // the file before any text is read.
-        // (An error from the probe is left to the encode that would give it.)
+        // the file before any text is read. (An error from the probe is left to the
+        // encode that would give it.) Every later call is guarded too (`guarded`).
         let _probe = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             inner.encode_fast("a", true)
         }))
@@ -157,30 +164,39 @@ impl TextTokenizer {
     /// The ids of `text`, with the tokenizer's special tokens (a Llama BOS) when
     /// `special` is set.
     pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, ModelError> {
-        self.inner
-            .encode_fast(text, special)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| self.error("encoding", e))
+        self.guarded("encoding", || {
+            self.inner
+                .encode_fast(text, special)
+                .map(|e| e.get_ids().to_vec())
+        })
     }
 
     /// The text of `ids`, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String, ModelError> {
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| self.error("decoding", e))
+        self.guarded("decoding", || self.inner.decode(ids, false))
     }
 
     /// Several texts at once, on the `tokenizers` crate's threads.
     fn encode_many(&self, texts: Vec<&str>, special: bool) -> Result<Vec<Vec<u32>>, ModelError> {
-        let encodings = self
-            .inner
-            .encode_batch_fast(texts, special)
-            .map_err(|e| self.error("encoding", e))?;
+        let encodings = self.guarded("encoding", || {
+            self.inner.encode_batch_fast(texts, special)
+        })?;
         Ok(encodings.iter().map(|e| e.get_ids().to_vec()).collect())
     }
 
-    fn error(&self, what: &str, e: tokenizers::Error) -> ModelError {
-        ModelError::BadInput(format!("{}: {what} failed: {e}", self.path.display()))
+    /// `call` into the tokenizers library, its error or its panic (the library panics
+    /// on some files it reads without complaint, at some texts) an error of `what`.
+    fn guarded<T>(
+        &self,
+        what: &str,
+        call: impl FnOnce() -> tokenizers::Result<T>,
+    ) -> Result<T, ModelError> {
+        let error = |e: String| {
+            ModelError::BadInput(format!("{}: {what} failed: {e}", self.path.display()))
+        };
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(call))
+            .map_err(|_| error("the tokenizers library panicked (see above)".into()))?
+            .map_err(|e| error(e.to_string()))
     }
 
     /// The ids of one text document, encoded in pieces where that gives the same ids
