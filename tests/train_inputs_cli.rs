@@ -5,7 +5,8 @@
 //! refuses, and weights holding NaN.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 fn data_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -13,11 +14,24 @@ fn data_dir(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// `strata` with `args`, killed (failing the test) if it runs past two minutes: a
+/// refusal comes in seconds, a run that was not refused might take hours.
 fn strata(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(args)
-        .output()
-        .expect("the strata binary runs")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the strata binary runs");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("strata {} ran for two minutes", args.join(" "));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
 }
 
 fn text(bytes: &[u8]) -> String {
