@@ -39,6 +39,10 @@ fn saved_overhead_bytes(model: &Model, source: Option<&Path>) -> u64 {
     256 * tensors + carried + (64 << 10)
 }
 
+/// What the filesystem holding a folder is: its device and its free bytes, or why they
+/// cannot be known.
+type Volume = Result<(u64, u64), String>;
+
 /// Something a run writes: its setting, the folder it goes in, and its bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Need {
@@ -136,7 +140,7 @@ fn checkpoints_at_once(cfg: &TrainConfig, dir: &Path) -> u64 {
 
 /// The filesystem holding `dir` (or, when it is not made yet, its nearest folder that
 /// is): its device and its free bytes.
-fn volume(dir: &Path) -> Result<(u64, u64), String> {
+fn volume(dir: &Path) -> Volume {
     let mut at = resolved(dir);
     while !at.exists() {
         if !at.pop() {
@@ -152,10 +156,7 @@ fn volume(dir: &Path) -> Result<(u64, u64), String> {
 
 /// Why `needs` do not fit: the first filesystem (in the order of `needs`) whose needs
 /// add up to more than `volume` says it has free, with each need and the free bytes.
-pub fn shortfall(
-    needs: &[Need],
-    volume: &dyn Fn(&Path) -> Result<(u64, u64), String>,
-) -> Option<String> {
+pub fn shortfall(needs: &[Need], volume: &dyn Fn(&Path) -> Volume) -> Option<String> {
     let mut volumes: Vec<(u64, u64, Vec<&Need>)> = Vec::new();
     for need in needs.iter().filter(|n| n.bytes > 0) {
         let (device, free) = match volume(&need.dir) {
@@ -205,7 +206,7 @@ mod tests {
     #[test]
     fn needs_on_one_filesystem_add_up_and_are_each_named() {
         // /a and /b share a drive with 10 GB free; /c has its own, with 1 GB.
-        let volume = |dir: &Path| -> Result<(u64, u64), String> {
+        let volume = |dir: &Path| -> Volume {
             Ok(match dir.starts_with("/c") {
                 true => (2, 1_000_000_000),
                 false => (1, 10_000_000_000),
