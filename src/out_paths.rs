@@ -1,6 +1,7 @@
 //! Where a run may write its trained model ([`out_refusal`]): never into the model folder
-//! it trains from (a user fine-tuning a downloaded model would lose it), the checkpoint
-//! folder or a swap folder, and never over a model saved before unless the run says so.
+//! it trains from (a user fine-tuning a downloaded model would lose it), nor the
+//! checkpoint folder or a swap folder itself, and never over a model saved before unless
+//! the run says so.
 //! Checked with the settings, before anything is read or allocated.
 //!
 //! Not here: writing the model (the engine's `model::weights`) or the free space it
@@ -35,8 +36,8 @@ pub fn resolved(path: &Path) -> PathBuf {
 }
 
 /// Why `--out` may not be `out`, in words that follow the flag: the input model folder
-/// `model` (or a folder inside it), the `checkpoint_dir` or an `nvme` folder (or inside
-/// one), a file, or a folder holding a model already (`config.json` or weights) unless
+/// `model` (or a folder inside it), the `checkpoint_dir` or an `nvme` folder (a folder
+/// inside those is fine: their files are named apart), a file, or a folder holding a model already (`config.json` or weights) unless
 /// `overwrite`.
 pub fn out_refusal(
     out: &Path,
@@ -68,9 +69,9 @@ pub fn out_refusal(
                 .map(|d| ("--nvme", d.as_path())),
         );
     for (flag, dir) in others {
-        if target.starts_with(resolved(dir)) {
+        if target == resolved(dir) {
             return Some(format!(
-                "names {shown}, inside {flag} {}: the model needs a folder of its own; name \
+                "names {shown}, which is {flag} {}: the model needs a folder of its own; name \
                  another directory",
                 dir.display()
             ));
@@ -129,8 +130,8 @@ mod tests {
             (p("model"), "which is the model folder --model"),
             (p("model/../model"), "which is the model folder --model"),
             (p("model/sub"), "inside the model folder --model"),
-            (p("ckpt"), "inside --checkpoint-dir"),
-            (p("nvme/out"), "inside --nvme"),
+            (p("ckpt"), "which is --checkpoint-dir"),
+            (p("nvme/."), "which is --nvme"),
             (p("file"), "which is a file"),
             (
                 p("saved"),
@@ -145,10 +146,11 @@ mod tests {
         assert_eq!(refusal(&p("saved"), true), None);
         assert_eq!(refusal(&p("empty"), false), None);
         assert_eq!(refusal(&p("new/deeper"), false), None);
-        // A checkpoint folder inside the output folder is fine.
+        // A checkpoint folder inside the output folder, or the other way round, is fine.
         assert_eq!(
             out_refusal(&p("empty"), model, Some(&p("empty/ckpt")), &[], false),
             None
         );
+        assert_eq!(refusal(&p("nvme/out"), false), None);
     }
 }
