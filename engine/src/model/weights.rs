@@ -331,7 +331,7 @@ impl PretrainedBlocks {
     /// # Panics
     /// If `b` is not a block of the model.
     pub fn read_block(&self, b: usize) -> Result<Vec<f32>, ModelError> {
-        self.files.read_checked_block(&self.model, "", b)
+        self.files.read_checked_block(&self.model, "", b, true)
     }
 }
 
@@ -671,7 +671,7 @@ impl WeightFiles {
     /// tensors of the files the model does not use.
     fn read_params(&self, model: &Model) -> Result<Vec<Vec<f32>>, ModelError> {
         self.check_params(model)?;
-        self.read_checked_blocks(model, "")
+        self.read_checked_blocks(model, "", true)
     }
 
     /// [`Self::check_blocks`] for the parameters, with a warning naming the tensors of
@@ -716,18 +716,19 @@ impl WeightFiles {
         prefix: &str,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         self.check_blocks(model, prefix)?;
-        self.read_checked_blocks(model, prefix)
+        self.read_checked_blocks(model, prefix, false)
     }
 
     /// Every block's tensors under `prefix`, widened to f32, once [`Self::check_blocks`]
-    /// has found every one of them.
+    /// has found every one of them (with `finite`, refusing NaN and infinities).
     fn read_checked_blocks(
         &self,
         model: &Model,
         prefix: &str,
+        finite: bool,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         (0..model.blocks().len())
-            .map(|b| self.read_checked_block(model, prefix, b))
+            .map(|b| self.read_checked_block(model, prefix, b, finite))
             .collect()
     }
 
@@ -745,14 +746,16 @@ impl WeightFiles {
     }
 
     /// Block `b`'s tensors under `prefix`, widened to f32, once [`Self::check_blocks`]
-    /// has found every one of them; an error naming the tensor and its file when one
-    /// holds a NaN or an infinity (training from it would give a NaN loss at step 1).
-    /// Each value is looked at once, as it is widened: no second read of the weights.
+    /// has found every one of them; with `finite`, an error naming the tensor and its
+    /// file when one holds a NaN or an infinity (training from a model's weights that do
+    /// would give a NaN loss at step 1; a checkpoint's bytes are verified by its manifest
+    /// instead). Each value is looked at once, as it is widened: no second read.
     fn read_checked_block(
         &self,
         model: &Model,
         prefix: &str,
         b: usize,
+        finite: bool,
     ) -> Result<Vec<f32>, ModelError> {
         let (family, block) = (model.family(), &model.blocks()[b]);
         let mut buffer = vec![0f32; block.len];
@@ -762,7 +765,7 @@ impl WeightFiles {
                 .expect("check_blocks found every tensor of the model");
             let values = &mut buffer[t.slot.range()];
             widen(dtype, bytes, values);
-            if let Some(first) = values.iter().position(|v| !v.is_finite()) {
+            if let Some(first) = values.iter().position(|v| finite && !v.is_finite()) {
                 let names = [
                     format!("{prefix}{}{}", family.hf_prefix(b), t.name),
                     format!("{prefix}{}", t.name),
