@@ -3,7 +3,7 @@
 
 use std::error::Error;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use strata_engine::checkpoint;
 use strata_engine::model::weights::{self, SaveOptions};
@@ -46,11 +46,9 @@ pub fn run(command: &CheckpointCommand, out: &mut dyn Write) -> Result<(), Box<d
 /// names one that is still there (its config.json and tokenizer files are carried).
 fn trained_from(config: &serde_json::Value) -> Option<weights::Pretrained> {
     let (cfg, _) = TrainConfig::recorded(config)?;
-    let path = Path::new(&cfg.model);
-    if !path.join(weights::CONFIG_FILE).is_file() || crate::model_source::has_no_weights(path) {
-        return None;
-    }
-    weights::describe_pretrained(path).ok().map(|(_, p)| p)
+    crate::model_source::pretrained_source(&cfg.model)
+        .ok()
+        .flatten()
 }
 
 fn export(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {

@@ -19,6 +19,7 @@ pub mod logging;
 pub mod machine;
 pub mod model_info;
 pub mod model_source;
+pub mod out_paths;
 pub mod plan_cmd;
 pub mod report;
 pub mod run_setup;

@@ -49,17 +49,21 @@ pub fn custom_shape(name: &str) -> Option<Gpt2Config> {
 }
 
 /// Whether `path` is a model folder holding a `config.json` and no weights of any
-/// format: a shape, trained from a random initialisation like a preset.
+/// format ([`weights::is_weights_file`]): a shape, trained from a random initialisation
+/// like a preset (with its tokenizer files, only when the run says so: [`refusal`]).
 pub fn has_no_weights(path: &Path) -> bool {
     path.is_dir()
         && path.join(weights::CONFIG_FILE).is_file()
-        && ![
-            weights::WEIGHTS_FILE,
-            "model.safetensors.index.json",
-            "pytorch_model.bin",
-        ]
-        .iter()
-        .any(|f| path.join(f).exists())
+        && weights::weights_files(path).is_empty()
+}
+
+/// The files of a model folder besides `config.json` that a trained model keeps (its
+/// tokenizer and generation settings, [`weights::CARRIED_FILES`]) that `dir` holds.
+fn carried_files(dir: &Path) -> Vec<&'static str> {
+    weights::CARRIED_FILES
+        .into_iter()
+        .filter(|f| dir.join(f).is_file())
+        .collect()
 }
 
 /// Whether `name` is a shape without weights (a preset, `LAYERSxWIDTH`, or a folder of
@@ -88,19 +92,33 @@ pub fn model_shape(name: &str) -> Result<Model, Error> {
 }
 
 /// The folder `name` names, described (headers only), when it names one with weights
-/// rather than a preset or a shape.
+/// rather than a preset or a shape; for a shape folder that holds tokenizer or
+/// generation files (trained with `--from-scratch`), the folder with its `config.json`
+/// and f32 weights, so that the trained model keeps those files.
 pub fn pretrained_source(name: &str) -> Result<Option<Pretrained>, Error> {
-    if is_shape(name) {
+    let dir = Path::new(name);
+    if !is_shape(name) {
+        return Ok(Some(weights::describe_pretrained(dir)?.1));
+    }
+    if !has_no_weights(dir) || carried_files(dir).is_empty() {
         return Ok(None);
     }
-    Ok(Some(weights::describe_pretrained(Path::new(name))?.1))
+    let text = std::fs::read_to_string(dir.join(weights::CONFIG_FILE))?;
+    Ok(Some(Pretrained {
+        dir: dir.to_path_buf(),
+        config: serde_json::from_str(&text)?,
+        dtype: weights::FileDtype::F32,
+        shard_bytes: None,
+    }))
 }
 
 /// Why `name` names no model strata can train, in words that follow the setting's name:
 /// not a preset, a shape or a folder; a folder without `config.json`; a family strata
 /// does not run; weights in a format it does not read (with the command that converts
-/// them). Looks at the file system.
-pub fn refusal(name: &str) -> Option<String> {
+/// them), or weight files it cannot read as one model (shards without their index); a
+/// folder that holds a tokenizer but no weights, unless `from_scratch` says to train it
+/// from the seed on purpose. Looks at the file system.
+pub fn refusal(name: &str, from_scratch: bool) -> Option<String> {
     let presets = preset_names();
     if presets.contains(&name) || shape_spec(name).is_some() {
         return None;
@@ -126,11 +144,24 @@ pub fn refusal(name: &str) -> Option<String> {
     if let Err(e) = weights::load_config(&config) {
         return Some(e.to_string());
     }
-    // A folder of only config.json is a shape, initialised like a preset; else one
-    // model.safetensors or sharded ones; pytorch_model.bin refused with the command that
-    // converts it.
+    // A folder of only config.json is a shape, initialised like a preset; one that also
+    // holds a model's tokenizer lost its weights (or never had them), which a run must
+    // not replace with random ones unasked. Else one model.safetensors or sharded ones;
+    // pytorch_model.bin refused with the command that converts it.
     if has_no_weights(dir) {
-        return None;
+        let carried = carried_files(dir);
+        if carried.is_empty() || from_scratch {
+            return None;
+        }
+        return Some(format!(
+            "names {}, which holds {} but no weights ({} or shards with {}): it would train \
+             from a random initialisation; copy the weights there, or add --from-scratch to \
+             initialise from --seed on purpose",
+            dir.display(),
+            carried.join(", "),
+            weights::WEIGHTS_FILE,
+            weights::INDEX_FILE
+        ));
     }
     weights::weights_layout(dir).err().map(|e| e.to_string())
 }

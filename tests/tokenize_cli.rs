@@ -131,12 +131,18 @@ fn train_on_text_and_json_lines_with_the_model_tokenizer() {
     let (_, source) = weights::describe_pretrained(&out).unwrap();
     assert_eq!(source.dtype, FileDtype::Bf16);
     assert_eq!(weights::config_dtype(&source.config), Some("bfloat16"));
-    // Again: the cache is used; --save-dtype fp32 writes f32 (in shards of the input's
-    // size, so more of them).
+    // Again, over the first (--overwrite): the cache is used; --save-dtype fp32 writes
+    // f32 (in shards of the input's size, so more of them).
     let second = train(
         &corpus,
         "2",
-        &["--out", out.to_str().unwrap(), "--save-dtype", "fp32"],
+        &[
+            "--out",
+            out.to_str().unwrap(),
+            "--overwrite",
+            "--save-dtype",
+            "fp32",
+        ],
     );
     assert!(second.contains("from the cache"), "{second}");
     let (_, source) = weights::describe_pretrained(&out).unwrap();

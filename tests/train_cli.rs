@@ -109,6 +109,8 @@ fn three_plain_adamw_steps_match_pytorch() {
             policy,
             "--out",
             out_dir.to_str().unwrap(),
+            // The second policy's model replaces the first's.
+            "--overwrite",
             "--nvme",
             dir.path().to_str().unwrap(),
         ]

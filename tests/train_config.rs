@@ -433,7 +433,7 @@ fn paths_that_must_exist() {
     )
     .expect("write");
     let e = model(llama.path());
-    assert!(e.contains("no integer `hidden_size`"), "{e}");
+    assert!(e.contains("has no `hidden_size`"), "{e}");
     // A folder of only a (complete) config.json is a shape without weights.
     fs::copy(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/llama-tiny/config.json"),

@@ -9,9 +9,9 @@ use std::path::Path;
 use model_support::golden_dir;
 use safetensors::{Dtype, View};
 use strata_engine::model::weights::{
-    FileDtype, INDEX_FILE, Pretrained, SaveOptions, WEIGHTS_FILE, WeightFiles, load_config,
-    load_pretrained, load_safetensors, open_pretrained, save_pretrained, save_pretrained_blocks,
-    save_pretrained_with,
+    FileDtype, INDEX_FILE, Pretrained, PretrainedBlocks, SaveOptions, WEIGHTS_FILE, WeightFiles,
+    load_config, load_pretrained, load_safetensors, open_pretrained, save_pretrained,
+    save_pretrained_blocks, save_pretrained_with,
 };
 use strata_engine::model::{Gpt2Config, Model, ModelError, gpt2};
 
@@ -199,6 +199,95 @@ fn a_missing_tensor_is_named() {
         message.contains("`transformer.h.1.mlp.c_fc.bias` is missing"),
         "{message}"
     );
+}
+
+#[test]
+fn a_tensor_holding_nan_or_inf_is_refused_naming_it_and_its_file() {
+    for (bad, shown) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf")] {
+        let mut tensors = golden_tensors();
+        let t = tensors
+            .get_mut("transformer.h.1.attn.c_proj.weight")
+            .unwrap();
+        assert_eq!(t.dtype, Dtype::F32);
+        t.bytes[4 * 5..4 * 6].copy_from_slice(&bad.to_le_bytes());
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), &tensors);
+        for message in [
+            load_safetensors(&tiny(), &path).unwrap_err().to_string(),
+            load_pretrained(dir.path()).unwrap_err().to_string(),
+            PretrainedBlocks::open(dir.path(), &tiny())
+                .unwrap()
+                .read_block(2)
+                .unwrap_err()
+                .to_string(),
+        ] {
+            assert!(
+                message.contains(&format!(
+                    "model.safetensors: tensor `transformer.h.1.attn.c_proj.weight` holds 1 \
+                     non-finite values of 1024 (the first, {shown}, at element 5)"
+                )),
+                "{message}"
+            );
+        }
+        // The blocks before it read as before.
+        let blocks = PretrainedBlocks::open(dir.path(), &tiny()).unwrap();
+        assert!(blocks.read_block(1).is_ok());
+    }
+}
+
+#[test]
+fn config_values_of_the_wrong_type_null_or_out_of_range_are_refused_by_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    for (key, value, words) in [
+        (
+            "n_embd",
+            serde_json::Value::Null,
+            "`n_embd` is null; it must be a positive integer",
+        ),
+        (
+            "n_layer",
+            "4".into(),
+            "`n_layer` is \"4\" (a string); it must be a positive integer",
+        ),
+        ("n_layer", 0.into(), "`n_layer` is 0"),
+        ("n_head", (-4).into(), "`n_head` is -4"),
+        ("vocab_size", 0.into(), "`vocab_size` is 0"),
+        ("n_positions", 64.5.into(), "`n_positions` is 64.5"),
+        (
+            "tie_word_embeddings",
+            "true".into(),
+            "`tie_word_embeddings` is \"true\" (a string); it must be true or false",
+        ),
+        (
+            "layer_norm_epsilon",
+            "1e-5".into(),
+            "`layer_norm_epsilon` is \"1e-5\" (a string); it must be a number",
+        ),
+        (
+            "layer_norm_epsilon",
+            serde_json::Value::Null,
+            "`layer_norm_epsilon` is null",
+        ),
+        (
+            "activation_function",
+            1.into(),
+            "`activation_function` is 1; it must be a string",
+        ),
+        ("n_inner", "128".into(), "`n_inner` is \"128\" (a string)"),
+    ] {
+        let mut json = gpt2::config_json(&Gpt2Config::tiny());
+        json[key] = value;
+        std::fs::write(&config, json.to_string()).unwrap();
+        let message = load_config(&config).unwrap_err().to_string();
+        assert!(message.contains(words), "{key}: {message}");
+        assert!(message.contains("config.json"), "{key}: {message}");
+    }
+    // null where transformers derives the value reads as absent.
+    let mut json = gpt2::config_json(&Gpt2Config::tiny());
+    json["n_inner"] = serde_json::Value::Null;
+    std::fs::write(&config, json.to_string()).unwrap();
+    load_config(&config).unwrap();
 }
 
 #[test]

@@ -159,7 +159,7 @@ fn train_loaded(
     let shape = plan.shape;
     let mut exec = Executor::on_cpu(model.clone(), plan, config).unwrap();
     if by_block {
-        exec.load_blocks(&|b| model.init_block(b, 7)).unwrap();
+        exec.load_blocks(&|b| Ok(model.init_block(b, 7))).unwrap();
     } else {
         exec.load(&model.init_params(7), None).unwrap();
     }
@@ -327,7 +327,7 @@ fn loading_a_block_at_a_time_trains_the_same_bits() {
         // A made block of the wrong size is refused, naming it.
         let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
         let err = exec
-            .load_blocks(&|b| vec![0.0; model.blocks()[b].len + usize::from(b == 1)])
+            .load_blocks(&|b| Ok(vec![0.0; model.blocks()[b].len + usize::from(b == 1)]))
             .unwrap_err();
         assert!(err.to_string().contains("block 1's parameters"), "{err}");
     }

@@ -614,7 +614,7 @@ impl Setup {
             Executor::new(self.model.clone(), plan.clone(), device, &self.exec_config)?;
         match &self.params {
             Some(params) => executor.load(params, None)?,
-            None => executor.load_blocks(&|b| self.model.init_block(b, self.seed))?,
+            None => executor.load_blocks(&|b| Ok(self.model.init_block(b, self.seed)))?,
         }
         Ok(executor)
     }

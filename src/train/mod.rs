@@ -19,6 +19,7 @@ mod finish;
 mod group;
 mod interrupt;
 mod planning;
+mod preflight;
 mod rescue;
 mod start;
 mod steps;
@@ -90,6 +91,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
     let model = model_shape(&cfg.model)?;
     let data = RunData::open(&cfg, &model, &mut out)?;
     let planned = plan_run(&cfg, &model, target, &ranks)?;
+    preflight::check_space(&cfg, &model, &planned, &ranks)?;
     let device = open_device(&cfg, &planned, &ranks)?;
     print_start(&mut out, &cfg, &model, &data, &planned, &device, &ranks)?;
 

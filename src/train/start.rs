@@ -11,8 +11,8 @@ use std::path::Path;
 use strata_engine::checkpoint::{self, TrainerState};
 use strata_engine::device::Device;
 use strata_engine::exec::{ExecConfig, Executor, TrainingState};
-use strata_engine::model::Model;
 use strata_engine::model::weights;
+use strata_engine::model::{Model, ModelError};
 use strata_engine::plan::Plan;
 
 use super::group::Ranks;
@@ -35,19 +35,21 @@ pub enum FreshParams {
 }
 
 impl FreshParams {
-    /// `model` being the configuration's.
+    /// `model` being the configuration's; initialised from the seed for a shape, or
+    /// with `from_scratch`, whatever weights the folder holds.
     fn of(cfg: &TrainConfig, model: &Model) -> Result<Self, Error> {
-        if is_shape(&cfg.model) {
+        if cfg.from_scratch || is_shape(&cfg.model) {
             return Ok(FreshParams::Init(model.clone(), cfg.seed));
         }
         let blocks = weights::PretrainedBlocks::open(Path::new(&cfg.model), model)?;
         Ok(FreshParams::Pretrained(blocks))
     }
 
-    /// Block `b`'s f32 parameters.
-    fn block(&self, b: usize) -> Vec<f32> {
+    /// Block `b`'s f32 parameters; an error naming the tensor and its file when a
+    /// folder's weights hold a NaN or an infinity.
+    fn block(&self, b: usize) -> Result<Vec<f32>, ModelError> {
         match self {
-            FreshParams::Init(model, seed) => model.init_block(b, *seed),
+            FreshParams::Init(model, seed) => Ok(model.init_block(b, *seed)),
             FreshParams::Pretrained(blocks) => blocks.read_block(b),
         }
     }

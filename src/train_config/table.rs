@@ -165,7 +165,13 @@ settings! {
     /// --seed) [default: small].
     Step model: String = SMALL_PRESET.to_string(),
         aliases("model_path"),
-        check(|c| crate::model_source::refusal(&c.model).map_or(Ok(()), Err));
+        check(|c| crate::model_source::refusal(&c.model, c.from_scratch).map_or(Ok(()), Err));
+
+    /// Initialise the model from --seed in the shape of --model's config.json, reading no
+    /// weights: needed to train a folder that holds a tokenizer but no weights, which is
+    /// otherwise refused (its weights may have been lost) [default: false].
+    Step from_scratch: bool = false,
+        aliases("init_from_scratch");
 
     /// Token data: an llm.c token file (*.bin), or text: *.jsonl lines {"text": ...} or
     /// {"prompt": ..., "completion": ...} (the loss counts completions only), any other
@@ -341,7 +347,13 @@ settings! {
     #[serde(skip_serializing_if = "Option::is_none")]
     Run out: Option<PathBuf> = None,
         flag(value_name = "DIR"),
-        aliases("output_dir");
+        aliases("output_dir"),
+        check(check_out);
+
+    /// Let --out replace a model already saved there (a folder holding config.json or
+    /// safetensors files), which is otherwise refused [default: false].
+    Run overwrite: bool = false,
+        aliases("overwrite_output_dir");
 
     /// Type of the tensors saved in --out [default: the type the model was read in;
     /// fp32 for a preset].
@@ -470,6 +482,20 @@ fn check_keep_checkpoints(c: &TrainConfig) -> Result<(), String> {
         0 => Err("must be at least 1 (found 0): the newest checkpoint is always kept".into()),
         _ => Ok(()),
     }
+}
+
+fn check_out(c: &TrainConfig) -> Result<(), String> {
+    let Some(out) = &c.out else {
+        return Ok(());
+    };
+    let refusal = crate::out_paths::out_refusal(
+        out,
+        &c.model,
+        c.checkpoint_dir.as_deref(),
+        &c.nvme,
+        c.overwrite,
+    );
+    refusal.map_or(Ok(()), Err)
 }
 
 fn check_trace_step(c: &TrainConfig) -> Result<(), String> {

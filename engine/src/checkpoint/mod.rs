@@ -53,4 +53,4 @@ pub use format::{
 };
 pub use sharded::{Shard, load_shard, save_sharded, shard_file};
 pub use verify::written_by_ranks;
-pub use whole::{load, save};
+pub use whole::{load, needed_bytes, save};

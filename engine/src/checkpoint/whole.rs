@@ -104,8 +104,9 @@ pub(super) fn assert_gaps_zero(model: &Model, name: &str, buffers: &[Vec<f32>]) 
 }
 
 /// An upper bound of the bytes a checkpoint of `model` takes: three f32 copies of every
-/// parameter, the safetensors headers, and the small files.
-pub(super) fn needed_bytes(model: &Model, state_json_bytes: usize) -> u64 {
+/// parameter, the safetensors headers, and the small files (a trainer state of
+/// `state_json_bytes` among them).
+pub fn needed_bytes(model: &Model, state_json_bytes: usize) -> u64 {
     let params = model.param_count() as u64;
     let tensors: u64 = model.blocks().iter().map(|b| b.tensors.len() as u64).sum();
     // A header entry: `"exp_avg_sq.transformer.<name>":{"dtype":"F32","shape":[a,b],

@@ -16,6 +16,7 @@ use super::executor::Executor;
 use crate::device::{DeviceRange, bytes_of, bytes_of_mut, cast_mut};
 use crate::lane::Lane;
 use crate::memory::{HostArena, HostRange};
+use crate::model::ModelError;
 use crate::plan::{BufId, Precision, Tier};
 
 /// AdamW's first and second moments, one buffer per block.
@@ -37,7 +38,7 @@ enum Source<'a> {
     Shard(&'a TrainingState),
     /// Whole blocks, each made when it is loaded (zero moments), so that no more than
     /// one block's parameters are held at once.
-    Blocks(&'a dyn Fn(usize) -> Vec<f32>),
+    Blocks(&'a dyn Fn(usize) -> Result<Vec<f32>, ModelError>),
 }
 
 /// One block of a [`Source`].
@@ -93,7 +94,12 @@ impl Executor {
     /// `make(b)`, called once per block in order and dropped once written: loading holds
     /// one block's parameters, not the model's (`Model::init_block` initialises a model
     /// larger than the memory its whole parameters would take beside the executor's).
-    pub fn load_blocks(&mut self, make: &dyn Fn(usize) -> Vec<f32>) -> Result<(), ExecError> {
+    /// An error of `make` (a tensor of a model folder that cannot be used) stops the load
+    /// and is returned.
+    pub fn load_blocks(
+        &mut self,
+        make: &dyn Fn(usize) -> Result<Vec<f32>, ModelError>,
+    ) -> Result<(), ExecError> {
         self.load_from(Source::Blocks(make))
     }
 
@@ -130,7 +136,7 @@ impl Executor {
                     moments: moments.map(|(m, v)| (&m[b][..], &v[b][..])),
                 },
                 Source::Blocks(make) => {
-                    made = make(b);
+                    made = make(b)?;
                     if made.len() != block.len {
                         return Err(ExecError::BadInput(format!(
                             "block {b}'s parameters have {} values, not the model's {}",

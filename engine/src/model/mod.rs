@@ -20,6 +20,7 @@
 //! Where buffers live, and when they move, is not decided here.
 
 mod bind;
+mod config_keys;
 pub mod data;
 mod error;
 mod family;

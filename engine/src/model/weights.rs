@@ -160,11 +160,88 @@ pub fn weights_layout(path: &Path) -> Result<WeightsLayout, ModelError> {
             std::io::Error::from(std::io::ErrorKind::NotFound),
         ));
     }
-    Err(ModelError::BadInput(format!(
-        "{}: has no {WEIGHTS_FILE} or {INDEX_FILE}; save a model there with \
-         save_pretrained or `strata model --init DIR`",
-        path.display()
-    )))
+    Err(ModelError::BadInput(missing_weights(path)))
+}
+
+/// Why a folder with no [`WEIGHTS_FILE`] or [`INDEX_FILE`] has no weights strata reads,
+/// naming the weight files it does hold and what to do with them.
+fn missing_weights(dir: &Path) -> String {
+    let found = weights_files(dir);
+    let listed = |names: &[String]| match names.len() {
+        0..=3 => names.join(", "),
+        n => format!("{}, ... ({n} files)", names[..2].join(", ")),
+    };
+    let shards: Vec<String> = found
+        .iter()
+        .filter(|n| n.contains("-of-") && n.ends_with(".safetensors"))
+        .cloned()
+        .collect();
+    let dir_text = dir.display();
+    if !shards.is_empty() {
+        return format!(
+            "{dir_text}: holds the shards {} but no {INDEX_FILE}, which says which tensor is \
+             in which shard; copy the index from where the shards came from (it is published \
+             beside them)",
+            listed(&shards)
+        );
+    }
+    if let Some(other) = found.iter().find(|n| n.ends_with(".safetensors")) {
+        return format!(
+            "{dir_text}: holds {other} but no {WEIGHTS_FILE} or {INDEX_FILE}; rename it \
+             {WEIGHTS_FILE}, or give the file itself as the model"
+        );
+    }
+    if !found.is_empty() {
+        return format!(
+            "{dir_text}: holds {} but no {WEIGHTS_FILE} or {INDEX_FILE}; strata reads \
+             safetensors only: convert the weights with transformers' save_pretrained",
+            listed(&found)
+        );
+    }
+    format!(
+        "{dir_text}: has no {WEIGHTS_FILE} or {INDEX_FILE}; save a model there with \
+         save_pretrained or `strata model --init DIR`"
+    )
+}
+
+/// Whether a file of this name holds a model's weights, in any format a model folder
+/// is published in (safetensors and their index, PyTorch's pickles and their index,
+/// GGUF, TensorFlow's and Flax's): what a folder must not hold unread.
+pub fn is_weights_file(name: &str) -> bool {
+    let pickle = name.ends_with(".bin")
+        && ["pytorch_model", "model", "adapter_model"]
+            .iter()
+            .any(|p| name.starts_with(p));
+    pickle
+        || [
+            ".safetensors",
+            ".safetensors.index.json",
+            ".bin.index.json",
+            ".pt",
+            ".pth",
+            ".ckpt",
+            ".gguf",
+            ".h5",
+            ".msgpack",
+        ]
+        .iter()
+        .any(|ext| name.ends_with(ext))
+}
+
+/// The names of the files of `dir` that hold weights ([`is_weights_file`]), sorted;
+/// none when `dir` cannot be read.
+pub fn weights_files(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| is_weights_file(n))
+        .collect();
+    names.sort();
+    names
 }
 
 /// The refusal of a pickled PyTorch checkpoint, with the one command that converts it.
@@ -248,12 +325,13 @@ impl PretrainedBlocks {
         })
     }
 
-    /// Block `b`'s parameters as f32, as [`load_pretrained`] gives them.
+    /// Block `b`'s parameters as f32, as [`load_pretrained`] gives them; an error naming
+    /// the tensor and its file when one holds a NaN or an infinity.
     ///
     /// # Panics
     /// If `b` is not a block of the model.
-    pub fn read_block(&self, b: usize) -> Vec<f32> {
-        self.files.read_checked_block(&self.model, "", b)
+    pub fn read_block(&self, b: usize) -> Result<Vec<f32>, ModelError> {
+        self.files.read_checked_block(&self.model, "", b, true)
     }
 }
 
@@ -596,7 +674,7 @@ impl WeightFiles {
     /// tensors of the files the model does not use.
     fn read_params(&self, model: &Model) -> Result<Vec<Vec<f32>>, ModelError> {
         self.check_params(model)?;
-        Ok(self.read_checked_blocks(model, ""))
+        self.read_checked_blocks(model, "", true)
     }
 
     /// [`Self::check_blocks`] for the parameters, with a warning naming the tensors of
@@ -641,14 +719,19 @@ impl WeightFiles {
         prefix: &str,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         self.check_blocks(model, prefix)?;
-        Ok(self.read_checked_blocks(model, prefix))
+        self.read_checked_blocks(model, prefix, false)
     }
 
     /// Every block's tensors under `prefix`, widened to f32, once [`Self::check_blocks`]
-    /// has found every one of them.
-    fn read_checked_blocks(&self, model: &Model, prefix: &str) -> Vec<Vec<f32>> {
+    /// has found every one of them (with `finite`, refusing NaN and infinities).
+    fn read_checked_blocks(
+        &self,
+        model: &Model,
+        prefix: &str,
+        finite: bool,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         (0..model.blocks().len())
-            .map(|b| self.read_checked_block(model, prefix, b))
+            .map(|b| self.read_checked_block(model, prefix, b, finite))
             .collect()
     }
 
@@ -666,17 +749,52 @@ impl WeightFiles {
     }
 
     /// Block `b`'s tensors under `prefix`, widened to f32, once [`Self::check_blocks`]
-    /// has found every one of them.
-    fn read_checked_block(&self, model: &Model, prefix: &str, b: usize) -> Vec<f32> {
+    /// has found every one of them; with `finite`, an error naming the tensor and its
+    /// file when one holds a NaN or an infinity (training from a model's weights that do
+    /// would give a NaN loss at step 1; a checkpoint's bytes are verified by its manifest
+    /// instead). Each value is looked at once, as it is widened: no second read.
+    fn read_checked_block(
+        &self,
+        model: &Model,
+        prefix: &str,
+        b: usize,
+        finite: bool,
+    ) -> Result<Vec<f32>, ModelError> {
         let (family, block) = (model.family(), &model.blocks()[b]);
         let mut buffer = vec![0f32; block.len];
         for t in &block.tensors {
             let (dtype, bytes) = self
                 .locate(prefix, family.hf_prefix(b), &t.name, &t.shape)
                 .expect("check_blocks found every tensor of the model");
-            widen(dtype, bytes, &mut buffer[t.slot.range()]);
+            let values = &mut buffer[t.slot.range()];
+            widen(dtype, bytes, values);
+            if let Some(first) = values.iter().position(|v| finite && !v.is_finite()) {
+                let names = [
+                    format!("{prefix}{}{}", family.hf_prefix(b), t.name),
+                    format!("{prefix}{}", t.name),
+                ];
+                return Err(self.not_finite(&names, values, first));
+            }
         }
-        buffer
+        Ok(buffer)
+    }
+
+    /// The error of a tensor (stored under one of `names`) whose `values` are not all
+    /// finite, `first` being the first that is not.
+    fn not_finite(&self, names: &[String; 2], values: &[f32], first: usize) -> ModelError {
+        let (name, file) = names
+            .iter()
+            .find_map(|n| Some((n, &self.files[*self.index.get(n)?].path)))
+            .expect("the tensor was located under one of its names");
+        let count = values.iter().filter(|v| !v.is_finite()).count();
+        ModelError::BadInput(format!(
+            "{}: tensor `{name}` holds {count} non-finite values of {} (the first, {}, at \
+             element {first}); training from it gives a NaN loss at step 1: load the model \
+             from an intact copy of its weights",
+            file.display(),
+            values.len(),
+            values[first]
+        ))
     }
 
     /// The folder's description: the dtype holding most of `model`'s parameters, the

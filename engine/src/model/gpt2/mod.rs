@@ -34,6 +34,7 @@ use strata_kernels::kernel::{
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, attention_scratch_bytes};
 
+use super::config_keys::ConfigKeys;
 use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
 use super::{Bind, Family, ModelError, Pass, Shape};
@@ -792,45 +793,29 @@ impl Program {
 /// Reads a GPT-2 `config.json` (already parsed), refusing options strata does not
 /// implement.
 fn parse_config(path: &Path, json: &Value) -> Result<Gpt2Config, ModelError> {
-    let unsupported = |message: String| ModelError::UnsupportedConfig {
-        path: path.to_path_buf(),
-        message,
-    };
-    let int = |keys: &[&str]| -> Result<usize, ModelError> {
-        keys.iter()
-            .find_map(|k| json.get(*k).and_then(Value::as_u64))
-            .map(|v| v as usize)
-            .ok_or_else(|| unsupported(format!("no integer `{}`", keys[0])))
-    };
+    let keys = ConfigKeys::new(path, json);
     let config = Gpt2Config {
-        layers: int(&["n_layer"])?,
-        heads: int(&["n_head"])?,
-        width: int(&["n_embd"])?,
-        vocab: int(&["vocab_size"])?,
-        ctx: int(&["n_positions", "n_ctx"])?,
+        layers: keys.size(&["n_layer"])?,
+        heads: keys.size(&["n_head"])?,
+        width: keys.size(&["n_embd"])?,
+        vocab: keys.size(&["vocab_size"])?,
+        ctx: keys.size(&["n_positions", "n_ctx"])?,
     };
-    let text_of = |key: &str| json.get(key).and_then(Value::as_str);
-    let flag = |key: &str, default: bool| json.get(key).and_then(Value::as_bool).unwrap_or(default);
-    let activation = text_of("activation_function").unwrap_or("gelu_new");
+    let activation = keys.text("activation_function")?.unwrap_or("gelu_new");
     if !matches!(activation, "gelu_new" | "gelu_pytorch_tanh") {
-        return Err(unsupported(format!(
+        return Err(keys.error(format!(
             "activation_function `{activation}`; strata implements GELU's tanh approximation \
              (`gelu_new`)"
         )));
     }
-    let eps = json
-        .get("layer_norm_epsilon")
-        .and_then(Value::as_f64)
-        .unwrap_or(1e-5);
+    let eps = keys.number("layer_norm_epsilon", 1e-5)?;
     if (eps - 1e-5).abs() > 1e-12 {
-        return Err(unsupported(format!(
-            "layer_norm_epsilon {eps}; strata uses 1e-5"
-        )));
+        return Err(keys.error(format!("layer_norm_epsilon {eps}; strata uses 1e-5")));
     }
-    match json.get("n_inner") {
-        None | Some(Value::Null) => {}
-        Some(v) if v.as_u64() == Some(4 * config.width as u64) => {}
-        Some(v) => return Err(unsupported(format!("n_inner {v}; strata uses 4 × n_embd"))),
+    match keys.optional_size("n_inner")? {
+        None => {}
+        Some(n) if n == 4 * config.width => {}
+        Some(n) => return Err(keys.error(format!("n_inner {n}; strata uses 4 × n_embd"))),
     }
     for (key, default, wanted) in [
         ("tie_word_embeddings", true, true),
@@ -838,11 +823,8 @@ fn parse_config(path: &Path, json: &Value) -> Result<Gpt2Config, ModelError> {
         ("scale_attn_by_inverse_layer_idx", false, false),
         ("add_cross_attention", false, false),
     ] {
-        if flag(key, default) != wanted {
-            return Err(unsupported(format!(
-                "{key} is {}; strata needs {wanted}",
-                !wanted
-            )));
+        if keys.flag(key, default)? != wanted {
+            return Err(keys.error(format!("{key} is {}; strata needs {wanted}", !wanted)));
         }
     }
     config.validate()?;

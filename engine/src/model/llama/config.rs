@@ -8,6 +8,7 @@ use serde_json::{Map, Value, json};
 use strata_kernels::ops::{Llama3Scaling, RopeFreqs};
 
 use crate::model::ModelError;
+use crate::model::config_keys::{ConfigKeys, number_of, shown};
 use crate::model::layout::MAX_LAYERS;
 
 /// Which member of the family: they share the block structure and differ in details.
@@ -346,40 +347,34 @@ impl LlamaConfig {
                 MODEL_TYPES.join(", ")
             ))
         })?;
-        let int = |key: &str| -> Option<usize> {
-            json.get(key).and_then(Value::as_u64).map(|v| v as usize)
-        };
-        let need = |key: &str| -> Result<usize, ModelError> {
-            int(key).ok_or_else(|| unsupported(format!("no integer `{key}`")))
-        };
-        let flag = |key: &str, default: bool| -> bool {
-            json.get(key).and_then(Value::as_bool).unwrap_or(default)
-        };
-        let width = need("hidden_size")?;
-        let heads = need("num_attention_heads")?;
-        let kv_heads = int("num_key_value_heads").unwrap_or(heads);
-        let head_dim = match int("head_dim") {
+        let keys = ConfigKeys::new(path, json);
+        let width = keys.size(&["hidden_size"])?;
+        let heads = keys.size(&["num_attention_heads"])?;
+        let kv_heads = keys.optional_size("num_key_value_heads")?.unwrap_or(heads);
+        let head_dim = match keys.optional_size("head_dim")? {
             Some(d) => d,
-            None if heads > 0 => width / heads,
-            None => 0,
+            None if width.is_multiple_of(heads) => width / heads,
+            None => {
+                return Err(unsupported(format!(
+                    "hidden_size {width} is not a multiple of num_attention_heads {heads}, \
+                     and no head_dim says the heads' width"
+                )));
+            }
         };
-        let activation = json
-            .get("hidden_act")
-            .and_then(Value::as_str)
-            .unwrap_or("silu");
+        let activation = keys.text("hidden_act")?.unwrap_or("silu");
         if activation != "silu" {
             return Err(unsupported(format!(
                 "hidden_act `{activation}`; strata's MLP is SiLU-gated (`silu`)"
             )));
         }
-        if flag("mlp_bias", false) {
+        if keys.flag("mlp_bias", false)? {
             return Err(unsupported(
                 "mlp_bias is true; strata's MLP has no biases".into(),
             ));
         }
         // Qwen2 always has q/k/v biases; Llama, Mistral and Qwen3 have them (and an
         // o_proj bias) only with attention_bias, which strata does not compute.
-        if variant != Variant::Qwen2 && flag("attention_bias", false) {
+        if variant != Variant::Qwen2 && keys.flag("attention_bias", false)? {
             return Err(unsupported(format!(
                 "attention_bias is true; strata computes {model_type}'s attention without \
                  biases (only Qwen2's q/k/v biases are built)"
@@ -388,29 +383,26 @@ impl LlamaConfig {
         let rope = parse_rope(json).map_err(unsupported)?;
         let sliding_window = match variant {
             // Mistral applies its window whenever one is set.
-            Variant::Mistral => int("sliding_window"),
+            Variant::Mistral => keys.optional_size("sliding_window")?,
             // Qwen applies it only with use_sliding_window.
-            Variant::Qwen2 | Variant::Qwen3 if flag("use_sliding_window", false) => {
-                int("sliding_window")
+            Variant::Qwen2 | Variant::Qwen3 if keys.flag("use_sliding_window", false)? => {
+                keys.optional_size("sliding_window")?
             }
             _ => None,
         };
         // transformers' default for all four.
-        let tied = flag("tie_word_embeddings", false);
+        let tied = keys.flag("tie_word_embeddings", false)?;
         let config = LlamaConfig {
             variant,
-            layers: need("num_hidden_layers")?,
+            layers: keys.size(&["num_hidden_layers"])?,
             width,
-            intermediate: need("intermediate_size")?,
+            intermediate: keys.size(&["intermediate_size"])?,
             heads,
             kv_heads,
             head_dim,
-            vocab: need("vocab_size")?,
-            ctx: need("max_position_embeddings")?,
-            eps: json
-                .get("rms_norm_eps")
-                .and_then(Value::as_f64)
-                .unwrap_or(1e-6) as f32,
+            vocab: keys.size(&["vocab_size"])?,
+            ctx: keys.size(&["max_position_embeddings"])?,
+            eps: keys.number("rms_norm_eps", 1e-6)? as f32,
             rope,
             tied,
             qkv_bias: variant == Variant::Qwen2,
@@ -499,11 +491,14 @@ impl LlamaConfig {
 fn parse_rope(json: &Value) -> Result<RopeFreqs, String> {
     let params = json.get("rope_parameters").filter(|v| v.is_object());
     let scaling = params.or_else(|| json.get("rope_scaling").filter(|v| v.is_object()));
-    let theta = params
+    let theta = match params
         .and_then(|p| p.get("rope_theta"))
         .or_else(|| json.get("rope_theta"))
-        .and_then(Value::as_f64)
-        .unwrap_or(10_000.0);
+    {
+        None => 10_000.0,
+        Some(value) => number_of(value)
+            .ok_or_else(|| format!("`rope_theta` is {}; it must be a number", shown(value)))?,
+    };
     let kind = scaling
         .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
         .and_then(Value::as_str)
@@ -610,13 +605,92 @@ mod tests {
         let e = parse(r#"{"model_type": "mistral", "hidden_size": 64}"#)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("no integer `num_attention_heads`"), "{e}");
+        assert!(e.contains("has no `num_attention_heads`"), "{e}");
         let e = parse(&format!(
             r#"{{"model_type": "llama", {SHAPE}, "num_key_value_heads": 3}}"#
         ))
         .unwrap_err()
         .to_string();
         assert!(e.contains("not a multiple of 3 key/value heads"), "{e}");
+    }
+
+    #[test]
+    fn values_of_the_wrong_type_null_or_out_of_range_are_refused_by_key() {
+        let shape: Value = serde_json::from_str(&format!("{{{SHAPE}}}")).unwrap();
+        for (key, value, words) in [
+            (
+                "hidden_size",
+                "null",
+                "`hidden_size` is null; it must be a positive integer",
+            ),
+            (
+                "num_hidden_layers",
+                r#""4""#,
+                r#"`num_hidden_layers` is "4" (a string)"#,
+            ),
+            ("num_hidden_layers", "0", "`num_hidden_layers` is 0"),
+            ("intermediate_size", "-96", "`intermediate_size` is -96"),
+            ("vocab_size", "0", "`vocab_size` is 0"),
+            (
+                "num_key_value_heads",
+                r#""2""#,
+                r#"`num_key_value_heads` is "2" (a string)"#,
+            ),
+            ("head_dim", "0", "`head_dim` is 0"),
+            (
+                "num_attention_heads",
+                "3",
+                "hidden_size 64 is not a multiple of num_attention_heads 3",
+            ),
+            ("rms_norm_eps", "0", "rms_norm_eps 0 must be positive"),
+            (
+                "rms_norm_eps",
+                "-1e-5",
+                "rms_norm_eps -0.00001 must be positive",
+            ),
+            (
+                "rms_norm_eps",
+                "null",
+                "`rms_norm_eps` is null; it must be a number",
+            ),
+            (
+                "rms_norm_eps",
+                r#""1e-5""#,
+                r#"`rms_norm_eps` is "1e-5" (a string)"#,
+            ),
+            ("rope_theta", "0", "rope_theta 0 must be above 1"),
+            (
+                "rope_theta",
+                r#""10000""#,
+                r#"`rope_theta` is "10000" (a string)"#,
+            ),
+            (
+                "tie_word_embeddings",
+                "1",
+                "`tie_word_embeddings` is 1; it must be true or false",
+            ),
+            (
+                "hidden_act",
+                "null",
+                "`hidden_act` is null; it must be a string",
+            ),
+        ] {
+            let mut json = shape.clone();
+            json["model_type"] = "llama".into();
+            json[key] = serde_json::from_str(value).unwrap();
+            let e = LlamaConfig::from_hf(Path::new("config.json"), &json)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(words), "{key} = {value}: {e}");
+        }
+        // null where transformers derives the value reads as absent.
+        let mut json = shape;
+        json["model_type"] = "qwen2".into();
+        for key in ["num_key_value_heads", "head_dim", "sliding_window"] {
+            json[key] = Value::Null;
+        }
+        let config = LlamaConfig::from_hf(Path::new("config.json"), &json).unwrap();
+        assert_eq!((config.kv_heads, config.head_dim), (4, 16));
     }
 
     #[test]
