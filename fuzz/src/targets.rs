@@ -93,7 +93,7 @@ fn read_weights(files: &WeightFiles, at: &Path) {
     for model in models() {
         if let Ok(blocks) = PretrainedBlocks::open(at, model) {
             for b in 0..model.blocks().len() {
-                blocks.read_block(b);
+                let _ = blocks.read_block(b);
             }
         }
         let _ = weights::load_safetensors(model, at);

@@ -178,9 +178,8 @@ impl TextTokenizer {
 
     /// Several texts at once, on the `tokenizers` crate's threads.
     fn encode_many(&self, texts: Vec<&str>, special: bool) -> Result<Vec<Vec<u32>>, ModelError> {
-        let encodings = self.guarded("encoding", || {
-            self.inner.encode_batch_fast(texts, special)
-        })?;
+        let encodings =
+            self.guarded("encoding", || self.inner.encode_batch_fast(texts, special))?;
         Ok(encodings.iter().map(|e| e.get_ids().to_vec()).collect())
     }
 
