@@ -155,9 +155,5 @@ pub fn last_checkpoint(last_saved: Option<&Path>) -> String {
 
 /// The step of a checkpoint folder `step-N`.
 fn checkpoint_step(path: &Path) -> Option<u64> {
-    path.file_name()?
-        .to_str()?
-        .strip_prefix("step-")?
-        .parse()
-        .ok()
+    checkpoint::parse_dir_name(path.file_name()?.to_str()?)
 }

@@ -23,7 +23,7 @@ pub fn dir_name(step: u64) -> String {
 }
 
 /// The step of a checkpoint folder's name, if it is one.
-pub(super) fn parse_dir_name(name: &str) -> Option<u64> {
+pub fn parse_dir_name(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
     if digits.len() < 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;

@@ -46,7 +46,7 @@ mod verify;
 mod whole;
 
 pub use error::CheckpointError;
-pub use folder::{dir_name, latest, list, resolve};
+pub use folder::{dir_name, latest, list, parse_dir_name, resolve};
 pub use format::{
     Checkpoint, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, FORMAT_VERSION, MANIFEST_FILE, OPTIMIZER_FILE,
     STATE_FILE, TrainerState,
