@@ -37,6 +37,13 @@ impl Isa {
         Isa::ALL.into_iter().find(|isa| isa.name() == name.trim())
     }
 
+    /// Whether the AdamW kernels of `self` fuse multiply-adds (one rounding): AVX2's and
+    /// AVX-512's do, the portable kernel does not. The CUDA AdamW follows this process's
+    /// choice, so the GPU and the CPU optimizer compute the same bits.
+    pub fn fuses_multiply_add(self) -> bool {
+        self != Isa::Portable
+    }
+
     /// Whether this CPU can run kernels built for `self`.
     pub fn is_supported(self) -> bool {
         match self {

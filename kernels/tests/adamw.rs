@@ -433,10 +433,10 @@ fn thread_counts_give_identical_results() {
 
 /// The reference's rounding of `isa`'s kernels: fused multiply-adds on AVX2 and AVX-512.
 fn arithmetic(isa: Isa) -> Arithmetic {
-    if isa == Isa::Portable {
-        Arithmetic::Unfused
-    } else {
+    if isa.fuses_multiply_add() {
         Arithmetic::Fused
+    } else {
+        Arithmetic::Unfused
     }
 }
 
@@ -866,6 +866,51 @@ fn grad_stats_are_pieces_folded_whatever_the_threads() {
             grad_stats_pieces(isa, 3, Grads::F32(part), 0.5, &mut |s| parts.push(s)).unwrap();
         }
         assert_eq!(parts, pieces, "{isa}");
+    }
+}
+
+/// The order every kernel sums squares in, written plainly (`STATS_PIECE`,
+/// `STATS_LANES`): pieces, each the pairwise sum of lanes that add every
+/// `STATS_LANES`-th square in order, folded left from zero. The CUDA kernel sums in it
+/// too (kernels/tests/cuda_ops.rs holds it to the CPU's bits on a GPU).
+fn sum_in_the_stated_order(g: &[f32], scale: f32) -> f64 {
+    use strata_kernels::adamw::{STATS_LANES, STATS_PIECE};
+    fn pairwise(x: &[f64]) -> f64 {
+        match x {
+            [one] => *one,
+            _ => pairwise(&x[..x.len() / 2]) + pairwise(&x[x.len() / 2..]),
+        }
+    }
+    let mut total = 0.0;
+    for piece in g.chunks(STATS_PIECE) {
+        let mut lanes = [0f64; STATS_LANES];
+        for (i, &x) in piece.iter().enumerate() {
+            let x = f64::from(x * scale);
+            lanes[i % STATS_LANES] += x * x;
+        }
+        total += pairwise(&lanes);
+    }
+    total
+}
+
+/// Every instruction set's sum of squares is the stated order's, bit for bit, so the
+/// clipping coefficient does not depend on the CPU (nor, on a GPU, on where the update
+/// runs).
+#[test]
+fn grad_stats_are_the_same_bits_on_every_isa() {
+    use strata_kernels::adamw::STATS_PIECE;
+    for n in [1, 15, 16, 17, 100, STATS_PIECE - 1, 3 * STATS_PIECE + 77] {
+        let t = tensors(n, 5 + n as u64);
+        let want = sum_in_the_stated_order(&t.g, 0.5);
+        for isa in Isa::supported() {
+            let got = grad_stats(isa, 2, Grads::F32(&t.g), 0.5).unwrap();
+            assert_eq!(
+                got.sum_squares.to_bits(),
+                want.to_bits(),
+                "{isa}, n={n}: {} against {want}",
+                got.sum_squares
+            );
+        }
     }
 }
 

@@ -425,35 +425,43 @@ fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
     }
 }
 
-/// Sum of squares of `g * scale`: products in f32, squares summed in f64.
+/// Sum of squares of `g * scale`: products in f32, squares summed in f64, in the
+/// [`super::STATS_LANES`] lanes every kernel sums in (two vectors of 8 per step, four
+/// accumulators of 4), so that the sum is the other instruction sets' bit for bit.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
+    const STEP: usize = super::STATS_LANES;
     let s = _mm256_set1_ps(scale);
-    let mut acc = [_mm256_setzero_pd(); 2];
-    let mut add = |x: __m256| {
+    let mut acc = [_mm256_setzero_pd(); STEP / 4];
+    let mut add = |x: __m256, half: usize| {
         let x = _mm256_mul_ps(x, s);
         let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
         let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x));
-        acc[0] = _mm256_fmadd_pd(lo, lo, acc[0]);
-        acc[1] = _mm256_fmadd_pd(hi, hi, acc[1]);
+        acc[2 * half] = _mm256_fmadd_pd(lo, lo, acc[2 * half]);
+        acc[2 * half + 1] = _mm256_fmadd_pd(hi, hi, acc[2 * half + 1]);
     };
-    let mut chunks = g.chunks_exact(LANES);
+    let mut chunks = g.chunks_exact(STEP);
     for chunk in &mut chunks {
-        // SAFETY: the chunk holds 8 elements.
-        add(unsafe { load_lanes(chunk.as_ptr()) });
+        // SAFETY: the chunk holds 16 elements, two vectors of 8.
+        unsafe {
+            add(load_lanes(chunk.as_ptr()), 0);
+            add(load_lanes(chunk.as_ptr().add(LANES)), 1);
+        }
     }
     let rest = chunks.remainder();
     if !rest.is_empty() {
-        let mut padded = [G::default(); LANES];
+        let mut padded = [G::default(); STEP];
         padded[..rest.len()].copy_from_slice(rest);
-        // SAFETY: `padded` holds 8 elements; the padding is zero and adds nothing.
-        add(unsafe { load_lanes(padded.as_ptr()) });
+        // SAFETY: `padded` holds 16 elements; the padding is zero and adds nothing.
+        unsafe {
+            add(load_lanes(padded.as_ptr()), 0);
+            add(load_lanes(padded.as_ptr().add(LANES)), 1);
+        }
     }
-    let mut lanes = [0f64; 2 * 4];
-    // SAFETY: `lanes` holds two vectors of 4 f64; the stores are unaligned.
-    unsafe {
-        _mm256_storeu_pd(lanes.as_mut_ptr(), acc[0]);
-        _mm256_storeu_pd(lanes.as_mut_ptr().add(4), acc[1]);
+    let mut lanes = [0f64; STEP];
+    for (j, acc) in acc.iter().enumerate() {
+        // SAFETY: `lanes` holds four vectors of 4 f64; the stores are unaligned.
+        unsafe { _mm256_storeu_pd(lanes.as_mut_ptr().add(4 * j), *acc) };
     }
     GradStats::from_sum(pairwise(&lanes))
 }

@@ -316,7 +316,9 @@ fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
     }
 }
 
-/// Sum of squares of `g * scale`: products in f32, squares summed in f64.
+/// Sum of squares of `g * scale`: products in f32, squares summed in f64, in the
+/// [`super::STATS_LANES`] lanes every kernel sums in (one vector of 16 per step, two
+/// accumulators of 8).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
     let s = _mm512_set1_ps(scale);
@@ -342,7 +344,7 @@ fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
         // SAFETY: `padded` holds 16 elements; the padding is zero and adds nothing.
         add(unsafe { load_lanes(padded.as_ptr()) });
     }
-    let mut lanes = [0f64; 2 * 8];
+    let mut lanes = [0f64; super::STATS_LANES];
     // SAFETY: `lanes` holds two vectors of 8 f64; the stores are unaligned.
     unsafe {
         _mm512_storeu_pd(lanes.as_mut_ptr(), acc[0]);

@@ -499,6 +499,14 @@ impl GradStats {
 /// piece sums wherever each part is computed ([`grad_stats_pieces`]).
 pub const STATS_PIECE: usize = 16384;
 
+/// Lanes of one piece's sum of squares, the order every instruction set's kernel and
+/// the CUDA kernel (`grad_stats_partials` in adamw.cu) sum in: lane `l` adds the squares
+/// of the piece's elements `l`, `l + 16`, `l + 32`, ... in order, from zero, in f64; the
+/// piece's sum is the lanes summed pairwise (halves first, recursively: adjacent lanes
+/// first). So the statistics, and the clipping coefficient drawn from them, are the same
+/// bits on every CPU and on a GPU.
+pub const STATS_LANES: usize = 16;
+
 /// One read-only pass over gradients, each multiplied by `scale` in f32 as the step does:
 /// the sum of squares (for global-norm clipping) and whether any is not finite.
 ///

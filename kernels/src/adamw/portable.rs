@@ -60,8 +60,8 @@ impl Kernels for Portable {
     }
 
     unsafe fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
-        let mut lanes = [0f64; CHUNK];
-        for chunk in g.chunks(CHUNK) {
+        let mut lanes = [0f64; super::STATS_LANES];
+        for chunk in g.chunks(super::STATS_LANES) {
             for (acc, &x) in lanes.iter_mut().zip(chunk) {
                 let x = f64::from(x.to_f32() * scale);
                 *acc += x * x;

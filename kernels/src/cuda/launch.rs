@@ -120,7 +120,7 @@ pub struct AdamConstants {
     one_minus_beta1: f32,
     one_minus_beta2: f32,
     step_size: f32,
-    bias_correction2_sqrt: f32,
+    inv_bias_correction2_sqrt: f32,
     eps: f32,
 }
 
@@ -138,7 +138,7 @@ impl From<&AdamStep> for AdamConstants {
             one_minus_beta1: k.one_minus_beta1,
             one_minus_beta2: k.one_minus_beta2,
             step_size: k.step_size,
-            bias_correction2_sqrt: k.bias_correction2_sqrt,
+            inv_bias_correction2_sqrt: k.inv_bias_correction2_sqrt,
             eps: k.eps,
         }
     }

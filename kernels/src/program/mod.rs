@@ -34,7 +34,7 @@ pub use crate::kernel::attention::{
 };
 pub use crate::kernel::crossentropy::IGNORE_TARGET;
 pub use crate::kernel::optimizer::{
-    GRAD_STATS_MAX_BLOCKS, GRAD_STATS_THREADS, grad_stats_blocks, grad_stats_scratch_bytes,
-    read_stats, round_into_f32, write_stats,
+    GRAD_STATS_PIECES_PER_BLOCK, GRAD_STATS_THREADS, grad_stats_blocks, grad_stats_pieces,
+    grad_stats_scratch_bytes, read_stats, round_into_f32, write_stats,
 };
 pub use crate::kernel::{Kernel, program_flops};

@@ -795,8 +795,14 @@ fn the_hosts_constants_are_the_sources() {
         let line = format!("#define {name} {}\n", mode as i32);
         assert!(source.contains(&line), "{line:?} is not in adamw.cu");
     }
-    let line = format!("#define GRAD_STATS_THREADS {GRAD_STATS_THREADS}\n");
-    assert!(source.contains(&line), "{line:?} is not in adamw.cu");
+    for (name, value) in [
+        ("GRAD_STATS_THREADS", GRAD_STATS_THREADS),
+        ("STATS_PIECE", crate::adamw::STATS_PIECE),
+        ("STATS_LANES", crate::adamw::STATS_LANES),
+    ] {
+        let line = format!("#define {name} {value}\n");
+        assert!(source.contains(&line), "{line:?} is not in adamw.cu");
+    }
     // Nine floats, as adamw.cu's struct AdamConstants.
     assert_eq!(std::mem::size_of::<AdamConstants>(), 36);
     assert_eq!(std::mem::align_of::<AdamConstants>(), 4);

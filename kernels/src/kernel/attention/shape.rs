@@ -207,8 +207,9 @@ pub(super) fn scores(b: usize, heads: usize, t: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::adamw::STATS_PIECE;
     use crate::kernel::optimizer::{
-        GRAD_STATS_MAX_BLOCKS, grad_stats_blocks, grad_stats_scratch_bytes,
+        GRAD_STATS_PIECES_PER_BLOCK, grad_stats_blocks, grad_stats_scratch_bytes,
     };
 
     /// Each (start, bytes) region aligned, after the one before, and inside `total`.
@@ -280,8 +281,15 @@ mod tests {
             }
         }
         assert_eq!(grad_stats_blocks(0), 1);
-        assert_eq!(grad_stats_blocks(257), 2);
-        assert_eq!(grad_stats_blocks(1 << 30), GRAD_STATS_MAX_BLOCKS);
-        assert_eq!(grad_stats_scratch_bytes(Target::Cuda, 257), 16);
+        assert_eq!(grad_stats_blocks(257), 1);
+        let per_block = GRAD_STATS_PIECES_PER_BLOCK * STATS_PIECE;
+        assert_eq!(grad_stats_blocks(per_block), 1);
+        assert_eq!(grad_stats_blocks(per_block + 1), 2);
+        assert_eq!(grad_stats_scratch_bytes(Target::Cuda, 0), 8);
+        assert_eq!(grad_stats_scratch_bytes(Target::Cuda, 257), 8);
+        assert_eq!(
+            grad_stats_scratch_bytes(Target::Cuda, 2 * STATS_PIECE + 1),
+            24
+        );
     }
 }

@@ -6,10 +6,13 @@
 
 use half::{bf16, f16};
 
-use crate::adamw::{AdamStep, CopyOut, GradStats, Grads, State, grad_stats};
+use crate::adamw::{
+    AdamStep, CopyOut, GradStats, Grads, STATS_LANES, STATS_PIECE, State, grad_stats,
+};
 use crate::cuda::launch::{
     AdamConstants, Arg, CudaKernel, CudaSource, Entry, Launch, grid, int, long, per_element,
 };
+use crate::isa::Isa;
 use crate::ops::{self, Cpu};
 use crate::program::{
     ByteRule, CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars,
@@ -24,27 +27,34 @@ const GRAD_STATS_PARTIALS: Entry = Entry::untyped("grad_stats_partials");
 const GRAD_STATS_TOTAL: Entry = Entry::untyped("grad_stats_total");
 
 /// Threads per block of the CUDA gradient statistics (`GRAD_STATS_THREADS` in
-/// `adamw.cu`).
+/// `adamw.cu`): [`GRAD_STATS_PIECES_PER_BLOCK`] pieces of [`STATS_LANES`] lanes.
 pub const GRAD_STATS_THREADS: usize = 256;
 
-/// The most blocks the first pass of the CUDA gradient statistics runs.
-pub const GRAD_STATS_MAX_BLOCKS: usize = 1024;
+/// Pieces of the CPU's sum ([`STATS_PIECE`] gradients each) one block of the first pass
+/// of the CUDA gradient statistics sums (`PIECES_PER_BLOCK` in `adamw.cu`).
+pub const GRAD_STATS_PIECES_PER_BLOCK: usize = GRAD_STATS_THREADS / STATS_LANES;
 
-/// Blocks of the first pass of the CUDA gradient statistics over `len` gradients: one per
-/// [`GRAD_STATS_THREADS`] gradients, at least 1 and at most [`GRAD_STATS_MAX_BLOCKS`]
-/// (each thread then visits several). Fixed by `len` alone, so the order of the sum is.
+/// Pieces of the CPU's sum over `len` gradients: the first pass of the CUDA statistics
+/// writes one f64 partial sum per piece, the second folds them in order, as the CPU does.
+pub fn grad_stats_pieces(len: usize) -> usize {
+    len.div_ceil(STATS_PIECE)
+}
+
+/// Blocks of the first pass of the CUDA gradient statistics over `len` gradients: one
+/// per [`GRAD_STATS_PIECES_PER_BLOCK`] pieces, at least 1.
 pub fn grad_stats_blocks(len: usize) -> usize {
-    len.div_ceil(GRAD_STATS_THREADS)
-        .clamp(1, GRAD_STATS_MAX_BLOCKS)
+    grad_stats_pieces(len)
+        .div_ceil(GRAD_STATS_PIECES_PER_BLOCK)
+        .max(1)
 }
 
 /// Bytes of scratch [`GradStatsKernel`] needs on `target` over `len` gradients: none on
-/// the CPU; on CUDA one f64 partial sum per block of the first pass of the reduction
-/// ([`grad_stats_blocks`]). The scratch must start at a multiple of 8 bytes.
+/// the CPU; on CUDA one f64 partial sum per piece ([`grad_stats_pieces`], at least one).
+/// The scratch must start at a multiple of 8 bytes.
 pub fn grad_stats_scratch_bytes(target: Target, len: usize) -> usize {
     match target {
         Target::Cpu => 0,
-        Target::Cuda => 8 * grad_stats_blocks(len),
+        Target::Cuda => 8 * grad_stats_pieces(len).max(1),
     }
 }
 
@@ -161,10 +171,10 @@ impl CudaKernel for GradStatsKernel {
     const ENTRIES: &'static [Entry] = &[GRAD_STATS_PARTIALS, GRAD_STATS_TOTAL];
 
     fn launch(&self, &n: &usize, scalars: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
-        let blocks = grad_stats_blocks(n);
+        let (blocks, pieces) = (grad_stats_blocks(n), grad_stats_pieces(n));
         // grad_stats_partials(double* partials, const float* grads, float scale, long
         // long n): `blocks` blocks of GRAD_STATS_THREADS threads read grads[..n] and write
-        // partials[..blocks] (the scratch holds 8 bytes per block).
+        // partials[..pieces] (the scratch holds 8 bytes per piece).
         let partials = [
             q.ptr(&self.scratch),
             q.ptr(&self.grads),
@@ -175,7 +185,7 @@ impl CudaKernel for GradStatsKernel {
         q.launch(GRAD_STATS_PARTIALS, grid(blocks, threads), &partials)?;
         // grad_stats_total(double* out, const double* partials, int count): one block of
         // GRAD_STATS_THREADS threads reads partials[..count] and writes out[0..2].
-        let total = [q.ptr(&self.out), q.ptr(&self.scratch), int(blocks)];
+        let total = [q.ptr(&self.out), q.ptr(&self.scratch), int(pieces)];
         Ok(q.launch(GRAD_STATS_TOTAL, grid(1, threads), &total)?)
     }
 }
@@ -324,8 +334,10 @@ impl CudaKernel for AdamWKernel {
         }
         let constants = AdamConstants::from(&self.step(scalars)?);
         // adamw_step(float* params, float* m, float* v, const float* grads, void*
-        // copy_out, int copy_mode, AdamConstants k, long long n): n elements of each
-        // tensor, and of copy_out only in the mode its dtype was checked for.
+        // copy_out, int copy_mode, int fused, AdamConstants k, long long n): n elements
+        // of each tensor, and of copy_out only in the mode its dtype was checked for;
+        // fused as this process's CPU AdamW rounds, so both compute the same bits.
+        let fused = Isa::active().fuses_multiply_add();
         let args = [
             q.ptr(&self.params),
             q.ptr(&self.m),
@@ -333,6 +345,7 @@ impl CudaKernel for AdamWKernel {
             q.ptr(&self.grads),
             copy_out,
             Arg::Int(mode as i32),
+            Arg::Int(i32::from(fused)),
             Arg::Adam(constants),
             long(n),
         ];
@@ -358,7 +371,7 @@ mod tests {
 
         fn dimensions(&self) -> Vec<(&'static str, usize)> {
             let n = self.grads.len;
-            vec![("n", n), ("count", grad_stats_blocks(n))]
+            vec![("n", n), ("count", grad_stats_pieces(n))]
         }
 
         fn floats(&self, scalars: &Scalars) -> Vec<(&'static str, f32)> {
@@ -408,7 +421,13 @@ mod tests {
                 (Some(_), Dtype::F16) => 5,
                 (Some(_), _) => 3,
             };
-            vec![("n", self.params.len), ("copy_mode", mode)]
+            // adamw.cu's rounding: this process's CPU AdamW's.
+            let fused = usize::from(Isa::active().fuses_multiply_add());
+            vec![
+                ("n", self.params.len),
+                ("copy_mode", mode),
+                ("fused", fused),
+            ]
         }
     }
 
