@@ -86,20 +86,20 @@ fn run_budgets(cfg: &TrainConfig, target: Target, ranks: &Ranks) -> Result<RunBu
 }
 
 /// What the options of `cfg` hold of the whole model in memory at once, per process, and
-/// which option: `None` when none does. Training, loading a fresh run and (alone) `--out`
-/// go a block at a time and are not counted.
+/// which option: `None` when none does. Training, loading a fresh run and, alone,
+/// `--out`, `--checkpoint-dir` and `--resume` go a block at a time and are not counted.
 fn whole_model_bytes(cfg: &TrainConfig, params: u64, ranks: usize) -> Option<(String, u64)> {
     // Per process: with ranks each holds its shard of a checkpoint it writes or reads
     // as its own, but gathers whole parameters (with their moments) to evaluate or write
     // the model.
     let mut wholes: Vec<(String, u64)> = Vec::new();
-    if cfg.checkpoint_dir.is_some() {
+    if cfg.checkpoint_dir.is_some() && ranks > 1 {
         wholes.push((
             "--checkpoint-dir: writing a checkpoint holds the parameters, m and v".into(),
             12 * params / ranks as u64,
         ));
     }
-    if cfg.resume.is_some() {
+    if cfg.resume.is_some() && ranks > 1 {
         wholes.push((
             "--resume: reading the checkpoint holds its parameters, m and v".into(),
             12 * params / ranks as u64,
