@@ -473,7 +473,7 @@ impl Drop for Runner {
 
 /// The positions of `targets` whose loss counts (not [`IGNORE_TARGET`]), at least one so
 /// that an all-masked batch has a zero mean rather than a NaN.
-fn counted_targets(targets: &[u32]) -> usize {
+pub(super) fn counted_targets(targets: &[u32]) -> usize {
     targets
         .iter()
         .filter(|&&t| t != crate::model::IGNORE_TARGET)
