@@ -209,7 +209,11 @@ fn plan_states_the_disk_space_a_checkpoint_takes() {
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let stated = answer["checkpoint_bytes"].as_u64().unwrap();
     let params = answer["params"].as_u64().unwrap();
-    assert!(text(&out.stdout).contains("checkpoint: "), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).contains("checkpoint: "),
+        "{}",
+        text(&out.stdout)
+    );
 
     let ck = dir.path().join("ck");
     let nvme = dir.path().join("nvme");

@@ -48,7 +48,14 @@ fn a_block_at_a_time_gives_the_runner_s_loss_bit_for_bit() {
             "{}: {whole} whole, {streamed} a block at a time",
             model.describe()
         );
-        let tied = (0..model.blocks().len()).filter(|&b| model.tied(b).is_some()).count();
-        assert_eq!(read.get(), model.blocks().len() + tied, "{}", model.describe());
+        let tied = (0..model.blocks().len())
+            .filter(|&b| model.tied(b).is_some())
+            .count();
+        assert_eq!(
+            read.get(),
+            model.blocks().len() + tied,
+            "{}",
+            model.describe()
+        );
     }
 }

@@ -101,8 +101,12 @@ fn assert_same_state(what: &str, a: &Executor, b: &Executor) {
         .enumerate()
     {
         for (block, (x, y)) in x.iter().zip(y).enumerate() {
-            let same = x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
-            assert!(same, "{what}: class {class} (params, m, v) of block {block} differs");
+            let same =
+                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(
+                same,
+                "{what}: class {class} (params, m, v) of block {block} differs"
+            );
         }
     }
 }
@@ -131,6 +135,14 @@ fn resuming_a_block_at_a_time_is_bit_identical_under_every_policy() {
                 .all(|(x, y)| x == y),
             "{what}: the checkpoint is not the executor's state"
         );
+        // Files the safetensors crate (transformers' reader) takes.
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            let bytes = std::fs::read(saved.dir.join(file)).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let per_block: usize = model.blocks().iter().map(|b| b.tensors.len()).sum();
+            let classes = if file == "model.safetensors" { 1 } else { 2 };
+            assert_eq!(st.len(), classes * per_block, "{what}: {file}");
+        }
         steps(&mut straight, shape, model.vocab(), 2, 4);
 
         let mut resumed = executor(&model, policy.as_ref(), shape, &nvme_b);
@@ -227,7 +239,11 @@ fn a_save_and_a_load_hold_a_few_blocks_state_not_the_model_s() {
             "{what}: saving held {held} bytes, over three blocks' state and the buffers, \
              {bound} (the whole state is {whole})"
         );
-        assert_eq!(report.staged_bytes_max as usize, block + (2 << 20), "{what}");
+        assert_eq!(
+            report.staged_bytes_max as usize,
+            block + (2 << 20),
+            "{what}"
+        );
 
         // Loading: the block read, the executor's staging of it, and an NVMe write's
         // buffer: measured 2.8 blocks under nvme-offload.
@@ -246,4 +262,3 @@ fn a_save_and_a_load_hold_a_few_blocks_state_not_the_model_s() {
         assert_same_state(&what, &exec, &resumed);
     }
 }
-

@@ -137,7 +137,13 @@ fn resumed(
             shard.state,
         ));
     }
+    let started = Instant::now();
     let opened = checkpoint::open(&dir)?;
+    log::info!(
+        "verified {} (every file's crc32c) in {:.2} s",
+        opened.dir().display(),
+        started.elapsed().as_secs_f64()
+    );
     check_resumed_model(path, opened.model(), model)?;
     check_resume_settings(path, &opened.state().config, cfg, ranks.ranks)?;
     let state = opened.state().clone();

@@ -41,8 +41,7 @@ use crate::model::weights::{self, CONFIG_FILE, FileDtype, WEIGHTS_FILE};
 pub type BlockState = [Vec<f32>; 3];
 
 /// What supplies each block's state to [`save_blocks`]: called once per block, in order.
-pub type ReadBlock<'a> =
-    dyn FnMut(usize) -> Result<BlockState, Box<dyn Error + Send + Sync>> + 'a;
+pub type ReadBlock<'a> = dyn FnMut(usize) -> Result<BlockState, Box<dyn Error + Send + Sync>> + 'a;
 
 /// What a save wrote.
 #[derive(Debug, Clone)]

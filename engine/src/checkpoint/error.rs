@@ -190,7 +190,9 @@ pub enum CheckpointError {
     },
     /// What supplied a block's state to a save failed (the executor reading it from its
     /// tier, say); the previous checkpoint is kept.
-    #[error("checkpoint step {step} was not saved: {what}: {source}; the previous checkpoint is kept")]
+    #[error(
+        "checkpoint step {step} was not saved: {what}: {source}; the previous checkpoint is kept"
+    )]
     Source {
         /// The step being saved.
         step: u64,

@@ -36,8 +36,7 @@ use super::folder::{
     resolve, sync_dir, write_synced,
 };
 use super::format::{
-    FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, STATE_FILE, ShardLayout,
-    TrainerState,
+    FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, STATE_FILE, ShardLayout, TrainerState,
 };
 use super::verify::{Dir, digest};
 use crate::model::Model;
@@ -334,7 +333,11 @@ pub(super) fn files(layout: &ShardLayout) -> Vec<String> {
 }
 
 /// Checks the layout against the model.
-pub(super) fn check_layout(d: &Dir<'_>, model: &Model, layout: &ShardLayout) -> Result<(), CheckpointError> {
+pub(super) fn check_layout(
+    d: &Dir<'_>,
+    model: &Model,
+    layout: &ShardLayout,
+) -> Result<(), CheckpointError> {
     let blocks = model.blocks();
     let fits = layout.ranks > 0
         && layout.shard_len.len() == blocks.len()

@@ -195,9 +195,7 @@ impl TensorReader {
         names: &[&str],
         shape: &[usize],
     ) -> Result<u64, CheckpointError> {
-        let Some((name, info)) = names
-            .iter()
-            .find_map(|n| Some((*n, self.tensors.get(*n)?)))
+        let Some((name, info)) = names.iter().find_map(|n| Some((*n, self.tensors.get(*n)?)))
         else {
             return Err(d.model_error(
                 &self.name,

@@ -24,7 +24,11 @@ pub fn save(root: &Path, ckpt: &Checkpoint, keep_last: usize) -> Result<PathBuf,
     let model = &ckpt.model;
     let bad = |e: ModelError| CheckpointError::BadInput(e.to_string());
     // Checks the three buffer sets against the layout before anything is written.
-    for (buffers, prefix) in [(&ckpt.params, ""), (&ckpt.m, EXP_AVG_PREFIX), (&ckpt.v, EXP_AVG_SQ_PREFIX)] {
+    for (buffers, prefix) in [
+        (&ckpt.params, ""),
+        (&ckpt.m, EXP_AVG_PREFIX),
+        (&ckpt.v, EXP_AVG_SQ_PREFIX),
+    ] {
         weights::block_views(model, buffers, prefix).map_err(bad)?;
     }
     for (name, buffers) in [("params", &ckpt.params), ("m", &ckpt.m), ("v", &ckpt.v)] {

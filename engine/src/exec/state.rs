@@ -13,7 +13,7 @@ use strata_storage::AlignedBuf;
 
 use super::error::ExecError;
 use super::executor::Executor;
-use crate::device::{DeviceRange, bytes_of, bytes_of_mut, cast_mut};
+use crate::device::{DeviceRange, bytes_of, bytes_of_mut, cast, cast_mut};
 use crate::lane::Lane;
 use crate::memory::{HostArena, HostRange};
 use crate::model::ModelError;
@@ -410,10 +410,11 @@ impl Executor {
     /// all. Alone only, as [`Executor::export_block`].
     pub fn export_block_state(&self, b: usize) -> Result<[Vec<f32>; 3], ExecError> {
         let len = self.check_alone_block(b)?;
-        let f = self.read_state(b, 3, &mut None)?;
         let shard = self.plan.shard_len[b] as usize;
-        // Copied out at their length, so that what is returned holds 12 bytes a value.
-        Ok(std::array::from_fn(|c| f[c * shard..c * shard + len].to_vec()))
+        // Copied out of where the tier's read put them, at their length.
+        self.with_state(b, 3, &mut None, |bytes| {
+            std::array::from_fn(|c| cast::<f32>(&bytes[4 * c * shard..][..4 * len]).to_vec())
+        })
     }
 
     /// Block `b`'s length, when this executor is alone and `b` is one of its blocks.
@@ -437,21 +438,37 @@ impl Executor {
     /// The first `classes` of this rank's shard of block `b`'s master parameters, m and
     /// v (1: the master parameters alone; 3: all three, one after another), read from
     /// their home (`staging`: host memory for device-homed state, made when first needed,
-    /// remade larger when a read needs more, and kept for the next call). NVMe state's
-    /// master parameters are read and verified on their own (the head of the extent,
-    /// checksummed apart).
+    /// remade larger when a read needs more, and kept for the next call).
     fn read_state(
         &self,
         b: usize,
         classes: usize,
         staging: &mut Option<HostArena>,
     ) -> Result<Vec<f32>, ExecError> {
+        let mut f = vec![0f32; classes * self.plan.shard_len[b] as usize];
+        self.with_state(b, classes, staging, |bytes| {
+            bytes_of_mut(&mut f).copy_from_slice(bytes)
+        })?;
+        Ok(f)
+    }
+
+    /// `use_bytes` of the first `classes` of this rank's shard of block `b`'s state (as
+    /// [`Self::read_state`] reads them), where they are read to: the NVMe read's buffer
+    /// (the master parameters read and verified on their own, the head of the extent
+    /// checksummed apart), the host arena itself, or `staging` for device-homed state.
+    /// No other copy is made.
+    fn with_state<R>(
+        &self,
+        b: usize,
+        classes: usize,
+        staging: &mut Option<HostArena>,
+        use_bytes: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, ExecError> {
         let shard = self.plan.shard_len[b] as usize;
         let home = self.plan.block_homes[b].state;
         let name = &self.plan.buffer(home).name;
         let bytes = 4 * classes * shard;
         let range = HostRange::new(0, bytes);
-        let mut f = vec![0f32; classes * shard];
         match self.plan.buffer(home).tier {
             Tier::Nvme => {
                 let (r, buf) = self
@@ -465,14 +482,14 @@ impl Executor {
                     op: format!("reading {name}"),
                     source,
                 })?;
-                bytes_of_mut(&mut f).copy_from_slice(&buf.as_slice()[..bytes]);
+                Ok(use_bytes(&buf.as_slice()[..bytes]))
             }
             Tier::Host => {
                 let bytes = self
                     .host()
                     .read(Lane::Cpu, self.host_range(home).prefix(bytes))
                     .map_err(self.device_error(format!("reading {name}")))?;
-                bytes_of_mut(&mut f).copy_from_slice(&bytes);
+                Ok(use_bytes(&bytes))
             }
             Tier::Device => {
                 if staging.as_ref().is_none_or(|s| s.len_bytes() < bytes) {
@@ -493,10 +510,9 @@ impl Executor {
                 let bytes = staging
                     .read(Lane::Cpu, range)
                     .map_err(self.device_error("exporting"))?;
-                bytes_of_mut(&mut f).copy_from_slice(&bytes);
+                Ok(use_bytes(&bytes))
             }
         }
-        Ok(f)
     }
 }
 
