@@ -32,7 +32,6 @@ use super::format::{
 use super::sharded::{files as shard_files, shard_file, tensor_names};
 use super::stream::{TensorReader, TensorWriter, WRITE_BUFFER_BYTES};
 use super::verify::Dir;
-use super::whole::{assert_gaps_zero, needed_bytes};
 use crate::model::Model;
 use crate::model::weights::{self, CONFIG_FILE, FileDtype, WEIGHTS_FILE};
 
@@ -53,6 +52,36 @@ pub struct SaveReport {
     /// The most RAM the save held at once besides its source's: one block's state (the
     /// largest) and the files' write buffers.
     pub staged_bytes_max: u64,
+}
+
+/// Panics unless every alignment gap of block `b`'s `buffer` is zero: the files hold
+/// tensors only, so a nonzero gap would not come back, and gaps are zero by the layout's
+/// contract.
+pub(super) fn assert_gaps_zero(model: &Model, b: usize, name: &str, buffer: &[f32]) {
+    let block = &model.blocks()[b];
+    // A gap runs from a tensor's end to the next one's start (or the block's end).
+    let ends = block.tensors.iter().map(|t| t.slot.range().end);
+    let next_starts = block.tensors.iter().skip(1).map(|t| t.slot.offset);
+    for (start, end) in ends.zip(next_starts.chain([block.len])) {
+        assert!(
+            buffer[start..end].iter().all(|x| x.to_bits() == 0),
+            "{name}: block {:?} has a nonzero alignment gap at elements {start}..{end}",
+            block.kind
+        );
+    }
+}
+
+/// An upper bound of the bytes a checkpoint of `model` takes: three f32 copies of every
+/// parameter, the safetensors headers, and the small files (a trainer state of
+/// `state_json_bytes` among them).
+pub fn needed_bytes(model: &Model, state_json_bytes: usize) -> u64 {
+    let params = model.param_count() as u64;
+    let tensors: u64 = model.blocks().iter().map(|b| b.tensors.len() as u64).sum();
+    // A header entry: `"exp_avg_sq.transformer.<name>":{"dtype":"F32","shape":[a,b],
+    // "data_offsets":[x,y]}`, at most a few hundred bytes with 20-digit numbers.
+    let header_per_tensor = 256u64;
+    let small_files = 64 * 1024;
+    3 * 4 * params + 3 * tensors * header_per_tensor + state_json_bytes as u64 + small_files
 }
 
 /// The tensors of block `b` of `model`, named as the checkpoint's files name them after

@@ -54,7 +54,7 @@ mod stream;
 mod verify;
 mod whole;
 
-pub use blocks::{BlockState, Opened, ReadBlock, SaveReport, open, save_blocks};
+pub use blocks::{BlockState, Opened, ReadBlock, SaveReport, needed_bytes, open, save_blocks};
 pub use error::CheckpointError;
 pub use folder::{dir_name, latest, list, parse_dir_name, resolve};
 pub use format::{
@@ -63,4 +63,4 @@ pub use format::{
 };
 pub use sharded::{Shard, load_shard, save_sharded, shard_file};
 pub use verify::written_by_ranks;
-pub use whole::{load, needed_bytes, save};
+pub use whole::{load, save};

@@ -1,7 +1,6 @@
 //! A whole checkpoint (one process's training state) in memory: [`save`] writes one
 //! (through `blocks`, a block at a time from its buffers); [`load`] verifies and reads one
-//! whole (a sharded one put together from every rank's shard); [`needed_bytes`], the
-//! disk space one takes.
+//! whole (a sharded one put together from every rank's shard).
 //!
 //! Not here: the folders (`folder`), the format (`format`), reading a folder
 //! (`verify`), writing and reading a block at a time (`blocks`), sharded checkpoints
@@ -9,11 +8,11 @@
 
 use std::path::{Path, PathBuf};
 
-use super::blocks::save_blocks;
+use super::blocks::{assert_gaps_zero, save_blocks};
 use super::error::CheckpointError;
 use super::format::{Checkpoint, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX};
+use crate::model::ModelError;
 use crate::model::weights;
-use crate::model::{Model, ModelError};
 
 /// Saves `ckpt` as `root/step-NNNNNNNN` (the step of `ckpt.state`), creating `root`, and
 /// returns that folder. Then keeps the newest `keep_last` (at least 1) complete
@@ -38,36 +37,6 @@ pub fn save(root: &Path, ckpt: &Checkpoint, keep_last: usize) -> Result<PathBuf,
     }
     let mut read = |b: usize| Ok([ckpt.params[b].clone(), ckpt.m[b].clone(), ckpt.v[b].clone()]);
     Ok(save_blocks(root, model, &ckpt.state, &mut read, keep_last)?.dir)
-}
-
-/// Panics unless every alignment gap of block `b`'s `buffer` is zero: the files hold
-/// tensors only, so a nonzero gap would not come back, and gaps are zero by the layout's
-/// contract.
-pub(super) fn assert_gaps_zero(model: &Model, b: usize, name: &str, buffer: &[f32]) {
-    let block = &model.blocks()[b];
-    // A gap runs from a tensor's end to the next one's start (or the block's end).
-    let ends = block.tensors.iter().map(|t| t.slot.range().end);
-    let next_starts = block.tensors.iter().skip(1).map(|t| t.slot.offset);
-    for (start, end) in ends.zip(next_starts.chain([block.len])) {
-        assert!(
-            buffer[start..end].iter().all(|x| x.to_bits() == 0),
-            "{name}: block {:?} has a nonzero alignment gap at elements {start}..{end}",
-            block.kind
-        );
-    }
-}
-
-/// An upper bound of the bytes a checkpoint of `model` takes: three f32 copies of every
-/// parameter, the safetensors headers, and the small files (a trainer state of
-/// `state_json_bytes` among them).
-pub fn needed_bytes(model: &Model, state_json_bytes: usize) -> u64 {
-    let params = model.param_count() as u64;
-    let tensors: u64 = model.blocks().iter().map(|b| b.tensors.len() as u64).sum();
-    // A header entry: `"exp_avg_sq.transformer.<name>":{"dtype":"F32","shape":[a,b],
-    // "data_offsets":[x,y]}`, at most a few hundred bytes with 20-digit numbers.
-    let header_per_tensor = 256u64;
-    let small_files = 64 * 1024;
-    3 * 4 * params + 3 * tensors * header_per_tensor + state_json_bytes as u64 + small_files
 }
 
 /// Loads a checkpoint: `path` is a checkpoint folder, or a root holding several, of which
