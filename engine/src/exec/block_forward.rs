@@ -135,18 +135,7 @@ impl BlockForward {
         targets: &[u32],
         read: &dyn Fn(usize) -> Result<Vec<f32>, ModelError>,
     ) -> Result<f32, ModelError> {
-        let n = self.shape.rows();
-        if tokens.len() != n || targets.len() != n {
-            return Err(ModelError::BadInput(format!(
-                "{} tokens and {} targets given for a batch of {n}",
-                tokens.len(),
-                targets.len()
-            )));
-        }
-        self.model.check_tokens(tokens)?;
-        self.model.check_targets(targets)?;
-        let mut ids = tokens.to_vec();
-        ids.extend_from_slice(targets);
+        let ids = super::runner::batch_ids(&self.model, self.shape, tokens, targets)?;
         self.upload(bytes_of(&ids), self.tokens)?;
         for b in 0..self.model.blocks().len() {
             self.load(b, self.params[0], read)?;
