@@ -63,7 +63,7 @@ pub enum Initial {
     Fresh(FreshParams),
     /// A checkpoint (ordinary, or sharded by another number of ranks), verified and
     /// read a block at a time as it is loaded.
-    Checkpoint(checkpoint::Opened),
+    Checkpoint(Box<checkpoint::Opened>),
     /// This rank's shards of a sharded checkpoint.
     Shard(TrainingState),
 }
@@ -147,7 +147,7 @@ fn resumed(
     check_resumed_model(path, opened.model(), model)?;
     check_resume_settings(path, &opened.state().config, cfg, ranks.ranks)?;
     let state = opened.state().clone();
-    Ok((Initial::Checkpoint(opened), state))
+    Ok((Initial::Checkpoint(Box::new(opened)), state))
 }
 
 /// Refuses a checkpoint of another model than the configured one.
