@@ -1,8 +1,8 @@
 //! A model's forward pass a block at a time, for evaluating a model larger than memory:
 //! each block's parameters are read (from wherever they live, through the caller) into
 //! one parameter slot just before the block runs, and dropped after it; the head's tied
-//! block (GPT-2's embedding) is read again into a second slot. Memory: two parameter
-//! slots of the largest block, two activations (block boundaries alternate between
+//! block (GPT-2's embedding) is read again beside the head's own. Memory: a parameter
+//! slot of the largest block (or of the head and the block it ties), two activations (block boundaries alternate between
 //! them), the tokens, losses and scratch of one batch, and a staging buffer of one block,
 //! instead of [`Runner`](super::Runner)'s whole model, its gradients and every
 //! boundary's activation. The same programs run as in the runner's forward, on the same
@@ -26,8 +26,8 @@ pub struct BlockForward {
     shape: Shape,
     _memory: DeviceBuffer,
     staging: HostArena,
-    /// The running block's parameters, and its tied block's.
-    params: [DeviceRange; 2],
+    /// The running block's parameters, then (at [`tied_offset`]) its tied block's.
+    params: DeviceRange,
     /// Block boundaries, alternating: block b reads `acts[(b + 1) % 2]`, writes
     /// `acts[b % 2]`.
     acts: [DeviceRange; 2],
@@ -44,22 +44,24 @@ impl BlockForward {
         let shape = model.shape(batch, seq)?;
         let (target, dtype) = (Target::Cpu, Dtype::F32);
         let largest = model.blocks().iter().map(|b| b.len).max().unwrap_or(0);
-        let tied = (0..model.blocks().len())
-            .filter_map(|b| model.tied(b))
-            .map(|t| model.blocks()[t].len)
+        // The running block's parameters, and after them its tied block's: the most any
+        // block needs (the head and the embedding it ties, or the embedding alone).
+        let params_bytes = (0..model.blocks().len())
+            .map(|b| {
+                tied_offset(&model, b) + model.tied(b).map_or(0, |t| 4 * model.blocks()[t].len)
+            })
             .max()
             .unwrap_or(0);
         let act = shape.rows() * model.width() * 4;
         let sizes = [
-            4 * largest,
-            4 * tied,
+            params_bytes,
             act,
             act,
             8 * shape.rows(),
             4 * shape.rows(),
             model.scratch_bytes(shape, target, dtype),
         ];
-        let mut offsets = [0usize; 7];
+        let mut offsets = [0usize; 6];
         let mut next = 0;
         for (o, &len) in offsets.iter_mut().zip(&sizes) {
             *o = next;
@@ -72,18 +74,18 @@ impl BlockForward {
         let memory = device.alloc(next.max(1)).map_err(ModelError::Device)?;
         let base = memory.arena_offset_bytes();
         let r = |i: usize| DeviceRange::new(base + offsets[i], sizes[i]);
-        let staging_bytes = (4 * largest.max(tied)).max(8 * shape.rows());
+        let staging_bytes = (4 * largest).max(8 * shape.rows());
         let staging = HostArena::new("block forward staging", staging_bytes, &device.pinning())
             .map_err(ModelError::Device)?;
         let forward = (0..model.blocks().len())
             .map(|b| model.program(b, Pass::Forward, shape, target, dtype).into())
             .collect();
         Ok(BlockForward {
-            params: [r(0), r(1)],
-            acts: [r(2), r(3)],
-            tokens: r(4),
-            losses: r(5),
-            scratch: r(6),
+            params: r(0),
+            acts: [r(1), r(2)],
+            tokens: r(3),
+            losses: r(4),
+            scratch: r(5),
             _memory: memory,
             staging,
             forward,
@@ -138,9 +140,9 @@ impl BlockForward {
         let ids = super::runner::batch_ids(&self.model, self.shape, tokens, targets)?;
         self.upload(bytes_of(&ids), self.tokens)?;
         for b in 0..self.model.blocks().len() {
-            self.load(b, self.params[0], read)?;
+            self.load(b, self.params, read)?;
             if let Some(t) = self.model.tied(b) {
-                self.load(t, self.params[1], read)?;
+                self.load(t, self.tied_params(b), read)?;
             }
             let program = &self.forward[b];
             self.device
@@ -167,13 +169,21 @@ impl BlockForward {
         Ok((sum / super::runner::counted_targets(targets) as f64) as f32)
     }
 
+    /// Where block `b`'s tied block's parameters go, after its own.
+    fn tied_params(&self, b: usize) -> DeviceRange {
+        let t = self.model.tied(b).expect("a block that ties another");
+        let len = 4 * self.model.blocks()[t].len;
+        self.params.sub(tied_offset(&self.model, b), len)
+    }
+
     /// Bindings of block `b`'s forward.
     fn bindings(&self, b: usize) -> Bindings {
         let rows = self.shape.rows();
         let mut out = Bindings::default();
-        out.set(Bind::Params as u8, self.params[0]);
+        let len = self.model.blocks()[b].len;
+        out.set(Bind::Params as u8, self.params.sub(0, 4 * len));
         if self.model.tied(b).is_some() {
-            out.set(Bind::TiedParams as u8, self.params[1]);
+            out.set(Bind::TiedParams as u8, self.tied_params(b));
         }
         out.set(Bind::Scratch as u8, self.scratch);
         out.set(Bind::Tokens as u8, self.tokens.sub(0, 4 * rows));
@@ -187,6 +197,12 @@ impl BlockForward {
         }
         out
     }
+}
+
+/// The offset of block `b`'s tied block's parameters in the parameter slot: after its
+/// own, aligned.
+fn tied_offset(model: &Model, b: usize) -> usize {
+    (4 * model.blocks()[b].len).next_multiple_of(ARENA_ALIGN)
 }
 
 impl Drop for BlockForward {
