@@ -152,7 +152,7 @@ impl Executor {
                 },
                 Source::Blocks(make) => {
                     made = [make(b)?, Vec::new(), Vec::new()];
-                    check_block_len(b, &made[..1], block.len)?;
+                    check_block_len(b, "parameters", &made[..1], block.len)?;
                     BlockSource::Whole {
                         params: &made[0][..],
                         moments: None,
@@ -160,7 +160,7 @@ impl Executor {
                 }
                 Source::States(read) => {
                     made = read(b)?;
-                    check_block_len(b, &made, block.len)?;
+                    check_block_len(b, "state", &made, block.len)?;
                     BlockSource::Whole {
                         params: &made[0][..],
                         moments: Some((&made[1][..], &made[2][..])),
@@ -516,11 +516,17 @@ impl Executor {
     }
 }
 
-/// Refuses a block's `buffers` made for loading unless each is the block's `len`.
-fn check_block_len(b: usize, buffers: &[Vec<f32>], len: usize) -> Result<(), ExecError> {
+/// Refuses a block's `buffers` made for loading (its `what`) unless each is the block's
+/// `len`.
+fn check_block_len(
+    b: usize,
+    what: &str,
+    buffers: &[Vec<f32>],
+    len: usize,
+) -> Result<(), ExecError> {
     match buffers.iter().find(|x| x.len() != len) {
         Some(x) => Err(ExecError::BadInput(format!(
-            "block {b}'s state has {} values, not the model's {len}",
+            "block {b}'s {what}: {} values, not the model's {len}",
             x.len()
         ))),
         None => Ok(()),
