@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use strata_engine::checkpoint;
+use strata_engine::model::ModelError;
 use strata_engine::model::weights::{self, SaveOptions};
 
 use crate::train_config::{Dtype, TrainConfig};
@@ -16,7 +17,8 @@ pub enum CheckpointCommand {
     /// Write a checkpoint's model as one Hugging Face folder (model.safetensors or
     /// shards with an index, config.json, and the tokenizer files of the model it was
     /// trained from when that folder is still there). A checkpoint sharded by ranks is
-    /// put together; every file is verified first.
+    /// put together; every file is verified first. Written a block at a time: the model
+    /// is never whole in memory.
     Export(ExportArgs),
 }
 
@@ -52,10 +54,8 @@ fn trained_from(config: &serde_json::Value) -> Option<weights::Pretrained> {
 }
 
 fn export(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
-    let dir = checkpoint::resolve(&args.checkpoint)?;
-    let ranks = checkpoint::written_by_ranks(&dir)?;
-    let ckpt = checkpoint::load(&dir)?;
-    let base = trained_from(&ckpt.state.config);
+    let opened = checkpoint::open(&args.checkpoint)?;
+    let base = trained_from(&opened.state().config);
     let mut options = base
         .as_ref()
         .map_or_else(SaveOptions::default, |b| SaveOptions {
@@ -63,17 +63,24 @@ fn export(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
             ..SaveOptions::default()
         });
     options.dtype = args.dtype.unwrap_or(Dtype::Fp32).file_dtype();
-    weights::save_pretrained_with(&ckpt.model, &ckpt.params, &args.out, &options)?;
+    // A block at a time: the model is never whole in memory.
+    let read = |b: usize| {
+        opened.block_params(b).map_err(|e| ModelError::Source {
+            what: format!("reading block {b} of {}", opened.dir().display()),
+            source: Box::new(e),
+        })
+    };
+    weights::save_pretrained_blocks(opened.model(), &read, &args.out, &options)?;
     writeln!(
         out,
         "exported {} (step {}, {}; {} params) to {} as {}{}",
-        dir.display(),
-        ckpt.state.step,
-        match ranks {
+        opened.dir().display(),
+        opened.state().step,
+        match opened.ranks() {
             Some(n) => format!("sharded by {n} ranks"),
             None => "ordinary".to_string(),
         },
-        ckpt.model.param_count(),
+        opened.model().param_count(),
         args.out.display(),
         options.dtype.torch_name(),
         match &base {

@@ -46,6 +46,10 @@ pub struct PlanReport {
     pub layers: usize,
     /// Parameters, gradients and AdamW state at 16 bytes per parameter.
     pub training_state_bytes: u64,
+    /// Disk space of one checkpoint (`--checkpoint-dir` holds `--keep-checkpoints` of
+    /// them and the one being written); saving and resuming hold a block's state at a
+    /// time in RAM.
+    pub checkpoint_bytes: u64,
     /// Sequences per micro-batch.
     pub batch: usize,
     /// Tokens per sequence.
@@ -241,6 +245,7 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
         description: model.describe(),
         layers: model.layers(),
         training_state_bytes: 16 * params,
+        checkpoint_bytes: strata_engine::checkpoint::needed_bytes(&model, 0),
         batch: shape.batch,
         seq: shape.seq,
         grad_accum: shape.grad_accum,
@@ -393,6 +398,12 @@ fn render_header(r: &PlanReport) -> String {
         r.params as f64 / 1e9,
         r.description,
         fmt_bytes(r.training_state_bytes)
+    );
+    out += &format!(
+        "checkpoint: {} on disk each (parameters, m, v); --checkpoint-dir holds \
+         --keep-checkpoints of them and the one being written, checked against free space \
+         before step 1\n",
+        fmt_bytes(r.checkpoint_bytes)
     );
     out += &format!(
         "step: {} x {} tokens x {} micro-batches, {}, --recompute {}; budgets: device {}, host {}, nvme {} ({})\n",

@@ -195,3 +195,45 @@ fn a_gpu_plan_says_it_is_ranked_with_the_cpus_default_rates() {
         );
     }
 }
+
+/// `strata plan` states one checkpoint's disk space, and a checkpoint `strata train`
+/// writes of the same job fits in it: the parameters, m and v (12 B/param) and little
+/// more.
+#[test]
+fn plan_states_the_disk_space_a_checkpoint_takes() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("plan.json");
+    let out = strata(&["plan", "--json", json.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let answer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let stated = answer["checkpoint_bytes"].as_u64().unwrap();
+    let params = answer["params"].as_u64().unwrap();
+    assert!(
+        text(&out.stdout).contains("checkpoint: "),
+        "{}",
+        text(&out.stdout)
+    );
+
+    let ck = dir.path().join("ck");
+    let nvme = dir.path().join("nvme");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let out = strata(&[
+        "train",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--nvme",
+        nvme.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let written: u64 = std::fs::read_dir(ck.join("step-00000001"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert!(
+        12 * params < written && written <= stated && stated < written + (1 << 20),
+        "plan states {stated} bytes, a checkpoint of {params} params took {written}"
+    );
+}

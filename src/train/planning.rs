@@ -86,31 +86,32 @@ fn run_budgets(cfg: &TrainConfig, target: Target, ranks: &Ranks) -> Result<RunBu
 }
 
 /// What the options of `cfg` hold of the whole model in memory at once, per process, and
-/// which option: `None` when none does. Training, loading a fresh run and (alone) `--out`
-/// go a block at a time and are not counted.
+/// which option: `None` when none does. Training, loading a fresh run and, alone,
+/// `--out`, `--checkpoint-dir`, `--resume` and `--eval-every` go a block at a time and
+/// are not counted.
 fn whole_model_bytes(cfg: &TrainConfig, params: u64, ranks: usize) -> Option<(String, u64)> {
     // Per process: with ranks each holds its shard of a checkpoint it writes or reads
     // as its own, but gathers whole parameters (with their moments) to evaluate or write
     // the model.
     let mut wholes: Vec<(String, u64)> = Vec::new();
-    if cfg.checkpoint_dir.is_some() {
+    if cfg.checkpoint_dir.is_some() && ranks > 1 {
         wholes.push((
             "--checkpoint-dir: writing a checkpoint holds the parameters, m and v".into(),
             12 * params / ranks as u64,
         ));
     }
-    if cfg.resume.is_some() {
+    if cfg.resume.is_some() && ranks > 1 {
         wholes.push((
             "--resume: reading the checkpoint holds its parameters, m and v".into(),
             12 * params / ranks as u64,
         ));
     }
-    if cfg.eval_every > 0 {
+    if cfg.eval_every > 0 && ranks > 1 {
         wholes.push((
-            "--eval-every: evaluating holds the parameters twice (read back, and in the \
-             evaluation's own model)"
+            "--eval-every with ranks: evaluating gathers the parameters, m and v, and holds \
+             the parameters in the evaluation's own model"
                 .into(),
-            if ranks > 1 { 16 } else { 8 } * params,
+            16 * params,
         ));
     }
     if cfg.out.is_some() && ranks > 1 {
@@ -152,8 +153,8 @@ fn check_whole_model_memory(
     Err(format!(
         "{what} of the whole model in memory ({} for {} parameters{}) beside the plan's {} \
          of {}, {} in all, and this machine has {} available: it would run out of memory \
-         there. strata does not do that a block at a time yet: leave the option out (--out \
-         writes the model a block at a time), or run where there is more memory",
+         there. With ranks strata does not do that a block at a time yet: leave the option \
+         out, run alone (where it goes a block at a time), or run where there is more memory",
         fmt_bytes(whole),
         model.param_count(),
         if ranks > 1 { ", per rank" } else { "" },
@@ -167,4 +168,48 @@ fn check_whole_model_memory(
         fmt_bytes(available)
     )
     .into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Alone, checkpoints, resumes, evaluations and `--out` go a block at a time and
+    /// hold nothing of the whole model (a 2.2B model whose 26 GB of state is larger than
+    /// this machine's RAM is not refused them); with ranks each still holds its shard or
+    /// the gathered model, and is refused where that does not fit.
+    #[test]
+    fn alone_no_option_holds_the_whole_model_with_ranks_each_does() {
+        let dir = std::path::PathBuf::from("/ck");
+        let options = [
+            TrainConfig {
+                checkpoint_dir: Some(dir.clone()),
+                ..TrainConfig::default()
+            },
+            TrainConfig {
+                resume: Some(dir.clone()),
+                ..TrainConfig::default()
+            },
+            TrainConfig {
+                eval_every: 1,
+                ..TrainConfig::default()
+            },
+            TrainConfig {
+                out: Some(dir.clone()),
+                ..TrainConfig::default()
+            },
+        ];
+        let params = 2_200_000_000u64;
+        for (cfg, (needle, per_rank)) in options.iter().zip([
+            ("--checkpoint-dir", 12 * params / 2),
+            ("--resume", 12 * params / 2),
+            ("--eval-every", 16 * params),
+            ("--out", 12 * params),
+        ]) {
+            assert_eq!(whole_model_bytes(cfg, params, 1), None, "{needle}");
+            let (what, bytes) = whole_model_bytes(cfg, params, 2).expect(needle);
+            assert!(what.starts_with(needle), "{what}");
+            assert_eq!(bytes, per_rank, "{needle}");
+        }
+    }
 }

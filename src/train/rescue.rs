@@ -13,9 +13,11 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::time::Instant;
 
-use strata_engine::checkpoint::{self, Checkpoint, TrainerState};
+use strata_engine::checkpoint::{self, TrainerState};
 use strata_engine::exec::Executor;
+use strata_engine::plan::fmt_bytes;
 
 use super::group::Ranks;
 use crate::machine::default_scratch_dir;
@@ -83,18 +85,33 @@ pub fn write_checkpoint(
             };
             checkpoint::save_sharded(dir, group.as_ref(), &shard, keep)?
         }
-        None => {
-            let (params, m, v) = exec.export()?;
-            let ckpt = Checkpoint {
-                model: exec.model().clone(),
-                params,
-                m,
-                v,
-                state: state.clone(),
-            };
-            checkpoint::save(dir, &ckpt, keep)?
-        }
+        None => save_alone(exec, dir, state, keep)?,
     })
+}
+
+/// Writes a checkpoint of `exec` (alone) at `state` in `dir` a block at a time, each
+/// block's state read from its tier as the file reaches it; logs the rate.
+fn save_alone(
+    exec: &Executor,
+    dir: &Path,
+    state: &TrainerState,
+    keep: usize,
+) -> Result<PathBuf, Error> {
+    let started = Instant::now();
+    let mut read = |b: usize| {
+        exec.export_block_state(b)
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+    };
+    let saved = checkpoint::save_blocks(dir, exec.model(), state, &mut read, keep)?;
+    let seconds = started.elapsed().as_secs_f64();
+    log::info!(
+        "checkpoint {}: {} in {seconds:.2} s ({:.0} MB/s), at most {} of state in RAM at once",
+        saved.dir.display(),
+        fmt_bytes(saved.bytes),
+        saved.bytes as f64 / seconds.max(1e-9) / 1e6,
+        fmt_bytes(saved.staged_bytes_max)
+    );
+    Ok(saved.dir)
 }
 
 /// Keeps `exec`'s state, `state` (a delayed update already applied): names

@@ -6,14 +6,16 @@
 //!
 //! Not here: the checkpoint format (the engine's `checkpoint`) or the steps.
 
+use std::cell::Cell;
 use std::path::Path;
+use std::time::Instant;
 
 use strata_engine::checkpoint::{self, TrainerState};
 use strata_engine::device::Device;
 use strata_engine::exec::{ExecConfig, Executor, TrainingState};
 use strata_engine::model::weights;
 use strata_engine::model::{Model, ModelError};
-use strata_engine::plan::Plan;
+use strata_engine::plan::{Plan, fmt_bytes};
 
 use super::group::Ranks;
 use crate::model_source::is_shape;
@@ -59,8 +61,9 @@ impl FreshParams {
 pub enum Initial {
     /// A fresh run's, made or read a block at a time as they are loaded.
     Fresh(FreshParams),
-    /// Whole blocks of an ordinary checkpoint, with its moments.
-    Whole(Vec<Vec<f32>>, [Vec<Vec<f32>>; 2]),
+    /// A checkpoint (ordinary, or sharded by another number of ranks), verified and
+    /// read a block at a time as it is loaded.
+    Checkpoint(Box<checkpoint::Opened>),
     /// This rank's shards of a sharded checkpoint.
     Shard(TrainingState),
 }
@@ -134,10 +137,17 @@ fn resumed(
             shard.state,
         ));
     }
-    let ckpt = checkpoint::load(&dir)?;
-    check_resumed_model(path, &ckpt.model, model)?;
-    check_resume_settings(path, &ckpt.state.config, cfg, ranks.ranks)?;
-    Ok((Initial::Whole(ckpt.params, [ckpt.m, ckpt.v]), ckpt.state))
+    let started = Instant::now();
+    let opened = checkpoint::open(&dir)?;
+    log::info!(
+        "verified {} (every file's crc32c) in {:.2} s",
+        opened.dir().display(),
+        started.elapsed().as_secs_f64()
+    );
+    check_resumed_model(path, opened.model(), model)?;
+    check_resume_settings(path, &opened.state().config, cfg, ranks.ranks)?;
+    let state = opened.state().clone();
+    Ok((Initial::Checkpoint(Box::new(opened)), state))
 }
 
 /// Refuses a checkpoint of another model than the configured one.
@@ -200,6 +210,28 @@ fn check_resume_settings(
     .into())
 }
 
+/// Loads the checkpoint `opened` into `exec` a block at a time; logs the rate.
+fn load_checkpoint(exec: &mut Executor, opened: &checkpoint::Opened) -> Result<(), Error> {
+    let started = Instant::now();
+    let read_bytes = Cell::new(0u64);
+    exec.load_state_blocks(&|b| {
+        let state = opened.block(b).map_err(|e| ModelError::Source {
+            what: format!("reading block {b} of {}", opened.dir().display()),
+            source: Box::new(e),
+        })?;
+        read_bytes.set(read_bytes.get() + 12 * state[0].len() as u64);
+        Ok(state)
+    })?;
+    let seconds = started.elapsed().as_secs_f64();
+    log::info!(
+        "resumed from {}: {} of state in {seconds:.2} s ({:.0} MB/s)",
+        opened.dir().display(),
+        fmt_bytes(read_bytes.get()),
+        read_bytes.get() as f64 / seconds.max(1e-9) / 1e6
+    );
+    Ok(())
+}
+
 /// The executor of `plan` on `device`, holding `initial`, at step `state`'s (less its
 /// skipped steps, which AdamW did not count).
 pub fn executor(
@@ -212,7 +244,7 @@ pub fn executor(
 ) -> Result<Executor, Error> {
     let mut exec = Executor::new(model.clone(), plan, device, exec_config)?;
     match &initial {
-        Initial::Whole(params, [m, v]) => exec.load(params, Some((&m[..], &v[..])))?,
+        Initial::Checkpoint(opened) => load_checkpoint(&mut exec, opened)?,
         Initial::Shard(shard) => exec.load_shard(shard)?,
         Initial::Fresh(fresh) => exec.load_blocks(&|b| fresh.block(b))?,
     }

@@ -15,8 +15,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use strata_engine::checkpoint::TrainerState;
-use strata_engine::exec::{ExecError, Executor, Runner, StepParams, StepReport};
+use strata_engine::exec::{BlockForward, ExecError, Executor, Runner, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
+use strata_engine::model::ModelError;
 use strata_engine::model::data::Batch;
 use strata_engine::plan::fmt_bytes;
 
@@ -465,7 +466,9 @@ impl<'a> StepLoop<'a> {
     }
 }
 
-/// The held-out batch's loss under the current master parameters.
+/// The held-out batch's loss under the current master parameters. Alone, a block at a
+/// time: each block's parameters are read from their tier as the forward reaches it, so
+/// the model is never whole in memory; with ranks, gathered (a collective).
 fn evaluate(
     exec: &Executor,
     data: &RunData,
@@ -473,17 +476,20 @@ fn evaluate(
     cfg: &TrainConfig,
 ) -> Result<f32, Error> {
     let model = exec.model();
-    // Alone, the parameters only, a block at a time; with ranks, gathered (a collective).
-    let params = if exec.comm().size() == 1 {
-        (0..model.blocks().len())
-            .map(|b| exec.export_block(b))
-            .collect::<Result<Vec<_>, _>>()?
-    } else {
-        exec.export()?.0
-    };
     let mut b = Batch::default();
     data.tokens
         .read_batch(batch, cfg.batch, cfg.seq, model.vocab(), &mut b)?;
+    if exec.comm().size() == 1 {
+        let forward = BlockForward::on_cpu(model.clone(), cfg.batch, cfg.seq)?;
+        let read = |b: usize| {
+            exec.export_block(b).map_err(|e| ModelError::Source {
+                what: format!("reading block {b}'s parameters to evaluate"),
+                source: Box::new(e),
+            })
+        };
+        return Ok(forward.forward(&b.inputs, &b.targets, &read)?);
+    }
+    let params = exec.export()?.0;
     let mut runner = Runner::on_cpu(model.clone(), cfg.batch, cfg.seq)?;
     runner.load(&params)?;
     Ok(runner.forward(&b.inputs, &b.targets)?)

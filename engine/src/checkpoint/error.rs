@@ -188,6 +188,19 @@ pub enum CheckpointError {
         /// The error writing the tensors.
         source: ModelError,
     },
+    /// What supplied a block's state to a save failed (the executor reading it from its
+    /// tier, say); the previous checkpoint is kept.
+    #[error(
+        "checkpoint step {step} was not saved: {what}: {source}; the previous checkpoint is kept"
+    )]
+    Source {
+        /// The step being saved.
+        step: u64,
+        /// What was being read.
+        what: String,
+        /// Its error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// What was given to save does not fit together.
     #[error("cannot save a checkpoint: {0}")]
     BadInput(String),

@@ -28,23 +28,33 @@
 //!
 //! Saves into one root are one at a time: a temporary folder is taken for an unfinished
 //! save while the process that made it runs (`/proc/<pid>` exists), and for a dead one
-//! otherwise. Not here: the training loop that decides when to save, and tensors that
-//! live on the NVMe tier (they are gathered into host buffers by the caller).
+//! otherwise. Not here: the training loop that decides when to save.
+//!
+//! A checkpoint is written and read a block at a time ([`save_blocks`], [`open`]): the
+//! caller hands over (or takes) one block's parameters, m and v at a time, from or to
+//! whichever tier the block lives on, so that a model whose state is larger than memory
+//! is checkpointed in the RAM of its largest block. [`save`] and [`load`] do the same
+//! from and to a whole [`Checkpoint`] in memory.
 //!
 //! With ranks, each rank writes its own shard of the state ([`save_sharded`], in
 //! `sharded`): the same folders, one shard file per rank and a manifest that describes
 //! the shards; [`load_shard`] reads one rank's, [`load`] puts them together.
 //!
 //! The files: `format` (what a checkpoint holds), `folder` (the root's folders),
-//! `verify` (reading a folder), `whole` and `sharded` (saving and loading), `error`.
+//! `verify` (reading a folder), `stream` (a tensor file written and read a tensor at a
+//! time), `blocks` (saving and loading a block at a time), `whole` and `sharded` (whole
+//! states and ranks' shards), `error`.
 
+mod blocks;
 mod error;
 mod folder;
 mod format;
 mod sharded;
+mod stream;
 mod verify;
 mod whole;
 
+pub use blocks::{BlockState, Opened, ReadBlock, SaveReport, needed_bytes, open, save_blocks};
 pub use error::CheckpointError;
 pub use folder::{dir_name, latest, list, parse_dir_name, resolve};
 pub use format::{
@@ -53,4 +63,4 @@ pub use format::{
 };
 pub use sharded::{Shard, load_shard, save_sharded, shard_file};
 pub use verify::written_by_ranks;
-pub use whole::{load, needed_bytes, save};
+pub use whole::{load, save};

@@ -21,9 +21,8 @@
 //! a shared one.
 //!
 //! Loading: [`load_shard`] reads and verifies one rank's file (and the small ones) for a
-//! resume by the same number of ranks; [`load`](super::load) puts every shard together
-//! into one ordinary [`Checkpoint`], for a resume by another number of ranks or an
-//! export.
+//! resume by the same number of ranks; [`open`](super::open) reads every shard's part of
+//! one block at a time, for a resume by another number of ranks or an export.
 
 use std::fs;
 use std::io::ErrorKind;
@@ -37,8 +36,7 @@ use super::folder::{
     resolve, sync_dir, write_synced,
 };
 use super::format::{
-    Checkpoint, FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, STATE_FILE, ShardLayout,
-    TrainerState,
+    FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, STATE_FILE, ShardLayout, TrainerState,
 };
 use super::verify::{Dir, digest};
 use crate::model::Model;
@@ -50,7 +48,7 @@ pub fn shard_file(rank: usize, ranks: usize) -> String {
 }
 
 /// The names of block `b`'s master parameters, m and v in a shard file.
-fn tensor_names(b: usize) -> [String; 3] {
+pub(super) fn tensor_names(b: usize) -> [String; 3] {
     [
         format!("master.{b}"),
         format!("exp_avg.{b}"),
@@ -328,14 +326,18 @@ fn finish(tmp: &Path, shard: &Shard, digests: &[FileDigest]) -> Result<(), Check
 }
 
 /// Every file of a sharded checkpoint: the small ones, then each rank's.
-fn files(layout: &ShardLayout) -> Vec<String> {
+pub(super) fn files(layout: &ShardLayout) -> Vec<String> {
     let mut files = vec![CONFIG_FILE.to_string(), STATE_FILE.to_string()];
     files.extend((0..layout.ranks).map(|r| shard_file(r, layout.ranks)));
     files
 }
 
 /// Checks the layout against the model.
-fn check_layout(d: &Dir<'_>, model: &Model, layout: &ShardLayout) -> Result<(), CheckpointError> {
+pub(super) fn check_layout(
+    d: &Dir<'_>,
+    model: &Model,
+    layout: &ShardLayout,
+) -> Result<(), CheckpointError> {
     let blocks = model.blocks();
     let fits = layout.ranks > 0
         && layout.shard_len.len() == blocks.len()
@@ -418,45 +420,6 @@ pub fn load_shard(path: &Path, rank: usize, ranks: usize) -> Result<Shard, Check
         ranks,
         rank,
         shard_len: layout.shard_len.clone(),
-        params,
-        m,
-        v,
-        state,
-    })
-}
-
-/// Loads the sharded checkpoint `dir` whole: every file verified, every rank's shards
-/// put together into one buffer per block.
-pub(super) fn load_whole(
-    dir: &Path,
-    manifest: &Manifest,
-    layout: &ShardLayout,
-) -> Result<Checkpoint, CheckpointError> {
-    let d = Dir(dir);
-    let files = files(layout);
-    d.verify(manifest, files.iter().map(String::as_str), |_| true)?;
-    let (state, model) = d.state_and_model(manifest)?;
-    check_layout(&d, &model, layout)?;
-    let mut whole: [Vec<Vec<f32>>; 3] = Default::default();
-    for class in &mut whole {
-        *class = model
-            .blocks()
-            .iter()
-            .map(|b| Vec::with_capacity(b.len))
-            .collect();
-    }
-    for rank in 0..layout.ranks {
-        let shards = read_shard(&d, layout, rank)?;
-        for (class, shards) in whole.iter_mut().zip(shards) {
-            for ((out, shard), block) in class.iter_mut().zip(shards).zip(model.blocks()) {
-                let take = block.len.saturating_sub(out.len()).min(shard.len());
-                out.extend_from_slice(&shard[..take]);
-            }
-        }
-    }
-    let [params, m, v] = whole;
-    Ok(Checkpoint {
-        model,
         params,
         m,
         v,

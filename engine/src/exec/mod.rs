@@ -47,10 +47,12 @@
 //! (`executor.rs`), its setup (`setup.rs`, `programs.rs`), the lane threads
 //! (`workers.rs`, `scratch.rs`), the state its lanes share during a step
 //! (`step_state.rs`), its configuration, errors, reports and test faults (`config.rs`,
-//! `error.rs`, `report.rs`, `trace.rs`, `fault.rs`). The whole-model [`Runner`] and the
-//! [`calibrate`] of the cost model sit beside it. This module only names them.
+//! `error.rs`, `report.rs`, `trace.rs`, `fault.rs`). The whole-model [`Runner`], the
+//! [`BlockForward`] that evaluates a block at a time, and the [`calibrate`] of the cost
+//! model sit beside it. This module only names them.
 
 mod arenas;
+mod block_forward;
 mod calibrate;
 mod comm;
 mod config;
@@ -73,6 +75,7 @@ mod stream;
 mod trace;
 mod workers;
 
+pub use block_forward::BlockForward;
 pub use calibrate::calibrate;
 pub use config::{ExecConfig, NVME_IN_FLIGHT, StepParams};
 pub use error::ExecError;

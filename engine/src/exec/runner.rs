@@ -379,19 +379,8 @@ impl Runner {
     /// family keeps them, the logits) for [`Runner::losses`] and [`Runner::logits`].
     pub fn forward(&mut self, tokens: &[u32], targets: &[u32]) -> Result<f32, ModelError> {
         self.has_forward = false;
-        let n = self.shape.rows();
-        if tokens.len() != n || targets.len() != n {
-            return Err(ModelError::BadInput(format!(
-                "{} tokens and {} targets given for a batch of {n}",
-                tokens.len(),
-                targets.len()
-            )));
-        }
-        self.model.check_tokens(tokens)?;
-        self.model.check_targets(targets)?;
+        let ids = batch_ids(&self.model, self.shape, tokens, targets)?;
         self.counted_targets = counted_targets(targets);
-        let mut ids = tokens.to_vec();
-        ids.extend_from_slice(targets);
         self.upload(crate::device::bytes_of(&ids), self.tokens, None)?;
         let mut last = None;
         for b in 0..self.model.blocks().len() {
@@ -471,9 +460,32 @@ impl Drop for Runner {
     }
 }
 
+/// A batch's `tokens` then its `targets`, as a forward uploads them, once both are
+/// checked against `model` and a batch of `shape`.
+pub(super) fn batch_ids(
+    model: &Model,
+    shape: Shape,
+    tokens: &[u32],
+    targets: &[u32],
+) -> Result<Vec<u32>, ModelError> {
+    let n = shape.rows();
+    if tokens.len() != n || targets.len() != n {
+        return Err(ModelError::BadInput(format!(
+            "{} tokens and {} targets given for a batch of {n}",
+            tokens.len(),
+            targets.len()
+        )));
+    }
+    model.check_tokens(tokens)?;
+    model.check_targets(targets)?;
+    let mut ids = tokens.to_vec();
+    ids.extend_from_slice(targets);
+    Ok(ids)
+}
+
 /// The positions of `targets` whose loss counts (not [`IGNORE_TARGET`]), at least one so
 /// that an all-masked batch has a zero mean rather than a NaN.
-fn counted_targets(targets: &[u32]) -> usize {
+pub(super) fn counted_targets(targets: &[u32]) -> usize {
     targets
         .iter()
         .filter(|&&t| t != crate::model::IGNORE_TARGET)

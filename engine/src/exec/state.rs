@@ -1,7 +1,7 @@
 //! What moves into and out of the executor's homes outside a step: loading the training
 //! state (master parameters, AdamW's moments, the working parameters made from them) into
 //! each block's homes on the device, in host memory or on NVMe, and reading it back
-//! (export). With ranks each rank holds its shard; whole blocks are gathered where a
+//! (export), whole or a block at a time (for checkpoints of a model larger than memory). With ranks each rank holds its shard; whole blocks are gathered where a
 //! home needs them.
 //!
 //! Not here: how bytes reach a home (the arenas, `arenas.rs`; the NVMe tier,
@@ -13,7 +13,7 @@ use strata_storage::AlignedBuf;
 
 use super::error::ExecError;
 use super::executor::Executor;
-use crate::device::{DeviceRange, bytes_of, bytes_of_mut, cast_mut};
+use crate::device::{DeviceRange, bytes_of, bytes_of_mut, cast, cast_mut};
 use crate::lane::Lane;
 use crate::memory::{HostArena, HostRange};
 use crate::model::ModelError;
@@ -25,8 +25,8 @@ pub type Moments<'a> = (&'a [Vec<f32>], &'a [Vec<f32>]);
 /// Master parameters, m and v, one f32 buffer per block each.
 pub type TrainingState = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>);
 
-/// What [`Executor::load`], [`Executor::load_blocks`] and [`Executor::load_shard`]
-/// write.
+/// What [`Executor::load`], [`Executor::load_blocks`], [`Executor::load_state_blocks`]
+/// and [`Executor::load_shard`] write.
 #[derive(Clone, Copy)]
 enum Source<'a> {
     /// Whole blocks, of which each rank takes its shards.
@@ -39,6 +39,9 @@ enum Source<'a> {
     /// Whole blocks, each made when it is loaded (zero moments), so that no more than
     /// one block's parameters are held at once.
     Blocks(&'a dyn Fn(usize) -> Result<Vec<f32>, ModelError>),
+    /// Whole blocks' master parameters, m and v, each read when it is loaded, so that no
+    /// more than one block's state is held at once.
+    States(&'a dyn Fn(usize) -> Result<[Vec<f32>; 3], ModelError>),
 }
 
 /// One block of a [`Source`].
@@ -103,6 +106,18 @@ impl Executor {
         self.load_from(Source::Blocks(make))
     }
 
+    /// As [`Executor::load`], block `b`'s master parameters, m and v being `read(b)`,
+    /// called once per block in order and dropped once written: loading holds one
+    /// block's state, not the model's (a checkpoint read a block at a time,
+    /// [`crate::checkpoint::Opened::block`]). With ranks each rank takes its shard of
+    /// every block. An error of `read` stops the load and is returned.
+    pub fn load_state_blocks(
+        &mut self,
+        read: &dyn Fn(usize) -> Result<[Vec<f32>; 3], ModelError>,
+    ) -> Result<(), ExecError> {
+        self.load_from(Source::States(read))
+    }
+
     /// Writes this rank's shards (per block, [`Executor::shard`]'s length of the master
     /// parameters, m and v, as [`Executor::export_shard`] returns them) to their homes.
     /// With ranks it is a collective where working parameters live whole on the device
@@ -136,17 +151,19 @@ impl Executor {
                     moments: moments.map(|(m, v)| (&m[b][..], &v[b][..])),
                 },
                 Source::Blocks(make) => {
-                    made = make(b)?;
-                    if made.len() != block.len {
-                        return Err(ExecError::BadInput(format!(
-                            "block {b}'s parameters have {} values, not the model's {}",
-                            made.len(),
-                            block.len
-                        )));
-                    }
+                    made = [make(b)?, Vec::new(), Vec::new()];
+                    check_block_len(b, "parameters", &made[..1], block.len)?;
                     BlockSource::Whole {
-                        params: &made,
+                        params: &made[0][..],
                         moments: None,
+                    }
+                }
+                Source::States(read) => {
+                    made = read(b)?;
+                    check_block_len(b, "state", &made, block.len)?;
+                    BlockSource::Whole {
+                        params: &made[0][..],
+                        moments: Some((&made[1][..], &made[2][..])),
                     }
                 }
                 Source::Shard((p, m, v)) => BlockSource::Shard {
@@ -380,42 +397,78 @@ impl Executor {
     /// [`Executor::export`] returns, for writing a model a block at a time. Alone only:
     /// with ranks each holds a shard, and `export` gathers them (a collective).
     pub fn export_block(&self, b: usize) -> Result<Vec<f32>, ExecError> {
+        let len = self.check_alone_block(b)?;
+        let mut f = self.read_state(b, 1, &mut None)?;
+        f.truncate(len);
+        Ok(f)
+    }
+
+    /// Block `b`'s master parameters, m and v, read from their home: one block of what
+    /// [`Executor::export`] returns, for a checkpoint written a block at a time. RAM: the
+    /// three buffers returned, and while reading a copy of them (an NVMe read's buffer,
+    /// or host staging for device-homed state), 24 bytes × the block's parameters in
+    /// all. Alone only, as [`Executor::export_block`].
+    pub fn export_block_state(&self, b: usize) -> Result<[Vec<f32>; 3], ExecError> {
+        let len = self.check_alone_block(b)?;
+        let shard = self.plan.shard_len[b] as usize;
+        // Copied out of where the tier's read put them, at their length.
+        self.with_state(b, 3, &mut None, |bytes| {
+            std::array::from_fn(|c| cast::<f32>(&bytes[4 * c * shard..][..4 * len]).to_vec())
+        })
+    }
+
+    /// Block `b`'s length, when this executor is alone and `b` is one of its blocks.
+    fn check_alone_block(&self, b: usize) -> Result<usize, ExecError> {
         if self.comm.size() != 1 {
             return Err(ExecError::BadInput(format!(
-                "export_block reads one process's blocks; with {} ranks, export gathers \
+                "reading a block reads one process's blocks; with {} ranks, export gathers \
                  every rank's shards",
                 self.comm.size()
             )));
         }
-        let Some(block) = self.model.blocks().get(b) else {
-            return Err(ExecError::BadInput(format!(
+        match self.model.blocks().get(b) {
+            Some(block) => Ok(block.len),
+            None => Err(ExecError::BadInput(format!(
                 "block {b} is not one of the model's {}",
                 self.model.blocks().len()
-            )));
-        };
-        let mut f = self.read_state(b, 1, &mut None)?;
-        f.truncate(block.len);
-        Ok(f)
+            ))),
+        }
     }
 
     /// The first `classes` of this rank's shard of block `b`'s master parameters, m and
     /// v (1: the master parameters alone; 3: all three, one after another), read from
     /// their home (`staging`: host memory for device-homed state, made when first needed,
-    /// remade larger when a read needs more, and kept for the next call). NVMe state's
-    /// master parameters are read and verified on their own (the head of the extent,
-    /// checksummed apart).
+    /// remade larger when a read needs more, and kept for the next call).
     fn read_state(
         &self,
         b: usize,
         classes: usize,
         staging: &mut Option<HostArena>,
     ) -> Result<Vec<f32>, ExecError> {
+        let mut f = vec![0f32; classes * self.plan.shard_len[b] as usize];
+        self.with_state(b, classes, staging, |bytes| {
+            bytes_of_mut(&mut f).copy_from_slice(bytes)
+        })?;
+        Ok(f)
+    }
+
+    /// `use_bytes` of the first `classes` of this rank's shard of block `b`'s state (as
+    /// [`Self::read_state`] reads them), where they are read to: the NVMe read's buffer
+    /// (the master parameters read and verified on their own, the head of the extent
+    /// checksummed apart), the host arena itself, or `staging` for device-homed state.
+    /// No other copy is made.
+    fn with_state<R>(
+        &self,
+        b: usize,
+        classes: usize,
+        staging: &mut Option<HostArena>,
+        use_bytes: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, ExecError> {
         let shard = self.plan.shard_len[b] as usize;
         let home = self.plan.block_homes[b].state;
         let name = &self.plan.buffer(home).name;
         let bytes = 4 * classes * shard;
         let range = HostRange::new(0, bytes);
-        let mut f = vec![0f32; classes * shard];
         match self.plan.buffer(home).tier {
             Tier::Nvme => {
                 let (r, buf) = self
@@ -429,14 +482,14 @@ impl Executor {
                     op: format!("reading {name}"),
                     source,
                 })?;
-                bytes_of_mut(&mut f).copy_from_slice(&buf.as_slice()[..bytes]);
+                Ok(use_bytes(&buf.as_slice()[..bytes]))
             }
             Tier::Host => {
                 let bytes = self
                     .host()
                     .read(Lane::Cpu, self.host_range(home).prefix(bytes))
                     .map_err(self.device_error(format!("reading {name}")))?;
-                bytes_of_mut(&mut f).copy_from_slice(&bytes);
+                Ok(use_bytes(&bytes))
             }
             Tier::Device => {
                 if staging.as_ref().is_none_or(|s| s.len_bytes() < bytes) {
@@ -457,10 +510,26 @@ impl Executor {
                 let bytes = staging
                     .read(Lane::Cpu, range)
                     .map_err(self.device_error("exporting"))?;
-                bytes_of_mut(&mut f).copy_from_slice(&bytes);
+                Ok(use_bytes(&bytes))
             }
         }
-        Ok(f)
+    }
+}
+
+/// Refuses a block's `buffers` made for loading (its `what`) unless each is the block's
+/// `len`.
+fn check_block_len(
+    b: usize,
+    what: &str,
+    buffers: &[Vec<f32>],
+    len: usize,
+) -> Result<(), ExecError> {
+    match buffers.iter().find(|x| x.len() != len) {
+        Some(x) => Err(ExecError::BadInput(format!(
+            "block {b}'s {what}: {} values, not the model's {len}",
+            x.len()
+        ))),
+        None => Ok(()),
     }
 }
 

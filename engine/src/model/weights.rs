@@ -711,17 +711,6 @@ impl WeightFiles {
         Ok(())
     }
 
-    /// One f32 buffer per block of `model`, each tensor found under `prefix` (`""` for
-    /// the parameters; the optimizer's moments use their own).
-    pub(crate) fn read_blocks(
-        &self,
-        model: &Model,
-        prefix: &str,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.check_blocks(model, prefix)?;
-        self.read_checked_blocks(model, prefix, false)
-    }
-
     /// Every block's tensors under `prefix`, widened to f32, once [`Self::check_blocks`]
     /// has found every one of them (with `finite`, refusing NaN and infinities).
     fn read_checked_blocks(
