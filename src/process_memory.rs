@@ -36,16 +36,17 @@ pub const PROCESS_OVERHEAD_BYTES: u64 = 232 << 20;
 /// rounding, pages touched by the kernel for the process), on top of the overhead.
 pub const PROCESS_SLACK_PERCENT: u64 = 2;
 
-/// The memory a run's process is planned to hold.
+/// The memory a run's process is planned to hold: the larger of two moments, stepping
+/// and loading, and the overhead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct ProcessMemory {
-    /// The plan's arenas that are RAM: its host peak, and on the CPU device its device
-    /// peak (the simulated device's memory is host memory).
+    /// While stepping: the plan's arenas that are RAM, its host peak and on the CPU
+    /// device its device peak (the simulated device's memory is host memory).
     pub arena_bytes: u64,
-    /// What loading or saving the state a block at a time holds beside the arenas
-    /// ([`staging_bytes`]).
-    pub staging_bytes: u64,
-    /// Both, in whole pages: the planned figure.
+    /// While loading the state a block at a time, before step 1: the host arena, the
+    /// CPU device's buffers loading writes, and [`staging_bytes`].
+    pub loading_bytes: u64,
+    /// The larger, in whole pages: the planned figure.
     pub planned_bytes: u64,
     /// [`PROCESS_OVERHEAD_BYTES`].
     pub overhead_bytes: u64,
@@ -57,23 +58,26 @@ impl ProcessMemory {
     /// The process memory of `plan` of `model` (on the target its step was planned
     /// for).
     pub fn of(plan: &Plan, model: &Model) -> Self {
-        Self::of_peaks(plan.peak, plan.shape.target, staging_bytes(plan, model))
+        let host = plan.peak[Tier::Host.index()];
+        let (device, device_loaded) = match plan.shape.target {
+            Target::Cpu => (plan.peak[Tier::Device.index()], device_homes_bytes(plan)),
+            // A GPU's memory is its own; CUDA's host-side context is not counted here.
+            Target::Cuda => (0, 0),
+        };
+        Self::new(
+            host + device,
+            host + device_loaded + staging_bytes(plan, model),
+        )
     }
 
-    /// The process memory of a plan with these peaks (device, host, NVMe) on `target`,
-    /// with `staging_bytes` of staging beside its arenas.
-    pub fn of_peaks(peak: [u64; 3], target: Target, staging_bytes: u64) -> Self {
-        let device_in_ram = match target {
-            Target::Cpu => peak[Tier::Device.index()],
-            // A GPU's memory is its own; CUDA's host-side context is not counted here.
-            Target::Cuda => 0,
-        };
-        let arena_bytes = peak[Tier::Host.index()] + device_in_ram;
+    /// The process memory of `arena_bytes` in RAM while stepping and `loading_bytes`
+    /// while loading.
+    pub fn new(arena_bytes: u64, loading_bytes: u64) -> Self {
         // In whole pages, as the kernel counts memory (and rounds a cgroup's limit).
-        let planned_bytes = (arena_bytes + staging_bytes).next_multiple_of(4096);
+        let planned_bytes = arena_bytes.max(loading_bytes).next_multiple_of(4096);
         ProcessMemory {
             arena_bytes,
-            staging_bytes,
+            loading_bytes,
             planned_bytes,
             overhead_bytes: PROCESS_OVERHEAD_BYTES,
             total_bytes: planned_bytes + PROCESS_OVERHEAD_BYTES,
@@ -90,12 +94,13 @@ impl ProcessMemory {
     /// it.
     pub fn line(&self) -> String {
         format!(
-            "process memory: planned {} + overhead {} = {} (arenas in RAM {}, block staging {})",
+            "process memory: planned {} + overhead {} = {} (arenas in RAM {} while stepping, {} \
+             while loading a block at a time)",
             fmt_bytes(self.planned_bytes),
             fmt_bytes(self.overhead_bytes),
             fmt_bytes(self.total_bytes),
             fmt_bytes(self.arena_bytes),
-            fmt_bytes(self.staging_bytes)
+            fmt_bytes(self.loading_bytes)
         )
     }
 
@@ -136,13 +141,13 @@ impl ProcessMemory {
             Target::Cuda => String::new(),
         };
         Err(format!(
-            "plan {} needs {} of RAM ({device}host {} + block staging {} + overhead {}) but \
+            "plan {} needs {} of RAM ({device}host {}, {} while loading, + overhead {}) but \
              {} allows {}: it would be killed for memory; lower --host-mem{}, or run where \
              there is more memory",
             plan.policy,
             fmt_bytes(self.total_bytes),
             fmt_bytes(plan.peak[Tier::Host.index()]),
-            fmt_bytes(self.staging_bytes),
+            fmt_bytes(self.loading_bytes),
             fmt_bytes(self.overhead_bytes),
             limit.source,
             fmt_bytes(limit.bytes),
@@ -156,22 +161,38 @@ impl ProcessMemory {
 }
 
 /// What loading (or saving) the training state a block at a time holds beside the
-/// arenas, as the executor does it today (`Executor::load_blocks`, `export_block`): a
-/// pinned staging arena of the largest block's parameters, m and v (12 B per parameter,
-/// locked, so resident whole), the block being made or read (4 B per parameter), and,
-/// where any state lives on NVMe, the aligned buffer its extent is written from (12 B
-/// per parameter). Made and freed before step 1 and at each save, but while the arenas
-/// are there.
+/// arenas, as the executor does it today (`Executor::load_blocks`, `export_block`), for
+/// the block that holds the most: a pinned staging arena of the block's parameters, m
+/// and v (12 B per parameter, locked, so resident whole), the block being made or read
+/// (4 B per parameter), and, where the block's state lives on NVMe, the aligned buffer
+/// its extent is written from (12 B per parameter). Made and freed before step 1 and at
+/// each save, but while the arenas are there.
 pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
-    let largest = model
-        .blocks()
-        .iter()
-        .map(|b| b.len as u64)
+    let blocks = model.blocks();
+    (0..blocks.len())
+        .map(|b| {
+            let on_nvme = plan.buffer(plan.block_homes[b].state).tier == Tier::Nvme;
+            let per_param = 12 + 4 + if on_nvme { 12 } else { 0 };
+            per_param * blocks[b].len as u64
+        })
         .max()
-        .unwrap_or(0);
-    let nvme_state = plan.peak[Tier::Nvme.index()] > 0;
-    let per_param = 12 + 4 + if nvme_state { 12 } else { 0 };
-    (per_param * largest).next_multiple_of(4096)
+        .unwrap_or(0)
+        .next_multiple_of(4096)
+}
+
+/// The bytes of the device buffers that hold blocks' working parameters or state (each
+/// once): what loading writes to the CPU device's memory, the rest of which is first
+/// touched by the steps.
+fn device_homes_bytes(plan: &Plan) -> u64 {
+    let mut homes: Vec<_> = plan
+        .block_homes
+        .iter()
+        .flat_map(|h| [h.params, h.state])
+        .filter(|&id| plan.buffer(id).tier == Tier::Device)
+        .collect();
+    homes.sort();
+    homes.dedup();
+    homes.iter().map(|&id| plan.buffer(id).bytes).sum()
 }
 
 /// How much memory this process may use, and where that figure comes from.
@@ -246,26 +267,67 @@ fn parse_limit(text: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    use strata_engine::model::Gpt2Config;
+    use strata_engine::plan::{Budgets, BuiltinPolicy, PlanInput, StepShape};
+
     use super::*;
 
     #[test]
-    fn cpu_device_memory_counts_as_ram_and_a_gpus_does_not() {
-        let peak = [100 << 20, 50 << 20, 1 << 40];
-        let cpu = ProcessMemory::of_peaks(peak, Target::Cpu, 10 << 20);
+    fn the_larger_moment_counts_in_whole_pages() {
+        let stepping = ProcessMemory::new(150 << 20, 100 << 20);
+        assert_eq!(stepping.planned_bytes, 150 << 20);
+        assert_eq!(stepping.total_bytes, (150 << 20) + PROCESS_OVERHEAD_BYTES);
         assert_eq!(
-            ProcessMemory::of_peaks([1, 1, 0], Target::Cpu, 0).planned_bytes,
-            4096
+            stepping.allowed_bytes(),
+            stepping.total_bytes + 3 * (1 << 20)
         );
-        assert_eq!(cpu.arena_bytes, 150 << 20);
-        assert_eq!(cpu.planned_bytes, 160 << 20);
-        assert_eq!(cpu.total_bytes, (160 << 20) + PROCESS_OVERHEAD_BYTES);
-        let cuda = ProcessMemory::of_peaks(peak, Target::Cuda, 0);
-        assert_eq!(cuda.planned_bytes, 50 << 20);
-        assert_eq!(cuda.allowed_bytes(), cuda.total_bytes + (1 << 20));
+        let loading = ProcessMemory::new(150 << 20, (200 << 20) + 1);
+        assert_eq!(loading.planned_bytes, (200 << 20) + 4096);
         assert!(
-            cpu.line()
-                .starts_with("process memory: planned 160 MiB + overhead")
+            stepping
+                .line()
+                .starts_with("process memory: planned 150 MiB + overhead 232 MiB = 382 MiB"),
+            "{}",
+            stepping.line()
         );
+    }
+
+    /// GPT-2 of 2 layers, 64 wide, planned under `builtin` with room everywhere.
+    fn plan_of(builtin: BuiltinPolicy) -> (Plan, Model) {
+        let model = Model::new(Gpt2Config::new(2, 4, 64, 256, 32)).unwrap();
+        let input = PlanInput {
+            model: &model,
+            shape: StepShape::cpu(2, 32),
+            budgets: Budgets::new(1 << 30, 1 << 30, 1 << 30),
+        };
+        let plan = Plan::build(&input, builtin.policy(2).as_ref()).unwrap();
+        (plan, model)
+    }
+
+    #[test]
+    fn loading_counts_the_staging_and_the_device_homes_it_writes() {
+        let (on_device, model) = plan_of(BuiltinPolicy::AllOnDevice);
+        let (on_nvme, _) = plan_of(BuiltinPolicy::NvmeOffload);
+        let largest = model.blocks().iter().map(|b| b.len as u64).max().unwrap();
+        // Staging (12 B per parameter) and the made block (4 B) everywhere; the NVMe write
+        // buffer (12 B more) only where a block's state is on NVMe.
+        assert_eq!(
+            staging_bytes(&on_device, &model),
+            (16 * largest).next_multiple_of(4096)
+        );
+        assert!(staging_bytes(&on_nvme, &model) > staging_bytes(&on_device, &model));
+        // All on the device: loading writes every block's parameters and state there.
+        let params = model.param_count() as u64;
+        assert!(device_homes_bytes(&on_device) >= 16 * params);
+        assert!(device_homes_bytes(&on_nvme) < device_homes_bytes(&on_device));
+        let p = ProcessMemory::of(&on_device, &model);
+        assert_eq!(
+            p.loading_bytes,
+            on_device.peak[Tier::Host.index()]
+                + device_homes_bytes(&on_device)
+                + staging_bytes(&on_device, &model)
+        );
+        assert_eq!(p.arena_bytes, on_device.peak[0] + on_device.peak[1]);
     }
 
     #[test]
