@@ -161,23 +161,25 @@ impl ProcessMemory {
 }
 
 /// What loading (or saving) the training state a block at a time holds beside the
-/// arenas, as the executor does it today (`Executor::load_blocks`, `export_block`), for
-/// the block that holds the most: a pinned staging arena of the block's parameters, m
-/// and v (12 B per parameter, locked, so resident whole), the block being made or read
-/// (4 B per parameter), and, where the block's state lives on NVMe, the aligned buffer
-/// its extent is written from (12 B per parameter). Made and freed before step 1 and at
-/// each save, but while the arenas are there.
+/// arenas, as the executor does it today (`Executor::load_blocks`, `export_block`): a
+/// pinned staging arena sized for the largest block's parameters, m and v (12 B per
+/// parameter of that block, locked, so resident whole while any block loads), and, for
+/// the block being loaded, the block as made or read (4 B per parameter) and, where its
+/// state lives on NVMe, the aligned buffer its extent is written from (12 B per
+/// parameter). Made and freed before step 1, while the arenas are there.
 pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
     let blocks = model.blocks();
-    (0..blocks.len())
+    let largest = blocks.iter().map(|b| b.len as u64).max().unwrap_or(0);
+    let arena = (12 * largest).next_multiple_of(4096);
+    let block = (0..blocks.len())
         .map(|b| {
             let on_nvme = plan.buffer(plan.block_homes[b].state).tier == Tier::Nvme;
-            let per_param = 12 + 4 + if on_nvme { 12 } else { 0 };
-            per_param * blocks[b].len as u64
+            let per_param = 4 + if on_nvme { 12 } else { 0 };
+            (per_param * blocks[b].len as u64).next_multiple_of(4096)
         })
         .max()
-        .unwrap_or(0)
-        .next_multiple_of(4096)
+        .unwrap_or(0);
+    arena + block
 }
 
 /// The bytes of the device buffers that hold blocks' working parameters or state (each
