@@ -673,3 +673,43 @@ fn saving_a_block_at_a_time_writes_the_whole_save_s_bytes() {
     let left: Vec<_> = std::fs::read_dir(out.path()).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// The resident bytes of this process's mappings of `path` (/proc/self/smaps).
+fn resident_bytes_of(path: &Path) -> u64 {
+    let path = path.canonicalize().unwrap();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut total = 0;
+    let mut ours = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            ours = line.ends_with(path.to_str().unwrap());
+        } else if ours && line.starts_with("Rss:") {
+            let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+            total += kib * 1024;
+        }
+    }
+    total
+}
+
+#[test]
+fn reading_a_block_at_a_time_leaves_the_file_unresident() {
+    let dir = tempfile::tempdir().unwrap();
+    // An 8 MiB embedding block, a small transformer block, a head.
+    let model = Model::new(Gpt2Config::new(1, 4, 256, 8192, 64)).unwrap();
+    let params: Vec<Vec<f32>> = (0..model.blocks().len())
+        .map(|b| model.init_block(b, 5))
+        .collect();
+    save_pretrained(&model, &params, dir.path()).unwrap();
+    let file = dir.path().join(WEIGHTS_FILE);
+    let size = std::fs::metadata(&file).unwrap().len();
+    let blocks = PretrainedBlocks::open(dir.path(), &model).unwrap();
+    for (b, expected) in params.iter().enumerate() {
+        assert_eq!(&blocks.read_block(b).unwrap(), expected, "block {b}");
+    }
+    let resident = resident_bytes_of(&file);
+    assert!(
+        resident < size / 8,
+        "{resident} B of the {size} B file still resident after every block was read"
+    );
+}
