@@ -6,7 +6,7 @@ mod model_support;
 use std::collections::HashMap;
 use std::path::Path;
 
-use model_support::golden_dir;
+use model_support::{golden_dir, resident_bytes_of};
 use safetensors::{Dtype, View};
 use strata_engine::model::weights::{
     FileDtype, INDEX_FILE, Pretrained, PretrainedBlocks, SaveOptions, WEIGHTS_FILE, WeightFiles,
@@ -672,24 +672,6 @@ fn saving_a_block_at_a_time_writes_the_whole_save_s_bytes() {
     );
     let left: Vec<_> = std::fs::read_dir(out.path()).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
-}
-
-/// The resident bytes of this process's mappings of `path` (/proc/self/smaps).
-fn resident_bytes_of(path: &Path) -> u64 {
-    let path = path.canonicalize().unwrap();
-    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-    let mut total = 0;
-    let mut ours = false;
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or("");
-        if first.contains('-') && !first.ends_with(':') {
-            ours = line.ends_with(path.to_str().unwrap());
-        } else if ours && line.starts_with("Rss:") {
-            let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-            total += kib * 1024;
-        }
-    }
-    total
 }
 
 #[test]
