@@ -1504,7 +1504,8 @@ fn scale_steps(
 }
 
 /// Prints what the scale run reached, and refuses one that broke a claim: its host peak
-/// over the plan's, or a loss that did not fall.
+/// over the plan's, its resident peak over its planned process memory, or a loss that
+/// did not fall.
 fn check_scale(
     report: &ScaleReport,
     plan: &Plan,
@@ -1537,6 +1538,18 @@ fn check_scale(
             "measured host peak {} exceeds the plan's {} (invariant 2): a bug",
             format_bytes(peak_measured[host]),
             format_bytes(plan.peak[host])
+        )
+        .into());
+    }
+    if let Some(rss) = report
+        .peak_rss_bytes
+        .filter(|&rss| rss > report.process.allowed_bytes())
+    {
+        return Err(format!(
+            "the process's resident peak {} exceeds its planned process memory and 2% ({}): \
+             memory the plan does not count, a bug",
+            format_bytes(rss),
+            format_bytes(report.process.allowed_bytes())
         )
         .into());
     }
