@@ -230,7 +230,8 @@ fn train_refuses_a_plan_over_its_cgroup_limit_before_allocating() {
     for needle in [
         "plan all-on-device needs",
         "of RAM (device 2.",
-        "the CPU device's memory is RAM",
+        "the CPU device's memory being RAM",
+        "while loading a block at a time",
         "its memory cgroup's limit",
         "allows 1 GiB",
         "--device-mem",
