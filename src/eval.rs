@@ -13,8 +13,9 @@ use std::path::PathBuf;
 use strata_engine::device::{DeviceChoice, DeviceConfig, select};
 use strata_engine::exec::Runner;
 use strata_engine::kernels::program::{Dtype, Target};
+use strata_engine::model::ModelError;
 use strata_engine::model::data::Batch;
-use strata_engine::model::weights::load_pretrained;
+use strata_engine::model::weights::{PretrainedBlocks, load_config, model_files};
 
 use crate::tokenize::{open_data, whole_batches};
 
@@ -72,7 +73,12 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
     if args.steps == Some(0) {
         return Err("--steps must be at least 1".into());
     }
-    let (model, params) = load_pretrained(&args.model)?;
+    // The weights are read a block at a time as the runner loads them, never whole
+    // beside its copy.
+    let (config, _) = model_files(&args.model);
+    std::fs::metadata(&args.model).map_err(|e| ModelError::io(&args.model, e))?;
+    let model = load_config(&config)?;
+    let weights = PretrainedBlocks::open(&args.model, &model)?;
     model.shape(args.batch, args.seq)?;
     // The data as `strata train` reads it (text tokenized with the model folder's
     // tokenizer, every id checked), what was done going to stderr: stdout is the losses.
@@ -134,7 +140,8 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
     );
     let vocab = model.vocab();
     let mut runner = Runner::new(model, device, b, t, precision)?;
-    runner.load(&params)?;
+    runner.load_blocks(&|b| weights.read_block(b))?;
+    drop(weights);
     let mut losses = Vec::with_capacity(steps);
     for step in 0..steps {
         data.read_batch(step, b, t, vocab, &mut batch)?;

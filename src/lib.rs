@@ -21,6 +21,7 @@ pub mod model_info;
 pub mod model_source;
 pub mod out_paths;
 pub mod plan_cmd;
+pub mod process_memory;
 pub mod report;
 pub mod run_setup;
 pub mod size;

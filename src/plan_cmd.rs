@@ -27,6 +27,7 @@ use strata_engine::plan::{
 };
 
 use crate::model_source::model_shape;
+use crate::process_memory::ProcessMemory;
 use crate::report::{Table, write_json};
 use crate::run_setup::{budgets_of, prefetch_depth, shape_of};
 use crate::train_config::{PlanArgs, TrainConfig};
@@ -148,6 +149,9 @@ pub struct PolicyRow {
     pub edges: Option<String>,
     /// Its NVMe peak over the parameter count.
     pub nvme_bytes_per_param: f64,
+    /// The RAM a process running it is planned to hold: its arenas in RAM, block
+    /// staging, and the fixed overhead.
+    pub process: ProcessMemory,
     /// Its NVMe peak times the ranks: what the ranks' swap files hold together.
     pub nvme_bytes_all_ranks: u64,
     /// Predicted seconds per step.
@@ -192,6 +196,9 @@ pub struct AutoChoice {
     pub recomputed: String,
     /// Bytes of the saved activations the other layer blocks keep on the device.
     pub saved_activation_bytes: u64,
+    /// The RAM a process running it is planned to hold (what `train`'s summary measures
+    /// VmHWM against).
+    pub process: ProcessMemory,
 }
 
 /// One tensor class's bytes per tier.
@@ -338,6 +345,7 @@ fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan) -> PolicyRow 
         edges_on_host: plan.edges_on_host(),
         edges: plan.edges_text(),
         nvme_bytes_per_param: nvme as f64 / params,
+        process: ProcessMemory::of(plan, input.model),
         nvme_bytes_all_ranks: nvme * ranks,
         step_seconds: p.step_seconds,
         collective_seconds: p.lane_seconds[Lane::Comm.index()],
@@ -374,6 +382,7 @@ fn auto_choice(input: &PlanInput<'_>, cost: CostModel) -> Result<AutoChoice, Str
         peak_bytes: TierBytes::of(plan.peak),
         recomputed: plan.recomputed_of(),
         saved_activation_bytes: plan.saved_total_bytes(),
+        process: ProcessMemory::of(&plan, input.model),
     })
 }
 
@@ -547,6 +556,7 @@ fn render_auto(r: &PlanReport, auto: &AutoChoice) -> String {
     out += &by_class_table(r, auto);
     out += "(class rows count each class's buffers; buffers with disjoint lifetimes share \
             memory, so the peak can be lower than their sum)\n";
+    out += &format!("{}\n", auto.process.line());
     out
 }
 

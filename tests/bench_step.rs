@@ -247,6 +247,15 @@ fn scale_run_trains_a_model_twice_the_host_budget() {
     assert!(report["state_bytes"].as_u64().unwrap() >= 2 * host_budget);
     assert!(report["peak_planned"][1].as_u64().unwrap() <= host_budget);
     assert!(report["peak_measured"][1].as_u64().unwrap() <= host_budget);
+    // The process's resident peak (VmHWM), within its planned process memory and 2%.
+    let process = &report["process"];
+    let total = process["total_bytes"].as_u64().unwrap();
+    let allowed = total + process["planned_bytes"].as_u64().unwrap() * 2 / 100;
+    let rss = report["peak_rss_bytes"].as_u64().unwrap();
+    assert!(
+        rss > 0 && rss <= allowed,
+        "VmHWM {rss} B, allowed {allowed} B"
+    );
     let losses: Vec<f64> = report["losses"]
         .as_array()
         .unwrap()

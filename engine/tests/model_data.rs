@@ -4,7 +4,7 @@ mod model_support;
 
 use std::path::Path;
 
-use model_support::golden_dir;
+use model_support::{golden_dir, resident_bytes_of};
 use strata_engine::model::data::{Batch, LLMC_MAGIC, TokenData, TokenFormat};
 use strata_engine::model::{IGNORE_TARGET, ModelError};
 
@@ -263,4 +263,33 @@ fn vocab_scan_rate() {
             count as f64 / seconds / 1e6
         );
     }
+}
+
+#[test]
+fn scanned_and_read_tokens_leave_the_file_unresident() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("corpus.txt");
+    let size = 8 << 20;
+    std::fs::write(
+        &path,
+        (0..size).map(|i| (i % 200) as u8).collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    let data = TokenData::open(&path).unwrap();
+    data.check_vocab(256).unwrap();
+    assert!(
+        resident_bytes_of(&path) < size / 8,
+        "{} B of the {size} B file resident after the vocabulary check",
+        resident_bytes_of(&path)
+    );
+    let mut batch = Batch::default();
+    for step in 0..data.batch_count(64, 1024) {
+        data.read_batch(step, 64, 1024, 256, &mut batch).unwrap();
+        assert_eq!(batch.inputs[1], ((step * 64 * 1024 + 1) % 200) as u32);
+    }
+    assert!(
+        resident_bytes_of(&path) < size / 8,
+        "{} B of the {size} B file resident after reading every batch",
+        resident_bytes_of(&path)
+    );
 }

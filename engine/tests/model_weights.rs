@@ -6,7 +6,7 @@ mod model_support;
 use std::collections::HashMap;
 use std::path::Path;
 
-use model_support::golden_dir;
+use model_support::{golden_dir, resident_bytes_of};
 use safetensors::{Dtype, View};
 use strata_engine::model::weights::{
     FileDtype, INDEX_FILE, Pretrained, PretrainedBlocks, SaveOptions, WEIGHTS_FILE, WeightFiles,
@@ -672,4 +672,26 @@ fn saving_a_block_at_a_time_writes_the_whole_save_s_bytes() {
     );
     let left: Vec<_> = std::fs::read_dir(out.path()).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn reading_a_block_at_a_time_leaves_the_file_unresident() {
+    let dir = tempfile::tempdir().unwrap();
+    // An 8 MiB embedding block, a small transformer block, a head.
+    let model = Model::new(Gpt2Config::new(1, 4, 256, 8192, 64)).unwrap();
+    let params: Vec<Vec<f32>> = (0..model.blocks().len())
+        .map(|b| model.init_block(b, 5))
+        .collect();
+    save_pretrained(&model, &params, dir.path()).unwrap();
+    let file = dir.path().join(WEIGHTS_FILE);
+    let size = std::fs::metadata(&file).unwrap().len();
+    let blocks = PretrainedBlocks::open(dir.path(), &model).unwrap();
+    for (b, expected) in params.iter().enumerate() {
+        assert_eq!(&blocks.read_block(b).unwrap(), expected, "block {b}");
+    }
+    let resident = resident_bytes_of(&file);
+    assert!(
+        resident < size / 8,
+        "{resident} B of the {size} B file still resident after every block was read"
+    );
 }

@@ -39,7 +39,10 @@ use super::adam::load_average;
 use super::peers::{self, PeerResult, PeerShape};
 use crate::machine::{cpu_model, meminfo_bytes, swap_folder_refusal};
 use crate::model_info::{self, LlamaShapeArgs, ModelArgs, ShapeArgs};
-use crate::report::{LineChart, Series, Table, format_bytes, median, median_index, write_json};
+use crate::process_memory::ProcessMemory;
+use crate::report::{
+    LineChart, Series, Table, format_bytes, median, median_index, peak_rss_bytes, write_json,
+};
 use crate::size::parse_bytes;
 
 /// `--policies`' values: each built-in policy's name, with what it keeps where.
@@ -398,6 +401,12 @@ pub struct StepBenchReport {
     pub cost_model: CostModel,
     /// Whether every policy's losses equal the first policy's bit for bit (invariant 1).
     pub losses_identical: bool,
+    /// The RAM the run was planned to hold: every executor's arenas in RAM (all at once
+    /// when interleaved, the largest when sequential), the initial parameters every
+    /// executor loads (4 B per parameter, made once), block staging, the overhead.
+    pub process: ProcessMemory,
+    /// The process's measured resident peak (VmHWM), when /proc says.
+    pub peak_rss_bytes: Option<u64>,
     /// Results per policy (and `--recompute` value), in the order asked.
     pub policies: Vec<PolicyResult>,
     /// Per policy run with both `--recompute all` and `none`: tokens/s of each, ratio.
@@ -446,6 +455,11 @@ pub struct ScaleReport {
     /// range a kernel, copy or host lane used) for device and host, the most bytes that
     /// extents written to held at once for NVMe.
     pub peak_measured: [u64; 3],
+    /// The RAM the run was planned to hold: its arenas in RAM, block staging, the
+    /// overhead.
+    pub process: ProcessMemory,
+    /// The process's measured resident peak (VmHWM), when /proc says.
+    pub peak_rss_bytes: Option<u64>,
     /// Tokens per second, median of the steps after the first `--warmup`.
     pub tokens_per_s: f64,
     /// Median step seconds, likewise.
@@ -818,6 +832,8 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         budgets: [args.device_mem, args.host_mem, None],
         cost_model: cost,
         losses_identical,
+        process: compare_process_memory(&rigs, &setup, schedule),
+        peak_rss_bytes: peak_rss_bytes(),
         policies,
         recompute,
         refused,
@@ -825,6 +841,45 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     };
     print_compare(&report, args, &rigs)?;
     Ok(report)
+}
+
+/// The RAM a comparison is planned to hold, with the initial parameters held whole for
+/// every executor (4 B per parameter): run one after another, the largest executor's;
+/// interleaved, every executor's arenas at once, and while loading the last, those and
+/// the largest loading figure (a bound: the others' device arenas are not all touched
+/// before the steps).
+fn compare_process_memory(rigs: &[Rig], setup: &Setup, schedule: &str) -> ProcessMemory {
+    let each: Vec<ProcessMemory> = rigs
+        .iter()
+        .map(|r| ProcessMemory::of(&r.plan, &setup.model))
+        .collect();
+    let whole_params = if setup.params.is_some() {
+        4 * setup.desc.params
+    } else {
+        0
+    };
+    let loading = each.iter().map(|p| p.loading_bytes).max().unwrap_or(0) + whole_params;
+    let arenas = each.iter().map(|p| p.arena_bytes);
+    match schedule {
+        "interleaved" => {
+            let all: u64 = arenas.sum();
+            ProcessMemory::new(all + whole_params, all + loading)
+        }
+        _ => ProcessMemory::new(arenas.max().unwrap_or(0) + whole_params, loading),
+    }
+}
+
+/// "process memory: planned X + overhead Y = Z (...); peak RSS (VmHWM / planned): M / Z
+/// (±D)", as both modes print it.
+fn process_line(process: &ProcessMemory, peak_rss: Option<u64>) -> String {
+    match peak_rss {
+        Some(rss) => format!(
+            "{}; peak RSS (VmHWM / planned): {}",
+            process.line(),
+            process.compared(rss)
+        ),
+        None => process.line(),
+    }
 }
 
 /// Plans every policy asked for under every `--recompute` asked for: a rig for each plan
@@ -1085,6 +1140,7 @@ fn print_compare(
     rigs: &[Rig],
 ) -> Result<(), Box<dyn std::error::Error>> {
     print!("{}", render(report));
+    println!("{}", process_line(&report.process, report.peak_rss_bytes));
     if !report.peers.is_empty() {
         println!();
         print!("{}", peers::render(&report.peers));
@@ -1346,6 +1402,8 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
         state_over_host_budget: state_bytes as f64 / budgets.host as f64,
         peak_planned: plan.peak,
         peak_measured,
+        process: ProcessMemory::of(&plan, &setup.model),
+        peak_rss_bytes: peak_rss_bytes(),
         tokens_per_s: setup.shape.tokens() as f64 / step_s,
         step_s_median: step_s,
         losses: steps.iter().map(|s| s.loss).collect(),
@@ -1446,7 +1504,8 @@ fn scale_steps(
 }
 
 /// Prints what the scale run reached, and refuses one that broke a claim: its host peak
-/// over the plan's, or a loss that did not fall.
+/// over the plan's, its resident peak over its planned process memory, or a loss that
+/// did not fall.
 fn check_scale(
     report: &ScaleReport,
     plan: &Plan,
@@ -1473,11 +1532,24 @@ fn check_scale(
         format_bytes(ram),
         report.state_bytes as f64 / ram as f64
     );
+    println!("{}", process_line(&report.process, report.peak_rss_bytes));
     if peak_measured[host] > plan.peak[host] {
         return Err(format!(
             "measured host peak {} exceeds the plan's {} (invariant 2): a bug",
             format_bytes(peak_measured[host]),
             format_bytes(plan.peak[host])
+        )
+        .into());
+    }
+    if let Some(rss) = report
+        .peak_rss_bytes
+        .filter(|&rss| rss > report.process.allowed_bytes())
+    {
+        return Err(format!(
+            "the process's resident peak {} exceeds its planned process memory and 2% ({}): \
+             memory the plan does not count, a bug",
+            format_bytes(rss),
+            format_bytes(report.process.allowed_bytes())
         )
         .into());
     }

@@ -19,6 +19,7 @@ use super::group::Ranks;
 use super::rescue;
 use super::steps::Outcome;
 use crate::model_source::pretrained_source;
+use crate::process_memory::ProcessMemory;
 use crate::report::Table;
 use crate::train_config::TrainConfig;
 
@@ -210,9 +211,10 @@ fn traffic_and_peaks(t: &mut Table, exec: &Executor, median_report: &StepReport)
         ]);
     }
     if let Some(rss) = crate::report::peak_rss_bytes() {
+        let planned = ProcessMemory::of(plan, exec.model());
         t.row([
-            "process peak RSS (all memory, VmHWM)".to_string(),
-            fmt_bytes(rss),
+            "process peak RSS (VmHWM / planned)".to_string(),
+            planned.compared(rss),
         ]);
     }
     for (kind, count, p50, p99, _) in exec.latency_summary() {

@@ -182,7 +182,13 @@ fn print_start(
             cfg.grad_accum * n
         )?;
     }
-    print_plan(out, planned)
+    print_plan(out, planned)?;
+    writeln!(
+        out,
+        "{}",
+        crate::process_memory::ProcessMemory::of(&planned.plan, model).line()
+    )?;
+    Ok(())
 }
 
 /// The plan: its peaks against the budgets, what it recomputes, its predicted step, and

@@ -12,6 +12,7 @@ use strata_engine::plan::{CostModel, Plan, PlanInput, Prediction, StepShape, Tie
 
 use super::group::{Ranks, machine_id, shared_budgets};
 use crate::machine::meminfo_bytes;
+use crate::process_memory::{ProcessMemory, memory_limit};
 use crate::run_setup::{RunBudgets, budgets_of, plan_of, shape_of};
 use crate::train_config::TrainConfig;
 
@@ -59,6 +60,7 @@ pub fn plan_run(
     let plan = plan_of(cfg, &input, cost)?;
     ranks.check_same_plan(&plan)?;
     check_whole_model_memory(cfg, &plan, model, target, ranks.ranks)?;
+    check_process_memory(&plan, model)?;
     budgets.check_free(&plan)?;
     let predicted = cost.predict(&plan);
     Ok(Planned {
@@ -68,6 +70,16 @@ pub fn plan_run(
         plan,
         predicted,
     })
+}
+
+/// Refuses, before any arena is made, a plan whose process memory (its arenas in RAM,
+/// block staging and the fixed overhead) is more than this process may use: this
+/// machine's available memory, or its memory cgroup's limit when lower.
+fn check_process_memory(plan: &Plan, model: &Model) -> Result<(), Error> {
+    let Some(limit) = memory_limit() else {
+        return Ok(()); // nothing to judge by
+    };
+    Ok(ProcessMemory::of(plan, model).check_fits(plan, &limit)?)
 }
 
 /// The budgets of `cfg` on `target`; with ranks, every rank's (the ranks of one machine

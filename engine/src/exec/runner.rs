@@ -285,33 +285,46 @@ impl Runner {
 
     /// Loads `params` (one f32 buffer per block), rounded to the working precision.
     pub fn load(&mut self, params: &[Vec<f32>]) -> Result<(), ModelError> {
-        if params.len() != self.model.blocks().len()
-            || params
-                .iter()
-                .zip(self.model.blocks())
-                .any(|(p, b)| p.len() != b.len)
-        {
+        if params.len() != self.model.blocks().len() {
             return Err(ModelError::BadInput(format!(
                 "parameters do not match the model's {} blocks",
                 self.model.blocks().len()
             )));
         }
+        self.load_blocks(&|b| Ok(params[b].clone()))
+    }
+
+    /// Loads each block's f32 parameters as `make` gives them, one block at a time
+    /// (rounded to the working precision), so that loading holds one block's parameters
+    /// beside the device's copy, not the model's.
+    pub fn load_blocks(
+        &mut self,
+        make: &dyn Fn(usize) -> Result<Vec<f32>, ModelError>,
+    ) -> Result<(), ModelError> {
         let cpu = strata_kernels::ops::Cpu::default();
-        for (p, &dst) in params.iter().zip(&self.params) {
-            let mut rounded = vec![0.0f32; p.len()];
-            strata_kernels::program::round_into_f32(&cpu, self.precision.dtype(), p, &mut rounded);
+        for b in 0..self.model.blocks().len() {
+            let raw = make(b)?;
+            if raw.len() != self.model.blocks()[b].len {
+                return Err(ModelError::BadInput(format!(
+                    "block {b}'s parameters have {} values, not the model's {}",
+                    raw.len(),
+                    self.model.blocks()[b].len
+                )));
+            }
+            let dst = self.params[b];
+            let mut p = vec![0.0f32; raw.len()];
+            strata_kernels::program::round_into_f32(&cpu, self.precision.dtype(), &raw, &mut p);
+            drop(raw);
             match self.dtype {
                 Dtype::Bf16 => {
-                    let v: Vec<half::bf16> =
-                        rounded.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    let v: Vec<half::bf16> = p.iter().map(|&x| half::bf16::from_f32(x)).collect();
                     self.upload(crate::device::bytes_of(&v), dst, None)?;
                 }
                 Dtype::F16 => {
-                    let v: Vec<half::f16> =
-                        rounded.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    let v: Vec<half::f16> = p.iter().map(|&x| half::f16::from_f32(x)).collect();
                     self.upload(crate::device::bytes_of(&v), dst, None)?;
                 }
-                _ => self.upload(crate::device::bytes_of(&rounded), dst, None)?,
+                _ => self.upload(crate::device::bytes_of(&p), dst, None)?,
             }
         }
         self.has_forward = false;

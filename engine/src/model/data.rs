@@ -21,7 +21,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use super::mapped::map_read_only;
+use super::mapped::{self, map_read_only};
 use super::{IGNORE_TARGET, ModelError};
 
 /// llm.c's token file magic number.
@@ -205,6 +205,9 @@ impl TokenData {
                 })
             }
         };
+        // Scanned once: the file's pages need not stay in this process (each batch reads
+        // its own again).
+        self.release(0, self.token_count);
         let Some((position, token)) = found else {
             return Ok(());
         };
@@ -295,7 +298,31 @@ impl TokenData {
                     .push(if counted { token } else { IGNORE_TARGET });
             }
         }
+        self.release(start, end);
         Ok(())
+    }
+
+    /// Hands the mapped pages of tokens `start..end` (and their mask) back to the kernel
+    /// once read, so that a run reading through a large file does not hold every page
+    /// it has read ([`mapped::release`]).
+    fn release(&self, start: u64, end: u64) {
+        let width = match self.format {
+            TokenFormat::Bytes => 1,
+            TokenFormat::LlmcU16 => 2,
+            TokenFormat::LlmcU32 => 4,
+        };
+        let header = if self.format == TokenFormat::Bytes {
+            0
+        } else {
+            LLMC_HEADER_BYTES
+        };
+        let (start, end) = (start as usize, end as usize);
+        if let Some(map) = &self.map {
+            mapped::release(map, &map[header + width * start..header + width * end]);
+        }
+        if let Some(mask) = &self.mask {
+            mapped::release(mask, &mask[start..end]);
+        }
     }
 }
 

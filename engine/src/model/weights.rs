@@ -27,7 +27,7 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
 use serde_json::Value;
 
-use super::mapped::map_read_only;
+use super::mapped::{self, map_read_only};
 use super::{Gpt2, Llama, Model, ModelError, llama};
 
 /// The weights file's name in a model folder.
@@ -757,6 +757,7 @@ impl WeightFiles {
                 .expect("check_blocks found every tensor of the model");
             let values = &mut buffer[t.slot.range()];
             widen(dtype, bytes, values);
+            self.release(bytes);
             if let Some(first) = values.iter().position(|v| finite && !v.is_finite()) {
                 let names = [
                     format!("{prefix}{}{}", family.hf_prefix(b), t.name),
@@ -766,6 +767,15 @@ impl WeightFiles {
             }
         }
         Ok(buffer)
+    }
+
+    /// Hands the pages of `bytes`, a tensor's bytes in one of the files, back to the
+    /// kernel once widened: reading a block at a time then holds one block of the file,
+    /// not every block read so far.
+    fn release(&self, bytes: &[u8]) {
+        for file in &self.files {
+            mapped::release(&file.map, bytes);
+        }
     }
 
     /// The error of a tensor (stored under one of `names`) whose `values` are not all

@@ -254,3 +254,21 @@ pub fn all_policies() -> Vec<Box<dyn Policy>> {
     }
     out
 }
+
+/// The resident bytes of this process's mappings of `path` (/proc/self/smaps).
+pub fn resident_bytes_of(path: &std::path::Path) -> u64 {
+    let path = path.canonicalize().unwrap();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut total = 0;
+    let mut ours = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            ours = line.ends_with(path.to_str().unwrap());
+        } else if ours && line.starts_with("Rss:") {
+            let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+            total += kib * 1024;
+        }
+    }
+    total
+}
