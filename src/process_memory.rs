@@ -11,6 +11,7 @@
 //! Not here: the plan's peaks per tier (the engine's planner) or the budgets
 //! ([`crate::run_setup`]).
 
+use strata_engine::exec::load_staging_bytes;
 use strata_engine::model::{Model, Target};
 use strata_engine::plan::{Plan, Tier, fmt_bytes};
 
@@ -159,19 +160,23 @@ impl ProcessMemory {
 }
 
 /// What loading (or saving) the training state a block at a time holds beside the
-/// arenas, as the executor does it today (`Executor::load_blocks`, `export_block`): a
-/// pinned staging arena sized for the largest block's parameters, m and v (12 B per
-/// parameter of that block, locked, so resident whole while any block loads), and, for
-/// the block being loaded, the block as made or read (4 B per parameter) and, where its
-/// state lives on NVMe, the aligned buffer its extent is written from (12 B per
-/// parameter). Made and freed before step 1, while the arenas are there.
+/// arenas, as the executor does it (`Executor::load_blocks`, `export_block`): a pinned
+/// staging arena through which device homes are written a piece at a time
+/// ([`load_staging_bytes`]: at most 64 MiB, locked, so resident whole while any block
+/// loads), and, for the block being loaded, the block as made or read (4 B per
+/// parameter) and, where its state or working parameters live on NVMe, the aligned
+/// buffer their extent is written from (at most 12 B per parameter). Host homes are
+/// written in place. Made and freed before step 1, while the arenas are there.
 pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
     let blocks = model.blocks();
-    let largest = blocks.iter().map(|b| b.len as u64).max().unwrap_or(0);
-    let arena = (12 * largest).next_multiple_of(4096);
+    let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
+    let arena = load_staging_bytes(largest) as u64;
     let block = (0..blocks.len())
         .map(|b| {
-            let on_nvme = plan.buffer(plan.block_homes[b].state).tier == Tier::Nvme;
+            let homes = plan.block_homes[b];
+            let on_nvme = [homes.state, homes.params]
+                .iter()
+                .any(|&id| plan.buffer(id).tier == Tier::Nvme);
             let per_param = 4 + if on_nvme { 12 } else { 0 };
             (per_param * blocks[b].len as u64).next_multiple_of(4096)
         })
@@ -309,11 +314,12 @@ mod tests {
         let (on_device, model) = plan_of(BuiltinPolicy::AllOnDevice);
         let (on_nvme, _) = plan_of(BuiltinPolicy::NvmeOffload);
         let largest = model.blocks().iter().map(|b| b.len as u64).max().unwrap();
-        // Staging (12 B per parameter) and the made block (4 B) everywhere; the NVMe write
-        // buffer (12 B more) only where a block's state is on NVMe.
+        // The staging (64 MiB at most) and the made block (4 B) everywhere; the NVMe
+        // write buffer (12 B more) only where a block's state is on NVMe.
         assert_eq!(
             staging_bytes(&on_device, &model),
-            (16 * largest).next_multiple_of(4096)
+            (12 * largest).clamp(4096, 64 << 20).next_multiple_of(4096)
+                + (4 * largest).next_multiple_of(4096)
         );
         assert!(staging_bytes(&on_nvme, &model) > staging_bytes(&on_device, &model));
         // All on the device: loading writes every block's parameters and state there.

@@ -83,4 +83,4 @@ pub use executor::Executor;
 pub use fault::{Fault, FaultPlan};
 pub use report::{OpRecord, StepReport};
 pub use runner::Runner;
-pub use state::{Moments, TrainingState};
+pub use state::{Moments, TrainingState, load_staging_bytes};

@@ -22,6 +22,14 @@ use crate::plan::{BufId, Precision, Tier};
 /// AdamW's first and second moments, one buffer per block.
 pub type Moments<'a> = (&'a [Vec<f32>], &'a [Vec<f32>]);
 
+/// The most bytes of pinned staging loading uses (one piece of a device home at a time):
+/// 64 MiB, or 12 B per parameter of the largest block when that is less.
+pub fn load_staging_bytes(largest_block: usize) -> usize {
+    (12 * largest_block)
+        .clamp(4096, 64 << 20)
+        .next_multiple_of(4096)
+}
+
 /// Master parameters, m and v, one f32 buffer per block each.
 pub type TrainingState = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>);
 
@@ -142,7 +150,7 @@ impl Executor {
         self.pending = None;
         let blocks = self.model.blocks();
         let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
-        let staging = self.staging((12 * largest).next_multiple_of(4096))?;
+        let staging = self.staging(load_staging_bytes(largest))?;
         for (b, block) in blocks.iter().enumerate() {
             let made;
             let from = match source {
@@ -178,8 +186,10 @@ impl Executor {
     }
 
     /// Writes block `b`'s state from `from` (this rank's shard of it: zero past the
-    /// block's end) to its home, through `staging`, and its working parameters to theirs
-    /// when they are not the master copy.
+    /// block's end) to its home, and its working parameters to theirs when they are not
+    /// the master copy. Nothing whole is made beside the home: host homes are written in
+    /// place, device homes through `staging` a piece at a time, NVMe homes from the one
+    /// aligned buffer their extent is written from.
     fn load_block(
         &self,
         b: usize,
@@ -189,35 +199,34 @@ impl Executor {
         let homes = self.plan.block_homes[b];
         let (_, shard, valid) = self.shard(b);
         let part = self.shard_part(b);
-        let state_range = HostRange::new(0, 12 * shard);
-        {
-            let mut bytes = staging
-                .write(Lane::Cpu, state_range)
-                .map_err(self.device_error("loading"))?;
-            let f = cast_mut::<f32>(&mut bytes);
-            f.fill(0.0);
-            let (p, rest) = f.split_at_mut(shard);
-            let (m, v) = rest.split_at_mut(shard);
-            match from {
-                BlockSource::Shard {
-                    params,
-                    m: mm,
-                    v: vv,
-                } => {
-                    p[..valid].copy_from_slice(&params[..valid]);
-                    m[..valid].copy_from_slice(&mm[..valid]);
-                    v[..valid].copy_from_slice(&vv[..valid]);
-                }
-                BlockSource::Whole { params, moments } => {
-                    p[..valid].copy_from_slice(&params[part.clone()]);
-                    if let Some((mm, vv)) = moments {
-                        m[..valid].copy_from_slice(&mm[part.clone()]);
-                        v[..valid].copy_from_slice(&vv[part]);
-                    }
-                }
+        // The state's layout: master parameters, m, v, `shard` values each.
+        let classes: [Option<&[f32]>; 3] = match from {
+            BlockSource::Shard { params, m, v } => {
+                [Some(&params[..valid]), Some(&m[..valid]), Some(&v[..valid])]
             }
-        }
-        self.put_home(staging, state_range, homes.state, None)?;
+            BlockSource::Whole { params, moments } => [
+                Some(&params[part.clone()]),
+                moments.map(|(m, _)| &m[part.clone()]),
+                moments.map(|(_, v)| &v[part.clone()]),
+            ],
+        };
+        // Elements [start / 4, ...) of the layout into `out`, a run of one class at a time.
+        let fill = |start: usize, out: &mut [u8]| {
+            let out = cast_mut::<f32>(out);
+            let mut done = 0;
+            while done < out.len() {
+                let e = start / 4 + done;
+                let (class, i) = (e / shard, e % shard);
+                let run = (shard - i).min(out.len() - done);
+                let to = &mut out[done..done + run];
+                let have = classes[class].map_or(&[][..], |c| &c[i.min(c.len())..]);
+                let n = have.len().min(run);
+                to[..n].copy_from_slice(&have[..n]);
+                to[n..].fill(0.0);
+                done += run;
+            }
+        };
+        self.put_home(staging, 12 * shard, 4, &fill, homes.state, None)?;
         if homes.params == homes.state {
             return Ok(()); // the working parameters are the master copy
         }
@@ -225,8 +234,8 @@ impl Executor {
     }
 
     /// Writes block `b`'s working parameters, from the master parameters of `from`, to
-    /// their home through `staging`: the whole block to the device (gathered from every
-    /// rank's shard), this rank's shard elsewhere.
+    /// their home: the whole block to the device (gathered from every rank's shard),
+    /// this rank's shard elsewhere.
     fn load_working(
         &self,
         b: usize,
@@ -250,17 +259,20 @@ impl Executor {
             }
         };
         let len = self.model.blocks()[b].len;
-        let working = HostRange::new(0, if whole { len } else { shard } * pbytes);
-        {
-            let mut bytes = staging
-                .write(Lane::Cpu, working)
-                .map_err(self.device_error("loading"))?;
-            bytes.fill(0);
-            write_working(precision, master, &mut bytes[..master.len() * pbytes]);
-        }
+        let fill = |start: usize, out: &mut [u8]| {
+            let (first, count) = (start / pbytes, out.len() / pbytes);
+            let have = master.len().saturating_sub(first).min(count);
+            out.fill(0);
+            write_working(
+                precision,
+                &master[first..first + have],
+                &mut out[..have * pbytes],
+            );
+        };
         let convert = (precision.dtype() != self.plan.shape.device_dtype())
             .then(|| (precision.dtype(), self.plan.shape.device_dtype()));
-        self.put_home(staging, working, home, convert)
+        let bytes = if whole { len } else { shard } * pbytes;
+        self.put_home(staging, bytes, pbytes, &fill, home, convert)
     }
 
     /// The elements of block `b` in this rank's shard (all of them alone).
@@ -284,11 +296,17 @@ impl Executor {
         Ok(all)
     }
 
-    /// Copies `src` of `staging` to home buffer `home` (device, host or NVMe).
+    /// Writes the first `bytes` of home buffer `home` (device, host or NVMe), each byte
+    /// range `[start, start + out.len())` being what `fill(start, out)` writes (ranges
+    /// start at multiples of `elem` bytes and hold whole elements): in place in the host
+    /// arena; through `staging`, a piece at a time, to the device (`convert`: from one
+    /// dtype to another as it is copied); from one aligned buffer to NVMe.
     fn put_home(
         &self,
         staging: &HostArena,
-        src: HostRange,
+        bytes: usize,
+        elem: usize,
+        fill: &dyn Fn(usize, &mut [u8]),
         home: BufId,
         convert: Option<(Dtype, Dtype)>,
     ) -> Result<(), ExecError> {
@@ -296,35 +314,43 @@ impl Executor {
         match self.plan.buffer(home).tier {
             Tier::Device => {
                 let dst = self.device_range(home);
-                let dst = match convert {
-                    Some((a, b)) => {
-                        DeviceRange::new(dst.offset_bytes, src.len_bytes / a.size() * b.size())
-                    }
-                    None => DeviceRange::new(dst.offset_bytes, src.len_bytes),
-                };
-                self.device
-                    .copy_to_device(staging, src, dst, convert, &[])
-                    .and_then(|e| e.wait())
-                    .map_err(self.device_error(format!("loading {name}")))
+                let piece = (staging.len_bytes() / elem.max(1)) * elem;
+                let mut start = 0;
+                while start < bytes {
+                    let n = piece.min(bytes - start);
+                    let src = HostRange::new(0, n);
+                    fill(
+                        start,
+                        &mut staging
+                            .write(Lane::Cpu, src)
+                            .map_err(self.device_error("loading"))?,
+                    );
+                    let to = match convert {
+                        Some((a, b)) => DeviceRange::new(
+                            dst.offset_bytes + start / a.size() * b.size(),
+                            n / a.size() * b.size(),
+                        ),
+                        None => DeviceRange::new(dst.offset_bytes + start, n),
+                    };
+                    self.device
+                        .copy_to_device(staging, src, to, convert, &[])
+                        .and_then(|e| e.wait())
+                        .map_err(self.device_error(format!("loading {name}")))?;
+                    start += n;
+                }
+                Ok(())
             }
             Tier::Host => {
-                let from = staging
-                    .read(Lane::Cpu, src)
-                    .map_err(self.device_error("loading"))?;
                 let mut to = self
                     .host()
-                    .write(Lane::Cpu, self.host_range(home).prefix(src.len_bytes))
+                    .write(Lane::Cpu, self.host_range(home).prefix(bytes))
                     .map_err(self.device_error(format!("loading {name}")))?;
-                to.copy_from_slice(&from);
+                fill(0, &mut to);
                 Ok(())
             }
             Tier::Nvme => {
-                let mut buf = AlignedBuf::zeroed(src.len_bytes.next_multiple_of(4096));
-                buf.as_mut_slice()[..src.len_bytes].copy_from_slice(
-                    &staging
-                        .read(Lane::Cpu, src)
-                        .map_err(self.device_error("loading"))?,
-                );
+                let mut buf = AlignedBuf::zeroed(bytes.next_multiple_of(4096));
+                fill(0, &mut buf.as_mut_slice()[..bytes]);
                 let (r, _) = self.write_extent(home, buf)?.wait();
                 r.map_err(|source| ExecError::Storage {
                     op: format!("writing {name}"),
