@@ -11,6 +11,7 @@
 //! Not here: the plan's peaks per tier (the engine's planner) or the budgets
 //! ([`crate::run_setup`]).
 
+use strata_engine::checkpoint::SAVE_HELD_BYTES;
 use strata_engine::exec::load_staging_bytes;
 use strata_engine::model::{Model, Target};
 use strata_engine::plan::{Plan, Tier, fmt_bytes};
@@ -45,8 +46,10 @@ pub struct ProcessMemory {
     /// While stepping: the plan's arenas that are RAM, its host peak and on the CPU
     /// device its device peak (the simulated device's memory is host memory).
     pub arena_bytes: u64,
-    /// While loading the state a block at a time, before step 1: the host arena, the
-    /// CPU device's buffers loading writes, and [`staging_bytes`].
+    /// While loading the state a block at a time, before step 1 (the host arena, the
+    /// CPU device's buffers loading writes, and [`staging_bytes`]), or while saving it
+    /// a block at a time between steps (the arenas and [`saving_bytes`]), whichever is
+    /// more.
     pub loading_bytes: u64,
     /// The larger, in whole pages: the planned figure.
     pub planned_bytes: u64,
@@ -66,9 +69,10 @@ impl ProcessMemory {
             // A GPU's memory is its own; CUDA's host-side context is not counted here.
             Target::Cuda => (0, 0),
         };
+        let loading = host + device_loaded + staging_bytes(plan, model);
         Self::new(
             host + device,
-            host + device_loaded + staging_bytes(plan, model),
+            loading.max(host + device + saving_bytes(plan, model)),
         )
     }
 
@@ -97,7 +101,7 @@ impl ProcessMemory {
     pub fn line(&self) -> String {
         format!(
             "process memory: planned {} + overhead {} = {} (arenas in RAM {} while stepping, {} \
-             while loading a block at a time)",
+             while loading or saving a block at a time)",
             fmt_bytes(self.planned_bytes),
             fmt_bytes(self.overhead_bytes),
             fmt_bytes(self.total_bytes),
@@ -183,6 +187,22 @@ pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
         .max()
         .unwrap_or(0);
     arena + block
+}
+
+/// What saving the training state a block at a time (a checkpoint, or the rescue of a
+/// failing run) holds beside the arenas: the buffer the largest block's state is read
+/// into where it does not live in the host arena (from NVMe, or copied off the device:
+/// 12 B per parameter; host-homed state is lent from the arena itself), counted twice
+/// (`engine/tests/checkpoint_blocks.rs` measured 1.8 blocks' state beside the write
+/// buffers under nvme-offload, the NVMe read path holding more than its buffer), and the
+/// save's own write buffers and written pages ([`SAVE_HELD_BYTES`]).
+pub fn saving_bytes(plan: &Plan, model: &Model) -> u64 {
+    let read = (0..model.blocks().len())
+        .filter(|&b| plan.buffer(plan.block_homes[b].state).tier != Tier::Host)
+        .map(|b| (2 * 12 * plan.shard_len[b]).next_multiple_of(4096))
+        .max()
+        .unwrap_or(0);
+    read + SAVE_HELD_BYTES
 }
 
 /// The bytes of the device buffers that hold blocks' working parameters or state (each
@@ -327,11 +347,18 @@ mod tests {
         assert!(device_homes_bytes(&on_device) >= 16 * params);
         assert!(device_homes_bytes(&on_nvme) < device_homes_bytes(&on_device));
         let p = ProcessMemory::of(&on_device, &model);
+        let host = on_device.peak[Tier::Host.index()];
+        let arenas = on_device.peak[0] + on_device.peak[1];
         assert_eq!(
             p.loading_bytes,
-            on_device.peak[Tier::Host.index()]
-                + device_homes_bytes(&on_device)
-                + staging_bytes(&on_device, &model)
+            (host + device_homes_bytes(&on_device) + staging_bytes(&on_device, &model))
+                .max(arenas + saving_bytes(&on_device, &model))
+        );
+        // Saving: the device-homed state of the largest block is read into a buffer
+        // beside the save's own; NVMe-homed state likewise; host-homed state is lent.
+        assert_eq!(
+            saving_bytes(&on_device, &model),
+            (24 * largest).next_multiple_of(4096) + SAVE_HELD_BYTES
         );
         assert_eq!(p.arena_bytes, on_device.peak[0] + on_device.peak[1]);
     }

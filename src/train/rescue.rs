@@ -98,8 +98,8 @@ fn save_alone(
     keep: usize,
 ) -> Result<PathBuf, Error> {
     let started = Instant::now();
-    let mut read = |b: usize| {
-        exec.export_block_state(b)
+    let mut read = |b: usize, put: &mut checkpoint::PutBlock<'_>| {
+        exec.with_block_state(b, put)
             .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
     };
     let saved = checkpoint::save_blocks(dir, exec.model(), state, &mut read, keep)?;

@@ -9,6 +9,7 @@
 //!
 //! The same checks answer, before any store exists, what a folder offers swap files
 //! ([`probe_direct_io`], [`filesystem_type`], [`available_bytes`]), for `strata doctor`.
+//! And for files written through the page cache (checkpoints), [`write_back_and_drop`].
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -461,6 +462,27 @@ pub fn format_bytes(bytes: u64) -> String {
     } else {
         format!("{value:.2} {}", UNITS[unit])
     }
+}
+
+/// Writes bytes `from..from + len` of `file` (written through the page cache) out to the
+/// device, waits for them, and drops them from the page cache, so that a long sequential
+/// write (a checkpoint larger than memory) leaves neither dirty nor cached pages behind,
+/// which a memory cgroup would charge to the writer. The dropping is advice: a kernel
+/// that ignores it loses nothing, the data being written.
+pub fn write_back_and_drop(file: &File, from: u64, len: u64) -> std::io::Result<()> {
+    let fd = file.as_raw_fd();
+    let (from, len) = (from as libc::off64_t, len as libc::off64_t);
+    let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+        | libc::SYNC_FILE_RANGE_WRITE
+        | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+    // SAFETY: `fd` is an open file borrowed for the call; neither call reads or writes
+    // memory of this process.
+    if unsafe { libc::sync_file_range(fd, from, len, flags) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    unsafe { libc::posix_fadvise(fd, from, len, libc::POSIX_FADV_DONTNEED) };
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,12 +1,12 @@
-//! Saving and loading a checkpoint a block at a time: [`save_blocks`] asks for each
-//! block's master parameters, m and v as it reaches the block (from wherever the block's
-//! state lives: the executor reads the device, the host arena or NVMe extents), writes
-//! them and drops them; [`open`] verifies a checkpoint and [`Opened::block`] reads one
-//! block's state back. Neither holds more than one block's state at a time: here, 12
-//! bytes × the largest block's parameters and a 1 MiB write buffer per file being
-//! written ([`SaveReport::staged_bytes_max`] reports it); with the executor's copy as it
-//! reads or writes a tier, at most three times the largest block's state and the
-//! buffers in all (measured by `engine/tests/checkpoint_blocks.rs`).
+//! Saving and loading a checkpoint a block at a time: [`save_blocks`] has each block's
+//! master parameters, m and v lent to its writer as it reaches the block, where their
+//! source holds them (the executor: in the host arena itself, or in the buffer its read
+//! of the device or of NVMe extents put them), and writes them; [`open`] verifies a
+//! checkpoint and [`Opened::block`] reads one block's state back. A save holds nothing
+//! of its own but a 1 MiB write buffer per file ([`SaveReport::staged_bytes_max`]), and
+//! keeps the files' written pages out of the page cache as it goes; with the source's
+//! read buffer at most the largest block's state beside the arenas (measured by
+//! `engine/tests/checkpoint_blocks.rs`). A load holds one block's state.
 //!
 //! The files are those of the format (`format`): `model.safetensors` and
 //! `optimizer.safetensors` hold their tensors in block order (the optimizer's m and v of
@@ -39,8 +39,22 @@ use crate::model::weights::{self, CONFIG_FILE, FileDtype, WEIGHTS_FILE};
 /// length, the model's layout).
 pub type BlockState = [Vec<f32>; 3];
 
-/// What supplies each block's state to [`save_blocks`]: called once per block, in order.
-pub type ReadBlock<'a> = dyn FnMut(usize) -> Result<BlockState, Box<dyn Error + Send + Sync>> + 'a;
+/// One block's master parameters, AdamW's m and v, lent where their source holds them
+/// (each the block's length, the model's layout).
+pub type BlockStateRef<'a> = [&'a [f32]; 3];
+
+/// What the writer of a checkpoint does with one block's state: writes it to the files.
+pub type PutBlock<'a> = dyn FnMut(BlockStateRef<'_>) -> Result<(), CheckpointError> + 'a;
+
+/// What supplies each block's state to [`save_blocks`]: called once per block, in order,
+/// with the block and the writer to lend its state to (so that the save copies nothing
+/// the source already holds); returns what the writer returned, or the source's own
+/// error.
+pub type ReadBlock<'a> = dyn FnMut(
+        usize,
+        &mut PutBlock<'_>,
+    ) -> Result<Result<(), CheckpointError>, Box<dyn Error + Send + Sync>>
+    + 'a;
 
 /// What a save wrote.
 #[derive(Debug, Clone)]
@@ -49,8 +63,8 @@ pub struct SaveReport {
     pub dir: PathBuf,
     /// Bytes of every file written.
     pub bytes: u64,
-    /// The most RAM the save held at once besides its source's: one block's state (the
-    /// largest) and the files' write buffers.
+    /// The most RAM the save held at once besides its source's: the files' write
+    /// buffers.
     pub staged_bytes_max: u64,
 }
 
@@ -187,32 +201,33 @@ fn write_files(
     let mut files = BTreeMap::new();
     let mut weights_file = TensorWriter::create(&dir.join(WEIGHTS_FILE), params)?;
     let mut optimizer_file = TensorWriter::create(&dir.join(OPTIMIZER_FILE), optimizer)?;
-    let mut staged_bytes_max = 0u64;
     for (b, block) in model.blocks().iter().enumerate() {
-        let got = read(b).map_err(|source| CheckpointError::Source {
+        let mut put = |got: BlockStateRef<'_>| -> Result<(), CheckpointError> {
+            if got.iter().any(|x| x.len() != block.len) {
+                return Err(CheckpointError::BadInput(format!(
+                    "block {b}'s state has {:?} values, not three of the model's {}",
+                    got.map(<[f32]>::len),
+                    block.len
+                )));
+            }
+            for (name, x) in ["params", "m", "v"].iter().zip(got) {
+                assert_gaps_zero(model, b, name, x);
+            }
+            for (name, _, range) in block_tensors(model, b, "") {
+                weights_file.put(&name, &got[0][range])?;
+            }
+            for (prefix, x) in [(EXP_AVG_PREFIX, got[1]), (EXP_AVG_SQ_PREFIX, got[2])] {
+                for (name, _, range) in block_tensors(model, b, prefix) {
+                    optimizer_file.put(&name, &x[range])?;
+                }
+            }
+            Ok(())
+        };
+        read(b, &mut put).map_err(|source| CheckpointError::Source {
             step: state.step,
             what: format!("reading block {b}'s state"),
             source,
-        })?;
-        if got.iter().any(|x| x.len() != block.len) {
-            return Err(CheckpointError::BadInput(format!(
-                "block {b}'s state has {:?} values, not three of the model's {}",
-                got.each_ref().map(Vec::len),
-                block.len
-            )));
-        }
-        for (name, x) in ["params", "m", "v"].iter().zip(&got) {
-            assert_gaps_zero(model, b, name, x);
-        }
-        staged_bytes_max = staged_bytes_max.max(12 * block.len as u64);
-        for (name, _, range) in block_tensors(model, b, "") {
-            weights_file.put(&name, &got[0][range])?;
-        }
-        for (prefix, x) in [(EXP_AVG_PREFIX, &got[1]), (EXP_AVG_SQ_PREFIX, &got[2])] {
-            for (name, _, range) in block_tensors(model, b, prefix) {
-                optimizer_file.put(&name, &x[range])?;
-            }
-        }
+        })??;
     }
     files.insert(WEIGHTS_FILE.to_string(), weights_file.finish()?);
     files.insert(OPTIMIZER_FILE.to_string(), optimizer_file.finish()?);
@@ -233,7 +248,7 @@ fn write_files(
     let text = serde_json::to_vec_pretty(&manifest).expect("JSON of numbers");
     write_synced(&dir.join(MANIFEST_FILE), &text)?;
     sync_dir(dir)?;
-    Ok((bytes, staged_bytes_max + 2 * WRITE_BUFFER_BYTES as u64))
+    Ok((bytes, 2 * WRITE_BUFFER_BYTES as u64))
 }
 
 /// The length and crc32c of `bytes`.

@@ -54,7 +54,10 @@ mod stream;
 mod verify;
 mod whole;
 
-pub use blocks::{BlockState, Opened, ReadBlock, SaveReport, needed_bytes, open, save_blocks};
+pub use blocks::{
+    BlockState, BlockStateRef, Opened, PutBlock, ReadBlock, SaveReport, needed_bytes, open,
+    save_blocks,
+};
 pub use error::CheckpointError;
 pub use folder::{dir_name, latest, list, parse_dir_name, resolve};
 pub use format::{
@@ -62,5 +65,6 @@ pub use format::{
     STATE_FILE, TrainerState,
 };
 pub use sharded::{Shard, load_shard, save_sharded, shard_file};
+pub use stream::SAVE_HELD_BYTES;
 pub use verify::written_by_ranks;
 pub use whole::{load, save};

@@ -20,6 +20,7 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorInfo;
 use serde_json::{Value, json};
 use strata_storage::crc::Crc32c;
+use strata_storage::write_back_and_drop;
 
 use super::error::{CheckpointError, io_error};
 use super::format::FileDigest;
@@ -31,6 +32,16 @@ use crate::model::ModelError;
 /// state.
 pub(super) const WRITE_BUFFER_BYTES: usize = 1 << 20;
 
+/// Bytes written between two hand-backs of a file's pages: each time this many more are
+/// written, they are written out and dropped from the page cache, so a save's dirty and
+/// cached pages (which a memory cgroup charges to the process) stay below it.
+const WRITTEN_BACK_EVERY: u64 = 64 << 20;
+
+/// The most memory a save of two files holds of its own: each file's write buffer and
+/// the pages written since it last handed them back (page cache, which a memory cgroup
+/// charges to the process). The state it writes is lent by its source.
+pub const SAVE_HELD_BYTES: u64 = 2 * (WRITE_BUFFER_BYTES as u64 + WRITTEN_BACK_EVERY);
+
 /// The largest header a checkpoint's file may have (a few hundred bytes per tensor).
 const MAX_HEADER_BYTES: u64 = 256 << 20;
 
@@ -40,6 +51,8 @@ pub(super) struct TensorWriter {
     file: BufWriter<File>,
     crc: Crc32c,
     len_bytes: u64,
+    /// Bytes already written out and dropped from the page cache.
+    handed_back: u64,
     /// Each tensor's name and element count, in the order of their data.
     order: Vec<(String, usize)>,
     next: usize,
@@ -78,6 +91,7 @@ impl TensorWriter {
             file: BufWriter::with_capacity(WRITE_BUFFER_BYTES, file),
             crc: Crc32c::new(),
             len_bytes: 0,
+            handed_back: 0,
             order,
             next: 0,
         };
@@ -91,7 +105,23 @@ impl TensorWriter {
         self.len_bytes += bytes.len() as u64;
         self.file
             .write_all(bytes)
-            .map_err(io_error("write", &self.path))
+            .map_err(io_error("write", &self.path))?;
+        if self.len_bytes - self.handed_back >= WRITTEN_BACK_EVERY {
+            self.hand_back()?;
+        }
+        Ok(())
+    }
+
+    /// Writes out what was written since the last call, waits for it, and drops it from
+    /// the page cache (advice: the data is on the device, so nothing is lost if the
+    /// kernel ignores it).
+    fn hand_back(&mut self) -> Result<(), CheckpointError> {
+        self.file.flush().map_err(io_error("write", &self.path))?;
+        let (from, len) = (self.handed_back, self.len_bytes - self.handed_back);
+        write_back_and_drop(self.file.get_ref(), from, len)
+            .map_err(io_error("write", &self.path))?;
+        self.handed_back = self.len_bytes;
+        Ok(())
     }
 
     /// Writes tensor `name`'s `data`: the next one the header lists, of its size.

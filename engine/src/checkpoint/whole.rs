@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::blocks::{assert_gaps_zero, save_blocks};
+use super::blocks::{PutBlock, assert_gaps_zero, save_blocks};
 use super::error::CheckpointError;
 use super::format::{Checkpoint, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX};
 use crate::model::ModelError;
@@ -35,7 +35,9 @@ pub fn save(root: &Path, ckpt: &Checkpoint, keep_last: usize) -> Result<PathBuf,
             assert_gaps_zero(model, b, name, buffer);
         }
     }
-    let mut read = |b: usize| Ok([ckpt.params[b].clone(), ckpt.m[b].clone(), ckpt.v[b].clone()]);
+    let mut read = |b: usize, put: &mut PutBlock<'_>| {
+        Ok(put([&ckpt.params[b][..], &ckpt.m[b][..], &ckpt.v[b][..]]))
+    };
     Ok(save_blocks(root, model, &ckpt.state, &mut read, keep_last)?.dir)
 }
 

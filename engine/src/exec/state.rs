@@ -435,11 +435,23 @@ impl Executor {
     /// or host staging for device-homed state), 24 bytes × the block's parameters in
     /// all. Alone only, as [`Executor::export_block`].
     pub fn export_block_state(&self, b: usize) -> Result<[Vec<f32>; 3], ExecError> {
+        self.with_block_state(b, |state| state.map(<[f32]>::to_vec))
+    }
+
+    /// Block `b`'s master parameters, m and v (each the block's length) lent to
+    /// `use_state` where their home's read puts them: the host arena itself, the NVMe
+    /// read's buffer, or a staging for device-homed state; no other copy is made (a
+    /// checkpoint's writer takes them so). Alone only, as [`Self::export_block_state`].
+    pub fn with_block_state<R>(
+        &self,
+        b: usize,
+        use_state: impl FnOnce([&[f32]; 3]) -> R,
+    ) -> Result<R, ExecError> {
         let len = self.check_alone_block(b)?;
         let shard = self.plan.shard_len[b] as usize;
-        // Copied out of where the tier's read put them, at their length.
         self.with_state(b, 3, &mut None, |bytes| {
-            std::array::from_fn(|c| cast::<f32>(&bytes[4 * c * shard..][..4 * len]).to_vec())
+            let class = |c: usize| cast::<f32>(&bytes[4 * c * shard..][..4 * len]);
+            use_state([class(0), class(1), class(2)])
         })
     }
 
