@@ -260,7 +260,8 @@ impl Executor {
         };
         let len = self.model.blocks()[b].len;
         let fill = |start: usize, out: &mut [u8]| {
-            let (first, count) = (start / pbytes, out.len() / pbytes);
+            // A piece past the master values (padding of a shard) is all zero.
+            let (first, count) = ((start / pbytes).min(master.len()), out.len() / pbytes);
             let have = master.len().saturating_sub(first).min(count);
             out.fill(0);
             write_working(
