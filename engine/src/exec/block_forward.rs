@@ -15,7 +15,7 @@ use strata_kernels::program::{Dtype, Scalars, Target};
 use crate::device::{Bindings, CpuDevice, CpuDeviceConfig, Device, DeviceRange, Program};
 use crate::device::{bytes_of, cast};
 use crate::lane::Lane;
-use crate::memory::{ARENA_ALIGN, DeviceBuffer, HostArena, HostRange};
+use crate::memory::{ARENA_ALIGN, DeviceBuffer, HostArena};
 use crate::model::{Bind, Model, ModelError, Pass, Shape};
 
 /// A model's forward, a block's parameters resident at a time, on a CPU device of its
@@ -97,16 +97,8 @@ impl BlockForward {
 
     /// Copies `bytes` to the front of `dst` and waits.
     fn upload(&self, bytes: &[u8], dst: DeviceRange) -> Result<(), ModelError> {
-        let range = HostRange::new(0, bytes.len());
-        self.staging
-            .write(Lane::Cpu, range)
-            .map_err(ModelError::Device)?
-            .copy_from_slice(bytes);
         let dst = DeviceRange::new(dst.offset_bytes, bytes.len());
-        self.device
-            .copy_to_device(&self.staging, range, dst, None, &[])
-            .and_then(|e| e.wait())
-            .map_err(ModelError::Device)
+        super::runner::upload_staged(&self.device, &self.staging, bytes, dst, None)
     }
 
     /// Block `b`'s parameters, `read(b)`, into `slot`.
@@ -156,15 +148,7 @@ impl BlockForward {
                 .and_then(|e| e.wait())
                 .map_err(ModelError::Device)?;
         }
-        let range = HostRange::new(0, self.losses.len_bytes);
-        self.device
-            .copy_to_host(self.losses, &self.staging, range, &[])
-            .and_then(|e| e.wait())
-            .map_err(ModelError::Device)?;
-        let bytes = self
-            .staging
-            .read(Lane::Cpu, range)
-            .map_err(ModelError::Device)?;
+        let bytes = super::runner::download_staged(&self.device, &self.staging, self.losses)?;
         let sum: f64 = cast::<f32>(&bytes).iter().map(|&l| f64::from(l)).sum();
         Ok((sum / super::runner::counted_targets(targets) as f64) as f32)
     }

@@ -13,7 +13,7 @@ use strata_kernels::program::{Dtype, Scalars, Target};
 
 use crate::device::{Bindings, Device, DeviceRange, Event, Program, cast};
 use crate::lane::Lane;
-use crate::memory::{ARENA_ALIGN, DeviceBuffer, HostArena, HostRange};
+use crate::memory::{ARENA_ALIGN, DeviceBuffer, HostArena, HostRange, HostRead};
 use crate::model::{Bind, Model, ModelError, Pass, Shape};
 use crate::plan::{Precision, Recompute};
 
@@ -248,28 +248,12 @@ impl Runner {
         dst: DeviceRange,
         convert: crate::device::Convert,
     ) -> Result<(), ModelError> {
-        let range = HostRange::new(0, bytes.len());
-        self.staging
-            .write(Lane::Cpu, range)
-            .map_err(ModelError::Device)?
-            .copy_from_slice(bytes);
-        self.device
-            .copy_to_device(&self.staging, range, dst, convert, &[])
-            .and_then(|e| e.wait())
-            .map_err(ModelError::Device)
+        upload_staged(&self.device, &self.staging, bytes, dst, convert)
     }
 
     /// A device range's bytes, as f32 (converted from `dtype`).
     fn download(&self, src: DeviceRange, dtype: Dtype) -> Result<Vec<f32>, ModelError> {
-        let range = HostRange::new(0, src.len_bytes);
-        self.device
-            .copy_to_host(src, &self.staging, range, &[])
-            .and_then(|e| e.wait())
-            .map_err(ModelError::Device)?;
-        let bytes = self
-            .staging
-            .read(Lane::Cpu, range)
-            .map_err(ModelError::Device)?;
+        let bytes = download_staged(&self.device, &self.staging, src)?;
         Ok(match dtype {
             Dtype::Bf16 => cast::<half::bf16>(&bytes)
                 .iter()
@@ -504,4 +488,39 @@ pub(super) fn counted_targets(targets: &[u32]) -> usize {
         .filter(|&&t| t != crate::model::IGNORE_TARGET)
         .count()
         .max(1)
+}
+
+/// Copies `bytes` through `staging` to `dst` on `device` (`convert`: from one dtype to
+/// another as it goes) and waits: how the runner and the block forward upload.
+pub(super) fn upload_staged(
+    device: &Device,
+    staging: &HostArena,
+    bytes: &[u8],
+    dst: DeviceRange,
+    convert: crate::device::Convert,
+) -> Result<(), ModelError> {
+    let range = HostRange::new(0, bytes.len());
+    staging
+        .write(Lane::Cpu, range)
+        .map_err(ModelError::Device)?
+        .copy_from_slice(bytes);
+    device
+        .copy_to_device(staging, range, dst, convert, &[])
+        .and_then(|e| e.wait())
+        .map_err(ModelError::Device)
+}
+
+/// `src`'s bytes copied through `staging` from `device` (waited for), lent for reading:
+/// how the runner and the block forward download.
+pub(super) fn download_staged<'a>(
+    device: &Device,
+    staging: &'a HostArena,
+    src: DeviceRange,
+) -> Result<HostRead<'a>, ModelError> {
+    let range = HostRange::new(0, src.len_bytes);
+    device
+        .copy_to_host(src, staging, range, &[])
+        .and_then(|e| e.wait())
+        .map_err(ModelError::Device)?;
+    staging.read(Lane::Cpu, range).map_err(ModelError::Device)
 }
