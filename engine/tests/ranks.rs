@@ -13,7 +13,7 @@ use std::time::Duration;
 use strata_comm::{Collective, ThreadGroup};
 use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams, TrainingState};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::{Gpt2Config, Model};
+use strata_engine::model::{Gpt2Config, Model, ModelError};
 use strata_engine::plan::{
     AllOnDevice, CpuOffload, HostOp, NvmeOffload, OpId, OpKind, Plan, PlanInput, Policy, Precision,
     StepShape, Tier,
@@ -345,16 +345,19 @@ fn executor(
     Executor::on_cpu(model, plan, &config).unwrap()
 }
 
-/// A sharded checkpoint (each rank writes its own shard; no rank holds the whole state)
-/// resumes bit for bit: by the same number of ranks, each reading its own shard, and
-/// whole by one process with the ranks' micro-batches, as `strata checkpoint export` and
-/// a resume by another number of ranks read it.
+/// A sharded checkpoint (each rank writes its own shard a block at a time, lent from
+/// its tier; no rank holds the whole state, or its whole shard) resumes bit for bit: by
+/// the same number of ranks, each reading its own shard a block at a time, and whole by
+/// one process with the ranks' micro-batches, as `strata checkpoint export` and a resume
+/// by another number of ranks read it. Rank 0 reads whole blocks, in any order, while
+/// the other ranks serve their shards (as `--out` and `--eval-every` do).
 #[test]
 fn a_sharded_checkpoint_resumes_bit_identically() {
-    use strata_engine::checkpoint::{self, Shard, TrainerState};
+    use strata_engine::checkpoint::{self, PutBlock, TrainerState};
     let (saved_at, total, ranks) = (2, 4, 2);
     for policy in [
-        Box::new(CpuOffload) as Box<dyn Policy>,
+        Box::new(AllOnDevice) as Box<dyn Policy>,
+        Box::new(CpuOffload),
         Box::new(NvmeOffload {
             depth: 1,
             checkpoints: Tier::Host,
@@ -380,30 +383,53 @@ fn a_sharded_checkpoint_resumes_bit_identically() {
                                 executor(policy, ranks, 1, Some(comm.clone()), nvme.path());
                             exec.load(&model.init_params(3), None).unwrap();
                             steps(&mut exec, 0, saved_at, rank, ranks, 1);
-                            let (params, m, v) = exec.export_shard().unwrap();
-                            let shard = Shard {
-                                model: model.clone(),
-                                ranks,
-                                rank,
-                                shard_len: (0..model.blocks().len())
-                                    .map(|b| exec.shard(b).1)
-                                    .collect(),
-                                params,
-                                m,
-                                v,
-                                state: TrainerState::after(saved_at as u64, 0, 0),
+                            let shard_len: Vec<usize> =
+                                (0..model.blocks().len()).map(|b| exec.shard(b).1).collect();
+                            let mut read = |b: usize, put: &mut PutBlock<'_>| {
+                                exec.with_shard_state(b, put).map_err(|e| {
+                                    Box::new(e) as Box<dyn std::error::Error + Send + Sync>
+                                })
                             };
-                            checkpoint::save_sharded(root, comm.as_ref(), &shard, 2).unwrap();
+                            checkpoint::save_sharded_blocks(
+                                root,
+                                comm.as_ref(),
+                                &model,
+                                &shard_len,
+                                &TrainerState::after(saved_at as u64, 0, 0),
+                                &mut read,
+                                2,
+                            )
+                            .unwrap();
                             let at_save = exec.export().unwrap();
+                            // Rank 0 asks for blocks out of order and twice; each is the
+                            // whole block of the gathered state.
+                            let last = model.blocks().len() - 1;
+                            let asked = exec
+                                .with_whole_blocks(|read| {
+                                    [last, 0, last, 1].map(|b| (b, read(b).unwrap()))
+                                })
+                                .unwrap();
+                            assert_eq!(asked.is_some(), rank == 0);
+                            for (b, got) in asked.into_iter().flatten() {
+                                assert_eq!(got, at_save.0[b], "block {b} read by rank 0");
+                            }
                             steps(&mut exec, saved_at, total, rank, ranks, 1);
                             let straight = exec.export().unwrap();
                             drop(exec);
 
                             let mut again =
                                 executor(policy, ranks, 1, Some(comm.clone()), nvme.path());
-                            let back = checkpoint::load_shard(root, rank, ranks).unwrap();
-                            assert_eq!(back.state.step, saved_at as u64);
-                            again.load_shard(&(back.params, back.m, back.v)).unwrap();
+                            let back = checkpoint::open_shard(root, rank, ranks).unwrap();
+                            assert_eq!(back.state().step, saved_at as u64);
+                            assert!(back.own_shard_len().is_some());
+                            again
+                                .load_shard_blocks(&|b| {
+                                    back.block(b).map_err(|e| ModelError::Source {
+                                        what: format!("block {b}"),
+                                        source: Box::new(e),
+                                    })
+                                })
+                                .unwrap();
                             again.set_steps(saved_at as u64);
                             steps(&mut again, saved_at, total, rank, ranks, 1);
                             (at_save, straight, again.export().unwrap())

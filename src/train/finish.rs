@@ -75,9 +75,10 @@ pub fn finish(
     summary(out, exec, outcome, started)
 }
 
-/// Writes the trained model to `dir`. With ranks every rank gathers the parameters (a
-/// collective) and rank 0 writes them; alone, each block is read from its tier as the
-/// file reaches it, so that saving holds one block's parameters, not the model's.
+/// Writes the trained model to `dir` a block at a time: each block's parameters are read
+/// from their tier as the file reaches them, so that saving holds one block's
+/// parameters, not the model's. With ranks rank 0 writes, and every rank serves its
+/// shard of each block it asks for (a collective).
 fn save_model(
     cfg: &TrainConfig,
     exec: &Executor,
@@ -85,14 +86,6 @@ fn save_model(
     ranks: &Ranks,
     out: &mut impl Write,
 ) -> Result<(), Error> {
-    let gathered = if ranks.ranks > 1 {
-        Some(exec.export()?.0)
-    } else {
-        None
-    };
-    if ranks.rank != 0 {
-        return Ok(());
-    }
     let model = exec.model();
     let source = pretrained_source(&cfg.model)?;
     let mut options = source
@@ -101,20 +94,24 @@ fn save_model(
     if let Some(dtype) = cfg.save_dtype {
         options.dtype = dtype.file_dtype();
     }
-    match &gathered {
-        Some(params) => weights::save_pretrained_with(model, params, dir, &options)?,
-        None => weights::save_pretrained_blocks(
+    let saved = exec.with_whole_blocks(|read| {
+        weights::save_pretrained_blocks(
             model,
             &|b| {
-                exec.export_block(b).map_err(|e| ModelError::Source {
+                read(b).map_err(|e| ModelError::Source {
                     what: format!("reading block {b}'s parameters to write {}", dir.display()),
                     source: Box::new(e),
                 })
             },
             dir,
             &options,
-        )?,
+        )
+    })?;
+    match saved {
+        Some(written) => written?,
+        None => return Ok(()), // rank 0 writes the model
     }
+    debug_assert_eq!(ranks.rank, 0);
     writeln!(
         out,
         "model: {} (Hugging Face safetensors in {}{}, config.json{})",

@@ -70,23 +70,28 @@ pub fn write_checkpoint(
     state: &TrainerState,
     keep: usize,
 ) -> Result<PathBuf, Error> {
-    Ok(match &ranks.group {
-        Some(group) => {
-            let (params, m, v) = exec.export_shard()?;
-            let shard = checkpoint::Shard {
-                model: exec.model().clone(),
-                ranks: ranks.ranks,
-                rank: ranks.rank,
-                shard_len: exec.plan().shard_len.iter().map(|&s| s as usize).collect(),
-                params,
-                m,
-                v,
-                state: state.clone(),
-            };
-            checkpoint::save_sharded(dir, group.as_ref(), &shard, keep)?
-        }
-        None => save_alone(exec, dir, state, keep)?,
-    })
+    let started = Instant::now();
+    let Some(group) = &ranks.group else {
+        return save_alone(exec, dir, state, keep, started);
+    };
+    // Each rank its shard, a block at a time, lent from its tier as the file reaches it.
+    let mut read = |b: usize, put: &mut checkpoint::PutBlock<'_>| {
+        exec.with_shard_state(b, put)
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+    };
+    let shard_len: Vec<usize> = exec.plan().shard_len.iter().map(|&s| s as usize).collect();
+    let saved = checkpoint::save_sharded_blocks(
+        dir,
+        group.as_ref(),
+        exec.model(),
+        &shard_len,
+        state,
+        &mut read,
+        keep,
+    )?;
+    let bytes = 12 * shard_len.iter().sum::<usize>() as u64;
+    log_rate(&saved, bytes, started, "this rank's shard");
+    Ok(saved)
 }
 
 /// Writes a checkpoint of `exec` (alone) at `state` in `dir` a block at a time, each
@@ -96,22 +101,34 @@ fn save_alone(
     dir: &Path,
     state: &TrainerState,
     keep: usize,
+    started: Instant,
 ) -> Result<PathBuf, Error> {
-    let started = Instant::now();
     let mut read = |b: usize, put: &mut checkpoint::PutBlock<'_>| {
         exec.with_block_state(b, put)
             .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
     };
     let saved = checkpoint::save_blocks(dir, exec.model(), state, &mut read, keep)?;
-    let seconds = started.elapsed().as_secs_f64();
-    log::info!(
-        "checkpoint {}: {} in {seconds:.2} s ({:.0} MB/s), at most {} of state in RAM at once",
-        saved.dir.display(),
-        fmt_bytes(saved.bytes),
-        saved.bytes as f64 / seconds.max(1e-9) / 1e6,
-        fmt_bytes(saved.staged_bytes_max)
+    log_rate(
+        &saved.dir,
+        saved.bytes,
+        started,
+        &format!(
+            "at most {} of state in RAM at once",
+            fmt_bytes(saved.staged_bytes_max)
+        ),
     );
     Ok(saved.dir)
+}
+
+/// Logs a save of `bytes` into `dir` begun at `started`.
+fn log_rate(dir: &Path, bytes: u64, started: Instant, what: &str) {
+    let seconds = started.elapsed().as_secs_f64();
+    log::info!(
+        "checkpoint {}: {} in {seconds:.2} s ({:.0} MB/s), {what}",
+        dir.display(),
+        fmt_bytes(bytes),
+        bytes as f64 / seconds.max(1e-9) / 1e6,
+    );
 }
 
 /// Keeps `exec`'s state, `state` (a delayed update already applied): names

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use strata_engine::checkpoint::{self, TrainerState};
 use strata_engine::device::Device;
-use strata_engine::exec::{ExecConfig, Executor, TrainingState};
+use strata_engine::exec::{ExecConfig, Executor};
 use strata_engine::model::weights;
 use strata_engine::model::{Model, ModelError};
 use strata_engine::plan::{Plan, fmt_bytes};
@@ -61,11 +61,10 @@ impl FreshParams {
 pub enum Initial {
     /// A fresh run's, made or read a block at a time as they are loaded.
     Fresh(FreshParams),
-    /// A checkpoint (ordinary, or sharded by another number of ranks), verified and
-    /// read a block at a time as it is loaded.
+    /// A checkpoint, verified and read a block at a time as it is loaded: whole blocks
+    /// (an ordinary one, or one sharded by another number of ranks), or this rank's
+    /// shards of them (one sharded by as many ranks).
     Checkpoint(Box<checkpoint::Opened>),
-    /// This rank's shards of a sharded checkpoint.
-    Shard(TrainingState),
 }
 
 /// The run's parameters and trainer state: resumed from `cfg.resume` (this rank's
@@ -123,25 +122,25 @@ fn resumed(
         .map(|b| plan.shard_len[b] as usize)
         .collect();
     let sharded = ranks.ranks > 1 && checkpoint::written_by_ranks(&dir)? == Some(ranks.ranks);
+    let started = Instant::now();
     let shard = if sharded {
-        Some(checkpoint::load_shard(&dir, ranks.rank, ranks.ranks)?)
-            .filter(|s| s.shard_len == expected)
+        Some(checkpoint::open_shard(&dir, ranks.rank, ranks.ranks)?)
+            .filter(|s| s.own_shard_len() == Some(&expected[..]))
     } else {
         None
     };
-    if let Some(shard) = shard {
-        check_resumed_model(path, &shard.model, model)?;
-        check_resume_settings(path, &shard.state.config, cfg, ranks.ranks)?;
-        return Ok((
-            Initial::Shard((shard.params, shard.m, shard.v)),
-            shard.state,
-        ));
-    }
-    let started = Instant::now();
-    let opened = checkpoint::open(&dir)?;
+    let opened = match shard {
+        Some(shard) => shard,
+        None => checkpoint::open(&dir)?,
+    };
     log::info!(
-        "verified {} (every file's crc32c) in {:.2} s",
+        "verified {} (crc32c of {}) in {:.2} s",
         opened.dir().display(),
+        if opened.own_shard_len().is_some() {
+            "this rank's shard and the small files"
+        } else {
+            "every file"
+        },
         started.elapsed().as_secs_f64()
     );
     check_resumed_model(path, opened.model(), model)?;
@@ -210,18 +209,24 @@ fn check_resume_settings(
     .into())
 }
 
-/// Loads the checkpoint `opened` into `exec` a block at a time; logs the rate.
+/// Loads the checkpoint `opened` into `exec` a block at a time (whole blocks, or this
+/// rank's shards of them); logs the rate.
 fn load_checkpoint(exec: &mut Executor, opened: &checkpoint::Opened) -> Result<(), Error> {
     let started = Instant::now();
     let read_bytes = Cell::new(0u64);
-    exec.load_state_blocks(&|b| {
+    let read = |b: usize| {
         let state = opened.block(b).map_err(|e| ModelError::Source {
             what: format!("reading block {b} of {}", opened.dir().display()),
             source: Box::new(e),
         })?;
         read_bytes.set(read_bytes.get() + 12 * state[0].len() as u64);
         Ok(state)
-    })?;
+    };
+    if opened.own_shard_len().is_some() {
+        exec.load_shard_blocks(&read)?;
+    } else {
+        exec.load_state_blocks(&read)?;
+    }
     let seconds = started.elapsed().as_secs_f64();
     log::info!(
         "resumed from {}: {} of state in {seconds:.2} s ({:.0} MB/s)",
@@ -245,7 +250,6 @@ pub fn executor(
     let mut exec = Executor::new(model.clone(), plan, device, exec_config)?;
     match &initial {
         Initial::Checkpoint(opened) => load_checkpoint(&mut exec, opened)?,
-        Initial::Shard(shard) => exec.load_shard(shard)?,
         Initial::Fresh(fresh) => exec.load_blocks(&|b| fresh.block(b))?,
     }
     drop(initial);

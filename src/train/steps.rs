@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use strata_engine::checkpoint::TrainerState;
-use strata_engine::exec::{BlockForward, ExecError, Executor, Runner, StepParams, StepReport};
+use strata_engine::exec::{BlockForward, ExecError, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::ModelError;
 use strata_engine::model::data::Batch;
@@ -466,9 +466,10 @@ impl<'a> StepLoop<'a> {
     }
 }
 
-/// The held-out batch's loss under the current master parameters. Alone, a block at a
-/// time: each block's parameters are read from their tier as the forward reaches it, so
-/// the model is never whole in memory; with ranks, gathered (a collective).
+/// The held-out batch's loss under the current master parameters, a block at a time:
+/// each block's parameters are read from their tier as the forward reaches it, so the
+/// model is never whole in memory. With ranks rank 0 evaluates, every rank serving its
+/// shard of each block, and every rank gets the loss (a collective).
 fn evaluate(
     exec: &Executor,
     data: &RunData,
@@ -479,20 +480,28 @@ fn evaluate(
     let mut b = Batch::default();
     data.tokens
         .read_batch(batch, cfg.batch, cfg.seq, model.vocab(), &mut b)?;
-    if exec.comm().size() == 1 {
-        let forward = BlockForward::on_cpu(model.clone(), cfg.batch, cfg.seq)?;
+    let forward = BlockForward::on_cpu(model.clone(), cfg.batch, cfg.seq)?;
+    let loss = exec.with_whole_blocks(|read| -> Result<f32, Error> {
         let read = |b: usize| {
-            exec.export_block(b).map_err(|e| ModelError::Source {
+            read(b).map_err(|e| ModelError::Source {
                 what: format!("reading block {b}'s parameters to evaluate"),
                 source: Box::new(e),
             })
         };
-        return Ok(forward.forward(&b.inputs, &b.targets, &read)?);
+        Ok(forward.forward(&b.inputs, &b.targets, &read)?)
+    })?;
+    // Rank 0's loss, or that it failed, to every rank.
+    let mut word = [0u8; 5];
+    if let Some(Ok(loss)) = &loss {
+        word[0] = 1;
+        word[1..].copy_from_slice(&loss.to_le_bytes());
     }
-    let params = exec.export()?.0;
-    let mut runner = Runner::on_cpu(model.clone(), cfg.batch, cfg.seq)?;
-    runner.load(&params)?;
-    Ok(runner.forward(&b.inputs, &b.targets)?)
+    exec.comm().broadcast(0, &mut word)?;
+    match loss {
+        Some(loss) => loss,
+        None if word[0] == 1 => Ok(f32::from_le_bytes(word[1..].try_into().expect("4 bytes"))),
+        None => Err("rank 0 could not evaluate the held-out batch".into()),
+    }
 }
 
 fn progress_bar(steps: u64, done: u64) -> indicatif::ProgressBar {

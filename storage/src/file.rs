@@ -485,6 +485,24 @@ pub fn write_back_and_drop(file: &File, from: u64, len: u64) -> std::io::Result<
     Ok(())
 }
 
+/// Drops bytes `from..from + len` of `file` from the page cache after they have been
+/// read, so that a long sequential read (verifying or resuming a checkpoint larger than
+/// memory) leaves no cached pages behind, which a memory cgroup would charge to the
+/// reader until it reclaimed them. Advice: a kernel that ignores it loses nothing, the
+/// pages being clean.
+pub fn drop_read_pages(file: &File, from: u64, len: u64) {
+    // SAFETY: `fd` is an open file borrowed for the call, which reads or writes no
+    // memory of this process.
+    unsafe {
+        libc::posix_fadvise(
+            file.as_raw_fd(),
+            from as libc::off64_t,
+            len as libc::off64_t,
+            libc::POSIX_FADV_DONTNEED,
+        )
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

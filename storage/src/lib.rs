@@ -20,8 +20,8 @@ mod store;
 pub use buffer::{AlignedBuf, DIRECT_IO_ALIGN, HUGE_PAGE_BYTES, IoBuf, IoRegion};
 pub use error::{Errno, StorageError};
 pub use file::{
-    DirectIo, DirectIoSupport, available_bytes, filesystem_type, format_bytes, is_tmpfs,
-    probe_direct_io, write_back_and_drop,
+    DirectIo, DirectIoSupport, available_bytes, drop_read_pages, filesystem_type, format_bytes,
+    is_tmpfs, probe_direct_io, write_back_and_drop,
 };
 pub use io::faulty::{FaultKind, FaultPlan, InjectedFault};
 pub use io::{BackendChoice, BackendKind, IoCounters, IoStats, OpKind, probe_uring};

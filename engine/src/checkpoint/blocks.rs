@@ -271,9 +271,15 @@ enum Files {
         layout: ShardLayout,
         shards: Vec<TensorReader>,
     },
+    /// One rank's shard file of a sharded one, for a resume by as many ranks.
+    OwnShard {
+        layout: ShardLayout,
+        file: TensorReader,
+    },
 }
 
-/// A verified checkpoint, read a block at a time.
+/// A verified checkpoint, read a block at a time: whole blocks, or (opened with
+/// [`open_shard`]) one rank's shards of them.
 pub struct Opened {
     dir: PathBuf,
     model: Model,
@@ -315,19 +321,65 @@ pub fn open(path: &Path) -> Result<Opened, CheckpointError> {
             (state, model, files)
         }
     };
-    let opened = Opened {
-        dir,
-        model,
-        state,
-        files,
+    Opened::located(dir, model, state, files)
+}
+
+/// Opens rank `rank`'s shard of the sharded checkpoint `path` (a folder, or a root whose
+/// latest checkpoint is taken) for a resume by `ranks` ranks, the number that wrote it:
+/// verifies the small files and this rank's file (length and crc32c), the other ranks'
+/// files' lengths, and every tensor's place, shape and dtype in this rank's file, reading
+/// no tensor data. [`Opened::block`] then reads this rank's shard of a block.
+pub fn open_shard(path: &Path, rank: usize, ranks: usize) -> Result<Opened, CheckpointError> {
+    let dir = resolve(path)?;
+    let d = Dir(&dir);
+    let manifest = d.manifest()?;
+    let Some(layout) = &manifest.shards else {
+        return Err(d.invalid(format!(
+            "{MANIFEST_FILE} describes an ordinary checkpoint, not one sharded by ranks; load \
+             it whole"
+        )));
     };
-    for b in 0..opened.model.blocks().len() {
-        opened.places(b)?;
+    if layout.ranks != ranks {
+        return Err(CheckpointError::Ranks {
+            dir,
+            written: layout.ranks,
+            ranks,
+        });
     }
-    Ok(opened)
+    let mine = shard_file(rank, ranks);
+    let names = shard_files(layout);
+    d.verify(&manifest, names.iter().map(String::as_str), |f| {
+        f == mine || f == CONFIG_FILE || f == STATE_FILE
+    })?;
+    let (state, model) = d.state_and_model(&manifest)?;
+    super::sharded::check_layout(&d, &model, layout)?;
+    let files = Files::OwnShard {
+        layout: layout.clone(),
+        file: TensorReader::open(&d, &mine)?,
+    };
+    Opened::located(dir, model, state, files)
 }
 
 impl Opened {
+    /// The checkpoint of `files`, once every block's tensors are found in them.
+    fn located(
+        dir: PathBuf,
+        model: Model,
+        state: TrainerState,
+        files: Files,
+    ) -> Result<Self, CheckpointError> {
+        let opened = Opened {
+            dir,
+            model,
+            state,
+            files,
+        };
+        for b in 0..opened.model.blocks().len() {
+            opened.places(b)?;
+        }
+        Ok(opened)
+    }
+
     /// The checkpoint's folder.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -347,7 +399,24 @@ impl Opened {
     pub fn ranks(&self) -> Option<usize> {
         match &self.files {
             Files::Whole { .. } => None,
-            Files::Sharded { layout, .. } => Some(layout.ranks),
+            Files::Sharded { layout, .. } | Files::OwnShard { layout, .. } => Some(layout.ranks),
+        }
+    }
+
+    /// Per block, the elements of a rank's shard, when opened as one rank's shard
+    /// ([`open_shard`]); `None` when [`Opened::block`] reads whole blocks.
+    pub fn own_shard_len(&self) -> Option<&[usize]> {
+        match &self.files {
+            Files::OwnShard { layout, .. } => Some(&layout.shard_len),
+            _ => None,
+        }
+    }
+
+    /// The values [`Opened::block`] reads of block `b`: the block's, or a rank's shard's.
+    fn held_len(&self, b: usize) -> usize {
+        match &self.files {
+            Files::OwnShard { layout, .. } => layout.shard_len[b],
+            _ => self.model.blocks()[b].len,
         }
     }
 
@@ -390,12 +459,20 @@ impl Opened {
                     }
                 }
             }
+            Files::OwnShard { layout, file } => {
+                let shard = layout.shard_len[b];
+                for (name, places) in tensor_names(b).iter().zip(&mut out) {
+                    let at = file.locate(&d, &[name], &[shard])?;
+                    places.push((file, at, 0..shard));
+                }
+            }
         }
         Ok(out)
     }
 
     /// Block `b`'s master parameters, m and v (the block's length each, alignment gaps
-    /// zero), read from the files.
+    /// zero; opened as one rank's shard, that rank's shard of them, zero past the
+    /// block's end), read from the files.
     pub fn block(&self, b: usize) -> Result<BlockState, CheckpointError> {
         let mut out: BlockState = Default::default();
         self.read_classes(b, &mut out)?;
@@ -412,14 +489,14 @@ impl Opened {
 
     /// The first `out.len()` classes of block `b` (params, m, v) into `out`.
     fn read_classes(&self, b: usize, out: &mut [Vec<f32>]) -> Result<(), CheckpointError> {
-        let Some(block) = self.model.blocks().get(b) else {
+        if b >= self.model.blocks().len() {
             return Err(CheckpointError::BadInput(format!(
                 "block {b} is not one of the model's {}",
                 self.model.blocks().len()
             )));
-        };
+        }
         for (x, places) in out.iter_mut().zip(self.places(b)?) {
-            *x = vec![0f32; block.len];
+            *x = vec![0f32; self.held_len(b)];
             for (file, at, range) in places {
                 file.read_into(at, &mut x[range])?;
             }
@@ -429,6 +506,12 @@ impl Opened {
 
     /// The whole checkpoint, every block read.
     pub fn read_all(self) -> Result<super::Checkpoint, CheckpointError> {
+        if self.own_shard_len().is_some() {
+            return Err(CheckpointError::BadInput(format!(
+                "{} was opened as one rank's shard; open it whole to read it all",
+                self.dir.display()
+            )));
+        }
         let mut classes: [Vec<Vec<f32>>; 3] = Default::default();
         for b in 0..self.model.blocks().len() {
             for (class, x) in classes.iter_mut().zip(self.block(b)?) {

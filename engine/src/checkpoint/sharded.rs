@@ -30,17 +30,19 @@ use std::path::{Path, PathBuf};
 
 use strata_comm::Collective;
 
+use super::blocks::{BlockStateRef, PutBlock, ReadBlock};
 use super::error::{CheckpointError, io_error};
 use super::folder::{
-    LeftoverKind, advice, check_space, dir_name, leftover_path, leftover_path_of, prune, publish,
-    resolve, sync_dir, write_synced,
+    LeftoverKind, check_space, dir_name, leftover_path, leftover_path_of, prune, publish, sync_dir,
+    write_synced,
 };
 use super::format::{
     FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, STATE_FILE, ShardLayout, TrainerState,
 };
+use super::stream::TensorWriter;
 use super::verify::{Dir, digest};
 use crate::model::Model;
-use crate::model::weights::{self, CONFIG_FILE, F32View, FileDtype};
+use crate::model::weights::{self, CONFIG_FILE, FileDtype};
 
 /// The file of rank `rank` (from 0) of `ranks`: `shard-00001-of-00002.safetensors`.
 pub fn shard_file(rank: usize, ranks: usize) -> String {
@@ -81,6 +83,42 @@ pub struct Shard {
 impl Shard {
     /// Checks the shard's buffers against the model and the layout.
     fn check(&self) -> Result<(), String> {
+        self.layout().check()?;
+        for (b, &shard) in self.shard_len.iter().enumerate() {
+            for (what, x) in [("params", &self.params), ("m", &self.m), ("v", &self.v)] {
+                if x.get(b).map(Vec::len) != Some(shard) {
+                    return Err(format!(
+                        "block {b}: the {what} shard is not {shard} elements"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn layout(&self) -> Layout<'_> {
+        Layout {
+            model: &self.model,
+            ranks: self.ranks,
+            rank: self.rank,
+            shard_len: &self.shard_len,
+            state: &self.state,
+        }
+    }
+}
+
+/// What a rank's part of a sharded checkpoint is, beside its tensors.
+struct Layout<'a> {
+    model: &'a Model,
+    ranks: usize,
+    rank: usize,
+    shard_len: &'a [usize],
+    state: &'a TrainerState,
+}
+
+impl Layout<'_> {
+    /// Checks the layout against the model, and the trainer state.
+    fn check(&self) -> Result<(), String> {
         let blocks = self.model.blocks();
         if self.rank >= self.ranks || self.shard_len.len() != blocks.len() {
             return Err(format!(
@@ -92,19 +130,11 @@ impl Shard {
             ));
         }
         for (b, block) in blocks.iter().enumerate() {
-            let shard = self.shard_len[b];
-            if shard * self.ranks < block.len {
+            if self.shard_len[b] * self.ranks < block.len {
                 return Err(format!(
-                    "block {b}: {} ranks of {shard} elements do not hold its {}",
-                    self.ranks, block.len
+                    "block {b}: {} ranks of {} elements do not hold its {}",
+                    self.ranks, self.shard_len[b], block.len
                 ));
-            }
-            for (what, x) in [("params", &self.params), ("m", &self.m), ("v", &self.v)] {
-                if x.get(b).map(Vec::len) != Some(shard) {
-                    return Err(format!(
-                        "block {b}: the {what} shard is not {shard} elements"
-                    ));
-                }
             }
         }
         if !self.state.loss_scale.is_finite() {
@@ -158,17 +188,67 @@ pub fn save_sharded(
     shard: &Shard,
     keep_last: usize,
 ) -> Result<PathBuf, CheckpointError> {
-    let step = shard.state.step;
-    let (rank, ranks) = (comm.rank(), comm.size());
-    let mine = if keep_last == 0 {
-        Err("keep_last is 0; keep at least the checkpoint being saved".to_string())
-    } else if (shard.rank, shard.ranks) != (rank, ranks) {
+    let mine = if (shard.rank, shard.ranks) != (comm.rank(), comm.size()) {
         Err(format!(
-            "the shard is rank {}'s of {}, the group's rank {rank} of {ranks}",
-            shard.rank, shard.ranks
+            "the shard is rank {}'s of {}, the group's rank {} of {}",
+            shard.rank,
+            shard.ranks,
+            comm.rank(),
+            comm.size()
         ))
     } else {
         shard.check()
+    };
+    let mut read = |b: usize, put: &mut PutBlock<'_>| {
+        Ok(put([
+            &shard.params[b][..],
+            &shard.m[b][..],
+            &shard.v[b][..],
+        ]))
+    };
+    save_with(root, comm, &shard.layout(), mine, &mut read, keep_last)
+}
+
+/// As [`save_sharded`], this rank's shard of block `b` (the master parameters, m and v,
+/// `shard_len[b]` values each, zero past the block's end) being lent by `read(b)`,
+/// called once per block in order: a rank holds one block's shard while it saves, not
+/// its shard of the model. `state` is the trainer's (the same on every rank).
+pub fn save_sharded_blocks(
+    root: &Path,
+    comm: &dyn Collective,
+    model: &Model,
+    shard_len: &[usize],
+    state: &TrainerState,
+    read: &mut ReadBlock<'_>,
+    keep_last: usize,
+) -> Result<PathBuf, CheckpointError> {
+    let layout = Layout {
+        model,
+        ranks: comm.size(),
+        rank: comm.rank(),
+        shard_len,
+        state,
+    };
+    let mine = layout.check();
+    save_with(root, comm, &layout, mine, read, keep_last)
+}
+
+/// The phases of a sharded save (see the module's documentation), `mine` being this
+/// rank's check of what it was given.
+fn save_with(
+    root: &Path,
+    comm: &dyn Collective,
+    layout: &Layout<'_>,
+    mine: Result<(), String>,
+    read: &mut ReadBlock<'_>,
+    keep_last: usize,
+) -> Result<PathBuf, CheckpointError> {
+    let step = layout.state.step;
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let mine = if keep_last == 0 {
+        Err("keep_last is 0; keep at least the checkpoint being saved".to_string())
+    } else {
+        mine
     }
     .map_err(CheckpointError::BadInput);
     let failed = first_failed(comm, mine.is_ok())?;
@@ -177,7 +257,7 @@ pub fn save_sharded(
     // Rank 0 makes the folder every rank writes into; its process id names it.
     let mut made = [0u64; 2];
     let prepared = if rank == 0 {
-        let r = prepare(root, shard);
+        let r = prepare(root, layout);
         made = [u64::from(r.is_ok()), u64::from(std::process::id())];
         r.map(|_| ())
     } else {
@@ -196,8 +276,7 @@ pub fn save_sharded(
     let tmp = leftover_path_of(root, step, LeftoverKind::Unfinished, pid as u32);
 
     // Every rank's file, flushed; its length and crc32c go to rank 0 for the manifest.
-    let file = shard_file(rank, ranks);
-    let written = write_shard(&tmp.join(&file), shard).and_then(|()| digest(&tmp.join(&file)));
+    let written = write_shard(&tmp.join(shard_file(rank, ranks)), layout, read);
     let record = match &written {
         Ok(d) => [1, d.len_bytes, u64::from(d.crc32c)],
         Err(_) => [0; 3],
@@ -226,7 +305,7 @@ pub fn save_sharded(
                 crc32c: r[2] as u32,
             })
             .collect::<Vec<_>>();
-        let r = finish(&tmp, shard, &digests).and_then(|()| publish(root, &tmp, step));
+        let r = finish(&tmp, layout, &digests).and_then(|()| publish(root, &tmp, step));
         if r.is_err() {
             discard(&tmp);
         }
@@ -250,8 +329,8 @@ pub fn save_sharded(
 }
 
 /// Rank 0's first phase: the root, enough free space, an empty temporary folder.
-fn prepare(root: &Path, shard: &Shard) -> Result<PathBuf, CheckpointError> {
-    let step = shard.state.step;
+fn prepare(root: &Path, layout: &Layout<'_>) -> Result<PathBuf, CheckpointError> {
+    let step = layout.state.step;
     if !root.exists() {
         fs::create_dir_all(root).map_err(io_error("create", root))?;
         if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -259,10 +338,11 @@ fn prepare(root: &Path, shard: &Shard) -> Result<PathBuf, CheckpointError> {
         }
     }
     // Every rank's three f32 shards of every block, their headers, the small files.
-    let elements: u64 = shard.shard_len.iter().map(|&s| s as u64).sum();
+    let elements: u64 = layout.shard_len.iter().map(|&s| s as u64).sum();
     let header_per_tensor = 256u64;
-    let blocks = shard.shard_len.len() as u64;
-    let needed = shard.ranks as u64 * (12 * elements + 3 * blocks * header_per_tensor) + (64 << 10);
+    let blocks = layout.shard_len.len() as u64;
+    let needed =
+        layout.ranks as u64 * (12 * elements + 3 * blocks * header_per_tensor) + (64 << 10);
     check_space(root, step, needed)?;
     let tmp = leftover_path(root, step, LeftoverKind::Unfinished);
     if tmp.exists() {
@@ -273,51 +353,63 @@ fn prepare(root: &Path, shard: &Shard) -> Result<PathBuf, CheckpointError> {
     Ok(tmp)
 }
 
-/// Writes `shard`'s tensors to the safetensors file `path`, flushed.
-fn write_shard(path: &Path, shard: &Shard) -> Result<(), CheckpointError> {
-    let mut views = Vec::new();
-    for b in 0..shard.shard_len.len() {
-        let [p, m, v] = tensor_names(b);
-        for (name, data) in [(p, &shard.params[b]), (m, &shard.m[b]), (v, &shard.v[b])] {
-            views.push((
-                name,
-                F32View {
-                    shape: vec![data.len()],
-                    data,
-                    dtype: FileDtype::F32,
-                },
-            ));
-        }
+/// Writes this rank's tensors to the safetensors file `path` a block at a time, each
+/// block's shard lent by `read`, and flushes it: its length and crc32c, taken as the
+/// bytes went out.
+fn write_shard(
+    path: &Path,
+    layout: &Layout<'_>,
+    read: &mut ReadBlock<'_>,
+) -> Result<FileDigest, CheckpointError> {
+    let header = (0..layout.shard_len.len())
+        .flat_map(|b| tensor_names(b).map(|name| (name, vec![layout.shard_len[b]])))
+        .collect();
+    let mut file = TensorWriter::create(path, header)?;
+    for (b, &shard) in layout.shard_len.iter().enumerate() {
+        let mut put = |got: BlockStateRef<'_>| -> Result<(), CheckpointError> {
+            if got.iter().any(|x| x.len() != shard) {
+                return Err(CheckpointError::BadInput(format!(
+                    "block {b}'s shard has {:?} values, not three of {shard}",
+                    got.map(<[f32]>::len)
+                )));
+            }
+            for (name, x) in tensor_names(b).iter().zip(got) {
+                file.put(name, x)?;
+            }
+            Ok(())
+        };
+        read(b, &mut put).map_err(|source| CheckpointError::Source {
+            step: layout.state.step,
+            what: format!("reading block {b}'s shard"),
+            source,
+        })??;
     }
-    weights::write_safetensors(views, path).map_err(|source| CheckpointError::Write {
-        dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(),
-        source,
-    })
+    file.finish()
 }
 
 /// Rank 0's last phase: `config.json`, `trainer_state.json` and the manifest (with every
 /// rank's file's `digests`) in `tmp`, flushed.
-fn finish(tmp: &Path, shard: &Shard, digests: &[FileDigest]) -> Result<(), CheckpointError> {
-    let config = weights::with_dtype(shard.model.family().hf_config(), FileDtype::F32);
+fn finish(tmp: &Path, layout: &Layout<'_>, digests: &[FileDigest]) -> Result<(), CheckpointError> {
+    let config = weights::with_dtype(layout.model.family().hf_config(), FileDtype::F32);
     let mut text = serde_json::to_vec_pretty(&config).expect("JSON of a JSON value");
     text.push(b'\n');
     write_synced(&tmp.join(CONFIG_FILE), &text)?;
-    let state = serde_json::to_vec_pretty(&shard.state).expect("JSON of numbers and a JSON value");
+    let state = serde_json::to_vec_pretty(layout.state).expect("JSON of numbers and a JSON value");
     write_synced(&tmp.join(STATE_FILE), &state)?;
     let mut files = std::collections::BTreeMap::new();
     for file in [CONFIG_FILE, STATE_FILE] {
         files.insert(file.to_string(), digest(&tmp.join(file))?);
     }
     for (r, d) in digests.iter().enumerate() {
-        files.insert(shard_file(r, shard.ranks), *d);
+        files.insert(shard_file(r, layout.ranks), *d);
     }
     let manifest = Manifest {
         format_version: FORMAT_VERSION,
-        step: shard.state.step,
+        step: layout.state.step,
         files,
         shards: Some(ShardLayout {
-            ranks: shard.ranks,
-            shard_len: shard.shard_len.clone(),
+            ranks: layout.ranks,
+            shard_len: layout.shard_len.to_vec(),
         }),
     };
     let text = serde_json::to_vec_pretty(&manifest).expect("JSON of numbers");
@@ -358,71 +450,26 @@ pub(super) fn check_layout(
     }
 }
 
-/// Rank `rank`'s master, m and v shards from its (verified) file.
-fn read_shard(
-    d: &Dir<'_>,
-    layout: &ShardLayout,
-    rank: usize,
-) -> Result<[Vec<Vec<f32>>; 3], CheckpointError> {
-    let file = shard_file(rank, layout.ranks);
-    let st = d.f32_tensors(&file)?;
-    let mut out: [Vec<Vec<f32>>; 3] = Default::default();
-    for (b, &len) in layout.shard_len.iter().enumerate() {
-        for (class, name) in tensor_names(b).into_iter().enumerate() {
-            let (shape, data) = st.read_f32(&name).map_err(|e| d.model_error(&file, e))?;
-            if shape != [len] {
-                return Err(CheckpointError::Shape {
-                    dir: d.0.to_path_buf(),
-                    file: file.as_str().into(),
-                    tensor: name.into(),
-                    expected: Box::new([len]),
-                    found: shape.into(),
-                    advice: advice(d.0),
-                });
-            }
-            out[class].push(data);
+/// Loads rank `rank`'s shard of the sharded checkpoint `path` whole, as
+/// [`open_shard`](super::open_shard) opens it.
+pub fn load_shard(path: &Path, rank: usize, ranks: usize) -> Result<Shard, CheckpointError> {
+    let opened = super::open_shard(path, rank, ranks)?;
+    let shard_len = opened.own_shard_len().expect("opened as a shard").to_vec();
+    let mut classes: [Vec<Vec<f32>>; 3] = Default::default();
+    for b in 0..shard_len.len() {
+        for (class, x) in classes.iter_mut().zip(opened.block(b)?) {
+            class.push(x);
         }
     }
-    Ok(out)
-}
-
-/// Loads rank `rank`'s shard of the sharded checkpoint `path` (a folder, or a root whose
-/// latest checkpoint is taken) for a resume by `ranks` ranks, the number that wrote it.
-/// Verifies the small files and this rank's file (length and crc32c), and the other
-/// ranks' files' lengths.
-pub fn load_shard(path: &Path, rank: usize, ranks: usize) -> Result<Shard, CheckpointError> {
-    let dir = resolve(path)?;
-    let d = Dir(&dir);
-    let manifest = d.manifest()?;
-    let Some(layout) = &manifest.shards else {
-        return Err(d.invalid(format!(
-            "{MANIFEST_FILE} describes an ordinary checkpoint, not one sharded by ranks; load \
-             it whole"
-        )));
-    };
-    if layout.ranks != ranks {
-        return Err(CheckpointError::Ranks {
-            dir,
-            written: layout.ranks,
-            ranks,
-        });
-    }
-    let mine = shard_file(rank, ranks);
-    let files = files(layout);
-    d.verify(&manifest, files.iter().map(String::as_str), |f| {
-        f == mine || f == CONFIG_FILE || f == STATE_FILE
-    })?;
-    let (state, model) = d.state_and_model(&manifest)?;
-    check_layout(&d, &model, layout)?;
-    let [params, m, v] = read_shard(&d, layout, rank)?;
+    let [params, m, v] = classes;
     Ok(Shard {
-        model,
+        model: opened.model().clone(),
         ranks,
         rank,
-        shard_len: layout.shard_len.clone(),
+        shard_len,
         params,
         m,
         v,
-        state,
+        state: opened.state().clone(),
     })
 }

@@ -264,11 +264,15 @@ impl TensorReader {
         Ok(self.data_start + start as u64)
     }
 
-    /// Reads `out.len()` f32 values at `offset` (from [`Self::locate`]).
+    /// Reads `out.len()` f32 values at `offset` (from [`Self::locate`]), and drops the
+    /// pages read from the page cache (a resume of a checkpoint larger than memory reads
+    /// each byte once).
     pub(super) fn read_into(&self, offset: u64, out: &mut [f32]) -> Result<(), CheckpointError> {
+        let bytes = bytes_of_mut(out);
         self.file
-            .read_exact_at(bytes_of_mut(out), offset)
+            .read_exact_at(bytes, offset)
             .map_err(io_error("read", &self.path))?;
+        strata_storage::drop_read_pages(&self.file, offset, bytes.len() as u64);
         for x in out.iter_mut() {
             *x = f32::from_bits(u32::from_le(x.to_bits()));
         }

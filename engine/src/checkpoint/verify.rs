@@ -9,8 +9,6 @@ use std::fs::{self, File};
 use std::io::{ErrorKind, Read};
 use std::path::Path;
 
-use safetensors::Dtype;
-
 use super::error::{CheckpointError, io_error};
 use super::folder::{advice, parse_dir_name};
 use super::format::{
@@ -201,30 +199,19 @@ impl Dir<'_> {
             .map_err(|e| self.model_error(CONFIG_FILE, e))?;
         Ok((state, model))
     }
-
-    /// The tensors of `file`, which must all be f32.
-    pub(super) fn f32_tensors(&self, file: &str) -> Result<weights::WeightFiles, CheckpointError> {
-        let st = weights::SafetensorsFile::open(&self.0.join(file))
-            .map_err(|e| self.model_error(file, e))?;
-        if let Some((name, info)) = st.tensors.iter().find(|(_, i)| i.dtype != Dtype::F32) {
-            return Err(self.model_error(
-                file,
-                ModelError::TensorDtype {
-                    path: self.0.join(file),
-                    name: name.clone(),
-                    found: info.dtype.to_string(),
-                },
-            ));
-        }
-        Ok(weights::WeightFiles::single(st))
-    }
 }
 
-/// The length and crc32c of the file at `path`, read in 1 MiB pieces.
+/// Bytes read between two hand-backs of a verified file's pages.
+const DROPPED_EVERY: u64 = 64 << 20;
+
+/// The length and crc32c of the file at `path`, read in 1 MiB pieces; the pages read are
+/// dropped from the page cache every [`DROPPED_EVERY`] bytes, so that verifying a
+/// checkpoint larger than memory does not fill a memory cgroup with its cache.
 pub(super) fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
     let mut file = File::open(path).map_err(io_error("open", path))?;
     let mut buffer = vec![0u8; 1 << 20];
     let (mut len_bytes, mut crc) = (0u64, strata_storage::crc::Crc32c::new());
+    let mut dropped = 0;
     loop {
         let n = match file.read(&mut buffer) {
             Ok(0) => break,
@@ -234,7 +221,12 @@ pub(super) fn digest(path: &Path) -> Result<FileDigest, CheckpointError> {
         };
         crc.update(&buffer[..n]);
         len_bytes += n as u64;
+        if len_bytes - dropped >= DROPPED_EVERY {
+            strata_storage::drop_read_pages(&file, dropped, len_bytes - dropped);
+            dropped = len_bytes;
+        }
     }
+    strata_storage::drop_read_pages(&file, dropped, len_bytes - dropped);
     Ok(FileDigest {
         len_bytes,
         crc32c: crc.value(),

@@ -1,8 +1,9 @@
 //! What moves into and out of the executor's homes outside a step: loading the training
 //! state (master parameters, AdamW's moments, the working parameters made from them) into
 //! each block's homes on the device, in host memory or on NVMe, and reading it back
-//! (export), whole or a block at a time (for checkpoints of a model larger than memory). With ranks each rank holds its shard; whole blocks are gathered where a
-//! home needs them.
+//! (export), whole or a block at a time (for checkpoints of a model larger than memory).
+//! With ranks each rank holds its shard, loads and lends it a block at a time, and whole
+//! blocks are gathered one at a time where a home or a reader of the model needs them.
 //!
 //! Not here: how bytes reach a home (the arenas, `arenas.rs`; the NVMe tier,
 //! `extents.rs`), or what a step moves (the plan's operations).
@@ -50,6 +51,9 @@ enum Source<'a> {
     /// Whole blocks' master parameters, m and v, each read when it is loaded, so that no
     /// more than one block's state is held at once.
     States(&'a dyn Fn(usize) -> Result<[Vec<f32>; 3], ModelError>),
+    /// This rank's shards of the blocks' master parameters, m and v, each read when it
+    /// is loaded, so that no more than one block's shard is held at once.
+    ShardStates(&'a dyn Fn(usize) -> Result<[Vec<f32>; 3], ModelError>),
 }
 
 /// One block of a [`Source`].
@@ -145,6 +149,18 @@ impl Executor {
         self.load_from(Source::Shard(shard))
     }
 
+    /// As [`Executor::load_shard`], block `b`'s shard of the master parameters, m and v
+    /// being `read(b)`, called once per block in order and dropped once written: a
+    /// resume by as many ranks as wrote a sharded checkpoint holds one block's shard,
+    /// not the rank's whole shard of the model ([`crate::checkpoint::OpenedShard`]). A
+    /// collective where working parameters live whole on the device, as `load_shard`.
+    pub fn load_shard_blocks(
+        &mut self,
+        read: &dyn Fn(usize) -> Result<[Vec<f32>; 3], ModelError>,
+    ) -> Result<(), ExecError> {
+        self.load_from(Source::ShardStates(read))
+    }
+
     fn load_from(&mut self, source: Source<'_>) -> Result<(), ExecError> {
         // Fresh parameters: no delayed update is waiting.
         self.pending = None;
@@ -179,6 +195,16 @@ impl Executor {
                     m: &m[b],
                     v: &v[b],
                 },
+                Source::ShardStates(read) => {
+                    made = read(b)?;
+                    let shard = self.plan.shard_len[b] as usize;
+                    check_block_len(b, "shard", &made, shard)?;
+                    BlockSource::Shard {
+                        params: &made[0][..],
+                        m: &made[1][..],
+                        v: &made[2][..],
+                    }
+                }
             };
             self.load_block(b, from, &staging)?;
         }
@@ -421,20 +447,67 @@ impl Executor {
     }
 
     /// Block `b`'s master parameters, read from their home: one block of what
-    /// [`Executor::export`] returns, for writing a model a block at a time. Alone only:
-    /// with ranks each holds a shard, and `export` gathers them (a collective).
+    /// [`Executor::export`] returns, for writing or evaluating a model a block at a time.
+    /// With ranks a collective: every rank calls it for the same block, reads its shard
+    /// and gets the block whole (the shards gathered); [`Executor::with_whole_blocks`]
+    /// lets one rank choose the blocks.
     pub fn export_block(&self, b: usize) -> Result<Vec<f32>, ExecError> {
-        let len = self.check_alone_block(b)?;
+        let len = self.check_block(b)?;
         let mut f = self.read_state(b, 1, &mut None)?;
+        if self.comm.size() > 1 {
+            return self.gather_block(b, &f);
+        }
         f.truncate(len);
         Ok(f)
+    }
+
+    /// Runs `use_blocks` on rank 0 with a reader of whole blocks' master parameters (any
+    /// block, in any order, as often as it asks), while every other rank serves the
+    /// blocks it asks for ([`Executor::export_block`]) until it returns: a model written
+    /// or evaluated a block at a time, with ranks as alone, one whole block in memory at
+    /// a time. A collective: every rank calls it; rank 0 gets what `use_blocks`
+    /// returned, the others `None`. Alone, `use_blocks` reads with `export_block`.
+    pub fn with_whole_blocks<R>(
+        &self,
+        use_blocks: impl FnOnce(&dyn Fn(usize) -> Result<Vec<f32>, ExecError>) -> R,
+    ) -> Result<Option<R>, ExecError> {
+        // Rank 0 names each block it wants, then that no more are wanted.
+        const DONE: u64 = u64::MAX;
+        let word = |w: u64| -> Result<u64, ExecError> {
+            let mut bytes = w.to_le_bytes();
+            self.comm
+                .broadcast(0, &mut bytes)
+                .map_err(|source| ExecError::Comm {
+                    op: "naming the next block to gather".into(),
+                    source,
+                })?;
+            Ok(u64::from_le_bytes(bytes))
+        };
+        if self.comm.size() == 1 {
+            return Ok(Some(use_blocks(&|b| self.export_block(b))));
+        }
+        if self.comm.rank() == 0 {
+            let read = |b: usize| {
+                word(b as u64)?;
+                self.export_block(b)
+            };
+            let got = use_blocks(&read);
+            word(DONE)?;
+            return Ok(Some(got));
+        }
+        loop {
+            match word(0)? {
+                DONE => return Ok(None),
+                b => drop(self.export_block(b as usize)?),
+            }
+        }
     }
 
     /// Block `b`'s master parameters, m and v, read from their home: one block of what
     /// [`Executor::export`] returns, for a checkpoint written a block at a time. RAM: the
     /// three buffers returned, and while reading a copy of them (an NVMe read's buffer,
     /// or host staging for device-homed state), 24 bytes × the block's parameters in
-    /// all. Alone only, as [`Executor::export_block`].
+    /// all. Alone only (with ranks each lends its shard, [`Executor::with_shard_state`]).
     pub fn export_block_state(&self, b: usize) -> Result<[Vec<f32>; 3], ExecError> {
         self.with_block_state(b, |state| state.map(<[f32]>::to_vec))
     }
@@ -448,7 +521,38 @@ impl Executor {
         b: usize,
         use_state: impl FnOnce([&[f32]; 3]) -> R,
     ) -> Result<R, ExecError> {
-        let len = self.check_alone_block(b)?;
+        if self.comm.size() != 1 {
+            return Err(ExecError::BadInput(format!(
+                "reading a block's state reads one process's blocks; with {} ranks, each \
+                 lends its shard (with_shard_state)",
+                self.comm.size()
+            )));
+        }
+        let len = self.check_block(b)?;
+        self.lend_state(b, len, use_state)
+    }
+
+    /// This rank's shard of block `b`'s master parameters, m and v
+    /// ([`Executor::shard`]'s length each, zero past the block's end), lent to
+    /// `use_state` as [`Executor::with_block_state`] lends a block's: a sharded
+    /// checkpoint written a block at a time. Not a collective.
+    pub fn with_shard_state<R>(
+        &self,
+        b: usize,
+        use_state: impl FnOnce([&[f32]; 3]) -> R,
+    ) -> Result<R, ExecError> {
+        self.check_block(b)?;
+        self.lend_state(b, self.plan.shard_len[b] as usize, use_state)
+    }
+
+    /// The first `len` values of each of this rank's three classes of block `b`'s state,
+    /// lent to `use_state` where their home's read puts them.
+    fn lend_state<R>(
+        &self,
+        b: usize,
+        len: usize,
+        use_state: impl FnOnce([&[f32]; 3]) -> R,
+    ) -> Result<R, ExecError> {
         let shard = self.plan.shard_len[b] as usize;
         self.with_state(b, 3, &mut None, |bytes| {
             let class = |c: usize| cast::<f32>(&bytes[4 * c * shard..][..4 * len]);
@@ -456,15 +560,8 @@ impl Executor {
         })
     }
 
-    /// Block `b`'s length, when this executor is alone and `b` is one of its blocks.
-    fn check_alone_block(&self, b: usize) -> Result<usize, ExecError> {
-        if self.comm.size() != 1 {
-            return Err(ExecError::BadInput(format!(
-                "reading a block reads one process's blocks; with {} ranks, export gathers \
-                 every rank's shards",
-                self.comm.size()
-            )));
-        }
+    /// Block `b`'s length, when `b` is one of the model's blocks.
+    fn check_block(&self, b: usize) -> Result<usize, ExecError> {
         match self.model.blocks().get(b) {
             Some(block) => Ok(block.len),
             None => Err(ExecError::BadInput(format!(

@@ -1145,16 +1145,8 @@ fn partial_path(path: &Path) -> PathBuf {
 }
 
 /// Writes `views` to the safetensors file `path`: under a temporary name, flushed to the
-/// device, then renamed into place.
-pub(crate) fn write_safetensors(
-    views: Vec<(String, F32View<'_>)>,
-    path: &Path,
-) -> Result<(), ModelError> {
-    write_safetensors_checked(views, path, &|| None)
-}
-
-/// As [`write_safetensors`], asking `failed` once the file is written: on an error the
-/// partial file is removed and nothing is moved into place.
+/// device, then renamed into place; `failed` is asked once the file is written: on an
+/// error the partial file is removed and nothing is moved into place.
 fn write_safetensors_checked<V: safetensors::View>(
     views: Vec<(String, V)>,
     path: &Path,
