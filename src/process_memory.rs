@@ -12,7 +12,7 @@
 //! ([`crate::run_setup`]).
 
 use strata_engine::checkpoint::SAVE_HELD_BYTES;
-use strata_engine::exec::load_staging_bytes;
+use strata_engine::exec::{BlockForward, load_staging_bytes};
 use strata_engine::model::{Model, Target};
 use strata_engine::plan::{Plan, Tier, fmt_bytes};
 
@@ -47,9 +47,10 @@ pub struct ProcessMemory {
     /// device its device peak (the simulated device's memory is host memory).
     pub arena_bytes: u64,
     /// While loading the state a block at a time, before step 1 (the host arena, the
-    /// CPU device's buffers loading writes, and [`staging_bytes`]), or while saving it
-    /// a block at a time between steps (the arenas and [`saving_bytes`]), whichever is
-    /// more.
+    /// CPU device's buffers loading writes, and [`staging_bytes`]), while saving it a
+    /// block at a time between steps (the arenas and [`saving_bytes`]), or while
+    /// writing or evaluating the model a block at a time (the arenas and
+    /// [`reading_bytes`]), whichever is most.
     pub loading_bytes: u64,
     /// The larger, in whole pages: the planned figure.
     pub planned_bytes: u64,
@@ -61,8 +62,14 @@ pub struct ProcessMemory {
 
 impl ProcessMemory {
     /// The process memory of `plan` of `model` (on the target its step was planned
-    /// for).
+    /// for), for a run that may write the model (`--out`) and does not evaluate.
     pub fn of(plan: &Plan, model: &Model) -> Self {
+        Self::of_run(plan, model, Reads::WRITES)
+    }
+
+    /// As [`ProcessMemory::of`], for a run that reads the model a block at a time as
+    /// `reads` says.
+    pub fn of_run(plan: &Plan, model: &Model, reads: Reads) -> Self {
         let host = plan.peak[Tier::Host.index()];
         let (device, device_loaded) = match plan.shape.target {
             Target::Cpu => (plan.peak[Tier::Device.index()], device_homes_bytes(plan)),
@@ -70,10 +77,8 @@ impl ProcessMemory {
             Target::Cuda => (0, 0),
         };
         let loading = host + device_loaded + staging_bytes(plan, model);
-        Self::new(
-            host + device,
-            loading.max(host + device + saving_bytes(plan, model)),
-        )
+        let between_steps = saving_bytes(plan, model).max(reading_bytes(plan, model, reads));
+        Self::new(host + device, loading.max(host + device + between_steps))
     }
 
     /// The process memory of `arena_bytes` in RAM while stepping and `loading_bytes`
@@ -101,7 +106,7 @@ impl ProcessMemory {
     pub fn line(&self) -> String {
         format!(
             "process memory: planned {} + overhead {} = {} (arenas in RAM {} while stepping, {} \
-             while loading or saving a block at a time)",
+             while loading, saving or writing a block at a time)",
             fmt_bytes(self.planned_bytes),
             fmt_bytes(self.overhead_bytes),
             fmt_bytes(self.total_bytes),
@@ -202,6 +207,55 @@ pub fn saving_bytes(plan: &Plan, model: &Model) -> u64 {
         .max()
         .unwrap_or(0);
     read + SAVE_HELD_BYTES
+}
+
+/// Whether a run reads its model a block at a time between steps, beside saving
+/// checkpoints: to write it (`--out`), to evaluate it (`--eval-every`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reads {
+    /// It writes the model.
+    pub writes: bool,
+    /// It evaluates a held-out batch.
+    pub evaluates: bool,
+}
+
+impl Reads {
+    /// A run that writes the model and does not evaluate.
+    pub const WRITES: Reads = Reads {
+        writes: true,
+        evaluates: false,
+    };
+}
+
+/// What writing the model (`--out`) or evaluating it (`--eval-every`), as `reads` says,
+/// a block at a time holds beside the arenas, at most, for the largest block: reading a
+/// block's master parameters (`Executor::export_block`: this rank's shard, and the
+/// buffer its home's read puts it in, 8 B per parameter of the shard; with ranks the
+/// block gathered whole, 4 B per parameter of the block), or, writing, the block kept
+/// while its tensors go out and one tensor converted to the file's type (8 B per
+/// parameter of the block); and when evaluating, the forward's own memory beside them
+/// ([`BlockForward::memory_bytes`]: a block's parameters and its tied block's, the
+/// activations of one micro-batch, a block's scratch, its staging).
+pub fn reading_bytes(plan: &Plan, model: &Model, reads: Reads) -> u64 {
+    if !reads.writes && !reads.evaluates {
+        return 0;
+    }
+    let ranks = plan.shape.ranks as u64;
+    let block = (0..model.blocks().len())
+        .map(|b| {
+            let (len, shard) = (model.blocks()[b].len as u64, plan.shard_len[b]);
+            let gathered = if ranks > 1 { 4 * ranks * shard } else { 0 };
+            (8 * shard + gathered).max(8 * len)
+        })
+        .max()
+        .unwrap_or(0);
+    let forward = if reads.evaluates {
+        // A shape the model refuses is refused before evaluating: nothing to count.
+        BlockForward::memory_bytes(model, plan.shape.batch, plan.shape.seq).unwrap_or(0)
+    } else {
+        0
+    };
+    block + forward
 }
 
 /// What reading a block's state off NVMe for a save holds beside its buffer, at most:

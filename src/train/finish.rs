@@ -19,7 +19,7 @@ use super::group::Ranks;
 use super::rescue;
 use super::steps::Outcome;
 use crate::model_source::pretrained_source;
-use crate::process_memory::ProcessMemory;
+use crate::process_memory::{ProcessMemory, Reads};
 use crate::report::Table;
 use crate::train_config::TrainConfig;
 
@@ -72,7 +72,7 @@ pub fn finish(
             return Ok(()); // rank 0 writes the model
         }
     }
-    summary(out, exec, outcome, started)
+    summary(out, exec, outcome, started, super::planning::reads_of(cfg))
 }
 
 /// Writes the trained model to `dir` a block at a time: each block's parameters are read
@@ -142,6 +142,7 @@ fn summary(
     exec: &Executor,
     outcome: &Outcome,
     started: Instant,
+    reads: Reads,
 ) -> Result<(), Error> {
     let (reports, losses) = (&outcome.reports, &outcome.losses);
     if reports.is_empty() {
@@ -170,7 +171,7 @@ fn summary(
         format!("{:.1}%", 100.0 * crate::report::median(&stall)),
     ]);
     let median_report = &reports[crate::report::median_index(&secs)];
-    traffic_and_peaks(&mut t, exec, median_report);
+    traffic_and_peaks(&mut t, exec, median_report, reads);
     t.row([
         "wall time".to_string(),
         format!("{:.1} s", started.elapsed().as_secs_f64()),
@@ -181,7 +182,7 @@ fn summary(
 
 /// The summary's rows of bytes per link (the median step's, against the plan), peaks per
 /// tier, the process's peak memory and the operations' latencies.
-fn traffic_and_peaks(t: &mut Table, exec: &Executor, median_report: &StepReport) {
+fn traffic_and_peaks(t: &mut Table, exec: &Executor, median_report: &StepReport, reads: Reads) {
     let plan = exec.plan();
     let live = exec.peak_measured();
     for (i, name) in ["nvme read", "nvme write", "h2d", "d2h"].iter().enumerate() {
@@ -208,7 +209,7 @@ fn traffic_and_peaks(t: &mut Table, exec: &Executor, median_report: &StepReport)
         ]);
     }
     if let Some(rss) = crate::report::peak_rss_bytes() {
-        let planned = ProcessMemory::of(plan, exec.model());
+        let planned = ProcessMemory::of_run(plan, exec.model(), reads);
         t.row([
             "process peak RSS (VmHWM / planned)".to_string(),
             planned.compared(rss),

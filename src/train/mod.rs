@@ -186,7 +186,8 @@ fn print_start(
     writeln!(
         out,
         "{}",
-        crate::process_memory::ProcessMemory::of(&planned.plan, model).line()
+        crate::process_memory::ProcessMemory::of_run(&planned.plan, model, planning::reads_of(cfg))
+            .line()
     )?;
     Ok(())
 }

@@ -11,7 +11,7 @@ use strata_engine::model::{Model, Target};
 use strata_engine::plan::{CostModel, Plan, PlanInput, Prediction, StepShape};
 
 use super::group::{Ranks, machine_id, shared_budgets};
-use crate::process_memory::{ProcessMemory, memory_limit};
+use crate::process_memory::{ProcessMemory, Reads, memory_limit};
 use crate::run_setup::{RunBudgets, budgets_of, plan_of, shape_of};
 use crate::train_config::TrainConfig;
 
@@ -58,7 +58,7 @@ pub fn plan_run(
     ranks.agree_on_rates(&mut cost, shard_bytes)?;
     let plan = plan_of(cfg, &input, cost)?;
     ranks.check_same_plan(&plan)?;
-    check_process_memory(&plan, model)?;
+    check_process_memory(&plan, model, reads_of(cfg))?;
     budgets.check_free(&plan)?;
     let predicted = cost.predict(&plan);
     Ok(Planned {
@@ -73,11 +73,19 @@ pub fn plan_run(
 /// Refuses, before any arena is made, a plan whose process memory (its arenas in RAM,
 /// block staging and the fixed overhead) is more than this process may use: this
 /// machine's available memory, or its memory cgroup's limit when lower.
-fn check_process_memory(plan: &Plan, model: &Model) -> Result<(), Error> {
+fn check_process_memory(plan: &Plan, model: &Model, reads: Reads) -> Result<(), Error> {
     let Some(limit) = memory_limit() else {
         return Ok(()); // nothing to judge by
     };
-    Ok(ProcessMemory::of(plan, model).check_fits(plan, &limit)?)
+    Ok(ProcessMemory::of_run(plan, model, reads).check_fits(plan, &limit)?)
+}
+
+/// How a run of `cfg` reads its model between steps: to write it, to evaluate it.
+pub fn reads_of(cfg: &TrainConfig) -> Reads {
+    Reads {
+        writes: cfg.out.is_some(),
+        evaluates: cfg.eval_every > 0,
+    }
 }
 
 /// The budgets of `cfg` on `target`; with ranks, every rank's (the ranks of one machine

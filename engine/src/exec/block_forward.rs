@@ -37,19 +37,28 @@ pub struct BlockForward {
     forward: Vec<Program>,
 }
 
-impl BlockForward {
-    /// The forward of `model` for batches of `batch` × `seq` on a CPU device sized for
-    /// it (f32).
-    pub fn on_cpu(model: Model, batch: usize, seq: usize) -> Result<Self, ModelError> {
+/// What a [`BlockForward`] allocates.
+struct Layout {
+    shape: Shape,
+    /// Its device memory's parts: parameters, two activations, tokens, losses, scratch.
+    sizes: [usize; 6],
+    /// Where each starts (aligned).
+    offsets: [usize; 6],
+    /// Their sum, each part aligned (at least 1 byte).
+    device_bytes: usize,
+    /// Its pinned staging.
+    staging_bytes: usize,
+}
+
+impl Layout {
+    fn of(model: &Model, batch: usize, seq: usize) -> Result<Self, ModelError> {
         let shape = model.shape(batch, seq)?;
         let (target, dtype) = (Target::Cpu, Dtype::F32);
         let largest = model.blocks().iter().map(|b| b.len).max().unwrap_or(0);
         // The running block's parameters, and after them its tied block's: the most any
         // block needs (the head and the embedding it ties, or the embedding alone).
         let params_bytes = (0..model.blocks().len())
-            .map(|b| {
-                tied_offset(&model, b) + model.tied(b).map_or(0, |t| 4 * model.blocks()[t].len)
-            })
+            .map(|b| tied_offset(model, b) + model.tied(b).map_or(0, |t| 4 * model.blocks()[t].len))
             .max()
             .unwrap_or(0);
         let act = shape.rows() * model.width() * 4;
@@ -62,21 +71,41 @@ impl BlockForward {
             model.scratch_bytes(shape, target, dtype),
         ];
         let mut offsets = [0usize; 6];
-        let mut next = 0;
+        let mut at = 0;
         for (o, &len) in offsets.iter_mut().zip(&sizes) {
-            *o = next;
-            next = (next + len).next_multiple_of(ARENA_ALIGN);
+            *o = at;
+            at = (at + len).next_multiple_of(ARENA_ALIGN);
         }
+        Ok(Layout {
+            shape,
+            sizes,
+            offsets,
+            device_bytes: at.max(1),
+            staging_bytes: (4 * largest).max(8 * shape.rows()),
+        })
+    }
+}
+
+impl BlockForward {
+    /// The forward of `model` for batches of `batch` × `seq` on a CPU device sized for
+    /// it (f32).
+    pub fn on_cpu(model: Model, batch: usize, seq: usize) -> Result<Self, ModelError> {
+        let layout = Layout::of(&model, batch, seq)?;
+        let (target, dtype) = (Target::Cpu, Dtype::F32);
+        let (shape, next) = (layout.shape, layout.device_bytes);
         let device = Device::Cpu(CpuDevice::new(CpuDeviceConfig {
-            memory_budget_bytes: next.max(1),
+            memory_budget_bytes: next,
             ..Default::default()
         })?);
-        let memory = device.alloc(next.max(1)).map_err(ModelError::Device)?;
+        let memory = device.alloc(next).map_err(ModelError::Device)?;
         let base = memory.arena_offset_bytes();
-        let r = |i: usize| DeviceRange::new(base + offsets[i], sizes[i]);
-        let staging_bytes = (4 * largest).max(8 * shape.rows());
-        let staging = HostArena::new("block forward staging", staging_bytes, &device.pinning())
-            .map_err(ModelError::Device)?;
+        let r = |i: usize| DeviceRange::new(base + layout.offsets[i], layout.sizes[i]);
+        let staging = HostArena::new(
+            "block forward staging",
+            layout.staging_bytes,
+            &device.pinning(),
+        )
+        .map_err(ModelError::Device)?;
         let forward = (0..model.blocks().len())
             .map(|b| model.program(b, Pass::Forward, shape, target, dtype).into())
             .collect();
@@ -93,6 +122,15 @@ impl BlockForward {
             device,
             shape,
         })
+    }
+
+    /// The memory [`BlockForward::on_cpu`] holds for `model` and batches of `batch` ×
+    /// `seq`: its CPU device's memory (a block's parameters and its tied block's, two
+    /// blocks' boundary activations, the tokens, the losses, a block's scratch) and its
+    /// pinned staging, all RAM.
+    pub fn memory_bytes(model: &Model, batch: usize, seq: usize) -> Result<u64, ModelError> {
+        let layout = Layout::of(model, batch, seq)?;
+        Ok((layout.device_bytes + layout.staging_bytes) as u64)
     }
 
     /// Copies `bytes` to the front of `dst` and waits.
