@@ -27,7 +27,7 @@ use strata_engine::plan::{
 };
 
 use crate::model_source::model_shape;
-use crate::process_memory::ProcessMemory;
+use crate::process_memory::{ProcessMemory, Reads};
 use crate::report::{Table, write_json};
 use crate::run_setup::{budgets_of, prefetch_depth, shape_of};
 use crate::train_config::{PlanArgs, TrainConfig};
@@ -244,8 +244,14 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
     };
     let cost = CostModel::default();
     let params = model.param_count() as u64;
-    let (policies, unavailable) = policy_rows(&input, cost, prefetch_depth(cfg))?;
-    let choice = auto_choice(&input, cost);
+    // Whether the run writes the model (`--out`) is not a step's shape: counted, as a
+    // run that may; evaluating is, where a `--config` file asks for it.
+    let reads = Reads {
+        writes: true,
+        evaluates: cfg.eval_every > 0,
+    };
+    let (policies, unavailable) = policy_rows(&input, cost, prefetch_depth(cfg), reads)?;
+    let choice = auto_choice(&input, cost, reads);
     Ok(PlanReport {
         model: cfg.model.to_string(),
         params,
@@ -308,6 +314,7 @@ fn policy_rows(
     input: &PlanInput<'_>,
     cost: CostModel,
     depth: usize,
+    reads: Reads,
 ) -> Result<(Vec<PolicyRow>, Vec<Unavailable>), Error> {
     let ranks = input.shape.ranks;
     let mut rows = Vec::new();
@@ -315,7 +322,7 @@ fn policy_rows(
     for builtin in BuiltinPolicy::ALL {
         let policy = builtin.policy(depth);
         match Plan::build(input, policy.as_ref()) {
-            Ok(plan) => rows.push(policy_row(input, cost, &plan)),
+            Ok(plan) => rows.push(policy_row(input, cost, &plan, reads)),
             // With ranks the planner refuses gradients and optimizer state on the
             // device: an answer about this policy, not a failure of the command.
             Err(PlanError::BadPolicy { policy, reason }) if ranks > 1 => {
@@ -328,7 +335,7 @@ fn policy_rows(
 }
 
 /// `plan`'s row: whether it fits, its peaks, and what the cost model predicts.
-fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan) -> PolicyRow {
+fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan, reads: Reads) -> PolicyRow {
     let ranks = input.shape.ranks as u64;
     let params = input.model.param_count() as f64;
     let nvme = plan.peak[Tier::Nvme.index()];
@@ -345,7 +352,7 @@ fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan) -> PolicyRow 
         edges_on_host: plan.edges_on_host(),
         edges: plan.edges_text(),
         nvme_bytes_per_param: nvme as f64 / params,
-        process: ProcessMemory::of(plan, input.model),
+        process: ProcessMemory::of_run(plan, input.model, reads),
         nvme_bytes_all_ranks: nvme * ranks,
         step_seconds: p.step_seconds,
         collective_seconds: p.lane_seconds[Lane::Comm.index()],
@@ -354,7 +361,7 @@ fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan) -> PolicyRow 
 }
 
 /// The plan `auto` picks, or why none fits.
-fn auto_choice(input: &PlanInput<'_>, cost: CostModel) -> Result<AutoChoice, String> {
+fn auto_choice(input: &PlanInput<'_>, cost: CostModel, reads: Reads) -> Result<AutoChoice, String> {
     let (_, plan, candidates) = (Auto { cost }).choose(input).map_err(|e| e.to_string())?;
     let p = cost.predict(&plan);
     let by_class = plan
@@ -382,7 +389,7 @@ fn auto_choice(input: &PlanInput<'_>, cost: CostModel) -> Result<AutoChoice, Str
         peak_bytes: TierBytes::of(plan.peak),
         recomputed: plan.recomputed_of(),
         saved_activation_bytes: plan.saved_total_bytes(),
-        process: ProcessMemory::of(&plan, input.model),
+        process: ProcessMemory::of_run(&plan, input.model, reads),
     })
 }
 

@@ -62,9 +62,9 @@ pub struct ProcessMemory {
 
 impl ProcessMemory {
     /// The process memory of `plan` of `model` (on the target its step was planned
-    /// for), for a run that may write the model (`--out`) and does not evaluate.
+    /// for), for a run that neither writes the model nor evaluates (`bench step`).
     pub fn of(plan: &Plan, model: &Model) -> Self {
-        Self::of_run(plan, model, Reads::WRITES)
+        Self::of_run(plan, model, Reads::NONE)
     }
 
     /// As [`ProcessMemory::of`], for a run that reads the model a block at a time as
@@ -220,9 +220,9 @@ pub struct Reads {
 }
 
 impl Reads {
-    /// A run that writes the model and does not evaluate.
-    pub const WRITES: Reads = Reads {
-        writes: true,
+    /// A run that neither writes the model nor evaluates.
+    pub const NONE: Reads = Reads {
+        writes: false,
         evaluates: false,
     };
 }
@@ -422,6 +422,37 @@ mod tests {
             (12 * largest).next_multiple_of(4096) + SAVE_READ_EXTRA_BYTES + SAVE_HELD_BYTES
         );
         assert_eq!(p.arena_bytes, on_device.peak[0] + on_device.peak[1]);
+    }
+
+    /// Writing the model holds 8 B per parameter of the largest block alone (the block
+    /// kept and a tensor converted, or its read and the buffer its home's read fills);
+    /// evaluating adds the forward's own memory; a run that does neither holds nothing
+    /// of the kind, and the larger moment counts.
+    #[test]
+    fn writing_and_evaluating_count_a_block_and_the_forward() {
+        let (plan, model) = plan_of(BuiltinPolicy::CpuOffload);
+        let largest = model.blocks().iter().map(|b| b.len as u64).max().unwrap();
+        let writes = Reads {
+            writes: true,
+            evaluates: false,
+        };
+        let evaluates = Reads {
+            writes: false,
+            evaluates: true,
+        };
+        assert_eq!(reading_bytes(&plan, &model, Reads::NONE), 0);
+        assert_eq!(reading_bytes(&plan, &model, writes), 8 * largest);
+        let forward =
+            BlockForward::memory_bytes(&model, plan.shape.batch, plan.shape.seq).unwrap();
+        assert_eq!(reading_bytes(&plan, &model, evaluates), 8 * largest + forward);
+        let (none, both) = (
+            ProcessMemory::of(&plan, &model),
+            ProcessMemory::of_run(&plan, &model, evaluates),
+        );
+        assert_eq!(
+            both.loading_bytes,
+            none.loading_bytes.max(both.arena_bytes + 8 * largest + forward)
+        );
     }
 
     #[test]
