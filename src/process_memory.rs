@@ -442,16 +442,19 @@ mod tests {
         };
         assert_eq!(reading_bytes(&plan, &model, Reads::NONE), 0);
         assert_eq!(reading_bytes(&plan, &model, writes), 8 * largest);
-        let forward =
-            BlockForward::memory_bytes(&model, plan.shape.batch, plan.shape.seq).unwrap();
-        assert_eq!(reading_bytes(&plan, &model, evaluates), 8 * largest + forward);
+        let forward = BlockForward::memory_bytes(&model, plan.shape.batch, plan.shape.seq).unwrap();
+        assert_eq!(
+            reading_bytes(&plan, &model, evaluates),
+            8 * largest + forward
+        );
         let (none, both) = (
             ProcessMemory::of(&plan, &model),
             ProcessMemory::of_run(&plan, &model, evaluates),
         );
         assert_eq!(
             both.loading_bytes,
-            none.loading_bytes.max(both.arena_bytes + 8 * largest + forward)
+            none.loading_bytes
+                .max(both.arena_bytes + 8 * largest + forward)
         );
     }
 
