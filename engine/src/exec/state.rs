@@ -152,7 +152,7 @@ impl Executor {
     /// As [`Executor::load_shard`], block `b`'s shard of the master parameters, m and v
     /// being `read(b)`, called once per block in order and dropped once written: a
     /// resume by as many ranks as wrote a sharded checkpoint holds one block's shard,
-    /// not the rank's whole shard of the model ([`crate::checkpoint::OpenedShard`]). A
+    /// not the rank's whole shard of the model ([`crate::checkpoint::open_shard`]). A
     /// collective where working parameters live whole on the device, as `load_shard`.
     pub fn load_shard_blocks(
         &mut self,
