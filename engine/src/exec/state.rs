@@ -488,6 +488,7 @@ impl Executor {
         }
         if self.comm.rank() == 0 {
             let read = |b: usize| {
+                self.check_block(b)?; // refused here: the others are asked for blocks only
                 word(b as u64)?;
                 self.export_block(b)
             };
