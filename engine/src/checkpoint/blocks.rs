@@ -16,7 +16,6 @@
 //! (`verify`), sharded saves (`sharded`).
 
 use std::collections::BTreeMap;
-use std::error::Error;
 use std::fs;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
@@ -26,35 +25,15 @@ use super::folder::{
     LeftoverKind, check_space, leftover_path, prune, publish, resolve, sync_dir, write_synced,
 };
 use super::format::{
-    DATA_FILES, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, FORMAT_VERSION, FileDigest, MANIFEST_FILE,
-    Manifest, OPTIMIZER_FILE, STATE_FILE, ShardLayout, TrainerState,
+    BlockState, BlockStateRef, DATA_FILES, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, FORMAT_VERSION,
+    FileDigest, MANIFEST_FILE, Manifest, OPTIMIZER_FILE, ReadBlock, STATE_FILE, ShardLayout,
+    TrainerState,
 };
-use super::sharded::{files as shard_files, shard_file, tensor_names};
+use super::sharded::{Shard, files as shard_files, shard_file, tensor_names};
 use super::stream::{TensorReader, TensorWriter, WRITE_BUFFER_BYTES};
 use super::verify::Dir;
 use crate::model::Model;
 use crate::model::weights::{self, CONFIG_FILE, FileDtype, WEIGHTS_FILE};
-
-/// One block's master parameters, AdamW's m and v, in that order (each the block's
-/// length, the model's layout).
-pub type BlockState = [Vec<f32>; 3];
-
-/// One block's master parameters, AdamW's m and v, lent where their source holds them
-/// (each the block's length, the model's layout).
-pub type BlockStateRef<'a> = [&'a [f32]; 3];
-
-/// What the writer of a checkpoint does with one block's state: writes it to the files.
-pub type PutBlock<'a> = dyn FnMut(BlockStateRef<'_>) -> Result<(), CheckpointError> + 'a;
-
-/// What supplies each block's state to [`save_blocks`]: called once per block, in order,
-/// with the block and the writer to lend its state to (so that the save copies nothing
-/// the source already holds); returns what the writer returned, or the source's own
-/// error.
-pub type ReadBlock<'a> = dyn FnMut(
-        usize,
-        &mut PutBlock<'_>,
-    ) -> Result<Result<(), CheckpointError>, Box<dyn Error + Send + Sync>>
-    + 'a;
 
 /// What a save wrote.
 #[derive(Debug, Clone)]
@@ -358,6 +337,30 @@ pub fn open_shard(path: &Path, rank: usize, ranks: usize) -> Result<Opened, Chec
         file: TensorReader::open(&d, &mine)?,
     };
     Opened::located(dir, model, state, files)
+}
+
+/// Loads rank `rank`'s shard of the sharded checkpoint `path` whole, as
+/// [`open_shard`] opens it.
+pub fn load_shard(path: &Path, rank: usize, ranks: usize) -> Result<Shard, CheckpointError> {
+    let opened = open_shard(path, rank, ranks)?;
+    let shard_len = opened.own_shard_len().expect("opened as a shard").to_vec();
+    let mut classes: [Vec<Vec<f32>>; 3] = Default::default();
+    for b in 0..shard_len.len() {
+        for (class, x) in classes.iter_mut().zip(opened.block(b)?) {
+            class.push(x);
+        }
+    }
+    let [params, m, v] = classes;
+    Ok(Shard {
+        model: opened.model().clone(),
+        ranks,
+        rank,
+        shard_len,
+        params,
+        m,
+        v,
+        state: opened.state().clone(),
+    })
 }
 
 impl Opened {

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::error::CheckpointError;
 use crate::model::Model;
 use crate::model::weights::{CONFIG_FILE, WEIGHTS_FILE};
 
@@ -106,3 +107,24 @@ pub(super) struct ShardLayout {
     /// Per block, the elements of each rank's shard.
     pub(super) shard_len: Vec<usize>,
 }
+
+/// One block's master parameters, AdamW's m and v, in that order (each the block's
+/// length, the model's layout).
+pub type BlockState = [Vec<f32>; 3];
+
+/// One block's master parameters, AdamW's m and v, lent where their source holds them
+/// (each the block's length, the model's layout).
+pub type BlockStateRef<'a> = [&'a [f32]; 3];
+
+/// What the writer of a checkpoint does with one block's state: writes it to the files.
+pub type PutBlock<'a> = dyn FnMut(BlockStateRef<'_>) -> Result<(), CheckpointError> + 'a;
+
+/// What supplies each block's state to [`save_blocks`](super::save_blocks): called once per block, in order,
+/// with the block and the writer to lend its state to (so that the save copies nothing
+/// the source already holds); returns what the writer returned, or the source's own
+/// error.
+pub type ReadBlock<'a> = dyn FnMut(
+        usize,
+        &mut PutBlock<'_>,
+    ) -> Result<Result<(), CheckpointError>, Box<dyn std::error::Error + Send + Sync>>
+    + 'a;

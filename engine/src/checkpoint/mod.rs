@@ -54,17 +54,14 @@ mod stream;
 mod verify;
 mod whole;
 
-pub use blocks::{
-    BlockState, BlockStateRef, Opened, PutBlock, ReadBlock, SaveReport, needed_bytes, open,
-    open_shard, save_blocks,
-};
+pub use blocks::{Opened, SaveReport, load_shard, needed_bytes, open, open_shard, save_blocks};
 pub use error::CheckpointError;
 pub use folder::{dir_name, latest, list, parse_dir_name, resolve};
 pub use format::{
-    Checkpoint, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, FORMAT_VERSION, MANIFEST_FILE, OPTIMIZER_FILE,
-    STATE_FILE, TrainerState,
+    BlockState, BlockStateRef, Checkpoint, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, FORMAT_VERSION,
+    MANIFEST_FILE, OPTIMIZER_FILE, PutBlock, ReadBlock, STATE_FILE, TrainerState,
 };
-pub use sharded::{Shard, load_shard, save_sharded, save_sharded_blocks, shard_file};
+pub use sharded::{Shard, save_sharded, save_sharded_blocks, shard_file};
 pub use stream::SAVE_HELD_BYTES;
 pub use verify::written_by_ranks;
 pub use whole::{load, save};

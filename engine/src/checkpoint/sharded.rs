@@ -30,14 +30,14 @@ use std::path::{Path, PathBuf};
 
 use strata_comm::Collective;
 
-use super::blocks::{BlockStateRef, PutBlock, ReadBlock};
 use super::error::{CheckpointError, io_error};
 use super::folder::{
     LeftoverKind, check_space, dir_name, leftover_path, leftover_path_of, prune, publish, sync_dir,
     write_synced,
 };
 use super::format::{
-    FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, STATE_FILE, ShardLayout, TrainerState,
+    BlockStateRef, FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, PutBlock, ReadBlock,
+    STATE_FILE, ShardLayout, TrainerState,
 };
 use super::stream::TensorWriter;
 use super::verify::{Dir, digest};
@@ -448,28 +448,4 @@ pub(super) fn check_layout(
             blocks.len()
         )))
     }
-}
-
-/// Loads rank `rank`'s shard of the sharded checkpoint `path` whole, as
-/// [`open_shard`](super::open_shard) opens it.
-pub fn load_shard(path: &Path, rank: usize, ranks: usize) -> Result<Shard, CheckpointError> {
-    let opened = super::open_shard(path, rank, ranks)?;
-    let shard_len = opened.own_shard_len().expect("opened as a shard").to_vec();
-    let mut classes: [Vec<Vec<f32>>; 3] = Default::default();
-    for b in 0..shard_len.len() {
-        for (class, x) in classes.iter_mut().zip(opened.block(b)?) {
-            class.push(x);
-        }
-    }
-    let [params, m, v] = classes;
-    Ok(Shard {
-        model: opened.model().clone(),
-        ranks,
-        rank,
-        shard_len,
-        params,
-        m,
-        v,
-        state: opened.state().clone(),
-    })
 }

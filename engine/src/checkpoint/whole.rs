@@ -8,9 +8,9 @@
 
 use std::path::{Path, PathBuf};
 
-use super::blocks::{PutBlock, assert_gaps_zero, save_blocks};
+use super::blocks::{assert_gaps_zero, save_blocks};
 use super::error::CheckpointError;
-use super::format::{Checkpoint, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX};
+use super::format::{Checkpoint, EXP_AVG_PREFIX, EXP_AVG_SQ_PREFIX, PutBlock};
 use crate::model::ModelError;
 use crate::model::weights;
 
