@@ -35,7 +35,7 @@ pub fn load_staging_bytes(largest_block: usize) -> usize {
 pub type TrainingState = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<Vec<f32>>);
 
 /// What [`Executor::load`], [`Executor::load_blocks`], [`Executor::load_state_blocks`]
-/// and [`Executor::load_shard`] write.
+/// and [`Executor::load_shard_blocks`] write.
 #[derive(Clone, Copy)]
 enum Source<'a> {
     /// Whole blocks, of which each rank takes its shards.
@@ -43,8 +43,6 @@ enum Source<'a> {
         params: &'a [Vec<f32>],
         moments: Option<Moments<'a>>,
     },
-    /// This rank's shards.
-    Shard(&'a TrainingState),
     /// Whole blocks, each made when it is loaded (zero moments), so that no more than
     /// one block's parameters are held at once.
     Blocks(&'a dyn Fn(usize) -> Result<Vec<f32>, ModelError>),
@@ -131,29 +129,13 @@ impl Executor {
     }
 
     /// Writes this rank's shards (per block, [`Executor::shard`]'s length of the master
-    /// parameters, m and v, as [`Executor::export_shard`] returns them) to their homes.
-    /// With ranks it is a collective where working parameters live whole on the device
-    /// (every rank calls it; the blocks' parameters are gathered).
-    pub fn load_shard(&mut self, shard: &TrainingState) -> Result<(), ExecError> {
-        let (p, m, v) = shard;
-        let blocks = self.model.blocks().len();
-        let fits = |x: &Vec<Vec<f32>>| {
-            x.len() == blocks && (0..blocks).all(|b| x[b].len() == self.plan.shard_len[b] as usize)
-        };
-        if !(fits(p) && fits(m) && fits(v)) {
-            return Err(ExecError::BadInput(format!(
-                "the shards do not match this plan's {blocks} blocks of {} ranks",
-                self.comm.size()
-            )));
-        }
-        self.load_from(Source::Shard(shard))
-    }
-
-    /// As [`Executor::load_shard`], block `b`'s shard of the master parameters, m and v
-    /// being `read(b)`, called once per block in order and dropped once written: a
-    /// resume by as many ranks as wrote a sharded checkpoint holds one block's shard,
-    /// not the rank's whole shard of the model ([`crate::checkpoint::open_shard`]). A
-    /// collective where working parameters live whole on the device, as `load_shard`.
+    /// parameters, m and v, as [`Executor::export_shard`] returns them) to their homes,
+    /// block `b`'s being `read(b)`, called once per block in order and dropped once
+    /// written: a resume by as many ranks as wrote a sharded checkpoint holds one
+    /// block's shard, not the rank's whole shard of the model
+    /// ([`crate::checkpoint::open_shard`]). With ranks it is a collective where working
+    /// parameters live whole on the device (every rank calls it; the blocks' parameters
+    /// are gathered).
     pub fn load_shard_blocks(
         &mut self,
         read: &dyn Fn(usize) -> Result<[Vec<f32>; 3], ModelError>,
@@ -190,11 +172,6 @@ impl Executor {
                         moments: Some((&made[1][..], &made[2][..])),
                     }
                 }
-                Source::Shard((p, m, v)) => BlockSource::Shard {
-                    params: &p[b],
-                    m: &m[b],
-                    v: &v[b],
-                },
                 Source::ShardStates(read) => {
                     made = read(b)?;
                     let shard = self.plan.shard_len[b] as usize;
