@@ -43,6 +43,8 @@ enum Command {
 enum BenchCommand {
     /// CPU AdamW throughput against a STREAM triad over the same working set.
     Adam(strata::bench::adam::AdamArgs),
+    /// Fused attention (no T x T buffer) against the materialised kernel, forward and backward.
+    Attention(strata::bench::attention::AttentionArgs),
     /// strata's f32 matrix product on a GPT-2 step's shapes, against PyTorch's.
     Gemm(strata::bench::gemm::GemmArgs),
     /// NVMe tier: write and read extents through the tensor store, against fio.
@@ -83,6 +85,7 @@ fn main() -> ExitCode {
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
         Command::Bench(bench) => match bench {
             BenchCommand::Adam(args) => strata::bench::adam::main(&args),
+            BenchCommand::Attention(args) => strata::bench::attention::main(&args),
             BenchCommand::Gemm(args) => strata::bench::gemm::main(&args),
             BenchCommand::Nvme(args) => strata::bench::nvme::run(&args).map(drop),
             BenchCommand::Pcie(args) => strata::bench::pcie::run(&args),

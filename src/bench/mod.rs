@@ -9,6 +9,7 @@ use serde::de::DeserializeOwned;
 use crate::report::write_json;
 
 pub mod adam;
+pub mod attention;
 pub mod ds_io;
 pub mod fio;
 pub mod gemm;

@@ -36,7 +36,9 @@ pub use gemm::{MatrixMut, MatrixRef, gemm};
 
 // The CPU ops of the program's kernels, each in its family (`crate::kernel`).
 pub use crate::kernel::attention::{
-    GqaDims, attention_backward, attention_forward, gqa_attention_backward, gqa_attention_forward,
+    AttnMask, GqaDims, attention_backward, attention_forward, flash_attention_backward,
+    flash_attention_forward, flash_scratch_len, gqa_attention_backward, gqa_attention_forward,
+    gqa_flash_attention_backward, gqa_flash_attention_forward,
 };
 pub use crate::kernel::crossentropy::{crossentropy_backward_inplace, crossentropy_forward};
 pub use crate::kernel::elementwise::{add_inplace, residual_forward};

@@ -14,8 +14,10 @@
 //! D-element row of such a tensor by its position t; its table is (at least T, D/2) of
 //! cosines and as many sines, row t for position t.
 
-pub use crate::kernel::attention::GqaDims;
-pub use crate::kernel::attention::reference::{gqa_attention_backward, gqa_attention_forward};
+pub use crate::kernel::attention::reference::{
+    gqa_attention_backward, gqa_attention_forward, gqa_attention_forward_masked,
+};
+pub use crate::kernel::attention::{AttnMask, GqaDims};
 pub use crate::kernel::rmsnorm::reference::{rmsnorm_backward, rmsnorm_forward};
 pub use crate::kernel::rope::reference::{
     rope_backward, rope_forward, rope_inv_freq, rope_inv_freq_llama3, rope_table,

@@ -69,6 +69,61 @@ impl GqaDims {
     }
 }
 
+/// Which keys each query sees, beyond causality: query `t` of sequence `b` sees keys
+/// `first_key(b, t)..=t`, the later of its document's first position (packed sequences)
+/// and the start of its sliding window. The default is plain causal attention.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttnMask<'a> {
+    /// A query sees at most this many keys, itself included (Mistral's
+    /// `sliding_window`: key `j` is seen by query `t` when `t - j < window`); `None`:
+    /// every earlier key.
+    pub window: Option<usize>,
+    /// (B, T): the first position of each token's document, so that a token attends
+    /// only within its document. Documents are runs of positions: each entry is its own
+    /// position (a document starts there) or the entry before it. `None`: one document
+    /// per sequence.
+    pub doc_start: Option<&'a [u32]>,
+}
+
+impl AttnMask<'_> {
+    /// Plain causal attention: every earlier key.
+    pub const CAUSAL: AttnMask<'static> = AttnMask {
+        window: None,
+        doc_start: None,
+    };
+
+    /// The first key query `t` of sequence `b` (of `t_len` positions) sees.
+    pub fn first_key(&self, b: usize, t: usize, t_len: usize) -> usize {
+        let doc = self.doc_start.map_or(0, |d| d[b * t_len + t] as usize);
+        let window = self.window.map_or(0, |w| (t + 1).saturating_sub(w));
+        doc.max(window)
+    }
+
+    /// Panics unless the window is positive and the document starts are `b` × `t` runs
+    /// of positions, as the fields' documentation says.
+    pub fn check(&self, b: usize, t: usize) {
+        assert_ne!(self.window, Some(0), "a sliding window of 0 keys");
+        let Some(starts) = self.doc_start else {
+            return;
+        };
+        assert_eq!(
+            starts.len(),
+            b * t,
+            "document starts for {b} × {t} positions"
+        );
+        for row in starts.chunks_exact(t.max(1)) {
+            for (i, &s) in row.iter().enumerate() {
+                let s = s as usize;
+                let ok = s == i || (i > 0 && s == row[i - 1] as usize);
+                assert!(
+                    ok,
+                    "position {i} starts its document at {s}: not a run of positions"
+                );
+            }
+        }
+    }
+}
+
 /// A raw pointer that may cross threads; each thread writes a disjoint part of it.
 #[derive(Clone, Copy)]
 struct SharedMut(*mut f32);
@@ -565,4 +620,588 @@ fn elements(dims: &[usize]) -> usize {
         .unwrap_or_else(|| {
             panic!("a tensor of dimensions {dims:?} has more elements than usize holds")
         })
+}
+
+/// Query rows per tile of the fused kernels.
+const FLASH_ROWS: usize = 96;
+/// Keys per tile of the fused kernels.
+const FLASH_COLS: usize = 256;
+
+/// f32 scratch one (batch, head) pair of the fused kernels uses, for `d` channels per
+/// head: two tiles of scores (FLASH_ROWS × FLASH_COLS), the forward's output rows
+/// (FLASH_ROWS × d) and two values per row.
+fn flash_pair_scratch(d: usize) -> usize {
+    2 * FLASH_ROWS * FLASH_COLS + FLASH_ROWS * d + 2 * FLASH_ROWS
+}
+
+/// f32 elements of scratch [`gqa_flash_attention_forward`] and
+/// [`gqa_flash_attention_backward`] (and GPT-2's, with `h` = `kv` heads) need: a fixed
+/// amount per (batch, query head) pair, independent of T.
+pub fn flash_scratch_len(dims: GqaDims) -> usize {
+    elements(&[dims.b, dims.h, flash_pair_scratch(dims.d)])
+}
+
+/// Query tiles of `0..t`.
+fn query_tiles(t: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..t.div_ceil(FLASH_ROWS)).map(move |i| i * FLASH_ROWS..((i + 1) * FLASH_ROWS).min(t))
+}
+
+/// The key tiles query rows `rows` see: from the first key of their first row (first
+/// keys never decrease along a sequence) to their last row, FLASH_COLS at a time.
+fn key_tiles(rows: &Range<usize>, first: usize) -> impl Iterator<Item = Range<usize>> {
+    let end = rows.end;
+    (first..end)
+        .step_by(FLASH_COLS)
+        .map(move |c0| c0..(c0 + FLASH_COLS).min(end))
+}
+
+/// One head's mask: the first key each of its queries sees.
+type FirstKey<'a> = &'a (dyn Fn(usize) -> usize + Sync);
+
+/// The rows of a matrix of row stride `ld` starting at `ptr`, as a product's operand.
+fn rows_of(ptr: *const f32, ld: isize) -> Operand {
+    Operand {
+        ptr,
+        row_stride: ld,
+        col_stride: 1,
+    }
+}
+
+/// The same matrix transposed: its rows become the operand's columns.
+fn transposed(ptr: *const f32, ld: isize) -> Operand {
+    Operand {
+        ptr,
+        row_stride: 1,
+        col_stride: ld,
+    }
+}
+
+/// `dst` (m × n, row stride `ld`) [+]= `lhs` (m × k) @ `rhs` (k × n) * `scale`, on one
+/// thread.
+///
+/// # Safety
+/// As [`Product::run`]'s: every element of the operands and of `dst` lies in memory the
+/// caller may read (`dst`: write), `dst` overlapping neither operand.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    isa: crate::isa::Isa,
+    dst: (*mut f32, isize),
+    (m, n, k): (usize, usize, usize),
+    lhs: Operand,
+    rhs: Operand,
+    scale: f32,
+    accumulate: bool,
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        Product {
+            m,
+            n,
+            k,
+            dst: dst.0,
+            dst_row_stride: dst.1,
+            accumulate,
+            lhs,
+            rhs,
+            scale,
+        }
+        .run(isa, 1)
+    }
+}
+
+/// `s` (rows × keys, row stride FLASH_COLS) = q[rows] @ k[keys]^T * scale.
+///
+/// # Safety
+/// q's rows `rows` and k's rows `keys` (`hs` elements each) lie in memory the caller may
+/// read.
+unsafe fn tile_scores(
+    isa: crate::isa::Isa,
+    s: &mut [f32],
+    view: &HeadView,
+    (rows, keys): (&Range<usize>, &Range<usize>),
+    hs: usize,
+    scale: f32,
+) {
+    let ((q, ldq), (k, ldk)) = (view.q, view.k);
+    assert!(s.len() >= rows.len() * FLASH_COLS);
+    // SAFETY: as the caller promises, and the tile fits in `s` (asserted).
+    unsafe {
+        product(
+            isa,
+            (s.as_mut_ptr(), FLASH_COLS as isize),
+            (rows.len(), keys.len(), hs),
+            rows_of(q.offset(rows.start as isize * ldq), ldq),
+            transposed(k.offset(keys.start as isize * ldk), ldk),
+            scale,
+            false,
+        )
+    }
+}
+
+/// The part of key tile `keys` query `r` sees, as a range of the tile's columns.
+fn seen(r: usize, first: usize, keys: &Range<usize>) -> Range<usize> {
+    // A row before the tile sees none of it: an empty range at its start.
+    let end = (r + 1).clamp(keys.start, keys.end);
+    (first.clamp(keys.start, end) - keys.start)..(end - keys.start)
+}
+
+/// One head's fused forward (FlashAttention-2's): for each tile of query rows, the key
+/// tiles they see one after another, the softmax kept online (a running maximum and sum
+/// per row, the output rows rescaled when the maximum grows). Writes the output rows at
+/// `view.out` and each row's log-sum-exp of its scaled scores into `lse`.
+///
+/// # Safety
+/// As for [`head_forward`]; `lse` holds T values; `scratch` holds
+/// [`flash_pair_scratch`]`(hs)`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn flash_head_forward(
+    cpu: &Cpu,
+    scratch: &mut [f32],
+    lse: &mut [f32],
+    view: HeadView,
+    first: FirstKey<'_>,
+    t: usize,
+    hs: usize,
+    scale: f32,
+) {
+    let (v, ldv) = view.v;
+    let (out, ldo) = (view.out.0.cast_mut(), view.out.1);
+    let (s, rest) = scratch.split_at_mut(2 * FLASH_ROWS * FLASH_COLS);
+    let (o, rest) = rest.split_at_mut(FLASH_ROWS * hs);
+    let (m, l) = rest.split_at_mut(FLASH_ROWS);
+    for rows in query_tiles(t) {
+        let n = rows.len();
+        o[..n * hs].fill(0.0);
+        m[..n].fill(f32::NEG_INFINITY);
+        l[..n].fill(0.0);
+        for keys in key_tiles(&rows, first(rows.start)) {
+            // SAFETY: the rows and keys lie in 0..T, as the caller promises for q and k.
+            unsafe { tile_scores(cpu.isa, s, &view, (&rows, &keys), hs, scale) };
+            on_isa!(cpu.isa, {
+                for i in 0..n {
+                    let r = rows.start + i;
+                    let row = &mut s[i * FLASH_COLS..][..keys.len()];
+                    let live = seen(r, first(r), &keys);
+                    if live.is_empty() {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    let top = m[i].max(simd::max(&row[live.clone()]));
+                    // The first tile a row sees starts its sums; later ones rescale them.
+                    let alpha = if m[i] == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        simd::exp(m[i] - top)
+                    };
+                    row[..live.start].fill(0.0);
+                    row[live.end..].fill(0.0);
+                    let sum = simd::exp_shifted_in_place(&mut row[live], top);
+                    l[i] = l[i] * alpha + sum;
+                    m[i] = top;
+                    if alpha != 1.0 {
+                        simd::scale_in_place(&mut o[i * hs..][..hs], alpha);
+                    }
+                }
+            });
+            // o[rows] += p[rows, keys] @ v[keys]
+            // SAFETY: p and o are this call's scratch; v's rows `keys` lie in the
+            // caller's memory.
+            unsafe {
+                product(
+                    cpu.isa,
+                    (o.as_mut_ptr(), hs as isize),
+                    (n, hs, keys.len()),
+                    rows_of(s.as_ptr(), FLASH_COLS as isize),
+                    rows_of(v.offset(keys.start as isize * ldv), ldv),
+                    1.0,
+                    true,
+                )
+            }
+        }
+        for i in 0..n {
+            let r = rows.start + i;
+            lse[r] = m[i] + l[i].ln();
+            // SAFETY: output row r (hs elements) is the caller's, written by this call
+            // alone.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.offset(r as isize * ldo), hs) };
+            let inv = 1.0 / l[i];
+            for (d, x) in dst.iter_mut().zip(&o[i * hs..][..hs]) {
+                *d = x * inv;
+            }
+        }
+    }
+}
+
+/// Zeroes rows 0..t (`hs` elements each, `ld` apart) at `ptr`.
+///
+/// # Safety
+/// The rows lie in memory the caller may write and nothing else touches them.
+unsafe fn zero_rows(ptr: *mut f32, ld: isize, t: usize, hs: usize) {
+    for r in 0..t {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts_mut(ptr.offset(r as isize * ld), hs).fill(0.0) };
+    }
+}
+
+/// One head's fused backward (FlashAttention-2's): the probabilities recomputed tile by
+/// tile from the forward's log-sum-exp, never held whole. `view.out` is the output's
+/// gradient, `out` the forward's output rows. Writes dq, and dk and dv (added to when
+/// `grads.accumulate_kv`).
+///
+/// # Safety
+/// As for [`head_backward`], with `out`'s rows 0..T readable, `lse` the forward's T
+/// values for this head and `scratch` of [`flash_pair_scratch`]`(hs)`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn flash_head_backward(
+    cpu: &Cpu,
+    scratch: &mut [f32],
+    (out, lse): ((*const f32, isize), &[f32]),
+    view: HeadView,
+    grads: HeadGrads,
+    first: FirstKey<'_>,
+    t: usize,
+    hs: usize,
+    scale: f32,
+) {
+    let ((q, ldq), (k, ldk), (v, ldv), (dy, ldy)) = (view.q, view.k, view.v, view.out);
+    let ((dq, ld_dq), (dk, ld_dk), (dv, ld_dv)) = (grads.dq, grads.dk, grads.dv);
+    let (p, rest) = scratch.split_at_mut(FLASH_ROWS * FLASH_COLS);
+    let (ds, rest) = rest.split_at_mut(FLASH_ROWS * FLASH_COLS);
+    let dsum = &mut rest[..FLASH_ROWS];
+    let isa = cpu.isa;
+    // SAFETY: the gradients' rows 0..T are this call's, as the caller promises.
+    unsafe {
+        zero_rows(dq, ld_dq, t, hs);
+        if !grads.accumulate_kv {
+            zero_rows(dk, ld_dk, t, hs);
+            zero_rows(dv, ld_dv, t, hs);
+        }
+    }
+    for rows in query_tiles(t) {
+        let n = rows.len();
+        for (i, r) in rows.clone().enumerate() {
+            // SAFETY: rows r of dout and of the output lie in the caller's memory.
+            let (g, y) = unsafe {
+                (
+                    std::slice::from_raw_parts(dy.offset(r as isize * ldy), hs),
+                    std::slice::from_raw_parts(out.0.offset(r as isize * out.1), hs),
+                )
+            };
+            dsum[i] = on_isa!(isa, simd::dot(g, y));
+        }
+        for keys in key_tiles(&rows, first(rows.start)) {
+            let w = keys.len();
+            // SAFETY: every operand below is a row range of q, k, v, dout (read) or of
+            // dq, dk, dv (written by this call alone) inside 0..T, or this call's scratch.
+            unsafe {
+                tile_scores(isa, p, &view, (&rows, &keys), hs, scale);
+                // ds = dout[rows] @ v[keys]^T, the probabilities' gradient for now.
+                let dy_rows = rows_of(dy.offset(rows.start as isize * ldy), ldy);
+                let tile = (ds.as_mut_ptr(), FLASH_COLS as isize);
+                let v_keys = v.offset(keys.start as isize * ldv);
+                product(
+                    isa,
+                    tile,
+                    (n, w, hs),
+                    dy_rows,
+                    transposed(v_keys, ldv),
+                    1.0,
+                    false,
+                );
+            }
+            on_isa!(isa, {
+                for i in 0..n {
+                    let r = rows.start + i;
+                    let (prow, drow) = (
+                        &mut p[i * FLASH_COLS..][..w],
+                        &mut ds[i * FLASH_COLS..][..w],
+                    );
+                    let live = seen(r, first(r), &keys);
+                    prow[..live.start].fill(0.0);
+                    prow[live.end..].fill(0.0);
+                    for x in &mut prow[live] {
+                        *x = simd::exp(*x - lse[r]);
+                    }
+                    for (d, &x) in drow.iter_mut().zip(prow.iter()) {
+                        *d = x * (*d - dsum[i]) * scale;
+                    }
+                }
+            });
+            // SAFETY: as above.
+            unsafe {
+                let p_t = transposed(p.as_ptr(), FLASH_COLS as isize);
+                let (ds_rows, ds_t) = (
+                    rows_of(ds.as_ptr(), FLASH_COLS as isize),
+                    transposed(ds.as_ptr(), FLASH_COLS as isize),
+                );
+                let dy_rows = rows_of(dy.offset(rows.start as isize * ldy), ldy);
+                let q_rows = rows_of(q.offset(rows.start as isize * ldq), ldq);
+                let k_keys = rows_of(k.offset(keys.start as isize * ldk), ldk);
+                let (at_q, at_k) = (rows.start as isize, keys.start as isize);
+                // dv[keys] += p^T @ dout[rows], dq[rows] += ds @ k[keys],
+                // dk[keys] += ds^T @ q[rows].
+                for (dst, dims, lhs, rhs) in [
+                    ((dv.offset(at_k * ld_dv), ld_dv), (w, hs, n), p_t, dy_rows),
+                    (
+                        (dq.offset(at_q * ld_dq), ld_dq),
+                        (n, hs, w),
+                        ds_rows,
+                        k_keys,
+                    ),
+                    ((dk.offset(at_k * ld_dk), ld_dk), (w, hs, n), ds_t, q_rows),
+                ] {
+                    product(isa, dst, dims, lhs, rhs, 1.0, true);
+                }
+            }
+        }
+    }
+}
+
+/// out: (B, T, C)  lse: (B, NH, T)  scratch: [`flash_scratch_len`] (with H = KV = NH)
+/// qkv: (B, T, 3C). The fused form of [`attention_forward`], under `mask`: the same
+/// output, to rounding, without the (B, NH, T, T) probabilities. `lse[b, h, t]` is the
+/// log of the softmax's denominator, ln sum_j e^(q(t) . k(j) / sqrt(C/NH)) over the keys
+/// `t` sees, which the backward recomputes the probabilities from.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_forward(
+    cpu: &Cpu,
+    out: &mut [f32],
+    lse: &mut [f32],
+    scratch: &mut [f32],
+    qkv: &[f32],
+    (b, t, c, nh): (usize, usize, usize, usize),
+    mask: AttnMask<'_>,
+) {
+    assert_eq!(c % nh, 0, "width {c} not divisible by {nh} heads");
+    let d = Dims { t, c, hs: c / nh };
+    let dims = GqaDims {
+        b,
+        t,
+        h: nh,
+        kv: nh,
+        d: d.hs,
+    };
+    check_flash(
+        &dims,
+        mask,
+        [qkv.len(), out.len(), lse.len(), scratch.len()],
+        3,
+    );
+    let scale = 1.0 / (d.hs as f32).sqrt();
+    let ptrs = [out, lse, scratch].map(|x| SharedMut(x.as_mut_ptr()));
+    let ld = (3 * c) as isize;
+    let per_pair = flash_pair_scratch(d.hs);
+    for_each_pair(cpu, b, nh, b * t * t * c, |bi, h| {
+        let [out_ptr, lse_ptr, scratch_ptr] = ptrs;
+        let first = |r| mask.first_key(bi, r, t);
+        let pair = bi * nh + h;
+        // SAFETY: this pair's scratch, its T values of lse and its head's columns of out
+        // (row stride C) lie inside them (lengths checked) and no other pair touches
+        // them; its q, k, v columns (row stride 3C) lie in qkv.
+        unsafe {
+            let scratch =
+                std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
+            let lse = std::slice::from_raw_parts_mut(lse_ptr.0.add(pair * t), t);
+            let view = HeadView {
+                q: (qkv[d.qkv_at(bi, h, 0)..].as_ptr(), ld),
+                k: (qkv[d.qkv_at(bi, h, 1)..].as_ptr(), ld),
+                v: (qkv[d.qkv_at(bi, h, 2)..].as_ptr(), ld),
+                out: (out_ptr.0.add(bi * t * c + h * d.hs), c as isize),
+            };
+            flash_head_forward(cpu, scratch, lse, view, &first, t, d.hs, scale);
+        }
+    });
+}
+
+/// dqkv: (B, T, 3C) =  scratch: [`flash_scratch_len`]  dout: (B, T, C)  qkv: (B, T, 3C)
+/// out: (B, T, C) and lse: (B, NH, T) from [`flash_attention_forward`] under the same
+/// `mask`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward(
+    cpu: &Cpu,
+    dqkv: &mut [f32],
+    scratch: &mut [f32],
+    (dout, qkv): (&[f32], &[f32]),
+    (out, lse): (&[f32], &[f32]),
+    (b, t, c, nh): (usize, usize, usize, usize),
+    mask: AttnMask<'_>,
+) {
+    assert_eq!(c % nh, 0, "width {c} not divisible by {nh} heads");
+    let d = Dims { t, c, hs: c / nh };
+    let dims = GqaDims {
+        b,
+        t,
+        h: nh,
+        kv: nh,
+        d: d.hs,
+    };
+    check_flash(
+        &dims,
+        mask,
+        [qkv.len(), out.len(), lse.len(), scratch.len()],
+        3,
+    );
+    assert_eq!((dqkv.len(), dout.len()), (qkv.len(), out.len()));
+    let scale = 1.0 / (d.hs as f32).sqrt();
+    let ptrs = [dqkv, scratch].map(|x| SharedMut(x.as_mut_ptr()));
+    let ld = (3 * c) as isize;
+    let per_pair = flash_pair_scratch(d.hs);
+    for_each_pair(cpu, b, nh, b * t * t * c, |bi, h| {
+        let [dqkv_ptr, scratch_ptr] = ptrs;
+        let first = |r| mask.first_key(bi, r, t);
+        let pair = bi * nh + h;
+        let at = bi * t * c + h * d.hs;
+        // SAFETY: this pair's scratch and its head's Q, K, V columns of dqkv lie inside
+        // them (lengths checked) and belong to this pair alone; its inputs lie in qkv,
+        // dout, out and lse.
+        unsafe {
+            let scratch =
+                std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
+            let view = HeadView {
+                q: (qkv[d.qkv_at(bi, h, 0)..].as_ptr(), ld),
+                k: (qkv[d.qkv_at(bi, h, 1)..].as_ptr(), ld),
+                v: (qkv[d.qkv_at(bi, h, 2)..].as_ptr(), ld),
+                out: (dout[at..].as_ptr(), c as isize),
+            };
+            let grads = HeadGrads {
+                dq: (dqkv_ptr.0.add(d.qkv_at(bi, h, 0)), ld),
+                dk: (dqkv_ptr.0.add(d.qkv_at(bi, h, 1)), ld),
+                dv: (dqkv_ptr.0.add(d.qkv_at(bi, h, 2)), ld),
+                accumulate_kv: false,
+            };
+            let fwd = ((out[at..].as_ptr(), c as isize), &lse[pair * t..][..t]);
+            flash_head_backward(cpu, scratch, fwd, view, grads, &first, t, d.hs, scale);
+        }
+    });
+}
+
+/// out: (B, T, H, D)  lse: (B, H, T)  scratch: [`flash_scratch_len`]  q: (B, T, H, D)
+/// k, v: (B, T, KV, D). The fused form of [`gqa_attention_forward`], under `mask`, as
+/// [`flash_attention_forward`] is of GPT-2's.
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_flash_attention_forward(
+    cpu: &Cpu,
+    out: &mut [f32],
+    lse: &mut [f32],
+    scratch: &mut [f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    dims: GqaDims,
+    mask: AttnMask<'_>,
+) {
+    check_flash(
+        &dims,
+        mask,
+        [q.len(), out.len(), lse.len(), scratch.len()],
+        1,
+    );
+    assert_eq!((k.len(), v.len()), (dims.kv_len(), dims.kv_len()));
+    let GqaDims { b, t, h, kv, d } = dims;
+    let scale = 1.0 / (d as f32).sqrt();
+    let ptrs = [out, lse, scratch].map(|x| SharedMut(x.as_mut_ptr()));
+    let (ldq, ldkv) = ((h * d) as isize, (kv * d) as isize);
+    let per_pair = flash_pair_scratch(d);
+    for_each_pair(cpu, b, h, b * t * t * h * d, |bi, hi| {
+        let [out_ptr, lse_ptr, scratch_ptr] = ptrs;
+        let first = |r| mask.first_key(bi, r, t);
+        let pair = bi * h + hi;
+        let (q_at, kv_at) = (
+            bi * t * h * d + hi * d,
+            bi * t * kv * d + dims.kv_head(hi) * d,
+        );
+        // SAFETY: this pair's scratch, its T values of lse and its head's columns of out
+        // (row stride H·D) lie inside them (lengths checked) and no other pair touches
+        // them; its q, k, v columns lie in q, k, v.
+        unsafe {
+            let scratch =
+                std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
+            let lse = std::slice::from_raw_parts_mut(lse_ptr.0.add(pair * t), t);
+            let view = HeadView {
+                q: (q[q_at..].as_ptr(), ldq),
+                k: (k[kv_at..].as_ptr(), ldkv),
+                v: (v[kv_at..].as_ptr(), ldkv),
+                out: (out_ptr.0.add(q_at), ldq),
+            };
+            flash_head_forward(cpu, scratch, lse, view, &first, t, d, scale);
+        }
+    });
+}
+
+/// dq: (B, T, H, D) =  dk, dv: (B, T, KV, D) =  scratch: [`flash_scratch_len`]
+/// dout: (B, T, H, D)  q, k, v: as in [`gqa_flash_attention_forward`]  out, lse: from it
+/// under the same `mask`. One (batch, key/value head) pair per task, its query heads in
+/// order, as [`gqa_attention_backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_flash_attention_backward(
+    cpu: &Cpu,
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
+    scratch: &mut [f32],
+    dout: &[f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (out, lse): (&[f32], &[f32]),
+    dims: GqaDims,
+    mask: AttnMask<'_>,
+) {
+    check_flash(
+        &dims,
+        mask,
+        [q.len(), out.len(), lse.len(), scratch.len()],
+        1,
+    );
+    assert_eq!((dq.len(), dout.len()), (q.len(), q.len()));
+    let kv_len = dims.kv_len();
+    assert_eq!([k.len(), v.len(), dk.len(), dv.len()], [kv_len; 4]);
+    let GqaDims { b, t, h, kv, d } = dims;
+    let scale = 1.0 / (d as f32).sqrt();
+    let group = h / kv;
+    let ptrs = [dq, dk, dv, scratch].map(|x| SharedMut(x.as_mut_ptr()));
+    let (ldq, ldkv) = ((h * d) as isize, (kv * d) as isize);
+    let per_pair = flash_pair_scratch(d);
+    for_each_pair(cpu, b, kv, b * t * t * h * d, |bi, g| {
+        let [dq_ptr, dk_ptr, dv_ptr, scratch_ptr] = ptrs;
+        let first = |r| mask.first_key(bi, r, t);
+        let kv_at = bi * t * kv * d + g * d;
+        for j in 0..group {
+            let hi = g * group + j;
+            let (q_at, pair) = (bi * t * h * d + hi * d, bi * h + hi);
+            // SAFETY: this pair's query heads' scratch and columns of dq, and its
+            // key/value head's columns of dk and dv, lie inside them (lengths checked)
+            // and belong to this pair alone; the inputs lie in q, k, v, dout, out, lse.
+            unsafe {
+                let scratch =
+                    std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
+                let view = HeadView {
+                    q: (q[q_at..].as_ptr(), ldq),
+                    k: (k[kv_at..].as_ptr(), ldkv),
+                    v: (v[kv_at..].as_ptr(), ldkv),
+                    out: (dout[q_at..].as_ptr(), ldq),
+                };
+                let grads = HeadGrads {
+                    dq: (dq_ptr.0.add(q_at), ldq),
+                    dk: (dk_ptr.0.add(kv_at), ldkv),
+                    dv: (dv_ptr.0.add(kv_at), ldkv),
+                    accumulate_kv: j > 0,
+                };
+                let fwd = ((out[q_at..].as_ptr(), ldq), &lse[pair * t..][..t]);
+                flash_head_backward(cpu, scratch, fwd, view, grads, &first, t, d, scale);
+            }
+        }
+    });
+}
+
+/// Panics unless `mask` suits `dims` and the lengths `[queries, out, lse, scratch]` are
+/// theirs, queries being `parts` × B × T × H × D (3 for GPT-2's fused qkv).
+fn check_flash(dims: &GqaDims, mask: AttnMask<'_>, lens: [usize; 4], parts: usize) {
+    dims.check();
+    mask.check(dims.b, dims.t);
+    let GqaDims { b, t, h, d, .. } = *dims;
+    assert_eq!(
+        lens,
+        [
+            elements(&[parts, b, t, h, d]),
+            elements(&[b, t, h, d]),
+            elements(&[b, h, t]),
+            flash_scratch_len(*dims),
+        ],
+        "lengths of queries, out, lse and scratch"
+    );
 }

@@ -18,7 +18,9 @@ pub mod reference;
 mod shape;
 
 pub use cpu::{
-    GqaDims, attention_backward, attention_forward, gqa_attention_backward, gqa_attention_forward,
+    AttnMask, GqaDims, attention_backward, attention_forward, flash_attention_backward,
+    flash_attention_forward, flash_scratch_len, gqa_attention_backward, gqa_attention_forward,
+    gqa_flash_attention_backward, gqa_flash_attention_forward,
 };
 use shape::scores;
 pub use shape::{

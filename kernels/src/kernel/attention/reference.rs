@@ -8,7 +8,7 @@
 //! overwrite, backward kernels accumulate (`+=`) into parameter gradients.
 #![allow(clippy::needless_range_loop)]
 
-use super::cpu::GqaDims;
+use super::cpu::{AttnMask, GqaDims};
 use crate::reference::{Real, r};
 
 /// out: (B, T, H, D)  att: (B, H, T, T)  q: (B, T, H, D)  k, v: (B, T, KV, D).
@@ -22,7 +22,23 @@ pub fn gqa_attention_forward<R: Real>(
     v: &[R],
     dims: GqaDims,
 ) {
+    gqa_attention_forward_masked(out, att, q, k, v, dims, AttnMask::CAUSAL);
+}
+
+/// As [`gqa_attention_forward`], query `t` seeing only keys `mask.first_key(b, t)..=t`
+/// (a sliding window, documents of a packed sequence); the probabilities of the keys it
+/// does not see are zero. [`gqa_attention_backward`] needs no mask: it reads them.
+pub fn gqa_attention_forward_masked<R: Real>(
+    out: &mut [R],
+    att: &mut [R],
+    q: &[R],
+    k: &[R],
+    v: &[R],
+    dims: GqaDims,
+    mask: AttnMask<'_>,
+) {
     dims.check();
+    mask.check(dims.b, dims.t);
     let GqaDims { b, t, h, kv, d } = dims;
     assert_eq!(
         (q.len(), out.len(), att.len()),
@@ -34,10 +50,11 @@ pub fn gqa_attention_forward<R: Real>(
         for hi in 0..h {
             let g = dims.kv_head(hi);
             for ti in 0..t {
+                let first = mask.first_key(bi, ti, t);
                 let qr = &q[((bi * t + ti) * h + hi) * d..][..d];
                 let a = &mut att[((bi * h + hi) * t + ti) * t..][..t];
                 let mut max = r::<R>(f64::NEG_INFINITY);
-                for t2 in 0..=ti {
+                for t2 in first..=ti {
                     let kr = &k[((bi * t + t2) * kv + g) * d..][..d];
                     let mut dot = R::default();
                     for i in 0..d {
@@ -49,16 +66,17 @@ pub fn gqa_attention_forward<R: Real>(
                     }
                 }
                 let mut sum = R::default();
-                for t2 in 0..=ti {
+                for t2 in first..=ti {
                     a[t2] = (a[t2] - max).exp();
                     sum += a[t2];
                 }
                 for t2 in 0..t {
-                    a[t2] = if t2 <= ti { a[t2] / sum } else { R::default() };
+                    let seen = (first..=ti).contains(&t2);
+                    a[t2] = if seen { a[t2] / sum } else { R::default() };
                 }
                 let o = &mut out[((bi * t + ti) * h + hi) * d..][..d];
                 o.fill(R::default());
-                for t2 in 0..=ti {
+                for t2 in first..=ti {
                     let vr = &v[((bi * t + t2) * kv + g) * d..][..d];
                     for i in 0..d {
                         o[i] += a[t2] * vr[i];
