@@ -135,9 +135,7 @@ fn fused_attention_matches_the_reference_on_odd_sizes_windows_and_documents() {
                 let qkv = (&q[..], &k[..], &v[..]);
                 ops::gqa_flash_attention_forward(
                     &cpu,
-                    &mut out,
-                    &mut lse,
-                    &mut scratch,
+                    (&mut out, &mut lse, &mut scratch),
                     qkv,
                     dims,
                     mask,
@@ -201,9 +199,7 @@ fn gpt2_fused_attention_matches_the_reference() {
             let mut scratch = vec![f32::NAN; ops::flash_scratch_len(dims)];
             ops::flash_attention_forward(
                 &cpu,
-                &mut out,
-                &mut lse,
-                &mut scratch,
+                (&mut out, &mut lse, &mut scratch),
                 &qkv,
                 (b, t, c, nh),
                 mask,
@@ -255,9 +251,7 @@ fn fused_attention_gives_the_materialised_kernels_output() {
         let qkv = (&q[..], &k[..], &v[..]);
         ops::gqa_flash_attention_forward(
             &cpu,
-            &mut out,
-            &mut lse,
-            &mut scratch,
+            (&mut out, &mut lse, &mut scratch),
             qkv,
             dims,
             AttnMask::CAUSAL,

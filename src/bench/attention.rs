@@ -175,9 +175,7 @@ impl Kernel for Fused {
         let forward = timed(|| {
             ops::gqa_flash_attention_forward(
                 cpu,
-                &mut x.out,
-                &mut self.lse,
-                &mut self.scratch,
+                (&mut x.out, &mut self.lse, &mut self.scratch),
                 qkv,
                 x.dims,
                 mask,

@@ -957,66 +957,89 @@ unsafe fn flash_head_backward(
     }
 }
 
+/// Row strides (elements from one position to the next) of q and of k and v, which
+/// their gradients share: 3C for all three in GPT-2's fused qkv, H·D and KV·D for
+/// grouped-query attention's separate tensors. out and dout are (B, T, H·D) in both.
+#[derive(Clone, Copy)]
+struct Strides {
+    q: usize,
+    kv: usize,
+}
+
+impl Strides {
+    /// GPT-2's fused qkv of `c` channels.
+    fn fused(c: usize) -> Self {
+        Strides {
+            q: 3 * c,
+            kv: 3 * c,
+        }
+    }
+
+    /// Grouped-query attention's separate q, k and v.
+    fn separate(dims: &GqaDims) -> Self {
+        Strides {
+            q: dims.h * dims.d,
+            kv: dims.kv * dims.d,
+        }
+    }
+
+    /// Panics unless buffers of `q_len` and `kv_len` elements hold every position's
+    /// heads at these strides.
+    fn check(&self, dims: &GqaDims, q_len: usize, kv_len: usize) {
+        let rows = dims.b * dims.t;
+        let fits = |len: usize, ld: usize, heads: usize| {
+            rows == 0 || elements(&[rows - 1, ld]) + elements(&[heads, dims.d]) <= len
+        };
+        assert!(fits(q_len, self.q, dims.h), "q of {q_len} elements");
+        assert!(fits(kv_len, self.kv, dims.kv), "k, v of {kv_len} elements");
+    }
+}
+
+/// q, k and v.
+type Qkv<'a> = (&'a [f32], &'a [f32], &'a [f32]);
+
+/// GPT-2's fused qkv (B, T, 3C) as q, k and v: the same rows from C and 2C on.
+fn split_fused(qkv: &[f32], c: usize) -> Qkv<'_> {
+    let from = |at: usize| qkv.get(at..).unwrap_or(&[]);
+    (qkv, from(c), from(2 * c))
+}
+
+/// GPT-2's NH heads of C / NH channels as grouped-query attention's dimensions.
+fn fused_dims(b: usize, t: usize, c: usize, nh: usize) -> GqaDims {
+    assert!(
+        nh > 0 && c.is_multiple_of(nh),
+        "width {c} not divisible by {nh} heads"
+    );
+    GqaDims {
+        b,
+        t,
+        h: nh,
+        kv: nh,
+        d: c / nh,
+    }
+}
+
 /// out: (B, T, C)  lse: (B, NH, T)  scratch: [`flash_scratch_len`] (with H = KV = NH)
 /// qkv: (B, T, 3C). The fused form of [`attention_forward`], under `mask`: the same
 /// output, to rounding, without the (B, NH, T, T) probabilities. `lse[b, h, t]` is the
 /// log of the softmax's denominator, ln sum_j e^(q(t) . k(j) / sqrt(C/NH)) over the keys
 /// `t` sees, which the backward recomputes the probabilities from.
-#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_forward(
     cpu: &Cpu,
-    out: &mut [f32],
-    lse: &mut [f32],
-    scratch: &mut [f32],
+    (out, lse, scratch): (&mut [f32], &mut [f32], &mut [f32]),
     qkv: &[f32],
     (b, t, c, nh): (usize, usize, usize, usize),
     mask: AttnMask<'_>,
 ) {
-    assert_eq!(c % nh, 0, "width {c} not divisible by {nh} heads");
-    let d = Dims { t, c, hs: c / nh };
-    let dims = GqaDims {
-        b,
-        t,
-        h: nh,
-        kv: nh,
-        d: d.hs,
-    };
-    check_flash(
-        &dims,
-        mask,
-        [qkv.len(), out.len(), lse.len(), scratch.len()],
-        3,
-    );
-    let scale = 1.0 / (d.hs as f32).sqrt();
-    let ptrs = [out, lse, scratch].map(|x| SharedMut(x.as_mut_ptr()));
-    let ld = (3 * c) as isize;
-    let per_pair = flash_pair_scratch(d.hs);
-    for_each_pair(cpu, b, nh, b * t * t * c, |bi, h| {
-        let [out_ptr, lse_ptr, scratch_ptr] = ptrs;
-        let first = |r| mask.first_key(bi, r, t);
-        let pair = bi * nh + h;
-        // SAFETY: this pair's scratch, its T values of lse and its head's columns of out
-        // (row stride C) lie inside them (lengths checked) and no other pair touches
-        // them; its q, k, v columns (row stride 3C) lie in qkv.
-        unsafe {
-            let scratch =
-                std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
-            let lse = std::slice::from_raw_parts_mut(lse_ptr.0.add(pair * t), t);
-            let view = HeadView {
-                q: (qkv[d.qkv_at(bi, h, 0)..].as_ptr(), ld),
-                k: (qkv[d.qkv_at(bi, h, 1)..].as_ptr(), ld),
-                v: (qkv[d.qkv_at(bi, h, 2)..].as_ptr(), ld),
-                out: (out_ptr.0.add(bi * t * c + h * d.hs), c as isize),
-            };
-            flash_head_forward(cpu, scratch, lse, view, &first, t, d.hs, scale);
-        }
-    });
+    let dims = fused_dims(b, t, c, nh);
+    assert_eq!(qkv.len(), elements(&[3, b, t, c]), "qkv's length");
+    let x = split_fused(qkv, c);
+    flash_forward(cpu, (out, lse, scratch), x, Strides::fused(c), dims, mask);
 }
 
 /// dqkv: (B, T, 3C) =  scratch: [`flash_scratch_len`]  dout: (B, T, C)  qkv: (B, T, 3C)
 /// out: (B, T, C) and lse: (B, NH, T) from [`flash_attention_forward`] under the same
 /// `mask`.
-#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     cpu: &Cpu,
     dqkv: &mut [f32],
@@ -1026,104 +1049,49 @@ pub fn flash_attention_backward(
     (b, t, c, nh): (usize, usize, usize, usize),
     mask: AttnMask<'_>,
 ) {
-    assert_eq!(c % nh, 0, "width {c} not divisible by {nh} heads");
-    let d = Dims { t, c, hs: c / nh };
-    let dims = GqaDims {
-        b,
-        t,
-        h: nh,
-        kv: nh,
-        d: d.hs,
-    };
-    check_flash(
-        &dims,
-        mask,
-        [qkv.len(), out.len(), lse.len(), scratch.len()],
-        3,
-    );
-    assert_eq!((dqkv.len(), dout.len()), (qkv.len(), out.len()));
-    let scale = 1.0 / (d.hs as f32).sqrt();
-    let ptrs = [dqkv, scratch].map(|x| SharedMut(x.as_mut_ptr()));
-    let ld = (3 * c) as isize;
-    let per_pair = flash_pair_scratch(d.hs);
-    for_each_pair(cpu, b, nh, b * t * t * c, |bi, h| {
-        let [dqkv_ptr, scratch_ptr] = ptrs;
-        let first = |r| mask.first_key(bi, r, t);
-        let pair = bi * nh + h;
-        let at = bi * t * c + h * d.hs;
-        // SAFETY: this pair's scratch and its head's Q, K, V columns of dqkv lie inside
-        // them (lengths checked) and belong to this pair alone; its inputs lie in qkv,
-        // dout, out and lse.
-        unsafe {
-            let scratch =
-                std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
-            let view = HeadView {
-                q: (qkv[d.qkv_at(bi, h, 0)..].as_ptr(), ld),
-                k: (qkv[d.qkv_at(bi, h, 1)..].as_ptr(), ld),
-                v: (qkv[d.qkv_at(bi, h, 2)..].as_ptr(), ld),
-                out: (dout[at..].as_ptr(), c as isize),
-            };
-            let grads = HeadGrads {
-                dq: (dqkv_ptr.0.add(d.qkv_at(bi, h, 0)), ld),
-                dk: (dqkv_ptr.0.add(d.qkv_at(bi, h, 1)), ld),
-                dv: (dqkv_ptr.0.add(d.qkv_at(bi, h, 2)), ld),
-                accumulate_kv: false,
-            };
-            let fwd = ((out[at..].as_ptr(), c as isize), &lse[pair * t..][..t]);
-            flash_head_backward(cpu, scratch, fwd, view, grads, &first, t, d.hs, scale);
-        }
-    });
+    let dims = fused_dims(b, t, c, nh);
+    assert_eq!(qkv.len(), elements(&[3, b, t, c]), "qkv's length");
+    assert_eq!(dqkv.len(), qkv.len(), "dqkv's length");
+    let len = dqkv.len();
+    let base = dqkv.as_mut_ptr();
+    // dq, dk and dv are the same rows of dqkv from C and 2C on, as q, k and v of qkv.
+    let grads = [0, c, 2 * c].map(|at| (base.wrapping_add(at), len.saturating_sub(at)));
+    let x = split_fused(qkv, c);
+    // SAFETY: the three regions lie in dqkv, which this call borrows mutably; the
+    // elements the strides give dq, dk and dv (columns 0..C, C..2C, 2C..3C of each row)
+    // are disjoint.
+    unsafe {
+        flash_backward(
+            cpu,
+            grads,
+            scratch,
+            (dout, x),
+            (out, lse),
+            Strides::fused(c),
+            dims,
+            mask,
+        )
+    }
 }
 
 /// out: (B, T, H, D)  lse: (B, H, T)  scratch: [`flash_scratch_len`]  q: (B, T, H, D)
 /// k, v: (B, T, KV, D). The fused form of [`gqa_attention_forward`], under `mask`, as
 /// [`flash_attention_forward`] is of GPT-2's.
-#[allow(clippy::too_many_arguments)]
 pub fn gqa_flash_attention_forward(
     cpu: &Cpu,
-    out: &mut [f32],
-    lse: &mut [f32],
-    scratch: &mut [f32],
+    (out, lse, scratch): (&mut [f32], &mut [f32], &mut [f32]),
     (q, k, v): (&[f32], &[f32], &[f32]),
     dims: GqaDims,
     mask: AttnMask<'_>,
 ) {
-    check_flash(
-        &dims,
-        mask,
-        [q.len(), out.len(), lse.len(), scratch.len()],
-        1,
+    assert_eq!(q.len(), dims.q_len(), "q's length");
+    assert_eq!(
+        (k.len(), v.len()),
+        (dims.kv_len(), dims.kv_len()),
+        "k's and v's lengths"
     );
-    assert_eq!((k.len(), v.len()), (dims.kv_len(), dims.kv_len()));
-    let GqaDims { b, t, h, kv, d } = dims;
-    let scale = 1.0 / (d as f32).sqrt();
-    let ptrs = [out, lse, scratch].map(|x| SharedMut(x.as_mut_ptr()));
-    let (ldq, ldkv) = ((h * d) as isize, (kv * d) as isize);
-    let per_pair = flash_pair_scratch(d);
-    for_each_pair(cpu, b, h, b * t * t * h * d, |bi, hi| {
-        let [out_ptr, lse_ptr, scratch_ptr] = ptrs;
-        let first = |r| mask.first_key(bi, r, t);
-        let pair = bi * h + hi;
-        let (q_at, kv_at) = (
-            bi * t * h * d + hi * d,
-            bi * t * kv * d + dims.kv_head(hi) * d,
-        );
-        // SAFETY: this pair's scratch, its T values of lse and its head's columns of out
-        // (row stride H·D) lie inside them (lengths checked) and no other pair touches
-        // them; its q, k, v columns lie in q, k, v.
-        unsafe {
-            let scratch =
-                std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
-            let lse = std::slice::from_raw_parts_mut(lse_ptr.0.add(pair * t), t);
-            let view = HeadView {
-                q: (q[q_at..].as_ptr(), ldq),
-                k: (k[kv_at..].as_ptr(), ldkv),
-                v: (v[kv_at..].as_ptr(), ldkv),
-                out: (out_ptr.0.add(q_at), ldq),
-            };
-            flash_head_forward(cpu, scratch, lse, view, &first, t, d, scale);
-        }
-    });
+    let strides = Strides::separate(&dims);
+    flash_forward(cpu, (out, lse, scratch), (q, k, v), strides, dims, mask);
 }
 
 /// dq: (B, T, H, D) =  dk, dv: (B, T, KV, D) =  scratch: [`flash_scratch_len`]
@@ -1141,67 +1109,146 @@ pub fn gqa_flash_attention_backward(
     dims: GqaDims,
     mask: AttnMask<'_>,
 ) {
-    check_flash(
-        &dims,
-        mask,
-        [q.len(), out.len(), lse.len(), scratch.len()],
-        1,
+    assert_eq!(
+        (q.len(), dq.len()),
+        (dims.q_len(), dims.q_len()),
+        "q's and dq's lengths"
     );
-    assert_eq!((dq.len(), dout.len()), (q.len(), q.len()));
     let kv_len = dims.kv_len();
-    assert_eq!([k.len(), v.len(), dk.len(), dv.len()], [kv_len; 4]);
+    assert_eq!(
+        [k.len(), v.len(), dk.len(), dv.len()],
+        [kv_len; 4],
+        "k's, v's, dk's and dv's lengths"
+    );
+    let grads = [dq, dk, dv].map(|g| (g.as_mut_ptr(), g.len()));
+    // SAFETY: the three regions are the three slices, which this call borrows mutably.
+    unsafe {
+        flash_backward(
+            cpu,
+            grads,
+            scratch,
+            (dout, (q, k, v)),
+            (out, lse),
+            Strides::separate(&dims),
+            dims,
+            mask,
+        )
+    }
+}
+
+/// The forward of both layouts: q, k, v at `strides`, out (B, T, H·D), lse (B, H, T).
+fn flash_forward(
+    cpu: &Cpu,
+    (out, lse, scratch): (&mut [f32], &mut [f32], &mut [f32]),
+    (q, k, v): Qkv<'_>,
+    strides: Strides,
+    dims: GqaDims,
+    mask: AttnMask<'_>,
+) {
+    check_flash(&dims, mask, [out.len(), lse.len(), scratch.len()]);
+    strides.check(&dims, q.len(), k.len().min(v.len()));
+    let GqaDims { b, t, h, d, .. } = dims;
+    let scale = 1.0 / (d as f32).sqrt();
+    let ptrs = [out, lse, scratch].map(|x| SharedMut(x.as_mut_ptr()));
+    let (ldq, ldkv, ldo) = (strides.q, strides.kv, h * d);
+    let per_pair = flash_pair_scratch(d);
+    for_each_pair(cpu, b, h, b * t * t * h * d, |bi, hi| {
+        let [out_ptr, lse_ptr, scratch_ptr] = ptrs;
+        let first = |r| mask.first_key(bi, r, t);
+        let pair = bi * h + hi;
+        let (q_at, kv_at) = (bi * t * ldq + hi * d, bi * t * ldkv + dims.kv_head(hi) * d);
+        // SAFETY: this pair's scratch, its T values of lse and its head's columns of out
+        // (row stride H·D) lie inside them (lengths checked) and no other pair touches
+        // them; its q, k, v columns lie in q, k, v (extents checked).
+        unsafe {
+            let scratch =
+                std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
+            let lse = std::slice::from_raw_parts_mut(lse_ptr.0.add(pair * t), t);
+            let view = HeadView {
+                q: (q[q_at..].as_ptr(), ldq as isize),
+                k: (k[kv_at..].as_ptr(), ldkv as isize),
+                v: (v[kv_at..].as_ptr(), ldkv as isize),
+                out: (out_ptr.0.add(bi * t * ldo + hi * d), ldo as isize),
+            };
+            flash_head_forward(cpu, scratch, lse, view, &first, t, d, scale);
+        }
+    });
+}
+
+/// The backward of both layouts: dq, dk, dv written at q's, k's and v's `strides`
+/// (each a pointer and the elements it may write), dout and out (B, T, H·D).
+///
+/// # Safety
+/// Each of `grads` may be written for its length, and nothing else touches them during
+/// the call; where they overlap (GPT-2's dqkv), the elements `strides` gives each are
+/// disjoint.
+#[allow(clippy::too_many_arguments)]
+unsafe fn flash_backward(
+    cpu: &Cpu,
+    grads: [(*mut f32, usize); 3],
+    scratch: &mut [f32],
+    (dout, (q, k, v)): (&[f32], Qkv<'_>),
+    (out, lse): (&[f32], &[f32]),
+    strides: Strides,
+    dims: GqaDims,
+    mask: AttnMask<'_>,
+) {
+    check_flash(&dims, mask, [out.len(), lse.len(), scratch.len()]);
+    assert_eq!(dout.len(), out.len(), "dout's length");
+    strides.check(&dims, q.len().min(grads[0].1), k.len().min(v.len()));
+    strides.check(&dims, q.len(), grads[1].1.min(grads[2].1));
     let GqaDims { b, t, h, kv, d } = dims;
     let scale = 1.0 / (d as f32).sqrt();
     let group = h / kv;
-    let ptrs = [dq, dk, dv, scratch].map(|x| SharedMut(x.as_mut_ptr()));
-    let (ldq, ldkv) = ((h * d) as isize, (kv * d) as isize);
+    let [dq, dk, dv] = grads.map(|(p, _)| p);
+    let ptrs = [dq, dk, dv, scratch.as_mut_ptr()].map(SharedMut);
+    let (ldq, ldkv, ldo) = (strides.q, strides.kv, h * d);
     let per_pair = flash_pair_scratch(d);
     for_each_pair(cpu, b, kv, b * t * t * h * d, |bi, g| {
         let [dq_ptr, dk_ptr, dv_ptr, scratch_ptr] = ptrs;
         let first = |r| mask.first_key(bi, r, t);
-        let kv_at = bi * t * kv * d + g * d;
+        let kv_at = bi * t * ldkv + g * d;
         for j in 0..group {
             let hi = g * group + j;
-            let (q_at, pair) = (bi * t * h * d + hi * d, bi * h + hi);
+            let (q_at, o_at, pair) = (bi * t * ldq + hi * d, bi * t * ldo + hi * d, bi * h + hi);
             // SAFETY: this pair's query heads' scratch and columns of dq, and its
-            // key/value head's columns of dk and dv, lie inside them (lengths checked)
-            // and belong to this pair alone; the inputs lie in q, k, v, dout, out, lse.
+            // key/value head's columns of dk and dv, lie inside them (extents checked)
+            // and belong to this pair alone (the caller promises the gradients' regions
+            // are otherwise untouched); the inputs lie in q, k, v, dout, out, lse.
             unsafe {
                 let scratch =
                     std::slice::from_raw_parts_mut(scratch_ptr.0.add(pair * per_pair), per_pair);
                 let view = HeadView {
-                    q: (q[q_at..].as_ptr(), ldq),
-                    k: (k[kv_at..].as_ptr(), ldkv),
-                    v: (v[kv_at..].as_ptr(), ldkv),
-                    out: (dout[q_at..].as_ptr(), ldq),
+                    q: (q[q_at..].as_ptr(), ldq as isize),
+                    k: (k[kv_at..].as_ptr(), ldkv as isize),
+                    v: (v[kv_at..].as_ptr(), ldkv as isize),
+                    out: (dout[o_at..].as_ptr(), ldo as isize),
                 };
                 let grads = HeadGrads {
-                    dq: (dq_ptr.0.add(q_at), ldq),
-                    dk: (dk_ptr.0.add(kv_at), ldkv),
-                    dv: (dv_ptr.0.add(kv_at), ldkv),
+                    dq: (dq_ptr.0.add(q_at), ldq as isize),
+                    dk: (dk_ptr.0.add(kv_at), ldkv as isize),
+                    dv: (dv_ptr.0.add(kv_at), ldkv as isize),
                     accumulate_kv: j > 0,
                 };
-                let fwd = ((out[q_at..].as_ptr(), ldq), &lse[pair * t..][..t]);
+                let fwd = ((out[o_at..].as_ptr(), ldo as isize), &lse[pair * t..][..t]);
                 flash_head_backward(cpu, scratch, fwd, view, grads, &first, t, d, scale);
             }
         }
     });
 }
 
-/// Panics unless `mask` suits `dims` and the lengths `[queries, out, lse, scratch]` are
-/// theirs, queries being `parts` × B × T × H × D (3 for GPT-2's fused qkv).
-fn check_flash(dims: &GqaDims, mask: AttnMask<'_>, lens: [usize; 4], parts: usize) {
+/// Panics unless `mask` suits `dims` and the lengths `[out, lse, scratch]` are theirs.
+fn check_flash(dims: &GqaDims, mask: AttnMask<'_>, lens: [usize; 3]) {
     dims.check();
     mask.check(dims.b, dims.t);
     let GqaDims { b, t, h, d, .. } = *dims;
     assert_eq!(
         lens,
         [
-            elements(&[parts, b, t, h, d]),
             elements(&[b, t, h, d]),
             elements(&[b, h, t]),
             flash_scratch_len(*dims),
         ],
-        "lengths of queries, out, lse and scratch"
+        "lengths of out, lse and scratch"
     );
 }
