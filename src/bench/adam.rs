@@ -377,7 +377,7 @@ pub fn main(args: &AdamArgs) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// A pseudo-random value for index `i` of stream `stream`, uniform in [-1, 1).
-fn noise(stream: u64, i: usize) -> f32 {
+pub(crate) fn noise(stream: u64, i: usize) -> f32 {
     let mut z = (i as u64 ^ (stream << 48)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

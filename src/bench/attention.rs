@@ -20,7 +20,7 @@ use strata_kernels::isa::Isa;
 use strata_kernels::ops::{self, AttnMask, Cpu, GqaDims};
 use strata_kernels::parallel;
 
-use super::adam::{load_average, parse_isa};
+use super::adam::{load_average, noise, parse_isa};
 use crate::machine::cpu_model;
 use crate::report::{Table, median};
 
@@ -140,14 +140,6 @@ impl Tensors {
             grads: [dims.q_len(), dims.kv_len(), dims.kv_len()].map(|n| vec![0.0; n]),
         }
     }
-}
-
-/// A pseudo-random value for index `i` of stream `stream`, uniform in [-1, 1).
-fn noise(stream: u64, i: usize) -> f32 {
-    let mut z = (i as u64 ^ (stream << 48)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    z ^= z >> 31;
-    z = z.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
 }
 
 /// Seconds of `f`.
