@@ -1,7 +1,7 @@
 //! `strata bench attention`: the fused attention kernel (FlashAttention-2's algorithm,
-//! `ops::gqa_flash_attention_*`) against the materialised one the models run today
-//! (`ops::gqa_attention_*`, which keeps the (B, H, T, T) probabilities and a backward
-//! scratch as large), forward and backward, on a Llama-shaped attention at several
+//! `ops::gqa_flash_attention_*`, which the Llama family runs) against the materialised
+//! one (`ops::gqa_attention_*`, which GPT-2 runs, keeping the (B, H, T, T) probabilities
+//! and a backward scratch as large), forward and backward, on a Llama-shaped attention at several
 //! sequence lengths, in the same run.
 //!
 //! Each length: both kernels run on the same q, k, v and output gradient (one untimed

@@ -41,7 +41,10 @@ pub mod rope;
 pub mod scale;
 pub mod swiglu;
 
-pub use attention::{Attention, AttentionBackward, GqaAttention, GqaAttentionBackward};
+pub use attention::{
+    Attention, AttentionBackward, FlashMask, GqaAttention, GqaAttentionBackward, GqaFlashAttention,
+    GqaFlashAttentionBackward,
+};
 pub use crossentropy::{CrossEntropy, CrossEntropyBackward};
 pub use elementwise::{AddF32, CopyKernel, FoldRanks, Residual, Zero};
 pub use encoder::{Encoder, EncoderBackward};
@@ -251,6 +254,10 @@ registry! {
     GqaAttention(GqaAttention),
     /// Its gradient ([`GqaAttentionBackward`]).
     GqaAttentionBackward(GqaAttentionBackward),
+    /// Fused grouped-query attention, O(T) memory ([`GqaFlashAttention`]).
+    GqaFlashAttention(GqaFlashAttention),
+    /// Its gradient ([`GqaFlashAttentionBackward`]).
+    GqaFlashAttentionBackward(GqaFlashAttentionBackward),
     /// The gradients' sum of squares and non-finite flag ([`GradStatsKernel`]).
     GradStats(GradStatsKernel),
     /// One AdamW step over one tensor ([`AdamWKernel`]).

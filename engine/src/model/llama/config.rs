@@ -16,7 +16,8 @@ use crate::model::layout::MAX_LAYERS;
 pub enum Variant {
     /// Llama 1, 2, 3, 3.1, 3.2 (`LlamaForCausalLM`).
     Llama,
-    /// Mistral v0.3 style (`MistralForCausalLM`): Llama's blocks without a sliding window.
+    /// Mistral (`MistralForCausalLM`): Llama's blocks, within `sliding_window` when set
+    /// (v0.1; v0.3 sets none).
     Mistral,
     /// Qwen2 and Qwen2.5 (`Qwen2ForCausalLM`): biases on the q, k and v projections.
     Qwen2,
@@ -95,9 +96,13 @@ pub struct LlamaConfig {
     /// Whether q and k are RMS-normalised per head (Qwen3).
     pub qk_norm: bool,
     /// The attention window, when the model uses one (Mistral v0.1, Qwen with
-    /// `use_sliding_window`): sequences longer than it are refused, since strata's
-    /// attention is full causal attention.
+    /// `use_sliding_window`): a query sees the last `sliding_window` keys, itself
+    /// included, in the layers from [`window_from`](Self::window_from) on.
     pub sliding_window: Option<usize>,
+    /// The first layer the window applies to: 0 for Mistral; Qwen's `max_window_layers`
+    /// (the layers before it attend to every earlier key), as transformers' `layer_types`
+    /// says.
+    pub window_from: usize,
     /// The `config.json` this shape was read from, written back with only what
     /// training changes replaced (none for presets and shapes built here).
     pub source: Option<Map<String, Value>>,
@@ -184,6 +189,7 @@ impl LlamaConfig {
             qkv_bias: variant == Variant::Qwen2,
             qk_norm: variant == Variant::Qwen3,
             sliding_window: None,
+            window_from: 0,
             source: None,
         })
     }
@@ -218,8 +224,14 @@ impl LlamaConfig {
             qkv_bias: false,
             qk_norm: false,
             sliding_window: None,
+            window_from: 0,
             source: None,
         }
+    }
+
+    /// The window layer `layer` attends within, if any.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| layer >= self.window_from)
     }
 
     /// Checks that the shape can be built: every number positive, kv heads dividing
@@ -390,6 +402,12 @@ impl LlamaConfig {
             }
             _ => None,
         };
+        let window_from = match variant {
+            Variant::Qwen2 | Variant::Qwen3 if sliding_window.is_some() => {
+                window_layers(json, &keys)?
+            }
+            _ => 0,
+        };
         // transformers' default for all four.
         let tied = keys.flag("tie_word_embeddings", false)?;
         let config = LlamaConfig {
@@ -408,6 +426,7 @@ impl LlamaConfig {
             qkv_bias: variant == Variant::Qwen2,
             qk_norm: variant == Variant::Qwen3,
             sliding_window,
+            window_from,
             source: json.as_object().cloned(),
         };
         config.validate().map_err(|e| unsupported(e.to_string()))?;
@@ -475,6 +494,9 @@ impl LlamaConfig {
                     json!(self.sliding_window.is_some()),
                 );
                 obj.insert("sliding_window".into(), json!(self.sliding_window));
+                if self.sliding_window.is_some() {
+                    obj.insert("max_window_layers".into(), json!(self.window_from));
+                }
                 if v == Variant::Qwen3 {
                     obj.insert("attention_bias".into(), json!(false));
                 }
@@ -488,6 +510,41 @@ impl LlamaConfig {
 /// (`rope_theta`, `rope_type` and the scaling's numbers), else top-level `rope_theta` and
 /// `rope_scaling` (`rope_type` or the older `type`). `default` and `llama3` are built;
 /// other types are refused by name.
+/// transformers' `max_window_layers` for Qwen2 and Qwen3 when the file gives none.
+const QWEN_MAX_WINDOW_LAYERS: usize = 28;
+
+/// The first layer Qwen's window applies to: where `layer_types` (newer transformers)
+/// turns from `full_attention` to `sliding_attention`, else `max_window_layers`. A
+/// `layer_types` that is not full layers followed by window layers is refused.
+fn window_layers(json: &Value, keys: &ConfigKeys<'_>) -> Result<usize, ModelError> {
+    if let Some(types) = json.get("layer_types").and_then(Value::as_array) {
+        let kind = |t: &Value| match t.as_str() {
+            Some("full_attention") => Ok(false),
+            Some("sliding_attention") => Ok(true),
+            _ => Err(keys.error(format!(
+                "layer_types holds {t}; strata knows full_attention and sliding_attention"
+            ))),
+        };
+        let sliding = types.iter().map(kind).collect::<Result<Vec<_>, _>>()?;
+        let from = sliding.iter().position(|&s| s).unwrap_or(sliding.len());
+        if sliding[from..].iter().any(|&s| !s) {
+            return Err(keys.error(
+                "layer_types mixes full and window layers after the first window layer; \
+                 strata builds full layers followed by window layers"
+                    .into(),
+            ));
+        }
+        return Ok(from);
+    }
+    match json.get("max_window_layers") {
+        None | Some(Value::Null) => Ok(QWEN_MAX_WINDOW_LAYERS),
+        Some(v) => v
+            .as_u64()
+            .map(|n| n as usize)
+            .ok_or_else(|| keys.error(format!("max_window_layers is {v}, not a whole number"))),
+    }
+}
+
 fn parse_rope(json: &Value) -> Result<RopeFreqs, String> {
     let params = json.get("rope_parameters").filter(|v| v.is_object());
     let scaling = params.or_else(|| json.get("rope_scaling").filter(|v| v.is_object()));
@@ -717,6 +774,29 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(on.sliding_window, Some(32));
+        // From max_window_layers on (transformers' default 28), or where layer_types
+        // says.
+        assert_eq!(
+            (on.window_from, on.window_of(27), on.window_of(28)),
+            (28, None, Some(32))
+        );
+        let from_1 = parse(&format!(
+            r#"{{"model_type": "qwen2", {SHAPE}, "sliding_window": 32, "use_sliding_window": true, "max_window_layers": 1}}"#
+        ))
+        .unwrap();
+        assert_eq!((from_1.window_of(0), from_1.window_of(1)), (None, Some(32)));
+        let types = parse(&format!(
+            r#"{{"model_type": "qwen3", {SHAPE}, "sliding_window": 8, "use_sliding_window": true, "max_window_layers": 1, "layer_types": ["sliding_attention", "sliding_attention"]}}"#
+        ))
+        .unwrap();
+        assert_eq!(types.window_from, 0);
+        let mixed = parse(&format!(
+            r#"{{"model_type": "qwen3", {SHAPE}, "sliding_window": 8, "use_sliding_window": true, "layer_types": ["sliding_attention", "full_attention"]}}"#
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(mixed.contains("mixes full and window layers"), "{mixed}");
+        assert_eq!(mistral.window_of(0), Some(4096));
     }
 
     #[test]

@@ -32,13 +32,14 @@ pub use config::{LlamaConfig, MODEL_TYPES, Variant, preset_names};
 use std::path::Path;
 
 use serde_json::Value;
+use strata_kernels::kernel::attention::{GqaDims, flash_scratch_bytes};
 use strata_kernels::kernel::{
-    CopyKernel, Encoder, EncoderBackward, GqaAttention, GqaAttentionBackward, Matmul,
-    MatmulBackward, Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu,
-    SwiGluBackward, Zero,
+    CopyKernel, Encoder, EncoderBackward, FlashMask, GqaFlashAttention, GqaFlashAttentionBackward,
+    Matmul, MatmulBackward, Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable,
+    SwiGlu, SwiGluBackward, Zero,
 };
 use strata_kernels::ops::WeightLayout;
-use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, gqa_attention_scratch_bytes};
+use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
 
 use super::gpt2::init::{Init, init_block_with};
 use super::head::LossHead;
@@ -142,14 +143,6 @@ impl Family for Llama {
 
     fn check_shape(&self, shape: Shape) -> Result<(), ModelError> {
         let c = &self.config;
-        if let Some(window) = c.sliding_window.filter(|&w| w < shape.seq) {
-            return Err(ModelError::BadInput(format!(
-                "this {} model attends within a sliding window of {window} tokens, which \
-                 strata does not build (its attention is full causal attention): use a \
-                 sequence of at most {window} tokens, where the two are the same",
-                c.variant.model_type()
-            )));
-        }
         shape.check_addressable(c.vocab, c.intermediate.max(c.q_dim()), c.heads)
     }
 
@@ -177,9 +170,14 @@ impl Family for Llama {
         if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
             s = s.with_saved(&Saved::new(&self.config, shape, dtype));
         }
+        let window = match kind {
+            BlockKind::Transformer { layer } => self.config.window_of(layer).unwrap_or(0),
+            BlockKind::Embedding | BlockKind::Head => 0,
+        };
         let p = Program {
             shape,
             c: &self.config,
+            window,
             dtype,
             s,
             len: self.blocks[block].len,
@@ -362,7 +360,8 @@ struct Scratch {
     qr: TensorRef,
     kr: TensorRef,
     atty: TensorRef,
-    att: TensorRef,
+    /// The attention's log-sum-exp per (batch, head, position), f32, for its backward.
+    lse: TensorRef,
     attention: TensorRef,
     res2: TensorRef,
     xn2: TensorRef,
@@ -414,10 +413,11 @@ impl Scratch {
         let (kn, kn_rstd) = (l(norm(n * kv), dtype), l(norm(n * kvh), f32));
         let (qr, kr) = (l(n * q, dtype), l(n * kv, dtype));
         let atty = l(n * q, dtype);
-        let att = l(shape.batch * h * shape.seq * shape.seq, dtype);
-        let attention_bytes =
-            gqa_attention_scratch_bytes(target, dtype, shape.batch, shape.seq, h, kvh, c.head_dim);
-        let attention = l(attention_bytes, Dtype::U8);
+        let lse = l(shape.batch * h * shape.seq, f32);
+        let attention = l(
+            flash_scratch_bytes(target, attention_dims(c, shape)),
+            Dtype::U8,
+        );
         let res2 = l(n * w, dtype);
         let (xn2, rstd2) = (l(n * w, dtype), l(n, f32));
         let (gate, up, hmid) = (l(n * i, dtype), l(n * i, dtype), l(n * i, dtype));
@@ -455,7 +455,7 @@ impl Scratch {
             qr,
             kr,
             atty,
-            att,
+            lse,
             attention,
             res2,
             xn2,
@@ -504,7 +504,7 @@ struct Saved {
     qr: TensorRef,
     kr: TensorRef,
     v: TensorRef,
-    att: TensorRef,
+    lse: TensorRef,
     atty: TensorRef,
     res2: TensorRef,
     xn2: TensorRef,
@@ -532,7 +532,7 @@ impl Saved {
             ]
         });
         let (qr, kr, v) = (l(n * q, dtype), l(n * kv, dtype), l(n * kv, dtype));
-        let att = l(shape.batch * h * shape.seq * shape.seq, dtype);
+        let lse = l(shape.batch * h * shape.seq, f32);
         let atty = l(n * q, dtype);
         let (res2, xn2, rstd2) = (l(n * w, dtype), l(n * w, dtype), l(n, f32));
         let (gate, up) = (l(n * i, dtype), l(n * i, dtype));
@@ -543,7 +543,7 @@ impl Saved {
             qr,
             kr,
             v,
-            att,
+            lse,
             atty,
             res2,
             xn2,
@@ -573,7 +573,7 @@ impl Scratch {
             qr: saved.qr,
             kr: saved.kr,
             v: saved.v,
-            att: saved.att,
+            lse: saved.lse,
             atty: saved.atty,
             res2: saved.res2,
             xn2: saved.xn2,
@@ -591,6 +591,8 @@ struct Program<'a> {
     c: &'a LlamaConfig,
     dtype: Dtype,
     s: Scratch,
+    /// The layer's sliding window (0: none).
+    window: usize,
     /// Elements of the block's buffer.
     len: usize,
     /// Elements of the embedding's buffer (the tied block's).
@@ -598,7 +600,26 @@ struct Program<'a> {
     out: Vec<Kernel>,
 }
 
+/// The attention's dimensions for a batch of `shape`.
+fn attention_dims(c: &LlamaConfig, shape: Shape) -> GqaDims {
+    GqaDims {
+        b: shape.batch,
+        t: shape.seq,
+        h: c.heads,
+        kv: c.kv_heads,
+        d: c.head_dim,
+    }
+}
+
 impl Program<'_> {
+    /// The keys each query sees: causal, within the layer's window.
+    fn mask(&self) -> FlashMask {
+        FlashMask {
+            window: self.window,
+            doc_start: None,
+        }
+    }
+
     /// `slot` of the parameters bound at `bind`, in the working dtype.
     fn param(&self, bind: Bind, slot: Slot) -> TensorRef {
         slot.tensor(bind, self.dtype)
@@ -801,18 +822,15 @@ impl Program<'_> {
         k.extend([
             self.rope(s.qr, q_in, h, false),
             self.rope(s.kr, k_in, kvh, false),
-            Kernel::GqaAttention(GqaAttention {
+            Kernel::GqaFlashAttention(GqaFlashAttention {
                 out: s.atty,
-                att: s.att,
+                lse: s.lse,
                 q: s.qr,
                 k: s.kr,
                 v: s.v,
                 scratch: s.attention,
-                b: self.shape.batch,
-                t: self.shape.seq,
-                h,
-                kv: kvh,
-                d: c.head_dim,
+                dims: attention_dims(c, self.shape),
+                mask: self.mask(),
             }),
             self.linear(s.proj, s.atty, l.o, None),
             Kernel::Residual(Residual {
@@ -898,7 +916,7 @@ impl Program<'_> {
             self.rmsnorm_backward(s.d_res2, s.d_c3, s.res2, s.rstd2, l.post_norm),
             // res2 = x + o(attention(rope(q), rope(k), v)).
             self.linear_backward(s.d_atty, s.d_res2, s.atty, l.o, None),
-            Kernel::GqaAttentionBackward(GqaAttentionBackward {
+            Kernel::GqaFlashAttentionBackward(GqaFlashAttentionBackward {
                 dq: s.dq,
                 dk: s.dk,
                 dv: s.dv,
@@ -906,13 +924,11 @@ impl Program<'_> {
                 q: s.qr,
                 k: s.kr,
                 v: s.v,
-                att: s.att,
+                out: s.atty,
+                lse: s.lse,
                 scratch: s.attention,
-                b: self.shape.batch,
-                t: self.shape.seq,
-                h,
-                kv: kvh,
-                d: self.c.head_dim,
+                dims: attention_dims(self.c, self.shape),
+                mask: self.mask(),
             }),
             self.rope(s.dq_pre, s.dq, h, true),
             self.rope(s.dk_pre, s.dk, kvh, true),
@@ -1092,13 +1108,40 @@ mod tests {
     }
 
     #[test]
-    fn a_sliding_window_shorter_than_the_sequence_is_refused() {
-        let mut config = LlamaConfig::preset("mistral-7b").unwrap();
-        config.variant = Variant::Mistral;
-        config.sliding_window = Some(4096);
-        let model = crate::model::Model::of(Llama::new(config).unwrap());
-        assert!(model.shape(1, 4096).is_ok());
-        let error = model.shape(1, 4097).unwrap_err().to_string();
-        assert!(error.contains("sliding window of 4096"), "{error}");
+    fn each_layer_attends_within_its_window_at_any_sequence_length() {
+        // Mistral's window applies to every layer; Qwen's from max_window_layers on.
+        for (variant, window_from) in [(Variant::Mistral, 0), (Variant::Qwen2, 1)] {
+            let mut config = LlamaConfig::preset("mistral-7b").unwrap();
+            config.variant = variant;
+            config.qkv_bias = variant == Variant::Qwen2;
+            config.sliding_window = Some(4096);
+            config.window_from = window_from;
+            let llama = Llama::new(config).unwrap();
+            let model = crate::model::Model::of(llama.clone());
+            assert!(model.shape(1, 8192).is_ok());
+            let shape = Shape {
+                batch: 1,
+                seq: 8192,
+            };
+            for (block, want) in [(1, window_from == 0), (2, true)] {
+                for pass in [Pass::Forward, Pass::Backward] {
+                    let windows: Vec<usize> = llama
+                        .program(block, pass, shape, Target::Cpu, Dtype::F32)
+                        .iter()
+                        .filter_map(|k| match k {
+                            Kernel::GqaFlashAttention(a) => Some(a.mask.window),
+                            Kernel::GqaFlashAttentionBackward(a) => Some(a.mask.window),
+                            _ => None,
+                        })
+                        .collect();
+                    let expected = if want { 4096 } else { 0 };
+                    assert!(!windows.is_empty());
+                    assert!(
+                        windows.iter().all(|&w| w == expected),
+                        "{variant:?} {block}"
+                    );
+                }
+            }
+        }
     }
 }

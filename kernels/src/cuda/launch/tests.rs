@@ -113,6 +113,15 @@ impl Buffers {
         }
     }
 
+    /// Writes the u32 tensor `t` (token ids, document starts).
+    pub(crate) fn write_u32(&mut self, t: &TensorRef, values: &[u32]) {
+        assert_eq!((t.dtype, t.len), (Dtype::U32, values.len()));
+        let bytes = &mut self.buffer_mut(t.buf.into())[t.byte_range()];
+        for (chunk, v) in bytes.chunks_exact_mut(4).zip(values) {
+            chunk.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
     fn read_f32(&self, t: &TensorRef) -> Vec<f32> {
         assert_eq!(t.dtype, Dtype::F32);
         self.buffer(t.buf.into())[t.byte_range()]
@@ -179,11 +188,16 @@ pub(crate) struct Emulator {
 }
 
 impl Emulator {
-    fn recording() -> Self {
+    pub(crate) fn recording() -> Self {
         Emulator {
             calls: RefCell::default(),
             memory: None,
         }
+    }
+
+    /// Whether nothing has been enqueued.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.calls.borrow().is_empty()
     }
 
     fn executing(buffers: Buffers) -> Self {
@@ -503,6 +517,23 @@ fn check_gemm(what: &str, g: &Gemm, regions: &[Region], w: Dtype) {
     }
 }
 
+/// Whether pointer argument `i` of the entry point `name` may be 0: adamw_step's
+/// copy_out when there is none, the fused attention's doc_start when there are no
+/// documents.
+fn optional_pointer(name: &str, i: usize) -> bool {
+    let base = ["_f32", "_bf16", "_f16"]
+        .iter()
+        .find_map(|suffix| name.strip_suffix(suffix))
+        .unwrap_or(name);
+    matches!(
+        (base, i),
+        ("adamw_step", 4)
+            | ("flash_forward", 5)
+            | ("flash_backward_dq", 8)
+            | ("flash_backward_dkv", 8)
+    )
+}
+
 /// Checks every call `kernel` enqueued against its regions.
 fn check_calls(kernel: &Kernel, calls: &[Call], w: Dtype) {
     let regions = regions(kernel);
@@ -531,10 +562,8 @@ fn check_calls(kernel: &Kernel, calls: &[Call], w: Dtype) {
                 );
                 for (i, arg) in args.iter().enumerate() {
                     if let Arg::Ptr(ptr) = *arg {
-                        // adamw_step's copy_out is 0 when there is none.
-                        let no_copy = name == "adamw_step" && i == 4 && ptr == 0;
                         assert!(
-                            no_copy || region_at(ptr).is_some(),
+                            (ptr == 0 && optional_pointer(name, i)) || region_at(ptr).is_some(),
                             "{what}: {name}: pointer argument {i} ({ptr:#x}) starts no tensor"
                         );
                     }
@@ -725,7 +754,14 @@ fn every_launch_hands_each_parameter_the_tensor_or_size_of_its_name() {
                 match *arg {
                     Arg::Ptr(ptr) => {
                         assert!(pointer, "{ctx}: a pointer for a value");
-                        if kernel_name == "adamw_step" && param == "copy_out" && ptr == 0 {
+                        let optional = matches!(
+                            (kernel_name.as_str(), param.as_str()),
+                            ("adamw_step", "copy_out")
+                                | ("flash_forward", "doc_start")
+                                | ("flash_backward_dq", "doc_start")
+                                | ("flash_backward_dkv", "doc_start")
+                        );
+                        if optional && ptr == 0 {
                             continue;
                         }
                         let names: Vec<&str> = tensors
@@ -938,7 +974,7 @@ fn the_products_launch_sequences_compute_what_the_cpu_computes() {
 
 /// Memory for `kernels`' tensors (made by `l`): random values in [-1, 1) in every f32
 /// tensor (from `seed`, in the kernels' and their tensors' order), and 0xff bytes (NaN)
-/// in every scratch, so that reading it before writing shows.
+/// in every scratch, so that reading it before writing shows; zeros in every u32 tensor.
 pub(crate) fn random_inputs(l: &Layout, kernels: &[Kernel], seed: u64) -> Buffers {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut inputs = Buffers::new(l);
@@ -947,6 +983,9 @@ pub(crate) fn random_inputs(l: &Layout, kernels: &[Kernel], seed: u64) -> Buffer
             if t.dtype == Dtype::U8 {
                 let at = t.byte_range();
                 inputs.buffer_mut(t.buf.into())[at].fill(0xff);
+            } else if t.dtype == Dtype::U32 {
+                // Ids and document starts: zero is valid for each (one document).
+                inputs.write_u32(t, &vec![0; t.len]);
             } else {
                 let values: Vec<f32> = (0..t.len).map(|_| rng.random_range(-1.0..1.0)).collect();
                 inputs.write_f32(t, &values);

@@ -3,7 +3,9 @@
 //! and their two runners' dispatch. Their shapes and the scratch they need per target are
 //! in `shape.rs`, the CPU ops in [`cpu`], the CUDA launch sequences (cuBLAS's batched
 //! products around `attention.cu`'s layout and softmax kernels) in `cuda.rs`;
-//! [`reference`](mod@reference) holds the scalar reference.
+//! [`reference`](mod@reference) holds the scalar reference. The fused kernels the Llama
+//! family runs, with O(T) memory, are in `flash.rs` (their CUDA kernels in
+//! `flash_attention.cu`).
 
 use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch};
 use crate::ops::Cpu;
@@ -14,6 +16,7 @@ use crate::program::{
 
 pub mod cpu;
 mod cuda;
+mod flash;
 pub mod reference;
 mod shape;
 
@@ -21,6 +24,9 @@ pub use cpu::{
     AttnMask, GqaDims, attention_backward, attention_forward, flash_attention_backward,
     flash_attention_forward, flash_scratch_len, gqa_attention_backward, gqa_attention_forward,
     gqa_flash_attention_backward, gqa_flash_attention_forward,
+};
+pub use flash::{
+    FLASH_CUDA_MAX_D, FlashMask, GqaFlashAttention, GqaFlashAttentionBackward, flash_scratch_bytes,
 };
 use shape::scores;
 pub use shape::{

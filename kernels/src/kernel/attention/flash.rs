@@ -1,0 +1,372 @@
+//! Fused grouped-query attention, forward and backward, with O(T) memory: the kernels
+//! the Llama family runs (FlashAttention-2's recurrence; no (B, H, T, T) probabilities,
+//! only each row's log-sum-exp kept for the backward), causal, under an optional sliding
+//! window and document boundaries ([`FlashMask`]). Their CPU op is
+//! [`gqa_flash_attention_forward`]/[`gqa_flash_attention_backward`] (`cpu.rs`); their
+//! CUDA kernels are `flash_attention.cu`'s, one warp per row. The materialised kernels
+//! ([`GqaAttention`](super::GqaAttention)) are the reference both are tested against.
+
+use super::cpu::{
+    AttnMask, GqaDims, flash_scratch_len, gqa_flash_attention_backward, gqa_flash_attention_forward,
+};
+use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Launch, int, per_row_warp};
+use crate::ops::Cpu;
+use crate::program::{
+    ByteRule, CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars,
+    Signature, Target, TensorRef,
+};
+
+/// The fused kernels' CUDA source.
+const SOURCE: CudaSource = ("flash_attention.cu", include_str!("flash_attention.cu"));
+/// out and lse, one warp per query row.
+const FORWARD: Entry = Entry::typed("flash_forward");
+/// dq and delta, one warp per query row.
+const BACKWARD_DQ: Entry = Entry::typed("flash_backward_dq");
+/// dk and dv, one warp per key row.
+const BACKWARD_DKV: Entry = Entry::typed("flash_backward_dkv");
+/// The most channels per head the CUDA kernels take (`FLASH_MAX_D` of the source).
+pub const FLASH_CUDA_MAX_D: usize = 256;
+
+/// Which keys each query sees besides the causal rule: the last `window` (0: every
+/// earlier key), and only its own document's when `doc_start` is given ((B, T) u32, the
+/// first position of each token's document; see [`AttnMask::doc_start`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct FlashMask {
+    /// Keys a query sees, itself included; 0: no window.
+    pub window: usize,
+    /// (B, T) u32 document starts, or one document per sequence.
+    pub doc_start: Option<TensorRef>,
+}
+
+impl FlashMask {
+    /// Every earlier key.
+    pub const CAUSAL: FlashMask = FlashMask {
+        window: 0,
+        doc_start: None,
+    };
+
+    fn param<'a>(&'a self, s: &GqaDims, each: &mut dyn FnMut(Param<'a>)) {
+        if let Some(d) = &self.doc_start {
+            let u32_ = DtypeRule::Exactly(Dtype::U32);
+            each(Param::read("doc_start", d, u32_, LenRule::Len(s.b * s.t)));
+        }
+    }
+
+    fn on_cpu<'m>(&self, t: &CpuTensors<'m>) -> AttnMask<'m> {
+        AttnMask {
+            window: (self.window > 0).then_some(self.window),
+            doc_start: self.doc_start.as_ref().map(|d| t.u32(d)),
+        }
+    }
+
+    /// `doc_start`'s address (0 when none) and the window, as the `.cu` kernels take them.
+    fn args(&self, q: &Launch<'_>) -> (Arg, Arg) {
+        let doc = self.doc_start.as_ref().map_or(Arg::Ptr(0), |d| q.ptr(d));
+        (doc, int(self.window))
+    }
+}
+
+/// Bytes of scratch the fused kernels need on `target`, T-independent on the CPU: there
+/// [`flash_scratch_len`] f32s (tiles per (batch, head) pair); on CUDA the backward's
+/// (B, H, T) f32 row sums of dout * out (the forward needs none).
+pub fn flash_scratch_bytes(target: Target, dims: GqaDims) -> usize {
+    match target {
+        Target::Cpu => flash_scratch_len(dims) * 4,
+        Target::Cuda => dims.b * dims.h * dims.t * 4,
+    }
+}
+
+/// The channels-per-head limit of the CUDA kernels, as a shape error.
+fn cuda_head_dim(kernel: &'static str, d: usize) -> Result<(), KernelError> {
+    if d > FLASH_CUDA_MAX_D {
+        return Err(KernelError::Shape {
+            kernel,
+            what: "d (channels per head, at most 256 on CUDA)",
+            len: d,
+            expected: FLASH_CUDA_MAX_D,
+        });
+    }
+    Ok(())
+}
+
+/// The `.cu` kernels' dimension arguments `b, t, h, kv, d`.
+fn dim_args(s: &GqaDims) -> [Arg; 5] {
+    [int(s.b), int(s.t), int(s.h), int(s.kv), int(s.d)]
+}
+
+/// Fused causal grouped-query attention scaled by 1/sqrt(D) under `mask`: out
+/// (B, T, H, D) and lse (B, H, T), the log of each row's softmax denominator, from q
+/// (B, T, H, D) and k, v (B, T, KV, D); the same output as
+/// [`GqaAttention`](super::GqaAttention) to rounding, without its probabilities.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GqaFlashAttention {
+    /// (B, T, H, D).
+    pub out: TensorRef,
+    /// (B, H, T) f32.
+    pub lse: TensorRef,
+    /// (B, T, H, D).
+    pub q: TensorRef,
+    /// (B, T, KV, D).
+    pub k: TensorRef,
+    /// (B, T, KV, D).
+    pub v: TensorRef,
+    /// [`flash_scratch_bytes`] bytes (U8) on the CPU; none on CUDA.
+    pub scratch: TensorRef,
+    /// The dimensions.
+    pub dims: GqaDims,
+    /// The keys each query sees.
+    pub mask: FlashMask,
+}
+
+impl Signature for GqaFlashAttention {
+    const NAME: &'static str = "gqa-flash-attention";
+    type Shape = GqaDims;
+
+    fn shape(&self) -> Result<GqaDims, KernelError> {
+        let GqaDims { b, t, h, kv, d } = self.dims;
+        GqaDims::checked(Self::NAME, b, t, h, kv, d)
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let (w, s) = (DtypeRule::Working, &self.dims);
+        let (queries, keys) = (LenRule::Len(s.q_len()), LenRule::Len(s.kv_len()));
+        let f32_ = DtypeRule::Exactly(Dtype::F32);
+        each(Param::write("out", &self.out, w, queries));
+        each(Param::write(
+            "lse",
+            &self.lse,
+            f32_,
+            LenRule::Len(s.b * s.h * s.t),
+        ));
+        let cpu = flash_scratch_bytes(Target::Cpu, *s);
+        each(Param::scratch(
+            "scratch",
+            &self.scratch,
+            ByteRule::scratch(cpu, 0, 4),
+        ));
+        each(Param::read("q", &self.q, w, queries));
+        each(Param::read("k", &self.k, w, keys));
+        each(Param::read("v", &self.v, w, keys));
+        self.mask.param(s, each);
+    }
+
+    fn flops(&self) -> f64 {
+        // Q K^T and P V over the keys each query sees: about half of T x T when causal.
+        2.0 * (self.dims.b * self.dims.t * self.dims.t * self.dims.h * self.dims.d) as f64
+    }
+}
+
+impl CpuKernel for GqaFlashAttention {
+    fn run_cpu(
+        &self,
+        s: &GqaDims,
+        cpu: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        let (out, lse) = (t.f32_mut(&self.out), t.f32_mut(&self.lse));
+        let scratch = t.f32_scratch(&self.scratch, flash_scratch_len(*s));
+        let (q, k, v) = (t.f32(&self.q), t.f32(&self.k), t.f32(&self.v));
+        let mask = self.mask.on_cpu(t);
+        gqa_flash_attention_forward(cpu, (out, lse, scratch), (q, k, v), *s, mask);
+        Ok(())
+    }
+}
+
+impl CudaKernel for GqaFlashAttention {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[FORWARD];
+
+    fn launch(&self, s: &GqaDims, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        cuda_head_dim(Self::NAME, s.d)?;
+        let rows = s.b * s.h * s.t;
+        if rows == 0 || s.d == 0 {
+            return Ok(());
+        }
+        let (doc, window) = self.mask.args(q);
+        let [b, t, h, kv, d] = dim_args(s);
+        // flash_forward_<T>(T* out, float* lse, const T* q, const T* k, const T* v, const
+        // unsigned* doc_start, int b, int t, int h, int kv, int d, int window, float
+        // scale): warp `row` < B·H·T writes row `row` of lse and its query's row of out.
+        let args = [
+            q.ptr(&self.out),
+            q.ptr(&self.lse),
+            q.ptr(&self.q),
+            q.ptr(&self.k),
+            q.ptr(&self.v),
+            doc,
+            b,
+            t,
+            h,
+            kv,
+            d,
+            window,
+            Arg::Float(1.0 / (s.d as f32).sqrt()),
+        ];
+        Ok(q.launch(FORWARD, per_row_warp(rows), &args)?)
+    }
+}
+
+/// dq (B, T, H, D), dk, dv (B, T, KV, D) = (overwritten) the gradients of
+/// [`GqaFlashAttention`] given dout, from its inputs and its out and lse, under the
+/// same mask. A key/value head's gradients add up over the query heads that share it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GqaFlashAttentionBackward {
+    /// (B, T, H, D), overwritten.
+    pub dq: TensorRef,
+    /// (B, T, KV, D), overwritten.
+    pub dk: TensorRef,
+    /// (B, T, KV, D), overwritten.
+    pub dv: TensorRef,
+    /// (B, T, H, D).
+    pub dout: TensorRef,
+    /// (B, T, H, D).
+    pub q: TensorRef,
+    /// (B, T, KV, D).
+    pub k: TensorRef,
+    /// (B, T, KV, D).
+    pub v: TensorRef,
+    /// (B, T, H, D), as the forward wrote it.
+    pub out: TensorRef,
+    /// (B, H, T) f32, as the forward wrote it.
+    pub lse: TensorRef,
+    /// [`flash_scratch_bytes`] bytes (U8) on the CPU; on CUDA, (B, H, T) f32 (each
+    /// row's sum of dout * out).
+    pub scratch: TensorRef,
+    /// The dimensions.
+    pub dims: GqaDims,
+    /// The keys each query sees, as in the forward.
+    pub mask: FlashMask,
+}
+
+impl Signature for GqaFlashAttentionBackward {
+    const NAME: &'static str = "gqa-flash-attention-backward";
+    type Shape = GqaDims;
+
+    fn shape(&self) -> Result<GqaDims, KernelError> {
+        let GqaDims { b, t, h, kv, d } = self.dims;
+        GqaDims::checked(Self::NAME, b, t, h, kv, d)
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let (w, s) = (DtypeRule::Working, &self.dims);
+        let (queries, keys) = (LenRule::Len(s.q_len()), LenRule::Len(s.kv_len()));
+        let rows = LenRule::Len(s.b * s.h * s.t);
+        each(Param::write("dq", &self.dq, w, queries));
+        each(Param::write("dk", &self.dk, w, keys));
+        each(Param::write("dv", &self.dv, w, keys));
+        let (cpu, cuda) = (
+            flash_scratch_bytes(Target::Cpu, *s),
+            flash_scratch_bytes(Target::Cuda, *s),
+        );
+        each(Param::scratch(
+            "scratch",
+            &self.scratch,
+            ByteRule::scratch(cpu, cuda, 4),
+        ));
+        each(Param::read("dout", &self.dout, w, queries));
+        each(Param::read("q", &self.q, w, queries));
+        each(Param::read("k", &self.k, w, keys));
+        each(Param::read("v", &self.v, w, keys));
+        each(Param::read("out", &self.out, w, queries));
+        let f32_ = DtypeRule::Exactly(Dtype::F32);
+        each(Param::read("lse", &self.lse, f32_, rows));
+        self.mask.param(s, each);
+    }
+
+    fn flops(&self) -> f64 {
+        // The scores again, dP = dO V^T, dV, dQ and dK: five products of half of T x T.
+        5.0 * (self.dims.b * self.dims.t * self.dims.t * self.dims.h * self.dims.d) as f64
+    }
+}
+
+impl CpuKernel for GqaFlashAttentionBackward {
+    fn run_cpu(
+        &self,
+        s: &GqaDims,
+        cpu: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        let grads = (
+            t.f32_mut(&self.dq),
+            t.f32_mut(&self.dk),
+            t.f32_mut(&self.dv),
+        );
+        let scratch = t.f32_scratch(&self.scratch, flash_scratch_len(*s));
+        let (q, k, v) = (t.f32(&self.q), t.f32(&self.k), t.f32(&self.v));
+        let fwd = (t.f32(&self.out), t.f32(&self.lse));
+        let mask = self.mask.on_cpu(t);
+        let dout = t.f32(&self.dout);
+        gqa_flash_attention_backward(cpu, grads, scratch, dout, (q, k, v), fwd, *s, mask);
+        Ok(())
+    }
+}
+
+impl CudaKernel for GqaFlashAttentionBackward {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[BACKWARD_DQ, BACKWARD_DKV];
+
+    fn launch(&self, s: &GqaDims, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        cuda_head_dim(Self::NAME, s.d)?;
+        let rows = s.b * s.h * s.t;
+        if rows == 0 || s.d == 0 {
+            return Ok(());
+        }
+        let delta = q.carve(&self.scratch, 0, rows * 4);
+        let (doc, window) = self.mask.args(q);
+        let [b, t, h, kv, d] = dim_args(s);
+        let scale = Arg::Float(1.0 / (s.d as f32).sqrt());
+        let [dout, xq, xk, xv, lse] =
+            [&self.dout, &self.q, &self.k, &self.v, &self.lse].map(|x| q.ptr(x));
+        // flash_backward_dq_<T>(T* dq, float* delta, const T* dout, const T* out, const T*
+        // q, const T* k, const T* v, const float* lse, const unsigned* doc_start, int b,
+        // int t, int h, int kv, int d, int window, float scale): warp `row` < B·H·T writes
+        // row `row` of delta and its query's row of dq.
+        let args = [
+            q.ptr(&self.dq),
+            Arg::Ptr(delta),
+            dout,
+            q.ptr(&self.out),
+            xq,
+            xk,
+            xv,
+            lse,
+            doc,
+            b,
+            t,
+            h,
+            kv,
+            d,
+            window,
+            scale,
+        ];
+        q.launch(BACKWARD_DQ, per_row_warp(rows), &args)?;
+        // flash_backward_dkv_<T>(T* dk, T* dv, const T* dout, const T* q, const T* k,
+        // const T* v, const float* lse, const float* delta, const unsigned* doc_start,
+        // int b, int t, int h, int kv, int d, int window, float scale): warp `row` <
+        // B·KV·T writes its key's rows of dk and dv.
+        let args = [
+            q.ptr(&self.dk),
+            q.ptr(&self.dv),
+            dout,
+            xq,
+            xk,
+            xv,
+            lse,
+            Arg::Ptr(delta),
+            doc,
+            b,
+            t,
+            h,
+            kv,
+            d,
+            window,
+            scale,
+        ];
+        Ok(q.launch(BACKWARD_DKV, per_row_warp(s.b * s.kv * s.t), &args)?)
+    }
+}
+
+#[cfg(test)]
+mod tests;
