@@ -1,15 +1,19 @@
 //! What a `--model` value names: a preset (GPT-2's, or a Llama-family published shape), a
 //! GPT-2 shape written `LAYERSxWIDTH`, or a folder holding `config.json` (with weights to
 //! fine-tune, or alone: a shape). `train`, `plan`, `checkpoint export` and the config's
-//! check read a name the same way through these functions.
+//! check read a name the same way through these functions; `train` and `plan` take the
+//! model over packed batches with `--pack` ([`run_model`]).
 //!
 //! Not here: reading a model's weights (the engine's `model::weights`) or the training
 //! loop's use of them.
 
 use std::path::Path;
 
+use strata_engine::model::tokenize::TextTokenizer;
 use strata_engine::model::weights::{self, Pretrained};
 use strata_engine::model::{Gpt2Config, Llama, LlamaConfig, Model, PRESETS};
+
+use crate::train_config::TrainConfig;
 
 type Error = Box<dyn std::error::Error>;
 
@@ -89,6 +93,43 @@ pub fn model_shape(name: &str) -> Result<Model, Error> {
     }
     let (config, _) = weights::model_files(Path::new(name));
     Ok(weights::load_config(&config)?)
+}
+
+/// The model a run of `cfg` trains, without parameters: [`model_shape`] of its `model`,
+/// over packed batches when it asks for `pack` (the documents' end being the model
+/// folder's end-of-sequence id, [`document_end`]).
+pub fn run_model(cfg: &TrainConfig) -> Result<Model, Error> {
+    let model = model_shape(&cfg.model)?;
+    if !cfg.pack {
+        return Ok(model);
+    }
+    let eos = document_end(Path::new(&cfg.model)).ok_or_else(|| {
+        format!(
+            "--pack needs the id that ends a document, and {} names none: give a model \
+             folder whose tokenizer (tokenizer_config.json's eos_token, or a usual name such \
+             as <|endoftext|>) or config.json (eos_token_id) names one",
+            cfg.model
+        )
+    })?;
+    Ok(model.packed(eos)?)
+}
+
+/// The id that ends a document in the folder `dir`: its tokenizer's end-of-sequence
+/// token (what tokenized text puts after each document), else `config.json`'s
+/// `eos_token_id` (a number or the first of a list); none for a preset or a shape.
+pub fn document_end(dir: &Path) -> Option<u32> {
+    let tokenizer = dir.join("tokenizer.json").is_file();
+    if let Some(eos) = tokenizer
+        .then(|| TextTokenizer::open(dir).ok().and_then(|t| t.eos()))
+        .flatten()
+    {
+        return Some(eos);
+    }
+    let text = std::fs::read_to_string(dir.join(weights::CONFIG_FILE)).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let id = config.get("eos_token_id")?;
+    let id = id.as_u64().or_else(|| id.as_array()?.first()?.as_u64())?;
+    u32::try_from(id).ok()
 }
 
 /// The folder `name` names, described (headers only), when it names one with weights

@@ -26,7 +26,7 @@ use strata_engine::plan::{
     TensorClass, Tier, fmt_bytes,
 };
 
-use crate::model_source::model_shape;
+use crate::model_source::run_model;
 use crate::process_memory::{ProcessMemory, Reads};
 use crate::report::{Table, write_json};
 use crate::run_setup::{budgets_of, prefetch_depth, shape_of};
@@ -228,7 +228,7 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
                 .into(),
         );
     }
-    let model = model_shape(&cfg.model)?;
+    let model = run_model(cfg)?;
     // A plan for a GPU needs no GPU here: `--device cuda` plans for CUDA's kernels.
     let target = match cfg.device {
         DeviceChoice::Cuda => Target::Cuda,

@@ -306,3 +306,24 @@ fn weights_holding_nan_are_refused_naming_the_tensor_and_file() {
     );
     assert!(!out.exists(), "nothing is saved from weights holding NaN");
 }
+
+#[test]
+fn pack_trains_the_llama_family_and_is_refused_for_gpt2_before_any_step() {
+    let dir = tempfile::tempdir().unwrap();
+    // config.json's eos_token_id (2) ends each document.
+    let out = assert_ok(&train(
+        dir.path(),
+        &data_dir("llama-packed-tiny"),
+        &["--pack"],
+    ));
+    assert!(out.contains("packed: documents end with token 2"), "{out}");
+    let gpt2 = train(dir.path(), &data_dir("gpt2-tiny"), &["--pack"]);
+    assert_refused(&gpt2, &["packed batches (--pack)", "Llama family", "gpt2"]);
+    // A shape names no end-of-document token.
+    let shape = train(
+        dir.path(),
+        Path::new("llama-3.2-1b"),
+        &["--pack", "--steps", "1"],
+    );
+    assert_refused(&shape, &["--pack needs the id that ends a document"]);
+}

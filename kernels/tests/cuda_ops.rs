@@ -26,12 +26,13 @@ use rand::{RngExt, SeedableRng};
 use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, State, grad_stats};
 use strata_kernels::cuda::{CudaKernels, probe};
 use strata_kernels::isa::Isa;
+use strata_kernels::kernel::attention::{AttnMask, flash_scratch_bytes};
 use strata_kernels::kernel::{
     AdamWKernel, AddF32, Attention, AttentionBackward, CopyKernel, CrossEntropy,
-    CrossEntropyBackward, Encoder, EncoderBackward, FoldRanks, Gelu, GeluBackward, GqaAttention,
-    GqaAttentionBackward, GradStatsKernel, LayerNorm, LayerNormBackward, Matmul, MatmulBackward,
-    Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu, SwiGluBackward,
-    Zero,
+    CrossEntropyBackward, Encoder, EncoderBackward, FlashMask, FoldRanks, Gelu, GeluBackward,
+    GqaAttention, GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward,
+    GradStatsKernel, LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Residual, RmsNorm,
+    RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu, SwiGluBackward, Zero,
 };
 use strata_kernels::ops::{self, Cpu, Llama3Scaling, RopeFreqs, WeightLayout};
 use strata_kernels::program::{
@@ -687,6 +688,7 @@ fn rope_matches_cpu() {
                     inp: s.act(&x),
                     cos: s.act(&cos),
                     sin: s.act(&sin),
+                    doc_start: None,
                     b,
                     t,
                     h,
@@ -705,6 +707,7 @@ fn rope_matches_cpu() {
                         dout: s.act(&x),
                         cos: s.act(&cos),
                         sin: s.act(&sin),
+                        doc_start: None,
                         b,
                         t,
                         h,
@@ -856,6 +859,96 @@ fn gqa_attention_matches_cpu() {
                     })
                 },
             );
+        }
+    }
+}
+
+/// The fused kernels' masks for `b` × `t`: causal, a window of 5, and documents of 1 to
+/// 7 tokens (their starts a u32 tensor of each side).
+fn flash_masks(b: usize, t: usize) -> Vec<(String, usize, Option<Vec<u32>>)> {
+    let mut starts = Vec::with_capacity(b * t);
+    for bi in 0..b {
+        let (mut start, mut len) = (0, 2 + bi);
+        for i in 0..t {
+            if i - start >= len {
+                (start, len) = (i, len % 7 + 1);
+            }
+            starts.push(start as u32);
+        }
+    }
+    vec![
+        ("causal".into(), 0, None),
+        ("window 5".into(), 5, None),
+        ("documents".into(), 0, Some(starts)),
+    ]
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn flash_attention_matches_cpu() {
+    let k = gpu();
+    let mut rng = StdRng::seed_from_u64(25);
+    for w in WORKING {
+        for (b, t, h, kv, d) in [(1, 1, 2, 1, 4), (2, 13, 6, 2, 12), (1, 130, 8, 2, 64)] {
+            let dims = GqaDims { b, t, h, kv, d };
+            let q = random(&mut rng, w, dims.q_len(), 2.0);
+            let kk = random(&mut rng, w, dims.kv_len(), 2.0);
+            let v = random(&mut rng, w, dims.kv_len(), 2.0);
+            let dout = random(&mut rng, w, dims.q_len(), 1.0);
+            for (name, window, starts) in flash_masks(b, t) {
+                let tag = format!("b={b} t={t} h={h} kv={kv} d={d} {name}");
+                let mask = |s: &mut Side| FlashMask {
+                    window,
+                    doc_start: starts.as_ref().map(|d| s.u32s(d)),
+                };
+                let scratch = |s: &mut Side| {
+                    let bytes = flash_scratch_bytes(s.target, dims);
+                    s.scratch(bytes)
+                };
+                let forward = |s: &mut Side| GqaFlashAttention {
+                    out: s.act(&vec![f32::NAN; dims.q_len()]),
+                    lse: s.f32s(&vec![f32::NAN; b * h * t]),
+                    q: s.act(&q),
+                    k: s.act(&kk),
+                    v: s.act(&v),
+                    scratch: scratch(s),
+                    dims,
+                    mask: mask(s),
+                };
+                let what = format!("gqa-flash-attention {tag}");
+                compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                    Kernel::GqaFlashAttention(forward(s))
+                });
+                // The backward from the CPU's out and lse (out rounded to the working
+                // type), so only the backward differs.
+                let cpu_mask = AttnMask {
+                    window: (window > 0).then_some(window),
+                    doc_start: starts.as_deref(),
+                };
+                let (mut out, mut lse) = (vec![0.0; dims.q_len()], vec![0.0; b * h * t]);
+                let mut cpu_scratch = vec![0.0; flash_scratch_bytes(Target::Cpu, dims) / 4];
+                let qkv = (&q[..], &kk[..], &v[..]);
+                let fwd = (&mut out[..], &mut lse[..], &mut cpu_scratch[..]);
+                ops::gqa_flash_attention_forward(&CPU, fwd, qkv, dims, cpu_mask);
+                let out: Vec<f32> = out.iter().map(|&x| round(w, x)).collect();
+                let what = format!("gqa-flash-attention-backward {tag}");
+                compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                    Kernel::GqaFlashAttentionBackward(GqaFlashAttentionBackward {
+                        dq: s.act(&vec![f32::NAN; dims.q_len()]),
+                        dk: s.act(&vec![f32::NAN; dims.kv_len()]),
+                        dv: s.act(&vec![f32::NAN; dims.kv_len()]),
+                        dout: s.act(&dout),
+                        q: s.act(&q),
+                        k: s.act(&kk),
+                        v: s.act(&v),
+                        out: s.act(&out),
+                        lse: s.f32s(&lse),
+                        scratch: scratch(s),
+                        dims,
+                        mask: mask(s),
+                    })
+                });
+            }
         }
     }
 }

@@ -207,11 +207,62 @@ fn rope_matches_reference() {
         }
         for cpu in cpus() {
             let mut out = vec![f32::NAN; inp.len()];
-            ops::rope_forward(&cpu, &mut out, &inp, &cos, &sin, b, t, h, d);
+            ops::rope_forward(&cpu, &mut out, &inp, &cos, &sin, None, b, t, h, d);
             check("rope_forward", &out, &out_w, 1e-6, 1e-5);
             let mut dinp = vec![f32::NAN; inp.len()];
-            ops::rope_backward(&cpu, &mut dinp, &dout, &cos, &sin, b, t, h, d);
+            ops::rope_backward(&cpu, &mut dinp, &dout, &cos, &sin, None, b, t, h, d);
             check("rope_backward", &dinp, &dinp_w, 1e-6, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn packed_rope_restarts_positions_at_each_document() {
+    // A packed row of documents of 3, 1 and 5 tokens rotates each document as a sequence
+    // of its own would be rotated, from position 0; so does the transpose.
+    let mut rng = StdRng::seed_from_u64(21);
+    let (h, d, lens) = (2, 8, [3usize, 1, 5]);
+    let t: usize = lens.iter().sum();
+    let mut inv_freq = vec![0.0f32; d / 2];
+    ops::rope_inv_freq(&mut inv_freq, 10_000.0, d);
+    let positions: Vec<u32> = (0..t as u32).collect();
+    let (mut cos, mut sin) = (vec![0.0f32; t * d / 2], vec![0.0f32; t * d / 2]);
+    ops::rope_table(&mut cos, &mut sin, &inv_freq, &positions);
+    let x = random(&mut rng, t * h * d, 1.0);
+    let mut tokens = Vec::new();
+    for &len in &lens {
+        tokens.extend(std::iter::repeat_n(7, len - 1));
+        tokens.push(2);
+    }
+    let mut starts = vec![0u32; t];
+    strata_kernels::kernel::attention::doc_starts(&mut starts, &tokens, 2, t);
+    for cpu in cpus() {
+        let (mut packed, mut packed_back) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()]);
+        ops::rope_forward(&cpu, &mut packed, &x, &cos, &sin, Some(&starts), 1, t, h, d);
+        ops::rope_backward(
+            &cpu,
+            &mut packed_back,
+            &x,
+            &cos,
+            &sin,
+            Some(&starts),
+            1,
+            t,
+            h,
+            d,
+        );
+        let mut at = 0;
+        for &len in &lens {
+            let part = &x[at * h * d..(at + len) * h * d];
+            let (mut alone, mut alone_back) = (vec![0.0; part.len()], vec![0.0; part.len()]);
+            ops::rope_forward(&cpu, &mut alone, part, &cos, &sin, None, 1, len, h, d);
+            ops::rope_backward(&cpu, &mut alone_back, part, &cos, &sin, None, 1, len, h, d);
+            assert_eq!(&packed[at * h * d..(at + len) * h * d], &alone[..]);
+            assert_eq!(
+                &packed_back[at * h * d..(at + len) * h * d],
+                &alone_back[..]
+            );
+            at += len;
         }
     }
 }
@@ -531,6 +582,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         inp: x_t,
         cos: cos_t,
         sin: sin_t,
+        doc_start: None,
         b,
         t,
         h,
@@ -542,6 +594,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
         dout: x_t,
         cos: cos_t,
         sin: sin_t,
+        doc_start: None,
         b,
         t,
         h,
@@ -549,8 +602,8 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
     });
     m.run(&back, &cpu).unwrap();
     let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
-    ops::rope_forward(&cpu, &mut y, &x, &cos, &sin, b, t, h, d);
-    ops::rope_backward(&cpu, &mut dx, &x, &cos, &sin, b, t, h, d);
+    ops::rope_forward(&cpu, &mut y, &x, &cos, &sin, None, b, t, h, d);
+    ops::rope_backward(&cpu, &mut dx, &x, &cos, &sin, None, b, t, h, d);
     assert_eq!((m.get(&y_t), m.get(&dx_t)), (&y[..], &dx[..]));
 
     // SwiGLU.

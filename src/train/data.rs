@@ -2,7 +2,7 @@
 //! reads it ([`crate::tokenize::open_data`]: an llm.c token file, or text tokenized once
 //! with the model folder's `tokenizer.json`, every id checked against the vocabulary);
 //! and how many batches it has for training, with the last kept out for evaluation when
-//! the run evaluates.
+//! the run evaluates. Packed (`--pack`), a target after a document's end is not counted.
 //!
 //! Not here: the token file format and the tokenizer (the engine's `model::data` and
 //! `model::tokenize`), or the corpus itself ([`crate::corpus`]).
@@ -52,6 +52,11 @@ impl RunData {
                 tokens.check_vocab(model.vocab())?;
                 (path, tokens)
             }
+        };
+        // Packed: nothing predicts the next document's first token.
+        let tokens = match model.packing() {
+            Some(eos) => tokens.packed(eos),
+            None => tokens,
         };
         // With held-out evaluation the last batch is kept out of training.
         let evaluates = cfg.eval_every > 0;

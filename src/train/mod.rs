@@ -42,7 +42,7 @@ use self::group::Ranks;
 use self::planning::{Planned, plan_run};
 use crate::logging::{UntilClosed, stderr_line};
 use crate::machine::default_scratch_dir;
-use crate::model_source::model_shape;
+use crate::model_source::run_model;
 use crate::train_config::{TrainArgs, TrainConfig};
 
 type Error = Box<dyn std::error::Error>;
@@ -88,7 +88,7 @@ pub fn run_in(mut cfg: TrainConfig, group: Option<Arc<dyn Collective>>) -> Resul
 
     // The model's shape, the data, and the plan: refused here, before any parameter is
     // allocated, when it does not fit.
-    let model = model_shape(&cfg.model)?;
+    let model = run_model(&cfg)?;
     let data = RunData::open(&cfg, &model, &mut out)?;
     let planned = plan_run(&cfg, &model, target, &ranks)?;
     preflight::check_space(&cfg, &model, &planned, &ranks)?;
@@ -171,6 +171,13 @@ fn print_start(
         data.tokens.len(),
         device.name()
     )?;
+    if let Some(eos) = model.packing() {
+        writeln!(
+            out,
+            "packed: documents end with token {eos}; each token attends within its document, \
+             whose positions restart at 0, and the target after each end is not counted"
+        )?;
+    }
     let n = ranks.ranks;
     if n > 1 {
         writeln!(

@@ -184,6 +184,14 @@ settings! {
         aliases("dataset", "data_path"),
         check(check_data);
 
+    /// Pack documents into full sequences (Llama family): each token attends only
+    /// within its document, whose positions restart at 0, and nothing predicts across a
+    /// document's end; documents end with the model folder's end-of-sequence token (its
+    /// tokenizer's, or config.json's eos_token_id), which tokenized text already puts
+    /// after each document [default: false].
+    Step pack: bool = false,
+        aliases("packing", "sample_packing");
+
     /// Device memory budget, such as 48MiB or 20GiB; all: what the device has
     /// [default: 16MiB].
     Step device_mem: MemBudget = MemBudget::mib(16),

@@ -49,6 +49,9 @@ pub struct TokenData {
     token_count: u64,
     /// One byte per token, 0 where it does not count as a target.
     mask: Option<memmap2::Mmap>,
+    /// The id that ends a document, when batches are packed: the target after it (the
+    /// next document's first token) is not predicted ([`TokenData::packed`]).
+    eos: Option<u32>,
 }
 
 /// One batch: inputs and targets, each B × T, row-major.
@@ -88,6 +91,7 @@ impl TokenData {
                 token_count: bytes.len() as u64,
                 map,
                 mask: None,
+                eos: None,
             });
         }
         let too_short = |message: String| ModelError::FileTooShort {
@@ -149,6 +153,7 @@ impl TokenData {
             token_count,
             map,
             mask,
+            eos: None,
         })
     }
 
@@ -175,6 +180,14 @@ impl TokenData {
     /// Whether the file holds no token.
     pub fn is_empty(&self) -> bool {
         self.token_count == 0
+    }
+
+    /// The same tokens read as packed documents that end with `eos`: a batch's target
+    /// after an `eos` input (the next document's first token, which nothing in the
+    /// document predicts) is [`IGNORE_TARGET`], as each document alone would have it.
+    pub fn packed(mut self, eos: u32) -> Self {
+        self.eos = Some(eos);
+        self
     }
 
     /// The vocabulary the format implies, when it does (raw bytes: 256).
@@ -293,7 +306,8 @@ impl TokenData {
                 out.inputs.push(token);
             }
             if i > start {
-                let counted = self.mask.as_ref().is_none_or(|m| m[i as usize] != 0);
+                let counted = self.mask.as_ref().is_none_or(|m| m[i as usize] != 0)
+                    && self.eos.is_none_or(|eos| self.token(i - 1) != eos);
                 out.targets
                     .push(if counted { token } else { IGNORE_TARGET });
             }

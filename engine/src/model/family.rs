@@ -6,6 +6,7 @@
 //! module's root), the buffers programs name (`bind`).
 
 use std::fmt;
+use std::sync::Arc;
 
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
 
@@ -182,4 +183,14 @@ pub trait Family: Send + Sync + fmt::Debug {
     fn hf_ignored(&self, name: &str) -> bool;
     /// The `config.json` transformers reads for this model.
     fn hf_config(&self) -> serde_json::Value;
+    /// This model over packed batches: documents that end with the token `eos` (the
+    /// token after it starts the next), each attending only within itself, its
+    /// positions restarting at 0; `None` where the family does not build it.
+    fn packed(&self, _eos: u32) -> Option<Arc<dyn Family>> {
+        None
+    }
+    /// The id that ends a document when this model runs packed batches.
+    fn packing(&self) -> Option<u32> {
+        None
+    }
 }

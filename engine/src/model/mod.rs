@@ -77,6 +77,25 @@ impl Model {
         }
     }
 
+    /// This model over packed batches whose documents end with the token `eos`
+    /// ([`Family::packed`]); refused for a family that does not build it.
+    pub fn packed(&self, eos: u32) -> Result<Model, ModelError> {
+        match self.family.packed(eos) {
+            Some(family) => Ok(Model { family }),
+            None => Err(ModelError::BadInput(format!(
+                "packed batches (--pack) are built for the Llama family (Llama, Mistral, \
+                 Qwen2, Qwen3), not for {}: its attention and learned positions do not know \
+                 documents",
+                self.family.name()
+            ))),
+        }
+    }
+
+    /// The id that ends a document, when this model runs packed batches.
+    pub fn packing(&self) -> Option<u32> {
+        self.family.packing()
+    }
+
     /// The family.
     pub fn family(&self) -> &dyn Family {
         &*self.family

@@ -42,8 +42,8 @@ pub mod scale;
 pub mod swiglu;
 
 pub use attention::{
-    Attention, AttentionBackward, FlashMask, GqaAttention, GqaAttentionBackward, GqaFlashAttention,
-    GqaFlashAttentionBackward,
+    Attention, AttentionBackward, DocStarts, FlashAttention, FlashAttentionBackward, FlashMask,
+    GqaAttention, GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward,
 };
 pub use crossentropy::{CrossEntropy, CrossEntropyBackward};
 pub use elementwise::{AddF32, CopyKernel, FoldRanks, Residual, Zero};
@@ -226,6 +226,10 @@ registry! {
     Attention(Attention),
     /// Its gradient ([`AttentionBackward`]).
     AttentionBackward(AttentionBackward),
+    /// GPT-2's fused attention, O(T) memory ([`FlashAttention`]).
+    FlashAttention(FlashAttention),
+    /// Its gradient ([`FlashAttentionBackward`]).
+    FlashAttentionBackward(FlashAttentionBackward),
     /// GELU ([`Gelu`]).
     Gelu(Gelu),
     /// Its gradient ([`GeluBackward`]).
@@ -258,6 +262,8 @@ registry! {
     GqaFlashAttention(GqaFlashAttention),
     /// Its gradient ([`GqaFlashAttentionBackward`]).
     GqaFlashAttentionBackward(GqaFlashAttentionBackward),
+    /// Each token's document's first position ([`DocStarts`]).
+    DocStarts(DocStarts),
     /// The gradients' sum of squares and non-finite flag ([`GradStatsKernel`]).
     GradStats(GradStatsKernel),
     /// One AdamW step over one tensor ([`AdamWKernel`]).

@@ -226,6 +226,11 @@ impl<'m> CpuTensors<'m> {
         self.typed(t, Dtype::U32)
     }
 
+    /// A u32 tensor the kernel writes.
+    pub fn u32_mut(&self, t: &TensorRef) -> &'m mut [u32] {
+        self.typed_mut(t, Dtype::U32)
+    }
+
     /// A bf16 tensor the kernel writes.
     pub fn bf16_mut(&self, t: &TensorRef) -> &'m mut [bf16] {
         self.typed_mut(t, Dtype::Bf16)

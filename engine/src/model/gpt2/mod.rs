@@ -27,12 +27,13 @@ pub use config::{Gpt2Config, PRESETS};
 use std::path::Path;
 
 use serde_json::{Value, json};
+use strata_kernels::kernel::attention::{GqaDims, flash_scratch_bytes};
 use strata_kernels::kernel::{
-    Attention, AttentionBackward, CopyKernel, Encoder, EncoderBackward, Gelu, GeluBackward,
-    LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Residual, Zero,
+    CopyKernel, Encoder, EncoderBackward, FlashAttention, FlashAttentionBackward, FlashMask, Gelu,
+    GeluBackward, LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Residual, Zero,
 };
 use strata_kernels::ops::WeightLayout;
-use strata_kernels::program::{Dtype, Kernel, Target, TensorRef, attention_scratch_bytes};
+use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
 
 use super::config_keys::ConfigKeys;
 use super::head::LossHead;
@@ -320,7 +321,8 @@ struct Kept {
     ln1_rstd: TensorRef,
     qkv: TensorRef,
     atty: TensorRef,
-    att: TensorRef,
+    /// The attention's log-sum-exp per (batch, head, position), f32.
+    lse: TensorRef,
     res2: TensorRef,
     ln2: TensorRef,
     ln2_mean: TensorRef,
@@ -332,11 +334,11 @@ impl Kept {
     /// The next tensors of `carve`.
     fn carve(carve: &mut Carve, config: &Gpt2Config, shape: Shape, dtype: Dtype) -> Kept {
         let (n, c) = (shape.rows(), config.width);
-        let att = shape.batch * config.heads * shape.seq * shape.seq;
+        let rows = shape.batch * config.heads * shape.seq;
         let f32 = Dtype::F32;
         let mut l = |len, dt| carve.take(len, dt);
         let (ln1, ln1_mean, ln1_rstd) = (l(n * c, dtype), l(n, f32), l(n, f32));
-        let (qkv, atty, att) = (l(3 * n * c, dtype), l(n * c, dtype), l(att, dtype));
+        let (qkv, atty, lse) = (l(3 * n * c, dtype), l(n * c, dtype), l(rows, f32));
         let (res2, ln2, ln2_mean, ln2_rstd) =
             (l(n * c, dtype), l(n * c, dtype), l(n, f32), l(n, f32));
         let fch = l(4 * n * c, dtype);
@@ -346,7 +348,7 @@ impl Kept {
             ln1_rstd,
             qkv,
             atty,
-            att,
+            lse,
             res2,
             ln2,
             ln2_mean,
@@ -396,9 +398,14 @@ impl Scratch {
         let kept = Kept::carve(&mut layer, config, shape, dtype);
         let mut l = |len, dt| layer.take(len, dt);
         let (proj, fch_gelu) = (l(n * c, dtype), l(4 * n * c, dtype));
-        let attention_bytes =
-            attention_scratch_bytes(target, dtype, shape.batch, shape.seq, c, config.heads);
-        let attention = l(attention_bytes, Dtype::U8);
+        let dims = GqaDims {
+            b: shape.batch,
+            t: shape.seq,
+            h: config.heads,
+            kv: config.heads,
+            d: c / config.heads,
+        };
+        let attention = l(flash_scratch_bytes(target, dims), Dtype::U8);
         let (d_c, d_c2, d_qkv) = (l(n * c, dtype), l(n * c, dtype), l(3 * n * c, dtype));
         let (d_fch, d_fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));
         let mut head = Carve::new(Bind::Scratch);
@@ -525,15 +532,16 @@ impl Program {
                 c,
                 oc: 3 * c,
             }),
-            Kernel::Attention(Attention {
+            Kernel::FlashAttention(FlashAttention {
                 out: s.kept.atty,
-                att: s.kept.att,
+                lse: s.kept.lse,
                 qkv: s.kept.qkv,
                 scratch: s.attention,
                 b: self.shape.batch,
                 t: self.shape.seq,
                 c,
                 nh: self.config.heads,
+                mask: FlashMask::CAUSAL,
             }),
             Kernel::Matmul(Matmul {
                 out: s.proj,
@@ -684,16 +692,18 @@ impl Program {
                 c,
                 oc: c,
             }),
-            Kernel::AttentionBackward(AttentionBackward {
+            Kernel::FlashAttentionBackward(FlashAttentionBackward {
                 dqkv: s.d_qkv,
                 dout: s.d_c,
                 qkv: s.kept.qkv,
-                att: s.kept.att,
+                out: s.kept.atty,
+                lse: s.kept.lse,
                 scratch: s.attention,
                 b: self.shape.batch,
                 t: self.shape.seq,
                 c,
                 nh: self.config.heads,
+                mask: FlashMask::CAUSAL,
             }),
             Kernel::MatmulBackward(MatmulBackward {
                 dinp: s.d_c,

@@ -30,13 +30,14 @@ mod config;
 pub use config::{LlamaConfig, MODEL_TYPES, Variant, preset_names};
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde_json::Value;
 use strata_kernels::kernel::attention::{GqaDims, flash_scratch_bytes};
 use strata_kernels::kernel::{
-    CopyKernel, Encoder, EncoderBackward, FlashMask, GqaFlashAttention, GqaFlashAttentionBackward,
-    Matmul, MatmulBackward, Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable,
-    SwiGlu, SwiGluBackward, Zero,
+    CopyKernel, DocStarts, Encoder, EncoderBackward, FlashMask, GqaFlashAttention,
+    GqaFlashAttentionBackward, Matmul, MatmulBackward, Residual, RmsNorm, RmsNormBackward, Rope,
+    RopeBackward, RopeTable, SwiGlu, SwiGluBackward, Zero,
 };
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
@@ -50,6 +51,8 @@ use super::{Bind, Family, ModelError, Pass, Shape};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Llama {
     config: LlamaConfig,
+    /// The id that ends a document, when batches are packed ([`Family::packed`]).
+    eos: Option<u32>,
     blocks: Vec<BlockLayout>,
     embed: Slot,
     layer: Option<LayerSlots>,
@@ -63,6 +66,7 @@ impl Llama {
         let blocks = block_layouts(&config);
         let last = blocks.len() - 1;
         Ok(Llama {
+            eos: None,
             embed: blocks[0].slot_of("model.embed_tokens.weight"),
             layer: (config.layers > 0).then(|| LayerSlots::of(&blocks[1], &config)),
             head: HeadSlots {
@@ -85,7 +89,7 @@ impl Llama {
     }
 
     fn scratch(&self, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
-        Scratch::new(&self.config, shape, target, dtype)
+        Scratch::new(&self.config, shape, target, dtype, self.eos.is_some())
     }
 }
 
@@ -178,6 +182,7 @@ impl Family for Llama {
             shape,
             c: &self.config,
             window,
+            eos: self.eos,
             dtype,
             s,
             len: self.blocks[block].len,
@@ -217,6 +222,17 @@ impl Family for Llama {
 
     fn hf_config(&self) -> Value {
         self.config.to_hf()
+    }
+
+    fn packed(&self, eos: u32) -> Option<Arc<dyn Family>> {
+        Some(Arc::new(Llama {
+            eos: Some(eos),
+            ..self.clone()
+        }))
+    }
+
+    fn packing(&self) -> Option<u32> {
+        self.eos
     }
 }
 
@@ -363,6 +379,8 @@ struct Scratch {
     /// The attention's log-sum-exp per (batch, head, position), f32, for its backward.
     lse: TensorRef,
     attention: TensorRef,
+    /// (B, T) u32: each token's document's first position (packed batches; else empty).
+    doc_start: TensorRef,
     res2: TensorRef,
     xn2: TensorRef,
     rstd2: TensorRef,
@@ -397,7 +415,7 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(c: &LlamaConfig, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
+    fn new(c: &LlamaConfig, shape: Shape, target: Target, dtype: Dtype, packed: bool) -> Scratch {
         let (n, w, i, v) = (shape.rows(), c.width, c.intermediate, c.vocab);
         let (q, kv, h, kvh) = (c.q_dim(), c.kv_dim(), c.heads, c.kv_heads);
         let f32 = Dtype::F32;
@@ -418,6 +436,7 @@ impl Scratch {
             flash_scratch_bytes(target, attention_dims(c, shape)),
             Dtype::U8,
         );
+        let doc_start = l(if packed { n } else { 0 }, Dtype::U32);
         let res2 = l(n * w, dtype);
         let (xn2, rstd2) = (l(n * w, dtype), l(n, f32));
         let (gate, up, hmid) = (l(n * i, dtype), l(n * i, dtype), l(n * i, dtype));
@@ -457,6 +476,7 @@ impl Scratch {
             atty,
             lse,
             attention,
+            doc_start,
             res2,
             xn2,
             rstd2,
@@ -593,6 +613,8 @@ struct Program<'a> {
     s: Scratch,
     /// The layer's sliding window (0: none).
     window: usize,
+    /// The id that ends a document, when batches are packed.
+    eos: Option<u32>,
     /// Elements of the block's buffer.
     len: usize,
     /// Elements of the embedding's buffer (the tied block's).
@@ -616,7 +638,26 @@ impl Program<'_> {
     fn mask(&self) -> FlashMask {
         FlashMask {
             window: self.window,
-            doc_start: None,
+            doc_start: self.doc_start(),
+        }
+    }
+
+    /// Each token's document's first position, when batches are packed.
+    fn doc_start(&self) -> Option<TensorRef> {
+        self.eos.map(|_| self.s.doc_start)
+    }
+
+    /// Finds each token's document ([`Program::doc_start`]) from the token ids, first in
+    /// every layer program, when batches are packed.
+    fn documents(&mut self) {
+        if let Some(eos) = self.eos {
+            self.out.push(Kernel::DocStarts(DocStarts {
+                doc_start: self.s.doc_start,
+                tokens: self.ids(Bind::Tokens),
+                eos,
+                b: self.shape.batch,
+                t: self.shape.seq,
+            }));
         }
     }
 
@@ -727,6 +768,7 @@ impl Program<'_> {
                 dout: inp,
                 cos: s.cos,
                 sin: s.sin,
+                doc_start: self.doc_start(),
                 b,
                 t,
                 h: heads,
@@ -738,6 +780,7 @@ impl Program<'_> {
                 inp,
                 cos: s.cos,
                 sin: s.sin,
+                doc_start: self.doc_start(),
                 b,
                 t,
                 h: heads,
@@ -853,6 +896,7 @@ impl Program<'_> {
 
     fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
         let s = self.s;
+        self.documents();
         if pass.is_forward() {
             // Into the scratch, or (ForwardSave) the saved intermediates into Saved.
             self.layer_body(l);

@@ -433,6 +433,8 @@ impl<'p, 'a> Emitter<'p, 'a> {
                     input: Some(ckpt[b - 1].fwd),
                     output: Some(ckpt[b].fwd),
                     saved: s.saved[m][b],
+                    // Packed batches: the layer finds each token's document from the ids.
+                    tokens: Some(s.tokens_dev[m]),
                     ..Binds::default()
                 },
             ),
@@ -468,6 +470,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
                     d_output: Some(s.dact[m][b]),
                     d_input: Some(s.dact[m][b - 1]),
                     saved: s.saved[m][b],
+                    tokens: Some(s.tokens_dev[m]),
                     ..Binds::default()
                 },
             ),

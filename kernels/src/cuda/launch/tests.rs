@@ -518,8 +518,8 @@ fn check_gemm(what: &str, g: &Gemm, regions: &[Region], w: Dtype) {
 }
 
 /// Whether pointer argument `i` of the entry point `name` may be 0: adamw_step's
-/// copy_out when there is none, the fused attention's doc_start when there are no
-/// documents.
+/// copy_out when there is none, the fused attention's and the rotary embedding's
+/// doc_start when the batch is not packed.
 fn optional_pointer(name: &str, i: usize) -> bool {
     let base = ["_f32", "_bf16", "_f16"]
         .iter()
@@ -531,6 +531,8 @@ fn optional_pointer(name: &str, i: usize) -> bool {
             | ("flash_forward", 5)
             | ("flash_backward_dq", 8)
             | ("flash_backward_dkv", 8)
+            | ("rope_forward", 4)
+            | ("rope_backward", 4)
     )
 }
 
@@ -760,6 +762,8 @@ fn every_launch_hands_each_parameter_the_tensor_or_size_of_its_name() {
                                 | ("flash_forward", "doc_start")
                                 | ("flash_backward_dq", "doc_start")
                                 | ("flash_backward_dkv", "doc_start")
+                                | ("rope_forward", "doc_start")
+                                | ("rope_backward", "doc_start")
                         );
                         if optional && ptr == 0 {
                             continue;
@@ -997,7 +1001,8 @@ pub(crate) fn random_inputs(l: &Layout, kernels: &[Kernel], seed: u64) -> Buffer
 
 /// Runs `kernels` (f32) one after another on the CPU (portable, one thread) and on the
 /// executing emulator, both from `inputs`, and asserts after each that every f32 tensor
-/// it writes agrees: ‖emulated − cpu‖ / ‖cpu‖ below `tolerance`.
+/// it writes agrees, ‖emulated − cpu‖ / ‖cpu‖ below `tolerance`, and every u32 one is
+/// equal.
 pub(crate) fn check_emulation(kernels: &[Kernel], inputs: Buffers, tolerance: f64) {
     let mut cpu_memory = inputs.clone();
     let cpu = Cpu {
@@ -1019,6 +1024,15 @@ pub(crate) fn check_emulation(kernels: &[Kernel], inputs: Buffers, tolerance: f6
                 assert!(
                     err < tolerance,
                     "{}: {t:?}: relative error {err:e}",
+                    kernel.name()
+                );
+            }
+            if access == Access::Write && t.dtype == Dtype::U32 {
+                let bytes = |b: &Buffers| b.buffer(t.buf.into())[t.byte_range()].to_vec();
+                assert_eq!(
+                    bytes(&emulated),
+                    bytes(&cpu_memory),
+                    "{}: {t:?}",
                     kernel.name()
                 );
             }
@@ -1141,6 +1155,7 @@ fn refused_kernels_enqueue_nothing_and_say_why() {
         inp: l.tensor(2 * 3, f),
         cos: l.tensor(2 * 3, f),
         sin: l.tensor(2 * 3, f),
+        doc_start: None,
         b: 1,
         t: 2,
         h: 1,

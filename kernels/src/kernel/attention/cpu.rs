@@ -627,32 +627,53 @@ const FLASH_ROWS: usize = 96;
 /// Keys per tile of the fused kernels.
 const FLASH_COLS: usize = 256;
 
-/// f32 scratch one (batch, head) pair of the fused kernels uses, for `d` channels per
-/// head: two tiles of scores (FLASH_ROWS × FLASH_COLS), the forward's output rows
-/// (FLASH_ROWS × d) and two values per row.
-fn flash_pair_scratch(d: usize) -> usize {
-    2 * FLASH_ROWS * FLASH_COLS + FLASH_ROWS * d + 2 * FLASH_ROWS
+/// The fused kernels' tile for sequences of T positions: FLASH_ROWS query rows against
+/// FLASH_COLS keys, or T of either when T is shorter (the same tiles, so the same
+/// results, in a scratch no larger than the sequence needs).
+#[derive(Debug, Clone, Copy)]
+struct Tile {
+    rows: usize,
+    cols: usize,
+}
+
+impl Tile {
+    fn of(t: usize) -> Tile {
+        Tile {
+            rows: FLASH_ROWS.min(t.max(1)),
+            cols: FLASH_COLS.min(t.max(1)),
+        }
+    }
+
+    /// f32 scratch one (batch, head) pair uses, for `d` channels per head: two tiles of
+    /// scores (rows × cols), the forward's output rows (rows × d) and two values per
+    /// row.
+    fn pair_scratch(&self, d: usize) -> usize {
+        2 * self.rows * self.cols + self.rows * d + 2 * self.rows
+    }
+
+    /// Query tiles of `0..t`.
+    fn queries(&self, t: usize) -> impl Iterator<Item = Range<usize>> + use<> {
+        let n = self.rows;
+        (0..t.div_ceil(n)).map(move |i| i * n..((i + 1) * n).min(t))
+    }
+
+    /// The key tiles query rows `rows` see: from the first key of their first row (first
+    /// keys never decrease along a sequence) to their last row, `cols` at a time.
+    fn keys(
+        &self,
+        rows: &Range<usize>,
+        first: usize,
+    ) -> impl Iterator<Item = Range<usize>> + use<> {
+        let (end, n) = (rows.end, self.cols);
+        (first..end).step_by(n).map(move |c0| c0..(c0 + n).min(end))
+    }
 }
 
 /// f32 elements of scratch [`gqa_flash_attention_forward`] and
 /// [`gqa_flash_attention_backward`] (and GPT-2's, with `h` = `kv` heads) need: a fixed
-/// amount per (batch, query head) pair, independent of T.
+/// amount per (batch, query head) pair, growing with T only up to one tile.
 pub fn flash_scratch_len(dims: GqaDims) -> usize {
-    elements(&[dims.b, dims.h, flash_pair_scratch(dims.d)])
-}
-
-/// Query tiles of `0..t`.
-fn query_tiles(t: usize) -> impl Iterator<Item = Range<usize>> {
-    (0..t.div_ceil(FLASH_ROWS)).map(move |i| i * FLASH_ROWS..((i + 1) * FLASH_ROWS).min(t))
-}
-
-/// The key tiles query rows `rows` see: from the first key of their first row (first
-/// keys never decrease along a sequence) to their last row, FLASH_COLS at a time.
-fn key_tiles(rows: &Range<usize>, first: usize) -> impl Iterator<Item = Range<usize>> {
-    let end = rows.end;
-    (first..end)
-        .step_by(FLASH_COLS)
-        .map(move |c0| c0..(c0 + FLASH_COLS).min(end))
+    elements(&[dims.b, dims.h, Tile::of(dims.t).pair_scratch(dims.d)])
 }
 
 /// One head's mask: the first key each of its queries sees.
@@ -709,26 +730,26 @@ unsafe fn product(
     }
 }
 
-/// `s` (rows × keys, row stride FLASH_COLS) = q[rows] @ k[keys]^T * scale.
+/// `s` (rows × keys, row stride `ld`) = q[rows] @ k[keys]^T * scale.
 ///
 /// # Safety
 /// q's rows `rows` and k's rows `keys` (`hs` elements each) lie in memory the caller may
 /// read.
 unsafe fn tile_scores(
     isa: crate::isa::Isa,
-    s: &mut [f32],
+    (s, ld): (&mut [f32], usize),
     view: &HeadView,
     (rows, keys): (&Range<usize>, &Range<usize>),
     hs: usize,
     scale: f32,
 ) {
     let ((q, ldq), (k, ldk)) = (view.q, view.k);
-    assert!(s.len() >= rows.len() * FLASH_COLS);
+    assert!(keys.len() <= ld && s.len() >= rows.len() * ld);
     // SAFETY: as the caller promises, and the tile fits in `s` (asserted).
     unsafe {
         product(
             isa,
-            (s.as_mut_ptr(), FLASH_COLS as isize),
+            (s.as_mut_ptr(), ld as isize),
             (rows.len(), keys.len(), hs),
             rows_of(q.offset(rows.start as isize * ldq), ldq),
             transposed(k.offset(keys.start as isize * ldk), ldk),
@@ -752,7 +773,7 @@ fn seen(r: usize, first: usize, keys: &Range<usize>) -> Range<usize> {
 ///
 /// # Safety
 /// As for [`head_forward`]; `lse` holds T values; `scratch` holds
-/// [`flash_pair_scratch`]`(hs)`.
+/// `Tile::of(t).pair_scratch(hs)`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn flash_head_forward(
     cpu: &Cpu,
@@ -766,21 +787,23 @@ unsafe fn flash_head_forward(
 ) {
     let (v, ldv) = view.v;
     let (out, ldo) = (view.out.0.cast_mut(), view.out.1);
-    let (s, rest) = scratch.split_at_mut(2 * FLASH_ROWS * FLASH_COLS);
-    let (o, rest) = rest.split_at_mut(FLASH_ROWS * hs);
-    let (m, l) = rest.split_at_mut(FLASH_ROWS);
-    for rows in query_tiles(t) {
+    let tile = Tile::of(t);
+    let (s, rest) = scratch.split_at_mut(2 * tile.rows * tile.cols);
+    let (o, rest) = rest.split_at_mut(tile.rows * hs);
+    let (m, l) = rest.split_at_mut(tile.rows);
+    for rows in tile.queries(t) {
         let n = rows.len();
         o[..n * hs].fill(0.0);
         m[..n].fill(f32::NEG_INFINITY);
         l[..n].fill(0.0);
-        for keys in key_tiles(&rows, first(rows.start)) {
+        for keys in tile.keys(&rows, first(rows.start)) {
+            let scores = (&mut *s, tile.cols);
             // SAFETY: the rows and keys lie in 0..T, as the caller promises for q and k.
-            unsafe { tile_scores(cpu.isa, s, &view, (&rows, &keys), hs, scale) };
+            unsafe { tile_scores(cpu.isa, scores, &view, (&rows, &keys), hs, scale) };
             on_isa!(cpu.isa, {
                 for i in 0..n {
                     let r = rows.start + i;
-                    let row = &mut s[i * FLASH_COLS..][..keys.len()];
+                    let row = &mut s[i * tile.cols..][..keys.len()];
                     let live = seen(r, first(r), &keys);
                     if live.is_empty() {
                         row.fill(0.0);
@@ -811,7 +834,7 @@ unsafe fn flash_head_forward(
                     cpu.isa,
                     (o.as_mut_ptr(), hs as isize),
                     (n, hs, keys.len()),
-                    rows_of(s.as_ptr(), FLASH_COLS as isize),
+                    rows_of(s.as_ptr(), tile.cols as isize),
                     rows_of(v.offset(keys.start as isize * ldv), ldv),
                     1.0,
                     true,
@@ -850,7 +873,7 @@ unsafe fn zero_rows(ptr: *mut f32, ld: isize, t: usize, hs: usize) {
 ///
 /// # Safety
 /// As for [`head_backward`], with `out`'s rows 0..T readable, `lse` the forward's T
-/// values for this head and `scratch` of [`flash_pair_scratch`]`(hs)`.
+/// values for this head and `scratch` of `Tile::of(t).pair_scratch(hs)`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn flash_head_backward(
     cpu: &Cpu,
@@ -865,9 +888,10 @@ unsafe fn flash_head_backward(
 ) {
     let ((q, ldq), (k, ldk), (v, ldv), (dy, ldy)) = (view.q, view.k, view.v, view.out);
     let ((dq, ld_dq), (dk, ld_dk), (dv, ld_dv)) = (grads.dq, grads.dk, grads.dv);
-    let (p, rest) = scratch.split_at_mut(FLASH_ROWS * FLASH_COLS);
-    let (ds, rest) = rest.split_at_mut(FLASH_ROWS * FLASH_COLS);
-    let dsum = &mut rest[..FLASH_ROWS];
+    let tile = Tile::of(t);
+    let (p, rest) = scratch.split_at_mut(tile.rows * tile.cols);
+    let (ds, rest) = rest.split_at_mut(tile.rows * tile.cols);
+    let dsum = &mut rest[..tile.rows];
     let isa = cpu.isa;
     // SAFETY: the gradients' rows 0..T are this call's, as the caller promises.
     unsafe {
@@ -877,7 +901,7 @@ unsafe fn flash_head_backward(
             zero_rows(dv, ld_dv, t, hs);
         }
     }
-    for rows in query_tiles(t) {
+    for rows in tile.queries(t) {
         let n = rows.len();
         for (i, r) in rows.clone().enumerate() {
             // SAFETY: rows r of dout and of the output lie in the caller's memory.
@@ -889,19 +913,19 @@ unsafe fn flash_head_backward(
             };
             dsum[i] = on_isa!(isa, simd::dot(g, y));
         }
-        for keys in key_tiles(&rows, first(rows.start)) {
+        for keys in tile.keys(&rows, first(rows.start)) {
             let w = keys.len();
             // SAFETY: every operand below is a row range of q, k, v, dout (read) or of
             // dq, dk, dv (written by this call alone) inside 0..T, or this call's scratch.
             unsafe {
-                tile_scores(isa, p, &view, (&rows, &keys), hs, scale);
+                tile_scores(isa, (&mut *p, tile.cols), &view, (&rows, &keys), hs, scale);
                 // ds = dout[rows] @ v[keys]^T, the probabilities' gradient for now.
                 let dy_rows = rows_of(dy.offset(rows.start as isize * ldy), ldy);
-                let tile = (ds.as_mut_ptr(), FLASH_COLS as isize);
+                let ds_tile = (ds.as_mut_ptr(), tile.cols as isize);
                 let v_keys = v.offset(keys.start as isize * ldv);
                 product(
                     isa,
-                    tile,
+                    ds_tile,
                     (n, w, hs),
                     dy_rows,
                     transposed(v_keys, ldv),
@@ -912,10 +936,8 @@ unsafe fn flash_head_backward(
             on_isa!(isa, {
                 for i in 0..n {
                     let r = rows.start + i;
-                    let (prow, drow) = (
-                        &mut p[i * FLASH_COLS..][..w],
-                        &mut ds[i * FLASH_COLS..][..w],
-                    );
+                    let (prow, drow) =
+                        (&mut p[i * tile.cols..][..w], &mut ds[i * tile.cols..][..w]);
                     let live = seen(r, first(r), &keys);
                     prow[..live.start].fill(0.0);
                     prow[live.end..].fill(0.0);
@@ -929,10 +951,10 @@ unsafe fn flash_head_backward(
             });
             // SAFETY: as above.
             unsafe {
-                let p_t = transposed(p.as_ptr(), FLASH_COLS as isize);
+                let p_t = transposed(p.as_ptr(), tile.cols as isize);
                 let (ds_rows, ds_t) = (
-                    rows_of(ds.as_ptr(), FLASH_COLS as isize),
-                    transposed(ds.as_ptr(), FLASH_COLS as isize),
+                    rows_of(ds.as_ptr(), tile.cols as isize),
+                    transposed(ds.as_ptr(), tile.cols as isize),
                 );
                 let dy_rows = rows_of(dy.offset(rows.start as isize * ldy), ldy);
                 let q_rows = rows_of(q.offset(rows.start as isize * ldq), ldq);
@@ -1151,7 +1173,7 @@ fn flash_forward(
     let scale = 1.0 / (d as f32).sqrt();
     let ptrs = [out, lse, scratch].map(|x| SharedMut(x.as_mut_ptr()));
     let (ldq, ldkv, ldo) = (strides.q, strides.kv, h * d);
-    let per_pair = flash_pair_scratch(d);
+    let per_pair = Tile::of(t).pair_scratch(d);
     for_each_pair(cpu, b, h, b * t * t * h * d, |bi, hi| {
         let [out_ptr, lse_ptr, scratch_ptr] = ptrs;
         let first = |r| mask.first_key(bi, r, t);
@@ -1203,7 +1225,7 @@ unsafe fn flash_backward(
     let [dq, dk, dv] = grads.map(|(p, _)| p);
     let ptrs = [dq, dk, dv, scratch.as_mut_ptr()].map(SharedMut);
     let (ldq, ldkv, ldo) = (strides.q, strides.kv, h * d);
-    let per_pair = flash_pair_scratch(d);
+    let per_pair = Tile::of(t).pair_scratch(d);
     for_each_pair(cpu, b, kv, b * t * t * h * d, |bi, g| {
         let [dq_ptr, dk_ptr, dv_ptr, scratch_ptr] = ptrs;
         let first = |r| mask.first_key(bi, r, t);

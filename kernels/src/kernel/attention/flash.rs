@@ -9,7 +9,7 @@
 use super::cpu::{
     AttnMask, GqaDims, flash_scratch_len, gqa_flash_attention_backward, gqa_flash_attention_forward,
 };
-use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Launch, int, per_row_warp};
+use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Launch, int, long, per_row_warp};
 use crate::ops::Cpu;
 use crate::program::{
     ByteRule, CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars,
@@ -17,13 +17,13 @@ use crate::program::{
 };
 
 /// The fused kernels' CUDA source.
-const SOURCE: CudaSource = ("flash_attention.cu", include_str!("flash_attention.cu"));
+pub(super) const SOURCE: CudaSource = ("flash_attention.cu", include_str!("flash_attention.cu"));
 /// out and lse, one warp per query row.
-const FORWARD: Entry = Entry::typed("flash_forward");
+pub(super) const FORWARD: Entry = Entry::typed("flash_forward");
 /// dq and delta, one warp per query row.
-const BACKWARD_DQ: Entry = Entry::typed("flash_backward_dq");
+pub(super) const BACKWARD_DQ: Entry = Entry::typed("flash_backward_dq");
 /// dk and dv, one warp per key row.
-const BACKWARD_DKV: Entry = Entry::typed("flash_backward_dkv");
+pub(super) const BACKWARD_DKV: Entry = Entry::typed("flash_backward_dkv");
 /// The most channels per head the CUDA kernels take (`FLASH_MAX_D` of the source).
 pub const FLASH_CUDA_MAX_D: usize = 256;
 
@@ -45,14 +45,14 @@ impl FlashMask {
         doc_start: None,
     };
 
-    fn param<'a>(&'a self, s: &GqaDims, each: &mut dyn FnMut(Param<'a>)) {
+    pub(super) fn param<'a>(&'a self, s: &GqaDims, each: &mut dyn FnMut(Param<'a>)) {
         if let Some(d) = &self.doc_start {
             let u32_ = DtypeRule::Exactly(Dtype::U32);
             each(Param::read("doc_start", d, u32_, LenRule::Len(s.b * s.t)));
         }
     }
 
-    fn on_cpu<'m>(&self, t: &CpuTensors<'m>) -> AttnMask<'m> {
+    pub(super) fn on_cpu<'m>(&self, t: &CpuTensors<'m>) -> AttnMask<'m> {
         AttnMask {
             window: (self.window > 0).then_some(self.window),
             doc_start: self.doc_start.as_ref().map(|d| t.u32(d)),
@@ -89,9 +89,115 @@ fn cuda_head_dim(kernel: &'static str, d: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// The `.cu` kernels' dimension arguments `b, t, h, kv, d`.
-fn dim_args(s: &GqaDims) -> [Arg; 5] {
-    [int(s.b), int(s.t), int(s.h), int(s.kv), int(s.d)]
+/// Where a layout keeps q, k and v (and their gradients), as `flash_attention.cu`'s
+/// `FlashLayout`: rows of `ldq` (q) and `ldkv` (k, v) elements per token, k and v from
+/// `koff` and `voff` on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct QkvLayout {
+    pub(super) ldq: usize,
+    pub(super) ldkv: usize,
+    pub(super) koff: usize,
+    pub(super) voff: usize,
+}
+
+impl QkvLayout {
+    /// Grouped-query attention's separate q (B, T, H, D) and k, v (B, T, KV, D).
+    pub(super) fn separate(s: &GqaDims) -> Self {
+        QkvLayout {
+            ldq: s.h * s.d,
+            ldkv: s.kv * s.d,
+            koff: 0,
+            voff: 0,
+        }
+    }
+
+    /// GPT-2's fused qkv (B, T, 3C), handed as q, k and v alike.
+    pub(super) fn fused(c: usize) -> Self {
+        QkvLayout {
+            ldq: 3 * c,
+            ldkv: 3 * c,
+            koff: c,
+            voff: 2 * c,
+        }
+    }
+
+    /// The `.cu` kernels' `b, t, h, kv, d, ldq, ldkv, koff, voff`.
+    fn args(&self, s: &GqaDims) -> [Arg; 9] {
+        [
+            int(s.b),
+            int(s.t),
+            int(s.h),
+            int(s.kv),
+            int(s.d),
+            long(self.ldq),
+            long(self.ldkv),
+            long(self.koff),
+            long(self.voff),
+        ]
+    }
+}
+
+/// The query rows (B·H·T) a launch covers, none when there is nothing to compute;
+/// refused past the CUDA kernels' channels per head.
+fn launched_rows(kernel: &'static str, s: &GqaDims) -> Result<Option<usize>, KernelError> {
+    cuda_head_dim(kernel, s.d)?;
+    let rows = s.b * s.h * s.t;
+    Ok((rows > 0 && s.d > 0).then_some(rows))
+}
+
+/// Enqueues the forward: out and lse from q, k, v at `layout`, under `mask`.
+pub(super) fn launch_forward(
+    kernel: &'static str,
+    [out, lse, xq, xk, xv]: [&TensorRef; 5],
+    (s, layout, mask): (&GqaDims, QkvLayout, &FlashMask),
+    q: &mut Launch<'_>,
+) -> Result<(), KernelError> {
+    let Some(rows) = launched_rows(kernel, s)? else {
+        return Ok(());
+    };
+    let (doc, window) = mask.args(q);
+    // flash_forward_<T>(T* out, float* lse, const T* q, const T* k, const T* v, const
+    // unsigned* doc_start, int b, int t, int h, int kv, int d, long long ldq, long long
+    // ldkv, long long koff, long long voff, int window, float scale): warp `row` < B·H·T
+    // writes row `row` of lse and its query's row of out.
+    let mut args = vec![q.ptr(out), q.ptr(lse), q.ptr(xq), q.ptr(xk), q.ptr(xv), doc];
+    args.extend(layout.args(s));
+    args.extend([window, Arg::Float(1.0 / (s.d as f32).sqrt())]);
+    Ok(q.launch(FORWARD, per_row_warp(rows), &args)?)
+}
+
+/// Enqueues the backward: dq, dk, dv (at `layout`, as q, k, v) from dout, q, k, v, out
+/// and lse under `mask`, through the (B, H, T) f32 row sums at the start of `scratch`.
+pub(super) fn launch_backward(
+    kernel: &'static str,
+    [dq, dk, dv]: [&TensorRef; 3],
+    [dout, xq, xk, xv, out, lse, scratch]: [&TensorRef; 7],
+    (s, layout, mask): (&GqaDims, QkvLayout, &FlashMask),
+    q: &mut Launch<'_>,
+) -> Result<(), KernelError> {
+    let Some(rows) = launched_rows(kernel, s)? else {
+        return Ok(());
+    };
+    let delta = Arg::Ptr(q.carve(scratch, 0, rows * 4));
+    let (doc, window) = mask.args(q);
+    let scale = Arg::Float(1.0 / (s.d as f32).sqrt());
+    let [dout, xq, xk, xv, lse] = [dout, xq, xk, xv, lse].map(|x| q.ptr(x));
+    // flash_backward_dq_<T>(T* dq, float* delta, const T* dout, const T* out, const T* q,
+    // const T* k, const T* v, const float* lse, const unsigned* doc_start, int b, int t,
+    // int h, int kv, int d, long long ldq, long long ldkv, long long koff, long long voff,
+    // int window, float scale): warp `row` < B·H·T writes row `row` of delta and its
+    // query's row of dq.
+    let mut args = vec![q.ptr(dq), delta, dout, q.ptr(out), xq, xk, xv, lse, doc];
+    args.extend(layout.args(s));
+    args.extend([window, scale]);
+    q.launch(BACKWARD_DQ, per_row_warp(rows), &args)?;
+    // flash_backward_dkv_<T>(T* dk, T* dv, const T* dout, const T* q, const T* k, const T*
+    // v, const float* lse, const float* delta, then as flash_backward_dq from doc_start
+    // on): warp `row` < B·KV·T writes its key's rows of dk and dv.
+    let mut args = vec![q.ptr(dk), q.ptr(dv), dout, xq, xk, xv, lse, delta, doc];
+    args.extend(layout.args(s));
+    args.extend([window, scale]);
+    Ok(q.launch(BACKWARD_DKV, per_row_warp(s.b * s.kv * s.t), &args)?)
 }
 
 /// Fused causal grouped-query attention scaled by 1/sqrt(D) under `mask`: out
@@ -178,32 +284,9 @@ impl CudaKernel for GqaFlashAttention {
     const ENTRIES: &'static [Entry] = &[FORWARD];
 
     fn launch(&self, s: &GqaDims, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
-        cuda_head_dim(Self::NAME, s.d)?;
-        let rows = s.b * s.h * s.t;
-        if rows == 0 || s.d == 0 {
-            return Ok(());
-        }
-        let (doc, window) = self.mask.args(q);
-        let [b, t, h, kv, d] = dim_args(s);
-        // flash_forward_<T>(T* out, float* lse, const T* q, const T* k, const T* v, const
-        // unsigned* doc_start, int b, int t, int h, int kv, int d, int window, float
-        // scale): warp `row` < B·H·T writes row `row` of lse and its query's row of out.
-        let args = [
-            q.ptr(&self.out),
-            q.ptr(&self.lse),
-            q.ptr(&self.q),
-            q.ptr(&self.k),
-            q.ptr(&self.v),
-            doc,
-            b,
-            t,
-            h,
-            kv,
-            d,
-            window,
-            Arg::Float(1.0 / (s.d as f32).sqrt()),
-        ];
-        Ok(q.launch(FORWARD, per_row_warp(rows), &args)?)
+        let tensors = [&self.out, &self.lse, &self.q, &self.k, &self.v];
+        let layout = (s, QkvLayout::separate(s), &self.mask);
+        launch_forward(Self::NAME, tensors, layout, q)
     }
 }
 
@@ -308,63 +391,18 @@ impl CudaKernel for GqaFlashAttentionBackward {
     const ENTRIES: &'static [Entry] = &[BACKWARD_DQ, BACKWARD_DKV];
 
     fn launch(&self, s: &GqaDims, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
-        cuda_head_dim(Self::NAME, s.d)?;
-        let rows = s.b * s.h * s.t;
-        if rows == 0 || s.d == 0 {
-            return Ok(());
-        }
-        let delta = q.carve(&self.scratch, 0, rows * 4);
-        let (doc, window) = self.mask.args(q);
-        let [b, t, h, kv, d] = dim_args(s);
-        let scale = Arg::Float(1.0 / (s.d as f32).sqrt());
-        let [dout, xq, xk, xv, lse] =
-            [&self.dout, &self.q, &self.k, &self.v, &self.lse].map(|x| q.ptr(x));
-        // flash_backward_dq_<T>(T* dq, float* delta, const T* dout, const T* out, const T*
-        // q, const T* k, const T* v, const float* lse, const unsigned* doc_start, int b,
-        // int t, int h, int kv, int d, int window, float scale): warp `row` < B·H·T writes
-        // row `row` of delta and its query's row of dq.
-        let args = [
-            q.ptr(&self.dq),
-            Arg::Ptr(delta),
-            dout,
-            q.ptr(&self.out),
-            xq,
-            xk,
-            xv,
-            lse,
-            doc,
-            b,
-            t,
-            h,
-            kv,
-            d,
-            window,
-            scale,
+        let grads = [&self.dq, &self.dk, &self.dv];
+        let inputs = [
+            &self.dout,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.out,
+            &self.lse,
+            &self.scratch,
         ];
-        q.launch(BACKWARD_DQ, per_row_warp(rows), &args)?;
-        // flash_backward_dkv_<T>(T* dk, T* dv, const T* dout, const T* q, const T* k,
-        // const T* v, const float* lse, const float* delta, const unsigned* doc_start,
-        // int b, int t, int h, int kv, int d, int window, float scale): warp `row` <
-        // B·KV·T writes its key's rows of dk and dv.
-        let args = [
-            q.ptr(&self.dk),
-            q.ptr(&self.dv),
-            dout,
-            xq,
-            xk,
-            xv,
-            lse,
-            Arg::Ptr(delta),
-            doc,
-            b,
-            t,
-            h,
-            kv,
-            d,
-            window,
-            scale,
-        ];
-        Ok(q.launch(BACKWARD_DKV, per_row_warp(s.b * s.kv * s.t), &args)?)
+        let layout = (s, QkvLayout::separate(s), &self.mask);
+        launch_backward(Self::NAME, grads, inputs, layout, q)
     }
 }
 

@@ -1,7 +1,8 @@
 // Fused causal grouped-query attention with O(T) memory (FlashAttention-2's recurrence:
 // a running maximum and sum per query, the backward recomputing each probability from
 // the forward's log-sum-exp), under an optional sliding window and document boundaries.
-// q, out, dout, dq: (B, T, H, D); k, v, dk, dv: (B, T, KV, D); lse, delta: (B, H, T) f32;
+// q, dq: (B, T, H, D) and k, v, dk, dv: (B, T, KV, D), or all four within GPT-2's fused
+// qkv (B, T, 3C) (FlashLayout); out, dout: (B, T, H, D); lse, delta: (B, H, T) f32;
 // doc_start: (B, T) u32, the first position of each token's document, or null.
 //
 // One warp per query row (forward, dq) or key row (dk, dv), each lane holding channels
@@ -72,46 +73,70 @@ __device__ __forceinline__ void flash_store(T* row, const float* x, float a, int
     }
 }
 
-// Query row `row` of lse, (B, H, T): its position, batch, key/value head, and its row of
-// q (B, T, H, D) counted in rows of D.
-struct FlashQuery {
-    int ti, bi, g;
-    long long qrow;
+// Where a layout keeps q, k and v: rows of `ldq` (q) and `ldkv` (k, v) elements per token,
+// k and v from `koff` and `voff` on. Grouped-query attention's separate tensors: ldq = H D,
+// ldkv = KV D, offsets 0. GPT-2's fused qkv (B, T, 3C), passed as q, k and v alike:
+// ldq = ldkv = 3C, koff = C, voff = 2C. The gradients dq, dk, dv are where q, k, v are.
+struct FlashLayout {
+    long long ldq, ldkv, koff, voff;
 };
 
-__device__ __forceinline__ FlashQuery flash_query(long long row, int t, int h, int kv) {
+__device__ __forceinline__ FlashLayout flash_layout(long long ldq, long long ldkv, long long koff,
+                                                    long long voff) {
+    FlashLayout l;
+    l.ldq = ldq;
+    l.ldkv = ldkv;
+    l.koff = koff;
+    l.voff = voff;
+    return l;
+}
+
+// Query row `row` of lse, (B, H, T): its position, batch, key/value head, where its q row
+// starts, and where its out (and dout) row starts in (B, T, H, D).
+struct FlashQuery {
+    int ti, bi, g;
+    long long q, o;
+};
+
+__device__ __forceinline__ FlashQuery flash_query(long long row, int t, int h, int kv, int d,
+                                                  FlashLayout l) {
     FlashQuery r;
     r.ti = (int)(row % t);
     int hi = (int)((row / t) % h);
     r.bi = (int)(row / ((long long)t * h));
     r.g = hi / (h / kv);
-    r.qrow = ((long long)r.bi * t + r.ti) * h + hi;
+    long long token = (long long)r.bi * t + r.ti;
+    r.q = token * l.ldq + (long long)hi * d;
+    r.o = (token * h + hi) * d;
     return r;
+}
+
+// Where key j of sequence bi, key/value head g, starts in k (add voff - koff for v).
+__device__ __forceinline__ long long flash_key(int bi, int j, int t, int g, int d, FlashLayout l) {
+    return ((long long)bi * t + j) * l.ldkv + (long long)g * d + l.koff;
 }
 
 // out and lse from q, k, v: one warp per (batch, head, query) row of lse.
 template <typename T>
 __device__ void flash_forward(T* out, float* lse, const T* q, const T* k, const T* v,
                               const unsigned* doc_start, int b, int t, int h, int kv, int d,
-                              int window, float scale) {
+                              FlashLayout lay, int window, float scale) {
     long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= (long long)b * h * t) {
         return;
     }
-    FlashQuery r = flash_query(row, t, h, kv);
-    int ti = r.ti, bi = r.bi, g = r.g;
-    long long qrow = r.qrow;
+    FlashQuery r = flash_query(row, t, h, kv, d, lay);
     float x[FLASH_PER_LANE], acc[FLASH_PER_LANE];
-    flash_load(x, q + qrow * d, d, lane);
+    flash_load(x, q + r.q, d, lane);
 #pragma unroll
     for (int c = 0; c < FLASH_PER_LANE; c++) {
         acc[c] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    for (int j = flash_first_key(doc_start, bi, ti, t, window); j <= ti; j++) {
-        long long kvrow = ((long long)bi * t + j) * kv + g;
-        float s = flash_dot(x, k + kvrow * d, d, lane) * scale;
+    for (int j = flash_first_key(doc_start, r.bi, r.ti, t, window); j <= r.ti; j++) {
+        long long at = flash_key(r.bi, j, t, r.g, d, lay);
+        float s = flash_dot(x, k + at, d, lane) * scale;
         float top = fmaxf(m, s);
         float alpha = m == NEG_INF ? 0.0f : expf(m - top);
         float p = expf(s - top);
@@ -120,10 +145,10 @@ __device__ void flash_forward(T* out, float* lse, const T* q, const T* k, const 
         for (int c = 0; c < FLASH_PER_LANE; c++) {
             acc[c] *= alpha;
         }
-        flash_axpy(acc, p, v + kvrow * d, d, lane);
+        flash_axpy(acc, p, v + at - lay.koff + lay.voff, d, lane);
         m = top;
     }
-    flash_store(out + qrow * d, acc, 1.0f / l, d, lane);
+    flash_store(out + r.o, acc, 1.0f / l, d, lane);
     if (lane == 0) {
         lse[row] = m + logf(l);
     }
@@ -134,34 +159,32 @@ template <typename T>
 __device__ void flash_backward_dq(T* dq, float* delta, const T* dout, const T* out, const T* q,
                                   const T* k, const T* v, const float* lse,
                                   const unsigned* doc_start, int b, int t, int h, int kv, int d,
-                                  int window, float scale) {
+                                  FlashLayout lay, int window, float scale) {
     long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= (long long)b * h * t) {
         return;
     }
-    FlashQuery r = flash_query(row, t, h, kv);
-    int ti = r.ti, bi = r.bi, g = r.g;
-    long long qrow = r.qrow;
+    FlashQuery r = flash_query(row, t, h, kv, d, lay);
     float x[FLASH_PER_LANE], dy[FLASH_PER_LANE], acc[FLASH_PER_LANE];
-    flash_load(x, q + qrow * d, d, lane);
-    flash_load(dy, dout + qrow * d, d, lane);
+    flash_load(x, q + r.q, d, lane);
+    flash_load(dy, dout + r.o, d, lane);
 #pragma unroll
     for (int c = 0; c < FLASH_PER_LANE; c++) {
         acc[c] = 0.0f;
     }
-    float di = flash_dot(dy, out + qrow * d, d, lane);
+    float di = flash_dot(dy, out + r.o, d, lane);
     if (lane == 0) {
         delta[row] = di;
     }
     float top = lse[row];
-    for (int j = flash_first_key(doc_start, bi, ti, t, window); j <= ti; j++) {
-        long long kvrow = ((long long)bi * t + j) * kv + g;
-        float p = expf(flash_dot(x, k + kvrow * d, d, lane) * scale - top);
-        float dp = flash_dot(dy, v + kvrow * d, d, lane);
-        flash_axpy(acc, p * (dp - di), k + kvrow * d, d, lane);
+    for (int j = flash_first_key(doc_start, r.bi, r.ti, t, window); j <= r.ti; j++) {
+        long long at = flash_key(r.bi, j, t, r.g, d, lay);
+        float p = expf(flash_dot(x, k + at, d, lane) * scale - top);
+        float dp = flash_dot(dy, v + at - lay.koff + lay.voff, d, lane);
+        flash_axpy(acc, p * (dp - di), k + at, d, lane);
     }
-    flash_store(dq + qrow * d, acc, scale, d, lane);
+    flash_store(dq + r.q, acc, scale, d, lane);
 }
 
 // dk and dv: one warp per (batch, key/value head, key) row, summing over the query heads
@@ -170,7 +193,7 @@ template <typename T>
 __device__ void flash_backward_dkv(T* dk, T* dv, const T* dout, const T* q, const T* k,
                                    const T* v, const float* lse, const float* delta,
                                    const unsigned* doc_start, int b, int t, int h, int kv, int d,
-                                   int window, float scale) {
+                                   FlashLayout lay, int window, float scale) {
     long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
     if (row >= (long long)b * kv * t) {
@@ -180,10 +203,11 @@ __device__ void flash_backward_dkv(T* dk, T* dv, const T* dout, const T* q, cons
     int g = (int)((row / t) % kv);
     int bi = (int)(row / ((long long)t * kv));
     int group = h / kv;
-    long long kvrow = ((long long)bi * t + j) * kv + g;
+    long long at = flash_key(bi, j, t, g, d, lay);
+    long long vat = at - lay.koff + lay.voff;
     float kj[FLASH_PER_LANE], vj[FLASH_PER_LANE], gk[FLASH_PER_LANE], gv[FLASH_PER_LANE];
-    flash_load(kj, k + kvrow * d, d, lane);
-    flash_load(vj, v + kvrow * d, d, lane);
+    flash_load(kj, k + at, d, lane);
+    flash_load(vj, v + vat, d, lane);
 #pragma unroll
     for (int c = 0; c < FLASH_PER_LANE; c++) {
         gk[c] = 0.0f;
@@ -192,36 +216,61 @@ __device__ void flash_backward_dkv(T* dk, T* dv, const T* dout, const T* q, cons
     for (int hh = 0; hh < group; hh++) {
         int hi = g * group + hh;
         for (int i = j; i < t && flash_first_key(doc_start, bi, i, t, window) <= j; i++) {
-            long long qrow = ((long long)bi * t + i) * h + hi;
-            long long at = ((long long)bi * h + hi) * t + i;
-            float p = expf(flash_dot(kj, q + qrow * d, d, lane) * scale - lse[at]);
-            flash_axpy(gv, p, dout + qrow * d, d, lane);
-            float dp = flash_dot(vj, dout + qrow * d, d, lane);
-            flash_axpy(gk, p * (dp - delta[at]), q + qrow * d, d, lane);
+            long long token = (long long)bi * t + i;
+            long long qat = token * lay.ldq + (long long)hi * d;
+            long long oat = (token * h + hi) * d;
+            long long li = ((long long)bi * h + hi) * t + i;
+            float p = expf(flash_dot(kj, q + qat, d, lane) * scale - lse[li]);
+            flash_axpy(gv, p, dout + oat, d, lane);
+            float dp = flash_dot(vj, dout + oat, d, lane);
+            flash_axpy(gk, p * (dp - delta[li]), q + qat, d, lane);
         }
     }
-    flash_store(dk + kvrow * d, gk, scale, d, lane);
-    flash_store(dv + kvrow * d, gv, 1.0f, d, lane);
+    flash_store(dk + at, gk, scale, d, lane);
+    flash_store(dv + vat, gv, 1.0f, d, lane);
 }
 
 #define FLASH_ATTENTION_KERNELS(T, S)                                                         \
     extern "C" __global__ void flash_forward_##S(                                             \
         T* out, float* lse, const T* q, const T* k, const T* v, const unsigned* doc_start,    \
-        int b, int t, int h, int kv, int d, int window, float scale) {                        \
-        flash_forward<T>(out, lse, q, k, v, doc_start, b, t, h, kv, d, window, scale);        \
+        int b, int t, int h, int kv, int d, long long ldq, long long ldkv, long long koff,    \
+        long long voff, int window, float scale) {                                            \
+        flash_forward<T>(out, lse, q, k, v, doc_start, b, t, h, kv, d,                        \
+                         flash_layout(ldq, ldkv, koff, voff), window, scale);                 \
     }                                                                                         \
     extern "C" __global__ void flash_backward_dq_##S(                                         \
         T* dq, float* delta, const T* dout, const T* out, const T* q, const T* k, const T* v, \
         const float* lse, const unsigned* doc_start, int b, int t, int h, int kv, int d,      \
-        int window, float scale) {                                                            \
+        long long ldq, long long ldkv, long long koff, long long voff, int window,            \
+        float scale) {                                                                        \
         flash_backward_dq<T>(dq, delta, dout, out, q, k, v, lse, doc_start, b, t, h, kv, d,   \
-                             window, scale);                                                  \
+                             flash_layout(ldq, ldkv, koff, voff), window, scale);             \
     }                                                                                         \
     extern "C" __global__ void flash_backward_dkv_##S(                                        \
         T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const float* lse,    \
         const float* delta, const unsigned* doc_start, int b, int t, int h, int kv, int d,    \
-        int window, float scale) {                                                            \
+        long long ldq, long long ldkv, long long koff, long long voff, int window,            \
+        float scale) {                                                                        \
         flash_backward_dkv<T>(dk, dv, dout, q, k, v, lse, delta, doc_start, b, t, h, kv, d,   \
-                              window, scale);                                                 \
+                              flash_layout(ldq, ldkv, koff, voff), window, scale);            \
     }
 FOR_EACH_TYPE(FLASH_ATTENTION_KERNELS)
+
+// doc_start: (B, T) = each token's document's first position, documents ending with the
+// token `eos` (the token after it starts the next) or with the sequence; tokens: (B, T).
+// One thread per sequence, in order.
+extern "C" __global__ void doc_starts(unsigned* doc_start, const unsigned* tokens, int b, int t,
+                                      unsigned eos) {
+    long long bi = global_index();
+    if (bi >= b) {
+        return;
+    }
+    unsigned start = 0;
+    for (int i = 0; i < t; i++) {
+        long long at = bi * t + i;
+        if (i > 0 && tokens[at - 1] == eos) {
+            start = (unsigned)i;
+        }
+        doc_start[at] = start;
+    }
+}

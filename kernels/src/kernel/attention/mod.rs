@@ -4,8 +4,8 @@
 //! in `shape.rs`, the CPU ops in [`cpu`], the CUDA launch sequences (cuBLAS's batched
 //! products around `attention.cu`'s layout and softmax kernels) in `cuda.rs`;
 //! [`reference`](mod@reference) holds the scalar reference. The fused kernels the Llama
-//! family runs, with O(T) memory, are in `flash.rs` (their CUDA kernels in
-//! `flash_attention.cu`).
+//! family runs, with O(T) memory, are in `flash.rs`, GPT-2's in `flash_gpt2.rs` (their
+//! CUDA kernels in `flash_attention.cu`).
 
 use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch};
 use crate::ops::Cpu;
@@ -16,7 +16,9 @@ use crate::program::{
 
 pub mod cpu;
 mod cuda;
+mod documents;
 mod flash;
+mod flash_gpt2;
 pub mod reference;
 mod shape;
 
@@ -25,9 +27,11 @@ pub use cpu::{
     flash_attention_forward, flash_scratch_len, gqa_attention_backward, gqa_attention_forward,
     gqa_flash_attention_backward, gqa_flash_attention_forward,
 };
+pub use documents::{DocStarts, doc_starts};
 pub use flash::{
     FLASH_CUDA_MAX_D, FlashMask, GqaFlashAttention, GqaFlashAttentionBackward, flash_scratch_bytes,
 };
+pub use flash_gpt2::{FlashAttention, FlashAttentionBackward};
 use shape::scores;
 pub use shape::{
     ATTENTION_SCRATCH_ALIGN, AttentionScratchLayout, Heads, attention_scratch_bytes,

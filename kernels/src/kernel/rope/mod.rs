@@ -6,7 +6,9 @@
 //! Layout: x is (B, T, H, D) (q with H query heads, k with KV heads), each row of D
 //! channels rotated by the angles of its position t; cos and sin are (at least T, D/2),
 //! row t for position t (Hugging Face's `cat(freqs, freqs)` halves are equal, so one half
-//! is kept).
+//! is kept). With packed documents (`doc_start`, (B, T) u32: the first position of each
+//! token's document), positions restart at each document: the token at t is at position
+//! t - doc_start, as Hugging Face's position ids of a packed batch say.
 //!
 //! Here: the kernels' signatures, CPU ops and CUDA launches; `rope.cu` holds the CUDA
 //! kernels, [`reference`](mod@reference) the scalar reference.
@@ -15,7 +17,8 @@ use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Launch, int, per_e
 use crate::ops::simd::on_isa;
 use crate::ops::{Cpu, RowsMut, par_rows};
 use crate::program::{
-    CpuKernel, CpuTensors, DtypeRule, KernelError, LenRule, Param, Scalars, Signature, TensorRef,
+    CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars, Signature,
+    TensorRef,
 };
 
 pub mod reference;
@@ -130,12 +133,13 @@ pub fn rope_forward(
     inp: &[f32],
     cos: &[f32],
     sin: &[f32],
+    doc_start: Option<&[u32]>,
     b: usize,
     t: usize,
     h: usize,
     d: usize,
 ) {
-    rotate(cpu, out, inp, cos, sin, b, t, h, d, 1.0);
+    rotate(cpu, out, inp, (cos, sin, doc_start), b, t, h, d, 1.0);
 }
 
 /// dinp: (B, T, H, D) =  dout: (B, T, H, D)  cos, sin: as in [`rope_forward`].
@@ -147,13 +151,17 @@ pub fn rope_backward(
     dout: &[f32],
     cos: &[f32],
     sin: &[f32],
+    doc_start: Option<&[u32]>,
     b: usize,
     t: usize,
     h: usize,
     d: usize,
 ) {
-    rotate(cpu, dinp, dout, cos, sin, b, t, h, d, -1.0);
+    rotate(cpu, dinp, dout, (cos, sin, doc_start), b, t, h, d, -1.0);
 }
+
+/// The tables, and the documents' starts when the batch is packed.
+type Table<'a> = (&'a [f32], &'a [f32], Option<&'a [u32]>);
 
 /// Rotates every row by its position's angles, the sines multiplied by `sign`.
 #[allow(clippy::too_many_arguments)]
@@ -161,8 +169,7 @@ fn rotate(
     cpu: &Cpu,
     out: &mut [f32],
     inp: &[f32],
-    cos: &[f32],
-    sin: &[f32],
+    (cos, sin, doc_start): Table<'_>,
     b: usize,
     t: usize,
     h: usize,
@@ -176,6 +183,16 @@ fn rotate(
         cos.len() >= t * half && sin.len() >= t * half,
         "a table of fewer than {t} rows"
     );
+    if let Some(starts) = doc_start {
+        assert_eq!(starts.len(), b * t, "document starts for {b} × {t} tokens");
+        assert!(
+            starts
+                .iter()
+                .enumerate()
+                .all(|(i, &s)| s as usize <= i % t.max(1)),
+            "a document starting after its token"
+        );
+    }
     if d == 0 {
         return;
     }
@@ -187,7 +204,8 @@ fn rotate(
         |range, out| {
             on_isa!(cpu.isa, {
                 for (i, row) in range.enumerate() {
-                    let pos = (row / h) % t;
+                    let token = row / h;
+                    let pos = token % t - doc_start.map_or(0, |s| s[token] as usize);
                     let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
                     let (x1, x2) = inp[row * d..][..d].split_at(half);
                     let (o1, o2) = out.data[i * d..][..d].split_at_mut(half);
@@ -249,6 +267,7 @@ impl RopeShape {
         &self,
         [(out_name, out), (inp_name, inp)]: [(&'static str, &'a TensorRef); 2],
         [cos, sin]: [&'a TensorRef; 2],
+        doc_start: Option<&'a TensorRef>,
         each: &mut dyn FnMut(Param<'a>),
     ) {
         let (w, rows) = (DtypeRule::Working, LenRule::Len(self.rows() * self.d));
@@ -257,6 +276,15 @@ impl RopeShape {
         each(Param::read(inp_name, inp, w, rows));
         each(Param::read("cos", cos, w, table));
         each(Param::read("sin", sin, w, table));
+        if let Some(d) = doc_start {
+            let u32_ = DtypeRule::Exactly(Dtype::U32);
+            each(Param::read(
+                "doc_start",
+                d,
+                u32_,
+                LenRule::Len(self.b * self.t),
+            ));
+        }
     }
 
     /// Enqueues `entry`, the rotation or its transpose, from `inp` into `out`.
@@ -264,17 +292,20 @@ impl RopeShape {
         &self,
         entry: Entry,
         [out, inp, cos, sin]: [&TensorRef; 4],
+        doc_start: Option<&TensorRef>,
         q: &mut Launch<'_>,
     ) -> Result<(), KernelError> {
         // rope_forward_<T> and rope_backward_<T>(T* out, const T* inp, const T* cos, const
-        // T* sin, int rows, int t, int h, int half): thread i < rows·half touches pair i
-        // of row i / half of out and inp (rows·d elements each) and rows below t of the
-        // (at least t·half) tables.
+        // T* sin, const unsigned* doc_start, int rows, int t, int h, int half): thread
+        // i < rows·half touches pair i of row i / half of out and inp (rows·d elements
+        // each), rows below t of the (at least t·half) tables, and (when not null) the
+        // document start of the row's token (B·T of them).
         let args = [
             q.ptr(out),
             q.ptr(inp),
             q.ptr(cos),
             q.ptr(sin),
+            doc_start.map_or(Arg::Ptr(0), |d| q.ptr(d)),
             int(self.rows()),
             int(self.t),
             int(self.h),
@@ -299,6 +330,8 @@ pub struct Rope {
     pub cos: TensorRef,
     /// (at least T, D/2).
     pub sin: TensorRef,
+    /// (B, T) u32, each token's document's first position, when the batch is packed.
+    pub doc_start: Option<TensorRef>,
     /// Batch.
     pub b: usize,
     /// Sequence.
@@ -331,7 +364,12 @@ impl Signature for Rope {
             d: self.d,
         };
         let tensors = [("out", &self.out), ("inp", &self.inp)];
-        shape.params(tensors, [&self.cos, &self.sin], each);
+        shape.params(
+            tensors,
+            [&self.cos, &self.sin],
+            self.doc_start.as_ref(),
+            each,
+        );
     }
 
     fn flops(&self) -> f64 {
@@ -349,7 +387,8 @@ impl CpuKernel for Rope {
     ) -> Result<(), KernelError> {
         let (out, inp) = (t.f32_mut(&self.out), t.f32(&self.inp));
         let (cos, sin) = (t.f32(&self.cos), t.f32(&self.sin));
-        rope_forward(cpu, out, inp, cos, sin, s.b, s.t, s.h, s.d);
+        let doc_start = self.doc_start.as_ref().map(|d| t.u32(d));
+        rope_forward(cpu, out, inp, cos, sin, doc_start, s.b, s.t, s.h, s.d);
         Ok(())
     }
 }
@@ -360,7 +399,7 @@ impl CudaKernel for Rope {
 
     fn launch(&self, s: &RopeShape, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
         let tensors = [&self.out, &self.inp, &self.cos, &self.sin];
-        s.launch(ROPE_FORWARD, tensors, q)
+        s.launch(ROPE_FORWARD, tensors, self.doc_start.as_ref(), q)
     }
 }
 
@@ -376,6 +415,8 @@ pub struct RopeBackward {
     pub cos: TensorRef,
     /// (at least T, D/2).
     pub sin: TensorRef,
+    /// (B, T) u32, each token's document's first position, when the batch is packed.
+    pub doc_start: Option<TensorRef>,
     /// Batch.
     pub b: usize,
     /// Sequence.
@@ -408,7 +449,12 @@ impl Signature for RopeBackward {
             d: self.d,
         };
         let tensors = [("dinp", &self.dinp), ("dout", &self.dout)];
-        shape.params(tensors, [&self.cos, &self.sin], each);
+        shape.params(
+            tensors,
+            [&self.cos, &self.sin],
+            self.doc_start.as_ref(),
+            each,
+        );
     }
 
     fn flops(&self) -> f64 {
@@ -426,7 +472,8 @@ impl CpuKernel for RopeBackward {
     ) -> Result<(), KernelError> {
         let (dinp, dout) = (t.f32_mut(&self.dinp), t.f32(&self.dout));
         let (cos, sin) = (t.f32(&self.cos), t.f32(&self.sin));
-        rope_backward(cpu, dinp, dout, cos, sin, s.b, s.t, s.h, s.d);
+        let doc_start = self.doc_start.as_ref().map(|d| t.u32(d));
+        rope_backward(cpu, dinp, dout, cos, sin, doc_start, s.b, s.t, s.h, s.d);
         Ok(())
     }
 }
@@ -437,7 +484,7 @@ impl CudaKernel for RopeBackward {
 
     fn launch(&self, s: &RopeShape, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
         let tensors = [&self.dinp, &self.dout, &self.cos, &self.sin];
-        s.launch(ROPE_BACKWARD, tensors, q)
+        s.launch(ROPE_BACKWARD, tensors, self.doc_start.as_ref(), q)
     }
 }
 
@@ -535,25 +582,27 @@ impl CudaKernel for RopeTable {
 mod tests {
     use super::*;
     use crate::cuda::launch::tests::{Emulated, Layout};
-    use crate::program::Dtype;
 
     /// (B, T, H, D) of the samples.
     const SIZES: [(usize, usize, usize, usize); 3] = [(2, 7, 3, 12), (1, 1, 1, 2), (0, 3, 2, 4)];
 
     impl Emulated for Rope {
         fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-            SIZES
-                .map(|(b, t, h, d)| Rope {
+            let mut out = Vec::new();
+            for ((b, t, h, d), packed) in SIZES.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+                out.push(Rope {
                     out: l.tensor(b * t * h * d, w),
                     inp: l.tensor(b * t * h * d, w),
                     cos: l.tensor((t + 2) * d / 2, w),
                     sin: l.tensor((t + 2) * d / 2, w),
+                    doc_start: packed.then(|| l.tensor(b * t, Dtype::U32)),
                     b,
                     t,
                     h,
                     d,
-                })
-                .to_vec()
+                });
+            }
+            out
         }
 
         fn dimensions(&self) -> Vec<(&'static str, usize)> {
@@ -564,18 +613,21 @@ mod tests {
 
     impl Emulated for RopeBackward {
         fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-            SIZES
-                .map(|(b, t, h, d)| RopeBackward {
+            let mut out = Vec::new();
+            for ((b, t, h, d), packed) in SIZES.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+                out.push(RopeBackward {
                     dinp: l.tensor(b * t * h * d, w),
                     dout: l.tensor(b * t * h * d, w),
                     cos: l.tensor(t * d / 2, w),
                     sin: l.tensor(t * d / 2, w),
+                    doc_start: packed.then(|| l.tensor(b * t, Dtype::U32)),
                     b,
                     t,
                     h,
                     d,
-                })
-                .to_vec()
+                });
+            }
+            out
         }
 
         fn dimensions(&self) -> Vec<(&'static str, usize)> {

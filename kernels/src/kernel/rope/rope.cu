@@ -1,20 +1,23 @@
 // Rotary position embeddings in Hugging Face's rotate_half form (Llama, Qwen, Mistral),
 // forward and backward, and the table of cosines and sines they read.
 
-// out: (B, T, H, D)  inp: (B, T, H, D)  cos, sin: (at least T, D/2); rows = B T H,
-// half = D/2. Row r at position (r / h) % t, halves x1 and x2, becomes
+// out: (B, T, H, D)  inp: (B, T, H, D)  cos, sin: (at least T, D/2); doc_start: (B, T) or
+// null; rows = B T H, half = D/2. Row r of token (r / h) at position (r / h) % t (less its
+// document's start, when packed), halves x1 and x2, becomes
 // (x1 cos - x2 sin', x2 cos + x1 sin') with sin' = sign * sin: the rotation (sign 1) or
 // its transpose (sign -1). One thread per pair (x1[i], x2[i]).
 template <typename T>
-__device__ void rope_rotate(T* out, const T* inp, const T* cos, const T* sin, int rows, int t,
-                            int h, int half, float sign) {
+__device__ void rope_rotate(T* out, const T* inp, const T* cos, const T* sin,
+                            const unsigned* doc_start, int rows, int t, int h, int half,
+                            float sign) {
     long long i = global_index();
     if (i >= (long long)rows * half) {
         return;
     }
     long long row = i / half;
     int j = (int)(i % half);
-    int pos = (int)((row / h) % t);
+    long long token = row / h;
+    int pos = (int)(token % t) - (doc_start ? (int)doc_start[token] : 0);
     float c = to_float(cos[pos * half + j]);
     float s = sign * to_float(sin[pos * half + j]);
     long long at = row * 2 * half + j;
@@ -64,14 +67,14 @@ __device__ void rope_table(T* cos_out, T* sin_out, int t, int half, float theta,
 
 #define ROPE_KERNELS(T, S)                                                                    \
     extern "C" __global__ void rope_forward_##S(T* out, const T* inp, const T* cos,           \
-                                                const T* sin, int rows, int t, int h,         \
-                                                int half) {                                   \
-        rope_rotate<T>(out, inp, cos, sin, rows, t, h, half, 1.0f);                           \
+                                                const T* sin, const unsigned* doc_start,      \
+                                                int rows, int t, int h, int half) {           \
+        rope_rotate<T>(out, inp, cos, sin, doc_start, rows, t, h, half, 1.0f);                \
     }                                                                                         \
     extern "C" __global__ void rope_backward_##S(T* dinp, const T* dout, const T* cos,        \
-                                                 const T* sin, int rows, int t, int h,        \
-                                                 int half) {                                  \
-        rope_rotate<T>(dinp, dout, cos, sin, rows, t, h, half, -1.0f);                        \
+                                                 const T* sin, const unsigned* doc_start,     \
+                                                 int rows, int t, int h, int half) {          \
+        rope_rotate<T>(dinp, dout, cos, sin, doc_start, rows, t, h, half, -1.0f);             \
     }                                                                                         \
     extern "C" __global__ void rope_table_##S(T* cos, T* sin, int t, int half, float theta,   \
                                               float factor, float low_freq_factor,            \

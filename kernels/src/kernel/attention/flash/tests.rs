@@ -1,20 +1,25 @@
 //! The fused kernels' launch sequences under the emulator: what the CUDA runner needs of
 //! them, the `.cu` kernels as they read (f32), and their agreement with the CPU op on odd
-//! sizes, windows and document layouts.
+//! sizes, windows and document layouts, for grouped-query attention's separate q, k, v
+//! and GPT-2's fused qkv.
 
 use super::*;
 use crate::cuda::launch::tests::{
     Emulated, Emulator, Layout, check_emulation, count_arg, ptr_arg, random_inputs, run_on, scalars,
 };
 use crate::kernel::Kernel;
+use crate::kernel::attention::{FlashAttention, FlashAttentionBackward};
 
-/// (B, T, H, KV, D) of the samples.
+/// (B, T, H, KV, D) of the grouped-query samples.
 const SIZES: [(usize, usize, usize, usize, usize); 4] = [
     (2, 7, 6, 2, 12),
     (1, 9, 3, 3, 5),
     (1, 1, 2, 1, 4),
     (0, 3, 4, 2, 4),
 ];
+
+/// (B, T, C, NH) of GPT-2's samples.
+const GPT2_SIZES: [(usize, usize, usize, usize); 3] = [(2, 7, 12, 3), (1, 1, 4, 1), (0, 3, 4, 2)];
 
 /// The masks of the samples: none, a window, documents (a u32 tensor of `l`).
 fn masks(l: &mut Layout, b: usize, t: usize) -> [FlashMask; 3] {
@@ -32,6 +37,12 @@ fn masks(l: &mut Layout, b: usize, t: usize) -> [FlashMask; 3] {
     ]
 }
 
+/// Scratch for both runners.
+fn scratch(l: &mut Layout, dims: GqaDims) -> TensorRef {
+    let bytes = flash_scratch_bytes(Target::Cpu, dims).max(flash_scratch_bytes(Target::Cuda, dims));
+    l.tensor(bytes, Dtype::U8)
+}
+
 fn forward(l: &mut Layout, w: Dtype, dims: GqaDims, mask: FlashMask) -> GqaFlashAttention {
     let GqaDims { b, t, h, .. } = dims;
     GqaFlashAttention {
@@ -40,10 +51,7 @@ fn forward(l: &mut Layout, w: Dtype, dims: GqaDims, mask: FlashMask) -> GqaFlash
         q: l.tensor(dims.q_len(), w),
         k: l.tensor(dims.kv_len(), w),
         v: l.tensor(dims.kv_len(), w),
-        scratch: l.tensor(
-            flash_scratch_bytes(Target::Cpu, dims).max(flash_scratch_bytes(Target::Cuda, dims)),
-            Dtype::U8,
-        ),
+        scratch: scratch(l, dims),
         dims,
         mask,
     }
@@ -62,11 +70,54 @@ fn backward(l: &mut Layout, f: &GqaFlashAttention) -> GqaFlashAttentionBackward 
         v: f.v,
         out: f.out,
         lse: f.lse,
-        scratch: l.tensor(
-            flash_scratch_bytes(Target::Cpu, dims).max(flash_scratch_bytes(Target::Cuda, dims)),
-            Dtype::U8,
-        ),
+        scratch: scratch(l, dims),
         dims,
+        mask: f.mask,
+    }
+}
+
+fn gpt2_dims((b, t, c, nh): (usize, usize, usize, usize)) -> GqaDims {
+    GqaDims {
+        b,
+        t,
+        h: nh,
+        kv: nh,
+        d: c / nh,
+    }
+}
+
+fn gpt2_forward(
+    l: &mut Layout,
+    w: Dtype,
+    (b, t, c, nh): (usize, usize, usize, usize),
+    mask: FlashMask,
+) -> FlashAttention {
+    FlashAttention {
+        out: l.tensor(b * t * c, w),
+        lse: l.tensor(b * nh * t, Dtype::F32),
+        qkv: l.tensor(3 * b * t * c, w),
+        scratch: scratch(l, gpt2_dims((b, t, c, nh))),
+        b,
+        t,
+        c,
+        nh,
+        mask,
+    }
+}
+
+fn gpt2_backward(l: &mut Layout, f: &FlashAttention) -> FlashAttentionBackward {
+    let (w, (b, t, c, nh)) = (f.out.dtype, (f.b, f.t, f.c, f.nh));
+    FlashAttentionBackward {
+        dqkv: l.tensor(3 * b * t * c, w),
+        dout: l.tensor(b * t * c, w),
+        qkv: f.qkv,
+        out: f.out,
+        lse: f.lse,
+        scratch: scratch(l, gpt2_dims((b, t, c, nh))),
+        b,
+        t,
+        c,
+        nh,
         mask: f.mask,
     }
 }
@@ -75,7 +126,7 @@ fn dims_of((b, t, h, kv, d): (usize, usize, usize, usize, usize)) -> GqaDims {
     GqaDims { b, t, h, kv, d }
 }
 
-/// Every sample size under every mask, forward and backward.
+/// Every grouped-query sample size under every mask, forward and backward.
 fn pairs(w: Dtype, l: &mut Layout) -> Vec<(GqaFlashAttention, GqaFlashAttentionBackward)> {
     let mut out = Vec::new();
     for size in SIZES {
@@ -89,15 +140,50 @@ fn pairs(w: Dtype, l: &mut Layout) -> Vec<(GqaFlashAttention, GqaFlashAttentionB
     out
 }
 
-fn dimensions(s: &GqaDims, mask: &FlashMask) -> Vec<(&'static str, usize)> {
+/// Every GPT-2 sample size under every mask, forward and backward.
+fn gpt2_pairs(w: Dtype, l: &mut Layout) -> Vec<(FlashAttention, FlashAttentionBackward)> {
+    let mut out = Vec::new();
+    for size in GPT2_SIZES {
+        for mask in masks(l, size.0, size.1) {
+            let f = gpt2_forward(l, w, size, mask);
+            let bw = gpt2_backward(l, &f);
+            out.push((f, bw));
+        }
+    }
+    out
+}
+
+fn dimensions(s: &GqaDims, layout: QkvLayout, mask: &FlashMask) -> Vec<(&'static str, usize)> {
     vec![
         ("b", s.b),
         ("t", s.t),
         ("h", s.h),
         ("kv", s.kv),
         ("d", s.d),
+        ("ldq", layout.ldq),
+        ("ldkv", layout.ldkv),
+        ("koff", layout.koff),
+        ("voff", layout.voff),
         ("window", mask.window),
     ]
+}
+
+fn scale(d: usize) -> Vec<(&'static str, f32)> {
+    vec![("scale", 1.0 / (d as f32).sqrt())]
+}
+
+/// The delta region the backward carves.
+fn delta(s: &GqaDims) -> Vec<(&'static str, usize, usize)> {
+    vec![("delta", 0, s.b * s.h * s.t * 4)]
+}
+
+/// GPT-2's q, k, v (and their gradients) are its fused qkv (dqkv).
+fn fused_names(param: &str) -> Option<&'static [&'static str]> {
+    match param {
+        "q" | "k" | "v" => Some(&["qkv"]),
+        "dq" | "dk" | "dv" => Some(&["dqkv"]),
+        _ => None,
+    }
 }
 
 impl Emulated for GqaFlashAttention {
@@ -106,11 +192,11 @@ impl Emulated for GqaFlashAttention {
     }
 
     fn dimensions(&self) -> Vec<(&'static str, usize)> {
-        dimensions(&self.dims, &self.mask)
+        dimensions(&self.dims, QkvLayout::separate(&self.dims), &self.mask)
     }
 
     fn floats(&self, _: &Scalars) -> Vec<(&'static str, f32)> {
-        vec![("scale", 1.0 / (self.dims.d as f32).sqrt())]
+        scale(self.dims.d)
     }
 
     fn emulate(name: &str, args: &[Arg], memory: &Emulator) -> bool {
@@ -124,23 +210,66 @@ impl Emulated for GqaFlashAttentionBackward {
     }
 
     fn dimensions(&self) -> Vec<(&'static str, usize)> {
-        dimensions(&self.dims, &self.mask)
+        dimensions(&self.dims, QkvLayout::separate(&self.dims), &self.mask)
     }
 
     fn floats(&self, _: &Scalars) -> Vec<(&'static str, f32)> {
-        vec![("scale", 1.0 / (self.dims.d as f32).sqrt())]
+        scale(self.dims.d)
     }
 
     fn scratch_regions(&self) -> Vec<(&'static str, usize, usize)> {
-        let GqaDims { b, t, h, .. } = self.dims;
-        vec![("delta", 0, b * h * t * 4)]
+        delta(&self.dims)
     }
 }
 
-/// The launch's `b, t, h, kv, d, window` (arguments `at..at + 6`), its doc_start
-/// (argument `at - 1`) and its scale (the last).
+impl Emulated for FlashAttention {
+    fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
+        gpt2_pairs(w, l).into_iter().map(|(f, _)| f).collect()
+    }
+
+    fn dimensions(&self) -> Vec<(&'static str, usize)> {
+        let s = gpt2_dims((self.b, self.t, self.c, self.nh));
+        dimensions(&s, QkvLayout::fused(self.c), &self.mask)
+    }
+
+    fn floats(&self, _: &Scalars) -> Vec<(&'static str, f32)> {
+        scale(self.c / self.nh)
+    }
+
+    fn accepted(_: &str, param: &str) -> Option<&'static [&'static str]> {
+        fused_names(param)
+    }
+}
+
+impl Emulated for FlashAttentionBackward {
+    fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
+        gpt2_pairs(w, l).into_iter().map(|(_, b)| b).collect()
+    }
+
+    fn dimensions(&self) -> Vec<(&'static str, usize)> {
+        let s = gpt2_dims((self.b, self.t, self.c, self.nh));
+        dimensions(&s, QkvLayout::fused(self.c), &self.mask)
+    }
+
+    fn floats(&self, _: &Scalars) -> Vec<(&'static str, f32)> {
+        scale(self.c / self.nh)
+    }
+
+    fn scratch_regions(&self) -> Vec<(&'static str, usize, usize)> {
+        delta(&gpt2_dims((self.b, self.t, self.c, self.nh)))
+    }
+
+    fn accepted(_: &str, param: &str) -> Option<&'static [&'static str]> {
+        fused_names(param)
+    }
+}
+
+/// The launch's `b, t, h, kv, d` (arguments `at..at + 5`), its layout `ldq, ldkv, koff,
+/// voff` (the next four), its window (the next), its doc_start (argument `at - 1`) and
+/// its scale (the last).
 struct Launched {
     dims: GqaDims,
+    layout: QkvLayout,
     window: usize,
     doc_start: u64,
     scale: f32,
@@ -155,7 +284,13 @@ impl Launched {
         };
         Launched {
             dims: dims_of((n(at), n(at + 1), n(at + 2), n(at + 3), n(at + 4))),
-            window: n(at + 5),
+            layout: QkvLayout {
+                ldq: n(at + 5),
+                ldkv: n(at + 6),
+                koff: n(at + 7),
+                voff: n(at + 8),
+            },
+            window: n(at + 9),
             doc_start: ptr_arg(name, args, at - 1),
             scale,
         }
@@ -176,12 +311,110 @@ impl Launched {
         doc.max(window)
     }
 
-    /// The dot product of row `a` of the tensor at `x` with row `b` of the one at `y`.
+    /// Where query row (bi, ti, hi) starts in q (and dq) and in out (and dout).
+    fn query(&self, bi: usize, ti: usize, hi: usize) -> (usize, usize) {
+        let GqaDims { t, h, d, .. } = self.dims;
+        let token = bi * t + ti;
+        (token * self.layout.ldq + hi * d, (token * h + hi) * d)
+    }
+
+    /// Where key j of sequence bi, key/value head g, starts in k (dk) and in v (dv).
+    fn key(&self, bi: usize, j: usize, g: usize) -> (usize, usize) {
+        let at = (bi * self.dims.t + j) * self.layout.ldkv + g * self.dims.d;
+        (at + self.layout.koff, at + self.layout.voff)
+    }
+
+    /// The dot product of the d values from element `a` of the tensor at `x` with those
+    /// from element `b` of the one at `y`.
     fn dot(&self, m: &Emulator, (x, a): (u64, usize), (y, b): (u64, usize)) -> f32 {
-        let d = self.dims.d;
-        (0..d)
-            .map(|c| m.load(x, a * d + c) * m.load(y, b * d + c))
+        (0..self.dims.d)
+            .map(|c| m.load(x, a + c) * m.load(y, b + c))
             .sum()
+    }
+}
+
+/// flash_forward, as it reads.
+fn emulate_forward(l: &Launched, p: &dyn Fn(usize) -> u64, m: &Emulator) {
+    let GqaDims { b, t, h, kv, d } = l.dims;
+    let (out, lse, q, k, v) = (p(0), p(1), p(2), p(3), p(4));
+    for row in 0..b * h * t {
+        let (ti, hi, bi) = (row % t, (row / t) % h, row / (t * h));
+        let (g, (qat, oat)) = (hi / (h / kv), l.query(bi, ti, hi));
+        let (mut top, mut sum, mut acc) = (f32::NEG_INFINITY, 0f32, vec![0f32; d]);
+        for j in l.first_key(m, bi, ti)..=ti {
+            let (kat, vat) = l.key(bi, j, g);
+            let s = l.dot(m, (q, qat), (k, kat)) * l.scale;
+            let next = top.max(s);
+            let alpha = if top == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (top - next).exp()
+            };
+            let e = (s - next).exp();
+            sum = sum * alpha + e;
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = *a * alpha + e * m.load(v, vat + c);
+            }
+            top = next;
+        }
+        for (c, a) in acc.iter().enumerate() {
+            m.store(out, oat + c, a / sum);
+        }
+        m.store(lse, row, top + sum.ln());
+    }
+}
+
+/// flash_backward_dq, as it reads.
+fn emulate_dq(l: &Launched, p: &dyn Fn(usize) -> u64, m: &Emulator) {
+    let GqaDims { b, t, h, kv, d } = l.dims;
+    let (dq, delta, dout, out, q, k, v, lse) = (p(0), p(1), p(2), p(3), p(4), p(5), p(6), p(7));
+    for row in 0..b * h * t {
+        let (ti, hi, bi) = (row % t, (row / t) % h, row / (t * h));
+        let (g, (qat, oat)) = (hi / (h / kv), l.query(bi, ti, hi));
+        let di = l.dot(m, (dout, oat), (out, oat));
+        m.store(delta, row, di);
+        let mut acc = vec![0f32; d];
+        for j in l.first_key(m, bi, ti)..=ti {
+            let (kat, vat) = l.key(bi, j, g);
+            let pr = (l.dot(m, (q, qat), (k, kat)) * l.scale - m.load(lse, row)).exp();
+            let dp = l.dot(m, (dout, oat), (v, vat));
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a += pr * (dp - di) * m.load(k, kat + c);
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            m.store(dq, qat + c, a * l.scale);
+        }
+    }
+}
+
+/// flash_backward_dkv, as it reads.
+fn emulate_dkv(l: &Launched, p: &dyn Fn(usize) -> u64, m: &Emulator) {
+    let GqaDims { b, t, h, kv, d } = l.dims;
+    let (dk, dv, dout, q, k, v, lse, delta) = (p(0), p(1), p(2), p(3), p(4), p(5), p(6), p(7));
+    let group = h / kv;
+    for row in 0..b * kv * t {
+        let (j, g, bi) = (row % t, (row / t) % kv, row / (t * kv));
+        let (kat, vat) = l.key(bi, j, g);
+        let (mut gk, mut gv) = (vec![0f32; d], vec![0f32; d]);
+        for hi in g * group..(g + 1) * group {
+            for i in (j..t).take_while(|&i| l.first_key(m, bi, i) <= j) {
+                let (qat, oat) = l.query(bi, i, hi);
+                let at = (bi * h + hi) * t + i;
+                let s = l.dot(m, (k, kat), (q, qat)) * l.scale;
+                let pr = (s - m.load(lse, at)).exp();
+                let dp = l.dot(m, (v, vat), (dout, oat));
+                let ds = pr * (dp - m.load(delta, at));
+                for c in 0..d {
+                    gv[c] += pr * m.load(dout, oat + c);
+                    gk[c] += ds * m.load(q, qat + c);
+                }
+            }
+        }
+        for c in 0..d {
+            m.store(dk, kat + c, gk[c] * l.scale);
+            m.store(dv, vat + c, gv[c]);
+        }
     }
 }
 
@@ -189,90 +422,9 @@ impl Launched {
 fn emulate(name: &str, args: &[Arg], m: &Emulator) -> bool {
     let p = |i| ptr_arg(name, args, i);
     match name {
-        "flash_forward_f32" => {
-            let l = Launched::of(name, args, 6);
-            let GqaDims { b, t, h, kv, d } = l.dims;
-            let (out, lse, q, k, v) = (p(0), p(1), p(2), p(3), p(4));
-            for row in 0..b * h * t {
-                let (ti, hi, bi) = (row % t, (row / t) % h, row / (t * h));
-                let (g, qrow) = (hi / (h / kv), (bi * t + ti) * h + hi);
-                let (mut top, mut sum, mut acc) = (f32::NEG_INFINITY, 0f32, vec![0f32; d]);
-                for j in l.first_key(m, bi, ti)..=ti {
-                    let kvrow = (bi * t + j) * kv + g;
-                    let s = l.dot(m, (q, qrow), (k, kvrow)) * l.scale;
-                    let next = top.max(s);
-                    let alpha = if top == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        (top - next).exp()
-                    };
-                    let e = (s - next).exp();
-                    sum = sum * alpha + e;
-                    for (c, a) in acc.iter_mut().enumerate() {
-                        *a = *a * alpha + e * m.load(v, kvrow * d + c);
-                    }
-                    top = next;
-                }
-                for (c, a) in acc.iter().enumerate() {
-                    m.store(out, qrow * d + c, a / sum);
-                }
-                m.store(lse, row, top + sum.ln());
-            }
-        }
-        "flash_backward_dq_f32" => {
-            let l = Launched::of(name, args, 9);
-            let GqaDims { b, t, h, kv, d } = l.dims;
-            let (dq, delta, dout, out, q, k, v, lse) =
-                (p(0), p(1), p(2), p(3), p(4), p(5), p(6), p(7));
-            for row in 0..b * h * t {
-                let (ti, hi, bi) = (row % t, (row / t) % h, row / (t * h));
-                let (g, qrow) = (hi / (h / kv), (bi * t + ti) * h + hi);
-                let di = l.dot(m, (dout, qrow), (out, qrow));
-                m.store(delta, row, di);
-                let mut acc = vec![0f32; d];
-                for j in l.first_key(m, bi, ti)..=ti {
-                    let kvrow = (bi * t + j) * kv + g;
-                    let pr = (l.dot(m, (q, qrow), (k, kvrow)) * l.scale - m.load(lse, row)).exp();
-                    let dp = l.dot(m, (dout, qrow), (v, kvrow));
-                    for (c, a) in acc.iter_mut().enumerate() {
-                        *a += pr * (dp - di) * m.load(k, kvrow * d + c);
-                    }
-                }
-                for (c, a) in acc.iter().enumerate() {
-                    m.store(dq, qrow * d + c, a * l.scale);
-                }
-            }
-        }
-        "flash_backward_dkv_f32" => {
-            let l = Launched::of(name, args, 9);
-            let GqaDims { b, t, h, kv, d } = l.dims;
-            let (dk, dv, dout, q, k, v, lse, delta) =
-                (p(0), p(1), p(2), p(3), p(4), p(5), p(6), p(7));
-            let group = h / kv;
-            for row in 0..b * kv * t {
-                let (j, g, bi) = (row % t, (row / t) % kv, row / (t * kv));
-                let kvrow = (bi * t + j) * kv + g;
-                let (mut gk, mut gv) = (vec![0f32; d], vec![0f32; d]);
-                for hi in g * group..(g + 1) * group {
-                    for i in (j..t).take_while(|&i| l.first_key(m, bi, i) <= j) {
-                        let qrow = (bi * t + i) * h + hi;
-                        let at = (bi * h + hi) * t + i;
-                        let s = l.dot(m, (k, kvrow), (q, qrow)) * l.scale;
-                        let pr = (s - m.load(lse, at)).exp();
-                        let dp = l.dot(m, (v, kvrow), (dout, qrow));
-                        let ds = pr * (dp - m.load(delta, at));
-                        for c in 0..d {
-                            gv[c] += pr * m.load(dout, qrow * d + c);
-                            gk[c] += ds * m.load(q, qrow * d + c);
-                        }
-                    }
-                }
-                for c in 0..d {
-                    m.store(dk, kvrow * d + c, gk[c] * l.scale);
-                    m.store(dv, kvrow * d + c, gv[c]);
-                }
-            }
-        }
+        "flash_forward_f32" => emulate_forward(&Launched::of(name, args, 6), &p, m),
+        "flash_backward_dq_f32" => emulate_dq(&Launched::of(name, args, 9), &p, m),
+        "flash_backward_dkv_f32" => emulate_dkv(&Launched::of(name, args, 9), &p, m),
         _ => return false,
     }
     true
@@ -295,6 +447,16 @@ fn documents(b: usize, t: usize) -> Vec<u32> {
     out
 }
 
+/// The document starts a kernel reads, if any, and its batch and sequence.
+fn doc_tensor(kernel: &Kernel) -> Option<(TensorRef, usize, usize)> {
+    let (mask, b, t) = match kernel {
+        Kernel::GqaFlashAttention(k) => (k.mask, k.dims.b, k.dims.t),
+        Kernel::FlashAttention(k) => (k.mask, k.b, k.t),
+        _ => return None,
+    };
+    mask.doc_start.map(|d| (d, b, t))
+}
+
 #[test]
 fn the_fused_launch_sequences_compute_what_the_cpu_computes() {
     let mut l = Layout::default();
@@ -315,18 +477,16 @@ fn the_fused_launch_sequences_compute_what_the_cpu_computes() {
             ]);
         }
     }
-    let mut inputs = random_inputs(&l, &kernels, 7);
-    for kernel in &kernels {
-        if let Kernel::GqaFlashAttention(GqaFlashAttention {
-            mask: FlashMask {
-                doc_start: Some(d), ..
-            },
-            dims,
-            ..
-        }) = kernel
-        {
-            inputs.write_u32(d, &documents(dims.b, dims.t));
+    for size in [(1, 1, 4, 1), (2, 7, 12, 3), (1, 22, 16, 2)] {
+        for mask in masks(&mut l, size.0, size.1) {
+            let f = gpt2_forward(&mut l, Dtype::F32, size, mask);
+            let b = gpt2_backward(&mut l, &f);
+            kernels.extend([Kernel::FlashAttention(f), Kernel::FlashAttentionBackward(b)]);
         }
+    }
+    let mut inputs = random_inputs(&l, &kernels, 7);
+    for (d, b, t) in kernels.iter().filter_map(doc_tensor) {
+        inputs.write_u32(&d, &documents(b, t));
     }
     check_emulation(&kernels, inputs, 1e-5);
 }
