@@ -103,15 +103,20 @@ pub fn run_model(cfg: &TrainConfig) -> Result<Model, Error> {
     if !cfg.pack {
         return Ok(model);
     }
-    let eos = document_end(Path::new(&cfg.model)).ok_or_else(|| {
-        format!(
-            "--pack needs the id that ends a document, and {} names none: give a model \
-             folder whose tokenizer (tokenizer_config.json's eos_token, or a usual name such \
-             as <|endoftext|>) or config.json (eos_token_id) names one",
-            cfg.model
-        )
-    })?;
-    Ok(model.packed(eos)?)
+    match document_end(Path::new(&cfg.model)) {
+        Some(eos) => Ok(model.packed(eos)?),
+        None => {
+            // A family that packs nothing is refused as such, whatever its files name.
+            model.packed(0)?;
+            Err(format!(
+                "--pack needs the id that ends a document, and {} names none: give a model \
+                 folder whose tokenizer (tokenizer_config.json's eos_token, or a usual name \
+                 such as <|endoftext|>) or config.json (eos_token_id) names one",
+                cfg.model
+            )
+            .into())
+        }
+    }
 }
 
 /// The id that ends a document in the folder `dir`: its tokenizer's end-of-sequence

@@ -319,11 +319,14 @@ fn pack_trains_the_llama_family_and_is_refused_for_gpt2_before_any_step() {
     assert!(out.contains("packed: documents end with token 2"), "{out}");
     let gpt2 = train(dir.path(), &data_dir("gpt2-tiny"), &["--pack"]);
     assert_refused(&gpt2, &["packed batches (--pack)", "Llama family", "gpt2"]);
-    // A shape names no end-of-document token.
+    // A Llama shape names no end-of-document token.
     let shape = train(
         dir.path(),
         Path::new("llama-3.2-1b"),
         &["--pack", "--steps", "1"],
     );
     assert_refused(&shape, &["--pack needs the id that ends a document"]);
+    // A GPT-2 shape names none either, and is refused for its family.
+    let gpt2_shape = train(dir.path(), Path::new("small"), &["--pack", "--steps", "1"]);
+    assert_refused(&gpt2_shape, &["packed batches (--pack)", "Llama family"]);
 }
