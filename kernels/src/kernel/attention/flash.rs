@@ -1,5 +1,6 @@
-//! Fused grouped-query attention, forward and backward, with O(T) memory: the kernels
-//! the Llama family runs (FlashAttention-2's recurrence; no (B, H, T, T) probabilities,
+//! Fused grouped-query attention, forward and backward, with O(T) memory (and what
+//! GPT-2's fused kernels, `flash_gpt2.rs`, share with it): the kernels the Llama family
+//! runs (FlashAttention-2's recurrence; no (B, H, T, T) probabilities,
 //! only each row's log-sum-exp kept for the backward), causal, under an optional sliding
 //! window and document boundaries ([`FlashMask`]). Their CPU op is
 //! [`gqa_flash_attention_forward`]/[`gqa_flash_attention_backward`] (`cpu.rs`); their
@@ -66,9 +67,9 @@ impl FlashMask {
     }
 }
 
-/// Bytes of scratch the fused kernels need on `target`, T-independent on the CPU: there
-/// [`flash_scratch_len`] f32s (tiles per (batch, head) pair); on CUDA the backward's
-/// (B, H, T) f32 row sums of dout * out (the forward needs none).
+/// Bytes of scratch the fused kernels need on `target`: on the CPU [`flash_scratch_len`]
+/// f32s (a tile's worth per (batch, head) pair, no more once T fills a tile); on CUDA the
+/// backward's (B, H, T) f32 row sums of dout * out (the forward needs none).
 pub fn flash_scratch_bytes(target: Target, dims: GqaDims) -> usize {
     match target {
         Target::Cpu => flash_scratch_len(dims) * 4,
