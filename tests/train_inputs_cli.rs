@@ -326,6 +326,18 @@ fn pack_trains_the_llama_family_and_is_refused_for_gpt2_before_any_step() {
         &["--pack", "--steps", "1"],
     );
     assert_refused(&shape, &["--pack needs the id that ends a document"]);
+    // A packed run resumes packed only.
+    let ckpt = dir.path().join("ck");
+    let ck = ckpt.to_str().unwrap();
+    let model = data_dir("llama-packed-tiny");
+    let saving = ["--pack", "--steps", "1", "--checkpoint-dir", ck];
+    assert_ok(&train(dir.path(), &model, &saving));
+    let saved = ckpt.join("step-00000001");
+    let resume = ["--steps", "2", "--resume", saved.to_str().unwrap()];
+    assert_refused(
+        &train(dir.path(), &model, &resume),
+        &["--pack true (now false)"],
+    );
     // A GPT-2 shape names none either, and is refused for its family.
     let gpt2_shape = train(dir.path(), Path::new("small"), &["--pack", "--steps", "1"]);
     assert_refused(&gpt2_shape, &["packed batches (--pack)", "Llama family"]);

@@ -165,7 +165,8 @@ fn check_resumed_model(path: &Path, found: &Model, configured: &Model) -> Result
 }
 
 /// Refuses to resume a checkpoint under settings that change what its data position
-/// means: the batch, the sequence length, the accumulation, or the data file.
+/// means: the batch, the sequence length, the accumulation, or the data file; or what a
+/// batch trains: packing.
 fn check_resume_settings(
     path: &Path,
     saved: &serde_json::Value,
@@ -192,6 +193,7 @@ fn check_resume_settings(
             (cfg.grad_accum * ranks).to_string(),
         ),
         ("--data", data(&saved.data), data(&cfg.data)),
+        ("--pack", saved.pack.to_string(), cfg.pack.to_string()),
     ] {
         if then != now {
             changed.push(format!("{name} {then} (now {now})"));
@@ -202,7 +204,8 @@ fn check_resume_settings(
     }
     Err(format!(
         "--resume {}: the checkpoint was trained with {}; its data position counts batches \
-         of those, so resume with the same settings",
+         of those (and packing changes what a batch trains), so resume with the same \
+         settings",
         path.display(),
         changed.join(", ")
     )
