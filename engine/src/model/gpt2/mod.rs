@@ -398,13 +398,7 @@ impl Scratch {
         let kept = Kept::carve(&mut layer, config, shape, dtype);
         let mut l = |len, dt| layer.take(len, dt);
         let (proj, fch_gelu) = (l(n * c, dtype), l(4 * n * c, dtype));
-        let dims = GqaDims {
-            b: shape.batch,
-            t: shape.seq,
-            h: config.heads,
-            kv: config.heads,
-            d: c / config.heads,
-        };
+        let dims = GqaDims::multi_head(shape.batch, shape.seq, c, config.heads);
         let attention = l(flash_scratch_bytes(target, dims), Dtype::U8);
         let (d_c, d_c2, d_qkv) = (l(n * c, dtype), l(n * c, dtype), l(3 * n * c, dtype));
         let (d_fch, d_fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));

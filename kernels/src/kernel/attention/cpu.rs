@@ -38,6 +38,18 @@ pub struct GqaDims {
 }
 
 impl GqaDims {
+    /// Multi-head attention (GPT-2's): `nh` heads of `c / nh` channels, as many
+    /// key/value heads as query heads (channels per head 0 without heads).
+    pub fn multi_head(b: usize, t: usize, c: usize, nh: usize) -> GqaDims {
+        GqaDims {
+            b,
+            t,
+            h: nh,
+            kv: nh,
+            d: c.checked_div(nh).unwrap_or(0),
+        }
+    }
+
     /// Elements of q or out: B × T × H × D.
     pub fn q_len(&self) -> usize {
         self.b * self.t * self.h * self.d
@@ -1032,13 +1044,7 @@ fn fused_dims(b: usize, t: usize, c: usize, nh: usize) -> GqaDims {
         nh > 0 && c.is_multiple_of(nh),
         "width {c} not divisible by {nh} heads"
     );
-    GqaDims {
-        b,
-        t,
-        h: nh,
-        kv: nh,
-        d: c / nh,
-    }
+    GqaDims::multi_head(b, t, c, nh)
 }
 
 /// out: (B, T, C)  lse: (B, NH, T)  scratch: [`flash_scratch_len`] (with H = KV = NH)

@@ -28,18 +28,7 @@ fn dims(
     nh: usize,
 ) -> Result<GqaDims, KernelError> {
     Heads::checked(kernel, b, t, c, nh)?;
-    Ok(unchecked(b, t, c, nh))
-}
-
-/// [`dims`] unchecked (D = 0 without heads), for the signatures' lengths.
-fn unchecked(b: usize, t: usize, c: usize, nh: usize) -> GqaDims {
-    GqaDims {
-        b,
-        t,
-        h: nh,
-        kv: nh,
-        d: c.checked_div(nh).unwrap_or(0),
-    }
+    Ok(GqaDims::multi_head(b, t, c, nh))
 }
 
 /// Fused causal self-attention scaled by 1/sqrt(C/NH) under `mask`: out (B, T, C) and
@@ -78,7 +67,7 @@ impl Signature for FlashAttention {
     fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
         let (w, (b, t, c, nh)) = (DtypeRule::Working, (self.b, self.t, self.c, self.nh));
         let f32_ = DtypeRule::Exactly(Dtype::F32);
-        let s = unchecked(b, t, c, nh);
+        let s = GqaDims::multi_head(b, t, c, nh);
         each(Param::write("out", &self.out, w, LenRule::Len(b * t * c)));
         each(Param::write(
             "lse",
@@ -174,7 +163,7 @@ impl Signature for FlashAttentionBackward {
     fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
         let (w, (b, t, c, nh)) = (DtypeRule::Working, (self.b, self.t, self.c, self.nh));
         let f32_ = DtypeRule::Exactly(Dtype::F32);
-        let s = unchecked(b, t, c, nh);
+        let s = GqaDims::multi_head(b, t, c, nh);
         let rows = LenRule::Len(b * t * c);
         each(Param::write(
             "dqkv",

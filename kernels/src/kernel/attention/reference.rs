@@ -166,7 +166,7 @@ pub fn attention_forward<R: Real>(
     assert_eq!(c % nh, 0);
     assert_eq!(qkv.len(), b * t * 3 * c);
     let [q, k, v] = split_qkv(qkv, c);
-    gqa_attention_forward(out, att, &q, &k, &v, heads(b, t, c, nh));
+    gqa_attention_forward(out, att, &q, &k, &v, GqaDims::multi_head(b, t, c, nh));
 }
 
 /// dqkv: (B, T, 3C) =  dout: (B, T, C)  qkv: (B, T, 3C)  att: (B, NH, T, T) from the
@@ -186,23 +186,12 @@ pub fn attention_backward<R: Real>(
     assert_eq!((dqkv.len(), qkv.len()), (b * t * 3 * c, b * t * 3 * c));
     let [q, k, v] = split_qkv(qkv, c);
     let [mut dq, mut dk, mut dv] = [0, 1, 2].map(|_| vec![R::default(); b * t * c]);
-    let dims = heads(b, t, c, nh);
+    let dims = GqaDims::multi_head(b, t, c, nh);
     gqa_attention_backward(&mut dq, &mut dk, &mut dv, dout, &q, &k, &v, att, dims);
     for (row, d) in dqkv.chunks_exact_mut(3 * c).enumerate() {
         for (part, grad) in [&dq, &dk, &dv].into_iter().enumerate() {
             d[part * c..][..c].copy_from_slice(&grad[row * c..][..c]);
         }
-    }
-}
-
-/// GPT-2's NH heads of C/NH channels as grouped-query attention's dimensions.
-fn heads(b: usize, t: usize, c: usize, nh: usize) -> GqaDims {
-    GqaDims {
-        b,
-        t,
-        h: nh,
-        kv: nh,
-        d: c / nh,
     }
 }
 

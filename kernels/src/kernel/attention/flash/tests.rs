@@ -77,13 +77,7 @@ fn backward(l: &mut Layout, f: &GqaFlashAttention) -> GqaFlashAttentionBackward 
 }
 
 fn gpt2_dims((b, t, c, nh): (usize, usize, usize, usize)) -> GqaDims {
-    GqaDims {
-        b,
-        t,
-        h: nh,
-        kv: nh,
-        d: c / nh,
-    }
+    GqaDims::multi_head(b, t, c, nh)
 }
 
 fn gpt2_forward(
