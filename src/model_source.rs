@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use strata_engine::model::tokenize::TextTokenizer;
+use strata_engine::model::tokenize::{TextTokenizer, config_eos};
 use strata_engine::model::weights::{self, Pretrained};
 use strata_engine::model::{Gpt2Config, Llama, LlamaConfig, Model, PRESETS};
 
@@ -124,17 +124,8 @@ pub fn run_model(cfg: &TrainConfig) -> Result<Model, Error> {
 /// `eos_token_id` (a number or the first of a list); none for a preset or a shape.
 pub fn document_end(dir: &Path) -> Option<u32> {
     let tokenizer = dir.join("tokenizer.json").is_file();
-    if let Some(eos) = tokenizer
-        .then(|| TextTokenizer::open(dir).ok().and_then(|t| t.eos()))
-        .flatten()
-    {
-        return Some(eos);
-    }
-    let text = std::fs::read_to_string(dir.join(weights::CONFIG_FILE)).ok()?;
-    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let id = config.get("eos_token_id")?;
-    let id = id.as_u64().or_else(|| id.as_array()?.first()?.as_u64())?;
-    u32::try_from(id).ok()
+    let from_tokenizer = tokenizer.then(|| TextTokenizer::open(dir).ok()?.eos());
+    from_tokenizer.flatten().or_else(|| config_eos(dir))
 }
 
 /// The folder `name` names, described (headers only), when it names one with weights

@@ -250,7 +250,14 @@ fn configured_eos(dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Option<u32> 
             return Some(id);
         }
     }
-    let config = read("config.json")?;
+    config_eos(dir)
+}
+
+/// `config.json`'s `eos_token_id` in the folder `dir` (a number or the first of a list),
+/// if it names one.
+pub fn config_eos(dir: &Path) -> Option<u32> {
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).ok()?).ok()?;
     let id = config.get("eos_token_id")?;
     let id = id.as_u64().or_else(|| id.as_array()?.first()?.as_u64())?;
     u32::try_from(id).ok()
