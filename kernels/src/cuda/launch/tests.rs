@@ -517,27 +517,46 @@ fn check_gemm(what: &str, g: &Gemm, regions: &[Region], w: Dtype) {
     }
 }
 
-/// Whether pointer argument `i` of the entry point `name` may be 0: adamw_step's
-/// copy_out when there is none, the fused attention's and the rotary embedding's
-/// doc_start when the batch is not packed.
-fn optional_pointer(name: &str, i: usize) -> bool {
-    let base = ["_f32", "_bf16", "_f16"]
-        .iter()
-        .find_map(|suffix| name.strip_suffix(suffix))
-        .unwrap_or(name);
+/// Whether the pointer parameter `param` of the `.cu` kernel `kernel` may be 0:
+/// adamw_step's copy_out when there is none, the fused attention's and the rotary
+/// embedding's doc_start when the batch is not packed.
+fn optional_pointer(kernel: &str, param: &str) -> bool {
     matches!(
-        (base, i),
-        ("adamw_step", 4)
-            | ("flash_forward", 5)
-            | ("flash_backward_dq", 8)
-            | ("flash_backward_dkv", 8)
-            | ("rope_forward", 4)
-            | ("rope_backward", 4)
+        (kernel, param),
+        ("adamw_step", "copy_out")
+            | ("flash_forward", "doc_start")
+            | ("flash_backward_dq", "doc_start")
+            | ("flash_backward_dkv", "doc_start")
+            | ("rope_forward", "doc_start")
+            | ("rope_backward", "doc_start")
     )
 }
 
-/// Checks every call `kernel` enqueued against its regions.
-fn check_calls(kernel: &Kernel, calls: &[Call], w: Dtype) {
+/// The `.cu` kernel the entry point `name` launches, as [`source_signatures`] keys it
+/// (a typed one without its type's suffix), with its parameters' names in order and
+/// whether each is a pointer.
+fn signature_of<'a>(
+    signatures: &'a HashMap<String, Vec<(String, bool)>>,
+    name: &str,
+) -> (String, &'a [(String, bool)]) {
+    let base = ["_f32", "_bf16", "_f16"]
+        .iter()
+        .find_map(|suffix| name.strip_suffix(suffix))
+        .filter(|base| signatures.contains_key(&format!("{base}_##S")));
+    match base {
+        Some(base) => (base.to_string(), &signatures[&format!("{base}_##S")]),
+        None => (name.to_string(), &signatures[name]),
+    }
+}
+
+/// Checks every call `kernel` enqueued against its regions (`signatures`: the sources'
+/// kernels, for the names of their parameters).
+fn check_calls(
+    kernel: &Kernel,
+    calls: &[Call],
+    w: Dtype,
+    signatures: &HashMap<String, Vec<(String, bool)>>,
+) {
     let regions = regions(kernel);
     let what = format!("{} ({w})", kernel.name());
     let region_at = |ptr: u64| regions.iter().find(|r| r.start == ptr);
@@ -562,10 +581,13 @@ fn check_calls(kernel: &Kernel, calls: &[Call], w: Dtype) {
                     grid.0 >= 1 && grid.1 >= 1 && grid.2 >= 1,
                     "{what}: {name}: grid"
                 );
-                for (i, arg) in args.iter().enumerate() {
+                let (kernel_name, params) = signature_of(signatures, name);
+                assert_eq!(args.len(), params.len(), "{what}: {name}: argument count");
+                for (i, (arg, (param, _))) in args.iter().zip(params).enumerate() {
                     if let Arg::Ptr(ptr) = *arg {
+                        let optional = ptr == 0 && optional_pointer(&kernel_name, param);
                         assert!(
-                            (ptr == 0 && optional_pointer(name, i)) || region_at(ptr).is_some(),
+                            optional || region_at(ptr).is_some(),
                             "{what}: {name}: pointer argument {i} ({ptr:#x}) starts no tensor"
                         );
                     }
@@ -606,9 +628,9 @@ fn recorded() -> Vec<(Dtype, Kernel, Vec<Call>)> {
 
 #[test]
 fn every_launch_and_product_stays_inside_the_kernels_tensors() {
-    let mut calls = 0;
+    let (mut calls, signatures) = (0, source_signatures());
     for (w, kernel, recorded) in recorded() {
-        check_calls(&kernel, &recorded, w);
+        check_calls(&kernel, &recorded, w, &signatures);
         calls += recorded.len();
     }
     assert!(calls > 100, "{calls} calls");
@@ -741,14 +763,7 @@ fn every_launch_hands_each_parameter_the_tensor_or_size_of_its_name() {
             let Call::Launch { name, args, .. } = call else {
                 continue;
             };
-            let base = ["_f32", "_bf16", "_f16"]
-                .iter()
-                .find_map(|suffix| name.strip_suffix(suffix))
-                .filter(|base| signatures.contains_key(&format!("{base}_##S")));
-            let (kernel_name, params) = match base {
-                Some(base) => (base.to_string(), &signatures[&format!("{base}_##S")]),
-                None => (name.clone(), &signatures[&name]),
-            };
+            let (kernel_name, params) = signature_of(&signatures, &name);
             let what = format!("{} ({w}) launching {name}", kernel.name());
             assert_eq!(params.len(), args.len(), "{what}: argument count");
             for ((param, pointer), arg) in params.iter().zip(&args) {
@@ -756,16 +771,7 @@ fn every_launch_hands_each_parameter_the_tensor_or_size_of_its_name() {
                 match *arg {
                     Arg::Ptr(ptr) => {
                         assert!(pointer, "{ctx}: a pointer for a value");
-                        let optional = matches!(
-                            (kernel_name.as_str(), param.as_str()),
-                            ("adamw_step", "copy_out")
-                                | ("flash_forward", "doc_start")
-                                | ("flash_backward_dq", "doc_start")
-                                | ("flash_backward_dkv", "doc_start")
-                                | ("rope_forward", "doc_start")
-                                | ("rope_backward", "doc_start")
-                        );
-                        if optional && ptr == 0 {
+                        if ptr == 0 && optional_pointer(&kernel_name, param) {
                             continue;
                         }
                         let names: Vec<&str> = tensors
