@@ -302,14 +302,15 @@ impl TokenData {
                     vocab,
                 });
             }
-            if i < end - 1 {
-                out.inputs.push(token);
-            }
             if i > start {
                 let counted = self.mask.as_ref().is_none_or(|m| m[i as usize] != 0)
-                    && self.eos.is_none_or(|eos| self.token(i - 1) != eos);
+                    // This target's input, token i - 1, is the last one pushed.
+                    && self.eos.is_none_or(|eos| out.inputs.last() != Some(&eos));
                 out.targets
                     .push(if counted { token } else { IGNORE_TARGET });
+            }
+            if i < end - 1 {
+                out.inputs.push(token);
             }
         }
         self.release(start, end);

@@ -410,6 +410,8 @@ impl<'p, 'a> Emitter<'p, 'a> {
         let m = step.micro();
         let params = |b: usize| s.dev_params[k][b].expect("fetched for this compute");
         let ckpt = &s.ckpts[m];
+        // Packed batches: a layer finds each token's document from the ids.
+        let layer_tokens = f.input.model.packing().map(|_| s.tokens_dev[m]);
         match step {
             Compute::Embed(_) => (
                 0,
@@ -433,8 +435,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
                     input: Some(ckpt[b - 1].fwd),
                     output: Some(ckpt[b].fwd),
                     saved: s.saved[m][b],
-                    // Packed batches: the layer finds each token's document from the ids.
-                    tokens: Some(s.tokens_dev[m]),
+                    tokens: layer_tokens,
                     ..Binds::default()
                 },
             ),
@@ -470,7 +471,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
                     d_output: Some(s.dact[m][b]),
                     d_input: Some(s.dact[m][b - 1]),
                     saved: s.saved[m][b],
-                    tokens: Some(s.tokens_dev[m]),
+                    tokens: layer_tokens,
                     ..Binds::default()
                 },
             ),
