@@ -61,11 +61,7 @@ fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         host: 64 << 20,
         nvme: 0,
     };
-    let input = PlanInput {
-        model: &model,
-        shape: StepShape::cpu(2, 32),
-        budgets,
-    };
+    let input = PlanInput::new(&model, StepShape::cpu(2, 32), budgets);
     let mut table = Table::new("policy,device,host,h2d/step,predicted ms,fits".split(','));
     let param_offload = ParamOffload::default();
     let policies: [&dyn Policy; 4] = [&AllOnDevice, &CpuOffload, &param_offload, &PinnedEnds];

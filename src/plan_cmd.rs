@@ -62,7 +62,8 @@ pub struct PlanReport {
     /// Ranks of ZeRO-3 data parallelism the step is planned for (1: one process). Bytes
     /// are per rank; step times and tokens per second are the whole job's.
     pub ranks: usize,
-    /// Which layers recompute their forward in the backward, as asked: auto, all, none.
+    /// Which layers recompute their forward in the backward, as asked: auto, all, none,
+    /// offload.
     pub recompute: String,
     /// Budgets per tier, in bytes: device, host, NVMe.
     pub budgets: TierBytes,
@@ -139,6 +140,11 @@ pub struct PolicyRow {
     pub recomputed_blocks: usize,
     /// Bytes of the saved activations the other layer blocks keep on the device.
     pub saved_activation_bytes: u64,
+    /// Layer blocks whose saved activations are offloaded between their forward and
+    /// backward (to host memory or NVMe).
+    pub offloaded_blocks: usize,
+    /// Bytes of their saved activations (one micro-batch's).
+    pub offloaded_activation_bytes: u64,
     /// Blocks whose gradients wait for the clipping norm on NVMe (`--spill-grads`).
     pub spilled_blocks: usize,
     /// Whether the first and last blocks' optimizer state stays in host memory, and
@@ -196,6 +202,10 @@ pub struct AutoChoice {
     pub recomputed: String,
     /// Bytes of the saved activations the other layer blocks keep on the device.
     pub saved_activation_bytes: u64,
+    /// Bytes of the saved activations offloaded to host memory (one micro-batch's).
+    pub offloaded_host_bytes: u64,
+    /// Bytes of the saved activations offloaded to NVMe (one micro-batch's).
+    pub offloaded_nvme_bytes: u64,
     /// The RAM a process running it is planned to hold (what `train`'s summary measures
     /// VmHWM against).
     pub process: ProcessMemory,
@@ -237,12 +247,8 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
     let run_budgets = budgets_of(cfg, target)?;
     let budgets = run_budgets.budgets;
     let shape = shape_of(cfg, target).with_ranks(ranks);
-    let input = PlanInput {
-        model: &model,
-        shape,
-        budgets,
-    };
     let cost = CostModel::default();
+    let input = PlanInput::new(&model, shape, budgets).with_cost(cost);
     let params = model.param_count() as u64;
     // Whether the run writes the model (`--out`) is not a step's shape: counted, as a
     // run that may; evaluating is, where a `--config` file asks for it.
@@ -348,6 +354,8 @@ fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan, reads: Reads)
         peak_bytes: TierBytes::of(plan.peak),
         recomputed_blocks: plan.recomputed(),
         saved_activation_bytes: plan.saved_total_bytes(),
+        offloaded_blocks: plan.offloaded(),
+        offloaded_activation_bytes: offloaded_bytes(plan),
         spilled_blocks: plan.spilled(),
         edges_on_host: plan.edges_on_host(),
         edges: plan.edges_text(),
@@ -389,6 +397,8 @@ fn auto_choice(input: &PlanInput<'_>, cost: CostModel, reads: Reads) -> Result<A
         peak_bytes: TierBytes::of(plan.peak),
         recomputed: plan.recomputed_of(),
         saved_activation_bytes: plan.saved_total_bytes(),
+        offloaded_host_bytes: plan.saved_in(Tier::Host),
+        offloaded_nvme_bytes: plan.saved_in(Tier::Nvme),
         process: ProcessMemory::of_run(&plan, input.model, reads),
     })
 }
@@ -524,7 +534,10 @@ fn policies_table(r: &PlanReport) -> String {
             cells.push(fmt_bytes(row.nvme_bytes_all_ranks));
         }
         cells.extend([
-            format!("{} of {}", row.recomputed_blocks, r.layers),
+            match row.offloaded_blocks {
+                0 => format!("{} of {}", row.recomputed_blocks, r.layers),
+                n => format!("{} of {}, {n} offloaded", row.recomputed_blocks, r.layers),
+            },
             format!("{:.3}", row.step_seconds),
         ]);
         if ranked {
@@ -589,8 +602,8 @@ fn by_class_table(r: &PlanReport, auto: &AutoChoice) -> String {
     by_class.row([
         "saved activations (layers not recomputed)".to_string(),
         fmt_bytes(auto.saved_activation_bytes),
-        "-".into(),
-        "-".into(),
+        fmt_bytes(auto.offloaded_host_bytes),
+        fmt_bytes(auto.offloaded_nvme_bytes),
     ]);
     by_class.row([
         if ranked { "peak per rank" } else { "peak" }.to_string(),
@@ -641,4 +654,9 @@ pub fn run(args: &PlanArgs, out: &mut impl Write) -> Result<(), Error> {
             Err(format!("no plan fits: {why}").into())
         }
     }
+}
+
+/// Bytes of `plan`'s saved activations offloaded to host memory or NVMe.
+fn offloaded_bytes(plan: &Plan) -> u64 {
+    plan.saved_in(Tier::Host) + plan.saved_in(Tier::Nvme)
 }

@@ -385,6 +385,7 @@ mod tests {
             model: &model,
             shape: StepShape::cpu(2, 32),
             budgets: Budgets::new(1 << 30, 1 << 30, 1 << 30),
+            cost: Default::default(),
         };
         let plan = Plan::build(&input, builtin.policy(2).as_ref()).unwrap();
         (plan, model)

@@ -159,13 +159,13 @@ pub fn prefetch_depth(cfg: &TrainConfig) -> usize {
     cfg.prefetch.unwrap_or(DEFAULT_PREFETCH_DEPTH)
 }
 
-/// Plans a step: the configured policy, or the fastest that fits (auto). Refuses a plan
-/// that does not fit, before anything is allocated.
+/// Plans a step: the configured policy, or the fastest that fits (auto), its choices
+/// weighed by `cost`. Refuses a plan that does not fit, before anything is allocated.
 pub fn plan_of(cfg: &TrainConfig, input: &PlanInput<'_>, cost: CostModel) -> Result<Plan, Error> {
     match cfg.policy {
         PolicyChoice::Builtin(builtin) => {
             let policy = builtin.policy(prefetch_depth(cfg));
-            let plan = Plan::build(input, policy.as_ref())?;
+            let plan = Plan::build(&input.with_cost(cost), policy.as_ref())?;
             plan.check_fits(input)?;
             Ok(plan)
         }

@@ -47,6 +47,7 @@ fn executor(model: &Model, policy: &dyn Policy, shape: StepShape, nvme: &Path) -
         model,
         shape,
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let plan = Plan::build(&input, policy).unwrap();
     let config = ExecConfig {

@@ -80,6 +80,7 @@ fn masked_positions_do_not_count() {
             host: unlimited,
             nvme: unlimited,
         },
+        cost: Default::default(),
     };
     let plan = Plan::build(&input, &CpuOffload).unwrap();
     let mut exec = Executor::on_cpu(model.clone(), plan, &ExecConfig::default()).unwrap();

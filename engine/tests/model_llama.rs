@@ -31,7 +31,7 @@ use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::Model;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights::{PretrainedBlocks, load_config, load_pretrained};
-use strata_engine::plan::{AllOnDevice, Plan, PlanInput, Policy, StepShape};
+use strata_engine::plan::{AllOnDevice, Plan, PlanInput, Policy, Recompute, StepShape};
 
 const B: usize = 2;
 const T: usize = 16;
@@ -228,14 +228,11 @@ fn three_steps(
     params: &[Vec<f32>],
     data: &TokenData,
     step_params: &StepParams,
-    policy: &dyn Policy,
+    (policy, recompute): (&dyn Policy, Recompute),
     chaos: Option<u64>,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let input = PlanInput {
-        model,
-        shape: StepShape::cpu(B, T),
-        budgets: UNLIMITED,
-    };
+    let shape = StepShape::cpu(B, T).recomputing(recompute);
+    let input = PlanInput::new(model, shape, UNLIMITED);
     let plan = Plan::build(&input, policy).unwrap();
     let nvme = tempfile::tempdir().unwrap();
     let config = ExecConfig {
@@ -313,8 +310,14 @@ fn three_adamw_steps_are_as_accurate_as_pytorch_and_identical_under_every_policy
         let truth = read_f64_tensors(&dir.join("final64.safetensors"));
         let data = TokenData::open(&dir.join("tokens.bin")).unwrap();
         let step_params = golden_step_params(&dir);
-        let (losses, reference) =
-            three_steps(&model, &params, &data, &step_params, &AllOnDevice, None);
+        let (losses, reference) = three_steps(
+            &model,
+            &params,
+            &data,
+            &step_params,
+            (&AllOnDevice, Recompute::Auto),
+            None,
+        );
         let loss_err = rel_err(&losses, &expected["losses"]);
         assert!(
             loss_err < TOLERANCE,
@@ -421,11 +424,18 @@ fn three_adamw_steps_are_as_accurate_as_pytorch_and_identical_under_every_policy
             ours.worst,
             torch.worst
         );
+        // Every block keeping its activations on the device, and offloading them.
         for policy in all_policies() {
-            for chaos in CHAOS {
-                let (l, p) =
-                    three_steps(&model, &params, &data, &step_params, policy.as_ref(), chaos);
-                let what = format!("{name} {} chaos {chaos:?}", policy.name());
+            for (recompute, chaos) in [Recompute::Auto, Recompute::Offload]
+                .into_iter()
+                .flat_map(|r| CHAOS.map(|c| (r, c)))
+            {
+                let how = (policy.as_ref(), recompute);
+                let (l, p) = three_steps(&model, &params, &data, &step_params, how, chaos);
+                let what = format!(
+                    "{name} {} --recompute {recompute} chaos {chaos:?}",
+                    policy.name()
+                );
                 assert_eq!(l, losses, "{what}: losses");
                 for (b, (x, y)) in reference.iter().zip(&p).enumerate() {
                     assert!(

@@ -19,7 +19,7 @@ use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::Model;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::weights::load_pretrained;
-use strata_engine::plan::{Plan, PlanInput, StepShape};
+use strata_engine::plan::{Plan, PlanInput, Recompute, StepShape};
 
 const B: usize = 2;
 const T: usize = 16;
@@ -122,33 +122,34 @@ fn the_executor_steps_a_packed_batch_alike_under_every_policy() {
     let expected = read_f32_tensors(&dir.join("expected.safetensors"));
     let packed = model.packed(eos()).unwrap();
     let b = batch(&packed, Some(eos()));
-    let input = PlanInput {
-        model: &packed,
-        shape: StepShape::cpu(B, T),
-        budgets: UNLIMITED,
-    };
     let params_of_step = StepParams {
         adam: AdamW::default(),
         clip: 0.0,
         loss_scale: 1.0,
     };
     let mut runs = Vec::new();
+    // Every block keeping its activations on the device, and offloading them.
     for policy in all_policies() {
-        for chaos in CHAOS {
-            let plan = Plan::build(&input, policy.as_ref()).unwrap();
-            let nvme = tempfile::tempdir().unwrap();
-            let config = ExecConfig {
-                nvme_dirs: vec![nvme.path().into()],
-                chaos,
-                ..ExecConfig::default()
-            };
-            let mut exec = Executor::on_cpu(packed.clone(), plan, &config).unwrap();
-            exec.load(&params, None).unwrap();
-            let report = exec
-                .step(&[(&b.inputs, &b.targets)], &params_of_step)
-                .unwrap();
-            let updated = exec.export().unwrap().0;
-            runs.push((policy.name(), chaos, report.loss, updated));
+        for recompute in [Recompute::Auto, Recompute::Offload] {
+            let shape = StepShape::cpu(B, T).recomputing(recompute);
+            let input = PlanInput::new(&packed, shape, UNLIMITED);
+            for chaos in CHAOS {
+                let plan = Plan::build(&input, policy.as_ref()).unwrap();
+                let nvme = tempfile::tempdir().unwrap();
+                let config = ExecConfig {
+                    nvme_dirs: vec![nvme.path().into()],
+                    chaos,
+                    ..ExecConfig::default()
+                };
+                let mut exec = Executor::on_cpu(packed.clone(), plan, &config).unwrap();
+                exec.load(&params, None).unwrap();
+                let report = exec
+                    .step(&[(&b.inputs, &b.targets)], &params_of_step)
+                    .unwrap();
+                let updated = exec.export().unwrap().0;
+                let what = format!("{} --recompute {recompute}", policy.name());
+                runs.push((what, chaos, report.loss, updated));
+            }
         }
     }
     let (_, _, loss, updated) = &runs[0];

@@ -112,6 +112,7 @@ fn train_with(
         model,
         shape,
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let plan = Plan::build(&input, policy).unwrap();
     train_plan(model, plan, steps, step_params, chaos)
@@ -252,6 +253,7 @@ fn every_operation_is_on_a_lane_its_kind_runs_on() {
                 model: &model,
                 shape,
                 budgets: UNLIMITED,
+                cost: Default::default(),
             };
             let plan = Plan::build(&input, policy.as_ref()).unwrap();
             for (lane, ids) in Lane::ALL.iter().zip(&plan.lanes) {
@@ -311,6 +313,7 @@ fn loading_a_block_at_a_time_trains_the_same_bits() {
                 model: &model,
                 shape,
                 budgets: UNLIMITED,
+                cost: Default::default(),
             },
             &policy,
         )
@@ -367,6 +370,7 @@ fn nvme_lanes_keep_transfers_in_flight_and_train_the_same_bits() {
         model: &model,
         shape,
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let policy = NvmeOnly(NvmeOffload {
         depth: 4,
@@ -459,6 +463,7 @@ fn gradients_spilled_for_the_norm_train_bit_identically_in_less_host_memory() {
                 model: &model,
                 shape: shape.spilling(spill),
                 budgets: Budgets { host, ..UNLIMITED },
+                cost: Default::default(),
             };
             Plan::build(&input, &policy).unwrap()
         };
@@ -540,6 +545,7 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
             model: &model,
             shape,
             budgets: Budgets { host, ..UNLIMITED },
+            cost: Default::default(),
         };
         Plan::build(&input, &policy).unwrap()
     };
@@ -606,6 +612,7 @@ fn nvme_offload_keeps_the_edges_in_host_memory_only_when_they_fit() {
             model: &model,
             shape,
             budgets: UNLIMITED,
+            cost: Default::default(),
         },
         &NvmeOnly(policy),
     )
@@ -634,6 +641,7 @@ fn the_backward_takes_its_parameters_from_the_state_read_for_the_update() {
         model: &model,
         shape,
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let plan = Plan::build(&input, &policy).unwrap();
     let nb = model.blocks().len();
@@ -685,6 +693,7 @@ fn on_the_cpu_device_nvme_and_the_optimizer_reach_device_memory_without_copies()
         model: &model,
         shape,
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let plan = Plan::build(&input, &policy).unwrap();
     let head = model.blocks().len() - 1;
@@ -779,6 +788,7 @@ fn exporting_a_block_gives_the_whole_export_s_parameters() {
             model: &model,
             shape,
             budgets: UNLIMITED,
+            cost: Default::default(),
         };
         let plan = Plan::build(&input, policy.as_ref()).unwrap();
         let nvme = tempfile::tempdir().unwrap();
@@ -937,6 +947,7 @@ fn three_steps_match_pytorch_adamw_on_the_tiny_model() {
             model: &model,
             shape: StepShape::cpu(2, 16),
             budgets: UNLIMITED,
+            cost: Default::default(),
         };
         let plan = Plan::build(&input, policy.as_ref()).unwrap();
         let nvme = tempfile::tempdir().unwrap();
@@ -1015,6 +1026,7 @@ fn measured_peaks_and_bytes_agree_with_the_plan() {
             model: &model,
             shape,
             budgets: UNLIMITED,
+            cost: Default::default(),
         };
         let plan = Plan::build(&input, policy.as_ref()).unwrap();
         for chaos in CHAOS {
@@ -1112,6 +1124,7 @@ fn a_plan_chosen_for_budgets_stays_within_them() {
         model: &model,
         shape,
         budgets,
+        cost: Default::default(),
     };
     let (_, plan, _) = Auto::default().choose(&input).unwrap();
     let nvme = tempfile::tempdir().unwrap();
@@ -1151,6 +1164,7 @@ fn a_plan_over_budget_is_refused_naming_the_tier_and_what_fits() {
             model: &model,
             shape,
             budgets: UNLIMITED,
+            cost: Default::default(),
         },
         &AllOnDevice,
     )
@@ -1164,6 +1178,7 @@ fn a_plan_over_budget_is_refused_naming_the_tier_and_what_fits() {
         model: &model,
         shape,
         budgets,
+        cost: Default::default(),
     };
     let plan = Plan::build(&input, &AllOnDevice).unwrap();
     let err = plan.check_fits(&input).unwrap_err();
@@ -1221,27 +1236,50 @@ fn a_plan_over_budget_is_refused_naming_the_tier_and_what_fits() {
     assert!(short.len() >= 2, "{short:?}");
 }
 
-/// The plans of one step of `model` under `policy` that recompute every layer block's
-/// forward in the backward (`--recompute all`), none of them (`none`), and some (`auto`
-/// under a device budget halfway between the first two's device peaks), each checked to
-/// be what it says.
-fn recompute_plans(model: &Model, shape: StepShape, policy: &dyn Policy) -> [Plan; 3] {
+/// Rates under which the cost model prefers offloading activations to recomputing
+/// them: copies and NVMe a thousand times the defaults.
+fn fast_links() -> CostModel {
+    let d = CostModel::default();
+    CostModel {
+        h2d_bytes_per_s: 1e3 * d.h2d_bytes_per_s,
+        d2h_bytes_per_s: 1e3 * d.d2h_bytes_per_s,
+        nvme_read_bytes_per_s: 1e3 * d.nvme_read_bytes_per_s,
+        nvme_write_bytes_per_s: 1e3 * d.nvme_write_bytes_per_s,
+        ..d
+    }
+}
+
+/// Plans of `model` under `policy` in which every layer block recomputes its forward in
+/// the backward (`--recompute all`), none of them (`none`), none but offloading their
+/// saved activations (`offload`: all but the last, whose backward follows too closely),
+/// and some (`auto` under a device budget halfway between the first two's device peaks,
+/// with no host room to offload), each checked to be what it says.
+fn recompute_plans(model: &Model, shape: StepShape, policy: &dyn Policy) -> [Plan; 4] {
     let plan = |recompute, budgets| {
         let input = PlanInput {
             model,
             shape: shape.recomputing(recompute),
             budgets,
+            cost: Default::default(),
         };
         Plan::build(&input, policy).unwrap()
     };
     let all = plan(Recompute::All, UNLIMITED);
     let none = plan(Recompute::None, UNLIMITED);
+    let offload = plan(Recompute::Offload, UNLIMITED);
     let layers = model.layers();
     assert_eq!((all.recomputed(), none.recomputed()), (layers, 0));
+    assert_eq!(offload.recomputed(), 0);
+    assert!(
+        (1..layers).contains(&offload.offloaded()),
+        "{}",
+        offload.recompute_summary()
+    );
     let (low, high) = (all.peak[0], none.peak[0]);
     assert!(low < high, "{}: device {low} vs {high}", policy.name());
     let budgets = Budgets {
         device: (low + high) / 2,
+        host: all.peak[1],
         ..UNLIMITED
     };
     let mixed = plan(Recompute::Auto, budgets);
@@ -1252,11 +1290,11 @@ fn recompute_plans(model: &Model, shape: StepShape, policy: &dyn Policy) -> [Pla
     );
     assert!(mixed.peak[0] <= budgets.device, "{what}: {}", mixed.peak[0]);
     assert!(
-        (1..layers).contains(&mixed.recomputed()),
+        (1..layers).contains(&mixed.recomputed()) && mixed.offloaded() == 0,
         "{what}: {}",
         mixed.recompute_summary()
     );
-    [all, none, mixed]
+    [all, none, offload, mixed]
 }
 
 #[test]
@@ -1302,16 +1340,26 @@ fn the_planner_keeps_what_fits_and_charges_recomputing_only_where_it_happens() {
     let model = Model::new(Gpt2Config::new(layers, 4, 64, 96, 32)).unwrap();
     let dims = model.shape(2, 32).unwrap();
     let shape = StepShape::cpu(2, 32);
-    let plan = |recompute, device| {
+    let plan_under = |recompute, budgets| {
         let input = PlanInput {
             model: &model,
             shape: shape.recomputing(recompute),
-            budgets: Budgets {
-                device,
-                ..UNLIMITED
-            },
+            budgets,
+            cost: Default::default(),
         };
         (Plan::build(&input, &AllOnDevice).unwrap(), input)
+    };
+    // No host room for offloaded activations: the blocks not kept recompute.
+    let host = plan_under(Recompute::All, UNLIMITED).0.peak[1];
+    let plan = |recompute, device| {
+        plan_under(
+            recompute,
+            Budgets {
+                device,
+                host,
+                ..UNLIMITED
+            },
+        )
     };
     let (all, _) = plan(Recompute::All, UNLIMITED.device);
     let (none, _) = plan(Recompute::None, UNLIMITED.device);
@@ -1388,6 +1436,142 @@ fn the_planner_keeps_what_fits_and_charges_recomputing_only_where_it_happens() {
             )),
         "{msg}"
     );
+}
+
+#[test]
+fn the_planner_offloads_activations_where_the_cost_model_says_copies_beat_recomputing() {
+    use strata_engine::model::Dtype;
+    let layers = 6;
+    let model = Model::new(Gpt2Config::new(layers, 4, 64, 96, 32)).unwrap();
+    let dims = model.shape(2, 32).unwrap();
+    let per_block = model.saved_bytes(1, dims, Target::Cpu, Dtype::F32) as u64;
+    let shape = StepShape::cpu(2, 32);
+    let policy = ParamOffload {
+        depth: 2,
+        checkpoints: Tier::Host,
+    };
+    let plan = |recompute, budgets, cost| {
+        let input = PlanInput {
+            model: &model,
+            shape: shape.recomputing(recompute),
+            budgets,
+            cost,
+        };
+        Plan::build(&input, &policy).unwrap()
+    };
+    let unlimited = |recompute| plan(recompute, UNLIMITED, CostModel::default());
+    let (all, none, offload) = (
+        unlimited(Recompute::All),
+        unlimited(Recompute::None),
+        unlimited(Recompute::Offload),
+    );
+    // Layers 1 to 5 are far enough from their backward (more than depth + 1 computes:
+    // layer 5's is 4 after it, behind layer 6's forward, the head and layer 6's
+    // backward) to offload; layer 6 keeps its on the device.
+    let offloaded: Vec<bool> = (0..layers + 2)
+        .map(|b| offload.saved_tier[b] == Tier::Host)
+        .collect();
+    let want: Vec<bool> = (0..layers + 2).map(|b| (1..=5).contains(&b)).collect();
+    assert_eq!(offloaded, want, "{}", offload.recompute_summary());
+    assert_eq!(
+        offload.recompute_summary(),
+        "recompute: 0 of 6 blocks, 5 offloaded to host"
+    );
+    assert_eq!(offload.saved_in(Tier::Host), 5 * per_block);
+    assert_eq!(offload.saved_total_bytes(), per_block);
+    // Each offloaded block's activations cross each way once per step, and wait in
+    // host memory all at once (every forward ends before the first backward).
+    let links = |p: &Plan| (p.link_bytes[2], p.link_bytes[3]);
+    assert_eq!(
+        links(&offload),
+        (
+            links(&none).0 + 5 * per_block,
+            links(&none).1 + 5 * per_block
+        )
+    );
+    assert!(
+        offload.peak[1] >= none.peak[1] + 5 * per_block,
+        "host {} vs {} + 5 x {per_block}",
+        offload.peak[1],
+        none.peak[1]
+    );
+    // On the device they are no longer all live at once.
+    assert!(
+        offload.peak[0] + per_block <= none.peak[0],
+        "device {} offloading vs {} keeping",
+        offload.peak[0],
+        none.peak[0]
+    );
+    // Under a device budget that keeping every block's does not fit, auto offloads
+    // where copies are cheap, and recomputes where they are dear or the host is full.
+    let device = Budgets {
+        device: offload.peak[0],
+        ..UNLIMITED
+    };
+    let fast = plan(Recompute::Auto, device, fast_links());
+    assert_eq!(fast.recomputed(), 0, "{}", fast.recompute_summary());
+    assert!(fast.offloaded() >= 1, "{}", fast.recompute_summary());
+    assert!(fast.peak[0] <= device.device);
+    let d = CostModel::default();
+    let dear = CostModel {
+        h2d_bytes_per_s: 1e-3 * d.h2d_bytes_per_s,
+        d2h_bytes_per_s: 1e-3 * d.d2h_bytes_per_s,
+        ..d
+    };
+    let slow = plan(Recompute::Auto, device, dear);
+    assert!(
+        slow.recomputed() >= 1 && slow.offloaded() == 0,
+        "{}",
+        slow.recompute_summary()
+    );
+    let full_host = Budgets {
+        host: all.peak[1],
+        ..device
+    };
+    let no_room = plan(Recompute::Auto, full_host, fast_links());
+    assert!(
+        no_room.recomputed() >= 1 && no_room.offloaded() == 0,
+        "{}",
+        no_room.recompute_summary()
+    );
+    // Host room for some of them: those offload, the rest recompute.
+    let some_room = Budgets {
+        host: all.peak[1] + 5 * per_block / 2,
+        ..device
+    };
+    let partly = plan(Recompute::Auto, some_room, fast_links());
+    assert!(
+        partly.recomputed() >= 1 && partly.offloaded() >= 1,
+        "{}",
+        partly.recompute_summary()
+    );
+    assert!(partly.first_overflow().is_none(), "{:?}", partly.peak);
+    // What the choice was weighed by: the fast links predict the offloading plan
+    // faster than the recomputing one, the dear ones the reverse.
+    let step = |cost: &CostModel, p: &Plan| cost.predict(p).step_seconds;
+    assert!(step(&fast_links(), &fast) < step(&fast_links(), &slow));
+    assert!(step(&dear, &slow) < step(&dear, &fast));
+    // Where the policy puts checkpoints on NVMe, offloaded activations go there too:
+    // an extent each, NVMe traffic instead of host memory.
+    let nvme_policy = NvmeOffload {
+        depth: 2,
+        checkpoints: Tier::Nvme,
+    };
+    let on_nvme = |recompute| {
+        let input = PlanInput::new(&model, shape.recomputing(recompute), UNLIMITED);
+        Plan::build(&input, &nvme_policy).unwrap()
+    };
+    let (kept, to_nvme) = (on_nvme(Recompute::None), on_nvme(Recompute::Offload));
+    assert_eq!(to_nvme.saved_in(Tier::Nvme), 5 * per_block);
+    assert_eq!(to_nvme.saved_in(Tier::Host), 0);
+    assert!(
+        to_nvme.peak[2] >= kept.peak[2] + 5 * per_block,
+        "nvme {} vs {}",
+        to_nvme.peak[2],
+        kept.peak[2]
+    );
+    assert_eq!(to_nvme.link_bytes[0], kept.link_bytes[0] + 5 * per_block);
+    assert_eq!(to_nvme.link_bytes[1], kept.link_bytes[1] + 5 * per_block);
 }
 
 /// Master parameters, m and v of every block.
@@ -1573,6 +1757,7 @@ fn an_nvme_fault_fails_the_step_and_commits_each_block_whole() {
             model: &model,
             shape,
             budgets: UNLIMITED,
+            cost: Default::default(),
         };
         let plan = Plan::build(
             &input,
@@ -1638,6 +1823,7 @@ fn a_step_exports_as_a_chrome_trace_with_every_lane() {
         model: &model,
         shape,
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let plan = Plan::build(&input, &NvmeOffload::default()).unwrap();
     let nvme = tempfile::tempdir().unwrap();
@@ -1714,6 +1900,7 @@ fn calibration_measures_every_rate_and_plans_with_them() {
         model: &model,
         shape: StepShape::cpu(2, 16),
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let (_, plan, _) = Auto { cost }.choose(&input).unwrap();
     assert!(cost.predict(&plan).step_seconds > 0.0);
@@ -1766,6 +1953,7 @@ fn a_failure_at_any_operation_commits_each_block_whole_under_every_policy() {
             model: &model,
             shape,
             budgets: UNLIMITED,
+            cost: Default::default(),
         };
         let plan = Plan::build(&input, policy.as_ref()).unwrap();
         // Steps before the one that fails: two, so a delayed update has one pending.
@@ -1845,6 +2033,7 @@ fn a_panic_in_any_lane_ends_the_step_with_an_error_naming_it() {
         model: &model,
         shape,
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let plan = Plan::build(
         &input,
@@ -1914,6 +2103,7 @@ fn the_gradients_copied_after_the_last_backward_wait_for_no_late_state_write() {
             ..StepShape::cpu(2, 16)
         },
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     let policy = NvmeOffload {
         depth: 2,
@@ -1984,6 +2174,7 @@ fn a_backward_does_not_wait_for_the_update_of_the_block_before_it() {
         model: &model,
         shape: StepShape::cpu(2, 16),
         budgets: UNLIMITED,
+        cost: Default::default(),
     };
     for policy in [
         Box::new(CpuOffload) as Box<dyn Policy>,

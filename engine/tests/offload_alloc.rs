@@ -62,6 +62,7 @@ fn a_step_after_the_first_allocates_only_its_report() {
                 ..shape
             },
             budgets: UNLIMITED,
+            cost: Default::default(),
         };
         let plan = Plan::build(&input, policy.as_ref()).unwrap();
         let dir = tempfile::tempdir().unwrap();

@@ -118,10 +118,12 @@ pub struct StepArgs {
     #[arg(long, visible_alias = "prefetch", default_value_t = 2)]
     pub depth: usize,
     /// Which layers' backward recomputes their forward instead of reading the
-    /// activations the forward kept on the device: auto (keep what fits the device
-    /// budget), all (recompute every layer), none (keep every layer's). Comma-separated
-    /// values run each policy once per value, interleaved, and compare their tokens/s
-    /// (all,none: the cost of recomputing).
+    /// activations the forward kept: auto (keep what fits the device budget; offload or
+    /// recompute the rest, by the cost model), all (recompute every layer), none (keep
+    /// every layer's on the device), offload (keep every layer's off the device between
+    /// its forward and backward). Comma-separated values run each policy once per
+    /// value, interleaved, and compare their tokens/s (all,none: the cost of
+    /// recomputing).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
     pub recompute: Vec<Recompute>,
     /// Folder for the NVMe tier's swap files (on the drive to measure; not tmpfs).
@@ -902,6 +904,7 @@ fn plan_rigs(args: &StepArgs, setup: &Setup) -> (Vec<Rig>, Vec<Refusal>) {
             model: &setup.model,
             shape: setup.shape.recomputing(recompute),
             budgets: budgets(args, None),
+            cost: Default::default(),
         };
         match Plan::build(&input, policy.as_ref()).and_then(|plan| {
             plan.check_fits(&input)?;
@@ -1424,6 +1427,7 @@ fn scale_plan(
         model: &setup.model,
         shape: setup.shape,
         budgets,
+        cost: Default::default(),
     };
     let mut refusal = None;
     for checkpoints in [Tier::Host, Tier::Nvme] {

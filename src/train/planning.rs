@@ -41,11 +41,6 @@ pub fn plan_run(
 ) -> Result<Planned, Error> {
     let budgets = run_budgets(cfg, target, ranks)?;
     let shape = shape_of(cfg, target).with_ranks(ranks.ranks);
-    let input = PlanInput {
-        model,
-        shape,
-        budgets: budgets.budgets,
-    };
     // This machine's rates, measured in half a second, choose the plan and predict it.
     let mut cost = strata_engine::exec::calibrate(
         model,
@@ -56,6 +51,7 @@ pub fn plan_run(
     )?;
     let shard_bytes = strata_engine::plan::layer_shard_bytes(model, shape) as usize;
     ranks.agree_on_rates(&mut cost, shard_bytes)?;
+    let input = PlanInput::new(model, shape, budgets.budgets).with_cost(cost);
     let plan = plan_of(cfg, &input, cost)?;
     ranks.check_same_plan(&plan)?;
     check_process_memory(&plan, model, reads_of(cfg))?;

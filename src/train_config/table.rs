@@ -228,11 +228,14 @@ settings! {
         aliases("prefetch_depth");
 
     /// Which layers' backward recomputes their forward from their input checkpoint
-    /// instead of reading the activations the forward kept on the device: auto keeps
-    /// every layer's that fits the device budget and recomputes the rest, all recomputes
-    /// every layer (least device memory), none keeps every layer's (fastest; refused,
-    /// naming the shortfall, when they do not fit); results are identical either way
-    /// [default: auto].
+    /// instead of reading the activations the forward kept: auto keeps every layer's
+    /// on the device when they fit the device budget, else the most that fit, and for
+    /// the rest offloads them (to host memory, or NVMe where checkpoints go there) or
+    /// recomputes, whichever the cost model predicts faster and the budgets allow; all
+    /// recomputes every layer (least device memory), none keeps every layer's on the
+    /// device (refused, naming the shortfall, when they do not fit), offload keeps
+    /// every layer's off the device between its forward and backward; results are
+    /// identical either way [default: auto].
     Step recompute: Recompute = Recompute::Auto;
 
     /// Whether, with clipping, gradients wait for the global norm on NVMe instead of

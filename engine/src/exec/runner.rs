@@ -440,7 +440,8 @@ impl Runner {
     }
 }
 
-/// Whether a runner recomputing as `recompute` says keeps saved activations.
+/// Whether a runner recomputing as `recompute` says keeps saved activations (on the
+/// device: the runner has no other tier, so [`Recompute::Offload`] keeps them there).
 fn keeps(recompute: Recompute) -> bool {
     recompute != Recompute::All
 }

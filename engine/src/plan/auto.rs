@@ -58,10 +58,12 @@ impl Auto {
         out
     }
 
-    /// Plans every candidate, and returns the fastest that fits with every candidate's
-    /// figures; the error is the best candidate's refusal (with its suggestions) when
-    /// none fits.
+    /// Plans every candidate (weighing each plan's choices by [`Auto::cost`] too), and
+    /// returns the fastest that fits with every candidate's figures; the error is the
+    /// best candidate's refusal (with its suggestions) when none fits.
     pub fn choose(&self, input: &PlanInput<'_>) -> Result<Choice, PlanError> {
+        // The rates that choose among the policies also weigh each plan's choices.
+        let input = &input.with_cost(self.cost);
         let mut best: Option<(Box<dyn Policy>, Plan, f64)> = None;
         // The refusal to report when none fits: the candidate closest to fitting, with
         // the fewest tiers over budget, and among those the most offloaded (the last).

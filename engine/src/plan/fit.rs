@@ -172,13 +172,13 @@ impl Plan {
         match Plan::build(&auto, &self.same_homes()).ok().filter(device) {
             Some(plan) => {
                 text += &format!(
-                    "; with --recompute auto {}, recomputing {} of {kept} blocks",
+                    "; with --recompute auto {}, recomputing {}",
                     if plan.first_overflow().is_none() {
                         "it fits"
                     } else {
                         "the device fits"
                     },
-                    plan.recomputed()
+                    plan.recomputed_of()
                 )
             }
             None => text += "; recomputing every block does not fit the device either",

@@ -8,6 +8,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use super::cost::CostModel;
 use super::shape::StepShape;
 use super::tier::{Budgets, TensorClass, Tier};
 use crate::model::{BlockKind, Model};
@@ -30,16 +31,26 @@ pub struct PlanInput<'a> {
     pub shape: StepShape,
     /// The budgets.
     pub budgets: Budgets,
+    /// The rates the planner weighs its choices by where the budgets leave several
+    /// (whether a block's activations are offloaded or recomputed, under
+    /// [`Recompute::Auto`](super::Recompute::Auto)).
+    pub cost: CostModel,
 }
 
 impl<'a> PlanInput<'a> {
-    /// A step of `shape` of `model` under `budgets`.
+    /// A step of `shape` of `model` under `budgets`, weighed by the default rates.
     pub fn new(model: &'a Model, shape: StepShape, budgets: Budgets) -> Self {
         PlanInput {
             model,
             shape,
             budgets,
+            cost: CostModel::default(),
         }
+    }
+
+    /// The same input weighed by the rates of `cost`.
+    pub fn with_cost(self, cost: CostModel) -> Self {
+        PlanInput { cost, ..self }
     }
 
     /// Blocks of the model.

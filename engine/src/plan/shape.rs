@@ -84,8 +84,9 @@ impl fmt::Display for Precision {
 
 /// Which layer blocks recompute their forward in the backward, from their input
 /// checkpoint, instead of keeping the activations their backward reads (the family's
-/// saved activations, on the device from the block's forward to its backward).
-/// Results are bit-identical whatever is chosen: only memory and time differ. How auto
+/// saved activations, from the block's forward to its backward: on the device, or
+/// offloaded, copied out after the forward and back in before the backward). Results
+/// are bit-identical whatever is chosen: only memory and time differ. How auto
 /// chooses: [`Plan::build`](crate::plan::Plan::build).
 #[derive(
     Debug,
@@ -111,6 +112,12 @@ pub enum Recompute {
     /// No layer recomputes: every layer's activations are kept, and a plan they do not
     /// fit the device budget of is refused.
     None,
+    /// No layer recomputes: every layer's activations are offloaded between its forward
+    /// and its backward, to host memory (to NVMe where the policy puts checkpoints
+    /// there), copied back ahead of the backward (from host memory one compute ahead,
+    /// from NVMe the prefetch depth); but the last layers', whose backward follows
+    /// their forward too closely for that, stay on the device.
+    Offload,
 }
 
 impl fmt::Display for Recompute {
@@ -119,6 +126,7 @@ impl fmt::Display for Recompute {
             Recompute::Auto => "auto",
             Recompute::All => "all",
             Recompute::None => "none",
+            Recompute::Offload => "offload",
         })
     }
 }

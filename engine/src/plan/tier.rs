@@ -50,7 +50,8 @@ pub enum TensorClass {
     Grads,
     /// fp32 master parameters with AdamW's m and v: 12 bytes per parameter.
     Optimizer,
-    /// The block's input saved by the forward for the backward's recomputation.
+    /// The block's input saved by the forward for the backward's recomputation (and,
+    /// where they are offloaded to NVMe, its saved activations).
     Checkpoints,
 }
 

@@ -57,6 +57,7 @@ pub(super) fn assemble(stages: Stages<'_>) -> Plan {
         policy: f.name,
         grads_spilled: f.spill,
         kept: f.kept,
+        saved_tier: f.saved_tier,
         saved_bytes,
         depth: f.depth,
         shape: f.shape,

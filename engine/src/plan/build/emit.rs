@@ -7,8 +7,9 @@
 //! order.
 //!
 //! This file holds the driver and the operations before and of each compute (fetches,
-//! checkpoints, the compute itself); `emit_update.rs` those after a backward (gradients
-//! out, statistics, the norm, the update and its write-backs).
+//! checkpoints and offloaded saved activations, the compute itself); `emit_update.rs`
+//! those after a backward (gradients out, statistics, the norm, the update and its
+//! write-backs).
 //!
 //! Not here: dependencies (derived from the accesses in stage 4, `memory.rs`).
 
@@ -80,7 +81,10 @@ impl<'p, 'a> Emitter<'p, 'a> {
             let m = step.micro();
             match step {
                 Compute::Embed(_) => self.save_checkpoint(0, m),
-                Compute::Layer(b, _) => self.save_checkpoint(b, m),
+                Compute::Layer(b, _) => {
+                    self.save_checkpoint(b, m);
+                    self.save_activations(b, m);
+                }
                 _ => {}
             }
             let Some(b) = step.finishes(f.head) else {
@@ -151,6 +155,9 @@ impl<'p, 'a> Emitter<'p, 'a> {
         }
         for (i, m) in std::mem::take(&mut fetches.ckpts[k]) {
             self.fetch_checkpoint(i, m);
+        }
+        for (b, m) in std::mem::take(&mut fetches.saved[k]) {
+            self.fetch_activations(b, m);
         }
         for m in std::mem::take(&mut fetches.tokens[k]) {
             let (from, to) = (self.homes.tokens_host[m], self.step.tokens_dev[m]);
@@ -320,32 +327,71 @@ impl<'p, 'a> Emitter<'p, 'a> {
 
     /// Checkpoint `i` of micro-batch `m` back to the device for the backward.
     fn fetch_checkpoint(&mut self, i: usize, m: usize) {
-        let act = self.f.act_bytes();
         let ck = &self.step.ckpts[m][i];
         let (host, bwd) = (ck.host.expect("offloaded"), ck.bwd);
-        let from = match self.homes.ckpt_extent[i] {
+        let extent = self.homes.ckpt_extent[i];
+        self.fetch_handoff(
+            format!("ckpt[{i}]#{m}"),
+            (host, extent, bwd),
+            self.f.act_bytes(),
+        );
+    }
+
+    /// Block `b`'s offloaded saved activations of micro-batch `m` back to the device
+    /// for its backward.
+    fn fetch_activations(&mut self, b: usize, m: usize) {
+        let saved = self.step.saved[m][b].as_ref().expect("kept");
+        let (host, bwd) = (saved.host.expect("offloaded"), saved.bwd);
+        let extent = self.homes.saved_extent[b];
+        let bytes = self.step.saved_bytes[b];
+        self.fetch_handoff(format!("saved[{b}]#{m}"), (host, extent, bwd), bytes);
+    }
+
+    /// `bytes` of `name` back to the device buffer `bwd`, from its host copy `host` or
+    /// (read into a host stage first) its NVMe extent.
+    fn fetch_handoff(
+        &mut self,
+        name: String,
+        (host, extent, bwd): (BufId, Option<BufId>, BufId),
+        bytes: u64,
+    ) {
+        let from = match extent {
             Some(extent) => {
                 let stage = self
                     .table
-                    .buffer(format!("ckpt[{i}]#{m}<@host"), Tier::Host, act);
-                self.nvme_read(Lane::NvmeRead, extent, stage, act);
+                    .buffer(format!("{name}<@host"), Tier::Host, bytes);
+                self.nvme_read(Lane::NvmeRead, extent, stage, bytes);
                 stage
             }
             None => host,
         };
-        self.copy_in(from, bwd, act, None, false);
+        self.copy_in(from, bwd, bytes, None, false);
     }
 
     /// After the forward producing checkpoint `i` of micro-batch `m`: its copy out (and
     /// on to NVMe) when it does not stay on the device.
     fn save_checkpoint(&mut self, i: usize, m: usize) {
-        let act = self.f.act_bytes();
         let ck = &self.step.ckpts[m][i];
         let (fwd, host) = (ck.fwd, ck.host);
+        self.save_handoff(fwd, host, self.homes.ckpt_extent[i], self.f.act_bytes());
+    }
+
+    /// After block `b`'s forward of micro-batch `m`: the copy out (and on to NVMe) of
+    /// its saved activations, when they are offloaded.
+    fn save_activations(&mut self, b: usize, m: usize) {
+        if let Some(saved) = &self.step.saved[m][b] {
+            let (fwd, host) = (saved.fwd, saved.host);
+            let bytes = self.step.saved_bytes[b];
+            self.save_handoff(fwd, host, self.homes.saved_extent[b], bytes);
+        }
+    }
+
+    /// `bytes` of `fwd` copied out to `host`, and on to `extent`, where they go.
+    fn save_handoff(&mut self, fwd: BufId, host: Option<BufId>, extent: Option<BufId>, bytes: u64) {
         if let Some(host) = host {
-            self.copy_out(fwd, host, act);
-            if let Some(extent) = self.homes.ckpt_extent[i] {
-                self.nvme_write(host, extent, act, false);
+            self.copy_out(fwd, host, bytes);
+            if let Some(extent) = extent {
+                self.nvme_write(host, extent, bytes, false);
             }
         }
     }
@@ -434,7 +480,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
                     params: Some(params(b)),
                     input: Some(ckpt[b - 1].fwd),
                     output: Some(ckpt[b].fwd),
-                    saved: s.saved[m][b],
+                    saved: s.saved[m][b].as_ref().map(|h| h.fwd),
                     tokens: layer_tokens,
                     ..Binds::default()
                 },
@@ -470,7 +516,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
                     input: Some(ckpt[b - 1].bwd),
                     d_output: Some(s.dact[m][b]),
                     d_input: Some(s.dact[m][b - 1]),
-                    saved: s.saved[m][b],
+                    saved: s.saved[m][b].as_ref().map(|h| h.bwd),
                     tokens: layer_tokens,
                     ..Binds::default()
                 },

@@ -46,6 +46,9 @@ pub(super) struct Frame<'a> {
     pub(super) dbytes: u64,
     /// Per block: whether it keeps its saved activations (the search's choice).
     pub(super) kept: Vec<bool>,
+    /// Per block: where its kept saved activations wait from its forward to its
+    /// backward: the device, or offloaded to host memory or NVMe (the search's choice).
+    pub(super) saved_tier: Vec<Tier>,
     /// Per block: whether its gradients are spilled to NVMe for the norm.
     pub(super) spill: Vec<bool>,
 }
@@ -98,14 +101,45 @@ impl<'a> Frame<'a> {
             pbytes: shape.precision.param_bytes(),
             dbytes: shape.device_dtype().size() as u64,
             kept: vec![false; nb],
+            saved_tier: vec![Tier::Device; nb],
             spill: vec![false; nb],
         })
     }
 
     /// The same frame with the layer blocks marked in `kept` keeping their saved
-    /// activations.
-    pub(super) fn keeping(self, kept: Vec<bool>) -> Self {
-        Frame { kept, ..self }
+    /// activations, those also marked in `offloaded` off the device between the forward
+    /// and the backward: in host memory, or on NVMe where the policy puts the block's
+    /// input checkpoint. A block whose backward comes within
+    /// [`Frame::saved_ahead`]` + 1` computes of its forward keeps them on the device all
+    /// the same: fetched back that far ahead, they would be on the device again as soon
+    /// as they had left it.
+    pub(super) fn keeping(self, kept: Vec<bool>, offloaded: &[bool]) -> Self {
+        // Layer b's forward is compute b of its micro-batch, its backward compute
+        // 2 * layers + 2 - b (after the later layers, the head and their backwards).
+        let apart = |b: usize| 2 * (self.layers + 1 - b);
+        let saved_tier = (0..self.nb())
+            .map(|b| {
+                let tier = match self.tiers[b].ckpt {
+                    Tier::Nvme => Tier::Nvme,
+                    _ => Tier::Host,
+                };
+                let off = kept[b] && offloaded[b] && apart(b) > self.saved_ahead(tier) + 1;
+                if off { tier } else { Tier::Device }
+            })
+            .collect();
+        Frame {
+            kept,
+            saved_tier,
+            ..self
+        }
+    }
+
+    /// How many computes ahead of its backward a block's saved activations offloaded to
+    /// `tier` are fetched back: from host memory one (a copy, shorter than a block's
+    /// backward, so that only two blocks' are on the device at once), from NVMe the
+    /// prefetch depth, as parameters are.
+    pub(super) fn saved_ahead(&self, tier: Tier) -> usize {
+        if tier == Tier::Nvme { self.depth } else { 1 }
     }
 
     /// The same frame with every block that can spilling its gradients to NVMe (when
@@ -135,6 +169,16 @@ impl<'a> Frame<'a> {
     /// Elements of this rank's shard of block `b` (its length with one rank).
     pub(super) fn shard(&self, b: usize) -> u64 {
         self.shard[b]
+    }
+
+    /// Bytes of block `b`'s saved activations of one micro-batch (0 unless it keeps
+    /// them).
+    pub(super) fn saved_bytes(&self, b: usize) -> u64 {
+        if !self.kept[b] {
+            return 0;
+        }
+        let (target, dtype) = (self.shape.target, self.shape.device_dtype());
+        self.input.model.saved_bytes(b, self.dims, target, dtype) as u64
     }
 
     /// Bytes of one activation (B, T, width) on the device.

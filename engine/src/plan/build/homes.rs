@@ -50,6 +50,8 @@ pub(super) struct Homes {
     /// Tier of checkpoint i (the input of block i + 1), and its extent when on NVMe.
     pub(super) ckpt_tier: Vec<Tier>,
     pub(super) ckpt_extent: Vec<Option<BufId>>,
+    /// Per block whose saved activations are offloaded to NVMe: their extent.
+    pub(super) saved_extent: Vec<Option<BufId>>,
     /// Orders the updates after the global norm, when the step has one.
     pub(super) norm_flag: Option<BufId>,
     /// Per micro-batch: the host buffers of the tokens and targets, and of the losses.
@@ -89,6 +91,7 @@ impl Homes {
             },
             ckpt_tier: Vec::new(),
             ckpt_extent: Vec::new(),
+            saved_extent: Vec::new(),
             norm_flag: None,
             tokens_host: Vec::new(),
             losses_host: Vec::new(),
@@ -120,7 +123,8 @@ impl Homes {
     }
 
     /// Checkpoint tiers and extents: checkpoint i is the input of block i + 1; the head's
-    /// input stays on the device (its forward and backward are one operation).
+    /// input stays on the device (its forward and backward are one operation). Also the
+    /// extents of saved activations offloaded to NVMe.
     fn checkpoints(&mut self, f: &Frame<'_>, table: &mut BufferTable) {
         let layers = f.layers;
         self.ckpt_tier = (0..=layers)
@@ -142,6 +146,24 @@ impl Homes {
                             act,
                             ExtentKind::Single,
                             i + 1,
+                            TensorClass::Checkpoints,
+                        )
+                        .0
+                })
+            })
+            .collect();
+        // Saved activations offloaded to NVMe: an extent per block, which the
+        // micro-batches take in turn (each one's backward reads it before the next
+        // one's forward writes it).
+        self.saved_extent = (0..f.nb())
+            .map(|b| {
+                (f.saved_tier[b] == Tier::Nvme).then(|| {
+                    table
+                        .extents(
+                            format!("saved.{b}"),
+                            f.saved_bytes(b),
+                            ExtentKind::Single,
+                            b,
                             TensorClass::Checkpoints,
                         )
                         .0

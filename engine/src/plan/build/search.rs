@@ -95,7 +95,8 @@ impl Plan {
         {
             return Ok(plan);
         }
-        let spilled = Self::build_keeping(input, policy, plan.kept.clone(), true)?;
+        let offloaded: Vec<bool> = plan.saved_tier.iter().map(|&t| t != Tier::Device).collect();
+        let spilled = Self::build_keeping(input, policy, plan.kept.clone(), &offloaded, true)?;
         Ok(
             if spilled.peak[Tier::Host.index()] < plan.peak[Tier::Host.index()] {
                 spilled
@@ -105,48 +106,133 @@ impl Plan {
         )
     }
 
-    /// [`Plan::build`]'s choice of the blocks that keep their activations, with
-    /// gradients spilled (where they can be) or not.
+    /// [`Plan::build`]'s choice of the blocks that keep their activations (and of those
+    /// that offload them), with gradients spilled (where they can be) or not.
     fn build_recomputing(
         input: &PlanInput<'_>,
         policy: &dyn Policy,
         spill: bool,
     ) -> Result<Plan, PlanError> {
         let order = Self::keep_order(input);
-        let keeping = |count: usize| {
-            let mut kept = vec![false; input.block_count()];
-            for &b in &order[..count] {
-                kept[b] = true;
+        let len = order.len();
+        // The first `count` blocks of `order` keep their activations on the device, the
+        // last `offload` (the earliest layers, furthest from their backward) offload
+        // them, those between recompute.
+        let keeping = |count: usize, offload: usize| {
+            let n = input.block_count();
+            let (mut kept, mut offloaded) = (vec![false; n], vec![false; n]);
+            for (i, &b) in order.iter().enumerate() {
+                offloaded[b] = i >= len - offload;
+                kept[b] = i < count || offloaded[b];
             }
-            Self::build_keeping(input, policy, kept, spill)
+            Self::build_keeping(input, policy, kept, &offloaded, spill)
         };
         match input.shape.recompute {
-            Recompute::All => keeping(0),
-            Recompute::None => keeping(order.len()),
+            Recompute::All => keeping(0, 0),
+            Recompute::None => keeping(len, 0),
+            Recompute::Offload => keeping(0, len),
             Recompute::Auto => {
-                let device_fits =
-                    |plan: &Plan| plan.peak[Tier::Device.index()] <= input.budgets.device;
-                let all = keeping(order.len())?;
-                if device_fits(&all) || order.is_empty() {
+                let all = keeping(len, 0)?;
+                if Self::device_fits(&all, input) || order.is_empty() {
                     return Ok(all);
                 }
-                // Invariant: keeping `fits` blocks fits the device, keeping `over` does not.
-                let mut best = keeping(0)?;
-                if !device_fits(&best) {
-                    return Ok(best);
-                }
-                let (mut fits, mut over) = (0, order.len());
-                while over - fits > 1 {
-                    let mid = (fits + over) / 2;
-                    let plan = keeping(mid)?;
-                    if device_fits(&plan) {
-                        (fits, best) = (mid, plan);
-                    } else {
-                        over = mid;
-                    }
-                }
-                Ok(best)
+                let (kept, recomputing) = Self::most_kept(input, len, |c| keeping(c, 0))?;
+                // Offloading every block not kept, or (where the host or NVMe cannot
+                // hold them all) as many as fit, the rest recomputing.
+                let (_, offloading) = Self::most_kept(input, len, |c| keeping(c, len - c))?;
+                let some = Self::most_offloaded(len - kept, |j| keeping(kept, j))?;
+                Ok(Self::cheapest(
+                    input,
+                    recomputing,
+                    [Some(offloading), some].into_iter().flatten(),
+                ))
             }
+        }
+    }
+
+    /// Whether `plan`'s device peak fits `input`'s device budget.
+    fn device_fits(plan: &Plan, input: &PlanInput<'_>) -> bool {
+        plan.peak[Tier::Device.index()] <= input.budgets.device
+    }
+
+    /// Of the plans `keeping(count)` makes for `count` in 0..`len`, the one keeping the
+    /// most blocks on the device that fits its device budget, with that count, found by
+    /// bisection (the device peak grows with each block kept): keeping none when even
+    /// that does not fit.
+    fn most_kept(
+        input: &PlanInput<'_>,
+        len: usize,
+        keeping: impl Fn(usize) -> Result<Plan, PlanError>,
+    ) -> Result<(usize, Plan), PlanError> {
+        // Invariant: keeping `fits` blocks fits the device, keeping `over` does not.
+        let mut best = keeping(0)?;
+        if !Self::device_fits(&best, input) {
+            return Ok((0, best));
+        }
+        let (mut fits, mut over) = (0, len);
+        while over - fits > 1 {
+            let mid = (fits + over) / 2;
+            let plan = keeping(mid)?;
+            if Self::device_fits(&plan, input) {
+                (fits, best) = (mid, plan);
+            } else {
+                over = mid;
+            }
+        }
+        Ok((fits, best))
+    }
+
+    /// Of the plans `offloading(count)` makes for `count` in 1..=`len`, the one
+    /// offloading the most blocks that fits every budget, found by bisection (the host
+    /// or NVMe peak grows with each block offloaded); none when even one does not fit.
+    fn most_offloaded(
+        len: usize,
+        offloading: impl Fn(usize) -> Result<Plan, PlanError>,
+    ) -> Result<Option<Plan>, PlanError> {
+        let fits = |plan: &Plan| plan.first_overflow().is_none();
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut best = offloading(1)?;
+        if !fits(&best) {
+            return Ok(None);
+        }
+        // Invariant: offloading `ok` blocks fits, offloading `over` does not.
+        let (mut ok, mut over) = (1, len + 1);
+        while over - ok > 1 {
+            let mid = (ok + over) / 2;
+            let plan = offloading(mid)?;
+            if fits(&plan) {
+                (ok, best) = (mid, plan);
+            } else {
+                over = mid;
+            }
+        }
+        Ok(Some(best))
+    }
+
+    /// Of `recomputing` (the blocks not kept on the device recompute their forward) and
+    /// `offloading` (plans in which some or all of them offload their activations to
+    /// host memory or NVMe instead): the offloading plan the cost model (`input.cost`)
+    /// predicts fastest of those that fit every budget, where the recomputing one does
+    /// not fit the device or it is predicted faster than that; else the recomputing one.
+    fn cheapest(
+        input: &PlanInput<'_>,
+        recomputing: Plan,
+        offloading: impl Iterator<Item = Plan>,
+    ) -> Plan {
+        let seconds = |plan: &Plan| input.cost.predict(plan).step_seconds;
+        let best = offloading
+            .filter(|plan| plan.first_overflow().is_none())
+            .map(|plan| (seconds(&plan), plan))
+            .min_by(|(a, _), (b, _)| a.total_cmp(b));
+        match best {
+            Some((t, plan))
+                if !Self::device_fits(&recomputing, input) || t < seconds(&recomputing) =>
+            {
+                plan
+            }
+            _ => recomputing,
         }
     }
 
@@ -173,14 +259,18 @@ impl Plan {
     }
 
     /// Plans one step in which the layer blocks marked in `kept` keep their saved
-    /// activations and the others recompute.
+    /// activations (off the device between the forward and the backward, those marked
+    /// in `offloaded`) and the others recompute.
     fn build_keeping(
         input: &PlanInput<'_>,
         policy: &dyn Policy,
         kept: Vec<bool>,
+        offloaded: &[bool],
         spill: bool,
     ) -> Result<Plan, PlanError> {
-        let frame = Frame::new(input, policy)?.keeping(kept).spilling(spill);
+        let frame = Frame::new(input, policy)?
+            .keeping(kept, offloaded)
+            .spilling(spill);
         let mut table = BufferTable::default();
         let homes = Homes::plan(&frame, &mut table);
         let seq = Sequence::new(&frame);

@@ -14,9 +14,10 @@ use crate::plan::ir::BufId;
 use crate::plan::policy::Release;
 use crate::plan::tier::Tier;
 
-/// Checkpoint buffers of one boundary of one micro-batch: the forward's device copy,
-/// where the backward reads it, and the host copy between.
-pub(super) struct Ckpt {
+/// The buffers of what a forward makes and the backward reads, a checkpoint or a
+/// block's saved activations, of one micro-batch: the forward's device copy, where the
+/// backward reads it, and the host copy between (when it leaves the device).
+pub(super) struct Handoff {
     pub(super) fwd: BufId,
     pub(super) bwd: BufId,
     pub(super) host: Option<BufId>,
@@ -27,11 +28,11 @@ pub(super) struct StepBuffers {
     /// Device parameter buffer of block b at compute k.
     pub(super) dev_params: Vec<Vec<Option<BufId>>>,
     /// Per micro-batch, per boundary.
-    pub(super) ckpts: Vec<Vec<Ckpt>>,
+    pub(super) ckpts: Vec<Vec<Handoff>>,
     /// Per block: bytes of its saved activations (0 unless kept).
     pub(super) saved_bytes: Vec<u64>,
     /// Saved activations per micro-batch, per block (kept blocks only).
-    pub(super) saved: Vec<Vec<Option<BufId>>>,
+    pub(super) saved: Vec<Vec<Option<Handoff>>>,
     /// Activation gradients per micro-batch, per boundary.
     pub(super) dact: Vec<Vec<BufId>>,
     /// Device tokens and losses per micro-batch.
@@ -52,6 +53,8 @@ pub(super) struct Fetches {
     pub(super) params: Vec<Vec<(usize, BufId, bool)>>,
     /// Checkpoint fetches: (boundary, micro-batch).
     pub(super) ckpts: Vec<Vec<(usize, usize)>>,
+    /// Offloaded saved activations' fetches: (block, micro-batch).
+    pub(super) saved: Vec<Vec<(usize, usize)>>,
     /// Token copies, by micro-batch.
     pub(super) tokens: Vec<Vec<usize>>,
     /// Optimizer-state reads, by block.
@@ -97,6 +100,7 @@ impl StepBuffers {
             fetches: Fetches {
                 params: vec![Vec::new(); n],
                 ckpts: vec![Vec::new(); n],
+                saved: vec![Vec::new(); n],
                 tokens: vec![Vec::new(); n],
                 state_reads: vec![Vec::new(); n],
             },
@@ -185,24 +189,8 @@ impl Stage<'_, '_> {
                 let fwd = self
                     .table
                     .buffer(format!("ckpt[{i}]#{m}@device"), Tier::Device, act);
-                row.push(match self.homes.ckpt_tier[i] {
-                    Tier::Device => Ckpt {
-                        fwd,
-                        bwd: fwd,
-                        host: None,
-                    },
-                    _ => Ckpt {
-                        fwd,
-                        bwd: self
-                            .table
-                            .buffer(format!("ckpt[{i}]#{m}<@device"), Tier::Device, act),
-                        host: Some(self.table.buffer(
-                            format!("ckpt[{i}]#{m}@host"),
-                            Tier::Host,
-                            act,
-                        )),
-                    },
-                });
+                let tier = self.homes.ckpt_tier[i];
+                row.push(self.handoff(format!("ckpt[{i}]#{m}"), fwd, tier, act));
             }
             self.out.ckpts.push(row);
         }
@@ -217,37 +205,67 @@ impl Stage<'_, '_> {
                     } else {
                         Compute::Layer(i, m)
                     };
-                    let made = self.seq.position(producer);
-                    self.fetches.ckpts[k.saturating_sub(f.depth).max(made + 1)].push((i, m));
+                    let at = self.fetch_position(k, producer, f.depth);
+                    self.fetches.ckpts[at].push((i, m));
                 }
             }
         }
     }
 
-    /// The saved activations of the kept blocks, per micro-batch.
+    /// Where the fetch for the backward at position `k` of what `producer` made is
+    /// emitted: `ahead` computes ahead of the backward, but after the producer.
+    fn fetch_position(&self, k: usize, producer: Compute, ahead: usize) -> usize {
+        let made = self.seq.position(producer);
+        k.saturating_sub(ahead).max(made + 1)
+    }
+
+    /// The buffers of `name`, `bytes` made into `fwd` on the device, to be read by the
+    /// backward after waiting in `tier`: on the device, `fwd` itself; elsewhere a host
+    /// copy and the backward's own device buffer.
+    fn handoff(&mut self, name: String, fwd: BufId, tier: Tier, bytes: u64) -> Handoff {
+        if tier == Tier::Device {
+            return Handoff {
+                fwd,
+                bwd: fwd,
+                host: None,
+            };
+        }
+        Handoff {
+            fwd,
+            bwd: self
+                .table
+                .buffer(format!("{name}<@device"), Tier::Device, bytes),
+            host: Some(self.table.buffer(format!("{name}@host"), Tier::Host, bytes)),
+        }
+    }
+
+    /// The saved activations of the kept blocks, per micro-batch, and the fetches of the
+    /// offloaded ones for their backward.
     fn saved(&mut self) {
         let f = self.f;
-        let (model, target, dtype) = (f.input.model, f.shape.target, f.shape.device_dtype());
-        self.out.saved_bytes = (0..f.nb())
-            .map(|b| {
-                if f.kept[b] {
-                    model.saved_bytes(b, f.dims, target, dtype) as u64
-                } else {
-                    0
-                }
-            })
-            .collect();
+        self.out.saved_bytes = (0..f.nb()).map(|b| f.saved_bytes(b)).collect();
         for m in 0..f.shape.grad_accum {
-            let saved = (0..f.nb())
-                .map(|b| {
-                    let bytes = self.out.saved_bytes[b];
-                    f.kept[b].then(|| {
+            let mut row = Vec::with_capacity(f.nb());
+            for b in 0..f.nb() {
+                let bytes = self.out.saved_bytes[b];
+                row.push(f.kept[b].then(|| {
+                    let fwd =
                         self.table
-                            .buffer(format!("saved[{b}]#{m}@device"), Tier::Device, bytes)
-                    })
-                })
-                .collect();
-            self.out.saved.push(saved);
+                            .buffer(format!("saved[{b}]#{m}@device"), Tier::Device, bytes);
+                    self.handoff(format!("saved[{b}]#{m}"), fwd, f.saved_tier[b], bytes)
+                }));
+            }
+            self.out.saved.push(row);
+        }
+        for k in 0..self.seq.len() {
+            if let Compute::LayerBack(b, m) = self.seq.steps[k]
+                && f.kept[b]
+                && f.saved_tier[b] != Tier::Device
+            {
+                let ahead = f.saved_ahead(f.saved_tier[b]);
+                let at = self.fetch_position(k, Compute::Layer(b, m), ahead);
+                self.fetches.saved[at].push((b, m));
+            }
         }
     }
 

@@ -32,13 +32,18 @@ pub struct Plan {
     /// [`TensorClass`](crate::plan::TensorClass) order (params, grads, optimizer;
     /// checkpoints: of the block's input).
     pub homes: Vec<[Tier; 4]>,
-    /// Per block: whether its forward keeps its saved activations on the device for its
-    /// backward, which then does not recompute the forward. False for the layer blocks
-    /// that recompute, and for the blocks that save nothing (embedding, head).
+    /// Per block: whether its forward keeps its saved activations for its backward,
+    /// which then does not recompute the forward. False for the layer blocks that
+    /// recompute, and for the blocks that save nothing (embedding, head).
     pub kept: Vec<bool>,
-    /// Per block: bytes of the saved activations it keeps on the device, per
-    /// micro-batch (0 where `kept` is false). Every kept block's are live at once, around
-    /// the head; micro-batches reuse the first one's memory.
+    /// Per block: where its kept saved activations wait between its forward and its
+    /// backward: the device, or offloaded to host memory or NVMe (copied out after the
+    /// forward, back in `depth` computes before the backward). The device where `kept`
+    /// is false.
+    pub saved_tier: Vec<Tier>,
+    /// Per block: bytes of the saved activations it keeps, per micro-batch (0 where
+    /// `kept` is false). Every block's kept on the device are live at once, around the
+    /// head; micro-batches reuse the first one's memory.
     pub saved_bytes: Vec<u64>,
     /// Per block: whether its gradients wait for the global norm on NVMe
     /// ([`GradSpill`](crate::plan::GradSpill)) rather than in host memory.
@@ -160,19 +165,45 @@ impl Plan {
             .count()
     }
 
-    /// Bytes of saved activations the plan keeps on the device at once: every kept
-    /// block's, of one micro-batch.
+    /// Bytes of saved activations the plan keeps on the device at once: every block's
+    /// kept there, of one micro-batch.
     pub fn saved_total_bytes(&self) -> u64 {
-        self.saved_bytes.iter().sum()
+        self.saved_in(Tier::Device)
     }
 
-    /// "3 of 12 blocks": how many layer blocks recompute their forward, of how many.
+    /// Bytes of one micro-batch's saved activations that wait in `tier`.
+    pub fn saved_in(&self, tier: Tier) -> u64 {
+        (0..self.saved_bytes.len())
+            .filter(|&b| self.saved_tier[b] == tier)
+            .map(|b| self.saved_bytes[b])
+            .sum()
+    }
+
+    /// Layer blocks whose saved activations are offloaded (to host memory or NVMe).
+    pub fn offloaded(&self) -> usize {
+        (0..self.kept.len())
+            .filter(|&b| self.kept[b] && self.saved_tier[b] != Tier::Device)
+            .count()
+    }
+
+    /// "3 of 12 blocks": how many layer blocks recompute their forward, of how many;
+    /// and where any offload their saved activations, how many ("3 of 12 blocks, 6
+    /// offloaded to host").
     pub fn recomputed_of(&self) -> String {
-        format!(
+        let mut text = format!(
             "{} of {} blocks",
             self.recomputed(),
             self.kept.len().saturating_sub(2)
-        )
+        );
+        for tier in [Tier::Host, Tier::Nvme] {
+            let n = (0..self.kept.len())
+                .filter(|&b| self.kept[b] && self.saved_tier[b] == tier)
+                .count();
+            if n > 0 {
+                text += &format!(", {n} offloaded to {tier}");
+            }
+        }
+        text
     }
 
     /// "recompute: 3 of 12 blocks" (see [`Plan::recomputed_of`]).
