@@ -13,14 +13,26 @@ use std::process::Command;
 
 use cli::{error_line, ok, text};
 
-/// The built-in job, 3 steps, with its swap files in `dir`.
+/// The built-in job, 3 steps, with its swap files in `dir`, every layer recomputing: how
+/// many layers offload their activations instead is weighed by the rates, which `train`
+/// measures at start and `plan` takes from its defaults, so the two could choose
+/// differently; the memory checked here is each one's own plan's.
 fn builtin_job(dir: &Path) -> Vec<String> {
     let nvme = dir.join("nvme");
     std::fs::create_dir_all(&nvme).unwrap();
-    ["train", "--steps", "3", "--nvme", nvme.to_str().unwrap()]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    let nvme = nvme.to_str().unwrap();
+    [
+        "train",
+        "--steps",
+        "3",
+        "--recompute",
+        "all",
+        "--nvme",
+        nvme,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }
 
 /// `strata plan --json` for the settings of `train_args` (`train` and `--steps`

@@ -605,20 +605,23 @@ fn plan_and_train_say_how_many_layers_recompute() {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("plan.json");
     // Between the device peaks of recomputing every layer (17.2 MiB) and none (18.7 MiB).
-    let step = [
-        "--batch",
-        "2",
-        "--seq",
-        "32",
-        "--device-mem",
-        "18MiB",
-        "--host-mem",
-        "all",
-    ];
-    let recomputed = |recompute: &str| -> Vec<u64> {
+    let step = |host: &'static str| {
+        [
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--device-mem",
+            "18MiB",
+            "--host-mem",
+            host,
+        ]
+    };
+    // Per policy: (layers recomputed, layers whose activations are offloaded).
+    let plan = |recompute: &str, host| -> Vec<(u64, u64)> {
         let mut args = vec!["plan", "--recompute", recompute, "--json"];
         args.push(json.to_str().unwrap());
-        args.extend(step);
+        args.extend(step(host));
         let out = strata(&args);
         assert!(out.status.success(), "{}", text(&out.stderr));
         assert!(
@@ -628,24 +631,46 @@ fn plan_and_train_say_how_many_layers_recompute() {
         );
         let answer: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let count = |p: &serde_json::Value, key: &str| p[key].as_u64().unwrap();
         answer["policies"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|p| p["recomputed_blocks"].as_u64().unwrap())
+            .map(|p| (count(p, "recomputed_blocks"), count(p, "offloaded_blocks")))
             .collect()
     };
-    assert_eq!(recomputed("all"), [4, 4, 4, 4]);
-    assert_eq!(recomputed("none"), [0, 0, 0, 0]);
-    // Auto: all-on-device recomputes some of its 4 layers to fit the 18 MiB.
-    let auto = recomputed("auto");
-    assert!((1..4).contains(&auto[0]), "{auto:?}");
+    assert_eq!(plan("all", "all"), [(4, 0); 4]);
+    assert_eq!(plan("none", "all"), [(0, 0); 4]);
+    // Offload: no layer recomputes; all-on-device offloads all but the last layer's.
+    assert_eq!(plan("offload", "all")[0], (0, 3));
+    // Auto: all-on-device recomputes some of its 4 layers to fit the 18 MiB, with no
+    // host room to offload them instead (with room, the rates would weigh the two, and
+    // train measures its own at start where plan takes defaults).
+    let no_host_room = "256KiB";
+    let (auto, offloaded) = plan("auto", no_host_room)[0];
+    assert!(
+        (1..4).contains(&auto) && offloaded == 0,
+        "{auto}, {offloaded}"
+    );
     // Training prints the plan's choice.
-    let mut args = small_run(dir.path(), &["--policy", "all-on-device", "--steps", "1"]);
-    args.extend(["--device-mem", "18MiB"].map(String::from));
-    let stdout = text(&run_ok(&args).stdout);
-    let line = format!("recompute: {} of 4 blocks", auto[0]);
+    let train = |extra: &[&str]| {
+        let mut args = small_run(dir.path(), &["--policy", "all-on-device", "--steps", "1"]);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        text(&run_ok(&args).stdout)
+    };
+    let stdout = train(&["--device-mem", "18MiB", "--host-mem", no_host_room]);
+    let line = format!("recompute: {auto} of 4 blocks");
     assert!(stdout.contains(&line), "{line} in\n{stdout}");
+    let stdout = train(&[
+        "--recompute",
+        "offload",
+        "--device-mem",
+        "32MiB",
+        "--host-mem",
+        "all",
+    ]);
+    let line = "recompute: 0 of 4 blocks, 3 offloaded to host";
+    assert!(stdout.contains(line), "{line} in\n{stdout}");
 }
 
 #[test]
