@@ -102,8 +102,9 @@ impl fmt::Display for Precision {
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
-    /// Keep every layer's activations when the device budget allows; else as many as
-    /// fit, the others recomputing.
+    /// Keep every layer's activations on the device when the device budget allows;
+    /// else as many as fit, the others offloaded or recomputing, whichever the cost
+    /// model predicts faster within the budgets.
     #[default]
     Auto,
     /// Every layer recomputes its forward in the backward: least device memory (only

@@ -1,9 +1,11 @@
 //! The planner's search around its stages: [`Plan::build`] plans a step once per choice
 //! it weighs and keeps the best. First, where the policy allows, the plans that keep the
 //! first and last blocks' state in host memory; then which layer blocks keep their saved
-//! activations (all when the device peak allows, else as many as fit, chosen by the FLOPs
-//! each saves per byte it keeps, found by bisection); then whether gradients wait for the
-//! norm on NVMe (when the host budget needs it).
+//! activations on the device (all when the device peak allows, else as many as fit,
+//! chosen by the FLOPs each saves per byte it keeps, found by bisection) and whether the
+//! others offload theirs to host memory or NVMe or recompute (by the cost model, within
+//! the budgets); then whether gradients wait for the norm on NVMe (when the host budget
+//! needs it).
 //!
 //! Not here: the stages themselves (`frame.rs` to `assemble.rs`).
 
@@ -26,11 +28,17 @@ impl Plan {
     /// Does not check the budgets: see [`Plan::check_fits`].
     ///
     /// Which layer blocks keep their saved activations follows
-    /// [`StepShape::recompute`]: none ([`Recompute::All`]), all ([`Recompute::None`]),
-    /// or ([`Recompute::Auto`]) all when the device peak then fits its budget, else the
-    /// most that fit, in [`Plan::keep_order`]: the device peak grows with every block
-    /// kept, so the count is found by bisection between keeping none and keeping all.
-    /// When even keeping none is over the device budget, the plan keeps none (and
+    /// [`StepShape::recompute`]: none ([`Recompute::All`]), all on the device
+    /// ([`Recompute::None`]), all offloaded but those whose backward follows too soon
+    /// ([`Recompute::Offload`]), or ([`Recompute::Auto`]) all on the device when the
+    /// device peak then fits its budget, else the most that fit, in
+    /// [`Plan::keep_order`]: the device peak grows with every block kept, so the count is
+    /// found by bisection between keeping none and keeping all. The others then
+    /// recompute, or offload their activations: all of them (with as many kept on the
+    /// device as then fit), or as many as the host and NVMe budgets hold, the rest
+    /// recomputing; an offloading plan is taken where it fits every budget and
+    /// `input.cost` predicts it faster (or recomputing does not fit the device). When
+    /// even keeping none is over the device budget, the plan keeps none (and
     /// [`Plan::check_fits`] refuses it, as a plan that recomputes everything).
     ///
     /// Then gradients spill to NVMe as [`StepShape::grad_spill`] says: with
