@@ -77,6 +77,18 @@ pub fn flash_scratch_bytes(target: Target, dims: GqaDims) -> usize {
     }
 }
 
+/// A fused kernel's `scratch` parameter: [`flash_scratch_bytes`] on the CPU; on CUDA
+/// the backward's, none for the forward.
+pub(super) fn scratch_param(scratch: &TensorRef, dims: GqaDims, backward: bool) -> Param<'_> {
+    let cpu = flash_scratch_bytes(Target::Cpu, dims);
+    let cuda = if backward {
+        flash_scratch_bytes(Target::Cuda, dims)
+    } else {
+        0
+    };
+    Param::scratch("scratch", scratch, ByteRule::scratch(cpu, cuda, 4))
+}
+
 /// The channels-per-head limit of the CUDA kernels, as a shape error.
 fn cuda_head_dim(kernel: &'static str, d: usize) -> Result<(), KernelError> {
     if d > FLASH_CUDA_MAX_D {
@@ -245,12 +257,7 @@ impl Signature for GqaFlashAttention {
             f32_,
             LenRule::Len(s.b * s.h * s.t),
         ));
-        let cpu = flash_scratch_bytes(Target::Cpu, *s);
-        each(Param::scratch(
-            "scratch",
-            &self.scratch,
-            ByteRule::scratch(cpu, 0, 4),
-        ));
+        each(scratch_param(&self.scratch, *s, false));
         each(Param::read("q", &self.q, w, queries));
         each(Param::read("k", &self.k, w, keys));
         each(Param::read("v", &self.v, w, keys));
@@ -339,15 +346,7 @@ impl Signature for GqaFlashAttentionBackward {
         each(Param::write("dq", &self.dq, w, queries));
         each(Param::write("dk", &self.dk, w, keys));
         each(Param::write("dv", &self.dv, w, keys));
-        let (cpu, cuda) = (
-            flash_scratch_bytes(Target::Cpu, *s),
-            flash_scratch_bytes(Target::Cuda, *s),
-        );
-        each(Param::scratch(
-            "scratch",
-            &self.scratch,
-            ByteRule::scratch(cpu, cuda, 4),
-        ));
+        each(scratch_param(&self.scratch, *s, true));
         each(Param::read("dout", &self.dout, w, queries));
         each(Param::read("q", &self.q, w, queries));
         each(Param::read("k", &self.k, w, keys));

@@ -7,15 +7,15 @@
 
 use super::cpu::{GqaDims, flash_attention_backward, flash_attention_forward, flash_scratch_len};
 use super::flash::{
-    BACKWARD_DKV, BACKWARD_DQ, FORWARD, FlashMask, QkvLayout, SOURCE, flash_scratch_bytes,
-    launch_backward, launch_forward,
+    BACKWARD_DKV, BACKWARD_DQ, FORWARD, FlashMask, QkvLayout, SOURCE, launch_backward,
+    launch_forward, scratch_param,
 };
 use super::shape::Heads;
 use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch};
 use crate::ops::Cpu;
 use crate::program::{
-    ByteRule, CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars,
-    Signature, Target, TensorRef,
+    CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars, Signature,
+    TensorRef,
 };
 
 /// GPT-2's heads as grouped-query attention's dimensions (KV = H = NH, D = C / NH),
@@ -42,7 +42,7 @@ pub struct FlashAttention {
     pub lse: TensorRef,
     /// (B, T, 3C).
     pub qkv: TensorRef,
-    /// [`flash_scratch_bytes`] bytes (U8) on the CPU; none on CUDA.
+    /// [`flash_scratch_bytes`](super::flash_scratch_bytes) bytes (U8) on the CPU; none on CUDA.
     pub scratch: TensorRef,
     /// Batch.
     pub b: usize,
@@ -75,12 +75,7 @@ impl Signature for FlashAttention {
             f32_,
             LenRule::Len(b * nh * t),
         ));
-        let cpu = flash_scratch_bytes(Target::Cpu, s);
-        each(Param::scratch(
-            "scratch",
-            &self.scratch,
-            ByteRule::scratch(cpu, 0, 4),
-        ));
+        each(scratch_param(&self.scratch, s, false));
         each(Param::read(
             "qkv",
             &self.qkv,
@@ -138,7 +133,7 @@ pub struct FlashAttentionBackward {
     pub out: TensorRef,
     /// (B, NH, T) f32, as the forward wrote it.
     pub lse: TensorRef,
-    /// [`flash_scratch_bytes`] bytes (U8) of the target.
+    /// [`flash_scratch_bytes`](super::flash_scratch_bytes) bytes (U8) of the target.
     pub scratch: TensorRef,
     /// Batch.
     pub b: usize,
@@ -171,15 +166,7 @@ impl Signature for FlashAttentionBackward {
             w,
             LenRule::Len(3 * b * t * c),
         ));
-        let (cpu, cuda) = (
-            flash_scratch_bytes(Target::Cpu, s),
-            flash_scratch_bytes(Target::Cuda, s),
-        );
-        each(Param::scratch(
-            "scratch",
-            &self.scratch,
-            ByteRule::scratch(cpu, cuda, 4),
-        ));
+        each(scratch_param(&self.scratch, s, true));
         each(Param::read("dout", &self.dout, w, rows));
         each(Param::read(
             "qkv",
