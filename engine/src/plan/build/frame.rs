@@ -110,13 +110,16 @@ impl<'a> Frame<'a> {
     /// activations, those also marked in `offloaded` off the device between the forward
     /// and the backward: in host memory, or on NVMe where the policy puts the block's
     /// input checkpoint. A block whose backward comes within
-    /// [`Frame::saved_ahead`]` + 1` computes of its forward keeps them on the device all
-    /// the same: fetched back that far ahead, they would be on the device again as soon
-    /// as they had left it.
-    pub(super) fn keeping(self, kept: Vec<bool>, offloaded: &[bool]) -> Self {
-        // Layer b's forward is compute b of its micro-batch, its backward compute
-        // 2 * layers + 2 - b (after the later layers, the head and their backwards).
-        let apart = |b: usize| 2 * (self.layers + 1 - b);
+    /// [`Frame::saved_ahead`]` + 1` computes of its forward (`apart`, of a layer block:
+    /// the compute sequence's `forward_to_backward`) keeps them on the device all the
+    /// same: fetched back that far ahead, they would be on the device again as soon as
+    /// they had left it.
+    pub(super) fn keeping(
+        self,
+        kept: Vec<bool>,
+        offloaded: &[bool],
+        apart: impl Fn(usize) -> usize,
+    ) -> Self {
         let saved_tier = (0..self.nb())
             .map(|b| {
                 let tier = match self.tiers[b].ckpt {

@@ -276,12 +276,12 @@ impl Plan {
         offloaded: &[bool],
         spill: bool,
     ) -> Result<Plan, PlanError> {
-        let frame = Frame::new(input, policy)?
-            .keeping(kept, offloaded)
-            .spilling(spill);
+        let frame = Frame::new(input, policy)?;
+        let seq = Sequence::new(&frame);
+        let apart = |b| seq.forward_to_backward(b);
+        let frame = frame.keeping(kept, offloaded, apart).spilling(spill);
         let mut table = BufferTable::default();
         let homes = Homes::plan(&frame, &mut table);
-        let seq = Sequence::new(&frame);
         let (step, fetches) = StepBuffers::plan(&frame, &homes, &seq, &mut table);
         let ops = Emitter::emit(&frame, &homes, (&step, fetches), &seq, &mut table);
         Ok(assemble(Stages {

@@ -87,6 +87,12 @@ impl Sequence {
             .expect("in the sequence")
     }
 
+    /// How many computes after layer block `b`'s forward its backward comes (of every
+    /// micro-batch alike: each runs the same sequence).
+    pub(super) fn forward_to_backward(&self, b: usize) -> usize {
+        self.position(Compute::LayerBack(b, 0)) - self.position(Compute::Layer(b, 0))
+    }
+
     /// The compute that completes block `b`'s gradients (its last micro-batch's
     /// backward).
     pub(super) fn completes(&self, b: usize) -> usize {

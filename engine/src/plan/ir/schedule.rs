@@ -181,9 +181,13 @@ impl Plan {
 
     /// Layer blocks whose saved activations are offloaded (to host memory or NVMe).
     pub fn offloaded(&self) -> usize {
-        (0..self.kept.len())
-            .filter(|&b| self.kept[b] && self.saved_tier[b] != Tier::Device)
-            .count()
+        self.offloaded_to(Tier::Host) + self.offloaded_to(Tier::Nvme)
+    }
+
+    /// Layer blocks whose saved activations are offloaded to `tier` (host memory or
+    /// NVMe).
+    fn offloaded_to(&self, tier: Tier) -> usize {
+        self.saved_tier.iter().filter(|&&t| t == tier).count()
     }
 
     /// "3 of 12 blocks": how many layer blocks recompute their forward, of how many;
@@ -196,9 +200,7 @@ impl Plan {
             self.kept.len().saturating_sub(2)
         );
         for tier in [Tier::Host, Tier::Nvme] {
-            let n = (0..self.kept.len())
-                .filter(|&b| self.kept[b] && self.saved_tier[b] == tier)
-                .count();
+            let n = self.offloaded_to(tier);
             if n > 0 {
                 text += &format!(", {n} offloaded to {tier}");
             }
