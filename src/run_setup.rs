@@ -142,6 +142,7 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         seq: cfg.seq,
         grad_accum: cfg.grad_accum,
         precision,
+        optimizer_state: cfg.optimizer_state,
         needs_global_norm: cfg.clip > 0.0 || precision == strata_engine::plan::Precision::Fp16,
         delayed_update: cfg.delayed_update,
         target,

@@ -31,8 +31,8 @@ use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Llama, Model};
 use strata_engine::plan::{
-    Budgets, BuiltinPolicy, CostModel, GradSpill, Lane, NvmeOffload, Plan, PlanInput, Policy,
-    Precision, Prediction, Recompute, StepShape, Tier,
+    Budgets, BuiltinPolicy, CostModel, GradSpill, Lane, NvmeOffload, OptimizerState, Plan,
+    PlanInput, Policy, Precision, Prediction, Recompute, StepShape, Tier,
 };
 
 use super::adam::load_average;
@@ -126,6 +126,12 @@ pub struct StepArgs {
     /// recomputing).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
     pub recompute: Vec<Recompute>,
+    /// How AdamW's moments are kept: fp32, bf16 or q8 (8-bit blocks). Comma-separated
+    /// values run each policy once per value, interleaved, and compare the NVMe bytes
+    /// per step of each against fp32's (a policy that keeps the state on the device
+    /// runs fp32 only).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "fp32")]
+    pub optimizer_state: Vec<OptimizerState>,
     /// Folder for the NVMe tier's swap files (on the drive to measure; not tmpfs).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
     pub nvme: PathBuf,
@@ -313,10 +319,17 @@ pub struct PolicyResult {
     pub overlap_efficiency_own: f64,
     /// Median compute-lane stall over the median step.
     pub stall_fraction: f64,
+    /// How AdamW's moments were kept: fp32, bf16 or q8.
+    pub optimizer_state: OptimizerState,
     /// Bytes per step over NVMe read, NVMe write, H2D, D2H, as measured (median step).
     pub link_bytes_per_step: [u64; 4],
     /// The same, as planned.
     pub link_bytes_planned: [u64; 4],
+    /// Bytes per token over NVMe read, NVMe write, H2D, D2H, as measured (median
+    /// step's bytes over the step's tokens): what a run moves whatever the machine.
+    pub link_bytes_per_token: [f64; 4],
+    /// NVMe bytes read and written per parameter per step, as measured (median step).
+    pub nvme_bytes_per_param: f64,
     /// Planned peak bytes per tier: device, host, NVMe.
     pub peak_planned: [u64; 3],
     /// Measured peak per tier: the arenas' high-water marks (the end of the highest
@@ -338,9 +351,14 @@ pub struct PolicyResult {
 }
 
 impl PolicyResult {
-    /// The policy and how many layers its plan recomputes, for tables.
+    /// The policy, how many layers its plan recomputes and (unless fp32) its moments'
+    /// format, for tables.
     fn label(&self) -> String {
-        format!("{}, recompute {}", self.policy, self.recomputed)
+        let state = match self.optimizer_state {
+            OptimizerState::Fp32 => String::new(),
+            other => format!(", {other} state"),
+        };
+        format!("{}, recompute {}{state}", self.policy, self.recomputed)
     }
 }
 
@@ -413,10 +431,29 @@ pub struct StepBenchReport {
     pub policies: Vec<PolicyResult>,
     /// Per policy run with both `--recompute all` and `none`: tokens/s of each, ratio.
     pub recompute: Vec<RecomputeComparison>,
+    /// Per policy run with fp32 moments and another format: NVMe bytes of each, ratio.
+    pub optimizer_state: Vec<StateComparison>,
     /// Policies whose plans did not fit or could not be built.
     pub refused: Vec<Refusal>,
     /// The peers run in this invocation (`--peers`), with strata's ratios to them.
     pub peers: Vec<PeerResult>,
+}
+
+/// One policy run with fp32 moments and with another format (`--optimizer-state`).
+#[derive(Debug, Clone, Serialize)]
+pub struct StateComparison {
+    /// The policy, and how many layers it recomputes.
+    pub policy: String,
+    /// The other format.
+    pub state: OptimizerState,
+    /// NVMe bytes read plus written in the median step: fp32 moments, the other.
+    pub nvme_bytes_per_step: [u64; 2],
+    /// The other's over fp32's.
+    pub nvme_ratio: f64,
+    /// Tokens per second: fp32 moments, the other.
+    pub tokens_per_s: [f64; 2],
+    /// The last step's loss: fp32 moments, the other.
+    pub loss_last: [f32; 2],
 }
 
 /// What `--scale` measured.
@@ -478,6 +515,8 @@ struct Rig {
     builtin: BuiltinPolicy,
     policy: Box<dyn Policy>,
     recompute: Recompute,
+    /// AdamW's moments' format.
+    state: OptimizerState,
     plan: Plan,
     executor: Option<Executor>,
     warmup: Vec<StepSample>,
@@ -492,13 +531,14 @@ impl Rig {
     fn new(
         builtin: BuiltinPolicy,
         policy: Box<dyn Policy>,
-        recompute: Recompute,
+        (recompute, state): (Recompute, OptimizerState),
         plan: Plan,
     ) -> Self {
         Rig {
             builtin,
             policy,
             recompute,
+            state,
             plan,
             executor: None,
             warmup: Vec::new(),
@@ -589,6 +629,7 @@ impl Setup {
             grad_spill: args.spill_grads,
             // The scale run's; a comparison plans each policy with each --recompute.
             recompute: args.recompute.first().copied().unwrap_or_default(),
+            optimizer_state: args.optimizer_state.first().copied().unwrap_or_default(),
             ..StepShape::cpu(args.batch, args.seq).on(target)
         };
         let params = whole_params.then(|| model.init_params(args.seed));
@@ -755,6 +796,9 @@ fn validate(args: &StepArgs) -> Result<(), String> {
     if args.recompute.is_empty() {
         return Err("--recompute names no choice (auto, all, none)".into());
     }
+    if args.optimizer_state.is_empty() {
+        return Err("--optimizer-state names no format (fp32, bf16, q8)".into());
+    }
     Ok(())
 }
 
@@ -799,7 +843,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     machine.load_average[1] = load_average();
 
     let cost = CostModel::default();
-    let policies = policy_results(&rigs, setup.shape.tokens(), cost);
+    let policies = policy_results(&rigs, (setup.shape.tokens(), setup.desc.params), cost);
     let losses = |r: &Rig| -> Vec<u32> {
         r.warmup
             .iter()
@@ -807,8 +851,13 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
             .map(|s| s.loss.to_bits())
             .collect()
     };
-    let losses_identical = rigs.iter().all(|r| losses(r) == losses(&rigs[0]));
+    // Every format of AdamW's moments has its own arithmetic: policies agree within one.
+    let losses_identical = rigs.iter().all(|r| {
+        let first = rigs.iter().find(|o| o.state == r.state).expect("r itself");
+        losses(r) == losses(first)
+    });
     let recompute = recompute_comparisons(&policies);
+    let optimizer_state = state_comparisons(&policies);
     let peers = match &args.peers {
         None => Vec::new(),
         Some(dir) => {
@@ -838,6 +887,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         peak_rss_bytes: peak_rss_bytes(),
         policies,
         recompute,
+        optimizer_state,
         refused,
         peers,
     };
@@ -884,25 +934,26 @@ fn process_line(process: &ProcessMemory, peak_rss: Option<u64>) -> String {
     }
 }
 
-/// Plans every policy asked for under every `--recompute` asked for: a rig for each plan
-/// that fits, a refusal (printed) for each that does not.
+/// Plans every policy asked for under every `--recompute` and `--optimizer-state`
+/// asked for: a rig for each plan that fits, a refusal (printed) for each that does not.
 fn plan_rigs(args: &StepArgs, setup: &Setup) -> (Vec<Rig>, Vec<Refusal>) {
     let mut rigs = Vec::new();
     let mut refused = Vec::new();
-    let mut asked: Vec<(BuiltinPolicy, Recompute)> = Vec::new();
-    for (&builtin, &recompute) in args
-        .policies
-        .iter()
-        .flat_map(|n| args.recompute.iter().map(move |r| (n, r)))
-    {
-        if asked.contains(&(builtin, recompute)) {
+    let mut asked: Vec<(BuiltinPolicy, Recompute, OptimizerState)> = Vec::new();
+    let runs = args.policies.iter().flat_map(|&n| {
+        args.recompute
+            .iter()
+            .flat_map(move |&r| args.optimizer_state.iter().map(move |&s| (n, r, s)))
+    });
+    for (builtin, recompute, state) in runs {
+        if asked.contains(&(builtin, recompute, state)) {
             continue;
         }
-        asked.push((builtin, recompute));
+        asked.push((builtin, recompute, state));
         let policy = builtin.policy(args.depth);
         let input = PlanInput {
             model: &setup.model,
-            shape: setup.shape.recomputing(recompute),
+            shape: setup.shape.recomputing(recompute).with_state(state),
             budgets: budgets(args, None),
             cost: Default::default(),
         };
@@ -910,16 +961,18 @@ fn plan_rigs(args: &StepArgs, setup: &Setup) -> (Vec<Rig>, Vec<Refusal>) {
             plan.check_fits(&input)?;
             Ok(plan)
         }) {
-            Ok(plan) => rigs.push(Rig::new(builtin, policy, recompute, plan)),
+            Ok(plan) => rigs.push(Rig::new(builtin, policy, (recompute, state), plan)),
             Err(e) => {
-                let policy = if args.recompute.len() > 1 {
-                    format!("{}, --recompute {recompute}", policy.name())
-                } else {
-                    policy.name()
-                };
-                println!("{policy}: skipped: {e}");
+                let mut name = policy.name();
+                if args.recompute.len() > 1 {
+                    name = format!("{name}, --recompute {recompute}");
+                }
+                if args.optimizer_state.len() > 1 {
+                    name = format!("{name}, --optimizer-state {state}");
+                }
+                println!("{name}: skipped: {e}");
                 refused.push(Refusal {
-                    policy,
+                    policy: name,
                     reason: e.to_string(),
                 });
             }
@@ -1023,7 +1076,11 @@ fn run_rigs(
 }
 
 /// Each rig's results, against `AllOnDevice`'s when it ran.
-fn policy_results(rigs: &[Rig], tokens: u64, cost: CostModel) -> Vec<PolicyResult> {
+fn policy_results(
+    rigs: &[Rig],
+    (tokens, params): (u64, u64),
+    cost: CostModel,
+) -> Vec<PolicyResult> {
     let reference = rigs
         .iter()
         .find(|r| r.builtin == BuiltinPolicy::AllOnDevice)
@@ -1044,6 +1101,7 @@ fn policy_results(rigs: &[Rig], tokens: u64, cost: CostModel) -> Vec<PolicyResul
                     .collect::<Vec<_>>(),
             );
             let all = rig.warmup.iter().chain(&rig.steps);
+            let links = rig.steps[median_index(&seconds)].link_bytes;
             PolicyResult {
                 policy: rig.plan.policy.clone(),
                 recompute: rig.recompute,
@@ -1057,8 +1115,11 @@ fn policy_results(rigs: &[Rig], tokens: u64, cost: CostModel) -> Vec<PolicyResul
                 overlap_efficiency_vs_all_on_device: reference.map(|(_, compute)| compute / step_s),
                 overlap_efficiency_own: compute_s / step_s,
                 stall_fraction: stall_s / step_s,
-                link_bytes_per_step: rig.steps[median_index(&seconds)].link_bytes,
+                optimizer_state: rig.state,
+                link_bytes_per_step: links,
                 link_bytes_planned: rig.plan.link_bytes,
+                link_bytes_per_token: links.map(|b| b as f64 / tokens as f64),
+                nvme_bytes_per_param: (links[0] + links[1]) as f64 / params as f64,
                 peak_planned: rig.plan.peak,
                 peak_measured: rig.peak_measured,
                 predicted: cost.predict(&rig.plan),
@@ -1068,6 +1129,31 @@ fn policy_results(rigs: &[Rig], tokens: u64, cost: CostModel) -> Vec<PolicyResul
                 steps: rig.steps.clone(),
                 latency: rig.latency.clone(),
             }
+        })
+        .collect()
+}
+
+/// Per policy (and recompute choice) run with fp32 moments and with another format, the
+/// two compared.
+fn state_comparisons(policies: &[PolicyResult]) -> Vec<StateComparison> {
+    let nvme = |p: &PolicyResult| p.link_bytes_per_step[0] + p.link_bytes_per_step[1];
+    policies
+        .iter()
+        .filter(|p| p.optimizer_state != OptimizerState::Fp32)
+        .filter_map(|other| {
+            let fp32 = policies.iter().find(|p| {
+                p.optimizer_state == OptimizerState::Fp32
+                    && p.policy == other.policy
+                    && p.recompute == other.recompute
+            })?;
+            Some(StateComparison {
+                policy: format!("{}, recompute {}", other.policy, other.recomputed),
+                state: other.optimizer_state,
+                nvme_bytes_per_step: [nvme(fp32), nvme(other)],
+                nvme_ratio: nvme(other) as f64 / nvme(fp32).max(1) as f64,
+                tokens_per_s: [fp32.tokens_per_s, other.tokens_per_s],
+                loss_last: [fp32.loss_last, other.loss_last],
+            })
         })
         .collect()
 }
@@ -1272,6 +1358,42 @@ pub fn render(report: &StepBenchReport) -> String {
          device's copies counted them (the plan's are in the JSON); fixed: NVMe chunks \
          through io_uring's registered buffers (the pinned host arena).\n",
     );
+    let mut per_token = Table::new([
+        "policy",
+        "nvme read B/token",
+        "nvme write B/token",
+        "h2d B/token",
+        "d2h B/token",
+        "nvme B/param/step",
+    ]);
+    for p in &report.policies {
+        let mut row = vec![p.label()];
+        row.extend(p.link_bytes_per_token.iter().map(|b| format!("{b:.0}")));
+        row.push(format!("{:.2}", p.nvme_bytes_per_param));
+        per_token.row(row);
+    }
+    out.push('\n');
+    out.push_str(&per_token.render());
+    out.push_str(
+        "B/token: bytes moved over each link in the median step over the step's tokens; \
+         nvme B/param/step: NVMe bytes read and written in the median step over the \
+         model's parameters (both measured, machine-independent).\n",
+    );
+    for c in &report.optimizer_state {
+        out.push_str(&format!(
+            "{}: {} moments move {} over NVMe per step, fp32 moments {}: {:.3}x; {:.0} vs \
+             {:.0} tokens/s; last loss {:.4} vs {:.4} (fp32)\n",
+            c.policy,
+            c.state,
+            format_bytes(c.nvme_bytes_per_step[1]),
+            format_bytes(c.nvme_bytes_per_step[0]),
+            c.nvme_ratio,
+            c.tokens_per_s[1],
+            c.tokens_per_s[0],
+            c.loss_last[1],
+            c.loss_last[0],
+        ));
+    }
     for c in &report.recompute {
         out.push_str(&format!(
             "{}: keeping every layer's activations (--recompute none) {:.0} tokens/s, \
@@ -1285,7 +1407,8 @@ pub fn render(report: &StepBenchReport) -> String {
         ));
     }
     out.push_str(&format!(
-        "losses bit-identical across policies and recompute choices (invariant 1): {}\n",
+        "losses bit-identical across policies and recompute choices, for each format of the \
+         moments (invariant 1): {}\n",
         if report.losses_identical { "yes" } else { "NO" }
     ));
     if let [Some(before), Some(after)] = report.machine.load_average {

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use clap::{Arg, ArgMatches};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
-use strata_engine::plan::{GradSpill, PolicyChoice, Recompute};
+use strata_engine::plan::{GradSpill, OptimizerState, PolicyChoice, Recompute};
 
 use super::error::ConfigError;
 use super::values::{Dtype, LrSchedule, OnNonFinite, SettingType};
@@ -318,10 +318,18 @@ settings! {
         aliases("nan_policy"),
         check(check_on_nonfinite);
 
-    /// Working precision on the device; master weights and Adam state stay fp32
-    /// [default: fp32].
+    /// Working precision on the device; master weights stay fp32, and so do AdamW's
+    /// moments unless --optimizer-state says otherwise [default: fp32].
     Step dtype: Dtype = Dtype::Fp32,
         aliases("precision");
+
+    /// How AdamW's moments are kept: fp32 (12 bytes of optimizer state per parameter
+    /// with the fp32 master weights), bf16 (8) or q8, 8-bit codes with a scale per 256
+    /// values (about 6); bf16 and q8 are updated by the CPU, so the state lives in host
+    /// memory or on NVMe; checkpoints hold fp32 moments whichever is chosen
+    /// [default: fp32].
+    Step optimizer_state: OptimizerState = OptimizerState::Fp32,
+        aliases("optim_state", "adam_state");
 
     /// Seed of the initial weights and of anything else random [default: 1337].
     Run seed: u64 = 1337,

@@ -12,7 +12,7 @@ use clap::{Arg, ArgAction, ArgMatches, ValueEnum};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
 use strata_engine::model::weights::FileDtype;
-use strata_engine::plan::{GradSpill, PolicyChoice, Precision, Recompute};
+use strata_engine::plan::{GradSpill, OptimizerState, PolicyChoice, Precision, Recompute};
 
 use crate::size::MemBudget;
 
@@ -229,7 +229,14 @@ macro_rules! choice_setting {
     )*};
 }
 
-choice_setting!(LrSchedule, Dtype, Recompute, GradSpill, OnNonFinite);
+choice_setting!(
+    LrSchedule,
+    Dtype,
+    Recompute,
+    GradSpill,
+    OnNonFinite,
+    OptimizerState
+);
 
 /// "must be one of a, b (found "c")": how a word that names no policy or device is
 /// refused.

@@ -103,6 +103,9 @@ pub(super) struct NvmeTier {
     store: TensorStore,
     /// The plan's extent groups.
     groups: Vec<Extent>,
+    /// Per group of optimizer state: the bytes of its head, the block's (or shard's)
+    /// fp32 master parameters, whatever the moments' format.
+    heads: Vec<u64>,
     table: Mutex<ExtentTable>,
     /// Which side of each pair is current: A when even.
     generation: u64,
@@ -138,6 +141,11 @@ impl NvmeTier {
         Ok(NvmeTier {
             store,
             groups: plan.extent_groups.clone(),
+            heads: plan
+                .extent_groups
+                .iter()
+                .map(|g| 4 * plan.shard_len[g.block])
+                .collect(),
             table: Mutex::new(table),
             generation: 0,
         })
@@ -188,7 +196,7 @@ impl NvmeTier {
         let extent = self.extent(group, side)?;
         let g = &self.groups[group];
         Ok(if g.class == TensorClass::Optimizer {
-            self.store.write_with_head(extent, buf, g.bytes / 3)
+            self.store.write_with_head(extent, buf, self.heads[group])
         } else {
             self.store.write(extent, buf)
         })

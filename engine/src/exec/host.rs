@@ -9,17 +9,18 @@
 use std::sync::atomic::Ordering;
 
 use half::{bf16, f16};
-use strata_kernels::adamw::{AdamError, AdamStep, CopyOut, GradStats, Grads, State, grad_stats};
+use strata_kernels::adamw::{AdamError, AdamStep, CopyOut, GradStats, Grads, grad_stats};
 use strata_kernels::isa::Isa;
 use strata_kernels::program::{read_stats, write_stats};
 
 use super::error::ExecError;
 use super::executor::Executor;
+use super::moments::{Moments, split_state};
 use super::state::write_working;
 use super::step_state::{Norm, StepShared};
 use crate::device::{cast, cast_mut};
 use crate::lane::Lane;
-use crate::model::TensorSpec;
+use crate::model::{Piece, TensorSpec};
 use crate::plan::{BufId, GradSource, HostOp, OpId, Precision, Tier};
 
 impl Executor {
@@ -172,9 +173,9 @@ impl Executor {
         if skip {
             return Ok(());
         }
-        // With ranks, this rank's shard: `valid` of its `len` elements are the block's,
-        // from element `lo` on (the rest is padding, left alone).
-        let (lo, len, valid) = self.shard(block);
+        // With ranks, this rank's shard: `len` elements (its padding, past the block's
+        // end, is in no tensor's part and left alone).
+        let (_, len, _) = self.shard(block);
         let err = |source| ExecError::Device {
             op: label(),
             source,
@@ -190,13 +191,12 @@ impl Executor {
                 .map_err(adam_err)?;
         }
         let steps = shared.adam_steps(coef)?;
+        let layout = self.state_layout(block);
         let mut st = self
             .host()
-            .write(Lane::Cpu, self.host_range(state).prefix(12 * len))
+            .write(Lane::Cpu, self.host_range(state).prefix(layout.bytes()))
             .map_err(err)?;
-        let f = cast_mut::<f32>(&mut st);
-        let (master, rest) = f.split_at_mut(len);
-        let (m, v) = rest.split_at_mut(len);
+        let (master, moments) = split_state(&layout, &mut st);
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
         let mut out = match params_out {
@@ -218,14 +218,14 @@ impl Executor {
         }
         let update = BlockUpdate {
             tensors: &self.model.blocks()[block].tensors,
-            range: lo..lo + valid,
+            pieces: &layout.pieces,
             steps: [&steps[0], &steps[1]],
             isa: self.cpu.isa,
             threads: self.limits.optimizer_threads,
             grads: gslice,
         };
         update
-            .apply_in(precision, master, (m, v), out.as_deref_mut())
+            .apply_in(precision, master, moments, out.as_deref_mut())
             .map_err(adam_err)?;
         if self.plan.homes[block][2] == Tier::Host {
             // Updated in place: applied now (NVMe-homed state counts at its commit).
@@ -263,58 +263,60 @@ enum WorkingOut<'a> {
     F16(&'a mut [f16]),
 }
 
-/// AdamW over the elements `range` of one block (the whole block, or a rank's shard of
-/// it, whose slices start at `range.start`), tensor by tensor: `steps[0]` (with weight
-/// decay) for tensors that decay, `steps[1]` for the others. Alignment gaps and a
+/// AdamW over a range of one block (the whole block, or a rank's shard of it, whose
+/// slices start at the range's start), tensor part by tensor part: `steps[0]` (with
+/// weight decay) for tensors that decay, `steps[1]` for the others. Alignment gaps and a
 /// shard's padding are left alone (zero). AdamW is elementwise, so a shard's update is
-/// the same bits as those elements' in the whole block's.
+/// the same bits as those elements' in the whole block's (with 8-bit moments, whose
+/// blocks start at each part's start, where the shard cuts a tensor at a multiple of
+/// 256 of its elements).
 struct BlockUpdate<'a> {
     /// The block's tensors.
     tensors: &'a [TensorSpec],
-    range: std::ops::Range<usize>,
+    /// The tensors' parts of the range.
+    pieces: &'a [Piece],
     steps: [&'a AdamStep; 2],
     isa: Isa,
     threads: usize,
-    /// The gradients of `range`.
+    /// The gradients of the range.
     grads: &'a [f32],
 }
 
 impl BlockUpdate<'_> {
-    /// Updates `master` and the moments `(m, v)`, and writes the new working parameters
-    /// into `out` in `precision` (none where the fp32 master copy is the working one).
+    /// Updates `master` and the `moments`, and writes the new working parameters into
+    /// `out` in `precision` (none where the fp32 master copy is the working one).
     fn apply_in(
         &self,
         precision: Precision,
         master: &mut [f32],
-        (m, v): (&mut [f32], &mut [f32]),
+        moments: Moments<'_>,
         out: Option<&mut [u8]>,
     ) -> Result<(), AdamError> {
         match (precision, out) {
             (Precision::Fp32, out) => {
-                self.apply(WorkingOut::None, master, m, v)?;
+                self.apply(WorkingOut::None, master, moments)?;
                 if let Some(out) = out {
                     cast_mut::<f32>(out).copy_from_slice(master);
                 }
             }
             (Precision::Bf16, Some(out)) => {
-                self.apply(WorkingOut::Bf16(cast_mut::<bf16>(out)), master, m, v)?
+                self.apply(WorkingOut::Bf16(cast_mut::<bf16>(out)), master, moments)?
             }
             (Precision::Fp16, Some(out)) => {
-                self.apply(WorkingOut::F16(cast_mut::<f16>(out)), master, m, v)?
+                self.apply(WorkingOut::F16(cast_mut::<f16>(out)), master, moments)?
             }
             (_, None) => unreachable!("only fp32 working parameters share the master copy"),
         }
         Ok(())
     }
 
-    /// The update itself, tensor by tensor, copying out the working parameters as `out`
-    /// says.
+    /// The update itself, tensor part by tensor part, copying out the working
+    /// parameters as `out` says.
     fn apply(
         &self,
         mut out: WorkingOut<'_>,
         mut master: &mut [f32],
-        mut m: &mut [f32],
-        mut v: &mut [f32],
+        mut moments: Moments<'_>,
     ) -> Result<(), AdamError> {
         fn cut<'a, T>(s: &mut &'a mut [T], skip: usize, take: usize) -> &'a mut [T] {
             let (_, rest) = std::mem::take(s).split_at_mut(skip);
@@ -322,17 +324,11 @@ impl BlockUpdate<'_> {
             *s = rest;
             now
         }
-        let range = &self.range;
         let mut grads = self.grads;
         let mut done = 0;
-        for t in self.tensors {
-            let start = t.slot.offset.max(range.start);
-            let end = (t.slot.offset + t.slot.len).min(range.end);
-            if start >= end {
-                continue;
-            }
-            let (skip, take) = (start - range.start - done, end - start);
-            done = end - range.start;
+        for p in self.pieces {
+            let (skip, take) = (p.at - done, p.len);
+            done = p.at + p.len;
             let (_, g) = grads.split_at(skip);
             let (g_now, g_rest) = g.split_at(take);
             grads = g_rest;
@@ -341,7 +337,7 @@ impl BlockUpdate<'_> {
                 WorkingOut::Bf16(o) => CopyOut::Bf16(cut(o, skip, take)),
                 WorkingOut::F16(o) => CopyOut::F16(cut(o, skip, take)),
             };
-            let step = if t.decays() {
+            let step = if self.tensors[p.tensor].decays() {
                 self.steps[0]
             } else {
                 self.steps[1]
@@ -350,10 +346,7 @@ impl BlockUpdate<'_> {
                 self.isa,
                 self.threads,
                 cut(&mut master, skip, take),
-                State::F32 {
-                    m: cut(&mut m, skip, take),
-                    v: cut(&mut v, skip, take),
-                },
+                moments.take(skip, take),
                 Grads::F32(g_now),
                 copy,
             )?;

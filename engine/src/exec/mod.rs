@@ -63,6 +63,7 @@ mod fault;
 mod host;
 mod lanes;
 mod lent;
+mod moments;
 mod programs;
 mod report;
 mod runner;

@@ -14,6 +14,7 @@ use strata_storage::AlignedBuf;
 
 use super::error::ExecError;
 use super::executor::Executor;
+use super::moments::{decode_moments, encode_moments};
 use crate::device::{DeviceRange, bytes_of, bytes_of_mut, cast, cast_mut};
 use crate::lane::Lane;
 use crate::memory::{HostArena, HostRange};
@@ -229,7 +230,32 @@ impl Executor {
                 done += run;
             }
         };
-        self.put_home(staging, 12 * shard, 4, &fill, homes.state, None)?;
+        let layout = self.state_layout(b);
+        if layout.format.is_fp32() {
+            self.put_home(staging, layout.bytes(), 4, &fill, homes.state, None)?;
+        } else {
+            // Never on the device (the plan refuses it), so written whole: the master
+            // parameters as above, the moments converted from f32.
+            let bytes = self.state_buffer_bytes(b);
+            let compact = |start: usize, out: &mut [u8]| {
+                assert_eq!(
+                    (start, out.len()),
+                    (0, bytes),
+                    "compact state is written whole"
+                );
+                out.fill(0);
+                fill(0, &mut out[layout.master()]);
+                if let [_, Some(m), Some(v)] = classes {
+                    let padded = |x: &[f32]| {
+                        let mut p = x.to_vec();
+                        p.resize(shard, 0.0);
+                        p
+                    };
+                    encode_moments(&layout, &padded(m), &padded(v), out);
+                }
+            };
+            self.put_home(staging, bytes, 4, &compact, homes.state, None)?;
+        }
         if homes.params == homes.state {
             return Ok(()); // the working parameters are the master copy
         }
@@ -532,10 +558,41 @@ impl Executor {
         use_state: impl FnOnce([&[f32]; 3]) -> R,
     ) -> Result<R, ExecError> {
         let shard = self.plan.shard_len[b] as usize;
+        let layout = self.state_layout(b);
         self.with_state(b, 3, &mut None, |bytes| {
             let class = |c: usize| cast::<f32>(&bytes[4 * c * shard..][..4 * len]);
-            use_state([class(0), class(1), class(2)])
+            if layout.format.is_fp32() {
+                return use_state([class(0), class(1), class(2)]);
+            }
+            // Compact moments: as f32, made here (8 bytes per parameter more).
+            let [m, v] = decode_moments(&layout, bytes);
+            use_state([class(0), &m[..len], &v[..len]])
         })
+    }
+
+    /// Hands `put` the f32 values of each of the first `classes` of block `b`'s state
+    /// (0: master parameters, 1: m, 2: v) from `bytes`, the head of its buffer as
+    /// [`Self::with_state`] lends it: a view of them (fp32) or a conversion (compact
+    /// moments).
+    fn state_as_f32(
+        &self,
+        b: usize,
+        classes: usize,
+        bytes: &[u8],
+        mut put: impl FnMut(usize, &[f32]),
+    ) {
+        let layout = self.state_layout(b);
+        let shard = layout.len;
+        if classes == 1 || layout.format.is_fp32() {
+            for c in 0..classes {
+                put(c, cast::<f32>(&bytes[4 * c * shard..][..4 * shard]));
+            }
+            return;
+        }
+        put(0, cast::<f32>(&bytes[layout.master()]));
+        let [m, v] = decode_moments(&layout, bytes);
+        put(1, &m);
+        put(2, &v);
     }
 
     /// Block `b`'s length, when `b` is one of the model's blocks.
@@ -559,9 +616,12 @@ impl Executor {
         classes: usize,
         staging: &mut Option<HostArena>,
     ) -> Result<Vec<f32>, ExecError> {
-        let mut f = vec![0f32; classes * self.plan.shard_len[b] as usize];
+        let shard = self.plan.shard_len[b] as usize;
+        let mut f = vec![0f32; classes * shard];
         self.with_state(b, classes, staging, |bytes| {
-            bytes_of_mut(&mut f).copy_from_slice(bytes)
+            self.state_as_f32(b, classes, bytes, |class, values| {
+                f[class * shard..(class + 1) * shard].copy_from_slice(values)
+            })
         })?;
         Ok(f)
     }
@@ -581,7 +641,10 @@ impl Executor {
         let shard = self.plan.shard_len[b] as usize;
         let home = self.plan.block_homes[b].state;
         let name = &self.plan.buffer(home).name;
-        let bytes = 4 * classes * shard;
+        let bytes = match classes {
+            1 => 4 * shard,
+            _ => self.state_buffer_bytes(b),
+        };
         let range = HostRange::new(0, bytes);
         match self.plan.buffer(home).tier {
             Tier::Nvme => {

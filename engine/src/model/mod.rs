@@ -12,7 +12,9 @@
 //! - GPT-2 is the first family ([`gpt2`]); the Llama family ([`llama`]: Llama, Mistral,
 //!   Qwen2, Qwen3) the second.
 //! - [`update`]: the programs every family shares (AdamW per tensor, gradient
-//!   statistics, gradient accumulation), built from a block's layout alone.
+//!   statistics, gradient accumulation), built from a block's layout alone;
+//!   [`moments`]: the formats of AdamW's moments and where a block's optimizer state
+//!   lies in its buffer.
 //! - [`weights`]: Hugging Face `config.json` and safetensors weights (one file or
 //!   shards); [`data`]: token files; [`tokenize`]: `tokenizer.json` and text into token
 //!   files.
@@ -29,6 +31,7 @@ mod head;
 pub mod layout;
 pub mod llama;
 mod mapped;
+pub mod moments;
 pub mod tokenize;
 pub mod update;
 pub mod weights;
@@ -42,6 +45,7 @@ pub use family::{Family, Pass, Shape};
 pub use gpt2::{Gpt2, Gpt2Config, PRESETS};
 pub use layout::{BlockKind, BlockLayout, Slot, TensorSpec};
 pub use llama::{Llama, LlamaConfig};
+pub use moments::{OptimizerState, Piece, StateLayout};
 pub use strata_kernels::program::{Dtype, IGNORE_TARGET, Kernel, Target, TensorRef};
 
 /// A model: a family of one shape, cheap to clone.

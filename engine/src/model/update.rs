@@ -3,12 +3,14 @@
 //! statistics of a block's gradients (for the global norm and the overflow check), and
 //! the accumulation of one micro-batch's gradients into another's.
 //!
-//! Optimizer state is one f32 buffer per block: the master parameters, then m, then v,
-//! each the block's length (alignment gaps included, and left zero).
+//! The device's AdamW keeps fp32 state ([`OptimizerState::Fp32`](super::OptimizerState)):
+//! one f32 buffer per block, the master parameters, then m, then v, each the block's
+//! length (alignment gaps included, and left zero); see [`super::moments`].
 
 use strata_kernels::kernel::{AdamWKernel, AddF32, GradStatsKernel};
 use strata_kernels::program::{Dtype, Kernel, TensorRef, grad_stats_scratch_bytes};
 
+use super::moments::pieces;
 use super::{Bind, BlockLayout, Target};
 
 /// AdamW over every tensor of `block`: master parameters, m and v in [`Bind::State`],
@@ -33,28 +35,23 @@ pub fn adamw_range_program(
     let state = |part: usize, at: usize, n: usize| {
         TensorRef::new(Bind::State as u8, (part * len + at) * 4, n, Dtype::F32)
     };
-    block
-        .tensors
-        .iter()
-        .filter_map(|t| {
-            let start = t.slot.offset.max(lo);
-            let end = (t.slot.offset + t.slot.len).min(lo + len);
-            (start < end).then(|| {
-                let (at, n) = (start - lo, end - start);
-                Kernel::AdamW(AdamWKernel {
-                    params: state(0, at, n),
-                    m: state(1, at, n),
-                    v: state(2, at, n),
-                    grads: TensorRef::new(Bind::Grads as u8, at * 4, n, Dtype::F32),
-                    copy_out: Some(TensorRef::new(
-                        Bind::Params as u8,
-                        at * params_dtype.size(),
-                        n,
-                        params_dtype,
-                    )),
-                    round: precision,
-                    decay: t.decays(),
-                })
+    pieces(&block.tensors, lo, len)
+        .into_iter()
+        .map(|p| {
+            let (at, n) = (p.at, p.len);
+            Kernel::AdamW(AdamWKernel {
+                params: state(0, at, n),
+                m: state(1, at, n),
+                v: state(2, at, n),
+                grads: TensorRef::new(Bind::Grads as u8, at * 4, n, Dtype::F32),
+                copy_out: Some(TensorRef::new(
+                    Bind::Params as u8,
+                    at * params_dtype.size(),
+                    n,
+                    params_dtype,
+                )),
+                round: precision,
+                decay: block.tensors[p.tensor].decays(),
             })
         })
         .collect()

@@ -33,6 +33,7 @@ mod shape;
 mod tier;
 
 pub use crate::lane::Lane;
+pub use crate::model::OptimizerState;
 pub use auto::{Auto, Candidate, Choice};
 pub use cost::{CostModel, DEFAULT_SOURCE, Prediction};
 pub use error::{PlanError, Shortfall, fmt_bytes};

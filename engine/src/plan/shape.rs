@@ -8,7 +8,7 @@
 use std::fmt;
 
 use super::tier::Tier;
-use crate::model::{BlockKind, Dtype, Model, Target};
+use crate::model::{BlockKind, Dtype, Model, OptimizerState, Target};
 
 /// Elements of each rank's shard of a block of `len` parameters among `ranks` ranks: the
 /// block's flat buffers (parameters, gradients, master, m and v) are cut into `ranks`
@@ -44,8 +44,8 @@ pub fn layer_shard_bytes(model: &Model, shape: StepShape) -> u64 {
     shard_len(len, shape.ranks) as u64 * shape.precision.param_bytes()
 }
 
-/// The dtype of the working parameters (master parameters and optimizer state are always
-/// fp32).
+/// The dtype of the working parameters (master parameters are always fp32; AdamW's
+/// moments are in [`OptimizerState`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Precision {
     /// Everything fp32.
@@ -186,6 +186,10 @@ pub struct StepShape {
     pub grad_accum: usize,
     /// Working dtype.
     pub precision: Precision,
+    /// How AdamW's moments are stored (fp32, bf16 or 8-bit; the master parameters are
+    /// fp32 in every format). Other than fp32 only where the CPU updates the block:
+    /// the device's AdamW program keeps fp32 moments.
+    pub optimizer_state: OptimizerState,
     /// Whether every update waits for the global gradient norm (clipping, or fp16's
     /// overflow check): then the optimizer cannot start before the whole backward ends.
     pub needs_global_norm: bool,
@@ -224,6 +228,7 @@ impl StepShape {
             seq,
             grad_accum: 1,
             precision: Precision::Fp32,
+            optimizer_state: OptimizerState::Fp32,
             needs_global_norm: false,
             delayed_update: false,
             target: Target::Cpu,
@@ -255,6 +260,14 @@ impl StepShape {
     /// The same step spilling gradients as `grad_spill` says.
     pub fn spilling(self, grad_spill: GradSpill) -> Self {
         StepShape { grad_spill, ..self }
+    }
+
+    /// The same step keeping AdamW's moments in `optimizer_state`.
+    pub fn with_state(self, optimizer_state: OptimizerState) -> Self {
+        StepShape {
+            optimizer_state,
+            ..self
+        }
     }
 
     /// The same step on `target`'s kernels.

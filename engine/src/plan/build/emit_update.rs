@@ -159,7 +159,7 @@ impl Emitter<'_, '_> {
             Lane::NvmeRead
         };
         let first = self.ops.len();
-        self.nvme_read(lane, self.homes.state[b].0, stage, 12 * f.shard(b));
+        self.nvme_read(lane, self.homes.state[b].0, stage, f.state_bytes(b));
         if let Some(extent) = self.homes.grads.spill[b] {
             let into = self.homes.grads.apply_host[b].expect("host gradients");
             self.nvme_read(lane, extent, into, 4 * f.shard(b));
@@ -358,7 +358,7 @@ impl Emitter<'_, '_> {
         }
         let mut commit = Vec::new();
         if f.tiers[b].state == Tier::Nvme {
-            self.nvme_write(state, s_home.1, 12 * len, true);
+            self.nvme_write(state, s_home.1, f.state_bytes(b), true);
             commit.push(s_home.1);
         }
         match (f.tiers[b].params, params_out) {

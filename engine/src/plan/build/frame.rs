@@ -6,7 +6,7 @@
 //! their activations and spill their gradients (`search.rs`, which hands its choice to
 //! the frame).
 
-use crate::model::{BlockLayout, Dtype, Shape, Target};
+use crate::model::{BlockLayout, Dtype, Shape, StateLayout, Target};
 use crate::plan::error::PlanError;
 use crate::plan::policy::{PlanInput, Policy};
 use crate::plan::shape::{StepShape, shard_len};
@@ -169,6 +169,16 @@ impl<'a> Frame<'a> {
         self.blocks[b].len as u64
     }
 
+    /// Bytes of a rank's shard of block `b`'s optimizer state (the most of any rank's).
+    pub(super) fn state_bytes(&self, b: usize) -> u64 {
+        StateLayout::shard_bytes(
+            self.shape.optimizer_state,
+            &self.blocks[b].tensors,
+            self.shard[b] as usize,
+            self.ranks,
+        ) as u64
+    }
+
     /// Elements of this rank's shard of block `b` (its length with one rank).
     pub(super) fn shard(&self, b: usize) -> u64 {
         self.shard[b]
@@ -300,6 +310,16 @@ fn block_tiers(
     if t.state == Tier::Device && t.params != Tier::Device {
         return Err(bad(format!(
             "block {b}: optimizer state on the device needs the parameters there too"
+        )));
+    }
+    let format = input.shape.optimizer_state;
+    if t.state == Tier::Device && !format.is_fp32() {
+        use crate::plan::policy::BuiltinPolicy::{CpuOffload, NvmeOffload, ParamOffload};
+        return Err(bad(format!(
+            "block {b}: {format} optimizer state is updated by the CPU, and this policy \
+             keeps it on the device, where AdamW keeps fp32 moments; choose a policy that \
+             keeps it in host memory or on NVMe ({CpuOffload}, {ParamOffload}, \
+             {NvmeOffload}, or auto)"
         )));
     }
     Ok(t)

@@ -175,14 +175,14 @@ impl Homes {
 
 /// Block `b`'s optimizer state home: (current, next).
 fn state_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> (BufId, BufId) {
-    let shard = f.shard(b);
+    let bytes = f.state_bytes(b);
     match f.tiers[b].state {
         tier @ (Tier::Device | Tier::Host) => {
-            table.home_pair(&format!("adam[{b}]"), tier, 12 * shard, false)
+            table.home_pair(&format!("adam[{b}]"), tier, bytes, false)
         }
         Tier::Nvme => table.extents(
             format!("adam.{b}"),
-            12 * shard,
+            bytes,
             ExtentKind::Shadow,
             b,
             TensorClass::Optimizer,

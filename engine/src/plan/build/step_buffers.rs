@@ -336,7 +336,7 @@ impl Stage<'_, '_> {
             self.out.s_stage[b] = Some(self.table.buffer(
                 format!("adam[{b}]@host"),
                 Tier::Host,
-                12 * len,
+                f.state_bytes(b),
             ));
         }
         // With ranks and collectives staged through the host, a device update's new
