@@ -45,7 +45,8 @@ pub struct PlanReport {
     pub description: String,
     /// Its layer blocks.
     pub layers: usize,
-    /// Parameters, gradients and AdamW state at 16 bytes per parameter.
+    /// Parameters, gradients and AdamW state: 16 bytes per parameter with fp32 moments
+    /// (4 of gradients, 12 of master parameters, m and v), fewer with compact ones.
     pub training_state_bytes: u64,
     /// Disk space of one checkpoint (`--checkpoint-dir` holds `--keep-checkpoints` of
     /// them and the one being written); saving and resuming hold a block's state at a
@@ -59,6 +60,8 @@ pub struct PlanReport {
     pub grad_accum: usize,
     /// The working precision.
     pub precision: String,
+    /// How AdamW's moments are kept: fp32, bf16 or q8.
+    pub optimizer_state: String,
     /// Ranks of ZeRO-3 data parallelism the step is planned for (1: one process). Bytes
     /// are per rank; step times and tokens per second are the whole job's.
     pub ranks: usize,
@@ -155,6 +158,11 @@ pub struct PolicyRow {
     pub edges: Option<String>,
     /// Its NVMe peak over the parameter count.
     pub nvme_bytes_per_param: f64,
+    /// Planned bytes per step over NVMe read, NVMe write, H2D and D2H, over the step's
+    /// tokens (this rank's).
+    pub link_bytes_per_token: [f64; 4],
+    /// Planned NVMe bytes read and written per step over the parameter count.
+    pub nvme_traffic_bytes_per_param: f64,
     /// The RAM a process running it is planned to hold: its arenas in RAM, block
     /// staging, and the fixed overhead.
     pub process: ProcessMemory,
@@ -263,12 +271,14 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
         params,
         description: model.describe(),
         layers: model.layers(),
-        training_state_bytes: 16 * params,
+        training_state_bytes: ((4.0 + shape.optimizer_state.bytes_per_param()) * params as f64)
+            as u64,
         checkpoint_bytes: strata_engine::checkpoint::needed_bytes(&model, 0),
         batch: shape.batch,
         seq: shape.seq,
         grad_accum: shape.grad_accum,
         precision: shape.precision.to_string(),
+        optimizer_state: shape.optimizer_state.to_string(),
         ranks,
         recompute: shape.recompute.to_string(),
         budgets: TierBytes {
@@ -331,7 +341,10 @@ fn policy_rows(
             Ok(plan) => rows.push(policy_row(input, cost, &plan, reads)),
             // With ranks the planner refuses gradients and optimizer state on the
             // device: an answer about this policy, not a failure of the command.
-            Err(PlanError::BadPolicy { policy, reason }) if ranks > 1 => {
+            // So does compact optimizer state, which the device's AdamW does not keep.
+            Err(PlanError::BadPolicy { policy, reason })
+                if ranks > 1 || !input.shape.optimizer_state.is_fp32() =>
+            {
                 unavailable.push(Unavailable { policy, reason });
             }
             Err(e) => return Err(e.into()),
@@ -360,6 +373,10 @@ fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan, reads: Reads)
         edges_on_host: plan.edges_on_host(),
         edges: plan.edges_text(),
         nvme_bytes_per_param: nvme as f64 / params,
+        link_bytes_per_token: plan
+            .link_bytes
+            .map(|b| b as f64 / input.shape.tokens() as f64),
+        nvme_traffic_bytes_per_param: (plan.link_bytes[0] + plan.link_bytes[1]) as f64 / params,
         process: ProcessMemory::of_run(plan, input.model, reads),
         nvme_bytes_all_ranks: nvme * ranks,
         step_seconds: p.step_seconds,
@@ -419,11 +436,14 @@ fn render_header(r: &PlanReport) -> String {
     let mut out = String::new();
     let b = &r.budgets;
     out += &format!(
-        "model {}: {:.3} B params, {}; training state {} (16 B/param)\n",
+        "model {}: {:.3} B params, {}; training state {} ({} B/param)\n",
         r.model,
         r.params as f64 / 1e9,
         r.description,
-        fmt_bytes(r.training_state_bytes)
+        fmt_bytes(r.training_state_bytes),
+        format!("{:.2}", r.training_state_bytes as f64 / r.params as f64)
+            .trim_end_matches('0')
+            .trim_end_matches('.')
     );
     out += &format!(
         "checkpoint: {} on disk each (parameters, m, v); --checkpoint-dir holds \
@@ -432,11 +452,12 @@ fn render_header(r: &PlanReport) -> String {
         fmt_bytes(r.checkpoint_bytes)
     );
     out += &format!(
-        "step: {} x {} tokens x {} micro-batches, {}, --recompute {}; budgets: device {}, host {}, nvme {} ({})\n",
+        "step: {} x {} tokens x {} micro-batches, {}, {} moments, --recompute {}; budgets: device {}, host {}, nvme {} ({})\n",
         r.batch,
         r.seq,
         r.grad_accum,
         r.precision,
+        r.optimizer_state,
         r.recompute,
         fmt_bytes(b.device),
         fmt_bytes(b.host),
@@ -479,7 +500,6 @@ fn render_header(r: &PlanReport) -> String {
 /// The table of policies, then what each keeps off NVMe, spills, or cannot do.
 fn render_policies(r: &PlanReport) -> String {
     let mut out = policies_table(r);
-    let n = r.ranks;
     for row in r.policies.iter() {
         if let Some(edges) = &row.edges {
             out += &format!("{}: {edges}\n", row.policy);
@@ -494,7 +514,7 @@ fn render_policies(r: &PlanReport) -> String {
     }
     for u in &r.unavailable {
         out += &format!(
-            "{} is not available with {n} ranks: {}\n",
+            "{} is not available for this step: {}\n",
             u.policy, u.reason
         );
     }
@@ -511,7 +531,12 @@ fn policies_table(r: &PlanReport) -> String {
     if ranked {
         headers.push(&nvme_all);
     }
-    headers.extend(["recompute", "s/step"]);
+    headers.extend([
+        "recompute",
+        "nvme r+w B/param",
+        "B/token nvme r/w, h2d/d2h",
+        "s/step",
+    ]);
     if ranked {
         headers.push("collective s");
     }
@@ -538,6 +563,13 @@ fn policies_table(r: &PlanReport) -> String {
                 0 => format!("{} of {}", row.recomputed_blocks, r.layers),
                 n => format!("{} of {}, {n} offloaded", row.recomputed_blocks, r.layers),
             },
+            format!("{:.2}", row.nvme_traffic_bytes_per_param),
+            {
+                let t = row
+                    .link_bytes_per_token
+                    .map(|b| fmt_bytes(b.round() as u64));
+                format!("{}/{}, {}/{}", t[0], t[1], t[2], t[3])
+            },
             format!("{:.3}", row.step_seconds),
         ]);
         if ranked {
@@ -547,7 +579,7 @@ fn policies_table(r: &PlanReport) -> String {
         table.row(cells);
     }
     for u in &r.unavailable {
-        let mut cells = vec![u.policy.clone(), format!("no: not with {n} ranks")];
+        let mut cells = vec![u.policy.clone(), "no: not available".to_string()];
         cells.resize(columns, "-".to_string());
         table.row(cells);
     }

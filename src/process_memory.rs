@@ -13,7 +13,7 @@
 
 use strata_engine::checkpoint::SAVE_HELD_BYTES;
 use strata_engine::exec::{BlockForward, load_staging_bytes};
-use strata_engine::model::{Model, Target};
+use strata_engine::model::{Model, StateLayout, Target};
 use strata_engine::plan::{Plan, Tier, fmt_bytes};
 
 use crate::machine::meminfo_bytes;
@@ -195,15 +195,30 @@ pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
 }
 
 /// What saving the training state a block at a time (a checkpoint, or the rescue of a
-/// failing run) holds beside the arenas: the buffer the largest block's state is read
-/// into where it does not live in the host arena (from NVMe, or copied off the device:
-/// 12 B per parameter; host-homed state is lent from the arena itself) and
-/// [`SAVE_READ_EXTRA_BYTES`] beside it, and the save's own write buffers and written
-/// pages ([`SAVE_HELD_BYTES`]).
+/// failing run) holds beside the arenas: for the largest block, the buffer its state is
+/// read into where it does not live in the host arena (from NVMe, or copied off the
+/// device: 12 B per parameter with fp32 moments, fewer with compact ones; host-homed
+/// state is lent from the arena itself), compact moments decoded to f32 (8 B per
+/// parameter) and [`SAVE_READ_EXTRA_BYTES`] beside them, and the save's own write
+/// buffers and written pages ([`SAVE_HELD_BYTES`]).
 pub fn saving_bytes(plan: &Plan, model: &Model) -> u64 {
+    let format = plan.shape.optimizer_state;
     let read = (0..model.blocks().len())
-        .filter(|&b| plan.buffer(plan.block_homes[b].state).tier != Tier::Host)
-        .map(|b| (12 * plan.shard_len[b]).next_multiple_of(4096) + SAVE_READ_EXTRA_BYTES)
+        .filter_map(|b| {
+            let shard = plan.shard_len[b] as usize;
+            let buffer = match plan.buffer(plan.block_homes[b].state).tier {
+                Tier::Host => 0,
+                _ => StateLayout::shard_bytes(
+                    format,
+                    &model.blocks()[b].tensors,
+                    shard,
+                    plan.shape.ranks,
+                ),
+            };
+            let decoded = if format.is_fp32() { 0 } else { 8 * shard };
+            let held = (buffer + decoded) as u64;
+            (held > 0).then(|| held.next_multiple_of(4096) + SAVE_READ_EXTRA_BYTES)
+        })
         .max()
         .unwrap_or(0);
     read + SAVE_HELD_BYTES

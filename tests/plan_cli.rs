@@ -33,9 +33,15 @@ const STEP: [&str; 12] = [
 
 /// `strata plan STEP --ranks ranks --json ...`: its printout and its JSON.
 fn plan(ranks: &str) -> (String, serde_json::Value) {
+    plan_with(&["--ranks", ranks])
+}
+
+/// `strata plan STEP EXTRA --json ...`: its printout and its JSON.
+fn plan_with(extra: &[&str]) -> (String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("plan.json");
-    let mut args = vec!["plan", "--ranks", ranks, "--json", json.to_str().unwrap()];
+    let mut args = vec!["plan", "--json", json.to_str().unwrap()];
+    args.extend(extra);
     args.extend(STEP);
     let out = strata(&args);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -236,4 +242,49 @@ fn plan_states_the_disk_space_a_checkpoint_takes() {
         12 * params < written && written <= stated && stated < written + (1 << 20),
         "plan states {stated} bytes, a checkpoint of {params} params took {written}"
     );
+}
+
+/// `--optimizer-state`: the NVMe tier holds the master parameters and the moments in the
+/// format asked (12, 8 and 6 + 8/256 bytes per parameter by the formats' definitions, so
+/// the peaks' ratios to fp32's are about 2/3 and 1/2), the NVMe traffic per parameter
+/// falls, and the policy that keeps the state on the device is refused by name.
+#[test]
+fn compact_moments_shrink_the_nvme_state_and_rule_out_the_device() {
+    let (_, fp32) = plan_with(&[]);
+    let nvme = |answer: &serde_json::Value| {
+        let r = row(answer, "nvme-offload");
+        (
+            r["peak_bytes"]["nvme"].as_f64().unwrap(),
+            r["nvme_traffic_bytes_per_param"].as_f64().unwrap(),
+        )
+    };
+    let (fp32_peak, fp32_traffic) = nvme(&fp32);
+    assert_eq!(fp32["optimizer_state"], "fp32");
+    for (format, ratio) in [("bf16", 8.0 / 12.0), ("q8", (6.0 + 8.0 / 256.0) / 12.0)] {
+        let (text, answer) = plan_with(&["--optimizer-state", format]);
+        assert_eq!(answer["optimizer_state"], format);
+        assert!(text.contains(&format!("{format} moments")), "{text}");
+        let (peak, traffic) = nvme(&answer);
+        assert!(
+            (peak / fp32_peak - ratio).abs() < 0.01,
+            "{format}: NVMe peak {peak} against fp32's {fp32_peak}, not {ratio:.3} of it"
+        );
+        assert!(
+            traffic < fp32_traffic,
+            "{format}: {traffic} >= {fp32_traffic}"
+        );
+        let refused = answer["unavailable"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|u| u["policy"] == "all-on-device")
+            .unwrap_or_else(|| panic!("all-on-device is not refused: {answer}"));
+        assert!(
+            refused["reason"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("{format} optimizer state")),
+            "{refused}"
+        );
+    }
 }

@@ -10,7 +10,7 @@
 mod model_support;
 
 use model_support::{CHAOS, UNLIMITED};
-use strata_engine::exec::{ExecConfig, Executor, Runner, StepParams};
+use strata_engine::exec::{ExecConfig, Executor, Runner, StepParams, TrainingState};
 use strata_engine::kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, Q8State, State, q8};
 use strata_engine::kernels::isa::Isa;
 use strata_engine::model::{Gpt2Config, Model, OptimizerState, TensorSpec};
@@ -412,6 +412,63 @@ fn loading_stores_f32_moments_in_the_format_and_export_reads_them_back() {
             for b in 0..model.blocks().len() {
                 let [bp, bm, bv] = exec.export_block_state(b).unwrap();
                 assert!(bits(&[bp, bm, bv]) == bits(&[p[b].clone(), em[b].clone(), ev[b].clone()]));
+            }
+        }
+    }
+}
+
+/// A run resumed from exported state (what a checkpoint holds: fp32 moments) against the
+/// same run uninterrupted: bf16 moments round-trip through f32 exactly, so the resumed
+/// run is bit-identical; 8-bit moments are quantized again from their f32 values (the
+/// same codes; a block's scale is recomputed from its largest value and may differ in
+/// its last bit), so the resumed run is held to 1e-6 relative.
+#[test]
+fn a_run_resumed_from_exported_compact_moments_continues_the_same_run() {
+    let model = small();
+    let input_of =
+        |format| PlanInput::new(&model, StepShape::cpu(2, 16).with_state(format), UNLIMITED);
+    let (tokens, targets) = batch(model.vocab(), 32, 11);
+    let refs = [(&tokens[..], &targets[..])];
+    for format in COMPACT {
+        let plan = Plan::build(&input_of(format), &NvmeOffload::default()).unwrap();
+        let nvme = tempfile::tempdir().unwrap();
+        let config = ExecConfig {
+            nvme_dirs: vec![nvme.path().to_path_buf()],
+            ..ExecConfig::default()
+        };
+        let start = |state: Option<&TrainingState>, steps| {
+            let mut exec = Executor::on_cpu(model.clone(), plan.clone(), &config).unwrap();
+            match state {
+                None => exec.load(&model.init_params(7), None).unwrap(),
+                Some((p, m, v)) => exec.load(p, Some((m, v))).unwrap(),
+            }
+            exec.set_steps(steps);
+            exec
+        };
+        let mut whole = start(None, 0);
+        let mut half = start(None, 0);
+        for _ in 0..2 {
+            whole.step(&refs, &hyper()).unwrap();
+            half.step(&refs, &hyper()).unwrap();
+        }
+        let saved = half.export().unwrap();
+        drop(half);
+        let mut resumed = start(Some(&saved), 2);
+        for _ in 0..2 {
+            let a = whole.step(&refs, &hyper()).unwrap().loss;
+            let b = resumed.step(&refs, &hyper()).unwrap().loss;
+            if format == OptimizerState::Bf16 {
+                assert_eq!(a.to_bits(), b.to_bits(), "{format}: loss");
+            }
+        }
+        let (pa, pb) = (whole.export().unwrap().0, resumed.export().unwrap().0);
+        for (x, y) in pa.iter().flatten().zip(pb.iter().flatten()) {
+            match format {
+                OptimizerState::Bf16 => assert_eq!(x.to_bits(), y.to_bits(), "{format}"),
+                _ => assert!(
+                    (x - y).abs() <= 1e-6 * x.abs().max(1e-3),
+                    "{format}: {x} resumed as {y}"
+                ),
             }
         }
     }

@@ -561,9 +561,13 @@ impl Rig {
         let executor = self.executor.as_mut().expect("started");
         let report = executor.step(&refs(batches), &setup.step_params)?;
         eprintln!(
-            "  {} ({}) step {}/{total}{}: {:.3} s, loss {:.4}",
+            "  {} ({}{}) step {}/{total}{}: {:.3} s, loss {:.4}",
             self.policy.name(),
             self.plan.recompute_summary(),
+            match self.state {
+                OptimizerState::Fp32 => String::new(),
+                other => format!(", {other} moments"),
+            },
             s + 1,
             if s < warmup { " (warm-up)" } else { "" },
             report.seconds,
@@ -1368,7 +1372,11 @@ pub fn render(report: &StepBenchReport) -> String {
     ]);
     for p in &report.policies {
         let mut row = vec![p.label()];
-        row.extend(p.link_bytes_per_token.iter().map(|b| format!("{b:.0}")));
+        row.extend(
+            p.link_bytes_per_token
+                .iter()
+                .map(|b| format_bytes(b.round() as u64)),
+        );
         row.push(format!("{:.2}", p.nvme_bytes_per_param));
         per_token.row(row);
     }

@@ -156,6 +156,10 @@ fn summary(
     let mut t = Table::new(["", "value"]);
     t.row(["policy".to_string(), plan.policy.clone()]);
     t.row(["recompute".to_string(), plan.recomputed_of()]);
+    t.row([
+        "optimizer state".to_string(),
+        format!("{} moments", plan.shape.optimizer_state),
+    ]);
     t.row(["steps".to_string(), reports.len().to_string()]);
     t.row([
         "loss first -> last".to_string(),
@@ -171,7 +175,8 @@ fn summary(
         format!("{:.1}%", 100.0 * crate::report::median(&stall)),
     ]);
     let median_report = &reports[crate::report::median_index(&secs)];
-    traffic_and_peaks(&mut t, exec, median_report, reads);
+    // Bytes per token of this rank: its links carry its micro-batches.
+    traffic_and_peaks(&mut t, exec, (median_report, plan.shape.tokens()), reads);
     t.row([
         "wall time".to_string(),
         format!("{:.1} s", started.elapsed().as_secs_f64()),
@@ -182,7 +187,12 @@ fn summary(
 
 /// The summary's rows of bytes per link (the median step's, against the plan), peaks per
 /// tier, the process's peak memory and the operations' latencies.
-fn traffic_and_peaks(t: &mut Table, exec: &Executor, median_report: &StepReport, reads: Reads) {
+fn traffic_and_peaks(
+    t: &mut Table,
+    exec: &Executor,
+    (median_report, tokens): (&StepReport, u64),
+    reads: Reads,
+) {
     let plan = exec.plan();
     let live = exec.peak_measured();
     for (i, name) in ["nvme read", "nvme write", "h2d", "d2h"].iter().enumerate() {
@@ -195,6 +205,16 @@ fn traffic_and_peaks(t: &mut Table, exec: &Executor, median_report: &StepReport,
             ),
         ]);
     }
+    let per_token = median_report
+        .link_bytes
+        .map(|b| format!("{:.0}", b as f64 / tokens.max(1) as f64));
+    t.row([
+        "bytes/token nvme r / w, h2d / d2h".to_string(),
+        format!(
+            "{} / {}, {} / {}",
+            per_token[0], per_token[1], per_token[2], per_token[3]
+        ),
+    ]);
     for tier in Tier::ALL {
         t.row([
             format!("peak {tier} (measured / plan / budget)"),

@@ -39,7 +39,8 @@
 //!   ([`StepReport::chrome_trace`]).
 //!
 //! The files, after DeepSpeed's swap_tensor, keep *what* moves apart from *how* bytes
-//! move. What: loading and exporting the training state (`state.rs`), the step and its
+//! move. What: loading and exporting the training state (`state.rs`; AdamW's moments in
+//! their format, `moments.rs`), the step and its
 //! report (`step.rs`), the lanes and each family of operations they run (`lanes.rs`;
 //! `stream.rs`, `host.rs`, `comm.rs`). How: the arenas a buffer lives in (`arenas.rs`),
 //! the NVMe tier's extents, checksummed I/O and shadow paging (`extents.rs`), memory lent

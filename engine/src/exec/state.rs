@@ -246,12 +246,7 @@ impl Executor {
                 out.fill(0);
                 fill(0, &mut out[layout.master()]);
                 if let [_, Some(m), Some(v)] = classes {
-                    let padded = |x: &[f32]| {
-                        let mut p = x.to_vec();
-                        p.resize(shard, 0.0);
-                        p
-                    };
-                    encode_moments(&layout, &padded(m), &padded(v), out);
+                    encode_moments(&layout, &padded(m, shard), &padded(v, shard), out);
                 }
             };
             self.put_home(staging, bytes, 4, &compact, homes.state, None)?;
@@ -607,8 +602,8 @@ impl Executor {
     }
 
     /// The first `classes` of this rank's shard of block `b`'s master parameters, m and
-    /// v (1: the master parameters alone; 3: all three, one after another), read from
-    /// their home (`staging`: host memory for device-homed state, made when first needed,
+    /// v, as f32 (1: the master parameters alone; 3: all three, one after another, the
+    /// moments converted from their format), read from their home (`staging`: host memory for device-homed state, made when first needed,
     /// remade larger when a read needs more, and kept for the next call).
     fn read_state(
         &self,
@@ -626,8 +621,9 @@ impl Executor {
         Ok(f)
     }
 
-    /// `use_bytes` of the first `classes` of this rank's shard of block `b`'s state (as
-    /// [`Self::read_state`] reads them), where they are read to: the NVMe read's buffer
+    /// `use_bytes` of this rank's shard of block `b`'s state buffer (`classes` 1: the
+    /// master parameters at its head alone; 3: the whole buffer, moments in their
+    /// format), where they are read to: the NVMe read's buffer
     /// (the master parameters read and verified on their own, the head of the extent
     /// checksummed apart), the host arena itself, or `staging` for device-homed state.
     /// No other copy is made.
@@ -691,6 +687,17 @@ impl Executor {
             }
         }
     }
+}
+
+/// `x` padded with zeros to `len` values (a copy, for a shard past the block's end), or
+/// `x` itself when it is that long.
+fn padded(x: &[f32], len: usize) -> std::borrow::Cow<'_, [f32]> {
+    if x.len() == len {
+        return x.into();
+    }
+    let mut p = x.to_vec();
+    p.resize(len, 0.0);
+    p.into()
 }
 
 /// Refuses a block's `buffers` made for loading (its `what`) unless each is the block's
