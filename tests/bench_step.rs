@@ -77,8 +77,8 @@ fn every_policy_has_a_row_and_json() {
     ];
     for name in names {
         assert!(
-            stdout.lines().filter(|l| l.starts_with(name)).count() == 2,
-            "{name}: a row in the time table and in the memory table:\n{stdout}"
+            stdout.lines().filter(|l| l.starts_with(name)).count() == 3,
+            "{name}: a row in the time, the memory and the bytes-per-token tables:\n{stdout}"
         );
     }
     assert!(stdout.contains("interleaved"), "{stdout}");
@@ -125,6 +125,11 @@ fn every_policy_has_a_row_and_json() {
         policies[0]["link_bytes_per_step"][3],
         2 * 16 * 4 + 4 * 16,
         "only the losses and gradient statistics come back"
+    );
+    // Per token: the same bytes over the step's 2 x 16 tokens.
+    assert_eq!(
+        policies[0]["link_bytes_per_token"][2].as_f64().unwrap(),
+        (2 * 2 * 16 * 4) as f64 / 32.0
     );
 
     let trace: serde_json::Value =

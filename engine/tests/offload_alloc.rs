@@ -7,15 +7,15 @@
 //! buffers fill during the first step. After that a step allocates exactly one thing:
 //! its report's per-operation records, which it hands to the caller. The check counts
 //! every allocation and reallocation, of any size, on any thread, during steps 3 to 6
-//! of each policy (and of NVMe offload with the delayed update), and requires one per
-//! step.
+//! of each policy (and of NVMe offload with the delayed update, and with bf16 and 8-bit
+//! moments), and requires one per step.
 
 use std::sync::atomic::Ordering;
 
 use strata_engine::exec::{ExecConfig, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::{Gpt2Config, Model};
-use strata_engine::plan::{NvmeOffload, Plan, PlanInput, Policy, StepShape, Tier};
+use strata_engine::model::{Gpt2Config, Model, OptimizerState};
+use strata_engine::plan::{CpuOffload, NvmeOffload, Plan, PlanInput, Policy, StepShape, Tier};
 
 mod model_support;
 use model_support::{UNLIMITED, each_policy};
@@ -34,16 +34,22 @@ fn a_step_after_the_first_allocates_only_its_report() {
         needs_global_norm: true,
         ..StepShape::cpu(2, 64)
     };
-    // Every built-in policy, then NVMe offload again with the delayed update.
-    let mut runs: Vec<(Box<dyn Policy>, bool)> =
-        each_policy().into_iter().map(|p| (p, false)).collect();
-    runs.push((
+    // Every built-in policy, then NVMe offload again with the delayed update, then
+    // AdamW's moments in bf16 (in host memory) and 8-bit (on NVMe).
+    let fp32 = OptimizerState::Fp32;
+    let mut runs: Vec<(Box<dyn Policy>, bool, OptimizerState)> = each_policy()
+        .into_iter()
+        .map(|p| (p, false, fp32))
+        .collect();
+    let nvme = || {
         Box::new(NvmeOffload {
             depth: 2,
             checkpoints: Tier::Nvme,
-        }),
-        true,
-    ));
+        })
+    };
+    runs.push((nvme(), true, fp32));
+    runs.push((Box::new(CpuOffload), false, OptimizerState::Bf16));
+    runs.push((nvme(), false, OptimizerState::Q8));
     let n = 2 * 64;
     let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 7) % 512).collect();
     let targets: Vec<u32> = (0..n as u32).map(|i| (i * 13 + 1) % 512).collect();
@@ -54,13 +60,14 @@ fn a_step_after_the_first_allocates_only_its_report() {
         loss_scale: 1.0,
     };
     const COUNTED: usize = 4;
-    for (policy, delayed_update) in runs {
+    for (policy, delayed_update, state) in runs {
         let input = PlanInput {
             model: &model,
             shape: StepShape {
                 delayed_update,
                 ..shape
-            },
+            }
+            .with_state(state),
             budgets: UNLIMITED,
             cost: Default::default(),
         };
@@ -90,7 +97,7 @@ fn a_step_after_the_first_allocates_only_its_report() {
             .map(|s| s.load(Ordering::Relaxed))
             .collect();
         let name = format!(
-            "{}{}",
+            "{}{}, {state} moments",
             policy.name(),
             if delayed_update { ", delayed" } else { "" }
         );

@@ -29,7 +29,7 @@ use crate::device::{Device, DeviceRange};
 use crate::error::EngineError;
 use crate::lane::Lane;
 use crate::memory::{HostArena, HostRange, HostRead};
-use crate::model::Model;
+use crate::model::{Model, StateLayout};
 use crate::plan::{BufId, BufKind, ExtentSide, OpId, Plan, Tier};
 
 /// Runs a plan on a device, step after step.
@@ -52,6 +52,9 @@ pub struct Executor {
     /// for a block that committed the update of a step that then failed (a retry does
     /// not apply it again, and rewrites its working parameters from the master copy).
     pub(super) applied: Vec<AtomicU64>,
+    /// Per block, where the parts of this rank's shard of its optimizer state lie in its
+    /// buffer (made once: the CPU optimizer reads them every step).
+    pub(super) state_layouts: Vec<StateLayout>,
     /// Dependencies for a whole step, a step without the update, and the update alone:
     /// a skipped operation's dependents wait for its own dependencies instead, so that
     /// orderings through it (slot reuse) still hold.

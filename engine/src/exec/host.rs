@@ -196,7 +196,7 @@ impl Executor {
             .host()
             .write(Lane::Cpu, self.host_range(state).prefix(layout.bytes()))
             .map_err(err)?;
-        let (master, moments) = split_state(&layout, &mut st);
+        let (master, moments) = split_state(layout, &mut st);
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
         let mut out = match params_out {

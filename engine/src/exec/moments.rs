@@ -16,14 +16,8 @@ use crate::model::{OptimizerState, Piece, StateLayout};
 impl Executor {
     /// Where the parts of this rank's shard of block `b`'s optimizer state lie in its
     /// buffer (the plan's buffer may be a few scales longer: it holds any rank's).
-    pub(super) fn state_layout(&self, b: usize) -> StateLayout {
-        let (lo, len, _) = self.shard(b);
-        StateLayout::new(
-            self.plan.shape.optimizer_state,
-            &self.model.blocks()[b].tensors,
-            lo,
-            len,
-        )
+    pub(super) fn state_layout(&self, b: usize) -> &StateLayout {
+        &self.state_layouts[b]
     }
 
     /// Bytes of block `b`'s optimizer state buffer as the plan sized it (any rank's

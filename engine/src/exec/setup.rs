@@ -23,7 +23,7 @@ use super::programs::Programs;
 use super::step_state::{NormState, Progress};
 use super::workers::LaneThreads;
 use crate::device::{CpuDevice, CpuDeviceConfig, Device};
-use crate::model::Model;
+use crate::model::{Model, StateLayout};
 use crate::plan::{Op, OpId, OpKind, Plan, Tier};
 
 impl Executor {
@@ -76,6 +76,17 @@ impl Executor {
             nvme,
             steps: 0,
             applied: (0..nb).map(|_| AtomicU64::new(0)).collect(),
+            state_layouts: (0..nb)
+                .map(|b| {
+                    let shard = plan.shard_len[b] as usize;
+                    StateLayout::new(
+                        shape.optimizer_state,
+                        &model.blocks()[b].tensors,
+                        comm.rank() * shard,
+                        shard,
+                    )
+                })
+                .collect(),
             deps: [
                 effective_deps(&plan, |_| true),
                 effective_deps(&plan, |op| !op.update),

@@ -246,7 +246,7 @@ impl Executor {
                 out.fill(0);
                 fill(0, &mut out[layout.master()]);
                 if let [_, Some(m), Some(v)] = classes {
-                    encode_moments(&layout, &padded(m, shard), &padded(v, shard), out);
+                    encode_moments(layout, &padded(m, shard), &padded(v, shard), out);
                 }
             };
             self.put_home(staging, bytes, 4, &compact, homes.state, None)?;
@@ -560,7 +560,7 @@ impl Executor {
                 return use_state([class(0), class(1), class(2)]);
             }
             // Compact moments: as f32, made here (8 bytes per parameter more).
-            let [m, v] = decode_moments(&layout, bytes);
+            let [m, v] = decode_moments(layout, bytes);
             use_state([class(0), &m[..len], &v[..len]])
         })
     }
@@ -585,7 +585,7 @@ impl Executor {
             return;
         }
         put(0, cast::<f32>(&bytes[layout.master()]));
-        let [m, v] = decode_moments(&layout, bytes);
+        let [m, v] = decode_moments(layout, bytes);
         put(1, &m);
         put(2, &v);
     }
