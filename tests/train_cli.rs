@@ -154,11 +154,13 @@ fn three_plain_adamw_steps_match_pytorch() {
 #[test]
 fn ten_steps_equal_five_then_resume_five() {
     // With a delayed update a checkpoint applies the pending update first, so the
-    // straight run checkpoints at step 5 as well.
-    for (policy, delayed) in [
-        ("cpu-offload", "false"),
-        ("nvme-offload", "false"),
-        ("nvme-offload", "true"),
+    // straight run checkpoints at step 5 as well. bf16 moments, kept so in the run and
+    // as fp32 in the checkpoint, resume exactly too.
+    for (policy, delayed, state) in [
+        ("cpu-offload", "false", "fp32"),
+        ("nvme-offload", "false", "fp32"),
+        ("nvme-offload", "true", "fp32"),
+        ("nvme-offload", "false", "bf16"),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let p = |s: &str| dir.path().join(s).to_str().unwrap().to_string();
@@ -177,6 +179,8 @@ fn ten_steps_equal_five_then_resume_five() {
             "all",
             "--host-mem",
             "all",
+            "--optimizer-state",
+            state,
         ];
         let (ca, cb, oa, ob) = (p("ckpt-a"), p("ckpt-b"), p("out-a"), p("out-b"));
         let mut straight = small_run(dir.path(), &common);
@@ -208,12 +212,15 @@ fn ten_steps_equal_five_then_resume_five() {
         let read = |d: &str, f: &str| std::fs::read(Path::new(d).join(f)).unwrap();
         assert!(
             read(&oa, "model.safetensors") == read(&ob, "model.safetensors"),
-            "{policy}: final models differ"
+            "{policy}, {state} moments: final models differ"
         );
         for file in ["model.safetensors", "optimizer.safetensors"] {
             let a = read(&ca, &format!("step-00000010/{file}"));
             let b = read(&cb, &format!("step-00000010/{file}"));
-            assert!(a == b, "{policy}: {file} of step 10 differs after resume");
+            assert!(
+                a == b,
+                "{policy}, {state} moments: {file} of step 10 differs after resume"
+            );
         }
     }
 }
@@ -576,6 +583,31 @@ fn bad_input_gets_one_line_naming_what_to_fix() {
             "short",
             "keeping the activations of all 4 blocks (--recompute none) takes",
             "with --recompute auto it fits, recomputing",
+        ],
+    );
+
+    // Compact moments under a policy that keeps the optimizer state on the device,
+    // whose AdamW keeps fp32 moments: the format, and what to choose instead.
+    let args = small_run(
+        dir.path(),
+        &[
+            "--policy",
+            "all-on-device",
+            "--device-mem",
+            "all",
+            "--optimizer-state",
+            "q8",
+            "--steps",
+            "1",
+        ],
+    );
+    let out = strata(&args.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    assert_one_line_error(
+        &out,
+        &[
+            "q8 optimizer state",
+            "host memory or on NVMe",
+            "cpu-offload",
         ],
     );
 

@@ -15,7 +15,7 @@ use strata_kernels::program::{read_stats, write_stats};
 
 use super::error::ExecError;
 use super::executor::Executor;
-use super::moments::{Moments, split_state};
+use super::moments::{StateMoments, split_state};
 use super::state::write_working;
 use super::step_state::{Norm, StepShared};
 use crate::device::{cast, cast_mut};
@@ -289,7 +289,7 @@ impl BlockUpdate<'_> {
         &self,
         precision: Precision,
         master: &mut [f32],
-        moments: Moments<'_>,
+        moments: StateMoments<'_>,
         out: Option<&mut [u8]>,
     ) -> Result<(), AdamError> {
         match (precision, out) {
@@ -316,7 +316,7 @@ impl BlockUpdate<'_> {
         &self,
         mut out: WorkingOut<'_>,
         mut master: &mut [f32],
-        mut moments: Moments<'_>,
+        mut moments: StateMoments<'_>,
     ) -> Result<(), AdamError> {
         fn cut<'a, T>(s: &mut &'a mut [T], skip: usize, take: usize) -> &'a mut [T] {
             let (_, rest) = std::mem::take(s).split_at_mut(skip);

@@ -33,15 +33,15 @@ impl Executor {
 }
 
 /// AdamW's moments of a block's state, in their format (the kernel's [`State`] of the
-/// whole buffer), handed out a tensor's part at a time ([`Moments::take`]).
-pub(super) struct Moments<'a>(State<'a>);
+/// whole buffer), handed out a tensor's part at a time ([`StateMoments::take`]).
+pub(super) struct StateMoments<'a>(State<'a>);
 
 /// The master parameters and the moments of a state buffer laid out as `layout` says
 /// (`bytes` at least [`StateLayout::bytes`] long).
 pub(super) fn split_state<'a>(
     layout: &StateLayout,
     bytes: &'a mut [u8],
-) -> (&'a mut [f32], Moments<'a>) {
+) -> (&'a mut [f32], StateMoments<'a>) {
     let (head, rest) = bytes.split_at_mut(layout.master().end);
     let [m, v] = layout.moments();
     let (m_bytes, rest) = rest.split_at_mut(m.len());
@@ -69,7 +69,7 @@ pub(super) fn split_state<'a>(
             })
         }
     };
-    (master, Moments(moments))
+    (master, StateMoments(moments))
 }
 
 /// The first `n` of `s`, leaving the rest in `s`.
@@ -79,7 +79,7 @@ fn front<'a, T>(s: &mut &'a mut [T], n: usize) -> &'a mut [T] {
     now
 }
 
-impl<'a> Moments<'a> {
+impl<'a> StateMoments<'a> {
     /// The moments of the next tensor part, `skip` elements after the end of the last
     /// part taken (an alignment gap), `take` long: the kernel's [`State`] of them.
     pub(super) fn take(&mut self, skip: usize, take: usize) -> State<'a> {

@@ -603,8 +603,9 @@ impl Executor {
 
     /// The first `classes` of this rank's shard of block `b`'s master parameters, m and
     /// v, as f32 (1: the master parameters alone; 3: all three, one after another, the
-    /// moments converted from their format), read from their home (`staging`: host memory for device-homed state, made when first needed,
-    /// remade larger when a read needs more, and kept for the next call).
+    /// moments converted from their format), read from their home (`staging`: host
+    /// memory for device-homed state, made when first needed, remade larger when a read
+    /// needs more, and kept for the next call).
     fn read_state(
         &self,
         b: usize,
@@ -623,10 +624,9 @@ impl Executor {
 
     /// `use_bytes` of this rank's shard of block `b`'s state buffer (`classes` 1: the
     /// master parameters at its head alone; 3: the whole buffer, moments in their
-    /// format), where they are read to: the NVMe read's buffer
-    /// (the master parameters read and verified on their own, the head of the extent
-    /// checksummed apart), the host arena itself, or `staging` for device-homed state.
-    /// No other copy is made.
+    /// format), where they are read to: the NVMe read's buffer (the master parameters
+    /// read and verified on their own, the head of the extent checksummed apart), the
+    /// host arena itself, or `staging` for device-homed state. No other copy is made.
     fn with_state<R>(
         &self,
         b: usize,

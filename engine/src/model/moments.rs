@@ -53,13 +53,6 @@ pub enum OptimizerState {
 }
 
 impl OptimizerState {
-    /// Every format, in the order reports list them.
-    pub const ALL: [OptimizerState; 3] = [
-        OptimizerState::Fp32,
-        OptimizerState::Bf16,
-        OptimizerState::Q8,
-    ];
-
     /// Bytes of state per parameter, master copy included, for a long tensor (8-bit
     /// scales included; a tensor's partial last block adds a scale's 8 bytes).
     pub fn bytes_per_param(self) -> f64 {
