@@ -13,7 +13,7 @@ use std::time::Duration;
 use strata_comm::{Collective, ThreadGroup};
 use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams, TrainingState};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::{Gpt2Config, Model, ModelError};
+use strata_engine::model::{Gpt2Config, Model, ModelError, OptimizerState};
 use strata_engine::plan::{
     AllOnDevice, CpuOffload, HostOp, NvmeOffload, OpId, OpKind, Plan, PlanInput, Policy, Precision,
     StepShape, Tier,
@@ -255,6 +255,52 @@ fn ranks_with_bf16_and_a_delayed_update() {
             1.0,
             None,
         );
+    }
+}
+
+/// bf16 moments are elementwise, so ranks give one process's bits; 8-bit moments have
+/// a scale per block of each tensor's part of a shard, so where a shard cuts a tensor
+/// the blocks differ from one process's: every rank still ends with the same state, and
+/// the parameters stay near one process's.
+#[test]
+fn ranks_with_compact_moments() {
+    let shape = StepShape::cpu(BATCH, SEQ).clipped();
+    let host_or_nvme: [Box<dyn Policy>; 2] = [
+        Box::new(CpuOffload),
+        Box::new(NvmeOffload {
+            depth: 2,
+            checkpoints: Tier::Host,
+        }),
+    ];
+    for policy in &host_or_nvme {
+        for ranks in [2, 3] {
+            check(
+                policy.as_ref(),
+                shape.with_state(OptimizerState::Bf16),
+                ranks,
+                1.0,
+                None,
+            );
+        }
+        let q8 = shape.with_state(OptimizerState::Q8);
+        let alone = StepShape {
+            grad_accum: 2,
+            ..q8
+        };
+        let (want, _) = run(policy.as_ref(), alone, None, 3, 1.0, None).unwrap();
+        let got: Vec<Outcome> = run_ranks(policy.as_ref(), q8, 2, 3, 1.0, None)
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let what = format!("{} with 2 ranks, q8 moments", policy.name());
+        assert_same_state(&got[0].0, &got[1].0, &what);
+        assert_eq!(got[0].1, got[1].1, "{what}: losses and norms");
+        for (p, q) in got[0].0.0.iter().flatten().zip(want.0.iter().flatten()) {
+            assert!(
+                (p - q).abs() <= 1e-4 * q.abs().max(1e-2),
+                "{what}: {p} against {q}"
+            );
+        }
     }
 }
 
