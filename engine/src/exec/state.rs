@@ -552,42 +552,31 @@ impl Executor {
         len: usize,
         use_state: impl FnOnce([&[f32]; 3]) -> R,
     ) -> Result<R, ExecError> {
-        let shard = self.plan.shard_len[b] as usize;
-        let layout = self.state_layout(b);
         self.with_state(b, 3, &mut None, |bytes| {
-            let class = |c: usize| cast::<f32>(&bytes[4 * c * shard..][..4 * len]);
-            if layout.format.is_fp32() {
-                return use_state([class(0), class(1), class(2)]);
-            }
-            // Compact moments: as f32, made here (8 bytes per parameter more).
-            let [m, v] = decode_moments(layout, bytes);
-            use_state([class(0), &m[..len], &v[..len]])
+            self.state_as_f32(b, bytes, |[p, m, v]| {
+                use_state([&p[..len], &m[..len], &v[..len]])
+            })
         })
     }
 
-    /// Hands `put` the f32 values of each of the first `classes` of block `b`'s state
-    /// (0: master parameters, 1: m, 2: v) from `bytes`, the head of its buffer as
-    /// [`Self::with_state`] lends it: a view of them (fp32) or a conversion (compact
-    /// moments).
-    fn state_as_f32(
+    /// Hands `use_state` block `b`'s master parameters, m and v (this rank's shard of
+    /// each) from `bytes`, its whole state buffer as [`Self::with_state`] lends it: views
+    /// of them (fp32 moments), or the moments converted to f32 here (8 bytes per
+    /// parameter more).
+    fn state_as_f32<R>(
         &self,
         b: usize,
-        classes: usize,
         bytes: &[u8],
-        mut put: impl FnMut(usize, &[f32]),
-    ) {
+        use_state: impl FnOnce([&[f32]; 3]) -> R,
+    ) -> R {
         let layout = self.state_layout(b);
-        let shard = layout.len;
-        if classes == 1 || layout.format.is_fp32() {
-            for c in 0..classes {
-                put(c, cast::<f32>(&bytes[4 * c * shard..][..4 * shard]));
-            }
-            return;
+        let master = cast::<f32>(&bytes[layout.master()]);
+        if layout.format.is_fp32() {
+            let [m, v] = layout.moments().map(|r| cast::<f32>(&bytes[r]));
+            return use_state([master, m, v]);
         }
-        put(0, cast::<f32>(&bytes[layout.master()]));
         let [m, v] = decode_moments(layout, bytes);
-        put(1, &m);
-        put(2, &v);
+        use_state([master, &m, &v])
     }
 
     /// Block `b`'s length, when `b` is one of the model's blocks.
@@ -614,10 +603,13 @@ impl Executor {
     ) -> Result<Vec<f32>, ExecError> {
         let shard = self.plan.shard_len[b] as usize;
         let mut f = vec![0f32; classes * shard];
-        self.with_state(b, classes, staging, |bytes| {
-            self.state_as_f32(b, classes, bytes, |class, values| {
-                f[class * shard..(class + 1) * shard].copy_from_slice(values)
-            })
+        self.with_state(b, classes, staging, |bytes| match classes {
+            1 => bytes_of_mut(&mut f).copy_from_slice(bytes),
+            _ => self.state_as_f32(b, bytes, |all| {
+                for (to, from) in f.chunks_mut(shard).zip(all) {
+                    to.copy_from_slice(from);
+                }
+            }),
         })?;
         Ok(f)
     }
