@@ -9,7 +9,7 @@
 
 mod model_support;
 
-use model_support::{CHAOS, UNLIMITED};
+use model_support::{CHAOS, UNLIMITED, random_batch as batch};
 use strata_engine::exec::{ExecConfig, Executor, Runner, StepParams, TrainingState};
 use strata_engine::kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, Q8State, State, q8};
 use strata_engine::kernels::isa::Isa;
@@ -37,20 +37,6 @@ fn hyper() -> StepParams {
         clip: 0.0,
         loss_scale: 1.0,
     }
-}
-
-/// Deterministic (tokens, targets) for one micro-batch of `n` tokens.
-fn batch(vocab: usize, n: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
-    let mut x = seed;
-    let mut next = || {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((x >> 33) % vocab as u64) as u32
-    };
-    let t = (0..n).map(|_| next()).collect();
-    let y = (0..n).map(|_| next()).collect();
-    (t, y)
 }
 
 struct Run {

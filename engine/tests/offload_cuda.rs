@@ -7,36 +7,20 @@
 //! them with `--include-ignored`) and fails, naming what is missing, without a GPU and
 //! the CUDA libraries. The same invariants on the CPU device are in offload.rs.
 
+mod model_support;
 mod support;
+
+use model_support::{UNLIMITED, random_batch as batches};
 
 use strata_engine::device::{DeviceChoice, DeviceConfig, select};
 use strata_engine::exec::{ExecConfig, ExecError, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model, Target};
 use strata_engine::plan::{
-    AllOnDevice, Budgets, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanInput, Policy,
-    Precision, StepShape, Tier,
+    AllOnDevice, CpuOffload, NvmeOffload, ParamOffload, Plan, PlanInput, Policy, Precision,
+    StepShape, Tier,
 };
 use strata_engine::storage::{BackendChoice, FaultPlan};
-
-const UNLIMITED: Budgets = Budgets {
-    device: u64::MAX / 4,
-    host: u64::MAX / 4,
-    nvme: u64::MAX / 4,
-};
-
-fn batches(vocab: usize, n: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
-    let mut x = seed;
-    let mut next = || {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((x >> 33) % vocab as u64) as u32
-    };
-    let t = (0..n).map(|_| next()).collect();
-    let y = (0..n).map(|_| next()).collect();
-    (t, y)
-}
 
 fn hyper(precision: Precision) -> StepParams {
     StepParams {

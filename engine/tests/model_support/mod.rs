@@ -190,6 +190,21 @@ pub fn forward_backward(runner: &mut Runner, inputs: &[u32], targets: &[u32]) ->
 /// missing from a plan shows as a wrong result or an ordering violation.
 pub const CHAOS: [Option<u64>; 4] = [None, Some(1), Some(2), Some(3)];
 
+/// `n` token ids and `n` target ids below `vocab`, the same for the same `seed` (a
+/// linear congruential generator, its high bits).
+pub fn random_batch(vocab: usize, n: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
+    let mut x = seed;
+    let mut next = || {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((x >> 33) % vocab as u64) as u32
+    };
+    let t = (0..n).map(|_| next()).collect();
+    let y = (0..n).map(|_| next()).collect();
+    (t, y)
+}
+
 /// Budgets no plan reaches.
 pub const UNLIMITED: Budgets = Budgets {
     device: u64::MAX / 4,
