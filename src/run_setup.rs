@@ -147,6 +147,7 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         delayed_update: cfg.delayed_update,
         target,
         recompute: cfg.recompute,
+        schedule: cfg.schedule,
         grad_spill: cfg.spill_grads,
         ranks: 1,
         // The CPU device's collectives run on its memory, a GPU's through NCCL where it

@@ -9,6 +9,7 @@
 
 mod model_support;
 
+use model_support::training::{Run, assert_same, bits, train};
 use model_support::{CHAOS, UNLIMITED, random_batch as batch};
 use strata_engine::exec::{ExecConfig, Executor, Runner, StepParams, TrainingState};
 use strata_engine::kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, Q8State, State, q8};
@@ -37,63 +38,6 @@ fn hyper() -> StepParams {
         clip: 0.0,
         loss_scale: 1.0,
     }
-}
-
-struct Run {
-    losses: Vec<f32>,
-    params: Vec<Vec<f32>>,
-    m: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-}
-
-/// `steps` steps of `shape` under `policy` from `model.init_params(7)`, each on the same
-/// micro-batches; the state exported at the end.
-fn train(
-    model: &Model,
-    shape: StepShape,
-    policy: &dyn Policy,
-    steps: usize,
-    step_params: StepParams,
-    chaos: Option<u64>,
-) -> Run {
-    let input = PlanInput::new(model, shape, UNLIMITED);
-    let plan = Plan::build(&input, policy).unwrap();
-    let nvme = tempfile::tempdir().unwrap();
-    let config = ExecConfig {
-        nvme_dirs: vec![nvme.path().to_path_buf()],
-        chaos,
-        ..ExecConfig::default()
-    };
-    let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
-    exec.load(&model.init_params(7), None).unwrap();
-    let data: Vec<_> = (0..shape.grad_accum)
-        .map(|k| batch(model.vocab(), shape.batch * shape.seq, 11 + k as u64))
-        .collect();
-    let refs: Vec<(&[u32], &[u32])> = data.iter().map(|(t, y)| (&t[..], &y[..])).collect();
-    let losses = (0..steps)
-        .map(|_| exec.step(&refs, &step_params).unwrap().loss)
-        .collect();
-    exec.flush(&step_params).unwrap();
-    let (params, m, v) = exec.export().unwrap();
-    Run {
-        losses,
-        params,
-        m,
-        v,
-    }
-}
-
-fn bits(x: &[Vec<f32>]) -> Vec<Vec<u32>> {
-    x.iter()
-        .map(|b| b.iter().map(|v| v.to_bits()).collect())
-        .collect()
-}
-
-fn assert_same(a: &Run, b: &Run, what: &str) {
-    assert_eq!(a.losses, b.losses, "{what}: losses");
-    assert!(bits(&a.params) == bits(&b.params), "{what}: parameters");
-    assert!(bits(&a.m) == bits(&b.m), "{what}: m");
-    assert!(bits(&a.v) == bits(&b.v), "{what}: v");
 }
 
 /// One tensor's moments as `format` stores them, resident.
@@ -232,6 +176,9 @@ fn reference(model: &Model, format: OptimizerState, (b, t): (usize, usize), step
         params,
         m: whole(0),
         v: whole(1),
+        // Nothing moves between tiers: there are none.
+        link_bytes: Vec::new(),
+        measured: [0; 3],
     }
 }
 

@@ -16,7 +16,7 @@ use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model, ModelError, OptimizerState};
 use strata_engine::plan::{
     AllOnDevice, CpuOffload, HostOp, NvmeOffload, OpId, OpKind, Plan, PlanInput, Policy, Precision,
-    StepShape, Tier,
+    Schedule, StepShape, Tier,
 };
 
 mod model_support;
@@ -160,15 +160,17 @@ fn policies() -> Vec<Box<dyn Policy>> {
 
 fn check(policy: &dyn Policy, shape: StepShape, ranks: usize, clip: f64, chaos: Option<u64>) {
     let steps = 3;
+    // One process runs its micro-batches horizontally, whatever order the ranks take.
     let alone = StepShape {
         grad_accum: shape.grad_accum * ranks,
-        ..shape
+        ..shape.scheduled(Schedule::Horizontal)
     };
     let (want, want_seen) = run(policy, alone, None, steps, clip, None).unwrap();
     let what = format!(
-        "{} with {ranks} ranks, grad-accum {}, {:?}, clip {clip}, delayed {}, chaos {chaos:?}",
+        "{} with {ranks} ranks, grad-accum {} ({}), {:?}, clip {clip}, delayed {}, chaos {chaos:?}",
         policy.name(),
         shape.grad_accum,
+        shape.schedule,
         shape.precision,
         shape.delayed_update
     );
@@ -215,8 +217,16 @@ fn ranks_with_accumulation_clipping_off_and_chaos() {
         ..base
     };
     for policy in policies() {
-        // Two micro-batches per rank: the sums interleave ranks, as one process's do.
+        // Two micro-batches per rank: the sums interleave ranks, as one process's do;
+        // in either order of the micro-batches through the blocks.
         check(policy.as_ref(), accum, 2, 0.0, None);
+        check(
+            policy.as_ref(),
+            accum.scheduled(Schedule::Vertical),
+            2,
+            0.0,
+            None,
+        );
         // The norm is still global (computed by every rank) when nothing clips.
         check(policy.as_ref(), base, 3, 0.0, None);
     }

@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use clap::{Arg, ArgMatches};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
-use strata_engine::plan::{GradSpill, OptimizerState, PolicyChoice, Recompute};
+use strata_engine::plan::{GradSpill, OptimizerState, PolicyChoice, Recompute, Schedule};
 
 use super::error::ConfigError;
 use super::values::{Dtype, LrSchedule, OnNonFinite, SettingType};
@@ -237,6 +237,16 @@ settings! {
     /// every layer's off the device between its forward and backward; results are
     /// identical either way [default: auto].
     Step recompute: Recompute = Recompute::Auto;
+
+    /// With --grad-accum above 1, the order of the micro-batches: horizontal runs each
+    /// through the whole model before the next (a streamed block's parameters fetched
+    /// for every micro-batch); vertical runs all of them through one block before the
+    /// next block (fetched once per step for the forward and once for the backward,
+    /// but every micro-batch's checkpoints live at once); auto takes vertical where it
+    /// fits the budgets and the cost model predicts it faster; results are identical
+    /// either way [default: auto].
+    Step schedule: Schedule = Schedule::Auto,
+        aliases("micro_batch_order");
 
     /// Whether, with clipping, gradients wait for the global norm on NVMe instead of
     /// host memory (4 bytes per parameter there, for 8 more of NVMe traffic): auto when

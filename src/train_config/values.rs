@@ -12,7 +12,9 @@ use clap::{Arg, ArgAction, ArgMatches, ValueEnum};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
 use strata_engine::model::weights::FileDtype;
-use strata_engine::plan::{GradSpill, OptimizerState, PolicyChoice, Precision, Recompute};
+use strata_engine::plan::{
+    GradSpill, OptimizerState, PolicyChoice, Precision, Recompute, Schedule,
+};
 
 use crate::size::MemBudget;
 
@@ -235,7 +237,8 @@ choice_setting!(
     Recompute,
     GradSpill,
     OnNonFinite,
-    OptimizerState
+    OptimizerState,
+    Schedule
 );
 
 /// "must be one of a, b (found "c")": how a word that names no policy or device is

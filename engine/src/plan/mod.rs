@@ -15,6 +15,10 @@
 //!   forward, on the device until the backward) or recomputes them from the block's
 //!   input checkpoint, as [`Recompute`] asks: keep all when the device budget allows,
 //!   recompute more blocks as it tightens ([`Plan::kept`]).
+//! - With several micro-batches per step, [`Schedule`] orders them: each through the
+//!   whole model before the next (horizontal), or all through one block before the next
+//!   block (vertical: a streamed block is fetched once per pass, not once per
+//!   micro-batch).
 //!
 //! The files: the words every layer uses (`tier.rs`: tiers, tensor classes, budgets;
 //! `shape.rs`: the step's shape; `error.rs`), the policies (`policy.rs`, `auto.rs`), the
@@ -45,5 +49,7 @@ pub use policy::{
     AllOnDevice, BuiltinPolicy, CpuOffload, NvmeOffload, ParamOffload, PlanInput, Policy,
     PolicyChoice, Release, UnknownPolicy,
 };
-pub use shape::{GradSpill, Precision, Recompute, StepShape, layer_shard_bytes, shard_len};
+pub use shape::{
+    GradSpill, Precision, Recompute, Schedule, StepShape, layer_shard_bytes, shard_len,
+};
 pub use tier::{Budgets, TensorClass, Tier};

@@ -1,6 +1,7 @@
 //! The shape of one training step (batch, sequence, accumulation, precision, the device's
-//! kernels, what recomputes, whether gradients spill, ranks) and the sizes that follow
-//! from it: a rank's shard of a block, the bytes a collective moves.
+//! kernels, what recomputes, the micro-batches' order, whether gradients spill, ranks)
+//! and the sizes that follow from it: a rank's shard of a block, the bytes a collective
+//! moves.
 //!
 //! Not here: where tensors live ([`super::Policy`], [`super::Tier`]) or the plan made for
 //! a shape ([`super::Plan`]).
@@ -132,6 +133,50 @@ impl fmt::Display for Recompute {
     }
 }
 
+/// The order in which a step's micro-batches pass through the blocks. Results are
+/// bit-identical whatever is chosen (each block's gradients are summed over the
+/// micro-batches in the same order): only memory, bytes moved and time differ. How auto
+/// chooses: [`Plan::build`](crate::plan::Plan::build).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Vertical where it fits every budget and the cost model predicts it faster;
+    /// else horizontal. With one micro-batch per step the two are the same: horizontal.
+    #[default]
+    Auto,
+    /// Each micro-batch runs its whole forward and backward before the next: a
+    /// streamed block's parameters are fetched for every micro-batch, but only one
+    /// micro-batch's activations are live at a time.
+    Horizontal,
+    /// Every micro-batch passes through a block before the next block runs (the
+    /// forward block by block, then the backward): a streamed block's parameters are
+    /// fetched once per step for the forward and once for the backward (or read with
+    /// its optimizer state), but the checkpoints (and flowing activations and
+    /// gradients) of all the step's micro-batches are live at once.
+    Vertical,
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Schedule::Auto => "auto",
+            Schedule::Horizontal => "horizontal",
+            Schedule::Vertical => "vertical",
+        })
+    }
+}
+
 /// Whether a block's gradients wait for the global norm on NVMe rather than in host
 /// memory. With clipping (or fp16's overflow check) no update can start before the
 /// whole backward ends, so every block's gradients are held at once: 4 bytes per
@@ -202,6 +247,8 @@ pub struct StepShape {
     pub target: Target,
     /// Which blocks recompute their forward in the backward.
     pub recompute: Recompute,
+    /// The order of the micro-batches through the blocks.
+    pub schedule: Schedule,
     /// Whether gradients wait for the global norm on NVMe.
     pub grad_spill: GradSpill,
     /// Processes training together (ZeRO-3 data parallelism, 1: alone). Each rank runs
@@ -233,6 +280,7 @@ impl StepShape {
             delayed_update: false,
             target: Target::Cpu,
             recompute: Recompute::Auto,
+            schedule: Schedule::Auto,
             grad_spill: GradSpill::Auto,
             ranks: 1,
             device_collectives: true,
@@ -255,6 +303,11 @@ impl StepShape {
     /// The same step recomputing as `recompute` says.
     pub fn recomputing(self, recompute: Recompute) -> Self {
         StepShape { recompute, ..self }
+    }
+
+    /// The same step in the micro-batch order `schedule` says.
+    pub fn scheduled(self, schedule: Schedule) -> Self {
+        StepShape { schedule, ..self }
     }
 
     /// The same step spilling gradients as `grad_spill` says.

@@ -4,6 +4,8 @@
 //! tests, the chaos seeds, unlimited budgets and every built-in policy.
 #![allow(dead_code)]
 
+pub mod training;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 

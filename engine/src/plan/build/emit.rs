@@ -329,7 +329,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
     fn fetch_checkpoint(&mut self, i: usize, m: usize) {
         let ck = &self.step.ckpts[m][i];
         let (host, bwd) = (ck.host.expect("offloaded"), ck.bwd);
-        let extent = self.homes.ckpt_extent[i];
+        let extent = self.homes.ckpt_extent[m][i];
         self.fetch_handoff(
             format!("ckpt[{i}]#{m}"),
             (host, extent, bwd),
@@ -342,7 +342,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
     fn fetch_activations(&mut self, b: usize, m: usize) {
         let saved = self.step.saved[m][b].as_ref().expect("kept");
         let (host, bwd) = (saved.host.expect("offloaded"), saved.bwd);
-        let extent = self.homes.saved_extent[b];
+        let extent = self.homes.saved_extent[m][b];
         let bytes = self.step.saved_bytes[b];
         self.fetch_handoff(format!("saved[{b}]#{m}"), (host, extent, bwd), bytes);
     }
@@ -373,7 +373,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
     fn save_checkpoint(&mut self, i: usize, m: usize) {
         let ck = &self.step.ckpts[m][i];
         let (fwd, host) = (ck.fwd, ck.host);
-        self.save_handoff(fwd, host, self.homes.ckpt_extent[i], self.f.act_bytes());
+        self.save_handoff(fwd, host, self.homes.ckpt_extent[m][i], self.f.act_bytes());
     }
 
     /// After block `b`'s forward of micro-batch `m`: the copy out (and on to NVMe) of
@@ -382,7 +382,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
         if let Some(saved) = &self.step.saved[m][b] {
             let (fwd, host) = (saved.fwd, saved.host);
             let bytes = self.step.saved_bytes[b];
-            self.save_handoff(fwd, host, self.homes.saved_extent[b], bytes);
+            self.save_handoff(fwd, host, self.homes.saved_extent[m][b], bytes);
         }
     }
 

@@ -9,7 +9,7 @@
 use crate::model::{BlockLayout, Dtype, Shape, StateLayout, Target};
 use crate::plan::error::PlanError;
 use crate::plan::policy::{PlanInput, Policy};
-use crate::plan::shape::{StepShape, shard_len};
+use crate::plan::shape::{Schedule, StepShape, shard_len};
 use crate::plan::tier::{TensorClass, Tier};
 
 /// One block's homes, resolved and checked.
@@ -276,6 +276,15 @@ impl<'a> Frame<'a> {
     /// then reads 12 bytes per parameter from NVMe instead of 4 + 12.
     pub(super) fn state_feeds_backward(&self, b: usize) -> bool {
         self.shares_master(b) && !self.has_norm()
+    }
+
+    /// How many micro-batches' checkpoints (and offloaded activations) wait for their
+    /// backward at once: every one of the step's with the vertical schedule, else one.
+    pub(super) fn micro_batches_live(&self) -> usize {
+        match self.shape.schedule {
+            Schedule::Vertical => self.shape.grad_accum,
+            _ => 1,
+        }
     }
 }
 

@@ -47,11 +47,13 @@ pub(super) struct Homes {
     /// Per block: (current, next) optimizer-state homes.
     pub(super) state: Vec<(BufId, BufId)>,
     pub(super) grads: GradHomes,
-    /// Tier of checkpoint i (the input of block i + 1), and its extent when on NVMe.
+    /// Tier of checkpoint i (the input of block i + 1), and per micro-batch its extent
+    /// when on NVMe.
     pub(super) ckpt_tier: Vec<Tier>,
-    pub(super) ckpt_extent: Vec<Option<BufId>>,
-    /// Per block whose saved activations are offloaded to NVMe: their extent.
-    pub(super) saved_extent: Vec<Option<BufId>>,
+    pub(super) ckpt_extent: Vec<Vec<Option<BufId>>>,
+    /// Per micro-batch, per block whose saved activations are offloaded to NVMe: their
+    /// extent.
+    pub(super) saved_extent: Vec<Vec<Option<BufId>>>,
     /// Orders the updates after the global norm, when the step has one.
     pub(super) norm_flag: Option<BufId>,
     /// Per micro-batch: the host buffers of the tokens and targets, and of the losses.
@@ -137,38 +139,47 @@ impl Homes {
             })
             .collect();
         let act = f.act_bytes();
-        self.ckpt_extent = (0..=layers)
-            .map(|i| {
-                (self.ckpt_tier[i] == Tier::Nvme).then(|| {
-                    table
-                        .extents(
-                            format!("ckpt.{i}"),
-                            act,
-                            ExtentKind::Single,
-                            i + 1,
-                            TensorClass::Checkpoints,
-                        )
-                        .0
-                })
-            })
+        // Horizontally the micro-batches take each extent in turn (each one's backward
+        // reads it before the next one's forward writes it); vertically every
+        // micro-batch's are live at once, each in its own.
+        let apart = f.micro_batches_live();
+        let extent = |table: &mut BufferTable, name: &str, m: usize, bytes: u64, block: usize| {
+            let name = if apart > 1 {
+                format!("{name}#{m}")
+            } else {
+                name.to_string()
+            };
+            let kind = ExtentKind::Single;
+            table
+                .extents(name, bytes, kind, block, TensorClass::Checkpoints)
+                .0
+        };
+        let mut ckpts: Vec<Vec<Option<BufId>>> = Vec::new();
+        let mut saved: Vec<Vec<Option<BufId>>> = Vec::new();
+        for m in 0..apart {
+            ckpts.push(
+                (0..=layers)
+                    .map(|i| {
+                        (self.ckpt_tier[i] == Tier::Nvme)
+                            .then(|| extent(table, &format!("ckpt.{i}"), m, act, i + 1))
+                    })
+                    .collect(),
+            );
+            // Saved activations offloaded to NVMe.
+            saved.push(
+                (0..f.nb())
+                    .map(|b| {
+                        (f.saved_tier[b] == Tier::Nvme)
+                            .then(|| extent(table, &format!("saved.{b}"), m, f.saved_bytes(b), b))
+                    })
+                    .collect(),
+            );
+        }
+        self.ckpt_extent = (0..f.shape.grad_accum)
+            .map(|m| ckpts[m % apart].clone())
             .collect();
-        // Saved activations offloaded to NVMe: an extent per block, which the
-        // micro-batches take in turn (each one's backward reads it before the next
-        // one's forward writes it).
-        self.saved_extent = (0..f.nb())
-            .map(|b| {
-                (f.saved_tier[b] == Tier::Nvme).then(|| {
-                    table
-                        .extents(
-                            format!("saved.{b}"),
-                            f.saved_bytes(b),
-                            ExtentKind::Single,
-                            b,
-                            TensorClass::Checkpoints,
-                        )
-                        .0
-                })
-            })
+        self.saved_extent = (0..f.shape.grad_accum)
+            .map(|m| saved[m % apart].clone())
             .collect();
     }
 }

@@ -1,5 +1,7 @@
 //! The planner's search around its stages: [`Plan::build`] plans a step once per choice
-//! it weighs and keeps the best. First, where the policy allows, the plans that keep the
+//! it weighs and keeps the best. First, with an automatic schedule and several
+//! micro-batches, each order of the micro-batches (horizontal, vertical); within each,
+//! where the policy allows, the plans that keep the
 //! first and last blocks' state in host memory; then which layer blocks keep their saved
 //! activations on the device (all when the device peak allows, else as many as fit,
 //! chosen by the FLOPs each saves per byte it keeps, found by bisection) and whether the
@@ -20,7 +22,7 @@ use crate::model::Target;
 use crate::plan::error::PlanError;
 use crate::plan::ir::Plan;
 use crate::plan::policy::{EdgesOnHost, PlanInput, Policy};
-use crate::plan::shape::{GradSpill, Recompute};
+use crate::plan::shape::{GradSpill, Recompute, Schedule};
 use crate::plan::tier::Tier;
 
 impl Plan {
@@ -55,9 +57,45 @@ impl Plan {
     /// fetch of the embedding where a tied head reads it too, not two); on the host,
     /// fetched for each use.
     ///
+    /// All of this for the micro-batches' order [`StepShape::schedule`] names; with
+    /// [`Schedule::Auto`], for both orders (one, horizontal, with a single micro-batch
+    /// per step): the vertical plan where it fits every budget and the cost model
+    /// (`input.cost`) predicts it faster than a horizontal plan that fits, else the
+    /// horizontal plan.
+    ///
     /// [`StepShape::recompute`]: crate::plan::StepShape::recompute
     /// [`StepShape::grad_spill`]: crate::plan::StepShape::grad_spill
+    /// [`StepShape::schedule`]: crate::plan::StepShape::schedule
     pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
+        if input.shape.schedule != Schedule::Auto {
+            return Self::build_ordered(input, policy);
+        }
+        let ordered = |schedule: Schedule| {
+            let input = PlanInput {
+                shape: input.shape.scheduled(schedule),
+                ..*input
+            };
+            Self::build_ordered(&input, policy)
+        };
+        let horizontal = ordered(Schedule::Horizontal)?;
+        if input.shape.grad_accum == 1 {
+            return Ok(horizontal);
+        }
+        let vertical = ordered(Schedule::Vertical)?;
+        let fits = |plan: &Plan| plan.first_overflow().is_none();
+        let seconds = |plan: &Plan| input.cost.predict(plan).step_seconds;
+        Ok(
+            if fits(&vertical) && (!fits(&horizontal) || seconds(&vertical) < seconds(&horizontal))
+            {
+                vertical
+            } else {
+                horizontal
+            },
+        )
+    }
+
+    /// [`Plan::build`] in the micro-batches' order the step's shape names.
+    fn build_ordered(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
         if policy.resident_edges(input) {
             // In order of preference: on the CPU device the edges' parameters on the
             // device (its optimizer writes them in place: no copy at all), then on the

@@ -158,9 +158,10 @@ impl Stage<'_, '_> {
             return;
         }
         let f = self.f;
-        // The state read for the update is emitted at this same position (`completes`
-        // less the depth), before the fetch.
-        let from_state = group[0] == self.seq.completes(b) && f.state_feeds_backward(b);
+        // The state read for the update is emitted at this same position (the start of
+        // the backward completing the block's gradients, less the depth), before the
+        // fetch.
+        let from_state = group[0] == self.backward_start(b) && f.state_feeds_backward(b);
         let bytes = f.len(b) * f.dbytes;
         let id = self.table.buffer(
             format!("params[{b}]@device"),
@@ -177,6 +178,12 @@ impl Stage<'_, '_> {
         }
         self.fetches.params[group[0].saturating_sub(f.depth)].push((b, id, from_state));
         group.clear();
+    }
+
+    /// [`Sequence::backward_start`] of block `b`.
+    fn backward_start(&self, b: usize) -> usize {
+        let model = self.f.input.model;
+        self.seq.backward_start(b, |own| model.tied(own))
     }
 
     /// Checkpoint buffers per micro-batch, and their fetches for the backward.
@@ -330,7 +337,14 @@ impl Stage<'_, '_> {
             // With a global-norm barrier the reads are emitted with the updates, after
             // the norm, so that only `depth` blocks are staged at once.
             if !f.has_norm() && !f.shape.delayed_update {
-                let at = self.seq.completes(b).saturating_sub(f.depth);
+                // Where the state feeds the backward's parameters, ahead of the first
+                // compute that reads them; else ahead of the last.
+                let before = if f.state_feeds_backward(b) {
+                    self.backward_start(b)
+                } else {
+                    self.seq.completes(b)
+                };
+                let at = before.saturating_sub(f.depth);
                 self.fetches.state_reads[at].push(b);
             }
             self.out.s_stage[b] = Some(self.table.buffer(

@@ -1,0 +1,91 @@
+//! Training through the executor on the CPU device, for the tests that compare runs bit
+//! for bit: a few steps of a plan on fixed micro-batches, and the state exported after.
+
+use strata_engine::exec::{ExecConfig, Executor, StepParams};
+use strata_engine::model::Model;
+use strata_engine::plan::{Plan, PlanInput, Policy, StepShape};
+
+use super::{UNLIMITED, random_batch};
+
+/// What a run ends with, and what its steps moved.
+pub struct Run {
+    pub losses: Vec<f32>,
+    pub params: Vec<Vec<f32>>,
+    pub m: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    /// Per step: bytes over NVMe read, NVMe write, H2D and D2H, as counted where they
+    /// moved.
+    pub link_bytes: Vec<[u64; 4]>,
+    /// The executor's measured peak per tier.
+    pub measured: [u64; 3],
+}
+
+/// `steps` steps of `shape` under `policy` (within unlimited budgets) from
+/// `model.init_params(7)`, each on the same micro-batches; the state exported at the end.
+pub fn train(
+    model: &Model,
+    shape: StepShape,
+    policy: &dyn Policy,
+    steps: usize,
+    step_params: StepParams,
+    chaos: Option<u64>,
+) -> Run {
+    let input = PlanInput::new(model, shape, UNLIMITED);
+    let plan = Plan::build(&input, policy).unwrap();
+    train_plan(model, plan, steps, step_params, chaos)
+}
+
+/// [`train`] of a plan made already.
+pub fn train_plan(
+    model: &Model,
+    plan: Plan,
+    steps: usize,
+    step_params: StepParams,
+    chaos: Option<u64>,
+) -> Run {
+    let shape = plan.shape;
+    let nvme = tempfile::tempdir().unwrap();
+    let config = ExecConfig {
+        nvme_dirs: vec![nvme.path().to_path_buf()],
+        chaos,
+        ..ExecConfig::default()
+    };
+    let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
+    exec.load(&model.init_params(7), None).unwrap();
+    let data: Vec<_> = (0..shape.grad_accum)
+        .map(|k| random_batch(model.vocab(), shape.batch * shape.seq, 11 + k as u64))
+        .collect();
+    let refs: Vec<(&[u32], &[u32])> = data.iter().map(|(t, y)| (&t[..], &y[..])).collect();
+    let (mut losses, mut link_bytes) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let report = exec.step(&refs, &step_params).unwrap();
+        losses.push(report.loss);
+        link_bytes.push(report.link_bytes);
+    }
+    exec.flush(&step_params).unwrap();
+    let measured = exec.peak_measured();
+    let (params, m, v) = exec.export().unwrap();
+    Run {
+        losses,
+        params,
+        m,
+        v,
+        link_bytes,
+        measured,
+    }
+}
+
+/// Each value's bits, block by block.
+pub fn bits(x: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    x.iter()
+        .map(|b| b.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
+/// Asserts two runs' losses, parameters and moments equal bit for bit.
+pub fn assert_same(a: &Run, b: &Run, what: &str) {
+    assert_eq!(a.losses, b.losses, "{what}: losses");
+    assert!(bits(&a.params) == bits(&b.params), "{what}: parameters");
+    assert!(bits(&a.m) == bits(&b.m), "{what}: m");
+    assert!(bits(&a.v) == bits(&b.v), "{what}: v");
+}
