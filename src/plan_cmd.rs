@@ -2,7 +2,8 @@
 //! `strata train` would run (same flags and config file), plans one step under every
 //! built-in policy and prints the bytes per tier and tensor class, each plan's peak per
 //! tier against the budgets, how many layers it recomputes in the backward (as
-//! `--recompute` asks), its predicted step time, and the policy `auto` picks. It
+//! `--recompute` asks), with several micro-batches the order they take through the
+//! blocks (as `--schedule` asks), its predicted step time, and the policy `auto` picks. It
 //! allocates nothing, so a 13B model is answered in well under a second. `--json FILE`
 //! writes the same answer for scripts; the command fails (exit 1) when no policy fits.
 //!
@@ -68,6 +69,9 @@ pub struct PlanReport {
     /// Which layers recompute their forward in the backward, as asked: auto, all, none,
     /// offload.
     pub recompute: String,
+    /// The order of the micro-batches through the blocks, as asked: auto, horizontal,
+    /// vertical.
+    pub schedule: String,
     /// Budgets per tier, in bytes: device, host, NVMe.
     pub budgets: TierBytes,
     /// The folders of the NVMe tier.
@@ -139,6 +143,8 @@ pub struct PolicyRow {
     pub short: Vec<String>,
     /// Its peak per tier.
     pub peak_bytes: TierBytes,
+    /// The order of its micro-batches through the blocks: horizontal or vertical.
+    pub schedule: String,
     /// Layer blocks that recompute their forward in the backward.
     pub recomputed_blocks: usize,
     /// Bytes of the saved activations the other layer blocks keep on the device.
@@ -192,6 +198,8 @@ pub struct AutoChoice {
     pub policy: String,
     /// How many candidates were planned.
     pub candidates: usize,
+    /// The order of its micro-batches through the blocks: horizontal or vertical.
+    pub schedule: String,
     /// Predicted seconds per step.
     pub step_seconds: f64,
     /// All-on-device compute time over the step time.
@@ -281,6 +289,7 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
         optimizer_state: shape.optimizer_state.to_string(),
         ranks,
         recompute: shape.recompute.to_string(),
+        schedule: shape.schedule.to_string(),
         budgets: TierBytes {
             device: budgets.device,
             host: budgets.host,
@@ -365,6 +374,7 @@ fn policy_row(input: &PlanInput<'_>, cost: CostModel, plan: &Plan, reads: Reads)
         fits: short.is_empty(),
         short,
         peak_bytes: TierBytes::of(plan.peak),
+        schedule: plan.shape.schedule.to_string(),
         recomputed_blocks: plan.recomputed(),
         saved_activation_bytes: plan.saved_total_bytes(),
         offloaded_blocks: plan.offloaded(),
@@ -406,6 +416,7 @@ fn auto_choice(input: &PlanInput<'_>, cost: CostModel, reads: Reads) -> Result<A
     Ok(AutoChoice {
         policy: plan.policy.clone(),
         candidates: candidates.len(),
+        schedule: plan.shape.schedule.to_string(),
         step_seconds: p.step_seconds,
         overlap_efficiency: p.overlap_efficiency(),
         lane_seconds: lane_seconds(&p),
@@ -452,13 +463,14 @@ fn render_header(r: &PlanReport) -> String {
         fmt_bytes(r.checkpoint_bytes)
     );
     out += &format!(
-        "step: {} x {} tokens x {} micro-batches, {}, {} moments, --recompute {}; budgets: device {}, host {}, nvme {} ({})\n",
+        "step: {} x {} tokens x {} micro-batches, {}, {} moments, --recompute {}, --schedule {}; budgets: device {}, host {}, nvme {} ({})\n",
         r.batch,
         r.seq,
         r.grad_accum,
         r.precision,
         r.optimizer_state,
         r.recompute,
+        r.schedule,
         fmt_bytes(b.device),
         fmt_bytes(b.host),
         fmt_bytes(b.nvme),
@@ -522,14 +534,18 @@ fn render_policies(r: &PlanReport) -> String {
 }
 
 /// A row per policy; with ranks, two more columns: the ranks' NVMe together, and the
-/// collective lane.
+/// collective lane; with several micro-batches, the order they take.
 fn policies_table(r: &PlanReport) -> String {
     let n = r.ranks;
     let ranked = n > 1;
+    let accumulates = r.grad_accum > 1;
     let mut headers = vec!["policy", "fits", "device", "host", "nvme"];
     let nvme_all = format!("nvme x{n}");
     if ranked {
         headers.push(&nvme_all);
+    }
+    if accumulates {
+        headers.push("schedule");
     }
     headers.extend([
         "recompute",
@@ -557,6 +573,9 @@ fn policies_table(r: &PlanReport) -> String {
         ];
         if ranked {
             cells.push(fmt_bytes(row.nvme_bytes_all_ranks));
+        }
+        if accumulates {
+            cells.push(row.schedule.clone());
         }
         cells.extend([
             match row.offloaded_blocks {
@@ -589,8 +608,13 @@ fn policies_table(r: &PlanReport) -> String {
 /// What `auto` picks: its prediction, and (with ranks) each lane's busy time, then its
 /// bytes per tensor class and tier.
 fn render_auto(r: &PlanReport, auto: &AutoChoice) -> String {
+    let schedule = if r.grad_accum > 1 {
+        format!("{} schedule, ", auto.schedule)
+    } else {
+        String::new()
+    };
     let mut out = format!(
-        "\nauto picks {} (of {} candidates): recompute: {}; predicted {:.3} s/step, overlap efficiency {:.2}\n",
+        "\nauto picks {} (of {} candidates): {schedule}recompute: {}; predicted {:.3} s/step, overlap efficiency {:.2}\n",
         auto.policy, auto.candidates, auto.recomputed, auto.step_seconds, auto.overlap_efficiency
     );
     if r.ranks > 1 {

@@ -204,6 +204,52 @@ fn recompute_all_and_none_run_side_by_side_and_compare() {
     }
 }
 
+/// `--schedule horizontal,vertical`: each policy runs in both orders of its
+/// micro-batches, interleaved, with the same losses; vertically nvme-offload reads less
+/// from NVMe per token, as the tier counted it.
+#[test]
+fn both_orders_of_the_micro_batches_run_side_by_side_and_compare() {
+    let dir = scratch();
+    let json = dir.path().join("step.json");
+    let (stdout, report) = run_with_json(
+        strata()
+            .args(["bench", "step", "--steps", "2", "--warmup", "0"])
+            .args(TINY)
+            .args(["--grad-accum", "4", "--policies", "nvme-offload"])
+            .args(["--schedule", "horizontal,vertical"])
+            .arg("--nvme")
+            .arg(dir.path()),
+        &json,
+    );
+    assert!(stdout.contains("(invariant 1): yes"), "{stdout}");
+    let orders: Vec<(&str, &str)> = report["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["schedule"].as_str().unwrap(),
+                p["micro_batch_order"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        orders,
+        [("horizontal", "horizontal"), ("vertical", "vertical")]
+    );
+    let compared = report["micro_batch_order"].as_array().unwrap();
+    assert_eq!(compared.len(), 1, "{report}");
+    let c = &compared[0];
+    assert_eq!(c["losses_identical"], true, "{c}");
+    let read = |i: usize| c["link_bytes_per_token"][i][0].as_f64().unwrap();
+    assert!(read(1) < read(0), "{c}");
+    assert!((c["nvme_read_ratio"].as_f64().unwrap() - read(1) / read(0)).abs() < 1e-9);
+    assert!(
+        stdout.contains("vertical reads ") && stdout.contains("per token from NVMe"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn a_policy_over_budget_is_skipped_with_its_refusal() {
     let dir = scratch();

@@ -288,3 +288,41 @@ fn compact_moments_shrink_the_nvme_state_and_rule_out_the_device() {
         );
     }
 }
+
+/// `--schedule`: vertically a step of 8 micro-batches reads from NVMe what a step of one
+/// reads (each streamed block once per pass, its backward fed by the state read for its
+/// update), so its bytes per token are an eighth of one micro-batch's, and at most a
+/// quarter of the horizontal order's (which reads the blocks again for every
+/// micro-batch); the printout and the JSON say which order each plan takes.
+#[test]
+fn the_vertical_schedule_reads_each_block_once_per_step() {
+    let reads = |extra: &[&str]| {
+        let mut args = vec!["--clip", "0"];
+        args.extend(extra);
+        let (text, answer) = plan_with(&args);
+        let r = row(&answer, "nvme-offload");
+        let read = r["link_bytes_per_token"][0].as_f64().unwrap();
+        (text, answer.clone(), r["schedule"].clone(), read)
+    };
+    let (_, _, one_order, one) = reads(&["--grad-accum", "1"]);
+    assert_eq!(one_order, "horizontal");
+    let eight = ["--grad-accum", "8", "--schedule"];
+    let (_, _, h_order, horizontal) = reads(&[&eight[..], &["horizontal"]].concat());
+    let (text, answer, v_order, vertical) = reads(&[&eight[..], &["vertical"]].concat());
+    assert_eq!((h_order, v_order), ("horizontal".into(), "vertical".into()));
+    assert_eq!(answer["schedule"], "vertical");
+    assert!(text.contains("--schedule vertical"), "{text}");
+    assert!(
+        (vertical * 8.0 / one - 1.0).abs() < 1e-9,
+        "vertical reads {vertical} B/token with 8 micro-batches, one micro-batch {one}"
+    );
+    assert!(
+        vertical <= horizontal / 4.0,
+        "vertical {vertical} B/token against horizontal {horizontal}"
+    );
+    // Auto weighs both, and says which it took (here, where the default rates hide
+    // horizontal's reads under the compute, horizontal: it holds fewer checkpoints).
+    let (text, answer, _, _) = reads(&eight[..2]);
+    let order = answer["auto"]["schedule"].as_str().unwrap().to_string();
+    assert!(text.contains(&format!("{order} schedule")), "{text}");
+}

@@ -225,6 +225,45 @@ fn ten_steps_equal_five_then_resume_five() {
     }
 }
 
+/// `--schedule vertical` trains the same model as `horizontal`, byte for byte, and the
+/// plan and the summary say which order ran.
+#[test]
+fn the_vertical_schedule_trains_the_same_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut models = Vec::new();
+    for order in ["horizontal", "vertical"] {
+        let out_dir = dir.path().join(order);
+        let out_dir = out_dir.to_str().unwrap();
+        let extra = [
+            "--policy",
+            "nvme-offload",
+            "--grad-accum",
+            "3",
+            "--steps",
+            "4",
+            "--device-mem",
+            "all",
+            "--host-mem",
+            "all",
+            "--schedule",
+            order,
+            "--out",
+            out_dir,
+        ];
+        let out = run_ok(&small_run(dir.path(), &extra));
+        let stdout = text(&out.stdout);
+        assert!(
+            stdout.contains(&format!("schedule: {order} (each of 3 micro-batches")),
+            "{stdout}"
+        );
+        models.push(std::fs::read(Path::new(out_dir).join("model.safetensors")).unwrap());
+    }
+    assert!(
+        models[0] == models[1],
+        "the two orders trained different models"
+    );
+}
+
 /// A run killed (SIGKILL) while it writes a checkpoint a block at a time (its NVMe reads
 /// slowed by injected delays, so that the save lasts long enough to be caught in) leaves
 /// the previous checkpoint loadable and the new one ignored; resumed from it, the run

@@ -230,6 +230,13 @@ fn auto_takes_vertical_where_it_fits_and_is_predicted_faster() {
     let chosen = build(Schedule::Auto, tight);
     assert_eq!(chosen.shape.schedule, Schedule::Horizontal);
     assert!(chosen.first_overflow().is_none());
+    // Vertical asked for under that budget is refused, naming the order that fits.
+    let input = PlanInput::new(&model, shape.scheduled(Schedule::Vertical), tight);
+    let refusal = build(Schedule::Vertical, tight)
+        .check_fits(&input)
+        .unwrap_err()
+        .to_string();
+    assert!(refusal.contains("--schedule horizontal"), "{refusal}");
     // One micro-batch: horizontal.
     let input = PlanInput::new(&model, StepShape::cpu(8, 32), UNLIMITED).with_cost(slow_nvme());
     let single = Plan::build(&input, &policy).unwrap();

@@ -13,6 +13,10 @@
 //! - `--recompute all,none` runs each policy once per value (recomputing every layer's
 //!   forward in the backward, keeping every layer's saved activations), and reports
 //!   tokens/s of each and their ratio per policy.
+//! - `--schedule horizontal,vertical` runs each policy once per order of the
+//!   micro-batches through the blocks (with `--grad-accum` above 1), and reports NVMe and
+//!   host<->device bytes per token (as the tier and the copies counted them) and
+//!   tokens/s of each, and their ratios per policy.
 //! - Policies run interleaved, one step of each per round, so that the noise of a
 //!   shared machine falls on all of them alike; when holding every executor at once would
 //!   not fit in the memory available, they run one after another, and the report says so.
@@ -32,7 +36,7 @@ use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Llama, Model};
 use strata_engine::plan::{
     Budgets, BuiltinPolicy, CostModel, GradSpill, Lane, NvmeOffload, OptimizerState, Plan,
-    PlanInput, Policy, Precision, Prediction, Recompute, StepShape, Tier,
+    PlanInput, Policy, Precision, Prediction, Recompute, Schedule, StepShape, Tier,
 };
 
 use super::adam::load_average;
@@ -132,6 +136,14 @@ pub struct StepArgs {
     /// runs fp32 only).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "fp32")]
     pub optimizer_state: Vec<OptimizerState>,
+    /// With --grad-accum above 1, the order of the micro-batches through the blocks:
+    /// auto (vertical where it fits and the cost model predicts it faster), horizontal
+    /// (each micro-batch through the whole model in turn), vertical (every micro-batch
+    /// through a block before the next block). Comma-separated values run each policy
+    /// once per value, interleaved, and compare their bytes per token and tokens/s
+    /// (horizontal,vertical).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
+    pub schedule: Vec<Schedule>,
     /// Folder for the NVMe tier's swap files (on the drive to measure; not tmpfs).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
     pub nvme: PathBuf,
@@ -321,6 +333,10 @@ pub struct PolicyResult {
     pub stall_fraction: f64,
     /// How AdamW's moments were kept: fp32, bf16 or q8.
     pub optimizer_state: OptimizerState,
+    /// `--schedule` as asked for this run of the policy: auto, horizontal or vertical.
+    pub schedule: Schedule,
+    /// The order its plan runs the micro-batches in: horizontal or vertical.
+    pub micro_batch_order: Schedule,
     /// Bytes per step over NVMe read, NVMe write, H2D, D2H, as measured (median step).
     pub link_bytes_per_step: [u64; 4],
     /// The same, as planned.
@@ -351,15 +367,39 @@ pub struct PolicyResult {
 }
 
 impl PolicyResult {
-    /// The policy, how many layers its plan recomputes and (unless fp32) its moments'
-    /// format, for tables.
+    /// The policy, how many layers its plan recomputes, (unless fp32) its moments'
+    /// format and (when vertical) the order of its micro-batches, for tables.
     fn label(&self) -> String {
         let state = match self.optimizer_state {
             OptimizerState::Fp32 => String::new(),
             other => format!(", {other} state"),
         };
-        format!("{}, recompute {}{state}", self.policy, self.recomputed)
+        let order = match self.micro_batch_order {
+            Schedule::Vertical => ", vertical",
+            _ => "",
+        };
+        format!(
+            "{}, recompute {}{state}{order}",
+            self.policy, self.recomputed
+        )
     }
+
+    /// Whether `other` is this policy's run with the same choices but those `differ`
+    /// lets differ.
+    fn same_run_but(&self, other: &PolicyResult, differ: Varies) -> bool {
+        self.policy == other.policy
+            && (differ == Varies::Recompute || self.recompute == other.recompute)
+            && (differ == Varies::State || self.optimizer_state == other.optimizer_state)
+            && (differ == Varies::Schedule || self.schedule == other.schedule)
+    }
+}
+
+/// Which choice two runs of a policy compared differ in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Varies {
+    Recompute,
+    State,
+    Schedule,
 }
 
 /// A policy's runs recomputing every layer and none, compared.
@@ -433,6 +473,9 @@ pub struct StepBenchReport {
     pub recompute: Vec<RecomputeComparison>,
     /// Per policy run with fp32 moments and another format: NVMe bytes of each, ratio.
     pub optimizer_state: Vec<StateComparison>,
+    /// Per policy run with both `--schedule horizontal` and `vertical`: bytes per token
+    /// and tokens/s of each, ratios.
+    pub micro_batch_order: Vec<ScheduleComparison>,
     /// Policies whose plans did not fit or could not be built.
     pub refused: Vec<Refusal>,
     /// The peers run in this invocation (`--peers`), with strata's ratios to them.
@@ -454,6 +497,29 @@ pub struct StateComparison {
     pub tokens_per_s: [f64; 2],
     /// The last step's loss: fp32 moments, the other.
     pub loss_last: [f32; 2],
+}
+
+/// One policy run with each order of the micro-batches (`--schedule`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ScheduleComparison {
+    /// The policy, how many layers it recomputes, its moments' format.
+    pub policy: String,
+    /// Bytes per token over NVMe read, NVMe write, H2D, D2H, as measured (median step):
+    /// horizontal, vertical.
+    pub link_bytes_per_token: [[f64; 4]; 2],
+    /// Vertical's NVMe bytes read per token over horizontal's.
+    pub nvme_read_ratio: f64,
+    /// NVMe bytes read plus written in the median step: horizontal, vertical.
+    pub nvme_bytes_per_step: [u64; 2],
+    /// Tokens per second: horizontal, vertical.
+    pub tokens_per_s: [f64; 2],
+    /// Vertical's tokens/s over horizontal's.
+    pub speedup: f64,
+    /// Planned device peak: horizontal, vertical (every micro-batch's checkpoints live
+    /// at once vertically).
+    pub device_peak_planned: [u64; 2],
+    /// Whether the two runs' losses were bit-identical, step by step.
+    pub losses_identical: bool,
 }
 
 /// What `--scale` measured.
@@ -517,6 +583,8 @@ struct Rig {
     recompute: Recompute,
     /// AdamW's moments' format.
     state: OptimizerState,
+    /// The order of the micro-batches, as asked.
+    schedule: Schedule,
     plan: Plan,
     executor: Option<Executor>,
     warmup: Vec<StepSample>,
@@ -531,7 +599,7 @@ impl Rig {
     fn new(
         builtin: BuiltinPolicy,
         policy: Box<dyn Policy>,
-        (recompute, state): (Recompute, OptimizerState),
+        (recompute, state, schedule): (Recompute, OptimizerState, Schedule),
         plan: Plan,
     ) -> Self {
         Rig {
@@ -539,6 +607,7 @@ impl Rig {
             policy,
             recompute,
             state,
+            schedule,
             plan,
             executor: None,
             warmup: Vec::new(),
@@ -634,6 +703,7 @@ impl Setup {
             // The scale run's; a comparison plans each policy with each --recompute.
             recompute: args.recompute.first().copied().unwrap_or_default(),
             optimizer_state: args.optimizer_state.first().copied().unwrap_or_default(),
+            schedule: args.schedule.first().copied().unwrap_or_default(),
             ..StepShape::cpu(args.batch, args.seq).on(target)
         };
         let params = whole_params.then(|| model.init_params(args.seed));
@@ -803,6 +873,9 @@ fn validate(args: &StepArgs) -> Result<(), String> {
     if args.optimizer_state.is_empty() {
         return Err("--optimizer-state names no format (fp32, bf16, q8)".into());
     }
+    if args.schedule.is_empty() {
+        return Err("--schedule names no order (auto, horizontal, vertical)".into());
+    }
     Ok(())
 }
 
@@ -862,6 +935,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     });
     let recompute = recompute_comparisons(&policies);
     let optimizer_state = state_comparisons(&policies);
+    let micro_batch_order = schedule_comparisons(&policies);
     let peers = match &args.peers {
         None => Vec::new(),
         Some(dir) => {
@@ -892,6 +966,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         policies,
         recompute,
         optimizer_state,
+        micro_batch_order,
         refused,
         peers,
     };
@@ -938,26 +1013,34 @@ fn process_line(process: &ProcessMemory, peak_rss: Option<u64>) -> String {
     }
 }
 
-/// Plans every policy asked for under every `--recompute` and `--optimizer-state`
-/// asked for: a rig for each plan that fits, a refusal (printed) for each that does not.
+/// Plans every policy asked for under every `--recompute`, `--optimizer-state` and
+/// `--schedule` asked for: a rig for each plan that fits, a refusal (printed) for each
+/// that does not.
 fn plan_rigs(args: &StepArgs, setup: &Setup) -> (Vec<Rig>, Vec<Refusal>) {
     let mut rigs = Vec::new();
     let mut refused = Vec::new();
-    let mut asked: Vec<(BuiltinPolicy, Recompute, OptimizerState)> = Vec::new();
+    let mut asked: Vec<(BuiltinPolicy, Recompute, OptimizerState, Schedule)> = Vec::new();
     let runs = args.policies.iter().flat_map(|&n| {
-        args.recompute
-            .iter()
-            .flat_map(move |&r| args.optimizer_state.iter().map(move |&s| (n, r, s)))
+        args.recompute.iter().flat_map(move |&r| {
+            args.optimizer_state
+                .iter()
+                .flat_map(move |&s| args.schedule.iter().map(move |&order| (n, r, s, order)))
+        })
     });
-    for (builtin, recompute, state) in runs {
-        if asked.contains(&(builtin, recompute, state)) {
+    for run in runs {
+        if asked.contains(&run) {
             continue;
         }
-        asked.push((builtin, recompute, state));
+        asked.push(run);
+        let (builtin, recompute, state, schedule) = run;
         let policy = builtin.policy(args.depth);
         let input = PlanInput {
             model: &setup.model,
-            shape: setup.shape.recomputing(recompute).with_state(state),
+            shape: setup
+                .shape
+                .recomputing(recompute)
+                .with_state(state)
+                .scheduled(schedule),
             budgets: budgets(args, None),
             cost: Default::default(),
         };
@@ -965,7 +1048,12 @@ fn plan_rigs(args: &StepArgs, setup: &Setup) -> (Vec<Rig>, Vec<Refusal>) {
             plan.check_fits(&input)?;
             Ok(plan)
         }) {
-            Ok(plan) => rigs.push(Rig::new(builtin, policy, (recompute, state), plan)),
+            Ok(plan) => rigs.push(Rig::new(
+                builtin,
+                policy,
+                (recompute, state, schedule),
+                plan,
+            )),
             Err(e) => {
                 let mut name = policy.name();
                 if args.recompute.len() > 1 {
@@ -973,6 +1061,9 @@ fn plan_rigs(args: &StepArgs, setup: &Setup) -> (Vec<Rig>, Vec<Refusal>) {
                 }
                 if args.optimizer_state.len() > 1 {
                     name = format!("{name}, --optimizer-state {state}");
+                }
+                if args.schedule.len() > 1 {
+                    name = format!("{name}, --schedule {schedule}");
                 }
                 println!("{name}: skipped: {e}");
                 refused.push(Refusal {
@@ -1120,6 +1211,8 @@ fn policy_results(
                 overlap_efficiency_own: compute_s / step_s,
                 stall_fraction: stall_s / step_s,
                 optimizer_state: rig.state,
+                schedule: rig.schedule,
+                micro_batch_order: rig.plan.shape.schedule,
                 link_bytes_per_step: links,
                 link_bytes_planned: rig.plan.link_bytes,
                 link_bytes_per_token: links.map(|b| b as f64 / tokens as f64),
@@ -1146,9 +1239,7 @@ fn state_comparisons(policies: &[PolicyResult]) -> Vec<StateComparison> {
         .filter(|p| p.optimizer_state != OptimizerState::Fp32)
         .filter_map(|other| {
             let fp32 = policies.iter().find(|p| {
-                p.optimizer_state == OptimizerState::Fp32
-                    && p.policy == other.policy
-                    && p.recompute == other.recompute
+                p.optimizer_state == OptimizerState::Fp32 && p.same_run_but(other, Varies::State)
             })?;
             Some(StateComparison {
                 policy: format!("{}, recompute {}", other.policy, other.recomputed),
@@ -1164,22 +1255,51 @@ fn state_comparisons(policies: &[PolicyResult]) -> Vec<StateComparison> {
 
 /// Per policy run both recomputing every layer and none, the two compared.
 fn recompute_comparisons(policies: &[PolicyResult]) -> Vec<RecomputeComparison> {
-    let result = |policy: &str, recompute: Recompute| {
-        policies
-            .iter()
-            .find(|p| p.policy == policy && p.recompute == recompute)
-    };
     policies
         .iter()
         .filter(|p| p.recompute == Recompute::All)
         .filter_map(|all| {
-            let none = result(&all.policy, Recompute::None)?;
+            let none = policies.iter().find(|p| {
+                p.recompute == Recompute::None && p.same_run_but(all, Varies::Recompute)
+            })?;
             Some(RecomputeComparison {
                 policy: all.policy.clone(),
                 tokens_per_s_recompute_all: all.tokens_per_s,
                 tokens_per_s_recompute_none: none.tokens_per_s,
                 none_over_all: none.tokens_per_s / all.tokens_per_s,
                 device_peak_planned: [all.peak_planned[0], none.peak_planned[0]],
+            })
+        })
+        .collect()
+}
+
+/// Per policy (and recompute choice and format) run with both orders of the
+/// micro-batches, the two compared.
+fn schedule_comparisons(policies: &[PolicyResult]) -> Vec<ScheduleComparison> {
+    let nvme = |p: &PolicyResult| p.link_bytes_per_step[0] + p.link_bytes_per_step[1];
+    let losses = |p: &PolicyResult| -> Vec<u32> {
+        p.warmup
+            .iter()
+            .chain(&p.steps)
+            .map(|s| s.loss.to_bits())
+            .collect()
+    };
+    policies
+        .iter()
+        .filter(|p| p.schedule == Schedule::Vertical)
+        .filter_map(|v| {
+            let h = policies.iter().find(|p| {
+                p.schedule == Schedule::Horizontal && p.same_run_but(v, Varies::Schedule)
+            })?;
+            Some(ScheduleComparison {
+                policy: v.label(),
+                link_bytes_per_token: [h.link_bytes_per_token, v.link_bytes_per_token],
+                nvme_read_ratio: v.link_bytes_per_token[0] / h.link_bytes_per_token[0].max(1e-9),
+                nvme_bytes_per_step: [nvme(h), nvme(v)],
+                tokens_per_s: [h.tokens_per_s, v.tokens_per_s],
+                speedup: v.tokens_per_s / h.tokens_per_s,
+                device_peak_planned: [h.peak_planned[0], v.peak_planned[0]],
+                losses_identical: losses(h) == losses(v),
             })
         })
         .collect()
@@ -1387,6 +1507,25 @@ pub fn render(report: &StepBenchReport) -> String {
          nvme B/param/step: NVMe bytes read and written in the median step over the \
          model's parameters (both measured, machine-independent).\n",
     );
+    out.push_str(&comparisons(report));
+    out.push_str(&format!(
+        "losses bit-identical across policies, recompute choices and orders of the \
+         micro-batches, for each format of the moments (invariant 1): {}\n",
+        if report.losses_identical { "yes" } else { "NO" }
+    ));
+    if let [Some(before), Some(after)] = report.machine.load_average {
+        out.push_str(&format!(
+            "load average (1 min): {before:.2} before, {after:.2} after, on {} cores\n",
+            report.machine.cores
+        ));
+    }
+    out
+}
+
+/// One line per pair of runs compared: moments' formats, orders of the micro-batches,
+/// recomputing.
+fn comparisons(report: &StepBenchReport) -> String {
+    let mut out = String::new();
     for c in &report.optimizer_state {
         out.push_str(&format!(
             "{}: {} moments move {} over NVMe per step, fp32 moments {}: {:.3}x; {:.0} vs \
@@ -1402,6 +1541,30 @@ pub fn render(report: &StepBenchReport) -> String {
             c.loss_last[0],
         ));
     }
+    for c in &report.micro_batch_order {
+        let [h, v] = c
+            .link_bytes_per_token
+            .map(|t| t.map(|b| format_bytes(b.round() as u64)));
+        out.push_str(&format!(
+            "{}: vertical reads {} per token from NVMe, horizontal {}: {:.3}x (writes {} vs \
+             {}, h2d {} vs {}); {:.0} vs {:.0} tokens/s: {:.2}x; device peak planned {} vs \
+             {}; losses bit-identical: {}\n",
+            c.policy,
+            v[0],
+            h[0],
+            c.nvme_read_ratio,
+            v[1],
+            h[1],
+            v[2],
+            h[2],
+            c.tokens_per_s[1],
+            c.tokens_per_s[0],
+            c.speedup,
+            format_bytes(c.device_peak_planned[1]),
+            format_bytes(c.device_peak_planned[0]),
+            if c.losses_identical { "yes" } else { "NO" }
+        ));
+    }
     for c in &report.recompute {
         out.push_str(&format!(
             "{}: keeping every layer's activations (--recompute none) {:.0} tokens/s, \
@@ -1412,17 +1575,6 @@ pub fn render(report: &StepBenchReport) -> String {
             c.tokens_per_s_recompute_all,
             c.none_over_all,
             format_bytes(c.device_peak_planned[1].saturating_sub(c.device_peak_planned[0]))
-        ));
-    }
-    out.push_str(&format!(
-        "losses bit-identical across policies and recompute choices, for each format of the \
-         moments (invariant 1): {}\n",
-        if report.losses_identical { "yes" } else { "NO" }
-    ));
-    if let [Some(before), Some(after)] = report.machine.load_average {
-        out.push_str(&format!(
-            "load average (1 min): {before:.2} before, {after:.2} after, on {} cores\n",
-            report.machine.cores
         ));
     }
     out

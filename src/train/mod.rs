@@ -216,6 +216,9 @@ fn print_plan(out: &mut impl Write, planned: &Planned) -> Result<(), Error> {
         plan.recompute_summary(),
         planned.predicted.step_seconds
     )?;
+    if plan.shape.grad_accum > 1 {
+        writeln!(out, "{}", plan.schedule_text())?;
+    }
     if let Some(edges) = plan.edges_text() {
         writeln!(out, "{edges}")?;
     }

@@ -7,7 +7,7 @@ use super::auto::Auto;
 use super::error::{PlanError, Shortfall, fmt_bytes};
 use super::ir::{BufKind, ExtentKind, ExtentSide, Plan};
 use super::policy::{PlanInput, Policy};
-use super::shape::{GradSpill, Recompute, StepShape};
+use super::shape::{GradSpill, Recompute, Schedule, StepShape};
 use super::tier::{TensorClass, Tier};
 use crate::model::BlockKind;
 
@@ -99,6 +99,7 @@ impl Plan {
         }
         let mut suggestions: Vec<String> = [
             self.recompute_suggestion(input),
+            self.schedule_suggestion(input),
             self.spill_suggestion(input),
             self.depth_suggestion(input),
             self.batch_suggestion(input),
@@ -184,6 +185,23 @@ impl Plan {
             None => text += "; recomputing every block does not fit the device either",
         }
         Some(text)
+    }
+
+    /// The vertical order was asked for, whose micro-batches' checkpoints all live at
+    /// once: whether the horizontal order fits.
+    fn schedule_suggestion(&self, input: &PlanInput<'_>) -> Option<String> {
+        let shape = input.shape.scheduled(Schedule::Horizontal);
+        (input.shape.schedule == Schedule::Vertical
+            && input.shape.grad_accum > 1
+            && fits(input, shape, &self.same_homes()))
+        .then(|| {
+            format!(
+                "with each micro-batch through the whole model in turn it fits \
+                 (--schedule horizontal: the checkpoints of one micro-batch live at a time, \
+                 not {})",
+                input.shape.grad_accum
+            )
+        })
     }
 
     /// Gradients held for the norm on the host, where they could wait on NVMe.

@@ -84,7 +84,9 @@ impl Emitter<'_, '_> {
         let f = self.f;
         let bytes = 4 * f.len(b);
         let from = self.step.g_dev[m][b];
-        let spill = self.homes.grads.spill[b];
+        // Spilled, a block's sum of the micro-batches so far waits on NVMe between its
+        // backwards; vertically these follow one another, and it waits in host memory.
+        let spill = self.homes.grads.spill[b].filter(|_| !f.vertical());
         let last = m + 1 == f.shape.grad_accum;
         let host = match spill {
             Some(_) if !last => {

@@ -281,10 +281,17 @@ impl<'a> Frame<'a> {
     /// How many micro-batches' checkpoints (and offloaded activations) wait for their
     /// backward at once: every one of the step's with the vertical schedule, else one.
     pub(super) fn micro_batches_live(&self) -> usize {
-        match self.shape.schedule {
-            Schedule::Vertical => self.shape.grad_accum,
-            _ => 1,
+        if self.vertical() {
+            self.shape.grad_accum
+        } else {
+            1
         }
+    }
+
+    /// Whether the step runs its micro-batches vertically: each block's computes of
+    /// every micro-batch one after another.
+    pub(super) fn vertical(&self) -> bool {
+        self.shape.schedule == Schedule::Vertical
     }
 }
 

@@ -10,7 +10,7 @@ use super::buffers::{BufferPlan, Extent, SlotPlan};
 use super::ids::{BufId, OpId};
 use super::ops::Op;
 use crate::lane::Lane;
-use crate::plan::shape::StepShape;
+use crate::plan::shape::{Schedule, StepShape};
 use crate::plan::tier::{Budgets, Tier};
 
 /// The persistent buffers of one block that hold its state between steps.
@@ -206,6 +206,20 @@ impl Plan {
             }
         }
         text
+    }
+
+    /// The order of the micro-batches, in words: "schedule: vertical (each of 8
+    /// micro-batches through a block before the next block)".
+    pub fn schedule_text(&self) -> String {
+        let k = self.shape.grad_accum;
+        match self.shape.schedule {
+            Schedule::Vertical => format!(
+                "schedule: vertical (each of {k} micro-batches through a block before the next block)"
+            ),
+            _ => format!(
+                "schedule: horizontal (each of {k} micro-batches through the whole model in turn)"
+            ),
+        }
     }
 
     /// "recompute: 3 of 12 blocks" (see [`Plan::recomputed_of`]).
