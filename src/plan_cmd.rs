@@ -463,14 +463,18 @@ fn render_header(r: &PlanReport) -> String {
         fmt_bytes(r.checkpoint_bytes)
     );
     out += &format!(
-        "step: {} x {} tokens x {} micro-batches, {}, {} moments, --recompute {}, --schedule {}; budgets: device {}, host {}, nvme {} ({})\n",
+        "step: {} x {} tokens x {} micro-batches, {}, {} moments, --recompute {}{}; budgets: device {}, host {}, nvme {} ({})\n",
         r.batch,
         r.seq,
         r.grad_accum,
         r.precision,
         r.optimizer_state,
         r.recompute,
-        r.schedule,
+        if r.grad_accum > 1 {
+            format!(", --schedule {}", r.schedule)
+        } else {
+            String::new()
+        },
         fmt_bytes(b.device),
         fmt_bytes(b.host),
         fmt_bytes(b.nvme),

@@ -7,7 +7,9 @@
 //! - it reads each streamed block from NVMe once per pass whatever the accumulation, as
 //!   the tier counts it, where horizontal reads it per micro-batch;
 //! - auto takes vertical where it fits the budgets and is predicted faster, horizontal
-//!   where vertical's live checkpoints do not fit, and horizontal with one micro-batch.
+//!   where vertical's live checkpoints do not fit, vertical where horizontal's partial
+//!   gradient sums do not, and horizontal with one micro-batch; an order asked for that
+//!   does not fit is refused naming the other where that fits.
 
 mod model_support;
 
@@ -237,6 +239,31 @@ fn auto_takes_vertical_where_it_fits_and_is_predicted_faster() {
         .unwrap_err()
         .to_string();
     assert!(refusal.contains("--schedule horizontal"), "{refusal}");
+    // Horizontally every block's partial sums wait in host memory from the first
+    // micro-batch's backward to the last one's; vertically one block's at a time. A host
+    // budget that holds vertical's peak but not horizontal's: auto takes vertical, and
+    // horizontal asked for is refused, naming vertical.
+    let host = Tier::Host.index();
+    assert!(
+        vertical.peak[host] < horizontal.peak[host],
+        "vertical host peak {} vs horizontal {}",
+        vertical.peak[host],
+        horizontal.peak[host]
+    );
+    let narrow = Budgets {
+        host: vertical.peak[host],
+        ..UNLIMITED
+    };
+    assert_eq!(
+        build(Schedule::Auto, narrow).shape.schedule,
+        Schedule::Vertical
+    );
+    let input = PlanInput::new(&model, shape.scheduled(Schedule::Horizontal), narrow);
+    let refusal = build(Schedule::Horizontal, narrow)
+        .check_fits(&input)
+        .unwrap_err()
+        .to_string();
+    assert!(refusal.contains("--schedule vertical"), "{refusal}");
     // One micro-batch: horizontal.
     let input = PlanInput::new(&model, StepShape::cpu(8, 32), UNLIMITED).with_cost(slow_nvme());
     let single = Plan::build(&input, &policy).unwrap();

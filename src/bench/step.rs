@@ -370,18 +370,20 @@ impl PolicyResult {
     /// The policy, how many layers its plan recomputes, (unless fp32) its moments'
     /// format and (when vertical) the order of its micro-batches, for tables.
     fn label(&self) -> String {
-        let state = match self.optimizer_state {
-            OptimizerState::Fp32 => String::new(),
-            other => format!(", {other} state"),
-        };
         let order = match self.micro_batch_order {
             Schedule::Vertical => ", vertical",
             _ => "",
         };
-        format!(
-            "{}, recompute {}{state}{order}",
-            self.policy, self.recomputed
-        )
+        format!("{}{order}", self.label_any_order())
+    }
+
+    /// [`PolicyResult::label`] without the order of the micro-batches.
+    fn label_any_order(&self) -> String {
+        let state = match self.optimizer_state {
+            OptimizerState::Fp32 => String::new(),
+            other => format!(", {other} state"),
+        };
+        format!("{}, recompute {}{state}", self.policy, self.recomputed)
     }
 
     /// Whether `other` is this policy's run with the same choices but those `differ`
@@ -1292,7 +1294,7 @@ fn schedule_comparisons(policies: &[PolicyResult]) -> Vec<ScheduleComparison> {
                 p.schedule == Schedule::Horizontal && p.same_run_but(v, Varies::Schedule)
             })?;
             Some(ScheduleComparison {
-                policy: v.label(),
+                policy: v.label_any_order(),
                 link_bytes_per_token: [h.link_bytes_per_token, v.link_bytes_per_token],
                 nvme_read_ratio: v.link_bytes_per_token[0] / h.link_bytes_per_token[0].max(1e-9),
                 nvme_bytes_per_step: [nvme(h), nvme(v)],
@@ -1393,9 +1395,9 @@ fn latencies(executor: &Executor) -> Vec<Latency> {
         .collect()
 }
 
-/// Seconds to three significant digits (`15.3`, `0.00234`), so that one column holds a
-/// tiny test model's steps and GPT-2's alike.
-fn seconds(value: f64) -> String {
+/// Three significant digits (`15.3`, `0.00234`), so that one column holds a tiny test
+/// model's step seconds and GPT-2's alike, and a 3B model's tokens/s (`0.414`).
+fn three_digits(value: f64) -> String {
     if !(value.is_finite() && value > 0.0) {
         return format!("{value}");
     }
@@ -1439,13 +1441,13 @@ pub fn render(report: &StepBenchReport) -> String {
     for p in &report.policies {
         time.row([
             p.label(),
-            seconds(p.step_s_median),
-            format!("{:.0}", p.tokens_per_s),
+            three_digits(p.step_s_median),
+            three_digits(p.tokens_per_s),
             ratio(p.vs_all_on_device, "x"),
             ratio(p.overlap_efficiency_vs_all_on_device, ""),
             format!("{:.2}", p.overlap_efficiency_own),
             format!("{:.1}%", 100.0 * p.stall_fraction),
-            seconds(p.predicted.step_seconds),
+            three_digits(p.predicted.step_seconds),
             format!("{:.4} -> {:.4}", p.loss_first, p.loss_last),
         ]);
         let mut row = vec![p.label()];
@@ -1528,15 +1530,15 @@ fn comparisons(report: &StepBenchReport) -> String {
     let mut out = String::new();
     for c in &report.optimizer_state {
         out.push_str(&format!(
-            "{}: {} moments move {} over NVMe per step, fp32 moments {}: {:.3}x; {:.0} vs \
-             {:.0} tokens/s; last loss {:.4} vs {:.4} (fp32)\n",
+            "{}: {} moments move {} over NVMe per step, fp32 moments {}: {:.3}x; {} vs {} \
+             tokens/s; last loss {:.4} vs {:.4} (fp32)\n",
             c.policy,
             c.state,
             format_bytes(c.nvme_bytes_per_step[1]),
             format_bytes(c.nvme_bytes_per_step[0]),
             c.nvme_ratio,
-            c.tokens_per_s[1],
-            c.tokens_per_s[0],
+            three_digits(c.tokens_per_s[1]),
+            three_digits(c.tokens_per_s[0]),
             c.loss_last[1],
             c.loss_last[0],
         ));
@@ -1547,7 +1549,7 @@ fn comparisons(report: &StepBenchReport) -> String {
             .map(|t| t.map(|b| format_bytes(b.round() as u64)));
         out.push_str(&format!(
             "{}: vertical reads {} per token from NVMe, horizontal {}: {:.3}x (writes {} vs \
-             {}, h2d {} vs {}); {:.0} vs {:.0} tokens/s: {:.2}x; device peak planned {} vs \
+             {}, h2d {} vs {}); {} vs {} tokens/s: {:.2}x; device peak planned {} vs \
              {}; losses bit-identical: {}\n",
             c.policy,
             v[0],
@@ -1557,8 +1559,8 @@ fn comparisons(report: &StepBenchReport) -> String {
             h[1],
             v[2],
             h[2],
-            c.tokens_per_s[1],
-            c.tokens_per_s[0],
+            three_digits(c.tokens_per_s[1]),
+            three_digits(c.tokens_per_s[0]),
             c.speedup,
             format_bytes(c.device_peak_planned[1]),
             format_bytes(c.device_peak_planned[0]),

@@ -156,7 +156,9 @@ fn summary(
     let mut t = Table::new(["", "value"]);
     t.row(["policy".to_string(), plan.policy.clone()]);
     t.row(["recompute".to_string(), plan.recomputed_of()]);
-    t.row(["schedule".to_string(), plan.shape.schedule.to_string()]);
+    if plan.shape.grad_accum > 1 {
+        t.row(["schedule".to_string(), plan.shape.schedule.to_string()]);
+    }
     t.row([
         "optimizer state".to_string(),
         format!("{} moments", plan.shape.optimizer_state),

@@ -187,21 +187,26 @@ impl Plan {
         Some(text)
     }
 
-    /// The vertical order was asked for, whose micro-batches' checkpoints all live at
-    /// once: whether the horizontal order fits.
+    /// One order of the micro-batches was asked for where the other fits: vertical's
+    /// checkpoints of every micro-batch live at once, horizontal's partial sums of every
+    /// block's gradients.
     fn schedule_suggestion(&self, input: &PlanInput<'_>) -> Option<String> {
-        let shape = input.shape.scheduled(Schedule::Horizontal);
-        (input.shape.schedule == Schedule::Vertical
-            && input.shape.grad_accum > 1
-            && fits(input, shape, &self.same_homes()))
-        .then(|| {
-            format!(
-                "with each micro-batch through the whole model in turn it fits \
-                 (--schedule horizontal: the checkpoints of one micro-batch live at a time, \
-                 not {})",
-                input.shape.grad_accum
-            )
-        })
+        let (other, why) = match input.shape.schedule {
+            Schedule::Vertical => (
+                Schedule::Horizontal,
+                "each micro-batch through the whole model in turn, the checkpoints of one \
+                 micro-batch live at a time",
+            ),
+            Schedule::Horizontal => (
+                Schedule::Vertical,
+                "every micro-batch through a block before the next, one block's sum of the \
+                 micro-batches' gradients lives at a time",
+            ),
+            Schedule::Auto => return None,
+        };
+        let shape = input.shape.scheduled(other);
+        (input.shape.grad_accum > 1 && fits(input, shape, &self.same_homes()))
+            .then(|| format!("with --schedule {other} it fits ({why})"))
     }
 
     /// Gradients held for the norm on the host, where they could wait on NVMe.

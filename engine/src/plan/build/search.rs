@@ -1,13 +1,12 @@
 //! The planner's search around its stages: [`Plan::build`] plans a step once per choice
 //! it weighs and keeps the best. First, with an automatic schedule and several
 //! micro-batches, each order of the micro-batches (horizontal, vertical); within each,
-//! where the policy allows, the plans that keep the
-//! first and last blocks' state in host memory; then which layer blocks keep their saved
-//! activations on the device (all when the device peak allows, else as many as fit,
-//! chosen by the FLOPs each saves per byte it keeps, found by bisection) and whether the
-//! others offload theirs to host memory or NVMe or recompute (by the cost model, within
-//! the budgets); then whether gradients wait for the norm on NVMe (when the host budget
-//! needs it).
+//! where the policy allows, the plans that keep the first and last blocks' state in host
+//! memory; then which layer blocks keep their saved activations on the device (all when
+//! the device peak allows, else as many as fit, chosen by the FLOPs each saves per byte
+//! it keeps, found by bisection) and whether the others offload theirs to host memory or
+//! NVMe or recompute (by the cost model, within the budgets); then whether gradients
+//! wait for the norm on NVMe (when the host budget needs it).
 //!
 //! Not here: the stages themselves (`frame.rs` to `assemble.rs`).
 

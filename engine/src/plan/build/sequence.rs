@@ -60,7 +60,7 @@ impl Sequence {
     pub(super) fn new(f: &Frame<'_>) -> Self {
         let (layers, micros) = (f.layers, f.shape.grad_accum);
         debug_assert!(f.shape.schedule != Schedule::Auto, "a schedule chosen");
-        let vertical = f.shape.schedule == Schedule::Vertical;
+        let vertical = f.vertical();
         // One pass of one micro-batch, in order.
         let pass = |m: usize| {
             let forward = (1..=layers).map(move |b| Compute::Layer(b, m));
