@@ -282,7 +282,7 @@ settings! {
     /// Learning rate after the warmup: constant, or a cosine decay to lr * min-lr-ratio
     /// [default: cosine].
     Run lr_schedule: LrSchedule = LrSchedule::Cosine,
-        aliases("schedule", "scheduler");
+        aliases("scheduler", "lr_scheduler_type");
 
     /// Steps of linear learning-rate warmup from 0 [default: 10].
     Run warmup_steps: u64 = 10,
