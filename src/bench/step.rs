@@ -386,6 +386,15 @@ impl PolicyResult {
         format!("{}, recompute {}{state}", self.policy, self.recomputed)
     }
 
+    /// Every step's loss (warm-up included), as bits.
+    fn loss_bits(&self) -> Vec<u32> {
+        self.warmup
+            .iter()
+            .chain(&self.steps)
+            .map(|s| s.loss.to_bits())
+            .collect()
+    }
+
     /// Whether `other` is this policy's run with the same choices but those `differ`
     /// lets differ.
     fn same_run_but(&self, other: &PolicyResult, differ: Varies) -> bool {
@@ -923,17 +932,13 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
 
     let cost = CostModel::default();
     let policies = policy_results(&rigs, (setup.shape.tokens(), setup.desc.params), cost);
-    let losses = |r: &Rig| -> Vec<u32> {
-        r.warmup
-            .iter()
-            .chain(&r.steps)
-            .map(|s| s.loss.to_bits())
-            .collect()
-    };
     // Every format of AdamW's moments has its own arithmetic: policies agree within one.
-    let losses_identical = rigs.iter().all(|r| {
-        let first = rigs.iter().find(|o| o.state == r.state).expect("r itself");
-        losses(r) == losses(first)
+    let losses_identical = policies.iter().all(|p| {
+        let first = policies
+            .iter()
+            .find(|o| o.optimizer_state == p.optimizer_state)
+            .expect("p itself");
+        p.loss_bits() == first.loss_bits()
     });
     let recompute = recompute_comparisons(&policies);
     let optimizer_state = state_comparisons(&policies);
@@ -1279,13 +1284,6 @@ fn recompute_comparisons(policies: &[PolicyResult]) -> Vec<RecomputeComparison> 
 /// micro-batches, the two compared.
 fn schedule_comparisons(policies: &[PolicyResult]) -> Vec<ScheduleComparison> {
     let nvme = |p: &PolicyResult| p.link_bytes_per_step[0] + p.link_bytes_per_step[1];
-    let losses = |p: &PolicyResult| -> Vec<u32> {
-        p.warmup
-            .iter()
-            .chain(&p.steps)
-            .map(|s| s.loss.to_bits())
-            .collect()
-    };
     policies
         .iter()
         .filter(|p| p.schedule == Schedule::Vertical)
@@ -1301,7 +1299,7 @@ fn schedule_comparisons(policies: &[PolicyResult]) -> Vec<ScheduleComparison> {
                 tokens_per_s: [h.tokens_per_s, v.tokens_per_s],
                 speedup: v.tokens_per_s / h.tokens_per_s,
                 device_peak_planned: [h.peak_planned[0], v.peak_planned[0]],
-                losses_identical: losses(h) == losses(v),
+                losses_identical: h.loss_bits() == v.loss_bits(),
             })
         })
         .collect()
