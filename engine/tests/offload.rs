@@ -13,6 +13,7 @@ mod model_support;
 
 use model_support::{
     CHAOS, NvmeOnly, UNLIMITED, all_policies, each_policy, golden_dir, read_f32_tensors, rel_err,
+    token_ids,
 };
 use strata_engine::exec::Runner;
 use strata_engine::exec::{ExecConfig, ExecError, Executor, Fault, StepParams, StepReport};
@@ -36,13 +37,7 @@ fn batches(
     micro: usize,
     seed: u64,
 ) -> Vec<Vec<(Vec<u32>, Vec<u32>)>> {
-    let mut x = seed;
-    let mut next = || {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((x >> 33) % vocab as u64) as u32
-    };
+    let mut next = token_ids(vocab, seed);
     (0..steps)
         .map(|_| {
             (0..micro)

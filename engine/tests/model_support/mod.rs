@@ -192,16 +192,22 @@ pub fn forward_backward(runner: &mut Runner, inputs: &[u32], targets: &[u32]) ->
 /// missing from a plan shows as a wrong result or an ordering violation.
 pub const CHAOS: [Option<u64>; 4] = [None, Some(1), Some(2), Some(3)];
 
-/// `n` token ids and `n` target ids below `vocab`, the same for the same `seed` (a
-/// linear congruential generator, its high bits).
-pub fn random_batch(vocab: usize, n: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
+/// Token ids below `vocab`, the same sequence for the same `seed` (a linear congruential
+/// generator, its high bits).
+pub fn token_ids(vocab: usize, seed: u64) -> impl FnMut() -> u32 {
     let mut x = seed;
-    let mut next = || {
+    move || {
         x = x
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((x >> 33) % vocab as u64) as u32
-    };
+    }
+}
+
+/// `n` token ids and `n` target ids below `vocab`, the same for the same `seed`
+/// ([`token_ids`]).
+pub fn random_batch(vocab: usize, n: usize, seed: u64) -> (Vec<u32>, Vec<u32>) {
+    let mut next = token_ids(vocab, seed);
     let t = (0..n).map(|_| next()).collect();
     let y = (0..n).map(|_| next()).collect();
     (t, y)
