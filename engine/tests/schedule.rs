@@ -199,10 +199,18 @@ fn auto_takes_vertical_where_it_fits_and_is_predicted_faster() {
         ..StepShape::cpu(8, 32)
     }
     .recomputing(Recompute::All);
+    let input = |schedule: Schedule, budgets: Budgets| {
+        PlanInput::new(&model, shape.scheduled(schedule), budgets).with_cost(slow_nvme())
+    };
     let build = |schedule: Schedule, budgets: Budgets| {
-        let input =
-            PlanInput::new(&model, shape.scheduled(schedule), budgets).with_cost(slow_nvme());
-        Plan::build(&input, &policy).unwrap()
+        Plan::build(&input(schedule, budgets), &policy).unwrap()
+    };
+    // Why the plan in `schedule` does not fit `budgets`.
+    let refusal = |schedule: Schedule, budgets: Budgets| {
+        build(schedule, budgets)
+            .check_fits(&input(schedule, budgets))
+            .unwrap_err()
+            .to_string()
     };
     let vertical = build(Schedule::Vertical, UNLIMITED);
     let horizontal = build(Schedule::Horizontal, UNLIMITED);
@@ -233,12 +241,8 @@ fn auto_takes_vertical_where_it_fits_and_is_predicted_faster() {
     assert_eq!(chosen.shape.schedule, Schedule::Horizontal);
     assert!(chosen.first_overflow().is_none());
     // Vertical asked for under that budget is refused, naming the order that fits.
-    let input = PlanInput::new(&model, shape.scheduled(Schedule::Vertical), tight);
-    let refusal = build(Schedule::Vertical, tight)
-        .check_fits(&input)
-        .unwrap_err()
-        .to_string();
-    assert!(refusal.contains("--schedule horizontal"), "{refusal}");
+    let refused = refusal(Schedule::Vertical, tight);
+    assert!(refused.contains("--schedule horizontal"), "{refused}");
     // Horizontally every block's partial sums wait in host memory from the first
     // micro-batch's backward to the last one's; vertically one block's at a time. A host
     // budget that holds vertical's peak but not horizontal's: auto takes vertical, and
@@ -258,12 +262,8 @@ fn auto_takes_vertical_where_it_fits_and_is_predicted_faster() {
         build(Schedule::Auto, narrow).shape.schedule,
         Schedule::Vertical
     );
-    let input = PlanInput::new(&model, shape.scheduled(Schedule::Horizontal), narrow);
-    let refusal = build(Schedule::Horizontal, narrow)
-        .check_fits(&input)
-        .unwrap_err()
-        .to_string();
-    assert!(refusal.contains("--schedule vertical"), "{refusal}");
+    let refused = refusal(Schedule::Horizontal, narrow);
+    assert!(refused.contains("--schedule vertical"), "{refused}");
     // One micro-batch: horizontal.
     let input = PlanInput::new(&model, StepShape::cpu(8, 32), UNLIMITED).with_cost(slow_nvme());
     let single = Plan::build(&input, &policy).unwrap();
