@@ -30,6 +30,20 @@ fn run_with_json(command: &mut Command, json: &Path) -> (String, serde_json::Val
     (stdout, report)
 }
 
+/// `strata bench step` on [`TINY`] for 2 steps without warm-up, with `extra` arguments
+/// and its NVMe tier in `dir`: its stdout and JSON (written to `dir`).
+fn tiny_step(dir: &Path, extra: &[&str]) -> (String, serde_json::Value) {
+    run_with_json(
+        strata()
+            .args(["bench", "step", "--steps", "2", "--warmup", "0"])
+            .args(TINY)
+            .args(extra)
+            .arg("--nvme")
+            .arg(dir),
+        &dir.join("step.json"),
+    )
+}
+
 /// Runs `command`, asserts it failed, and returns its stderr.
 fn failure(command: &mut Command) -> String {
     let out = command.output().unwrap();
@@ -147,16 +161,14 @@ fn every_policy_has_a_row_and_json() {
 #[test]
 fn recompute_all_and_none_run_side_by_side_and_compare() {
     let dir = scratch();
-    let json = dir.path().join("step.json");
-    let (stdout, report) = run_with_json(
-        strata()
-            .args(["bench", "step", "--steps", "2", "--warmup", "0"])
-            .args(TINY)
-            .args(["--policies", "all-on-device,cpu-offload"])
-            .args(["--recompute", "all,none"])
-            .arg("--nvme")
-            .arg(dir.path()),
-        &json,
+    let (stdout, report) = tiny_step(
+        dir.path(),
+        &[
+            "--policies",
+            "all-on-device,cpu-offload",
+            "--recompute",
+            "all,none",
+        ],
     );
     assert!(stdout.contains("(invariant 1): yes"), "{stdout}");
     let runs: Vec<(&str, &str, &str)> = report["policies"]
@@ -210,16 +222,16 @@ fn recompute_all_and_none_run_side_by_side_and_compare() {
 #[test]
 fn both_orders_of_the_micro_batches_run_side_by_side_and_compare() {
     let dir = scratch();
-    let json = dir.path().join("step.json");
-    let (stdout, report) = run_with_json(
-        strata()
-            .args(["bench", "step", "--steps", "2", "--warmup", "0"])
-            .args(TINY)
-            .args(["--grad-accum", "4", "--policies", "nvme-offload"])
-            .args(["--schedule", "horizontal,vertical"])
-            .arg("--nvme")
-            .arg(dir.path()),
-        &json,
+    let (stdout, report) = tiny_step(
+        dir.path(),
+        &[
+            "--grad-accum",
+            "4",
+            "--policies",
+            "nvme-offload",
+            "--schedule",
+            "horizontal,vertical",
+        ],
     );
     assert!(stdout.contains("(invariant 1): yes"), "{stdout}");
     let orders: Vec<(&str, &str)> = report["policies"]
@@ -248,6 +260,72 @@ fn both_orders_of_the_micro_batches_run_side_by_side_and_compare() {
         stdout.contains("vertical reads ") && stdout.contains("per token from NVMe"),
         "{stdout}"
     );
+}
+
+#[test]
+fn kernels_shows_where_each_step_went_against_the_products_alone() {
+    let dir = scratch();
+    let (stdout, report) = tiny_step(
+        dir.path(),
+        &[
+            "--policies",
+            "all-on-device,cpu-offload",
+            "--recompute",
+            "none",
+            "--kernels",
+        ],
+    );
+    assert!(stdout.contains("kernel by kernel"), "{stdout}");
+    assert!(stdout.contains("its products' time"), "{stdout}");
+    // The products of one step of TINY, counted here: each linear layer's forward,
+    // input gradient and weight gradient at 2 x 16 rows, 2 * rows * in * out each.
+    let rows = 2.0 * 16.0;
+    let linear = |inputs: f64, outputs: f64| 2.0 * rows * inputs * outputs;
+    let layer = linear(32.0, 96.0) + linear(32.0, 32.0) + linear(32.0, 128.0) + linear(128.0, 32.0);
+    let head = linear(32.0, 64.0);
+    let expected_gflop = 3.0 * (2.0 * layer + head) / 1e9;
+    let profiles = report["compute_profiles"].as_array().unwrap();
+    assert_eq!(profiles.len(), 2, "{report}");
+    for p in profiles {
+        let products = &p["classes"][0];
+        assert_eq!(products["name"], "products", "{p}");
+        let gflop = products["gflop"].as_f64().unwrap();
+        assert!(
+            (gflop - expected_gflop).abs() < 1e-12,
+            "{gflop} GFLOP of products, expected {expected_gflop}"
+        );
+        // Forward, input gradient and weight gradient of 4 linear layers in 2 blocks and
+        // the head: 9 matmul kernels forward, 9 backward (each computes both gradients).
+        let calls = |name: &str| {
+            p["kernels"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|k| k["name"] == name)
+                .map(|k| k["calls"].as_u64().unwrap())
+        };
+        assert_eq!(
+            (calls("matmul"), calls("matmul-backward")),
+            (Some(9), Some(9)),
+            "{p}"
+        );
+        let step = p["step_s"].as_f64().unwrap();
+        let classes: f64 = (0..3)
+            .map(|i| p["classes"][i]["seconds"].as_f64().unwrap())
+            .sum();
+        assert!(
+            (classes - p["kernels_s"].as_f64().unwrap()).abs() < 1e-9,
+            "{p}"
+        );
+        assert!(
+            step > 0.0 && p["step_over_products"].as_f64().unwrap() > 0.0,
+            "{p}"
+        );
+        assert!(
+            p["gemm_alone"]["gflop_per_s"].as_f64().unwrap() > 0.0,
+            "{p}"
+        );
+    }
 }
 
 #[test]

@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--offload", choices=["cpu", "nvme"], default="cpu")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--autocast", choices=["none", "bf16"], default="none")
+    ap.add_argument("--attn", choices=["eager", "sdpa"], default="eager",
+                    help="transformers' attn_implementation of the eager engine")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
@@ -64,7 +66,7 @@ def main():
 
     def build():
         return AutoModelForCausalLM.from_config(
-            cfg, attn_implementation="eager", torch_dtype=torch.float32
+            cfg, attn_implementation=args.attn, torch_dtype=torch.float32
         )
 
     g = torch.Generator().manual_seed(args.seed + 1)

@@ -146,7 +146,17 @@ fn linear(
 /// The products of one GPT-2 124M training step at batch × seq tokens: each block's four
 /// linear layers, its attention for every (batch, head) pair, and the LM head.
 pub fn gpt2_shapes(batch: usize, seq: usize) -> Vec<Shape> {
-    let (rows, width, heads, vocab) = (batch * seq, 768, 12, 50257);
+    gpt2_shapes_of(batch, seq, (768, 12, 50257))
+}
+
+/// [`gpt2_shapes`] for any GPT-2 shape: `(width, heads, vocab)`. Every shape but the LM
+/// head's (named `lm head ...`) is one block's, made once per block in a step.
+pub fn gpt2_shapes_of(
+    batch: usize,
+    seq: usize,
+    (width, heads, vocab): (usize, usize, usize),
+) -> Vec<Shape> {
+    let rows = batch * seq;
     let mut shapes = Vec::new();
     for (name, inputs, outputs) in [
         ("qkv", width, 3 * width),

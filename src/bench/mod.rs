@@ -13,6 +13,7 @@ pub mod attention;
 pub mod ds_io;
 pub mod fio;
 pub mod gemm;
+pub mod kernels;
 pub mod nvme;
 pub mod pcie;
 pub mod peers;

@@ -1,6 +1,7 @@
 //! The peers of `strata bench step --peers DIR`, run in the same invocation, on the same
 //! model shape, batch and thread count, after strata's policies: PyTorch eager with fused
-//! AdamW (all-on-device's peer), DeepSpeed ZeRO-3 with parameters and optimizer state
+//! AdamW (all-on-device's peer), twice: with transformers' eager attention and with its
+//! SDPA attention (`torch.nn.functional.scaled_dot_product_attention`), DeepSpeed ZeRO-3 with parameters and optimizer state
 //! offloaded to the CPU (ZeRO-Offload, cpu-offload's peer) and to NVMe (ZeRO-Infinity,
 //! nvme-offload's peer).
 //!
@@ -114,12 +115,18 @@ const BF16_PEER: Peer = (
 );
 
 /// The fp32 peers.
-const PEERS: [Peer; 3] = [
+const PEERS: [Peer; 4] = [
     (
         "pytorch-eager",
         BuiltinPolicy::AllOnDevice,
         "gpt2_step_bench.py",
-        &[],
+        &["--attn", "eager"],
+    ),
+    (
+        "pytorch-eager-sdpa",
+        BuiltinPolicy::AllOnDevice,
+        "gpt2_step_bench.py",
+        &["--attn", "sdpa"],
     ),
     (
         "deepspeed-zero-offload",
@@ -136,12 +143,18 @@ const PEERS: [Peer; 3] = [
 ];
 
 /// The Llama-family peers: [`PEERS`]' engines, from [`STEP_PEER`].
-const LLAMA_PEERS: [Peer; 3] = [
+const LLAMA_PEERS: [Peer; 4] = [
     (
         "pytorch-eager",
         BuiltinPolicy::AllOnDevice,
         STEP_PEER_SCRIPT,
-        &["--engine", "eager"],
+        &["--engine", "eager", "--attn", "eager"],
+    ),
+    (
+        "pytorch-eager-sdpa",
+        BuiltinPolicy::AllOnDevice,
+        STEP_PEER_SCRIPT,
+        &["--engine", "eager", "--attn", "sdpa"],
     ),
     (
         "deepspeed-zero-offload",
@@ -412,6 +425,7 @@ pub fn render(results: &[PeerResult]) -> String {
     out.push_str(
         "peers: run in this invocation after strata's policies, on the same shape, batch and \
          thread count (strata's dtype: fp32, or bf16 against PyTorch's bf16 autocast; \
+         PyTorch eager with transformers' eager attention, and with its SDPA attention; \
          DeepSpeed built under zero.Init, no clipping); strata tokens/s: \
          the policy at its fastest --recompute choice of this run; strata / peer: tokens per \
          second, above 1 strata is faster.\n",
@@ -446,10 +460,10 @@ mod tests {
             &[(BuiltinPolicy::NvmeOffload, 1.0)],
             Path::new("/nonexistent/strata-peers"),
         );
-        let json = serde_json::to_value(&results[2]).unwrap();
+        let json = serde_json::to_value(&results[3]).unwrap();
         assert_eq!(json["strata_policy"], "nvme-offload");
-        assert_eq!(results[2].strata_tokens_per_s, Some(1.0));
-        assert_eq!(results[1].strata_tokens_per_s, None);
+        assert_eq!(results[3].strata_tokens_per_s, Some(1.0));
+        assert_eq!(results[2].strata_tokens_per_s, None);
     }
 
     /// A tiny model's shape, one step.
@@ -486,18 +500,15 @@ mod tests {
             &[(BuiltinPolicy::AllOnDevice, 100.0)],
             dir.path(),
         );
-        assert_eq!(results.len(), 3);
-        assert!(!results[0].ran);
-        assert!(
-            results[0]
-                .reason
-                .as_ref()
-                .unwrap()
-                .contains("no Python env")
-        );
-        assert!(results[0].tokens_per_s.is_none() && results[0].strata_over_peer.is_none());
+        assert_eq!(results.len(), 4);
+        // Both attention implementations of PyTorch eager are all-on-device's peers.
+        for eager in &results[..2] {
+            assert!(!eager.ran);
+            assert!(eager.reason.as_ref().unwrap().contains("no Python env"));
+            assert!(eager.tokens_per_s.is_none() && eager.strata_over_peer.is_none());
+        }
         // Peers whose strata policy did not run are not run either.
-        assert!(results[1].reason.as_ref().unwrap().contains("did not run"));
+        assert!(results[2].reason.as_ref().unwrap().contains("did not run"));
     }
 
     #[test]
@@ -550,7 +561,8 @@ cfg=$(echo "$*" | sed 's/.*--config-json \([^ ]*\).*/\1/')
 grep -q '"model_type": "llama"' "$cfg" || exit 7
 grep -q '"num_key_value_heads": 2' "$cfg" || exit 8
 case "$*" in
-  *'--engine eager'*) t=2.0;;
+  *'--engine eager --attn eager'*) t=2.0;;
+  *'--engine eager --attn sdpa'*) t=2.5;;
   *'--engine zero --offload cpu'*) t=4.0;;
   *'--engine zero --offload nvme'*--nvme-path*) t=8.0;;
   *) exit 9;;
@@ -579,6 +591,7 @@ echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
             ratios,
             [
                 ("pytorch-eager", Some(2.0)),
+                ("pytorch-eager-sdpa", Some(1.6)),
                 ("deepspeed-zero-offload", Some(1.0)),
                 ("deepspeed-zero-infinity", Some(0.5)),
             ],

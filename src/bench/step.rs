@@ -33,6 +33,7 @@ use serde_json::{Value, json};
 use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
 use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
+use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::{Llama, Model};
 use strata_engine::plan::{
     Budgets, BuiltinPolicy, CostModel, GradSpill, Lane, NvmeOffload, OptimizerState, Plan,
@@ -40,6 +41,7 @@ use strata_engine::plan::{
 };
 
 use super::adam::load_average;
+use super::kernels::{self, ComputeProfile};
 use super::peers::{self, PeerResult, PeerShape};
 use crate::machine::{cpu_model, meminfo_bytes, swap_folder_refusal};
 use crate::model_info::{self, LlamaShapeArgs, ModelArgs, ShapeArgs};
@@ -203,6 +205,11 @@ pub struct StepArgs {
     /// autocast against all-on-device. Prints strata / peer tokens/s.
     #[arg(long, value_name = "DIR")]
     pub peers: Option<PathBuf>,
+    /// Also show where each policy's median step went, kernel by kernel (the CPU device
+    /// times each kernel; a GPU's are not timed), and, for a GPT-2 model, time its
+    /// matrix products alone in this run and set the step against them.
+    #[arg(long)]
+    pub kernels: bool,
 }
 
 /// The machine the run saw.
@@ -491,6 +498,9 @@ pub struct StepBenchReport {
     pub refused: Vec<Refusal>,
     /// The peers run in this invocation (`--peers`), with strata's ratios to them.
     pub peers: Vec<PeerResult>,
+    /// With `--kernels`: where each policy's median step went, kernel by kernel.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub compute_profiles: Vec<ComputeProfile>,
 }
 
 /// One policy run with fp32 moments and with another format (`--optimizer-state`).
@@ -943,6 +953,11 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     let recompute = recompute_comparisons(&policies);
     let optimizer_state = state_comparisons(&policies);
     let micro_batch_order = schedule_comparisons(&policies);
+    let compute_profiles = if args.kernels {
+        compute_profiles(&rigs, &policies, args, &setup)
+    } else {
+        Vec::new()
+    };
     let peers = match &args.peers {
         None => Vec::new(),
         Some(dir) => {
@@ -976,6 +991,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         micro_batch_order,
         refused,
         peers,
+        compute_profiles,
     };
     print_compare(&report, args, &rigs)?;
     Ok(report)
@@ -1345,6 +1361,45 @@ fn run_peers(
     }
 }
 
+/// Each policy's median step, kernel by kernel, against the model's products timed alone
+/// now (a GPT-2 model whose kernels were timed: the CPU device).
+fn compute_profiles(
+    rigs: &[Rig],
+    policies: &[PolicyResult],
+    args: &StepArgs,
+    setup: &Setup,
+) -> Vec<ComputeProfile> {
+    fn median_report(rig: &Rig) -> &StepReport {
+        let seconds: Vec<f64> = rig.steps.iter().map(|s| s.seconds).collect();
+        &rig.reports[median_index(&seconds)]
+    }
+    let timed = rigs
+        .iter()
+        .any(|r| !median_report(r).kernels.entries.is_empty());
+    let d = &setup.desc;
+    let gemm_alone = (timed && d.family == "gpt2").then(|| {
+        eprintln!("timing the model's matrix products alone (--kernels)");
+        kernels::time_gpt2_products(
+            Cpu::default(),
+            d.layers,
+            (args.batch, args.seq),
+            (d.width, d.heads, d.vocab),
+        )
+    });
+    rigs.iter()
+        .zip(policies)
+        .map(|(rig, p)| {
+            let report = median_report(rig);
+            kernels::profile(
+                p.label(),
+                report.seconds,
+                &report.kernels,
+                gemm_alone.clone(),
+            )
+        })
+        .collect()
+}
+
 /// Prints the report (and the peers'), writes the trace when asked, and refuses a run
 /// whose policies' losses differ.
 fn print_compare(
@@ -1354,6 +1409,10 @@ fn print_compare(
 ) -> Result<(), Box<dyn std::error::Error>> {
     print!("{}", render(report));
     println!("{}", process_line(&report.process, report.peak_rss_bytes));
+    for profile in &report.compute_profiles {
+        println!();
+        print!("{}", kernels::render(profile));
+    }
     if !report.peers.is_empty() {
         println!();
         print!("{}", peers::render(&report.peers));

@@ -30,7 +30,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, Sender};
 use half::{bf16, f16};
@@ -42,6 +42,7 @@ use strata_storage::IoBuf;
 use super::access::AccessTable;
 use super::bindings::{Bindings, Convert, DeviceRange, Program, check_program};
 use super::event::{CpuEvent, Event, EventPool};
+use super::kernel_times::KernelTimes;
 use super::ops::{DeviceOps, assert_gather_lengths, assert_scatter_lengths};
 use super::transfer::{Transfer, assert_copy_fits};
 use crate::error::EngineError;
@@ -114,6 +115,8 @@ struct CpuShared {
     cpu: Cpu,
     /// Bytes copied host to device, device to host.
     copied: [AtomicU64; 2],
+    /// Every kernel's seconds, as timed around it on its lane.
+    kernels: Mutex<KernelTimes>,
 }
 
 /// Work of any kind, boxed ([`CpuDevice::run`]).
@@ -276,6 +279,7 @@ impl CpuDevice {
             first_failure: Mutex::new(None),
             cpu: config.cpu,
             copied: [AtomicU64::new(0), AtomicU64::new(0)],
+            kernels: Mutex::new(KernelTimes::default()),
         });
         let mut lanes = Vec::with_capacity(Lane::STREAMS.len());
         for lane in Lane::STREAMS {
@@ -544,6 +548,15 @@ impl DeviceOps for CpuDevice {
             self.shared.copied[0].load(Ordering::Relaxed),
             self.shared.copied[1].load(Ordering::Relaxed),
         ]
+    }
+
+    /// Every kernel's seconds since the device opened, timed on its lane.
+    fn kernel_times(&self) -> KernelTimes {
+        self.shared
+            .kernels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Copies the first `dst.len_bytes()` bytes of `src` into `dst` on the host-to-device
@@ -819,6 +832,7 @@ impl CpuAccess<'_> {
             base: self.shared.base,
             bindings,
         };
+        let start = Instant::now();
         // SAFETY: every tensor lies inside its bound range and every bound range inside the
         // arena's allocation (both checked at submission), and the view
         // checker holds every tensor's bytes for this kernel: no other operation writes
@@ -826,7 +840,13 @@ impl CpuAccess<'_> {
         // written tensors overlap none of its others (programs are built so; the CPU
         // kernels assert their shapes).
         let result = unsafe { run_cpu(kernel, &self.shared.cpu, scalars, &memory) };
+        let seconds = start.elapsed().as_secs_f64();
         self.shared.accesses.end(id);
+        self.shared
+            .kernels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .add(kernel.name(), seconds, kernel.flops());
         result.map_err(|source| EngineError::Kernel {
             kernel: kernel.name(),
             source,

@@ -32,6 +32,7 @@ use strata_storage::IoBuf;
 
 use super::bindings::{Bindings, Convert, DeviceRange, Program, check_program};
 use super::event::{CudaEventRef, Event, retry_once};
+use super::kernel_times::KernelTimes;
 use super::ops::{DeviceOps, assert_gather_lengths, assert_scatter_lengths};
 use super::transfer::{Transfer, assert_copy_fits};
 use crate::error::EngineError;
@@ -783,6 +784,11 @@ impl DeviceOps for CudaDevice {
             self.copied[0].load(Ordering::Relaxed),
             self.copied[1].load(Ordering::Relaxed),
         ]
+    }
+
+    /// Empty: the GPU's kernels run asynchronously and are not timed one by one.
+    fn kernel_times(&self) -> KernelTimes {
+        KernelTimes::default()
     }
 
     /// Copies the first `dst.len_bytes()` bytes of the slot into `dst` on the

@@ -35,6 +35,7 @@ mod bindings;
 mod cpu;
 mod cuda;
 mod event;
+mod kernel_times;
 mod ops;
 mod select;
 mod transfer;
@@ -48,6 +49,7 @@ pub use cpu::{
 };
 pub use cuda::{CudaDevice, CudaDeviceConfig, nccl_available};
 pub use event::{CpuEvent, CudaEventRef, Event};
+pub use kernel_times::{KernelTime, KernelTimes};
 pub use ops::DeviceOps;
 pub use select::{DeviceChoice, DeviceConfig, choose_target, select};
 pub use transfer::Transfer;

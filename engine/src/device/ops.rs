@@ -14,6 +14,7 @@ use strata_kernels::program::{Scalars, Target};
 
 use super::bindings::{Bindings, Convert, DeviceRange, Program};
 use super::event::Event;
+use super::kernel_times::KernelTimes;
 use super::transfer::Transfer;
 use crate::error::EngineError;
 use crate::lane::Lane;
@@ -115,6 +116,10 @@ pub trait DeviceOps: Send + Sync {
     /// Bytes the copy streams have moved since the device opened: host to device, then
     /// device to host, counted by the copies themselves.
     fn copied_bytes(&self) -> [u64; 2];
+
+    /// Seconds, calls and FLOPs of every kernel the device has run since it opened, by
+    /// kernel name: timed by the CPU device, empty on a GPU (see [`KernelTimes`]).
+    fn kernel_times(&self) -> KernelTimes;
 
     /// Copies the first `dst.len_bytes()` bytes of `src` into `dst` on the
     /// host-to-device stream after `after`; the slot stays with the [`Transfer`] until

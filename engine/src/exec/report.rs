@@ -1,9 +1,10 @@
 //! What one step did ([`StepReport`]): its loss and norm, whether it updated, its time
 //! and each lane's busy time, the bytes over each link, and when each operation ran
-//! ([`OpRecord`]).
+//! ([`OpRecord`]), and the seconds of each kernel the device ran ([`KernelTimes`]).
 //!
 //! Not here: how the records are measured (`step.rs`) or drawn (`trace.rs`).
 
+use crate::device::KernelTimes;
 use crate::lane::Lane;
 use crate::plan::OpLabel;
 
@@ -34,6 +35,9 @@ pub struct StepReport {
     /// Start and end of every operation the run ran, lane by lane, each lane's in plan
     /// order.
     pub records: Vec<OpRecord>,
+    /// Seconds, calls and FLOPs of each kernel the device ran in this step, by name (the
+    /// CPU device's; empty on a GPU).
+    pub kernels: KernelTimes,
 }
 
 impl StepReport {

@@ -22,7 +22,7 @@ use super::fault::{Fault, FaultPlan};
 use super::report::{OpRecord, StepReport};
 use super::scratch::LaneScratch;
 use super::step_state::StepShared;
-use crate::device::{Device, Event, bytes_of, bytes_of_mut, cast, cast_mut};
+use crate::device::{Device, Event, KernelTimes, bytes_of, bytes_of_mut, cast, cast_mut};
 use crate::lane::Lane;
 use crate::model::IGNORE_TARGET;
 use crate::plan::{BufId, OpId, OpKind, StreamOp};
@@ -188,6 +188,7 @@ impl Executor {
         };
         let io_before = self.nvme.as_ref().map(|n| n.store().io_counters());
         let copied_before = self.device.copied_bytes();
+        let kernels_before = self.device.kernel_times();
         let origin = match self.device {
             Device::Cuda(_) => Some(
                 self.device
@@ -231,6 +232,7 @@ impl Executor {
         let copied = self.device.copied_bytes();
         report.link_bytes[2] = copied[0] - copied_before[0];
         report.link_bytes[3] = copied[1] - copied_before[1];
+        report.kernels = self.device.kernel_times().since(&kernels_before);
         Ok(report)
     }
 
@@ -404,6 +406,7 @@ impl Executor {
             link_bytes: [0; 4],
             fixed_chunks: [0; 2],
             records,
+            kernels: KernelTimes::default(),
         })
     }
 
