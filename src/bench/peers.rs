@@ -42,8 +42,12 @@ pub struct PeerShape {
     pub vocab: usize,
     /// Context length.
     pub ctx: usize,
-    /// Sequences per step.
+    /// Sequences per micro-batch.
     pub batch: usize,
+    /// Micro-batches per step. A peer script that takes `--grad-accum` (the anchors'
+    /// `ds_zero3_bench.py`) runs them as strata does; the others run one batch of
+    /// `batch × grad_accum` sequences per step.
+    pub grad_accum: usize,
     /// Tokens per sequence.
     pub seq: usize,
     /// Measured steps.
@@ -93,6 +97,9 @@ const STEP_PEER: &str = include_str!("../../benches/peers/step_peer.py");
 /// File name of [`STEP_PEER`] in a peer's work folder.
 const STEP_PEER_SCRIPT: &str = "step_peer.py";
 
+/// The peer script that runs `--grad-accum` micro-batches per step as strata does.
+const GRAD_ACCUM_SCRIPT: &str = "ds_zero3_bench.py";
+
 /// A policy in JSON: its name.
 fn policy_name<S: Serializer>(policy: &BuiltinPolicy, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(policy)
@@ -131,13 +138,13 @@ const PEERS: [Peer; 4] = [
     (
         "deepspeed-zero-offload",
         BuiltinPolicy::CpuOffload,
-        "ds_zero3_bench.py",
+        GRAD_ACCUM_SCRIPT,
         &["--offload", "cpu", "--zero-init"],
     ),
     (
         "deepspeed-zero-infinity",
         BuiltinPolicy::NvmeOffload,
-        "ds_zero3_bench.py",
+        GRAD_ACCUM_SCRIPT,
         &["--offload", "nvme", "--zero-init"],
     ),
 ];
@@ -307,8 +314,17 @@ fn run_one(
             command.arg(flag).arg(value.to_string());
         }
     }
+    // Only the anchors' DeepSpeed script accumulates micro-batches itself.
+    let batch = if script.ends_with(GRAD_ACCUM_SCRIPT) {
+        command
+            .arg("--grad-accum")
+            .arg(shape.grad_accum.to_string());
+        shape.batch
+    } else {
+        shape.batch * shape.grad_accum
+    };
     for (flag, value) in [
-        ("--batch", shape.batch.to_string()),
+        ("--batch", batch.to_string()),
         ("--seq", shape.seq.to_string()),
         ("--steps", shape.steps.to_string()),
         ("--warmup", shape.warmup.to_string()),
@@ -475,6 +491,7 @@ mod tests {
             vocab: 16,
             ctx: 8,
             batch: 1,
+            grad_accum: 1,
             seq: 8,
             steps: 1,
             warmup: 0,
@@ -544,6 +561,54 @@ echo '{"median_step_s": 0.5, "tokens_per_s": 16.0, "final_loss": 3.0}' >> "$2"
         assert!(r.ran, "{:?}", r.reason);
         assert_eq!(r.peer, "pytorch-eager-bf16-autocast");
         assert_eq!(r.strata_over_peer, Some(1.5));
+    }
+
+    #[test]
+    fn deepspeed_accumulates_micro_batches_and_pytorch_runs_them_as_one_batch() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
+        for script in ["gpt2_step_bench.py", GRAD_ACCUM_SCRIPT] {
+            std::fs::write(dir.path().join(script), "").unwrap();
+        }
+        // A stand-in Python: DeepSpeed's script must get 2 sequences x 4 micro-batches,
+        // PyTorch's one batch of 8; it answers a step time per peer.
+        let python = dir.path().join("venv/bin/python");
+        let script = r#"#!/bin/sh
+case "$1" in
+  *ds_zero3_bench.py) case "$*" in *'--grad-accum 4 '*'--batch 2 '*) t=4.0;; *) exit 5;; esac;;
+  *gpt2_step_bench.py) case "$*" in *--grad-accum*) exit 6;; *'--batch 8 '*) t=2.0;; *) exit 7;; esac;;
+  *) exit 8;;
+esac
+while [ "$1" != --json ]; do shift; done
+echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
+"#;
+        std::fs::write(&python, script).unwrap();
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let shape = PeerShape {
+            batch: 2,
+            grad_accum: 4,
+            ..tiny_shape(1)
+        };
+        let strata = [
+            (BuiltinPolicy::AllOnDevice, 4.0),
+            (BuiltinPolicy::CpuOffload, 4.0),
+        ];
+        let results = run(dir.path(), &shape, &strata, dir.path());
+        let ratios: Vec<_> = results
+            .iter()
+            .map(|r| (r.peer, r.strata_over_peer))
+            .collect();
+        assert_eq!(
+            ratios[..3],
+            [
+                ("pytorch-eager", Some(2.0)),
+                ("pytorch-eager-sdpa", Some(2.0)),
+                ("deepspeed-zero-offload", Some(1.0)),
+            ],
+            "{:?}",
+            results.iter().map(|r| &r.reason).collect::<Vec<_>>()
+        );
     }
 
     #[test]
