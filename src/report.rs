@@ -16,6 +16,21 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// The peak resident memory of the largest child process this process has waited for
+/// (`getrusage(RUSAGE_CHILDREN)`'s `ru_maxrss`), if known.
+pub fn children_peak_rss_bytes() -> Option<u64> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a `rusage` into the pointer it is given, which points at
+    // one, and reads nothing else.
+    let done = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) };
+    if done != 0 {
+        return None;
+    }
+    // SAFETY: getrusage returned 0, so it filled `usage` (zeroed before, in any case).
+    let usage = unsafe { usage.assume_init() };
+    u64::try_from(usage.ru_maxrss).ok().map(|kib| kib * 1024)
+}
+
 /// The median of `values` (the mean of the middle two for an even count); NaN for none.
 pub fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();

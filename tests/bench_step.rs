@@ -471,6 +471,23 @@ fn a_llama_family_model_runs_every_policy_with_the_same_losses() {
 
 #[test]
 fn bad_arguments_are_clear_errors() {
+    // A comparison that would not fit this machine's memory is refused before it starts
+    // (a 175B-parameter shape with every tensor on the CPU device: terabytes of RAM).
+    let started = std::time::Instant::now();
+    let stderr = failure(strata().args([
+        "bench",
+        "step",
+        "--model",
+        "96x12288",
+        "--policies",
+        "all-on-device",
+    ]));
+    assert!(
+        stderr.contains("it would be killed for memory") && stderr.contains("--device-mem"),
+        "{stderr}"
+    );
+    assert!(started.elapsed().as_secs() < 60, "refused only after work");
+
     // The scale claim needs a model at least twice the host budget.
     let dir = scratch();
     let stderr = failure(

@@ -26,7 +26,8 @@ use serde::{Serialize, Serializer};
 use serde_json::Value;
 use strata_engine::plan::BuiltinPolicy;
 
-use crate::report::Table;
+use crate::machine::meminfo_bytes;
+use crate::report::{Table, children_peak_rss_bytes, format_bytes};
 
 /// The shape and run length the peers are given: strata's, so that the ratios compare
 /// like with like.
@@ -337,14 +338,16 @@ fn run_one(
         command.arg("--nvme-path").arg(work.0.join("swap"));
     }
     command.arg("--json").arg(&json);
+    let available = meminfo_bytes("MemAvailable");
     let output = command
         .output()
         .map_err(|e| format!("could not run {}: {e}", python.display()))?;
     if !output.status.success() {
         return Err(format!(
-            "{} exited with {}: {}",
+            "{} exited with {}{}: {}",
             script.display(),
             output.status,
+            killed_note(&output.status, available),
             stderr_tail(&output.stderr, 6)
         ));
     }
@@ -352,6 +355,23 @@ fn run_one(
         .map_err(|e| format!("{} wrote no result ({e})", script.display()))?;
     // The peer's result is the last line it appended, as a peer's printed result is.
     crate::bench::parse_peer_output(&text)
+}
+
+/// For a peer killed by SIGKILL, what the kernel's out-of-memory killer (which kills so)
+/// would have seen: the largest peer's resident peak, against the memory available when
+/// it started. Empty for any other exit.
+fn killed_note(status: &std::process::ExitStatus, available: Option<u64>) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if status.signal() != Some(libc::SIGKILL) {
+        return String::new();
+    }
+    let bytes = |b: Option<u64>| b.map_or("unknown".to_string(), format_bytes);
+    format!(
+        " (SIGKILL, as the kernel's out-of-memory killer sends it: the largest peer process \
+         so far peaked at {} resident, with {} available when this one started)",
+        bytes(children_peak_rss_bytes()),
+        bytes(available)
+    )
 }
 
 /// `program` (in the peers' env `dir`) set up as ../shared/anchors/README.md says
@@ -609,6 +629,30 @@ echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
             "{:?}",
             results.iter().map(|r| &r.reason).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn a_peer_killed_by_sigkill_is_reported_with_the_memory_it_had() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
+        std::fs::write(dir.path().join("gpt2_step_bench.py"), "").unwrap();
+        // A stand-in Python that is killed as the out-of-memory killer kills.
+        let python = dir.path().join("venv/bin/python");
+        std::fs::write(&python, "#!/bin/sh\nkill -9 $$\n").unwrap();
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let results = run(
+            dir.path(),
+            &tiny_shape(1),
+            &[(BuiltinPolicy::AllOnDevice, 1.0)],
+            dir.path(),
+        );
+        let reason = results[0].reason.as_deref().unwrap();
+        assert!(
+            reason.contains("out-of-memory killer") && reason.contains("available when"),
+            "{reason}"
+        );
+        assert!(!results[0].ran);
     }
 
     #[test]

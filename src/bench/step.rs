@@ -45,7 +45,7 @@ use super::kernels::{self, ComputeProfile};
 use super::peers::{self, PeerResult, PeerShape};
 use crate::machine::{cpu_model, meminfo_bytes, swap_folder_refusal};
 use crate::model_info::{self, LlamaShapeArgs, ModelArgs, ShapeArgs};
-use crate::process_memory::ProcessMemory;
+use crate::process_memory::{ProcessMemory, memory_limit};
 use crate::report::{
     LineChart, Series, Table, format_bytes, median, median_index, peak_rss_bytes, write_json,
 };
@@ -701,8 +701,9 @@ struct Setup {
 }
 
 impl Setup {
-    /// `whole_params`: make the initial parameters once, for several executors.
-    fn new(args: &StepArgs, whole_params: bool) -> Result<Self, Box<dyn std::error::Error>> {
+    /// Without the initial parameters: each executor makes them a block at a time, until
+    /// [`Setup::make_whole_params`].
+    fn new(args: &StepArgs) -> Result<Self, Box<dyn std::error::Error>> {
         let shape = resolve_model(args)?;
         let desc = describe(&shape);
         let model = match shape {
@@ -727,13 +728,12 @@ impl Setup {
             schedule: args.schedule.first().copied().unwrap_or_default(),
             ..StepShape::cpu(args.batch, args.seq).on(target)
         };
-        let params = whole_params.then(|| model.init_params(args.seed));
         Ok(Setup {
             model,
             desc,
             hf_config,
             device: args.device,
-            params,
+            params: None,
             seed: args.seed,
             shape,
             exec_config: ExecConfig {
@@ -751,6 +751,11 @@ impl Setup {
                 loss_scale: 1.0,
             },
         })
+    }
+
+    /// Makes the initial parameters once, for several executors to load.
+    fn make_whole_params(&mut self) {
+        self.params = Some(self.model.init_params(self.seed));
     }
 
     fn executor(&self, plan: &Plan) -> Result<Executor, Box<dyn std::error::Error>> {
@@ -926,7 +931,7 @@ pub fn run(args: &StepArgs) -> Result<(), Box<dyn std::error::Error>> {
 /// Every policy's step time, interleaved, against `AllOnDevice`.
 pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::error::Error>> {
     let mut machine = Machine::now();
-    let setup = Setup::new(args, true)?;
+    let mut setup = Setup::new(args)?;
     let (mut rigs, refused) = plan_rigs(args, &setup);
     if rigs.is_empty() {
         return Err("no policy fits the budgets; see the refusals above".into());
@@ -935,6 +940,14 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         check_nvme_dir(&args.nvme)?;
     }
     let (schedule, schedule_reason) = schedule(&rigs, &setup, &machine);
+    // Several executors load one copy of the initial parameters; one makes them a block
+    // at a time.
+    let whole_params = rigs.len() > 1;
+    let process = compare_process_memory(&rigs, &setup, schedule, whole_params);
+    check_memory(&process)?;
+    if whole_params {
+        setup.make_whole_params();
+    }
     print_compare_header(args, &setup, &machine, schedule);
     println!("schedule: {schedule_reason}");
     run_rigs(&mut rigs, args, &setup, schedule)?;
@@ -961,6 +974,9 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     let peers = match &args.peers {
         None => Vec::new(),
         Some(dir) => {
+            // The peers run in other processes: the initial parameters (4 B per
+            // parameter) are not kept from them.
+            setup.params = None;
             let results = run_peers(dir, args, &setup, &rigs, &policies);
             machine.load_average[1] = load_average();
             results
@@ -983,7 +999,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         budgets: [args.device_mem, args.host_mem, None],
         cost_model: cost,
         losses_identical,
-        process: compare_process_memory(&rigs, &setup, schedule),
+        process,
         peak_rss_bytes: peak_rss_bytes(),
         policies,
         recompute,
@@ -1002,12 +1018,17 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
 /// interleaved, every executor's arenas at once, and while loading the last, those and
 /// the largest loading figure (a bound: the others' device arenas are not all touched
 /// before the steps).
-fn compare_process_memory(rigs: &[Rig], setup: &Setup, schedule: &str) -> ProcessMemory {
+fn compare_process_memory(
+    rigs: &[Rig],
+    setup: &Setup,
+    schedule: &str,
+    whole_params: bool,
+) -> ProcessMemory {
     let each: Vec<ProcessMemory> = rigs
         .iter()
         .map(|r| ProcessMemory::of(&r.plan, &setup.model))
         .collect();
-    let whole_params = if setup.params.is_some() {
+    let whole_params = if whole_params {
         4 * setup.desc.params
     } else {
         0
@@ -1020,6 +1041,24 @@ fn compare_process_memory(rigs: &[Rig], setup: &Setup, schedule: &str) -> Proces
             ProcessMemory::new(all + whole_params, all + loading)
         }
         _ => ProcessMemory::new(arenas.max().unwrap_or(0) + whole_params, loading),
+    }
+}
+
+/// Refuses, before any executor is made, a comparison whose planned process memory is
+/// more than this process may use (the machine's available memory, or its memory
+/// cgroup's limit when lower): it would be killed for memory part way.
+fn check_memory(process: &ProcessMemory) -> Result<(), String> {
+    match memory_limit() {
+        Some(limit) if process.total_bytes > limit.bytes => Err(format!(
+            "this comparison needs {} of RAM but {} allows {}: it would be killed for memory; \
+             give --device-mem and --host-mem budgets (the CPU device's memory is RAM), \
+             fewer --policies or a smaller model ({})",
+            format_bytes(process.total_bytes),
+            limit.source,
+            format_bytes(limit.bytes),
+            process.line()
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -1104,11 +1143,16 @@ fn plan_rigs(args: &StepArgs, setup: &Setup) -> (Vec<Rig>, Vec<Refusal>) {
 /// device's memory is host memory), next to the initial parameters; they run
 /// sequentially when that would crowd out the page cache and others.
 fn schedule(rigs: &[Rig], setup: &Setup, machine: &Machine) -> (&'static str, String) {
-    let held: u64 = rigs
-        .iter()
-        .map(|r| r.plan.peak[Tier::Device.index()] + r.plan.peak[Tier::Host.index()])
-        .sum::<u64>()
-        + 4 * setup.desc.params;
+    if let [rig] = rigs {
+        return (
+            "sequential",
+            format!(
+                "one policy, its executor alone ({})",
+                format_bytes(rig_bytes(rig))
+            ),
+        );
+    }
+    let held: u64 = rigs.iter().map(rig_bytes).sum::<u64>() + 4 * setup.desc.params;
     match machine.mem_available_bytes {
         Some(available) if held as f64 > 0.8 * available as f64 => (
             "sequential",
@@ -1127,6 +1171,11 @@ fn schedule(rigs: &[Rig], setup: &Setup, machine: &Machine) -> (&'static str, St
             ),
         ),
     }
+}
+
+/// A rig's planned device and host peaks (the CPU device's memory is host memory).
+fn rig_bytes(rig: &Rig) -> u64 {
+    rig.plan.peak[Tier::Device.index()] + rig.plan.peak[Tier::Host.index()]
 }
 
 fn print_compare_header(args: &StepArgs, setup: &Setup, machine: &Machine, schedule: &str) {
@@ -1695,7 +1744,7 @@ pub fn run_scale(args: &StepArgs) -> Result<ScaleReport, Box<dyn std::error::Err
     // GPT-2 124M's 1.85 GiB of fp32 state is 2.1x this.
     const DEFAULT_HOST_BYTES: u64 = 900 << 20;
     let mut machine = Machine::now();
-    let setup = Setup::new(args, false)?;
+    let setup = Setup::new(args)?;
     let budgets = budgets(args, Some(DEFAULT_HOST_BYTES));
     let state_per_param = setup.shape.precision.param_bytes() + 12;
     let state_bytes = setup.desc.params * state_per_param;
