@@ -129,7 +129,8 @@ pub fn profile(
 }
 
 /// Times a GPT-2 model's products alone on `cpu`: `layers` blocks of
-/// `(width, heads, vocab)` at `batch × seq` tokens, 3 timed products per shape.
+/// `(width, heads, vocab)` at `batch × seq` tokens, each shape's median of 3 rounds of 5
+/// timed products (`bench gemm`'s defaults).
 pub fn time_gpt2_products(
     cpu: Cpu,
     layers: usize,
@@ -137,7 +138,7 @@ pub fn time_gpt2_products(
     dims: (usize, usize, usize),
 ) -> GemmAlone {
     let shapes = gemm::gpt2_shapes_of(batch, seq, dims);
-    let report = gemm::run(&shapes, cpu, 3, 1, None);
+    let report = gemm::run(&shapes, cpu, 5, 3, None);
     let per_step = |s: &Shape| {
         if s.name.starts_with("lm head") {
             1.0
