@@ -351,10 +351,9 @@ fn loading_stores_f32_moments_in_the_format_and_export_reads_them_back() {
 }
 
 /// A run resumed from exported state (what a checkpoint holds: fp32 moments) against the
-/// same run uninterrupted: bf16 moments round-trip through f32 exactly, so the resumed
-/// run is bit-identical; 8-bit moments are quantized again from their f32 values (the
-/// same codes; a block's scale is recomputed from its largest value and may differ in
-/// its last bit), so the resumed run is held to 1e-6 relative.
+/// same run uninterrupted, bit for bit: bf16 moments round-trip through f32 exactly, and
+/// 8-bit moments quantize back from their f32 values to the same codes and scales
+/// (`q8`'s `decoded_blocks_quantize_back_to_the_same_codes_and_scales` says when).
 #[test]
 fn a_run_resumed_from_exported_compact_moments_continues_the_same_run() {
     let model = small();
@@ -390,19 +389,11 @@ fn a_run_resumed_from_exported_compact_moments_continues_the_same_run() {
         for _ in 0..2 {
             let a = whole.step(&refs, &hyper()).unwrap().loss;
             let b = resumed.step(&refs, &hyper()).unwrap().loss;
-            if format == OptimizerState::Bf16 {
-                assert_eq!(a.to_bits(), b.to_bits(), "{format}: loss");
-            }
+            assert_eq!(a.to_bits(), b.to_bits(), "{format}: loss");
         }
         let (pa, pb) = (whole.export().unwrap().0, resumed.export().unwrap().0);
         for (x, y) in pa.iter().flatten().zip(pb.iter().flatten()) {
-            match format {
-                OptimizerState::Bf16 => assert_eq!(x.to_bits(), y.to_bits(), "{format}"),
-                _ => assert!(
-                    (x - y).abs() <= 1e-6 * x.abs().max(1e-3),
-                    "{format}: {x} resumed as {y}"
-                ),
-            }
+            assert_eq!(x.to_bits(), y.to_bits(), "{format}: {x} resumed as {y}");
         }
     }
 }
