@@ -10,25 +10,20 @@ pub use strata_storage::format_bytes;
 
 /// The process's peak resident memory (VmHWM in /proc/self/status), if known.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    vm_hwm("self")
+}
+
+/// Process `pid`'s peak resident memory so far (VmHWM), if it is running and says.
+pub fn process_peak_rss_bytes(pid: u32) -> Option<u64> {
+    vm_hwm(&pid.to_string())
+}
+
+/// VmHWM of /proc/`process`/status, in bytes.
+fn vm_hwm(process: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{process}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-/// The peak resident memory of the largest child process this process has waited for
-/// (`getrusage(RUSAGE_CHILDREN)`'s `ru_maxrss`), if known.
-pub fn children_peak_rss_bytes() -> Option<u64> {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes a `rusage` into the pointer it is given, which points at
-    // one, and reads nothing else.
-    let done = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) };
-    if done != 0 {
-        return None;
-    }
-    // SAFETY: getrusage returned 0, so it filled `usage` (zeroed before, in any case).
-    let usage = unsafe { usage.assume_init() };
-    u64::try_from(usage.ru_maxrss).ok().map(|kib| kib * 1024)
 }
 
 /// The median of `values` (the mean of the middle two for an even count); NaN for none.

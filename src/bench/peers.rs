@@ -20,14 +20,14 @@
 //! from elsewhere: only ratios taken in one run count.
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
 
 use serde::{Serialize, Serializer};
 use serde_json::Value;
 use strata_engine::plan::BuiltinPolicy;
 
 use crate::machine::meminfo_bytes;
-use crate::report::{Table, children_peak_rss_bytes, format_bytes};
+use crate::report::{Table, format_bytes, process_peak_rss_bytes};
 
 /// The shape and run length the peers are given: strata's, so that the ratios compare
 /// like with like.
@@ -339,15 +339,14 @@ fn run_one(
     }
     command.arg("--json").arg(&json);
     let available = meminfo_bytes("MemAvailable");
-    let output = command
-        .output()
+    let (output, peak) = output_with_peak(&mut command)
         .map_err(|e| format!("could not run {}: {e}", python.display()))?;
     if !output.status.success() {
         return Err(format!(
             "{} exited with {}{}: {}",
             script.display(),
             output.status,
-            killed_note(&output.status, available),
+            killed_note(&output.status, peak, available),
             stderr_tail(&output.stderr, 6)
         ));
     }
@@ -357,19 +356,43 @@ fn run_one(
     crate::bench::parse_peer_output(&text)
 }
 
+/// Runs `command` to its end with its output captured, sampling its resident peak
+/// (VmHWM) every 200 ms meanwhile: its output, and the last peak seen.
+fn output_with_peak(command: &mut Command) -> std::io::Result<(Output, Option<u64>)> {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let pid = child.id();
+    let waiter = std::thread::spawn(move || child.wait_with_output());
+    let mut peak = None;
+    while !waiter.is_finished() {
+        peak = process_peak_rss_bytes(pid).or(peak);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let output = waiter
+        .join()
+        .map_err(|_| std::io::Error::other("the peer's waiting thread panicked"))??;
+    Ok((output, peak))
+}
+
 /// For a peer killed by SIGKILL, what the kernel's out-of-memory killer (which kills so)
-/// would have seen: the largest peer's resident peak, against the memory available when
-/// it started. Empty for any other exit.
-fn killed_note(status: &std::process::ExitStatus, available: Option<u64>) -> String {
+/// would have seen: the peer's resident peak as last sampled, against the memory
+/// available when it started. Empty for any other exit.
+fn killed_note(
+    status: &std::process::ExitStatus,
+    peak: Option<u64>,
+    available: Option<u64>,
+) -> String {
     use std::os::unix::process::ExitStatusExt;
     if status.signal() != Some(libc::SIGKILL) {
         return String::new();
     }
     let bytes = |b: Option<u64>| b.map_or("unknown".to_string(), format_bytes);
     format!(
-        " (SIGKILL, as the kernel's out-of-memory killer sends it: the largest peer process \
-         so far peaked at {} resident, with {} available when this one started)",
-        bytes(children_peak_rss_bytes()),
+        " (SIGKILL, as the kernel's out-of-memory killer sends it: it had reached {} \
+         resident, sampled every 200 ms, with {} available when it started)",
+        bytes(peak),
         bytes(available)
     )
 }
