@@ -8,7 +8,7 @@
 //! products' time at the GEMM rate this machine gives now: the part of a step that
 //! fusing the other kernels could win back.
 //!
-//! A GPU's kernels are not timed one by one (its table is empty, and says so).
+//! A GPU's kernels are not timed one by one: its profile is empty, and says so.
 
 use serde::Serialize;
 use strata_engine::device::{KernelTime, KernelTimes};
@@ -159,6 +159,13 @@ pub fn time_gpt2_products(
 
 /// The profile as text: the classes, the step against its products, every kernel.
 pub fn render(p: &ComputeProfile) -> String {
+    if p.kernels.is_empty() {
+        return format!(
+            "{}: kernels not timed (a GPU's kernels run asynchronously on its streams and \
+             are not timed one by one)\n",
+            p.policy
+        );
+    }
     let mut out = format!(
         "where {}'s median step ({:.3} s) went, kernel by kernel (the CPU device's timing):\n",
         p.policy, p.step_s
@@ -228,5 +235,9 @@ mod tests {
         // 7 GFLOP of products at 2 GFLOP/s: 3.5 s, against a step of 5 s.
         assert_eq!(p.products_at_gemm_rate_s, Some(3.5));
         assert!((p.step_over_products.unwrap() - 5.0 / 3.5).abs() < 1e-12);
+        assert!(render(&p).contains("the step is 1.43x its products' time"));
+        // A GPU's steps carry no kernel times: said, not shown as zeros.
+        let untimed = profile("g".into(), 1.0, &KernelTimes::default(), None);
+        assert!(render(&untimed).contains("kernels not timed"));
     }
 }
