@@ -102,7 +102,7 @@ pub fn profile(
     gemm_alone: Option<GemmAlone>,
 ) -> ComputeProfile {
     let mut kernels: Vec<KernelRow> = times
-        .entries
+        .entries()
         .iter()
         .map(|t| KernelRow::of(t, step_s))
         .collect();

@@ -1425,7 +1425,7 @@ fn compute_profiles(
     }
     let timed = rigs
         .iter()
-        .any(|r| !median_report(r).kernels.entries.is_empty());
+        .any(|r| !median_report(r).kernels.entries().is_empty());
     let d = &setup.desc;
     let gemm_alone = (timed && d.family == "gpt2").then(|| {
         eprintln!("timing the model's matrix products alone (--kernels)");
