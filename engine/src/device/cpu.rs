@@ -552,11 +552,11 @@ impl DeviceOps for CpuDevice {
 
     /// Every kernel's seconds since the device opened, timed on its lane.
     fn kernel_times(&self) -> KernelTimes {
-        self.shared
+        *self
+            .shared
             .kernels
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
     }
 
     /// Copies the first `dst.len_bytes()` bytes of `src` into `dst` on the host-to-device
