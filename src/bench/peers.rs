@@ -1,9 +1,10 @@
 //! The peers of `strata bench step --peers DIR`, run in the same invocation, on the same
 //! model shape, batch and thread count, after strata's policies: PyTorch eager with fused
 //! AdamW (all-on-device's peer), twice: with transformers' eager attention and with its
-//! SDPA attention (`torch.nn.functional.scaled_dot_product_attention`), DeepSpeed ZeRO-3 with parameters and optimizer state
-//! offloaded to the CPU (ZeRO-Offload, cpu-offload's peer) and to NVMe (ZeRO-Infinity,
-//! nvme-offload's peer).
+//! SDPA attention (`torch.nn.functional.scaled_dot_product_attention`); DeepSpeed ZeRO-3
+//! with parameters and optimizer state offloaded to the CPU (ZeRO-Offload, cpu-offload's
+//! peer) and to NVMe (ZeRO-Infinity, nvme-offload's peer). With `--grad-accum`, DeepSpeed
+//! accumulates the same micro-batches; PyTorch eager takes them as one batch.
 //!
 //! With `--dtype bf16` the peer is PyTorch eager in bf16 mixed precision (autocast, fused
 //! AdamW on fp32 parameters), all-on-device's.
