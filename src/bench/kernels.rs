@@ -84,6 +84,11 @@ pub struct ComputeProfile {
     pub step_over_products: Option<f64>,
 }
 
+/// GFLOP of a step's products, from its classes: the matrix products' and attention's.
+fn product_gflop(classes: &[KernelRow; 3]) -> f64 {
+    classes[0].gflop + classes[1].gflop
+}
+
 /// Whether kernel `name` is a matrix product.
 fn is_product(name: &str) -> bool {
     name == "matmul" || name == "matmul-backward"
@@ -114,8 +119,9 @@ pub fn profile(
         class("attention", &is_attention),
         class("everything else", &|n| !is_product(n) && !is_attention(n)),
     ];
-    let product_flops = classes[0].gflop + classes[1].gflop;
-    let products_at_gemm_rate_s = gemm_alone.as_ref().map(|g| product_flops / g.gflop_per_s);
+    let products_at_gemm_rate_s = gemm_alone
+        .as_ref()
+        .map(|g| product_gflop(&classes) / g.gflop_per_s);
     ComputeProfile {
         policy,
         step_s,
@@ -202,7 +208,7 @@ pub fn render(p: &ComputeProfile) -> String {
             g.gflop,
             g.seconds,
             g.gflop_per_s,
-            p.classes[0].gflop + p.classes[1].gflop,
+            product_gflop(&p.classes),
             at_rate,
             ratio
         )),

@@ -551,6 +551,22 @@ mod tests {
         }
     }
 
+    /// An anchors folder whose env's Python is the shell script `python` (a stand-in
+    /// that checks what it is handed and answers as a peer script does), with empty
+    /// files for the anchors' `scripts`.
+    fn stand_in_env(python: &str, scripts: &[&str]) -> tempfile::TempDir {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
+        for script in scripts {
+            std::fs::write(dir.path().join(script), "").unwrap();
+        }
+        let path = dir.path().join("venv/bin/python");
+        std::fs::write(&path, python).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        dir
+    }
+
     #[test]
     fn a_missing_env_is_a_reason_not_a_number() {
         let dir = tempfile::tempdir().unwrap();
@@ -574,14 +590,9 @@ mod tests {
 
     #[test]
     fn the_bf16_peer_runs_strata_s_own_autocast_script_with_the_env_s_python() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
         // A stand-in Python: checks it was handed the autocast script and strata's
         // shape, then appends a result line as the script does.
-        let python = dir.path().join("venv/bin/python");
-        std::fs::write(
-            &python,
+        let dir = stand_in_env(
             r#"#!/bin/sh
 grep -q 'torch.autocast(device_type="cpu", dtype=torch.bfloat16)' "$1" || exit 5
 case "$*" in *'--autocast bf16 '*'--config-json '*'--seq 8 '*) ;; *) exit 6;; esac
@@ -590,9 +601,8 @@ grep -q '"n_layer": 2' "$cfg" || exit 7
 while [ "$1" != --json ]; do shift; done
 echo '{"median_step_s": 0.5, "tokens_per_s": 16.0, "final_loss": 3.0}' >> "$2"
 "#,
-        )
-        .unwrap();
-        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+            &[],
+        );
         let shape = tiny_shape(2);
         let results = run_bf16(
             dir.path(),
@@ -609,15 +619,8 @@ echo '{"median_step_s": 0.5, "tokens_per_s": 16.0, "final_loss": 3.0}' >> "$2"
 
     #[test]
     fn deepspeed_accumulates_micro_batches_and_pytorch_runs_them_as_one_batch() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
-        for script in ["gpt2_step_bench.py", GRAD_ACCUM_SCRIPT] {
-            std::fs::write(dir.path().join(script), "").unwrap();
-        }
         // A stand-in Python: DeepSpeed's script must get 2 sequences x 4 micro-batches,
         // PyTorch's one batch of 8; it answers a step time per peer.
-        let python = dir.path().join("venv/bin/python");
         let script = r#"#!/bin/sh
 case "$1" in
   *ds_zero3_bench.py) case "$*" in *'--grad-accum 4 '*'--batch 2 '*) t=4.0;; *) exit 5;; esac;;
@@ -627,8 +630,7 @@ esac
 while [ "$1" != --json ]; do shift; done
 echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
 "#;
-        std::fs::write(&python, script).unwrap();
-        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = stand_in_env(script, &["gpt2_step_bench.py", GRAD_ACCUM_SCRIPT]);
         let shape = PeerShape {
             batch: 2,
             grad_accum: 4,
@@ -657,14 +659,8 @@ echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
 
     #[test]
     fn a_peer_killed_by_sigkill_is_reported_with_the_memory_it_had() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
-        std::fs::write(dir.path().join("gpt2_step_bench.py"), "").unwrap();
         // A stand-in Python that is killed as the out-of-memory killer kills.
-        let python = dir.path().join("venv/bin/python");
-        std::fs::write(&python, "#!/bin/sh\nkill -9 $$\n").unwrap();
-        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = stand_in_env("#!/bin/sh\nkill -9 $$\n", &["gpt2_step_bench.py"]);
         let results = run(
             dir.path(),
             &tiny_shape(1),
@@ -681,12 +677,8 @@ echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
 
     #[test]
     fn llama_peers_build_strata_s_shape_from_its_config_json_with_each_engine() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("venv/bin")).unwrap();
         // A stand-in Python: checks it was handed the Llama script, the config.json of
         // strata's shape and no GPT-2 flags, and answers a step time per engine.
-        let python = dir.path().join("venv/bin/python");
         let script = r#"#!/bin/sh
 grep -q 'AutoModelForCausalLM.from_config' "$1" || exit 5
 case "$*" in *--layers*|*--embd*) exit 6;; esac
@@ -703,8 +695,7 @@ esac
 while [ "$1" != --json ]; do shift; done
 echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
 "#;
-        std::fs::write(&python, script).unwrap();
-        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = stand_in_env(script, &[]);
         let config = strata_engine::model::llama::LlamaConfig::llama(2, 64, 96, 4, 2, 128, 64);
         let shape = PeerShape {
             hf_config: config.to_hf(),

@@ -672,6 +672,16 @@ impl Rig {
         Ok(())
     }
 
+    /// The measured step at the median time: its index in `steps` and `reports` alike.
+    fn median_step(&self) -> usize {
+        median_index(&self.steps.iter().map(|s| s.seconds).collect::<Vec<_>>())
+    }
+
+    /// The report of the measured step at the median time.
+    fn median_report(&self) -> &StepReport {
+        &self.reports[self.median_step()]
+    }
+
     /// Ends the run: its peaks and latencies kept, its executor dropped.
     fn finish(&mut self) {
         let executor = self.executor.take().expect("started");
@@ -1268,7 +1278,7 @@ fn policy_results(
                     .collect::<Vec<_>>(),
             );
             let all = rig.warmup.iter().chain(&rig.steps);
-            let links = rig.steps[median_index(&seconds)].link_bytes;
+            let links = rig.steps[rig.median_step()].link_bytes;
             PolicyResult {
                 policy: rig.plan.policy.clone(),
                 recompute: rig.recompute,
@@ -1419,13 +1429,9 @@ fn compute_profiles(
     args: &StepArgs,
     setup: &Setup,
 ) -> Vec<ComputeProfile> {
-    fn median_report(rig: &Rig) -> &StepReport {
-        let seconds: Vec<f64> = rig.steps.iter().map(|s| s.seconds).collect();
-        &rig.reports[median_index(&seconds)]
-    }
     let timed = rigs
         .iter()
-        .any(|r| !median_report(r).kernels.entries().is_empty());
+        .any(|r| !r.median_report().kernels.entries().is_empty());
     let d = &setup.desc;
     let gemm_alone = (timed && d.family == "gpt2").then(|| {
         eprintln!("timing the model's matrix products alone (--kernels)");
@@ -1439,7 +1445,7 @@ fn compute_profiles(
     rigs.iter()
         .zip(policies)
         .map(|(rig, p)| {
-            let report = median_report(rig);
+            let report = rig.median_report();
             kernels::profile(
                 p.label(),
                 report.seconds,
@@ -1719,8 +1725,7 @@ fn chart(report: &StepBenchReport) -> LineChart {
 fn combined_trace(rigs: &[Rig]) -> Value {
     let mut events = Vec::new();
     for (pid, rig) in rigs.iter().enumerate() {
-        let seconds: Vec<f64> = rig.reports.iter().map(|r| r.seconds).collect();
-        let index = median_index(&seconds);
+        let index = rig.median_step();
         let step = (rig.warmup.len() + index + 1) as u64;
         let trace = rig.reports[index].chrome_trace(step);
         for mut event in trace["traceEvents"].as_array().cloned().unwrap_or_default() {
