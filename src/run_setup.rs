@@ -153,6 +153,7 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         // The CPU device's collectives run on its memory, a GPU's through NCCL where it
         // loads (else they are staged through host memory).
         device_collectives: target == Target::Cpu || strata_engine::device::nccl_available(),
+        prefetch_next_step: true,
     }
 }
 

@@ -447,7 +447,12 @@ fn gradients_spilled_for_the_norm_train_bit_identically_in_less_host_memory() {
         let shape = StepShape {
             grad_accum,
             precision,
-            ..StepShape::cpu(2, 16).clipped().scheduled(schedule)
+            // The host budgets below are set from these plans' peaks, as in
+            // `recompute_plans`.
+            ..StepShape::cpu(2, 16)
+                .clipped()
+                .scheduled(schedule)
+                .prefetching_next_step(false)
         };
         let params = clipped(precision);
         // Every block's state on NVMe, so that every block can spill.
@@ -1259,8 +1264,12 @@ fn fast_links() -> CostModel {
 /// with no host room to offload), each checked to be what it says.
 fn recompute_plans(model: &Model, shape: StepShape, policy: &dyn Policy) -> [Plan; 4] {
     // Horizontally, the last layer's backward follows its forward too closely for an
-    // offload (vertically it does not: tests/schedule.rs offloads every layer).
-    let shape = shape.scheduled(Schedule::Horizontal);
+    // offload (vertically it does not: tests/schedule.rs offloads every layer). The
+    // budgets below are set from these plans' peaks: without the next step's head
+    // fetched at each step's end, whose buffers would let auto weigh another peak.
+    let shape = shape
+        .scheduled(Schedule::Horizontal)
+        .prefetching_next_step(false);
     let plan = |recompute, budgets| {
         let input = PlanInput {
             model,
@@ -1451,7 +1460,8 @@ fn the_planner_offloads_activations_where_the_cost_model_says_copies_beat_recomp
     let model = Model::new(Gpt2Config::new(layers, 4, 64, 96, 32)).unwrap();
     let dims = model.shape(2, 32).unwrap();
     let per_block = model.saved_bytes(1, dims, Target::Cpu, Dtype::F32) as u64;
-    let shape = StepShape::cpu(2, 32);
+    // Budgets are set from these plans' peaks, as in `recompute_plans`.
+    let shape = StepShape::cpu(2, 32).prefetching_next_step(false);
     let policy = ParamOffload {
         depth: 2,
         checkpoints: Tier::Host,

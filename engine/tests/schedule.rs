@@ -13,31 +13,14 @@
 
 mod model_support;
 
-use model_support::training::{Run, assert_same, train, train_plan};
+use model_support::training::{Run, adamw_clipped, assert_same, small_gpt2, train, train_plan};
 use model_support::{CHAOS, NvmeOnly, UNLIMITED, all_policies};
 use strata_engine::exec::StepParams;
-use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::{Gpt2Config, Model};
+use strata_engine::model::Model;
 use strata_engine::plan::{
     AllOnDevice, Budgets, CostModel, GradSpill, NvmeOffload, Plan, PlanInput, Policy, Precision,
     Recompute, Schedule, StepShape, Tier,
 };
-
-fn small() -> Model {
-    Model::new(Gpt2Config::new(3, 4, 48, 96, 32)).unwrap()
-}
-
-fn hyper(clip: f64) -> StepParams {
-    StepParams {
-        adam: AdamW {
-            lr: 1e-2,
-            weight_decay: 0.1,
-            ..AdamW::default()
-        },
-        clip,
-        loss_scale: 1.0,
-    }
-}
 
 /// The steps compared: (what, shape, step parameters). Each recomputes differently, so
 /// that vertical's checkpoints, saved and offloaded activations are all exercised.
@@ -47,11 +30,11 @@ fn cases() -> Vec<(&'static str, StepShape, StepParams)> {
         ..StepShape::cpu(2, 8)
     };
     vec![
-        ("plain, activations kept", base, hyper(0.0)),
+        ("plain, activations kept", base, adamw_clipped(0.0)),
         (
             "clipped, recomputing",
             base.clipped().recomputing(Recompute::All),
-            hyper(0.05),
+            adamw_clipped(0.05),
         ),
         (
             "clipped bf16, gradients spilled, activations offloaded",
@@ -62,15 +45,15 @@ fn cases() -> Vec<(&'static str, StepShape, StepParams)> {
             .clipped()
             .spilling(GradSpill::Always)
             .recomputing(Recompute::Offload),
-            hyper(0.05),
+            adamw_clipped(0.05),
         ),
-        ("delayed update", base.delayed(), hyper(0.0)),
+        ("delayed update", base.delayed(), adamw_clipped(0.0)),
     ]
 }
 
 #[test]
 fn vertical_trains_bit_identically_to_horizontal_under_every_policy() {
-    let model = small();
+    let model = small_gpt2();
     for (what, shape, params) in cases() {
         let horizontal = shape.scheduled(Schedule::Horizontal);
         let reference = train(&model, horizontal, &AllOnDevice, 3, params, None);
@@ -118,7 +101,7 @@ fn nvme_read(run: &Run) -> u64 {
 
 #[test]
 fn vertical_reads_each_streamed_block_once_per_pass() {
-    let model = small();
+    let model = small_gpt2();
     let policy = nvme_only();
     let shape = |grad_accum: usize, schedule: Schedule| {
         StepShape {
@@ -133,7 +116,7 @@ fn vertical_reads_each_streamed_block_once_per_pass() {
         shape(1, Schedule::Vertical),
         &policy,
         2,
-        hyper(0.0),
+        adamw_clipped(0.0),
         None,
     );
     let one_h = train(
@@ -141,7 +124,7 @@ fn vertical_reads_each_streamed_block_once_per_pass() {
         shape(1, Schedule::Horizontal),
         &policy,
         2,
-        hyper(0.0),
+        adamw_clipped(0.0),
         None,
     );
     assert_eq!(nvme_read(&one), nvme_read(&one_h));
@@ -155,7 +138,7 @@ fn vertical_reads_each_streamed_block_once_per_pass() {
             shape(k, Schedule::Vertical),
             &policy,
             2,
-            hyper(0.0),
+            adamw_clipped(0.0),
             None,
         );
         let horizontal = train(
@@ -163,7 +146,7 @@ fn vertical_reads_each_streamed_block_once_per_pass() {
             shape(k, Schedule::Horizontal),
             &policy,
             2,
-            hyper(0.0),
+            adamw_clipped(0.0),
             None,
         );
         assert_same(&horizontal, &vertical, &format!("grad-accum {k}"));
@@ -190,7 +173,7 @@ fn slow_nvme() -> CostModel {
 
 #[test]
 fn auto_takes_vertical_where_it_fits_and_is_predicted_faster() {
-    let model = small();
+    let model = small_gpt2();
     let policy = nvme_only();
     // Recomputing every layer (the least device memory either order can take), with
     // activations larger than a block's parameters.

@@ -146,6 +146,12 @@ pub struct StepArgs {
     /// (horizontal,vertical).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
     pub schedule: Vec<Schedule>,
+    /// Whether each step ends by fetching the next step's first parameters, so the next
+    /// step's compute starts at once (where the plan can: one rank, no delayed update,
+    /// a policy that streams parameters; their device buffers then stay live across
+    /// the step boundary). `false` fetches them at each step's start.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub prefetch_next_step: bool,
     /// Folder for the NVMe tier's swap files (on the drive to measure; not tmpfs).
     #[arg(long, default_value_os_t = std::env::temp_dir())]
     pub nvme: PathBuf,
@@ -276,6 +282,12 @@ pub struct StepSample {
     pub lane_busy_s: [f64; Lane::COUNT],
     /// Seconds the compute lane waited for other lanes.
     pub compute_stall_s: f64,
+    /// Seconds from the step's start to the compute lane's first operation (the head:
+    /// waiting for the first blocks' fetches).
+    pub head_s: f64,
+    /// Seconds from the compute lane's last operation to the step's end (the tail: the
+    /// last updates and their writes).
+    pub tail_s: f64,
     /// Bytes over NVMe read, NVMe write, H2D, D2H.
     pub link_bytes: [u64; 4],
     /// NVMe chunks moved through io_uring's registered (fixed) buffers, and through
@@ -285,11 +297,16 @@ pub struct StepSample {
 
 impl From<&StepReport> for StepSample {
     fn from(r: &StepReport) -> Self {
+        let compute = || r.records.iter().filter(|o| o.lane == Lane::Compute);
+        let first = compute().map(|o| o.start_ns).min().unwrap_or(0);
+        let last = compute().map(|o| o.end_ns).max().unwrap_or(0);
         StepSample {
             seconds: r.seconds,
             loss: r.loss,
             lane_busy_s: r.lane_busy,
             compute_stall_s: r.compute_stall,
+            head_s: first as f64 * 1e-9,
+            tail_s: (r.seconds - last as f64 * 1e-9).max(0.0),
             link_bytes: r.link_bytes,
             nvme_fixed_plain_chunks: r.fixed_chunks,
         }
@@ -338,6 +355,10 @@ pub struct PolicyResult {
     pub overlap_efficiency_own: f64,
     /// Median compute-lane stall over the median step.
     pub stall_fraction: f64,
+    /// Median seconds before the compute lane's first operation ([`StepSample::head_s`]).
+    pub head_s_median: f64,
+    /// Median seconds after its last ([`StepSample::tail_s`]).
+    pub tail_s_median: f64,
     /// How AdamW's moments were kept: fp32, bf16 or q8.
     pub optimizer_state: OptimizerState,
     /// `--schedule` as asked for this run of the policy: auto, horizontal or vertical.
@@ -736,6 +757,7 @@ impl Setup {
             recompute: args.recompute.first().copied().unwrap_or_default(),
             optimizer_state: args.optimizer_state.first().copied().unwrap_or_default(),
             schedule: args.schedule.first().copied().unwrap_or_default(),
+            prefetch_next_step: args.prefetch_next_step,
             ..StepShape::cpu(args.batch, args.seq).on(target)
         };
         Ok(Setup {
@@ -1292,6 +1314,8 @@ fn policy_results(
                 overlap_efficiency_vs_all_on_device: reference.map(|(_, compute)| compute / step_s),
                 overlap_efficiency_own: compute_s / step_s,
                 stall_fraction: stall_s / step_s,
+                head_s_median: median(&rig.steps.iter().map(|s| s.head_s).collect::<Vec<_>>()),
+                tail_s_median: median(&rig.steps.iter().map(|s| s.tail_s).collect::<Vec<_>>()),
                 optimizer_state: rig.state,
                 schedule: rig.schedule,
                 micro_batch_order: rig.plan.shape.schedule,
@@ -1534,6 +1558,8 @@ pub fn render(report: &StepBenchReport) -> String {
         "overlap (AOD compute)",
         "overlap (own compute)",
         "stall %",
+        "head ms",
+        "tail ms",
         "predicted s",
         "loss first -> last",
     ]);
@@ -1560,6 +1586,8 @@ pub fn render(report: &StepBenchReport) -> String {
             ratio(p.overlap_efficiency_vs_all_on_device, ""),
             format!("{:.2}", p.overlap_efficiency_own),
             format!("{:.1}%", 100.0 * p.stall_fraction),
+            format!("{:.1}", 1e3 * p.head_s_median),
+            format!("{:.1}", 1e3 * p.tail_s_median),
             three_digits(p.predicted.step_seconds),
             format!("{:.4} -> {:.4}", p.loss_first, p.loss_last),
         ]);
@@ -1585,8 +1613,9 @@ pub fn render(report: &StepBenchReport) -> String {
          as fast as no data movement);\n\
          overlap (own compute): this policy's compute-lane busy time / its step time (1 = every \
          transfer hidden under compute);\n\
-         stall: the compute lane waiting for data; predicted: the cost model's defaults \
-         (engine::plan::CostModel).\n",
+         stall: the compute lane waiting for data; head: before its first operation (the \
+         first blocks' fetches), tail: after its last (the last updates and writes); \
+         predicted: the cost model's defaults (engine::plan::CostModel).\n",
     ));
     out.push('\n');
     out.push_str(&memory.render());

@@ -55,10 +55,15 @@ pub struct Executor {
     /// Per block, where the parts of this rank's shard of its optimizer state lie in its
     /// buffer (made once: the CPU optimizer reads them every step).
     pub(super) state_layouts: Vec<StateLayout>,
-    /// Dependencies for a whole step, a step without the update, and the update alone:
-    /// a skipped operation's dependents wait for its own dependencies instead, so that
-    /// orderings through it (slot reuse) still hold.
-    pub(super) deps: [Vec<Vec<OpId>>; 3],
+    /// Dependencies for a whole step, a step without the update, the update alone, and
+    /// the next step's first fetches alone: a skipped operation's dependents wait for
+    /// its own dependencies instead, so that orderings through it (slot reuse) still
+    /// hold.
+    pub(super) deps: [Vec<Vec<OpId>>; 4],
+    /// Whether the last run was a step (or the fetches alone) that ended well having
+    /// fetched the next step's first parameters ([`Plan::fetches_next_step`]), and
+    /// nothing has been loaded since.
+    pub(super) head_fetched: bool,
     /// Delayed update: gradients of the last step wait to be applied, and the loss scale
     /// they were computed with.
     pub(super) pending: Option<f32>,

@@ -38,6 +38,11 @@ pub struct StepReport {
     /// Seconds, calls and FLOPs of each kernel the device ran in this step, by name (the
     /// CPU device's; empty on a GPU).
     pub kernels: KernelTimes,
+    /// Where the step had to fetch its first parameters alone before it ran (the first
+    /// step of a plan that fetches the next step's at each step's end, or one after a
+    /// failed step or a load): the seconds and the bytes per link of those fetches, not
+    /// counted in `seconds` and `link_bytes`. Zero otherwise.
+    pub head_fetch: (f64, [u64; 4]),
 }
 
 impl StepReport {

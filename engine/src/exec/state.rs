@@ -145,8 +145,10 @@ impl Executor {
     }
 
     fn load_from(&mut self, source: Source<'_>) -> Result<(), ExecError> {
-        // Fresh parameters: no delayed update is waiting.
+        // Fresh parameters: no delayed update is waiting, and the next step fetches its
+        // first parameters anew.
         self.pending = None;
+        self.head_fetched = false;
         let blocks = self.model.blocks();
         let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
         let staging = self.staging(load_staging_bytes(largest))?;

@@ -63,7 +63,12 @@ impl Executor {
         } else {
             params.loss_scale
         };
-        let mut report = self.run(params, true, run_update, update_scale)?;
+        let head = self.fetch_head(params)?;
+        let mut report = self.run(params, Parts::step(run_update), update_scale)?;
+        self.head_fetched = self.plan.fetches_next_step();
+        if let Some(head) = head {
+            report.head_fetch = (head.seconds, head.link_bytes);
+        }
         if delayed {
             for &(fill, apply) in &self.plan.swap_each_step {
                 self.arenas.swap(fill, apply);
@@ -121,7 +126,7 @@ impl Executor {
         let Some(scale) = self.pending else {
             return Ok(None);
         };
-        let mut report = self.run(params, false, true, scale)?;
+        let mut report = self.run(params, Parts::UPDATE, scale)?;
         self.pending = None;
         report.loss = f32::NAN;
         report.updated = !report.skipped;
@@ -161,30 +166,51 @@ impl Executor {
         self.steps += 1;
     }
 
-    /// Runs the plan's operations, the compute part and the update part as asked (the
-    /// others count as done).
+    /// Where the plan fetches the next step's first parameters at the end of each step
+    /// and the last step did not (this is the first, or it failed, or parameters were
+    /// loaded since): those fetches alone, now (their time and bytes are the step's
+    /// [`StepReport::head_fetch`]).
+    fn fetch_head(&mut self, params: &StepParams) -> Result<Option<StepReport>, ExecError> {
+        if self.head_fetched || !self.plan.fetches_next_step() {
+            return Ok(None);
+        }
+        self.run(params, Parts::NEXT_STEP, params.loss_scale)
+            .map(Some)
+    }
+
+    /// Runs the plan's operations of the parts `parts` names (the others count as done).
     fn run(
         &mut self,
         params: &StepParams,
-        run_compute: bool,
-        run_update: bool,
+        parts: Parts,
         update_loss_scale: f32,
     ) -> Result<StepReport, ExecError> {
+        // Until this run has ended well, the next step's head is not known to be
+        // fetched.
+        self.head_fetched = false;
+        let Parts {
+            compute: run_compute,
+            update: run_update,
+            next_step: run_next_step,
+        } = parts;
         self.norms.reset();
         if let Some(nvme) = &self.nvme {
             nvme.unstage();
         }
-        let stamp =
-            self.progress.begin(
-                &self.plan,
-                |op| {
-                    if op.update { run_update } else { run_compute }
-                },
-            );
+        let stamp = self.progress.begin(&self.plan, |op| {
+            if op.next_step {
+                run_next_step
+            } else if op.update {
+                run_update
+            } else {
+                run_compute
+            }
+        });
         let deps = match (run_compute, run_update) {
             (true, true) => &self.deps[0],
             (true, false) => &self.deps[1],
-            _ => &self.deps[2],
+            (false, true) => &self.deps[2],
+            (false, false) => &self.deps[3],
         };
         let io_before = self.nvme.as_ref().map(|n| n.store().io_counters());
         let copied_before = self.device.copied_bytes();
@@ -206,7 +232,12 @@ impl Executor {
             update_loss_scale,
             start: Instant::now(),
             origin,
-            faults: self.faults.take(),
+            // A test's faults are for the step it names, not the fetches before it.
+            faults: if run_compute || run_update {
+                self.faults.take()
+            } else {
+                None
+            },
         };
         let errors = self.run_lanes(&shared);
         // Whatever happened, nothing the step queued may still run when it returns.
@@ -407,6 +438,7 @@ impl Executor {
             fixed_chunks: [0; 2],
             records,
             kernels: KernelTimes::default(),
+            head_fetch: (0.0, [0; 4]),
         })
     }
 
@@ -439,6 +471,44 @@ impl Executor {
                 Ok(Some((begin, end.max(begin + 1))))
             }
             (Event::Cuda(_), None) => Ok(None),
+        }
+    }
+}
+
+/// Which parts of the plan's operations a run takes ([`Op::update`], [`Op::next_step`],
+/// the rest being the compute part).
+///
+/// [`Op::update`]: crate::plan::Op::update
+/// [`Op::next_step`]: crate::plan::Op::next_step
+#[derive(Clone, Copy)]
+struct Parts {
+    compute: bool,
+    update: bool,
+    next_step: bool,
+}
+
+impl Parts {
+    /// A delayed update's last update, alone.
+    const UPDATE: Parts = Parts {
+        compute: false,
+        update: true,
+        next_step: false,
+    };
+
+    /// The next step's first fetches, alone.
+    const NEXT_STEP: Parts = Parts {
+        compute: false,
+        update: false,
+        next_step: true,
+    };
+
+    /// A step: its compute, the update if `update`, and (with the update: a plan that
+    /// fetches the next step's head has no delayed update) those fetches.
+    fn step(update: bool) -> Parts {
+        Parts {
+            compute: true,
+            update,
+            next_step: update,
         }
     }
 }

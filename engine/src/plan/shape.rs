@@ -263,6 +263,14 @@ pub struct StepShape {
     ///
     /// [`Device::all_gather`]: crate::device::DeviceOps::all_gather
     pub device_collectives: bool,
+    /// Whether each step ends by fetching the next step's first parameters (those its
+    /// first `depth` computes read), so that the next step's compute starts at once: the
+    /// fetches overlap the last backwards and updates, and their device buffers stay
+    /// live across the step boundary (the plan counts them). Only where the fetched data
+    /// is final at the step's end: one rank, no delayed update; elsewhere ignored.
+    /// [`Plan::build`](crate::plan::Plan::build) drops it where the plan would not fit
+    /// its budgets with it but does without.
+    pub prefetch_next_step: bool,
 }
 
 impl StepShape {
@@ -284,6 +292,7 @@ impl StepShape {
             grad_spill: GradSpill::Auto,
             ranks: 1,
             device_collectives: true,
+            prefetch_next_step: true,
         }
     }
 
@@ -319,6 +328,15 @@ impl StepShape {
     pub fn with_state(self, optimizer_state: OptimizerState) -> Self {
         StepShape {
             optimizer_state,
+            ..self
+        }
+    }
+
+    /// The same step fetching the next step's first parameters at its end, or not
+    /// ([`StepShape::prefetch_next_step`]).
+    pub fn prefetching_next_step(self, prefetch_next_step: bool) -> Self {
+        StepShape {
+            prefetch_next_step,
             ..self
         }
     }
@@ -368,6 +386,13 @@ impl StepShape {
     /// for the norm on NVMe in this step (see [`GradSpill`]).
     pub(super) fn can_spill(&self, state: Tier) -> bool {
         state == Tier::Nvme && self.needs_global_norm && self.ranks == 1 && !self.delayed_update
+    }
+
+    /// Whether the step's first parameter fetches move to the end of the step before
+    /// ([`StepShape::prefetch_next_step`], where it applies: one rank, no delayed
+    /// update, whose updated parameters are final when the step ends).
+    pub(super) fn prefetches_next_head(&self) -> bool {
+        self.prefetch_next_step && self.ranks == 1 && !self.delayed_update
     }
 
     /// Whether a block's working parameters (on `params`) are its master copy (in its

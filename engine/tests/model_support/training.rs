@@ -2,10 +2,30 @@
 //! for bit: a few steps of a plan on fixed micro-batches, and the state exported after.
 
 use strata_engine::exec::{ExecConfig, Executor, StepParams};
-use strata_engine::model::Model;
+use strata_engine::kernels::adamw::AdamW;
+use strata_engine::model::{Gpt2Config, Model};
 use strata_engine::plan::{Plan, PlanInput, Policy, StepShape};
 
 use super::{UNLIMITED, random_batch};
+
+/// A 3-layer GPT-2 of width 48 (4 heads, vocabulary 96, context 32): small enough to
+/// train under every policy, chaos seed and case in a test.
+pub fn small_gpt2() -> Model {
+    Model::new(Gpt2Config::new(3, 4, 48, 96, 32)).unwrap()
+}
+
+/// AdamW at lr 1e-2 with weight decay 0.1, clipping at `clip` (0: none), no loss scale.
+pub fn adamw_clipped(clip: f64) -> StepParams {
+    StepParams {
+        adam: AdamW {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            ..AdamW::default()
+        },
+        clip,
+        loss_scale: 1.0,
+    }
+}
 
 /// What a run ends with, and what its steps moved.
 pub struct Run {

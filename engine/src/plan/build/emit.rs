@@ -107,6 +107,31 @@ impl<'p, 'a> Emitter<'p, 'a> {
         }
         self.read_ahead(&pending);
         self.updates_in_turn(&pending, 0..pending.len());
+        self.next_step_fetches(&fetches.next_step);
+    }
+
+    /// At the step's end, the next step's first parameter fetches, each after its
+    /// block's update is durable (its commit, where the update shadow-pages NVMe), in
+    /// the order the updates end: each lane runs in order, so a fetch waiting for the
+    /// last update would hold back those behind it.
+    fn next_step_fetches(&mut self, next: &[(usize, BufId)]) {
+        let mut next = next.to_vec();
+        next.sort_by_key(|&(b, _)| {
+            self.ops
+                .iter()
+                .rposition(|op| op.update && op.kind.label().block == Some(b))
+        });
+        for (b, to) in next {
+            let commit = self.ops.iter().rposition(
+                |op| matches!(op.kind, OpKind::Nvme(NvmeOp::Commit { block }) if block == b),
+            );
+            let first = self.ops.len();
+            self.fetch_params(b, to, false);
+            for op in &mut self.ops[first..] {
+                op.next_step = true;
+                op.deps.extend(commit.map(OpId::of));
+            }
+        }
     }
 
     /// Before compute `k` of `steps`, with a delayed update: at the start the norm and
@@ -181,6 +206,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
             flops: 0.0,
             params: 0,
             update: false,
+            next_step: false,
         });
         OpId::of(self.ops.len() - 1)
     }

@@ -56,6 +56,11 @@ impl Plan {
     /// fetch of the embedding where a tied head reads it too, not two); on the host,
     /// fetched for each use.
     ///
+    /// Where the shape asks for the next step's first parameter fetches at the end of
+    /// each step ([`StepShape::prefetch_next_step`]), the plan without them is taken
+    /// instead when it fits where the plan with them does not, or recomputes or spills
+    /// fewer blocks.
+    ///
     /// All of this for the micro-batches' order [`StepShape::schedule`] names; with
     /// [`Schedule::Auto`], for both orders (one, horizontal, with a single micro-batch
     /// per step): the vertical plan where it fits every budget and the cost model
@@ -65,7 +70,29 @@ impl Plan {
     /// [`StepShape::recompute`]: crate::plan::StepShape::recompute
     /// [`StepShape::grad_spill`]: crate::plan::StepShape::grad_spill
     /// [`StepShape::schedule`]: crate::plan::StepShape::schedule
+    /// [`StepShape::prefetch_next_step`]: crate::plan::StepShape::prefetch_next_step
     pub fn build(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
+        let plan = Self::build_scheduled(input, policy)?;
+        if !plan.fetches_next_step() {
+            return Ok(plan);
+        }
+        // The next step's first fetches keep their buffers live across the boundary:
+        // worth it only where that costs no fit, no recomputing and no spilling.
+        let without = PlanInput {
+            shape: input.shape.prefetching_next_step(false),
+            ..*input
+        };
+        let other = Self::build_scheduled(&without, policy)?;
+        let cost = |p: &Plan| (p.first_overflow().is_some(), p.recomputed(), p.spilled());
+        Ok(if cost(&other) < cost(&plan) {
+            other
+        } else {
+            plan
+        })
+    }
+
+    /// [`Plan::build`] with the next step's first fetches as the shape says.
+    fn build_scheduled(input: &PlanInput<'_>, policy: &dyn Policy) -> Result<Plan, PlanError> {
         if input.shape.schedule != Schedule::Auto {
             return Self::build_ordered(input, policy);
         }

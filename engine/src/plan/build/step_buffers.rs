@@ -59,6 +59,11 @@ pub(super) struct Fetches {
     pub(super) tokens: Vec<Vec<usize>>,
     /// Optimizer-state reads, by block.
     pub(super) state_reads: Vec<Vec<usize>>,
+    /// The parameter fetches the step's first computes need, emitted at the end of the
+    /// step before ([`StepShape::prefetch_next_step`]): (block, device buffer).
+    ///
+    /// [`StepShape::prefetch_next_step`]: crate::plan::StepShape::prefetch_next_step
+    pub(super) next_step: Vec<(usize, BufId)>,
 }
 
 /// Stage 2b while it runs.
@@ -103,6 +108,7 @@ impl StepBuffers {
                 saved: vec![Vec::new(); n],
                 tokens: vec![Vec::new(); n],
                 state_reads: vec![Vec::new(); n],
+                next_step: Vec::new(),
             },
         };
         stage.param_groups();
@@ -163,20 +169,30 @@ impl Stage<'_, '_> {
         // fetch.
         let from_state = group[0] == self.backward_start(b) && f.state_feeds_backward(b);
         let bytes = f.len(b) * f.dbytes;
-        let id = self.table.buffer(
-            format!("params[{b}]@device"),
-            Tier::Device,
-            if f.reads_into_device(b, from_state) {
-                // The read moves whole 4 KiB blocks (O_DIRECT).
-                bytes.next_multiple_of(4096)
-            } else {
-                bytes
-            },
-        );
+        let bytes = if f.reads_into_device(b, from_state) {
+            // The read moves whole 4 KiB blocks (O_DIRECT).
+            bytes.next_multiple_of(4096)
+        } else {
+            bytes
+        };
+        let at = group[0].saturating_sub(f.depth);
+        // A fetch at the step's start whose parameters are final when the step before
+        // ends moves there: its buffer then lives across the boundary.
+        let next_step = at == 0 && !from_state && f.shape.prefetches_next_head();
+        let name = format!("params[{b}]@device");
+        let id = if next_step {
+            self.table.persistent(name, Tier::Device, bytes)
+        } else {
+            self.table.buffer(name, Tier::Device, bytes)
+        };
         for &k in group.iter() {
             self.out.dev_params[k][b] = Some(id);
         }
-        self.fetches.params[group[0].saturating_sub(f.depth)].push((b, id, from_state));
+        if next_step {
+            self.fetches.next_step.push((b, id));
+        } else {
+            self.fetches.params[at].push((b, id, from_state));
+        }
         group.clear();
     }
 

@@ -438,4 +438,10 @@ pub struct Op {
     /// write-backs): with a delayed update these run apart from the step's compute, and
     /// alone in a flush.
     pub update: bool,
+    /// Fetches the next step's first parameters ([`StepShape::prefetch_next_step`]):
+    /// runs at the end of every step, and alone before a step whose head was not
+    /// fetched by the step before it (the first, or after a failure or a load).
+    ///
+    /// [`StepShape::prefetch_next_step`]: crate::plan::StepShape::prefetch_next_step
+    pub next_step: bool,
 }

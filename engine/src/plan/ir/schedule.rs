@@ -153,6 +153,13 @@ impl Plan {
         self.shape.can_spill(self.homes[b][2])
     }
 
+    /// Whether each step ends by fetching the next step's first parameters
+    /// ([`StepShape::prefetch_next_step`](crate::plan::StepShape::prefetch_next_step)):
+    /// some operation does.
+    pub fn fetches_next_step(&self) -> bool {
+        self.ops.iter().any(|op| op.next_step)
+    }
+
     /// Blocks whose gradients wait for the norm on NVMe.
     pub fn spilled(&self) -> usize {
         self.grads_spilled.iter().filter(|&&s| s).count()
