@@ -4,8 +4,8 @@
 //!   after its block's update is durable, so a step's first compute waits on no fetch;
 //!   their buffers are persistent and the planned device peak counts them;
 //! - steps train bit for bit as without it, under every streaming policy and depth,
-//!   every chaos seed, plain, clipped with spilled gradients, and with the vertical
-//!   order;
+//!   every chaos seed, plain, clipped with spilled gradients, with the vertical order
+//!   and with the delayed update (whose fetches read the parameters it wrote);
 //! - the first step, a step after a failed one and a step after a load fetch the head
 //!   anew: a fault in an end-of-step fetch, or parameters loaded between steps, give
 //!   the same training as a run without them.
@@ -54,6 +54,7 @@ fn cases() -> Vec<(&'static str, StepShape, StepParams)> {
             .scheduled(Schedule::Vertical),
             adamw_clipped(0.0),
         ),
+        ("delayed update", base.delayed(), adamw_clipped(0.0)),
     ]
 }
 

@@ -65,7 +65,6 @@ impl Executor {
         };
         let head = self.fetch_head(params)?;
         let mut report = self.run(params, Parts::step(run_update), update_scale)?;
-        self.head_fetched = self.plan.fetches_next_step();
         if let Some(head) = head {
             report.head_fetch = (head.seconds, head.link_bytes);
         }
@@ -79,6 +78,11 @@ impl Executor {
         if report.updated {
             self.commit_update();
         }
+        // The end-of-step fetches ran with the update, and read what the next step
+        // computes with: the homes (without a delayed update, whether or not it was
+        // skipped), or the parameters a delayed update wrote, current only once applied.
+        self.head_fetched =
+            self.plan.fetches_next_step() && run_update && (!delayed || report.updated);
         Ok(report)
     }
 
@@ -157,13 +161,19 @@ impl Executor {
 
     /// After an applied update: its outputs become current.
     fn commit_update(&mut self) {
+        self.exchange_homes();
+        self.steps += 1;
+    }
+
+    /// Delayed update: the pairs of working-parameter homes exchange sides (the side
+    /// written by the update becomes the one read).
+    fn exchange_homes(&mut self) {
         for &(cur, next) in &self.plan.swap_on_update {
             self.arenas.swap(cur, next);
         }
         if let Some(nvme) = &mut self.nvme {
             nvme.swap_pairs();
         }
-        self.steps += 1;
     }
 
     /// Where the plan fetches the next step's first parameters at the end of each step
@@ -174,8 +184,17 @@ impl Executor {
         if self.head_fetched || !self.plan.fetches_next_step() {
             return Ok(None);
         }
-        self.run(params, Parts::NEXT_STEP, params.loss_scale)
-            .map(Some)
+        // With a delayed update the fetches read the side of each home pair the update
+        // writes: now, the current parameters are there only with the sides exchanged.
+        let delayed = self.plan.shape.delayed_update;
+        if delayed {
+            self.exchange_homes();
+        }
+        let head = self.run(params, Parts::NEXT_STEP, params.loss_scale);
+        if delayed {
+            self.exchange_homes();
+        }
+        head.map(Some)
     }
 
     /// Runs the plan's operations of the parts `parts` names (the others count as done).
@@ -502,8 +521,8 @@ impl Parts {
         next_step: true,
     };
 
-    /// A step: its compute, the update if `update`, and (with the update: a plan that
-    /// fetches the next step's head has no delayed update) those fetches.
+    /// A step: its compute, the update if `update`, and with the update the next step's
+    /// first fetches (with a delayed update, of the parameters it writes).
     fn step(update: bool) -> Parts {
         Parts {
             compute: true,

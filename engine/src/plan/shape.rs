@@ -266,8 +266,9 @@ pub struct StepShape {
     /// Whether each step ends by fetching the next step's first parameters (those its
     /// first `depth` computes read), so that the next step's compute starts at once: the
     /// fetches overlap the last backwards and updates, and their device buffers stay
-    /// live across the step boundary (the plan counts them). Only where the fetched data
-    /// is final at the step's end: one rank, no delayed update; elsewhere ignored.
+    /// live across the step boundary (the plan counts them). With a delayed update, the
+    /// parameters its update wrote (the next step's). One rank only; with ranks,
+    /// ignored.
     /// [`Plan::build`](crate::plan::Plan::build) drops it where the plan would not fit
     /// its budgets with it but does without.
     pub prefetch_next_step: bool,
@@ -389,10 +390,9 @@ impl StepShape {
     }
 
     /// Whether the step's first parameter fetches move to the end of the step before
-    /// ([`StepShape::prefetch_next_step`], where it applies: one rank, no delayed
-    /// update, whose updated parameters are final when the step ends).
+    /// ([`StepShape::prefetch_next_step`], where it applies: one rank).
     pub(super) fn prefetches_next_head(&self) -> bool {
-        self.prefetch_next_step && self.ranks == 1 && !self.delayed_update
+        self.prefetch_next_step && self.ranks == 1
     }
 
     /// Whether a block's working parameters (on `params`) are its master copy (in its

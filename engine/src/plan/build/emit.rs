@@ -23,6 +23,17 @@ use crate::model::{Dtype, Pass};
 use crate::plan::ir::{Access, Binds, BufId, CommOp, HostOp, NvmeOp, Op, OpId, OpKind, StreamOp};
 use crate::plan::tier::Tier;
 
+/// Where a parameter fetch reads from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fetch {
+    /// The block's home, for this step.
+    Home,
+    /// The head of the block's optimizer state, read for its update.
+    FromState,
+    /// The block's home, for the next step (at this step's end).
+    NextStep,
+}
+
 /// Stage 3 while it runs: what the earlier stages made, and the operations so far.
 pub(super) struct Emitter<'p, 'a> {
     pub(super) f: &'p Frame<'a>,
@@ -126,7 +137,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
                 |op| matches!(op.kind, OpKind::Nvme(NvmeOp::Commit { block }) if block == b),
             );
             let first = self.ops.len();
-            self.fetch_params(b, to, false);
+            self.fetch_params(b, to, Fetch::NextStep);
             for op in &mut self.ops[first..] {
                 op.next_step = true;
                 op.deps.extend(commit.map(OpId::of));
@@ -190,7 +201,12 @@ impl<'p, 'a> Emitter<'p, 'a> {
             self.copy_in(from, to, bytes, None, false);
         }
         for (b, to, from_state) in std::mem::take(&mut fetches.params[k]) {
-            self.fetch_params(b, to, from_state);
+            let from = if from_state {
+                Fetch::FromState
+            } else {
+                Fetch::Home
+            };
+            self.fetch_params(b, to, from);
         }
     }
 
@@ -291,14 +307,22 @@ impl<'p, 'a> Emitter<'p, 'a> {
     }
 
     /// Block `b`'s working parameters from their home to the device buffer `to`, or
-    /// (`from_state`) from the head of its optimizer state, staged on the host for the
-    /// update by a read emitted just before. With ranks, the home holds this rank's
+    /// from the head of its optimizer state, staged on the host for the update by a read
+    /// emitted just before (see [`Fetch`]). With ranks, the home holds this rank's
     /// shard: the shards are gathered on the host first.
-    fn fetch_params(&mut self, b: usize, to: BufId, from_state: bool) {
+    fn fetch_params(&mut self, b: usize, to: BufId, from: Fetch) {
         let f = self.f;
         let bytes = f.len(b) * f.pbytes;
         let shard_bytes = f.shard(b) * f.pbytes;
-        let home = self.homes.params[b].0;
+        let from_state = from == Fetch::FromState;
+        let (cur, next) = self.homes.params[b];
+        // A delayed update's new parameters are the next step's (its home pair is
+        // exchanged after the step); otherwise the home, current once committed.
+        let home = if from == Fetch::NextStep && f.shape.delayed_update {
+            next
+        } else {
+            cur
+        };
         if f.reads_into_device(b, from_state) {
             self.nvme_read(Lane::NvmeRead, home, to, shard_bytes);
             return;
