@@ -264,6 +264,56 @@ pub(crate) struct Q8Block<'a, G, O> {
     pub out: &'a mut [O; q8::BLOCK],
 }
 
+/// Whole blocks of 8-bit state and the parameters they belong to: one scale of each kind
+/// per block, [`q8::BLOCK`] of everything else.
+pub(crate) struct Q8Blocks<'a, G, O> {
+    pub p: &'a mut [f32],
+    pub m_codes: &'a mut [u8],
+    pub m_scales: &'a mut [f32],
+    pub v_codes: &'a mut [u8],
+    pub v_scales: &'a mut [f32],
+    pub g: &'a [G],
+    pub out: &'a mut [O],
+}
+
+impl<G: Lane, O: Lane> Q8Blocks<'_, G, O> {
+    /// How many blocks. Panics unless every slice has the length that needs.
+    pub fn count(&self) -> usize {
+        let blocks = self.m_scales.len();
+        let n = blocks * q8::BLOCK;
+        assert!(self.v_scales.len() == blocks && self.p.len() == n && self.g.len() == n);
+        assert!(self.m_codes.len() == n && self.v_codes.len() == n && self.out.len() == n);
+        blocks
+    }
+
+    /// Calls `f` on each block in turn.
+    pub fn each(self, mut f: impl FnMut(Q8Block<'_, G, O>)) {
+        const B: usize = q8::BLOCK;
+        self.count();
+        let blocks = self
+            .p
+            .chunks_exact_mut(B)
+            .zip(self.m_codes.chunks_exact_mut(B))
+            .zip(self.m_scales.iter_mut())
+            .zip(self.v_codes.chunks_exact_mut(B))
+            .zip(self.v_scales.iter_mut())
+            .zip(self.g.chunks_exact(B))
+            .zip(self.out.chunks_exact_mut(B));
+        for ((((((p, m_codes), m_scale), v_codes), v_scale), g), out) in blocks {
+            // The chunks are exact: each conversion to an array succeeds.
+            f(Q8Block {
+                p: p.try_into().expect("a whole block"),
+                m_codes: m_codes.try_into().expect("a whole block"),
+                m_scale,
+                v_codes: v_codes.try_into().expect("a whole block"),
+                v_scale,
+                g: g.try_into().expect("a whole block"),
+                out: out.try_into().expect("a whole block"),
+            });
+        }
+    }
+}
+
 /// The kernels of one instruction set.
 ///
 /// Every method is `unsafe` for one reason only: the CPU must support the instruction
@@ -293,6 +343,17 @@ pub(crate) trait Kernels {
     /// # Safety
     /// The CPU supports the kernels' instruction set.
     unsafe fn q8_block<G: Lane, O: Lane>(k: &AdamStep, block: Q8Block<'_, G, O>);
+
+    /// [`Kernels::q8_block`] on each of a run of whole blocks, in order (which is what
+    /// this default does; a kernel may overlap one block's encoding with the next one's
+    /// update).
+    ///
+    /// # Safety
+    /// The CPU supports the kernels' instruction set.
+    unsafe fn q8_blocks<G: Lane, O: Lane>(k: &AdamStep, blocks: Q8Blocks<'_, G, O>) {
+        // SAFETY: the caller guarantees the instruction set.
+        blocks.each(|block| unsafe { Self::q8_block(k, block) });
+    }
 
     /// Sum of squares of `g * scale` (product in f32, squares summed in f64), and
     /// whether it is finite.
@@ -423,7 +484,8 @@ unsafe fn moments<K: Kernels, S: Moment, G: Lane, O: Lane>(
     out[body..].copy_from_slice(&to[..rem]);
 }
 
-/// 8-bit state: whole blocks in place, then a partial last block through padded arrays.
+/// 8-bit state: whole blocks in place, in one run, then a partial last block through
+/// padded arrays.
 ///
 /// # Safety
 /// The CPU supports `K`'s instruction set.
@@ -437,63 +499,54 @@ unsafe fn q8_state<K: Kernels, G: Lane, O: Lane>(
     const B: usize = q8::BLOCK;
     let n = p.len();
     assert!(q.check(n).is_ok() && g.len() == n && out.len() == n);
-    let mut pieces = p
-        .chunks_mut(B)
-        .zip(q.m_codes.chunks_mut(B))
-        .zip(q.m_scales.iter_mut())
-        .zip(q.v_codes.chunks_mut(B))
-        .zip(q.v_scales.iter_mut())
-        .zip(g.chunks(B))
-        .zip(out.chunks_mut(B));
-    for piece in &mut pieces {
-        let ((((((p, m_codes), m_scale), v_codes), v_scale), g), out) = piece;
-        let len = p.len();
-        if let (Ok(p), Ok(m_codes), Ok(v_codes), Ok(g), Ok(out)) = (
-            <&mut [f32; B]>::try_from(&mut *p),
-            <&mut [u8; B]>::try_from(&mut *m_codes),
-            <&mut [u8; B]>::try_from(&mut *v_codes),
-            <&[G; B]>::try_from(g),
-            <&mut [O; B]>::try_from(&mut *out),
-        ) {
-            let block = Q8Block {
-                p,
-                m_codes,
-                m_scale,
-                v_codes,
-                v_scale,
-                g,
-                out,
-            };
-            // SAFETY: the caller guarantees the instruction set.
-            unsafe { K::q8_block(k, block) };
-            continue;
-        }
-        // The last, partial block: padding has zero state and gradient.
-        let mut tp = [0f32; B];
-        let mut tmc = [0u8; B];
-        let mut tvc = [0u8; B];
-        let mut tg = [G::default(); B];
-        let mut to = [O::default(); B];
-        tp[..len].copy_from_slice(p);
-        tmc[..len].copy_from_slice(m_codes);
-        tvc[..len].copy_from_slice(v_codes);
-        tg[..len].copy_from_slice(g);
-        let block = Q8Block {
-            p: &mut tp,
-            m_codes: &mut tmc,
-            m_scale,
-            v_codes: &mut tvc,
-            v_scale,
-            g: &tg,
-            out: &mut to,
-        };
-        // SAFETY: the caller guarantees the instruction set.
-        unsafe { K::q8_block(k, block) };
-        p.copy_from_slice(&tp[..len]);
-        m_codes.copy_from_slice(&tmc[..len]);
-        v_codes.copy_from_slice(&tvc[..len]);
-        out.copy_from_slice(&to[..len]);
-    }
+    let whole = n - n % B;
+    let (p, p_rest) = p.split_at_mut(whole);
+    let (m_codes, m_codes_rest) = q.m_codes.split_at_mut(whole);
+    let (m_scales, m_scale_rest) = q.m_scales.split_at_mut(whole / B);
+    let (v_codes, v_codes_rest) = q.v_codes.split_at_mut(whole);
+    let (v_scales, v_scale_rest) = q.v_scales.split_at_mut(whole / B);
+    let (g, g_rest) = g.split_at(whole);
+    let (out, out_rest) = out.split_at_mut(whole);
+    let blocks = Q8Blocks {
+        p,
+        m_codes,
+        m_scales,
+        v_codes,
+        v_scales,
+        g,
+        out,
+    };
+    // SAFETY: the caller guarantees the instruction set.
+    unsafe { K::q8_blocks(k, blocks) };
+    let len = n - whole;
+    let ([m_scale], [v_scale]) = (m_scale_rest, v_scale_rest) else {
+        return;
+    };
+    // The last, partial block: padding has zero state and gradient.
+    let mut tp = [0f32; B];
+    let mut tmc = [0u8; B];
+    let mut tvc = [0u8; B];
+    let mut tg = [G::default(); B];
+    let mut to = [O::default(); B];
+    tp[..len].copy_from_slice(p_rest);
+    tmc[..len].copy_from_slice(m_codes_rest);
+    tvc[..len].copy_from_slice(v_codes_rest);
+    tg[..len].copy_from_slice(g_rest);
+    let block = Q8Block {
+        p: &mut tp,
+        m_codes: &mut tmc,
+        m_scale,
+        v_codes: &mut tvc,
+        v_scale,
+        g: &tg,
+        out: &mut to,
+    };
+    // SAFETY: the caller guarantees the instruction set.
+    unsafe { K::q8_block(k, block) };
+    p_rest.copy_from_slice(&tp[..len]);
+    m_codes_rest.copy_from_slice(&tmc[..len]);
+    v_codes_rest.copy_from_slice(&tvc[..len]);
+    out_rest.copy_from_slice(&to[..len]);
 }
 
 /// What can be cut into pieces for threads.

@@ -76,7 +76,8 @@ fn scales(max: f32, top: f32) -> (f32, f32) {
 #[inline]
 pub fn encode_m(x: f32, inv_scale: f32) -> u8 {
     let y = x.abs() * inv_scale;
-    let rounded = (y.to_bits() + (1 << (M_SHIFT - 1))) >> M_SHIFT;
+    // Wrapping, as the SIMD kernels' integer adds do (only a NaN's bits can wrap).
+    let rounded = y.to_bits().wrapping_add(1 << (M_SHIFT - 1)) >> M_SHIFT;
     let u = (rounded as i32 - (EXP_BIAS << 3) as i32).clamp(0, 127);
     // Code 0 is zero, not 2^-15: from half the smallest code up, round to that code.
     let u = u.max(i32::from(y >= M_HALF_MIN)) as u32;
@@ -101,7 +102,8 @@ pub fn decode_m(code: u8, scale: f32) -> f32 {
 #[inline]
 pub fn encode_r(x: f32, inv_scale: f32) -> u8 {
     let y = x * inv_scale;
-    let rounded = (y.to_bits() + (1 << (R_SHIFT - 1))) >> R_SHIFT;
+    // Wrapping, as in `encode_m`.
+    let rounded = y.to_bits().wrapping_add(1 << (R_SHIFT - 1)) >> R_SHIFT;
     (rounded as i32 - (EXP_BIAS << 4) as i32).clamp(1, 255) as u8
 }
 
