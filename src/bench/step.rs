@@ -282,8 +282,8 @@ pub struct StepSample {
     pub lane_busy_s: [f64; Lane::COUNT],
     /// Seconds the compute lane waited for other lanes.
     pub compute_stall_s: f64,
-    /// Seconds from the step's start to the compute lane's first operation (the head:
-    /// waiting for the first blocks' fetches).
+    /// Seconds the compute lane sat idle from the step's start until its first layer
+    /// block's forward began (the head: waiting for the first blocks' fetches).
     pub head_s: f64,
     /// Seconds from the compute lane's last operation to the step's end (the tail: the
     /// last updates and their writes).
@@ -298,19 +298,34 @@ pub struct StepSample {
 impl From<&StepReport> for StepSample {
     fn from(r: &StepReport) -> Self {
         let compute = || r.records.iter().filter(|o| o.lane == Lane::Compute);
-        let first = compute().map(|o| o.start_ns).min().unwrap_or(0);
         let last = compute().map(|o| o.end_ns).max().unwrap_or(0);
         StepSample {
             seconds: r.seconds,
             loss: r.loss,
             lane_busy_s: r.lane_busy,
             compute_stall_s: r.compute_stall,
-            head_s: first as f64 * 1e-9,
+            head_s: head_idle_ns(r) as f64 * 1e-9,
             tail_s: (r.seconds - last as f64 * 1e-9).max(0.0),
             link_bytes: r.link_bytes,
             nvme_fixed_plain_chunks: r.fixed_chunks,
         }
     }
+}
+
+/// The compute lane's idle time from the step's start until its first layer block's
+/// forward (block 1) began: the gaps before and between its operations until then (in
+/// the lane's order, each operation's span once).
+fn head_idle_ns(r: &StepReport) -> u64 {
+    let mut covered = 0u64;
+    let mut idle = 0u64;
+    for o in r.records.iter().filter(|o| o.lane == Lane::Compute) {
+        idle += o.start_ns.saturating_sub(covered);
+        if o.label.what == "fwd" && o.label.block == Some(1) {
+            break;
+        }
+        covered = covered.max(o.end_ns);
+    }
+    idle
 }
 
 /// Latency percentiles of one kind of operation over the run.
@@ -355,7 +370,8 @@ pub struct PolicyResult {
     pub overlap_efficiency_own: f64,
     /// Median compute-lane stall over the median step.
     pub stall_fraction: f64,
-    /// Median seconds before the compute lane's first operation ([`StepSample::head_s`]).
+    /// Median seconds the compute lane sat idle before the first layer's forward
+    /// ([`StepSample::head_s`]).
     pub head_s_median: f64,
     /// Median seconds after its last ([`StepSample::tail_s`]).
     pub tail_s_median: f64,
@@ -1613,8 +1629,9 @@ pub fn render(report: &StepBenchReport) -> String {
          as fast as no data movement);\n\
          overlap (own compute): this policy's compute-lane busy time / its step time (1 = every \
          transfer hidden under compute);\n\
-         stall: the compute lane waiting for data; head: before its first operation (the \
-         first blocks' fetches), tail: after its last (the last updates and writes); \
+         stall: the compute lane waiting for data; head: its idle time before the first \
+         layer's forward (the first blocks' fetches), tail: after its last operation (the \
+         last updates and writes); \
          predicted: the cost model's defaults (engine::plan::CostModel).\n",
     ));
     out.push('\n');
@@ -1995,6 +2012,43 @@ fn check_scale(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_head_is_the_compute_lanes_idle_time_before_the_first_layers_forward() {
+        use strata_engine::device::KernelTimes;
+        use strata_engine::exec::OpRecord;
+        use strata_engine::plan::OpLabel;
+        let op = |what, block, lane, start_ns, end_ns| OpRecord {
+            label: OpLabel { what, block },
+            lane,
+            start_ns,
+            end_ns,
+            bytes: 0,
+        };
+        let report = StepReport {
+            loss: 0.0,
+            grad_norm: 0.0,
+            skipped: false,
+            updated: true,
+            seconds: 1e-6,
+            lane_busy: [0.0; Lane::COUNT],
+            compute_stall: 0.0,
+            link_bytes: [0; 4],
+            fixed_chunks: [0; 2],
+            records: vec![
+                op("h2d", None, Lane::H2d, 0, 400),
+                op("fwd", Some(0), Lane::Compute, 100, 200),
+                op("fwd", Some(1), Lane::Compute, 450, 600),
+                op("fwd", Some(2), Lane::Compute, 700, 800),
+            ],
+            kernels: KernelTimes::default(),
+            head_fetch: (0.0, [0; 4]),
+        };
+        let sample = StepSample::from(&report);
+        // Idle 0-100 and 200-450; the gap before block 2 is not the head's.
+        assert_eq!((sample.head_s * 1e9).round(), 350.0);
+        assert_eq!((sample.tail_s * 1e9).round(), 200.0);
+    }
 
     #[test]
     fn synthetic_batches_are_deterministic_shifted_and_in_range() {
