@@ -4,12 +4,14 @@
 //!
 //! Each loop handles whole vectors; the last partial vector is staged through stack
 //! arrays padded with zeros, so there is no scalar tail with different rounding. The
-//! 8-bit state kernel works block by block like the portable one, with the format's
-//! integer encoding done in vector registers (same operations as [`q8`]'s scalar code).
+//! 8-bit state kernel updates a run of whole blocks at a time, in two passes per block
+//! ([`q8_blocks`]), with the format's integer encoding done in vector registers: the
+//! scalar code's ([`q8`]) results, its clamps rearranged into fewer instructions on
+//! 16-bit lanes (each encoder says why the result is the same).
 
 use std::arch::x86_64::*;
 
-use super::dispatch::{Kernels, Lane, LaneKind, Moment, Q8Block};
+use super::dispatch::{Kernels, Lane, LaneKind, Moment, Q8Block, Q8Blocks};
 use super::portable::pairwise;
 use super::{AdamStep, GradStats, q8};
 
@@ -35,6 +37,11 @@ impl Kernels for Avx2 {
     unsafe fn q8_block<G: Lane, O: Lane>(k: &AdamStep, block: Q8Block<'_, G, O>) {
         // SAFETY: as above.
         unsafe { q8_block(k, block) }
+    }
+
+    unsafe fn q8_blocks<G: Lane, O: Lane>(k: &AdamStep, blocks: Q8Blocks<'_, G, O>) {
+        // SAFETY: as above.
+        unsafe { q8_blocks(k, blocks) }
     }
 
     unsafe fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
@@ -204,118 +211,157 @@ fn vectors<S: Moment, G: Lane, O: Lane>(
     }
 }
 
-/// Eight m codes decoded with the block's scale (see [`q8::decode_m`]).
+/// Eight m codes, the low 8 bytes of `codes`, decoded with the block's scale (see
+/// [`q8::decode_m`]).
+///
+/// The codes are sign-extended, so shifted into place each keeps its sign in bit 31
+/// (copies of it fill bits 27..=30, which `keep` clears) and its magnitude in the top
+/// mantissa bits; the exponent bias, whose bits lie above the magnitude's (so or-ing it
+/// is adding it), is or-ed in where the magnitude is not zero (magnitude 0 is a signed
+/// zero). Seven instructions with the load and the scaling, nine widening unsigned.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn decode_m(codes: __m256i, scale: __m256) -> __m256 {
-    let u = _mm256_and_si256(codes, _mm256_set1_epi32(0x7f));
-    let magnitude = _mm256_add_epi32(
-        _mm256_slli_epi32::<{ q8::M_SHIFT as i32 }>(u),
-        _mm256_set1_epi32((q8::EXP_BIAS << 23) as i32),
+fn decode_m(codes: __m128i, scale: __m256) -> __m256 {
+    const BIAS: u32 = q8::EXP_BIAS << 23;
+    const MAGNITUDE: u32 = 0x7f << q8::M_SHIFT;
+    const _: () = assert!(BIAS & MAGNITUDE == 0 && BIAS < 1 << 31);
+    let c = _mm256_cvtepi8_epi32(codes);
+    let keep = _mm256_set1_epi32((0x8000_0000 | MAGNITUDE) as i32);
+    let signed_magnitude = _mm256_and_si256(_mm256_slli_epi32::<{ q8::M_SHIFT as i32 }>(c), keep);
+    // vpsignd keeps the bias where the magnitude (never negative) is not zero and zeroes
+    // it where it is: one instruction for "code 0 is zero".
+    let bias = _mm256_sign_epi32(
+        _mm256_set1_epi32(BIAS as i32),
+        _mm256_and_si256(c, _mm256_set1_epi32(0x7f)),
     );
-    // vpsignd keeps a lane where u > 0 and zeroes it where u == 0 (u is never negative):
-    // one instruction for "code 0 is zero".
-    let magnitude = _mm256_sign_epi32(magnitude, u);
-    let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)));
-    let bits = _mm256_or_si256(magnitude, sign);
+    let bits = _mm256_or_si256(signed_magnitude, bias);
     _mm256_mul_ps(_mm256_castsi256_ps(bits), scale)
 }
 
-/// Eight sqrt(v) codes decoded with the block's scale (see [`q8::decode_r`]).
+/// Eight sqrt(v) codes, the low 8 bytes of `codes`, decoded with the block's scale (see
+/// [`q8::decode_r`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn decode_r(codes: __m256i, scale: __m256) -> __m256 {
+fn decode_r(codes: __m128i, scale: __m256) -> __m256 {
+    let c = _mm256_cvtepu8_epi32(codes);
     let value = _mm256_add_epi32(
-        _mm256_slli_epi32::<{ q8::R_SHIFT as i32 }>(codes),
+        _mm256_slli_epi32::<{ q8::R_SHIFT as i32 }>(c),
         _mm256_set1_epi32((q8::EXP_BIAS << 23) as i32),
     );
     // Zero where the code is 0, as in decode_m.
-    let value = _mm256_sign_epi32(value, codes);
+    let value = _mm256_sign_epi32(value, c);
     _mm256_mul_ps(_mm256_castsi256_ps(value), scale)
 }
 
-/// The rounded code index of eight non-negative values: `(bits + half a code step) >>
-/// SHIFT` (see [`q8::encode_m`]), at most 4095, so it packs into 16 bits unchanged.
+/// Half an m code step, in f32 bits (the scalar encoder's rounding).
+const M_HALF: u32 = 1 << (q8::M_SHIFT - 1);
+
+/// The m encoder's index: `t = bits + M_HALF` (wrapping) shifted one bit less than the
+/// scalar code's `t >> M_SHIFT`, so that the threshold of code 1 is a whole index.
+const M_INDEX_SHIFT: i32 = q8::M_SHIFT as i32 - 1;
+
+/// The index of [`q8::M_HALF_MIN`]: `t` is at least its `t` exactly where the index is at
+/// least this (its `t` is a multiple of the index step).
+const M_CODED: u32 = (q8::M_HALF_MIN.to_bits() + M_HALF) >> M_INDEX_SHIFT;
+
+/// The index of magnitude 0, twice the scalar code's offset: from `M_FLOOR + 2` up, the
+/// magnitude is `(index - M_FLOOR) >> 1` (clamped to 127).
+const M_FLOOR: u32 = 2 * (q8::EXP_BIAS << 3);
+
+const _: () = assert!(
+    (q8::M_HALF_MIN.to_bits() + M_HALF).is_multiple_of(1 << M_INDEX_SHIFT)
+        && 1 <= M_CODED
+        && M_CODED <= M_FLOOR + 2
+        && (u32::MAX >> M_INDEX_SHIFT) < 1 << 15
+);
+
+/// The offset of a sqrt(v) code's index `t >> R_SHIFT` (see [`q8::encode_r`]).
+const R_FLOOR: u32 = q8::EXP_BIAS << 4;
+
+const _: () = assert!((u32::MAX >> q8::R_SHIFT) < 1 << 15);
+
+/// The 32 codes of four vectors, as bytes from `_mm256_packs_epi16` of two
+/// `_mm256_packs_epi32` or `_mm256_packus_epi32` (4-byte groups [a0-3 b0-3 c0-3 d0-3 |
+/// a4-7 b4-7 c4-7 d4-7]), put in element order.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn rounded_index<const SHIFT: i32>(y: __m256) -> __m256i {
-    _mm256_srli_epi32::<SHIFT>(_mm256_add_epi32(
-        _mm256_castps_si256(y),
-        _mm256_set1_epi32(1 << (SHIFT - 1)),
-    ))
+fn in_order(bytes: __m256i) -> __m256i {
+    _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
 }
 
-/// Sixteen m values (two vectors) encoded with the block's inverse scale, as sixteen
-/// 16-bit lanes in `_mm256_packus_epi32` order (see [`q8::encode_m`]). The f32 bit
-/// arithmetic is done on 32-bit lanes, the clamping on 16-bit ones after one pack, so
-/// each clamp is one instruction for sixteen values: `subs_epu16` is the `max(.., 0)`.
+/// 32 m values (four vectors) encoded with the block's inverse scale, in element order
+/// (see [`q8::encode_m`]).
+///
+/// The same integer arithmetic, rearranged to fewer operations, with the same result for
+/// every bit pattern of `y = |m| * inv_scale`. With `t` its bits plus the rounding half
+/// (wrapping, as the scalar sum does), the scalar magnitude is `(t >> 20) - 896` clamped
+/// to 0..=127, and at least 1 where `y >= M_HALF_MIN`. Here the index is `t >> 19`
+/// (below 2^13, so it packs into 16-bit lanes unchanged, where each operation does
+/// sixteen values), and:
+/// - `y >= M_HALF_MIN` is `index >= M_CODED` (for a NaN or negative `y` neither holds
+///   in the scalar code, or the clamp at 127 decides: `t >> 20` is then at least 2040,
+///   or `t` wrapped to below 2^19, a magnitude 0 either way, as here);
+/// - `((index - (M_FLOOR + 2)) >> 1) + 1`, the difference saturated at zero, is 1 up to
+///   `M_FLOOR + 2` and `(index - M_FLOOR) >> 1` (the scalar `(t >> 20) - 896`) from
+///   there; below the threshold (below `M_FLOOR + 2`, so the shifted difference is 0)
+///   the 1 is not added, which leaves 0;
+/// - the clamp at 127 is the signed saturation of the pack to bytes.
+///
+/// The signs come from packing m itself with signed saturation, which keeps the sign of
+/// each lane's bits.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn encode_m16(m: [__m256; 2], inv_scale: __m256) -> __m256i {
+fn encode_m(m: [__m256; 4], inv_scale: __m256) -> __m256i {
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    let y0 = _mm256_mul_ps(_mm256_and_ps(m[0], abs_mask), inv_scale);
-    let y1 = _mm256_mul_ps(_mm256_and_ps(m[1], abs_mask), inv_scale);
-    let rounded = _mm256_packus_epi32(
-        rounded_index::<{ q8::M_SHIFT as i32 }>(y0),
-        rounded_index::<{ q8::M_SHIFT as i32 }>(y1),
+    let index = |m: __m256| {
+        let y = _mm256_mul_ps(_mm256_and_ps(m, abs_mask), inv_scale);
+        let t = _mm256_add_epi32(_mm256_castps_si256(y), _mm256_set1_epi32(M_HALF as i32));
+        _mm256_srli_epi32::<M_INDEX_SHIFT>(t)
+    };
+    let magnitude = |a: __m256, b: __m256| {
+        let index = _mm256_packus_epi32(index(a), index(b));
+        let above = _mm256_subs_epu16(index, _mm256_set1_epi16((M_FLOOR + 2) as i16));
+        // The index is below 2^15, so the signed compare is the unsigned one.
+        let coded = _mm256_cmpgt_epi16(index, _mm256_set1_epi16((M_CODED - 1) as i16));
+        // Minus -1 where coded.
+        _mm256_sub_epi16(_mm256_srli_epi16::<1>(above), coded)
+    };
+    let magnitudes = _mm256_packs_epi16(magnitude(m[0], m[1]), magnitude(m[2], m[3]));
+    let bits = m.map(|m| _mm256_castps_si256(m));
+    let signs = _mm256_packs_epi16(
+        _mm256_packs_epi32(bits[0], bits[1]),
+        _mm256_packs_epi32(bits[2], bits[3]),
     );
-    let u = _mm256_subs_epu16(rounded, _mm256_set1_epi16((q8::EXP_BIAS << 3) as i16));
-    let u = _mm256_min_epu16(u, _mm256_set1_epi16(127));
-    let half_min = _mm256_set1_ps(q8::M_HALF_MIN);
-    let at_least_one = _mm256_packs_epi32(
-        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(y0, half_min)),
-        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(y1, half_min)),
+    let codes = _mm256_or_si256(
+        magnitudes,
+        _mm256_and_si256(signs, _mm256_set1_epi8(0x80u8 as i8)),
     );
-    let u = _mm256_max_epu16(u, _mm256_and_si256(at_least_one, _mm256_set1_epi16(1)));
-    let sign = _mm256_packs_epi32(
-        _mm256_srai_epi32::<31>(_mm256_castps_si256(m[0])),
-        _mm256_srai_epi32::<31>(_mm256_castps_si256(m[1])),
-    );
-    _mm256_or_si256(u, _mm256_and_si256(sign, _mm256_set1_epi16(0x80)))
+    in_order(codes)
 }
 
-/// Sixteen sqrt(v) values (two vectors) encoded with the block's inverse scale, as
-/// sixteen 16-bit lanes in `_mm256_packus_epi32` order (see [`q8::encode_r`]).
+/// 32 sqrt(v) values (four vectors) encoded with the block's inverse scale, in element
+/// order (see [`q8::encode_r`]): the index `t >> 19` (below 2^13) packed into 16-bit
+/// lanes, clamped below and offset there, and clamped at 255 by the unsigned saturation
+/// of the pack to bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn encode_r16(r: [__m256; 2], inv_scale: __m256) -> __m256i {
-    let rounded = _mm256_packus_epi32(
-        rounded_index::<{ q8::R_SHIFT as i32 }>(_mm256_mul_ps(r[0], inv_scale)),
-        rounded_index::<{ q8::R_SHIFT as i32 }>(_mm256_mul_ps(r[1], inv_scale)),
-    );
-    let c = _mm256_subs_epu16(rounded, _mm256_set1_epi16((q8::EXP_BIAS << 4) as i16));
-    _mm256_min_epu16(
-        _mm256_max_epu16(c, _mm256_set1_epi16(1)),
-        _mm256_set1_epi16(255),
-    )
-}
-
-/// Eight bytes widened to i32 lanes.
-///
-/// # Safety
-/// `codes` is valid for 8 reads.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load_codes(codes: *const u8) -> __m256i {
-    // SAFETY: the caller guarantees 8 readable bytes; the load is unaligned.
-    _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(codes.cast()) })
-}
-
-/// Two vectors of sixteen 16-bit codes, each in `_mm256_packus_epi32` order of its
-/// two source vectors, narrowed to 32 bytes in element order and stored.
-///
-/// # Safety
-/// `codes` is valid for 32 writes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn store_codes(codes: *mut u8, words: [__m256i; 2]) {
-    // Words [a0-3 b0-3 | a4-7 b4-7] and [c0-3 d0-3 | c4-7 d4-7] give bytes
-    // [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7] (every code fits in a byte, so the
-    // saturating pack changes none); a permutation of 4-byte groups puts them in order.
-    let bytes = _mm256_packus_epi16(words[0], words[1]);
-    let ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    // SAFETY: the caller guarantees 32 writable bytes; the store is unaligned.
-    unsafe { _mm256_storeu_si256(codes.cast(), ordered) };
+fn encode_r(r: [__m256; 4], inv_scale: __m256) -> __m256i {
+    let index = |r: __m256| {
+        let y = _mm256_mul_ps(r, inv_scale);
+        let t = _mm256_add_epi32(
+            _mm256_castps_si256(y),
+            _mm256_set1_epi32(1 << (q8::R_SHIFT - 1)),
+        );
+        _mm256_srli_epi32::<{ q8::R_SHIFT as i32 }>(t)
+    };
+    let code = |a: __m256, b: __m256| {
+        let index = _mm256_packus_epi32(index(a), index(b));
+        _mm256_sub_epi16(
+            _mm256_max_epu16(index, _mm256_set1_epi16((R_FLOOR + 1) as i16)),
+            _mm256_set1_epi16(R_FLOOR as i16),
+        )
+    };
+    in_order(_mm256_packus_epi16(code(r[0], r[1]), code(r[2], r[3])))
 }
 
 /// The largest lane.
@@ -331,96 +377,240 @@ fn max_lane(x: __m256) -> f32 {
 /// Vectors per block of 8-bit state.
 const BLOCK_VECTORS: usize = q8::BLOCK / LANES;
 
-/// How many blocks ahead [`q8_block`] prefetches its next inputs: measured on a 16M
+/// Vectors encoded together: 32 codes, one store.
+const GROUP: usize = 4;
+
+/// Groups per block.
+const BLOCK_GROUPS: usize = BLOCK_VECTORS / GROUP;
+
+/// How many blocks ahead the 8-bit kernel prefetches its inputs: measured on a 16M
 /// parameter state, one thread, against none and 4 ahead (8% faster than none; 4 was
 /// no better than 2).
 const PREFETCH_BLOCKS: usize = 2;
 
-/// One whole block of 8-bit state, in two passes over it. The first decodes the
-/// moments, updates them and takes their maxima (the new scales); the second updates
-/// the parameters from the new moments and encodes them, sixteen values per clamp
-/// (`encode_m16`, `encode_r16`) and 32 codes per store. The parameter's division sits
-/// in the second pass, not after the square root in the first, so each pass has one
-/// long-latency instruction per vector in its chain. The arithmetic is [`update`]'s,
-/// operation for operation, and the codes the format's (docs/adamw-8bit.md has the
-/// profile this layout came from).
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
-    const GROUP: usize = 4;
-    let c = Consts::new(k);
-    let (p, g, out) = (b.p.as_mut_ptr(), b.g.as_ptr(), b.out.as_mut_ptr());
-    let (m_codes, v_codes) = (b.m_codes.as_mut_ptr(), b.v_codes.as_mut_ptr());
-    // Written in the first pass before the second reads them, so left uninitialised:
-    // zeroing them was a 2 KiB memset per block, 5% of the kernel's time.
-    let mut m_new = [std::mem::MaybeUninit::<__m256>::uninit(); BLOCK_VECTORS];
-    let mut r_new = [std::mem::MaybeUninit::<__m256>::uninit(); BLOCK_VECTORS];
-    let (ms, vs) = (_mm256_set1_ps(*b.m_scale), _mm256_set1_ps(*b.v_scale));
-    let mut m_absmax = _mm256_setzero_ps();
-    let mut r_max = _mm256_setzero_ps();
-    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-    for (j, (m_slot, r_slot)) in m_new.iter_mut().zip(&mut r_new).enumerate() {
-        let i = j * LANES;
-        // One cache line per vector of each array of the block PREFETCH_BLOCKS ahead
-        // (the dispatcher runs blocks in address order). A prefetch never faults, and
-        // `wrapping_add` makes no claim that the address lies in the allocation, so
-        // the lines past a slice's end cost a wasted hint, nothing more.
-        let (ahead, line) = (PREFETCH_BLOCKS * q8::BLOCK, j * 64);
-        if line < q8::BLOCK * size_of::<f32>() {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead).cast::<i8>().wrapping_add(line));
-        }
-        if line < q8::BLOCK * size_of::<G>() {
-            _mm_prefetch::<_MM_HINT_T0>(g.wrapping_add(ahead).cast::<i8>().wrapping_add(line));
-        }
-        if line < q8::BLOCK {
-            _mm_prefetch::<_MM_HINT_T0>(m_codes.wrapping_add(ahead + line).cast::<i8>());
-            _mm_prefetch::<_MM_HINT_T0>(v_codes.wrapping_add(ahead + line).cast::<i8>());
-        }
-        // SAFETY: i + 8 <= BLOCK, and the code and gradient arrays hold a block.
-        unsafe {
-            let m = decode_m(load_codes(m_codes.add(i)), ms);
-            let r = decode_r(load_codes(v_codes.add(i)), vs);
-            let [mn, _, rn] = moments(&c, m, _mm256_mul_ps(r, r), load_lanes(g.add(i)));
-            m_slot.write(mn);
-            r_slot.write(rn);
-            m_absmax = _mm256_max_ps(m_absmax, _mm256_and_ps(mn, abs_mask));
-            r_max = _mm256_max_ps(r_max, rn);
+/// A run of 8-bit blocks' arrays as raw pointers, taken once for the whole run: a
+/// block's codes are read through them in the first pass and written in the second.
+struct Run<G, O> {
+    p: *mut f32,
+    m_codes: *mut u8,
+    v_codes: *mut u8,
+    g: *const G,
+    out: *mut O,
+}
+
+impl<G: Lane, O: Lane> Run<G, O> {
+    fn new(b: &mut Q8Blocks<'_, G, O>) -> Self {
+        Run {
+            p: b.p.as_mut_ptr(),
+            m_codes: b.m_codes.as_mut_ptr(),
+            v_codes: b.v_codes.as_mut_ptr(),
+            g: b.g.as_ptr(),
+            out: b.out.as_mut_ptr(),
         }
     }
-    let (m_scale_new, m_inv) = q8::m_scales(max_lane(m_absmax));
-    let (v_scale_new, r_inv) = q8::r_scales(max_lane(r_max));
-    *b.m_scale = m_scale_new;
-    *b.v_scale = v_scale_new;
-    let (m_inv, r_inv) = (_mm256_set1_ps(m_inv), _mm256_set1_ps(r_inv));
-    for j0 in (0..BLOCK_VECTORS).step_by(GROUP) {
-        let mut m_out = [_mm256_setzero_ps(); GROUP];
-        let mut r_out = [_mm256_setzero_ps(); GROUP];
-        for q in 0..GROUP {
-            let (j, i) = (j0 + q, (j0 + q) * LANES);
-            // SAFETY: the first pass wrote every slot; i + 8 <= BLOCK, and the parameter
-            // array holds a block (a `NoCopy` one is zero-sized and nothing is written
-            // through it).
-            unsafe {
-                let (mn, rn) = (m_new[j].assume_init(), r_new[j].assume_init());
-                let pn = param(&c, _mm256_loadu_ps(p.add(i)), mn, rn);
-                _mm256_storeu_ps(p.add(i), pn);
-                store_lanes(out.add(i), pn);
-                m_out[q] = mn;
-                r_out[q] = rn;
+
+    /// Block `i`'s first pass, with its scales.
+    ///
+    /// # Safety
+    /// The run has more than `i` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn moments(&self, i: usize, m_scale: f32, v_scale: f32) -> Moments<G> {
+        let at = i * q8::BLOCK;
+        // SAFETY: the caller guarantees block i lies in the arrays.
+        unsafe {
+            Moments {
+                p: self.p.add(at),
+                m_codes: self.m_codes.add(at),
+                v_codes: self.v_codes.add(at),
+                g: self.g.add(at),
+                m_scale: _mm256_set1_ps(m_scale),
+                v_scale: _mm256_set1_ps(v_scale),
             }
         }
-        let m_words = [
-            encode_m16([m_out[0], m_out[1]], m_inv),
-            encode_m16([m_out[2], m_out[3]], m_inv),
-        ];
-        let r_words = [
-            encode_r16([r_out[0], r_out[1]], r_inv),
-            encode_r16([r_out[2], r_out[3]], r_inv),
-        ];
-        let i = j0 * LANES;
-        // SAFETY: i + 32 <= BLOCK, and the code arrays hold a block.
+    }
+
+    /// Block `i`'s second pass, with its inverse scales.
+    ///
+    /// # Safety
+    /// The run has more than `i` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn finish(&self, i: usize, m_inv: f32, r_inv: f32) -> Finish<O> {
+        let at = i * q8::BLOCK;
+        // SAFETY: the caller guarantees block i lies in the arrays.
         unsafe {
-            store_codes(m_codes.add(i), m_words);
-            store_codes(v_codes.add(i), r_words);
+            Finish {
+                p: self.p.add(at),
+                out: self.out.add(at),
+                m_codes: self.m_codes.add(at),
+                v_codes: self.v_codes.add(at),
+                m_inv: _mm256_set1_ps(m_inv),
+                r_inv: _mm256_set1_ps(r_inv),
+            }
+        }
+    }
+}
+
+/// Where the first pass over one block of 8-bit state reads, and the block's scales.
+struct Moments<G> {
+    /// Only prefetched from (the second pass updates the parameters).
+    p: *const f32,
+    m_codes: *const u8,
+    v_codes: *const u8,
+    g: *const G,
+    m_scale: __m256,
+    v_scale: __m256,
+}
+
+impl<G: Lane> Moments<G> {
+    /// Group `k` of the block (vectors `GROUP * k` on): decodes the moments and updates
+    /// them; returns the new m and sqrt(v), and takes them into the block's maxima
+    /// (`max`: of |m|, of sqrt(v)).
+    ///
+    /// # Safety
+    /// The pointers hold a whole block, and `k < BLOCK_GROUPS`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group(&self, c: &Consts, k: usize, max: &mut [__m256; 2]) -> [[__m256; 2]; GROUP] {
+        let at = k * GROUP * LANES;
+        self.prefetch(at);
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let mut out = [[_mm256_setzero_ps(); 2]; GROUP];
+        for (q, out) in out.iter_mut().enumerate() {
+            let i = at + q * LANES;
+            // SAFETY: i + 8 <= BLOCK, and the caller guarantees whole blocks.
+            unsafe {
+                let m = decode_m(_mm_loadl_epi64(self.m_codes.add(i).cast()), self.m_scale);
+                let r = decode_r(_mm_loadl_epi64(self.v_codes.add(i).cast()), self.v_scale);
+                let g = load_lanes(self.g.add(i));
+                let [mn, _, rn] = moments(c, m, _mm256_mul_ps(r, r), g);
+                max[0] = _mm256_max_ps(max[0], _mm256_and_ps(mn, abs_mask));
+                max[1] = _mm256_max_ps(max[1], rn);
+                *out = [mn, rn];
+            }
+        }
+        out
+    }
+
+    /// Asks for the cache lines of each input array of the block [`PREFETCH_BLOCKS`]
+    /// ahead (blocks run in address order) that hold the elements a group from `at` on
+    /// holds there: each line of the parameters and gradients once, the codes' line
+    /// twice (a group has half a line of each). A fixed number per group, without
+    /// branches (one per vector and array, as before, cost a compare and a branch each).
+    /// A prefetch never faults, and `wrapping_add` makes no claim that the address lies
+    /// in the allocation, so the lines past a slice's end cost a wasted hint, nothing
+    /// more.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn prefetch(&self, at: usize) {
+        const LINE: usize = 64;
+        let at = at + PREFETCH_BLOCKS * q8::BLOCK;
+        let (p, g) = (self.p.wrapping_add(at), self.g.wrapping_add(at));
+        for line in (0..GROUP * LANES * size_of::<f32>()).step_by(LINE) {
+            _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>().wrapping_add(line));
+        }
+        for line in (0..GROUP * LANES * size_of::<G>()).step_by(LINE) {
+            _mm_prefetch::<_MM_HINT_T0>(g.cast::<i8>().wrapping_add(line));
+        }
+        _mm_prefetch::<_MM_HINT_T0>(self.m_codes.wrapping_add(at).cast());
+        _mm_prefetch::<_MM_HINT_T0>(self.v_codes.wrapping_add(at).cast());
+    }
+}
+
+/// Where the second pass over one block of 8-bit state writes, and the block's inverse
+/// scales.
+struct Finish<O> {
+    p: *mut f32,
+    out: *mut O,
+    m_codes: *mut u8,
+    v_codes: *mut u8,
+    m_inv: __m256,
+    r_inv: __m256,
+}
+
+impl<O: Lane> Finish<O> {
+    /// Group `k` of the block (vectors `GROUP * k` on), from its new m and sqrt(v):
+    /// updates and writes the parameters, and writes the codes.
+    ///
+    /// # Safety
+    /// The pointers hold a whole block (a `NoCopy` one is zero-sized and nothing is
+    /// written through it), and `k < BLOCK_GROUPS`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group(&self, c: &Consts, k: usize, group: &[[__m256; 2]; GROUP]) {
+        let at = k * GROUP * LANES;
+        for (q, &[m, r]) in group.iter().enumerate() {
+            let i = at + q * LANES;
+            // SAFETY: i + 8 <= BLOCK, and the caller guarantees whole blocks.
+            unsafe {
+                let pn = param(c, _mm256_loadu_ps(self.p.add(i)), m, r);
+                _mm256_storeu_ps(self.p.add(i), pn);
+                store_lanes(self.out.add(i), pn);
+            }
+        }
+        let codes = [
+            encode_m(group.map(|[m, _]| m), self.m_inv),
+            encode_r(group.map(|[_, r]| r), self.r_inv),
+        ];
+        // SAFETY: at + 32 <= BLOCK, and the caller guarantees whole blocks; the stores
+        // are unaligned.
+        unsafe {
+            _mm256_storeu_si256(self.m_codes.add(at).cast(), codes[0]);
+            _mm256_storeu_si256(self.v_codes.add(at).cast(), codes[1]);
+        }
+    }
+}
+
+/// One whole block of 8-bit state: decode, update, re-encode with new scales.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_block<G: Lane, O: Lane>(k: &AdamStep, b: Q8Block<'_, G, O>) {
+    let blocks = Q8Blocks {
+        p: b.p,
+        m_codes: b.m_codes,
+        m_scales: std::slice::from_mut(b.m_scale),
+        v_codes: b.v_codes,
+        v_scales: std::slice::from_mut(b.v_scale),
+        g: b.g,
+        out: b.out,
+    };
+    q8_blocks(k, blocks);
+}
+
+/// A run of whole blocks of 8-bit state, each in two passes. The first decodes the
+/// moments, updates them and takes their maxima (the new scales); the second updates the
+/// parameters from the new moments and encodes these, 32 values per encoding (clamps on
+/// 16-bit lanes, one store). The parameter's division sits in the second pass, the
+/// square root in the first, so each pass keeps the divider busy beside its integer
+/// work. Not software-pipelined as the AVX-512 kernel is (block i's second pass in the
+/// loop of block i + 1's first): measured on a Zen 4 running these kernels, that was 3%
+/// slower in cache (one thread, 256K parameters: 1.64 against 1.68 G params/s) and no
+/// different from memory; the two passes' constants do not fit in sixteen registers
+/// together. The scratch between the passes is zeroed once per run, not per block. The
+/// arithmetic is [`update`]'s, operation for operation, and the codes the format's
+/// (docs/adamw-8bit.md has the profile the two passes came from).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_blocks<G: Lane, O: Lane>(k: &AdamStep, mut b: Q8Blocks<'_, G, O>) {
+    let blocks = b.count();
+    let c = Consts::new(k);
+    let run = Run::new(&mut b);
+    // The new m and sqrt(v) of the block, from the first pass to the second.
+    let mut kept = [[[_mm256_setzero_ps(); 2]; GROUP]; BLOCK_GROUPS];
+    for i in 0..blocks {
+        // SAFETY: i < blocks, and `count` checked that every array holds them.
+        let u = unsafe { run.moments(i, b.m_scales[i], b.v_scales[i]) };
+        let mut max = [_mm256_setzero_ps(); 2];
+        for (k, group) in kept.iter_mut().enumerate() {
+            // SAFETY: `u` points at a whole block, and k < BLOCK_GROUPS.
+            *group = unsafe { u.group(&c, k, &mut max) };
+        }
+        let (m_scale, m_inv) = q8::m_scales(max_lane(max[0]));
+        let (v_scale, r_inv) = q8::r_scales(max_lane(max[1]));
+        b.m_scales[i] = m_scale;
+        b.v_scales[i] = v_scale;
+        // SAFETY: as above.
+        let f = unsafe { run.finish(i, m_inv, r_inv) };
+        for (k, group) in kept.iter().enumerate() {
+            // SAFETY: `f` points at a whole block, and k < BLOCK_GROUPS.
+            unsafe { f.group(&c, k, group) };
         }
     }
 }
@@ -464,4 +654,103 @@ fn sum_squares<G: Lane>(g: &[G], scale: f32) -> GradStats {
         unsafe { _mm256_storeu_pd(lanes.as_mut_ptr().add(4 * j), *acc) };
     }
     GradStats::from_sum(pairwise(&lanes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isa::Isa;
+
+    /// The codes of 32 values of `|m| * inv` or `r * inv` by `encode` (one of this file's
+    /// encoders).
+    fn encoded(
+        encode: unsafe fn([__m256; 4], __m256) -> __m256i,
+        x: &[f32; 32],
+        inv: f32,
+    ) -> [u8; 32] {
+        let mut codes = [0u8; 32];
+        // SAFETY: the caller checked the CPU has AVX2, FMA and F16C; `x` and `codes` hold
+        // 32 lanes.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(x.as_ptr().add(8 * j)));
+            let c = encode(v, _mm256_set1_ps(inv));
+            _mm256_storeu_si256(codes.as_mut_ptr().cast(), c);
+        }
+        codes
+    }
+
+    /// The encoders' integer arithmetic is rearranged from `q8::encode_*`: they must agree
+    /// on every f32, here a sweep over all bit patterns (both signs, zeros, subnormals,
+    /// infinities, NaNs with any payload) and every pattern near each code's rounding
+    /// edge, with inverse scales that give the negative default NaN (0 times infinity).
+    #[test]
+    fn simd_encoding_matches_the_scalar_definition_on_every_kind_of_value() {
+        if !Isa::Avx2.is_supported() {
+            return;
+        }
+        let edges = (0..=255u32).flat_map(|c| {
+            let bits = (c << q8::R_SHIFT) + (q8::EXP_BIAS << 23);
+            [
+                bits,
+                bits + (1 << (q8::R_SHIFT - 1)),
+                q8::M_HALF_MIN.to_bits(),
+            ]
+        });
+        let near = edges.flat_map(|b| (b - 2..=b + 2).flat_map(|b| [b, b | 0x8000_0000]));
+        let sweep = (0..=u32::MAX).step_by(4099).chain(0xfff7_fff0..=u32::MAX);
+        let bits: Vec<u32> = sweep.chain(near).collect();
+        for inv in [1.0, 0.3, 0.0, f32::NAN, 1e30] {
+            for chunk in bits.chunks(32) {
+                let mut x = [0f32; 32];
+                for (x, &b) in x.iter_mut().zip(chunk) {
+                    *x = f32::from_bits(b);
+                }
+                let m = encoded(encode_m, &x, inv);
+                let r = encoded(encode_r, &x, inv);
+                for (i, x) in x.iter().enumerate() {
+                    if x.is_nan() && inv.is_nan() {
+                        // NaN times NaN is either NaN, by the compiler's choice of
+                        // operand order, here as in the scalar code.
+                        continue;
+                    }
+                    assert_eq!(
+                        m[i],
+                        q8::encode_m(*x, inv),
+                        "m {:#x} inv {inv}",
+                        x.to_bits()
+                    );
+                    assert_eq!(
+                        r[i],
+                        q8::encode_r(*x, inv),
+                        "r {:#x} inv {inv}",
+                        x.to_bits()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_decoding_matches_the_scalar_definition_on_every_code() {
+        if !Isa::Avx2.is_supported() {
+            return;
+        }
+        for scale in [1.0, 0.3, 0.0, f32::NAN, f32::INFINITY, 1e-39] {
+            for first in (0..=255u8).step_by(8) {
+                let codes: [u8; 8] = std::array::from_fn(|i| first + i as u8);
+                let (mut m, mut r) = ([0f32; 8], [0f32; 8]);
+                // SAFETY: the CPU has AVX2, FMA and F16C; the arrays hold 8 lanes.
+                unsafe {
+                    let c = _mm_loadl_epi64(codes.as_ptr().cast());
+                    _mm256_storeu_ps(m.as_mut_ptr(), decode_m(c, _mm256_set1_ps(scale)));
+                    _mm256_storeu_ps(r.as_mut_ptr(), decode_r(c, _mm256_set1_ps(scale)));
+                }
+                for (i, &code) in codes.iter().enumerate() {
+                    let (want_m, want_r) = (q8::decode_m(code, scale), q8::decode_r(code, scale));
+                    assert_eq!(m[i].to_bits(), want_m.to_bits(), "m {code} scale {scale}");
+                    assert_eq!(r[i].to_bits(), want_r.to_bits(), "r {code} scale {scale}");
+                }
+            }
+        }
+    }
 }
