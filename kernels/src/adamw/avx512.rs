@@ -578,54 +578,19 @@ mod tests {
     }
 
     /// The encoders' integer arithmetic is rearranged from `q8::encode_*`: they must agree
-    /// on every f32, here a sweep over all bit patterns (both signs, zeros, subnormals,
-    /// infinities, NaNs with any payload) and every pattern near each code's rounding
-    /// edge, with inverse scales that give the negative default NaN (0 times infinity).
+    /// on every f32 ([`q8::simd_check::encoders`]).
     #[test]
     fn simd_encoding_matches_the_scalar_definition_on_every_kind_of_value() {
         if !Isa::Avx512.is_supported() {
             return;
         }
-        let edges = (0..=255u32).flat_map(|c| {
-            let bits = (c << q8::R_SHIFT) + (q8::EXP_BIAS << 23);
-            [
-                bits,
-                bits + (1 << (q8::R_SHIFT - 1)),
-                q8::M_HALF_MIN.to_bits(),
-            ]
+        q8::simd_check::encoders(16, |x, inv| {
+            let x: &[f32; 16] = x.try_into().unwrap();
+            (
+                encoded(encode_m, x, inv).to_vec(),
+                encoded(encode_r, x, inv).to_vec(),
+            )
         });
-        let near = edges.flat_map(|b| (b - 2..=b + 2).flat_map(|b| [b, b | 0x8000_0000]));
-        let sweep = (0..=u32::MAX).step_by(4099).chain(0xfff7_fff0..=u32::MAX);
-        let bits: Vec<u32> = sweep.chain(near).collect();
-        for inv in [1.0, 0.3, 0.0, f32::NAN, 1e30] {
-            for chunk in bits.chunks(16) {
-                let mut x = [0f32; 16];
-                for (x, &b) in x.iter_mut().zip(chunk) {
-                    *x = f32::from_bits(b);
-                }
-                let m = encoded(encode_m, &x, inv);
-                let r = encoded(encode_r, &x, inv);
-                for (i, x) in x.iter().enumerate() {
-                    if x.is_nan() && inv.is_nan() {
-                        // NaN times NaN is either NaN, by the compiler's choice of
-                        // operand order, here as in the scalar code.
-                        continue;
-                    }
-                    assert_eq!(
-                        m[i],
-                        q8::encode_m(*x, inv),
-                        "m {:#x} inv {inv}",
-                        x.to_bits()
-                    );
-                    assert_eq!(
-                        r[i],
-                        q8::encode_r(*x, inv),
-                        "r {:#x} inv {inv}",
-                        x.to_bits()
-                    );
-                }
-            }
-        }
     }
 
     #[test]
@@ -633,22 +598,15 @@ mod tests {
         if !Isa::Avx512.is_supported() {
             return;
         }
-        for scale in [1.0, 0.3, 0.0, f32::NAN, f32::INFINITY, 1e-39] {
-            for first in (0..=255u8).step_by(16) {
-                let codes: [u8; 16] = std::array::from_fn(|i| first + i as u8);
-                let (mut m, mut r) = ([0f32; 16], [0f32; 16]);
-                // SAFETY: the CPU has AVX-512F; the arrays hold 16 lanes.
-                unsafe {
-                    let c = _mm_loadu_si128(codes.as_ptr().cast());
-                    _mm512_storeu_ps(m.as_mut_ptr(), decode_m(c, _mm512_set1_ps(scale)));
-                    _mm512_storeu_ps(r.as_mut_ptr(), decode_r(c, _mm512_set1_ps(scale)));
-                }
-                for (i, &code) in codes.iter().enumerate() {
-                    let (want_m, want_r) = (q8::decode_m(code, scale), q8::decode_r(code, scale));
-                    assert_eq!(m[i].to_bits(), want_m.to_bits(), "m {code} scale {scale}");
-                    assert_eq!(r[i].to_bits(), want_r.to_bits(), "r {code} scale {scale}");
-                }
+        q8::simd_check::decoders(16, |codes, scale| {
+            let (mut m, mut r) = (vec![0f32; 16], vec![0f32; 16]);
+            // SAFETY: the CPU has AVX-512F; the vectors hold 16 lanes.
+            unsafe {
+                let c = _mm_loadu_si128(codes.as_ptr().cast());
+                _mm512_storeu_ps(m.as_mut_ptr(), decode_m(c, _mm512_set1_ps(scale)));
+                _mm512_storeu_ps(r.as_mut_ptr(), decode_r(c, _mm512_set1_ps(scale)));
             }
-        }
+            (m, r)
+        });
     }
 }

@@ -196,6 +196,69 @@ fn check_lengths(values: usize, codes: usize, scales: usize) {
     );
 }
 
+/// Checks of a SIMD kernel's encoders and decoders against this file's scalar
+/// definition, shared by every instruction set's tests.
+#[cfg(test)]
+pub(crate) mod simd_check {
+    use super::*;
+
+    /// `encode(x, inv)` gives the m and sqrt(v) codes of `lanes` values at once: they
+    /// must agree with [`encode_m`] and [`encode_r`] on every f32, here a sweep over all
+    /// bit patterns (both signs, zeros, subnormals, infinities, NaNs with any payload)
+    /// and every pattern near each code's rounding edge, with inverse scales that give
+    /// the negative default NaN (0 times infinity).
+    pub(crate) fn encoders(
+        lanes: usize,
+        mut encode: impl FnMut(&[f32], f32) -> (Vec<u8>, Vec<u8>),
+    ) {
+        let edges = (0..=255u32).flat_map(|c| {
+            let bits = (c << R_SHIFT) + (EXP_BIAS << 23);
+            [bits, bits + (1 << (R_SHIFT - 1)), M_HALF_MIN.to_bits()]
+        });
+        let near = edges.flat_map(|b| (b - 2..=b + 2).flat_map(|b| [b, b | 0x8000_0000]));
+        let sweep = (0..=u32::MAX).step_by(4099).chain(0xfff7_fff0..=u32::MAX);
+        let bits: Vec<u32> = sweep.chain(near).collect();
+        for inv in [1.0, 0.3, 0.0, f32::NAN, 1e30] {
+            for chunk in bits.chunks(lanes) {
+                let mut x = vec![0f32; lanes];
+                for (x, &b) in x.iter_mut().zip(chunk) {
+                    *x = f32::from_bits(b);
+                }
+                let (m, r) = encode(&x, inv);
+                for (i, x) in x.iter().enumerate() {
+                    if x.is_nan() && inv.is_nan() {
+                        // NaN times NaN is either NaN, by the compiler's choice of
+                        // operand order, in the SIMD code as in the scalar code.
+                        continue;
+                    }
+                    assert_eq!(m[i], encode_m(*x, inv), "m {:#x} inv {inv}", x.to_bits());
+                    assert_eq!(r[i], encode_r(*x, inv), "r {:#x} inv {inv}", x.to_bits());
+                }
+            }
+        }
+    }
+
+    /// `decode(codes, scale)` gives the m and sqrt(v) values of `lanes` codes at once:
+    /// they must be [`decode_m`]'s and [`decode_r`]'s bits on every code, with special
+    /// scales.
+    pub(crate) fn decoders(
+        lanes: usize,
+        mut decode: impl FnMut(&[u8], f32) -> (Vec<f32>, Vec<f32>),
+    ) {
+        for scale in [1.0, 0.3, 0.0, f32::NAN, f32::INFINITY, 1e-39] {
+            for first in (0..=255u8).step_by(lanes) {
+                let codes: Vec<u8> = (0..lanes).map(|i| first + i as u8).collect();
+                let (m, r) = decode(&codes, scale);
+                for (i, &code) in codes.iter().enumerate() {
+                    let (want_m, want_r) = (decode_m(code, scale), decode_r(code, scale));
+                    assert_eq!(m[i].to_bits(), want_m.to_bits(), "m {code} scale {scale}");
+                    assert_eq!(r[i].to_bits(), want_r.to_bits(), "r {code} scale {scale}");
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
