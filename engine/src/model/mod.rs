@@ -22,6 +22,7 @@
 //! Where buffers live, and when they move, is not decided here.
 
 mod bind;
+pub mod chat;
 mod config_keys;
 pub mod data;
 mod error;

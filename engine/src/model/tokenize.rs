@@ -2,17 +2,30 @@
 //! and Qwen ship it, and the BPE files of Llama 2 and Mistral) through the `tokenizers`
 //! crate, and text files encoded into llm.c token files.
 //!
-//! Inputs: `*.jsonl` files hold one JSON object per line, `{"text": ...}` (a document) or
+//! Inputs: `*.jsonl` files hold one JSON object per line, `{"text": ...}` (a document),
 //! `{"prompt": ..., "completion": ...}` (a document whose loss counts the completion
-//! only); any other file is one document of UTF-8 text. Documents are encoded with the
-//! tokenizer's special tokens (a Llama BOS) and each is followed by the end-of-sequence
-//! token ([`TextTokenizer::eos`]).
+//! only) or `{"messages": [{"role": ..., "content": ...}, ...]}` (a conversation whose
+//! loss counts the assistant's turns only); the three may be mixed in one file, each line
+//! its own document. Any other file is one document of UTF-8 text. Text documents and
+//! pairs are encoded with the tokenizer's special tokens (a Llama BOS) and each is
+//! followed by the end-of-sequence token ([`TextTokenizer::eos`]).
+//!
+//! A conversation is rendered with the folder's chat template ([`super::chat`]) and its
+//! text encoded as transformers' `apply_chat_template(tokenize=True)` encodes it: without
+//! adding special tokens (the template writes the BOS it wants) and without an EOS after
+//! it. The template already ends each assistant turn with its end-of-turn token (Qwen's
+//! `<|im_end|>`, Llama 3's `<|eot_id|>`, Mistral's `</s>`), which is what the model must
+//! learn to write; an EOS after the whole conversation is a token inference never sees
+//! there, and the next conversation's opening tokens do not count in the loss anyway.
+//! The mask counts the tokens of each assistant turn, its end-of-turn token included,
+//! and nothing else (where a turn lies: [`super::chat`]; tokens: [`super::chat::counted_tokens`]).
 //!
 //! Output: llm.c's token file ([`super::data`]: version 1 with uint16 ids; version 2,
 //! uint32 ids, when the vocabulary has more than 65,536 ids), written under a temporary
-//! name and renamed into place. When any document is a prompt/completion pair, a *mask*
-//! file `OUT.mask` goes beside it: one byte per token, 1 where the token counts as a
-//! target of the loss (completion tokens and their EOS), 0 where it does not (prompts).
+//! name and renamed into place. When any document is a prompt/completion pair or a
+//! conversation, a *mask* file `OUT.mask` goes beside it: one byte per token, 1 where the
+//! token counts as a target of the loss (completion tokens and their EOS, assistant
+//! turns), 0 where it does not (prompts, system and user turns, the template's headers).
 //!
 //! Long text documents are encoded in pieces (in parallel) cut after a lone line feed
 //! between two non-space characters, which gives the same ids as the whole text for a
@@ -27,6 +40,7 @@ use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use super::ModelError;
+use super::chat::{ChatTemplate, Conversation, counted_tokens};
 pub use super::data::mask_path;
 use super::data::{LLMC_HEADER_BYTES, LLMC_MAGIC};
 use super::mapped::map_read_only;
@@ -128,9 +142,9 @@ impl TextTokenizer {
             .or_else(|| EOS_NAMES.iter().find_map(|name| inner.token_to_id(name)));
         Ok(TextTokenizer {
             inner,
-            path: file,
             eos,
-            checksum: strata_storage::crc::crc32c(&bytes),
+            checksum: files_checksum(&bytes, dir)?,
+            path: file,
             splittable,
         })
     }
@@ -156,9 +170,36 @@ impl TextTokenizer {
         self.eos
     }
 
-    /// The crc32c of the `tokenizer.json` file (part of a cache's name).
+    /// The crc32c of the `tokenizer.json` file followed by the files beside it that
+    /// choose its EOS and its chat template (those of [`CONFIG_FILES`] there): part of a
+    /// cache's name, so that editing any of them tokenizes the data again.
     pub fn checksum(&self) -> u32 {
         self.checksum
+    }
+
+    /// The chat template beside the tokenizer ([`ChatTemplate::open`]), refused with
+    /// the ways on when the folder has none.
+    pub fn chat_template(&self) -> Result<ChatTemplate, ModelError> {
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        ChatTemplate::open(dir)?.ok_or_else(|| {
+            ModelError::BadInput(format!(
+                "conversations (`messages` lines) are rendered with the model's chat \
+                 template, and {} has none: add the model's `chat_template` to its \
+                 tokenizer_config.json (or its chat_template.jinja beside it), or write the \
+                 data as {{\"prompt\": ..., \"completion\": ...}} lines",
+                dir.display()
+            ))
+        })
+    }
+
+    /// The ids of each of `texts`, no special tokens added, each with the byte range of
+    /// its text every token covers (on the crate's threads).
+    fn encode_with_offsets(&self, texts: Vec<&str>) -> Result<Vec<IdsAndOffsets>, ModelError> {
+        let encodings = self.guarded("encoding", || self.inner.encode_batch(texts, false))?;
+        Ok(encodings
+            .iter()
+            .map(|e| (e.get_ids().to_vec(), e.get_offsets().to_vec()))
+            .collect())
     }
 
     /// The ids of `text`, with the tokenizer's special tokens (a Llama BOS) when
@@ -230,6 +271,35 @@ impl TextTokenizer {
         }
         Ok(())
     }
+}
+
+/// The files beside a `tokenizer.json` that change what text becomes: its EOS and its
+/// chat template.
+pub const CONFIG_FILES: [&str; 3] = [
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+];
+
+/// A text's ids and the byte range of the text each covers.
+type IdsAndOffsets = (Vec<u32>, Vec<(usize, usize)>);
+
+/// The crc32c of `tokenizer` (a `tokenizer.json`'s bytes) followed by those of the
+/// [`CONFIG_FILES`] in `dir`, each behind its name.
+fn files_checksum(tokenizer: &[u8], dir: &Path) -> Result<u32, ModelError> {
+    let mut crc = strata_storage::crc::crc32c(tokenizer);
+    for name in CONFIG_FILES {
+        let path = dir.join(name);
+        match std::fs::read(&path) {
+            Ok(bytes) => {
+                crc = strata_storage::crc::crc32c_combine(crc, name.as_bytes());
+                crc = strata_storage::crc::crc32c_combine(crc, &bytes);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ModelError::io(&path, e)),
+        }
+    }
+    Ok(crc)
 }
 
 /// The end-of-sequence id the files beside a tokenizer name: `tokenizer_config.json`'s
@@ -453,6 +523,8 @@ pub fn encode_files(
     let mut writer = TokenWriter::create(output, wide)?;
     let mut documents = 0u64;
     let mut done_bytes = 0u64;
+    // The chat template, read at the first conversation.
+    let mut chat = None;
     for input in inputs {
         let Some(map) = map_text(input)? else {
             continue;
@@ -474,30 +546,13 @@ pub fn encode_files(
         let lines: Vec<(usize, &str)> = text
             .lines()
             .enumerate()
+            .map(|(i, l)| (i + 1, l))
             .filter(|(_, l)| !l.trim().is_empty())
             .collect();
         for group in lines.chunks(256) {
-            let mut docs = Vec::with_capacity(group.len());
-            for &(number, line) in group {
-                docs.push(parse_line(input, number + 1, line)?);
-            }
-            let firsts: Vec<&str> = docs.iter().map(|d| d.0.as_str()).collect();
-            let first_ids = tokenizer.encode_many(firsts, true)?;
-            let completions: Vec<&str> = docs.iter().filter_map(|d| d.1.as_deref()).collect();
-            let mut completion_ids = tokenizer.encode_many(completions, false)?.into_iter();
-            for ((_, completion), first) in docs.iter().zip(first_ids) {
-                match completion {
-                    None => {
-                        writer.push(&first, true)?;
-                        writer.push(&[eos], true)?;
-                    }
-                    Some(_) => {
-                        let mut ids = completion_ids.next().expect("one per pair");
-                        ids.push(eos);
-                        writer.push(&first, false)?;
-                        writer.push(&ids, true)?;
-                    }
-                }
+            let docs = encode_lines(tokenizer, &mut chat, input, group, eos)?;
+            for (ids, counted) in docs.iter().flatten() {
+                writer.push(ids, *counted)?;
             }
             documents += docs.len() as u64;
             done_bytes += group.iter().map(|(_, l)| l.len() as u64 + 1).sum::<u64>();
@@ -513,16 +568,115 @@ pub fn encode_files(
     })
 }
 
-/// One JSON line: the text (or the prompt) and the completion, if a pair.
-fn parse_line(
-    path: &Path,
-    number: usize,
-    line: &str,
-) -> Result<(String, Option<String>), ModelError> {
+/// One document of a JSON line.
+enum Line {
+    /// `{"text": ...}`.
+    Text(String),
+    /// `{"prompt": ..., "completion": ...}`.
+    Pair(String, String),
+    /// `{"messages": [...]}`.
+    Chat(Conversation),
+}
+
+impl Line {
+    /// The text encoded with the tokenizer's special tokens: a document, or a prompt.
+    fn first(&self) -> Option<&str> {
+        match self {
+            Line::Text(text) | Line::Pair(text, _) => Some(text),
+            Line::Chat(_) => None,
+        }
+    }
+
+    fn completion(&self) -> Option<&str> {
+        match self {
+            Line::Pair(_, completion) => Some(completion),
+            _ => None,
+        }
+    }
+}
+
+/// A document as runs of ids, each counted in the loss or not.
+type Runs = Vec<(Vec<u32>, bool)>;
+
+/// The documents of `group`, JSON lines of `input` with their numbers, each as runs:
+/// a text and its EOS, counted; a prompt, not counted, then its completion and EOS,
+/// counted; a conversation rendered by the chat template (read into `chat` at the
+/// first), its assistant turns counted and the rest not.
+fn encode_lines(
+    tokenizer: &TextTokenizer,
+    chat: &mut Option<ChatTemplate>,
+    input: &Path,
+    group: &[(usize, &str)],
+    eos: u32,
+) -> Result<Vec<Runs>, ModelError> {
+    let at = |number: usize| {
+        move |e: String| ModelError::BadInput(format!("{}:{number}: {e}", input.display()))
+    };
+    let mut docs = Vec::with_capacity(group.len());
+    let mut rendered = Vec::new();
+    for &(number, line) in group {
+        let doc = parse_line(input, number, line)?;
+        if let Line::Chat(conversation) = &doc {
+            if chat.is_none() {
+                *chat = Some(
+                    tokenizer
+                        .chat_template()
+                        .map_err(|e| at(number)(e.to_string()))?,
+                );
+            }
+            let template = chat.as_ref().expect("read above");
+            rendered.push(template.render_chat(conversation).map_err(at(number))?);
+        }
+        docs.push(doc);
+    }
+    let mut firsts = tokenizer
+        .encode_many(docs.iter().filter_map(Line::first).collect(), true)?
+        .into_iter();
+    let mut completions = tokenizer
+        .encode_many(docs.iter().filter_map(Line::completion).collect(), false)?
+        .into_iter();
+    let texts = rendered.iter().map(|r| r.text.as_str()).collect();
+    let mut chats = rendered
+        .iter()
+        .zip(tokenizer.encode_with_offsets(texts)?)
+        .map(|(chat, (ids, offsets))| {
+            let counted = counted_tokens(&offsets, &chat.assistant_spans);
+            runs(&ids, &counted)
+        });
+    let with_eos = |mut ids: Vec<u32>| {
+        ids.push(eos);
+        ids
+    };
+    let mut next = |doc: &Line| match doc {
+        Line::Text(_) => vec![(with_eos(firsts.next().expect("one a text")), true)],
+        Line::Pair(..) => vec![
+            (firsts.next().expect("one a prompt"), false),
+            (with_eos(completions.next().expect("one a pair")), true),
+        ],
+        Line::Chat(_) => chats.next().expect("one a conversation"),
+    };
+    Ok(docs.iter().map(&mut next).collect())
+}
+
+/// `ids` cut into runs of equal `counted`.
+fn runs(ids: &[u32], counted: &[bool]) -> Runs {
+    let mut out: Runs = Vec::new();
+    for (&id, &count) in ids.iter().zip(counted) {
+        match out.last_mut() {
+            Some((run, c)) if *c == count => run.push(id),
+            _ => out.push((vec![id], count)),
+        }
+    }
+    out
+}
+
+/// One JSON line's document.
+fn parse_line(path: &Path, number: usize, line: &str) -> Result<Line, ModelError> {
     let bad = |why: String| {
         ModelError::BadInput(format!(
-            "{}:{number}: {why}; each line must be {{\"text\": ...}} or {{\"prompt\": ..., \
-             \"completion\": ...}}",
+            "{}:{number}: {why}; each line must be {{\"text\": ...}}, {{\"prompt\": ..., \
+             \"completion\": ...}} or {{\"messages\": [{{\"role\": ..., \"content\": ...}}, \
+             ...]}}",
             path.display()
         ))
     };
@@ -535,10 +689,16 @@ fn parse_line(
             Some(other) => Err(bad(format!("`{name}` is {other}, not a string"))),
         }
     };
-    match (field("text")?, field("prompt")?, field("completion")?) {
-        (Some(text), None, None) => Ok((text, None)),
-        (None, Some(prompt), Some(completion)) => Ok((prompt, Some(completion))),
-        _ => Err(bad("no `text`, nor both `prompt` and `completion`".into())),
+    let (text, prompt, completion) = (field("text")?, field("prompt")?, field("completion")?);
+    match (value.get("messages"), text, prompt, completion) {
+        (None, Some(text), None, None) => Ok(Line::Text(text)),
+        (None, None, Some(prompt), Some(completion)) => Ok(Line::Pair(prompt, completion)),
+        (Some(messages), None, None, None) => Conversation::from_json(messages)
+            .map(Line::Chat)
+            .map_err(|e| ModelError::BadInput(format!("{}:{number}: {e}", path.display()))),
+        _ => Err(bad(
+            "not one of `text`, both `prompt` and `completion`, or `messages`".into(),
+        )),
     }
 }
 
