@@ -149,6 +149,7 @@ pub fn shape_of(cfg: &TrainConfig, target: Target) -> StepShape {
         recompute: cfg.recompute,
         schedule: cfg.schedule,
         grad_spill: cfg.spill_grads,
+        grad_dtype: cfg.grad_dtype,
         ranks: 1,
         // The CPU device's collectives run on its memory, a GPU's through NCCL where it
         // loads (else they are staged through host memory).

@@ -36,8 +36,8 @@ use strata_engine::kernels::adamw::AdamW;
 use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::{Llama, Model};
 use strata_engine::plan::{
-    Budgets, BuiltinPolicy, CostModel, GradSpill, Lane, NvmeOffload, OptimizerState, Plan,
-    PlanInput, Policy, Precision, Prediction, Recompute, Schedule, StepShape, Tier,
+    Budgets, BuiltinPolicy, CostModel, GradDtype, GradSpill, Lane, NvmeOffload, OptimizerState,
+    Plan, PlanInput, Policy, Precision, Prediction, Recompute, Schedule, StepShape, Tier,
 };
 
 use super::adam::load_average;
@@ -183,6 +183,10 @@ pub struct StepArgs {
     /// memory: auto (when the host budget needs it), always, never.
     #[arg(long, value_enum, default_value_t = GradSpill::Auto)]
     pub spill_grads: GradSpill,
+    /// How complete gradients are kept: fp32, or rounded to bf16 (with --dtype bf16),
+    /// which halves the bytes of gradients spilled to NVMe.
+    #[arg(long, value_enum, default_value_t = GradDtype::Fp32)]
+    pub grad_dtype: GradDtype,
     /// Seed of the initial parameters and of the synthetic batches.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -498,6 +502,10 @@ pub struct StepBenchReport {
     pub dtype: String,
     /// One-step delayed update.
     pub delayed_update: bool,
+    /// The largest global gradient norm (0: no clipping).
+    pub clip: f64,
+    /// How complete gradients were kept (`--grad-dtype`).
+    pub grad_dtype: GradDtype,
     /// Extent transfers each NVMe lane kept in flight.
     pub nvme_in_flight: usize,
     /// Untimed steps per policy.
@@ -769,6 +777,7 @@ impl Setup {
             delayed_update: args.delayed_update,
             needs_global_norm: args.clip > 0.0,
             grad_spill: args.spill_grads,
+            grad_dtype: args.grad_dtype,
             // The scale run's; a comparison plans each policy with each --recompute.
             recompute: args.recompute.first().copied().unwrap_or_default(),
             optimizer_state: args.optimizer_state.first().copied().unwrap_or_default(),
@@ -1038,6 +1047,8 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         grad_accum: args.grad_accum,
         dtype: setup.shape.precision.to_string(),
         delayed_update: setup.shape.delayed_update,
+        clip: args.clip,
+        grad_dtype: setup.shape.grad_dtype,
         nvme_in_flight: args.nvme_in_flight,
         warmup: args.warmup,
         steps: args.steps,

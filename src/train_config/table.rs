@@ -16,7 +16,9 @@ use std::path::PathBuf;
 use clap::{Arg, ArgMatches};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
-use strata_engine::plan::{GradSpill, OptimizerState, PolicyChoice, Recompute, Schedule};
+use strata_engine::plan::{
+    GradDtype, GradSpill, OptimizerState, PolicyChoice, Recompute, Schedule,
+};
 
 use super::error::ConfigError;
 use super::values::{Dtype, LrSchedule, OnNonFinite, SettingType};
@@ -253,6 +255,12 @@ settings! {
     /// the host budget needs it, always, or never; results are identical either way
     /// [default: auto].
     Step spill_grads: GradSpill = GradSpill::Auto;
+
+    /// How a step's gradients are kept once summed over its micro-batches: fp32, or
+    /// bf16 (rounded once, before the norm and the update read them; with --dtype bf16,
+    /// alone), which halves the bytes of gradients spilled to NVMe; results are
+    /// identical across policies either way [default: fp32].
+    Step grad_dtype: GradDtype = GradDtype::Fp32;
 
     /// Optimizer steps [default: 600].
     Run steps: u64 = 600,

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
 use strata_engine::model::weights::FileDtype;
 use strata_engine::plan::{
-    GradSpill, OptimizerState, PolicyChoice, Precision, Recompute, Schedule,
+    GradDtype, GradSpill, OptimizerState, PolicyChoice, Precision, Recompute, Schedule,
 };
 
 use crate::size::MemBudget;
@@ -236,6 +236,7 @@ choice_setting!(
     Dtype,
     Recompute,
     GradSpill,
+    GradDtype,
     OnNonFinite,
     OptimizerState,
     Schedule

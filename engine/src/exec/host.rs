@@ -1,4 +1,5 @@
-//! Host arithmetic on the CPU lane: gradient accumulation on the host, the statistics of
+//! Host arithmetic on the CPU lane: gradient accumulation on the host and the rounding of
+//! complete gradients to bf16, the statistics of
 //! host gradients (for the norm, before a spill), the global norm of one process, and
 //! AdamW on the CPU over a block (its state in host memory, or staged from NVMe; its
 //! gradients on the host, or on the CPU device where the backward left them; its new
@@ -21,7 +22,7 @@ use super::step_state::{Norm, StepShared};
 use crate::device::{cast, cast_mut};
 use crate::lane::Lane;
 use crate::model::{Piece, TensorSpec};
-use crate::plan::{BufId, GradSource, HostOp, OpId, Precision, Tier};
+use crate::plan::{BufId, GradDtype, GradSource, HostOp, OpId, Precision, Tier};
 
 impl Executor {
     /// Host operation `id` (`op`) itself, on the CPU lane.
@@ -33,6 +34,7 @@ impl Executor {
     ) -> Result<(), ExecError> {
         match *op {
             HostOp::Accumulate { block, from, to } => self.host_accumulate(id, block, from, to),
+            HostOp::RoundGrads { block, grads, out } => self.host_round(id, block, grads, out),
             HostOp::Stats {
                 block,
                 grads,
@@ -51,9 +53,10 @@ impl Executor {
             HostOp::Optimizer {
                 block,
                 grads,
+                grads_dtype,
                 state,
                 params_out,
-            } => self.host_adamw(block, grads, state, params_out, shared),
+            } => self.host_adamw(block, (grads, grads_dtype), state, params_out, shared),
         }
     }
 
@@ -81,6 +84,33 @@ impl Executor {
             .write(Lane::Cpu, self.host_range(to).prefix(bytes))
             .map_err(err)?;
         strata_kernels::ops::add_inplace(&self.cpu, cast_mut::<f32>(&mut dst), cast::<f32>(&src));
+        Ok(())
+    }
+
+    /// Rounds block `block`'s host gradients `grads` to bf16 in place, and writes them as
+    /// bf16 into `out` if given (operation `id`).
+    fn host_round(
+        &self,
+        id: OpId,
+        block: usize,
+        grads: BufId,
+        out: Option<BufId>,
+    ) -> Result<(), ExecError> {
+        let err = || self.device_error(self.plan.op(id).kind.label());
+        let (_, len, _) = self.shard(block);
+        let mut g = self
+            .host()
+            .write(Lane::Cpu, self.host_range(grads).prefix(4 * len))
+            .map_err(err())?;
+        let g = cast_mut::<f32>(&mut g);
+        strata_kernels::ops::round_to_bf16(&self.cpu, g);
+        if let Some(out) = out {
+            let mut o = self
+                .host()
+                .write(Lane::Cpu, self.host_range(out).prefix(2 * len))
+                .map_err(err())?;
+            strata_kernels::ops::f32_to_bf16(&self.cpu, cast_mut::<bf16>(&mut o), g);
+        }
         Ok(())
     }
 
@@ -163,7 +193,7 @@ impl Executor {
     fn host_adamw(
         &self,
         block: usize,
-        grads: BufId,
+        (grads, grads_dtype): (BufId, GradDtype),
         state: BufId,
         params_out: Option<BufId>,
         shared: &StepShared<'_>,
@@ -184,8 +214,13 @@ impl Executor {
             op: label(),
             source,
         };
-        let g = self.read_grads(Lane::Cpu, grads, 4 * len).map_err(err)?;
-        let gslice = cast::<f32>(&g);
+        let g = self
+            .read_grads(Lane::Cpu, grads, grads_dtype.bytes() as usize * len)
+            .map_err(err)?;
+        let gslice = match grads_dtype {
+            GradDtype::Fp32 => Grads::F32(cast::<f32>(&g)),
+            GradDtype::Bf16 => Grads::Bf16(cast::<bf16>(&g)),
+        };
         if !self.plan.shape.needs_global_norm {
             self.record_block_stats(block, gslice, shared)
                 .map_err(adam_err)?;
@@ -239,13 +274,13 @@ impl Executor {
     fn record_block_stats(
         &self,
         block: usize,
-        grads: &[f32],
+        grads: Grads<'_>,
         shared: &StepShared<'_>,
     ) -> Result<(), AdamError> {
         let s = grad_stats(
             self.cpu.isa,
             self.limits.optimizer_threads,
-            Grads::F32(grads),
+            grads,
             1.0 / shared.update_loss_scale,
         )?;
         self.norms
@@ -279,7 +314,7 @@ struct BlockUpdate<'a> {
     isa: Isa,
     threads: usize,
     /// The gradients of the range.
-    grads: &'a [f32],
+    grads: Grads<'a>,
 }
 
 impl BlockUpdate<'_> {
@@ -347,7 +382,7 @@ impl BlockUpdate<'_> {
                 self.threads,
                 cut(&mut master, skip, take),
                 moments.take(skip, take),
-                Grads::F32(g_now),
+                g_now,
                 copy,
             )?;
         }

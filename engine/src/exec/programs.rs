@@ -1,7 +1,7 @@
 //! The programs every block runs, built once when the executor is made: each block's
 //! forward and backward (both variants: with and without saved activations) from the
 //! model family, and the shared update programs (`crate::model::update`): AdamW on the
-//! device, gradient statistics, gradient accumulation.
+//! device, gradient statistics, gradient accumulation, the rounding of gradients to bf16.
 //!
 //! Not here: when they run (the compute and update streams, `stream.rs`).
 
@@ -19,6 +19,8 @@ pub(super) struct Programs {
     pub(super) stats: Vec<Program>,
     /// Per block, the addition of a micro-batch's gradients to the device-homed ones.
     pub(super) accumulate: Vec<Program>,
+    /// Per block, its gradients rounded to bf16 in place.
+    pub(super) round: Vec<Program>,
 }
 
 impl Programs {
@@ -55,6 +57,11 @@ impl Programs {
                 .blocks()
                 .iter()
                 .map(|b| update::accumulate_program(b).into())
+                .collect(),
+            round: model
+                .blocks()
+                .iter()
+                .map(|b| update::round_program(b).into())
                 .collect(),
         }
     }

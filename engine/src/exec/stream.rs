@@ -1,6 +1,6 @@
 //! The device streams' work: a stream operation submitted to its stream after the events
 //! it waits for (host-to-device and device-to-host copies, the blocks' programs on the
-//! compute stream, gradient accumulation, and on the update stream the gradient
+//! compute stream, gradient accumulation and rounding, and on the update stream the gradient
 //! statistics and AdamW of device-homed optimizer state). Submitting never waits for the
 //! device; the operation's event says when it is done.
 //!
@@ -71,6 +71,13 @@ impl Executor {
                 b.set(Bind::Grads as u8, self.device_range(to));
                 b.set(Bind::GradsIn as u8, self.device_range(from));
                 let program = &self.programs.accumulate[block];
+                self.device
+                    .run_program(lane, program, &b, &Scalars::default(), after)
+            }
+            StreamOp::RoundGrads { block, grads } => {
+                let mut b = Bindings::default();
+                b.set(Bind::Grads as u8, self.device_range(grads));
+                let program = &self.programs.round[block];
                 self.device
                     .run_program(lane, program, &b, &Scalars::default(), after)
             }

@@ -1,13 +1,14 @@
 //! The programs every family shares, built from a block's layout alone: AdamW over a
 //! block's tensors (on the device, where its optimizer state lives there), the
-//! statistics of a block's gradients (for the global norm and the overflow check), and
-//! the accumulation of one micro-batch's gradients into another's.
+//! statistics of a block's gradients (for the global norm and the overflow check), the
+//! accumulation of one micro-batch's gradients into another's, and the rounding of a
+//! step's gradients to bf16.
 //!
 //! The device's AdamW keeps fp32 state ([`OptimizerState::Fp32`](super::OptimizerState)):
 //! one f32 buffer per block, the master parameters, then m, then v, each the block's
 //! length (alignment gaps included, and left zero); see [`super::moments`].
 
-use strata_kernels::kernel::{AdamWKernel, AddF32, GradStatsKernel};
+use strata_kernels::kernel::{AdamWKernel, AddF32, GradStatsKernel, RoundBf16};
 use strata_kernels::program::{Dtype, Kernel, TensorRef, grad_stats_scratch_bytes};
 
 use super::moments::pieces;
@@ -86,5 +87,12 @@ pub fn accumulate_program(block: &BlockLayout) -> Vec<Kernel> {
     vec![Kernel::AddF32(AddF32 {
         dst: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
         src: TensorRef::new(Bind::GradsIn as u8, 0, block.len, Dtype::F32),
+    })]
+}
+
+/// `Grads` rounded to bf16 in place over `block`'s length (f32 kept).
+pub fn round_program(block: &BlockLayout) -> Vec<Kernel> {
+    vec![Kernel::RoundBf16(RoundBf16 {
+        x: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
     })]
 }

@@ -126,10 +126,13 @@ impl CostModel {
             // Other memory-bound passes over gradients, on the CPU or the device: at the
             // bandwidth AdamW reaches.
             OpKind::Host(
-                HostOp::GradNorm { .. } | HostOp::Stats { .. } | HostOp::Accumulate { .. },
+                HostOp::GradNorm { .. }
+                | HostOp::Stats { .. }
+                | HostOp::Accumulate { .. }
+                | HostOp::RoundGrads { .. },
             )
             | OpKind::Collective(CommOp::GradNorm { .. })
-            | OpKind::Stream(StreamOp::DeviceStats { .. }) => {
+            | OpKind::Stream(StreamOp::DeviceStats { .. } | StreamOp::RoundGrads { .. }) => {
                 op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
             }
             OpKind::Stream(StreamOp::Compute { .. } | StreamOp::Accumulate { .. }) => {

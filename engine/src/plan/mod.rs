@@ -50,6 +50,6 @@ pub use policy::{
     PolicyChoice, Release, UnknownPolicy,
 };
 pub use shape::{
-    GradSpill, Precision, Recompute, Schedule, StepShape, layer_shard_bytes, shard_len,
+    GradDtype, GradSpill, Precision, Recompute, Schedule, StepShape, layer_shard_bytes, shard_len,
 };
 pub use tier::{Budgets, TensorClass, Tier};

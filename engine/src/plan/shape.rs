@@ -220,6 +220,52 @@ impl fmt::Display for GradSpill {
     }
 }
 
+/// How a step's gradients are kept once complete (summed over the micro-batches, in
+/// f32): as they are, or rounded to bf16 (round to nearest, ties to even) before their
+/// statistics and the update read them. Rounded, they are the same bits under every
+/// policy (each block's are rounded once, where its sum is complete), and those that wait
+/// for the norm on NVMe ([`GradSpill`]) are written and read in 2 bytes each instead of
+/// 4. Only when training in bf16 ([`Precision::Bf16`]), alone (one rank).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum GradDtype {
+    /// f32, as the backward sums them.
+    #[default]
+    Fp32,
+    /// Rounded to bf16 once complete.
+    Bf16,
+}
+
+impl GradDtype {
+    /// Bytes per gradient where the step keeps a complete one in its own dtype (spilled).
+    pub const fn bytes(self) -> u64 {
+        match self {
+            GradDtype::Fp32 => 4,
+            GradDtype::Bf16 => 2,
+        }
+    }
+}
+
+impl fmt::Display for GradDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GradDtype::Fp32 => "fp32",
+            GradDtype::Bf16 => "bf16",
+        })
+    }
+}
+
 /// The shape of one training step and what the device offers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepShape {
@@ -251,6 +297,8 @@ pub struct StepShape {
     pub schedule: Schedule,
     /// Whether gradients wait for the global norm on NVMe.
     pub grad_spill: GradSpill,
+    /// How complete gradients are kept: f32, or rounded to bf16 ([`GradDtype`]).
+    pub grad_dtype: GradDtype,
     /// Processes training together (ZeRO-3 data parallelism, 1: alone). Each rank runs
     /// `grad_accum` micro-batches of the step and owns one shard of every block's
     /// parameters, gradients and optimizer state
@@ -291,6 +339,7 @@ impl StepShape {
             recompute: Recompute::Auto,
             schedule: Schedule::Auto,
             grad_spill: GradSpill::Auto,
+            grad_dtype: GradDtype::Fp32,
             ranks: 1,
             device_collectives: true,
             prefetch_next_step: true,
@@ -323,6 +372,11 @@ impl StepShape {
     /// The same step spilling gradients as `grad_spill` says.
     pub fn spilling(self, grad_spill: GradSpill) -> Self {
         StepShape { grad_spill, ..self }
+    }
+
+    /// The same step keeping its complete gradients in `grad_dtype`.
+    pub fn with_grad_dtype(self, grad_dtype: GradDtype) -> Self {
+        StepShape { grad_dtype, ..self }
     }
 
     /// The same step keeping AdamW's moments in `optimizer_state`.

@@ -292,7 +292,8 @@ impl<'a> Grads<'a> {
         }
     }
 
-    fn split_at(self, mid: usize) -> (Self, Self) {
+    /// The first `mid` gradients and the rest.
+    pub fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             Grads::F32(g) => {
                 let (a, b) = g.split_at(mid);

@@ -54,7 +54,7 @@ pub use matmul::{Matmul, MatmulBackward};
 pub use optimizer::{AdamWKernel, GradStatsKernel};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
 pub use rope::{Rope, RopeBackward, RopeTable};
-pub use scale::Scale;
+pub use scale::{RoundBf16, Scale};
 pub use swiglu::{SwiGlu, SwiGluBackward};
 
 /// Declares [`Kernel`], one variant per kernel struct, and its dispatch to the structs'
@@ -270,6 +270,8 @@ registry! {
     AdamW(AdamWKernel),
     /// `x *= factor` in f32 ([`Scale`]).
     Scale(Scale),
+    /// f32 rounded to bf16's precision in place ([`RoundBf16`]).
+    RoundBf16(RoundBf16),
 }
 
 impl Kernel {

@@ -34,6 +34,18 @@ pub fn f32_to_bf16(cpu: &Cpu, out: &mut [bf16], inp: &[f32]) {
     });
 }
 
+/// x: (N) rounded in place to the nearest bf16 value (ties to even), kept as f32: the
+/// bits [`f32_to_bf16`] then [`bf16_to_f32`] give, without a bf16 buffer.
+pub fn round_to_bf16(cpu: &Cpu, x: &mut [f32]) {
+    par_chunks(cpu, x, simd::LANES, |_, x| {
+        on_isa!(cpu.isa, {
+            for v in x.iter_mut() {
+                *v = f32::from_bits((to_bf16_bits(*v) as u32) << 16);
+            }
+        })
+    });
+}
+
 /// out: (N)  inp: (N).  Exact.
 pub fn bf16_to_f32(cpu: &Cpu, out: &mut [f32], inp: &[bf16]) {
     assert_eq!(inp.len(), out.len());

@@ -31,7 +31,7 @@ mod cast;
 pub(crate) mod gemm;
 pub mod simd;
 
-pub use cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, round_to_bf16};
 pub use gemm::{MatrixMut, MatrixRef, gemm};
 
 // The CPU ops of the program's kernels, each in its family (`crate::kernel`).

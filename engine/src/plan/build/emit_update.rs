@@ -1,14 +1,15 @@
 //! Stage 3 of the planner, after a backward: a block's gradients out of the device (the
-//! accumulation across micro-batches, the reduce-scatter among ranks, the spill to
-//! NVMe), their statistics and the global norm, and the block's update with its
-//! write-backs and commit.
+//! accumulation across micro-batches, the reduce-scatter among ranks, the rounding to
+//! bf16 once complete, the spill to NVMe), their statistics and the global norm, and the
+//! block's update with its write-backs and commit.
 //!
 //! Not here: the driver and the operations before and of each compute (`emit.rs`).
 
 use super::emit::Emitter;
 use crate::lane::Lane;
 use crate::model::Target;
-use crate::plan::ir::{Access, BufId, CommOp, GradSource, HostOp, NvmeOp, StreamOp};
+use crate::plan::ir::{Access, BufId, CommOp, GradSource, HostOp, NvmeOp, OpId, StreamOp};
+use crate::plan::shape::GradDtype;
 use crate::plan::tier::Tier;
 
 impl Emitter<'_, '_> {
@@ -35,6 +36,45 @@ impl Emitter<'_, '_> {
         } else if let Some(host) = grads.host[b] {
             self.gradients_to_host(b, m, host);
         }
+        if m + 1 == f.shape.grad_accum && !f.spill[b] {
+            self.round_gradients(b);
+        }
+    }
+
+    /// Block `b`'s complete gradients (ranks: 1), where they are when the last
+    /// micro-batch's backward and accumulation are done, rounded to bf16 in place when
+    /// the step keeps them so ([`GradDtype::Bf16`]), before anything reads them. A
+    /// spilled block's are rounded on their way out (see [`Self::spill_gradients`]).
+    fn round_gradients(&mut self, b: usize) {
+        let f = self.f;
+        if f.shape.grad_dtype != GradDtype::Bf16 {
+            return;
+        }
+        let g = &self.homes.grads;
+        let bytes = 4 * f.len(b);
+        let id = match (g.home_dev[b], g.host[b]) {
+            (Some(grads), _) => self.round_on_device(b, grads),
+            (None, Some(grads)) if f.grads_stay_on_device(b) => self.round_on_device(b, grads),
+            (None, Some(grads)) => {
+                let op = HostOp::RoundGrads {
+                    block: b,
+                    grads,
+                    out: None,
+                };
+                self.host(op, vec![Access::Write(grads)])
+            }
+            (None, None) => unreachable!("every block's gradients are on the host or device"),
+        };
+        // Reads and writes each.
+        self.set_bytes(id, 2 * bytes);
+    }
+
+    /// The device's rounding of block `b`'s gradients `grads` (compute stream).
+    fn round_on_device(&mut self, b: usize, grads: BufId) -> OpId {
+        let op = StreamOp::RoundGrads { block: b, grads };
+        let id = self.stream(op, vec![Access::Write(grads)]);
+        self.ops[id.index()].flops = self.f.len(b) as f64;
+        id
     }
 
     /// With ranks, over device memory: micro-batch `m`'s gradients of block `b`
@@ -86,9 +126,9 @@ impl Emitter<'_, '_> {
         let from = self.step.g_dev[m][b];
         // Spilled, a block's sum of the micro-batches so far waits on NVMe between its
         // backwards; vertically these follow one another, and it waits in host memory.
-        let spill = self.homes.grads.spill[b].filter(|_| !f.vertical());
+        let partial = self.homes.grads.partial[b];
         let last = m + 1 == f.shape.grad_accum;
-        let host = match spill {
+        let host = match partial {
             Some(_) if !last => {
                 self.table
                     .buffer(format!("grads[{b}]#{m}@host"), Tier::Host, bytes)
@@ -100,7 +140,7 @@ impl Emitter<'_, '_> {
                 self.copy_out(from, host, bytes);
             }
         } else {
-            if let Some(extent) = spill {
+            if let Some(extent) = partial {
                 self.nvme_read(Lane::NvmeRead, extent, host, bytes);
             }
             let stage = self
@@ -116,7 +156,7 @@ impl Emitter<'_, '_> {
             // Reads both, writes one.
             self.set_bytes(id, 3 * bytes);
         }
-        if let (Some(extent), false) = (spill, last) {
+        if let (Some(extent), false) = (partial, last) {
             self.nvme_write(host, extent, bytes, false);
         }
     }
@@ -164,7 +204,8 @@ impl Emitter<'_, '_> {
         self.nvme_read(lane, self.homes.state[b].0, stage, f.state_bytes(b));
         if let Some(extent) = self.homes.grads.spill[b] {
             let into = self.homes.grads.apply_host[b].expect("host gradients");
-            self.nvme_read(lane, extent, into, 4 * f.shard(b));
+            let bytes = f.shape.grad_dtype.bytes() * f.shard(b);
+            self.nvme_read(lane, extent, into, bytes);
         }
         self.mark_update(first);
     }
@@ -180,7 +221,23 @@ impl Emitter<'_, '_> {
             g.host[b].expect("host gradients"),
             g.stats_spill[b].expect("a statistics buffer"),
         );
-        let bytes = 4 * self.f.shard(b);
+        let f = self.f;
+        let bytes = 4 * f.shard(b);
+        // Rounded to bf16, they are written in 2 bytes each, from a copy in bf16.
+        let out = (f.shape.grad_dtype == GradDtype::Bf16).then(|| {
+            let half = GradDtype::Bf16.bytes() * f.shard(b);
+            let out = self
+                .table
+                .buffer(format!("grads[{b}]>bf16@host"), Tier::Host, half);
+            let op = HostOp::RoundGrads {
+                block: b,
+                grads,
+                out: Some(out),
+            };
+            let id = self.host(op, vec![Access::Write(grads), Access::Write(out)]);
+            self.set_bytes(id, 2 * bytes + half);
+            out
+        });
         let op = HostOp::Stats {
             block: b,
             grads,
@@ -188,7 +245,10 @@ impl Emitter<'_, '_> {
         };
         let id = self.host(op, vec![Access::Read(grads), Access::Write(stats)]);
         self.set_bytes(id, bytes);
-        self.nvme_write(grads, extent, bytes, false);
+        match out {
+            Some(out) => self.nvme_write(out, extent, bytes / 2, false),
+            None => self.nvme_write(grads, extent, bytes, false),
+        }
     }
 
     /// The statistics of device-homed block `b`'s gradients, computed on the device and
@@ -345,9 +405,16 @@ impl Emitter<'_, '_> {
         let mut access = vec![Access::Read(grads), Access::Write(state)];
         access.extend(params_out.map(Access::Write));
         access.extend(flag.map(Access::Read));
+        // Spilled gradients come back in the dtype they were written in.
+        let grads_dtype = if f.spill[b] {
+            f.shape.grad_dtype
+        } else {
+            GradDtype::Fp32
+        };
         let op = HostOp::Optimizer {
             block: b,
             grads,
+            grads_dtype,
             state,
             params_out,
         };

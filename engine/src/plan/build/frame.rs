@@ -9,7 +9,7 @@
 use crate::model::{BlockLayout, Dtype, Shape, StateLayout, Target};
 use crate::plan::error::PlanError;
 use crate::plan::policy::{PlanInput, Policy};
-use crate::plan::shape::{Schedule, StepShape, shard_len};
+use crate::plan::shape::{GradDtype, Precision, Schedule, StepShape, shard_len};
 use crate::plan::tier::{TensorClass, Tier};
 
 /// One block's homes, resolved and checked.
@@ -82,6 +82,7 @@ impl<'a> Frame<'a> {
         if shape.ranks == 0 {
             return Err(PlanError::Invalid("ranks must be at least 1".into()));
         }
+        check_grad_dtype(&shape)?;
         Ok(Frame {
             input,
             policy,
@@ -293,6 +294,28 @@ impl<'a> Frame<'a> {
     pub(super) fn vertical(&self) -> bool {
         self.shape.schedule == Schedule::Vertical
     }
+}
+
+/// Gradients rounded to bf16 only where the step trains in bf16, alone.
+fn check_grad_dtype(shape: &StepShape) -> Result<(), PlanError> {
+    if shape.grad_dtype == GradDtype::Fp32 {
+        return Ok(());
+    }
+    if shape.precision != Precision::Bf16 {
+        return Err(PlanError::Invalid(format!(
+            "bf16 gradients need bf16 training (--dtype bf16); this step trains in {}: \
+             use --grad-dtype fp32",
+            shape.precision
+        )));
+    }
+    if shape.ranks > 1 {
+        return Err(PlanError::Invalid(
+            "bf16 gradients are for one process: with ranks, gradients are reduced in f32; \
+             use --grad-dtype fp32"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Block `b`'s homes as `policy` names them, checked: gradients never on NVMe, and on

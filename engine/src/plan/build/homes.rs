@@ -30,6 +30,10 @@ pub(super) struct GradHomes {
     /// buffer their statistics wait in.
     pub(super) spill: Vec<Option<BufId>>,
     pub(super) stats_spill: Vec<Option<BufId>>,
+    /// Per spilled block, horizontally with micro-batches: the extent the earlier
+    /// micro-batches' sum waits in between its backwards (f32); `spill`'s, unless the
+    /// complete gradients wait in bf16 (each extent is written whole).
+    pub(super) partial: Vec<Option<BufId>>,
     /// Per block whose gradients the device keeps: the statistics the device computes of
     /// them, and their copy on the host.
     pub(super) stats_dev: Vec<Option<BufId>>,
@@ -87,6 +91,7 @@ impl Homes {
                 host: vec![None; nb],
                 apply_host: vec![None; nb],
                 spill: vec![None; nb],
+                partial: vec![None; nb],
                 stats_spill: vec![None; nb],
                 stats_dev: vec![None; nb],
                 stats_host: vec![None; nb],
@@ -276,19 +281,26 @@ impl GradHomes {
         let (fill, apply) = if f.shape.delayed_update {
             table.home_pair(&format!("grads[{b}]"), Tier::Host, bytes, true)
         } else if f.spill[b] {
-            // Filled by the backward and written out; read back for the update.
-            let (extent, _) = table.extents(
-                format!("grads.{b}"),
-                bytes,
-                ExtentKind::Single,
-                b,
-                TensorClass::Grads,
-            );
-            self.spill[b] = Some(extent);
+            // Filled by the backward and written out; read back for the update. Rounded
+            // to bf16, the complete gradients wait in 2 bytes each, and the earlier
+            // micro-batches' sums (horizontally) in 4, in an extent of their own.
+            let spilled = f.shape.grad_dtype.bytes() * f.shard(b);
+            let extent = |table: &mut BufferTable, name: String, bytes| {
+                let kind = ExtentKind::Single;
+                table.extents(name, bytes, kind, b, TensorClass::Grads).0
+            };
+            let spill = extent(table, format!("grads.{b}"), spilled);
+            let sums = f.shape.grad_accum > 1 && !f.vertical();
+            self.spill[b] = Some(spill);
+            self.partial[b] = match (sums, spilled == bytes) {
+                (false, _) => None,
+                (true, true) => Some(spill),
+                (true, false) => Some(extent(table, format!("grads.{b}.sum"), bytes)),
+            };
             self.stats_spill[b] = Some(table.buffer(format!("stats[{b}]@host"), Tier::Host, 16));
             (
                 table.buffer(format!("grads[{b}]@host"), Tier::Host, bytes),
-                table.buffer(format!("grads[{b}]<@host"), Tier::Host, bytes),
+                table.buffer(format!("grads[{b}]<@host"), Tier::Host, spilled),
             )
         } else if f.grads_stay_on_device(b) {
             // The backward's own buffer, which the update reads where it is.

@@ -15,6 +15,7 @@ use super::buffers::Access;
 use super::ids::{BufId, OpId};
 use crate::lane::Lane;
 use crate::model::{Dtype, Pass};
+use crate::plan::shape::GradDtype;
 
 /// The buffers a block program is bound to (see `crate::model::Bind`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -174,6 +175,14 @@ pub enum StreamOp {
         /// The home.
         to: BufId,
     },
+    /// Rounds a block's complete device gradients to bf16 in place (compute stream;
+    /// [`GradDtype::Bf16`](crate::plan::GradDtype)).
+    RoundGrads {
+        /// Block.
+        block: usize,
+        /// The device gradients.
+        grads: BufId,
+    },
     /// The statistics of a block's device gradients (update stream), for the norm.
     DeviceStats {
         /// Block.
@@ -202,7 +211,9 @@ impl StreamOp {
         match self {
             StreamOp::H2d { .. } => Lane::H2d,
             StreamOp::D2h { .. } => Lane::D2h,
-            StreamOp::Compute { .. } | StreamOp::Accumulate { .. } => Lane::Compute,
+            StreamOp::Compute { .. }
+            | StreamOp::Accumulate { .. }
+            | StreamOp::RoundGrads { .. } => Lane::Compute,
             StreamOp::DeviceStats { .. } | StreamOp::DeviceUpdate { .. } => Lane::Update,
         }
     }
@@ -219,6 +230,17 @@ pub enum HostOp {
         from: BufId,
         /// The host gradients.
         to: BufId,
+    },
+    /// Rounds a block's complete host gradients to bf16 in place
+    /// ([`GradDtype::Bf16`](crate::plan::GradDtype)); where they spill, also writes
+    /// them as bf16 into `out`, which the spill writes.
+    RoundGrads {
+        /// Block.
+        block: usize,
+        /// The host gradients (f32).
+        grads: BufId,
+        /// A host buffer of 2 bytes per gradient, for the spill.
+        out: Option<BufId>,
     },
     /// The statistics of a block's host gradients, for the norm, before they are spilled
     /// to NVMe ([`GradSpill`](crate::plan::GradSpill)).
@@ -240,8 +262,10 @@ pub enum HostOp {
     Optimizer {
         /// Block.
         block: usize,
-        /// Host gradients (f32).
+        /// Host gradients: f32, or bf16 where they spilled as bf16.
         grads: BufId,
+        /// The gradients' dtype.
+        grads_dtype: GradDtype,
         /// Master parameters, m and v (12 bytes per element).
         state: BufId,
         /// Host buffer for the new working parameters (working dtype); none when the
@@ -338,8 +362,9 @@ impl OpKind {
             OpKind::Nvme(NvmeOp::Commit { .. }) => "commit",
             OpKind::Stream(StreamOp::H2d { .. }) => "h2d",
             OpKind::Stream(StreamOp::D2h { .. }) => "d2h",
-            OpKind::Stream(StreamOp::Accumulate { .. })
-            | OpKind::Host(HostOp::Accumulate { .. }) => "accumulate",
+            // Forming a block's complete gradients: summing, and rounding to bf16.
+            OpKind::Stream(StreamOp::Accumulate { .. } | StreamOp::RoundGrads { .. })
+            | OpKind::Host(HostOp::Accumulate { .. } | HostOp::RoundGrads { .. }) => "accumulate",
             OpKind::Stream(StreamOp::Compute { pass, .. }) if pass.is_forward() => "forward",
             OpKind::Stream(StreamOp::Compute { .. }) => "backward",
             OpKind::Stream(StreamOp::DeviceStats { .. })
@@ -390,6 +415,7 @@ impl StreamOp {
             StreamOp::Compute { block, pass, .. } if pass.is_forward() => ("fwd", Some(block)),
             StreamOp::Compute { block, .. } => ("bwd", Some(block)),
             StreamOp::Accumulate { block, .. } => ("accumulate grads", Some(block)),
+            StreamOp::RoundGrads { block, .. } => ("round grads", Some(block)),
             StreamOp::DeviceStats { block, .. } => ("grad stats", Some(block)),
             StreamOp::DeviceUpdate { block, .. } => ("device adamw", Some(block)),
         }
@@ -400,6 +426,7 @@ impl HostOp {
     fn label(&self) -> LabelParts {
         match *self {
             HostOp::Accumulate { block, .. } => ("host accumulate grads", Some(block)),
+            HostOp::RoundGrads { block, .. } => ("host round grads", Some(block)),
             HostOp::Stats { block, .. } => ("grad stats", Some(block)),
             HostOp::GradNorm { .. } => ("grad norm", None),
             HostOp::Optimizer { block, .. } => ("adamw", Some(block)),
