@@ -1,5 +1,5 @@
 //! Chat data (`{"messages": [...]}` lines) against transformers: under the chat templates
-//! of Qwen2.5, Llama 3, Llama 3.1 and Mistral (`tests/data/chat`, see its README), every
+//! of Qwen2.5, Llama 3, Llama 3.1, Mistral and Zephyr (`tests/data/chat`, see its README), every
 //! conversation renders to transformers' text and encodes to its ids, the mask counts
 //! each assistant turn and its end-of-turn token and nothing else, the templates'
 //! refusals are kept; a folder without a template, a template that rewrites earlier
@@ -34,7 +34,7 @@ fn chats() -> (Vec<Value>, Vec<String>) {
     (values, lines)
 }
 
-const TEMPLATES: [&str; 4] = ["qwen2.5", "llama3", "llama3.1", "mistral"];
+const TEMPLATES: [&str; 5] = ["qwen2.5", "llama3", "llama3.1", "mistral", "zephyr"];
 
 /// The token file `out` and its mask, read back.
 fn tokens_and_mask(out: &Path) -> (Vec<u32>, Vec<bool>) {

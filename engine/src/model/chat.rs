@@ -25,7 +25,7 @@
 //! refused by name. [`counted_tokens`] maps the turns onto tokens.
 //!
 //! Known differences from Jinja2, none of which the templates of Qwen2.5, Llama 3 and
-//! 3.1, or Mistral use: a printed boolean or none reads `true`/`none` rather than
+//! 3.1, Mistral or Zephyr use: a printed boolean or none reads `true`/`none` rather than
 //! `True`/`None`; objects parsed from JSON keep their keys sorted (so `tojson` of a
 //! tool call's arguments lists them sorted, where Python keeps the file's order).
 
@@ -755,6 +755,14 @@ mod tests {
             e.contains("does not begin the whole conversation's text"),
             "{e}"
         );
+    }
+
+    /// Indented block tags on lines of their own vanish whole, as in Jinja2 with
+    /// transformers' trim_blocks and lstrip_blocks (Jinja2 3.1.6 gives "a\n    b\nc").
+    #[test]
+    fn blocks_are_trimmed_as_transformers_trims_them() {
+        let t = template("a\n    {% if true %}\n    b\n    {% endif %}\nc");
+        assert_eq!(t.render(&[], false).unwrap(), "a\n    b\nc");
     }
 
     #[test]
