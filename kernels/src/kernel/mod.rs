@@ -36,6 +36,7 @@ pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
 pub mod optimizer;
+pub mod quant;
 pub mod rmsnorm;
 pub mod rope;
 pub mod scale;
@@ -52,6 +53,7 @@ pub use gelu::{Gelu, GeluBackward};
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use matmul::{Matmul, MatmulBackward};
 pub use optimizer::{AdamWKernel, GradStatsKernel};
+pub use quant::{Int8Dequantize, Nf4Dequantize};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
 pub use rope::{Rope, RopeBackward, RopeTable};
 pub use scale::{RoundBf16, Scale};
@@ -270,6 +272,10 @@ registry! {
     AdamW(AdamWKernel),
     /// `x *= factor` in f32 ([`Scale`]).
     Scale(Scale),
+    /// An NF4 weight dequantised into the working type ([`Nf4Dequantize`]).
+    Nf4Dequantize(Nf4Dequantize),
+    /// An int8 weight dequantised into the working type ([`Int8Dequantize`]).
+    Int8Dequantize(Int8Dequantize),
     /// f32 rounded to bf16's precision in place ([`RoundBf16`]).
     RoundBf16(RoundBf16),
 }
