@@ -243,7 +243,7 @@ fn tokenize_cached(
         tokenizer.path().display(),
         data.len(),
         if data.has_mask() {
-            " (the loss counts completions only)"
+            " (the loss counts completions and assistant turns only)"
         } else {
             ""
         },

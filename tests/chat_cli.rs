@@ -1,14 +1,15 @@
 //! `strata train --data chats.jsonl` as a user runs it on chat data: a tiny Llama whose
 //! folder holds a tokenizer with Qwen2.5's chat template (`tests/data/chat`, see its
 //! README) trains on the golden conversations, tokenized once through the template with
-//! a mask that leaves everything but the assistant turns out of the loss.
+//! a mask that leaves everything but the assistant turns out of the loss; packed, it is
+//! refused.
 
 #[path = "support/cli.rs"]
 mod cli;
 
 use std::path::{Path, PathBuf};
 
-use cli::{data, ok};
+use cli::{data, error_line, ok, strata};
 use serde_json::Value;
 use strata::engine::model::data::TokenData;
 use strata::engine::model::llama::Llama;
@@ -100,5 +101,39 @@ fn train_on_chat_data_through_the_model_chat_template() {
     assert!(
         losses.len() == 2 && losses.iter().all(|l| l.is_finite()),
         "{stdout}"
+    );
+}
+
+/// Packed, every turn would be a document: refused before any work, naming why.
+#[test]
+fn chat_data_is_refused_packed() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = chat_llama(dir.path());
+    let chats = dir.path().join("chats.jsonl");
+    std::fs::copy(data("chat/chats.jsonl"), &chats).unwrap();
+    let out = strata(&[
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        chats.to_str().unwrap(),
+        "--pack",
+        "--steps",
+        "1",
+    ]);
+    assert!(!out.status.success());
+    let line = error_line(&out);
+    assert!(
+        line.contains("--pack cannot pack conversations") && line.contains("without --pack"),
+        "{line}"
+    );
+    // Nothing was tokenized.
+    assert!(
+        std::fs::read_dir(dir.path()).unwrap().all(|e| !e
+            .unwrap()
+            .path()
+            .to_string_lossy()
+            .ends_with(".tokens.bin")),
+        "a cache was written"
     );
 }

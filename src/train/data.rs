@@ -2,7 +2,8 @@
 //! reads it ([`crate::tokenize::open_data`]: an llm.c token file, or text tokenized once
 //! with the model folder's `tokenizer.json`, every id checked against the vocabulary);
 //! and how many batches it has for training, with the last kept out for evaluation when
-//! the run evaluates. Packed (`--pack`), a target after a document's end is not counted.
+//! the run evaluates. Packed (`--pack`), a target after a document's end is not counted;
+//! chat data is refused packed.
 //!
 //! Not here: the token file format and the tokenizer (the engine's `model::data` and
 //! `model::tokenize`), or the corpus itself ([`crate::corpus`]).
@@ -12,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use strata_engine::model::Model;
 use strata_engine::model::data::TokenData;
+use strata_engine::model::tokenize;
 
 use crate::machine::default_scratch_dir;
 use crate::tokenize::{open_data, whole_batches};
@@ -34,6 +36,9 @@ pub struct RunData {
 impl RunData {
     /// The configuration's data for `model`, refused when it holds no batch to train on.
     pub fn open(cfg: &TrainConfig, model: &Model, out: &mut impl Write) -> Result<Self, Error> {
+        if let (Some(path), Some(eos)) = (&cfg.data, model.packing()) {
+            refuse_packed_conversations(path, eos)?;
+        }
         let (path, tokens) = match &cfg.data {
             Some(path) => (
                 path.clone(),
@@ -76,4 +81,21 @@ impl RunData {
             train_batches,
         })
     }
+}
+
+/// Packing (`--pack`) is refused for chat data: chat templates end every turn with the
+/// token that ends a packed document, so each turn would be a document of its own, and
+/// an assistant turn would not see the prompt it answers.
+fn refuse_packed_conversations(path: &Path, eos: u32) -> Result<(), Error> {
+    if tokenize::holds_conversations(path)? {
+        return Err(format!(
+            "{}: --pack cannot pack conversations: a chat template ends each turn with the \
+             end-of-sequence token ({eos}), which ends a packed document, so every turn \
+             would be a document of its own and no assistant turn would see its prompt; \
+             train chat data without --pack",
+            path.display()
+        )
+        .into());
+    }
+    Ok(())
 }

@@ -175,9 +175,10 @@ settings! {
     Step from_scratch: bool = false,
         aliases("init_from_scratch");
 
-    /// Token data: an llm.c token file (*.bin), or text: *.jsonl lines {"text": ...} or
-    /// {"prompt": ..., "completion": ...} (the loss counts completions only), any other
-    /// file one document; text is tokenized with the model folder's tokenizer.json,
+    /// Token data: an llm.c token file (*.bin), or text: *.jsonl lines {"text": ...},
+    /// {"prompt": ..., "completion": ...} (the loss counts completions only) or
+    /// {"messages": [{"role": ..., "content": ...}, ...]} (rendered by the model folder's
+    /// chat template; the loss counts assistant turns only), any other file one document; text is tokenized with the model folder's tokenizer.json,
     /// cached beside the data (bytes as tokens for a vocabulary of 256) [default: the
     /// built-in corpus].
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -568,6 +568,27 @@ pub fn encode_files(
     })
 }
 
+/// Whether the JSON lines file `path` (`*.jsonl`) holds a conversation (a `messages`
+/// line); false for any other file. Lines are parsed as [`encode_files`] parses them, so
+/// a bad line is refused with the same error.
+pub fn holds_conversations(path: &Path) -> Result<bool, ModelError> {
+    if path.extension().is_none_or(|e| e != "jsonl") {
+        return Ok(false);
+    }
+    let Some(map) = map_text(path)? else {
+        return Ok(false);
+    };
+    let text = std::str::from_utf8(&map).expect("checked by map_text");
+    for (i, line) in text.lines().enumerate() {
+        // Only a line that names `messages` can be one.
+        if line.contains("\"messages\"") && matches!(parse_line(path, i + 1, line)?, Line::Chat(_))
+        {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// One document of a JSON line.
 enum Line {
     /// `{"text": ...}`.
