@@ -1,0 +1,54 @@
+//! The scalar reference of randomized weight gradients ([`crate::ops::sketch`]): the
+//! exact weight gradient `xᵀ dy` and its estimate `(Sᵀ x)ᵀ (Sᵀ dy)`, in f64, element by
+//! element, with `S` made from the production [`sketch_sign`].
+
+use crate::ops::sketch::sketch_sign;
+
+/// `xᵀ dy` (cols_in × cols_out) for `x` (rows × cols_in) and `dy` (rows × cols_out).
+pub fn exact_weight_grad(
+    x: &[f32],
+    dy: &[f32],
+    (rows, cols_in, cols_out): (usize, usize, usize),
+) -> Vec<f64> {
+    let mut dw = vec![0.0; cols_in * cols_out];
+    for r in 0..rows {
+        for i in 0..cols_in {
+            for o in 0..cols_out {
+                dw[i * cols_out + o] += x[r * cols_in + i] as f64 * dy[r * cols_out + o] as f64;
+            }
+        }
+    }
+    dw
+}
+
+/// `(Sᵀ x)ᵀ (Sᵀ dy)` with `S` (rows × k) the sketch of `seed`: entries
+/// `sketch_sign(seed, row, column) / √k`.
+pub fn estimate_weight_grad(
+    x: &[f32],
+    dy: &[f32],
+    (rows, cols_in, cols_out, k): (usize, usize, usize, usize),
+    seed: u64,
+) -> Vec<f64> {
+    let s = |r: usize, j: usize| sketch_sign(seed, r, j) as f64 / (k as f64).sqrt();
+    let project = |m: &[f32], cols: usize| -> Vec<f64> {
+        let mut out = vec![0.0; k * cols];
+        for j in 0..k {
+            for r in 0..rows {
+                for c in 0..cols {
+                    out[j * cols + c] += s(r, j) * m[r * cols + c] as f64;
+                }
+            }
+        }
+        out
+    };
+    let (xp, p) = (project(x, cols_in), project(dy, cols_out));
+    let mut dw = vec![0.0; cols_in * cols_out];
+    for j in 0..k {
+        for i in 0..cols_in {
+            for o in 0..cols_out {
+                dw[i * cols_out + o] += xp[j * cols_in + i] * p[j * cols_out + o];
+            }
+        }
+    }
+    dw
+}
