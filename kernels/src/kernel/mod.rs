@@ -32,6 +32,7 @@ pub mod attention;
 pub mod crossentropy;
 pub mod elementwise;
 pub mod encoder;
+pub mod fewbit;
 pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
@@ -49,6 +50,7 @@ pub use attention::{
 pub use crossentropy::{CrossEntropy, CrossEntropyBackward};
 pub use elementwise::{AddF32, CopyKernel, FoldRanks, Residual, Zero};
 pub use encoder::{Encoder, EncoderBackward};
+pub use fewbit::{FewBitGelu, FewBitGeluBackward, FewBitSwiGlu, FewBitSwiGluBackward};
 pub use gelu::{Gelu, GeluBackward};
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use matmul::{Matmul, MatmulBackward};
@@ -278,6 +280,14 @@ registry! {
     Int8Dequantize(Int8Dequantize),
     /// f32 rounded to bf16's precision in place ([`RoundBf16`]).
     RoundBf16(RoundBf16),
+    /// GELU that also saves its input's few-bit codes ([`FewBitGelu`]).
+    FewBitGelu(FewBitGelu),
+    /// Its gradient from the codes ([`FewBitGeluBackward`]).
+    FewBitGeluBackward(FewBitGeluBackward),
+    /// The SwiGLU gate that also saves the gate's few-bit codes ([`FewBitSwiGlu`]).
+    FewBitSwiGlu(FewBitSwiGlu),
+    /// Its gradient from the codes ([`FewBitSwiGluBackward`]).
+    FewBitSwiGluBackward(FewBitSwiGluBackward),
 }
 
 impl Kernel {
