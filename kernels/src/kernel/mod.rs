@@ -41,6 +41,7 @@ pub mod quant;
 pub mod rmsnorm;
 pub mod rope;
 pub mod scale;
+pub mod sketch;
 pub mod swiglu;
 
 pub use attention::{
@@ -59,6 +60,7 @@ pub use quant::{Int8Dequantize, Nf4Dequantize};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
 pub use rope::{Rope, RopeBackward, RopeTable};
 pub use scale::{RoundBf16, Scale};
+pub use sketch::{SketchProject, SketchWeightGrad};
 pub use swiglu::{SwiGlu, SwiGluBackward};
 
 /// Declares [`Kernel`], one variant per kernel struct, and its dispatch to the structs'
@@ -288,6 +290,10 @@ registry! {
     FewBitSwiGlu(FewBitSwiGlu),
     /// Its gradient from the codes ([`FewBitSwiGluBackward`]).
     FewBitSwiGluBackward(FewBitSwiGluBackward),
+    /// The forward's projection of randomized weight gradients ([`SketchProject`]).
+    SketchProject(SketchProject),
+    /// Their weight gradient ([`SketchWeightGrad`]).
+    SketchWeightGrad(SketchWeightGrad),
 }
 
 impl Kernel {

@@ -3,8 +3,7 @@
 //! twin in [`crate::reference`] that tests compare it with, element by element, on odd
 //! sizes. The program kernels' ops live in their families ([`crate::kernel`]) and are
 //! gathered here; this module holds what they share: [`Cpu`], the row splitting, the
-//! SIMD lanes ([`simd`]), the matrix product ([`gemm()`]), the casts, and randomized
-//! weight gradients over the product ([`sketch`], not yet a program kernel).
+//! SIMD lanes ([`simd`]), the matrix product ([`gemm()`]) and the casts.
 //!
 //! - Matrix products are strata's own ([`gemm()`]: packed cache blocks and register
 //!   tiles per instruction set, scratch reused per thread so no call allocates), on the
@@ -31,7 +30,6 @@ use crate::parallel;
 mod cast;
 pub(crate) mod gemm;
 pub mod simd;
-pub mod sketch;
 
 pub use cast::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, round_to_bf16};
 pub use gemm::{MatrixMut, MatrixRef, gemm};

@@ -13,7 +13,6 @@ pub mod gpt2;
 pub mod gpt2_model;
 pub mod llama;
 mod real;
-pub mod sketch;
 
 pub use real::Real;
 pub(crate) use real::r;

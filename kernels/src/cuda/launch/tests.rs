@@ -122,7 +122,8 @@ impl Buffers {
         }
     }
 
-    fn read_f32(&self, t: &TensorRef) -> Vec<f32> {
+    /// The f32 elements of `t`.
+    pub(crate) fn read_f32(&self, t: &TensorRef) -> Vec<f32> {
         assert_eq!(t.dtype, Dtype::F32);
         self.buffer(t.buf.into())[t.byte_range()]
             .chunks_exact(4)
@@ -131,7 +132,7 @@ impl Buffers {
     }
 
     /// A view for [`run_cpu`], borrowing the buffers mutably for its life.
-    fn cpu_view(&mut self) -> CpuView<'_> {
+    pub(crate) fn cpu_view(&mut self) -> CpuView<'_> {
         CpuView {
             starts: self
                 .words
@@ -143,7 +144,7 @@ impl Buffers {
     }
 }
 
-struct CpuView<'a> {
+pub(crate) struct CpuView<'a> {
     starts: Vec<*mut u8>,
     bytes: &'a [usize],
 }

@@ -1,8 +1,8 @@
-//! The scalar reference of randomized weight gradients ([`crate::ops::sketch`]): the
+//! The scalar reference of randomized weight gradients (`super`): the
 //! exact weight gradient `xᵀ dy` and its estimate `(Sᵀ x)ᵀ (Sᵀ dy)`, in f64, element by
 //! element, with `S` made from the production [`sketch_sign`].
 
-use crate::ops::sketch::sketch_sign;
+use super::cpu::sketch_sign;
 
 /// `xᵀ dy` (cols_in × cols_out) for `x` (rows × cols_in) and `dy` (rows × cols_out).
 pub fn exact_weight_grad(

@@ -12,12 +12,10 @@
 //! variance: `E‖Ŵ − dW‖²_F = (1/k) Σ_{a≠b} (‖x_a‖² ‖dy_b‖² + ⟨x_a, x_b⟩⟨dy_a, dy_b⟩)`
 //! ([`expected_squared_error`]).
 //!
-//! CPU only: these are plain functions over the worker pool's matrix product
-//! ([`super::gemm`]); they are not yet kernels of a program (no CUDA launch), and no
-//! model or plan uses them yet.
+//! The CPU side, over the worker pool's matrix product ([`crate::ops::gemm()`]); the
+//! program kernels that run it, and their CUDA launches, are in the family's `mod.rs`.
 
-use super::Cpu;
-use super::gemm::{MatrixMut, MatrixRef, gemm};
+use crate::ops::{Cpu, MatrixMut, MatrixRef, gemm};
 
 /// One bit of a counter-based hash of `(seed, row, col)` as a sign, `+1.0` or `-1.0`:
 /// the same for the same arguments on every machine and thread. The hash is SplitMix64's
@@ -55,6 +53,10 @@ pub fn project(
     seed: u64,
     scratch: &mut [f32],
 ) {
+    if rows == 0 {
+        out.fill(0.0); // a sum of no terms
+        return;
+    }
     fill_sketch(scratch, rows, k, seed);
     let s = MatrixRef::row_major(scratch, rows, k).transposed();
     let x = MatrixRef::row_major(x, rows, cols);
@@ -76,6 +78,13 @@ pub fn weight_grad(
     (s, p): (&mut [f32], &mut [f32]),
     accumulate: bool,
 ) {
+    if rows == 0 || k == 0 {
+        // A sum of no terms.
+        if !accumulate {
+            dw.fill(0.0);
+        }
+        return;
+    }
     fill_sketch(s, rows, k, seed);
     let st = MatrixRef::row_major(s, rows, k).transposed();
     let dy = MatrixRef::row_major(dy, rows, cols_out);
@@ -123,9 +132,9 @@ mod tests {
     use rand::rngs::StdRng;
     use rand::{RngExt, SeedableRng};
 
+    use super::super::reference;
     use super::*;
     use crate::isa::Isa;
-    use crate::reference::sketch as reference;
 
     const SHAPE: (usize, usize, usize, usize) = (48, 12, 10, 16);
 

@@ -1,0 +1,318 @@
+//! Randomized weight gradients of linear layers (issue 32; Bershatsky et al.): the
+//! forward keeps `X_proj = Sᵀ X` in place of the layer's input ([`SketchProject`]), and
+//! the backward estimates the weight gradient from it ([`SketchWeightGrad`]), `S`
+//! regenerated from a seed. The math and the CPU side are in [`cpu`], the scalar
+//! reference in [`reference`](mod@reference), the CUDA sketch in `sketch.cu` (the products
+//! are cuBLAS's).
+//!
+//! f32 tensors only (the CPU device's working type); a GPU training in bf16 would hand
+//! them bf16 activations, which these kernels do not take yet. No model or plan uses
+//! them yet.
+
+use crate::cuda::launch::per_element;
+use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Gemm, Launch, Operand, long};
+use crate::ops::Cpu;
+use crate::program::{
+    CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars, Signature,
+    TensorRef,
+};
+
+pub mod cpu;
+pub mod reference;
+
+pub use cpu::{expected_squared_error, fill_sketch, project, sketch_sign, weight_grad};
+
+/// The family's CUDA kernel.
+const SOURCE: CudaSource = ("sketch.cu", include_str!("sketch.cu"));
+
+const FILL_SKETCH: Entry = Entry::untyped("fill_sketch");
+
+/// Each entry of a sketch with `k` columns is `±1/√k`.
+pub fn sketch_scale(k: usize) -> f32 {
+    1.0 / (k as f32).sqrt()
+}
+
+/// A sketch's dimensions: rows (the layer's rows, tokens), its columns `k`, and the
+/// channels on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SketchShape {
+    /// Rows of the layer's input and output.
+    pub rows: usize,
+    /// The sketch's columns (rows of the projection).
+    pub k: usize,
+    /// Input channels.
+    pub cols_in: usize,
+    /// Output channels (the weight gradient's; 0 for a projection).
+    pub cols_out: usize,
+}
+
+/// Enqueues the sketch of `seed` into the f32 scratch at `s` (rows × k).
+fn launch_fill(
+    q: &Launch<'_>,
+    s: u64,
+    rows: usize,
+    k: usize,
+    seed: u64,
+) -> Result<(), KernelError> {
+    // fill_sketch(float* s, long long rows, long long k, long long seed, float scale).
+    let args = [
+        Arg::Ptr(s),
+        long(rows),
+        long(k),
+        Arg::Long(seed as i64),
+        Arg::Float(sketch_scale(k)),
+    ];
+    Ok(q.launch(FILL_SKETCH, per_element(rows * k), &args)?)
+}
+
+/// The forward's projection: out (k, cols) = Sᵀ x, x (rows, cols), with `S` the sketch
+/// of `seed`, made in `scratch` (rows × k f32).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SketchProject {
+    /// (k, cols), written.
+    pub out: TensorRef,
+    /// (rows, cols).
+    pub x: TensorRef,
+    /// (rows × k) f32, written: the sketch.
+    pub scratch: TensorRef,
+    /// Rows of `x`.
+    pub rows: usize,
+    /// Columns of `x` (and of `out`).
+    pub cols: usize,
+    /// Columns of the sketch.
+    pub k: usize,
+    /// The sketch's seed.
+    pub seed: u64,
+}
+
+impl Signature for SketchProject {
+    const NAME: &'static str = "sketch-project";
+    type Shape = SketchShape;
+
+    fn shape(&self) -> Result<SketchShape, KernelError> {
+        Ok(SketchShape {
+            rows: self.rows,
+            k: self.k,
+            cols_in: self.cols,
+            cols_out: 0,
+        })
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let f32_ = DtypeRule::Exactly(Dtype::F32);
+        let cols = self.cols;
+        each(Param::write(
+            "out",
+            &self.out,
+            f32_,
+            LenRule::Len(self.k * cols),
+        ));
+        each(Param::read(
+            "x",
+            &self.x,
+            f32_,
+            LenRule::Len(self.rows * cols),
+        ));
+        each(Param::write(
+            "scratch",
+            &self.scratch,
+            f32_,
+            LenRule::Len(self.rows * self.k),
+        ));
+    }
+
+    fn flops(&self) -> f64 {
+        2.0 * self.k as f64 * self.x.len as f64
+    }
+}
+
+impl CpuKernel for SketchProject {
+    fn run_cpu(
+        &self,
+        s: &SketchShape,
+        cpu: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        let (out, x, scratch) = (
+            t.f32_mut(&self.out),
+            t.f32(&self.x),
+            t.f32_mut(&self.scratch),
+        );
+        project(cpu, out, x, (s.rows, s.cols_in, s.k), self.seed, scratch);
+        Ok(())
+    }
+}
+
+impl CudaKernel for SketchProject {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[FILL_SKETCH];
+
+    fn launch(&self, s: &SketchShape, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        if s.k == 0 || s.cols_in == 0 {
+            return Ok(());
+        }
+        if s.rows == 0 {
+            // A sum of no terms.
+            q.zero(q.address(&self.out), 4 * s.k * s.cols_in)?;
+            return Ok(());
+        }
+        let sk = q.carve(&self.scratch, 0, 4 * s.rows * s.k);
+        launch_fill(q, sk, s.rows, s.k, self.seed)?;
+        // Column-major: outᵀ (cols × k) = xᵀ (cols × rows, x as stored) · S (rows × k,
+        // the stored row-major S read transposed).
+        q.gemm(Gemm {
+            m: s.cols_in,
+            n: s.k,
+            k: s.rows,
+            a: Operand::f32(q.address(&self.x), s.cols_in, false),
+            b: Operand::f32(sk, s.k, true),
+            c: Operand::f32(q.address(&self.out), s.cols_in, false),
+            alpha: 1.0,
+            beta: 0.0,
+            batch: None,
+        })?;
+        Ok(())
+    }
+}
+
+/// The backward's weight gradient: dw (cols_in, cols_out) = (or, `accumulate`, +=)
+/// x_projᵀ (Sᵀ dy), x_proj (k, cols_in) [`SketchProject`]'s output for the same seed,
+/// dy (rows, cols_out); `scratch` holds S (rows × k) and then Sᵀ dy (k × cols_out).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SketchWeightGrad {
+    /// (cols_in, cols_out), written or accumulated.
+    pub dw: TensorRef,
+    /// (rows, cols_out).
+    pub dy: TensorRef,
+    /// (k, cols_in).
+    pub x_proj: TensorRef,
+    /// (rows × k + k × cols_out) f32, written.
+    pub scratch: TensorRef,
+    /// Rows of `dy`.
+    pub rows: usize,
+    /// Input channels (rows of `dw`).
+    pub cols_in: usize,
+    /// Output channels (columns of `dw` and `dy`).
+    pub cols_out: usize,
+    /// Columns of the sketch.
+    pub k: usize,
+    /// The seed the forward projected with.
+    pub seed: u64,
+    /// Add to `dw` rather than overwrite it.
+    pub accumulate: bool,
+}
+
+impl Signature for SketchWeightGrad {
+    const NAME: &'static str = "sketch-weight-grad";
+    type Shape = SketchShape;
+
+    fn shape(&self) -> Result<SketchShape, KernelError> {
+        Ok(SketchShape {
+            rows: self.rows,
+            k: self.k,
+            cols_in: self.cols_in,
+            cols_out: self.cols_out,
+        })
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let f32_ = DtypeRule::Exactly(Dtype::F32);
+        let (rows, k, ci, co) = (self.rows, self.k, self.cols_in, self.cols_out);
+        each(Param::write("dw", &self.dw, f32_, LenRule::Len(ci * co)));
+        each(Param::read("dy", &self.dy, f32_, LenRule::Len(rows * co)));
+        each(Param::read(
+            "x_proj",
+            &self.x_proj,
+            f32_,
+            LenRule::Len(k * ci),
+        ));
+        each(Param::write(
+            "scratch",
+            &self.scratch,
+            f32_,
+            LenRule::Len(rows * k + k * co),
+        ));
+    }
+
+    fn flops(&self) -> f64 {
+        let (rows, k, ci, co) = (self.rows, self.k, self.cols_in, self.cols_out);
+        2.0 * (k * rows * co + ci * k * co) as f64
+    }
+}
+
+impl CpuKernel for SketchWeightGrad {
+    fn run_cpu(
+        &self,
+        s: &SketchShape,
+        cpu: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        let scratch = t.f32_mut(&self.scratch);
+        let (sk, p) = scratch.split_at_mut(s.rows * s.k);
+        weight_grad(
+            cpu,
+            t.f32_mut(&self.dw),
+            t.f32(&self.dy),
+            t.f32(&self.x_proj),
+            (s.rows, s.cols_in, s.cols_out, s.k),
+            self.seed,
+            (sk, p),
+            self.accumulate,
+        );
+        Ok(())
+    }
+}
+
+impl CudaKernel for SketchWeightGrad {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[FILL_SKETCH];
+
+    fn launch(&self, s: &SketchShape, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        if s.cols_in == 0 || s.cols_out == 0 {
+            return Ok(());
+        }
+        let dw = q.address(&self.dw);
+        if s.rows == 0 || s.k == 0 {
+            // No terms: the gradient adds nothing, or is zero.
+            if !self.accumulate {
+                q.zero(dw, 4 * s.cols_in * s.cols_out)?;
+            }
+            return Ok(());
+        }
+        let s_bytes = 4 * s.rows * s.k;
+        let sk = q.carve(&self.scratch, 0, s_bytes);
+        let p = q.carve(&self.scratch, s_bytes, 4 * s.k * s.cols_out);
+        launch_fill(q, sk, s.rows, s.k, self.seed)?;
+        // Column-major: Pᵀ (cols_out × k) = dyᵀ (cols_out × rows, dy as stored) · S.
+        q.gemm(Gemm {
+            m: s.cols_out,
+            n: s.k,
+            k: s.rows,
+            a: Operand::f32(q.address(&self.dy), s.cols_out, false),
+            b: Operand::f32(sk, s.k, true),
+            c: Operand::f32(p, s.cols_out, false),
+            alpha: 1.0,
+            beta: 0.0,
+            batch: None,
+        })?;
+        // dwᵀ (cols_out × cols_in) = Pᵀ (cols_out × k, P as stored) · x_proj (k × cols_in,
+        // the stored row-major x_proj read transposed).
+        q.gemm(Gemm {
+            m: s.cols_out,
+            n: s.cols_in,
+            k: s.k,
+            a: Operand::f32(p, s.cols_out, false),
+            b: Operand::f32(q.address(&self.x_proj), s.cols_in, true),
+            c: Operand::f32(dw, s.cols_out, false),
+            alpha: 1.0,
+            beta: if self.accumulate { 1.0 } else { 0.0 },
+            batch: None,
+        })?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
