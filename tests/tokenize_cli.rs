@@ -156,7 +156,7 @@ fn train_on_text_and_json_lines_with_the_model_tokenizer() {
     std::fs::write(&jsonl, format!("{line}\n").repeat(40)).unwrap();
     let pairs = train(&jsonl, "2", &[]);
     assert!(
-        pairs.contains("the loss counts completions only"),
+        pairs.contains("the loss counts completions and assistant turns only"),
         "{pairs}"
     );
 }
