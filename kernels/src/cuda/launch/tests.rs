@@ -132,7 +132,7 @@ impl Buffers {
     }
 
     /// A view for [`run_cpu`], borrowing the buffers mutably for its life.
-    pub(crate) fn cpu_view(&mut self) -> CpuView<'_> {
+    fn cpu_view(&mut self) -> CpuView<'_> {
         CpuView {
             starts: self
                 .words
@@ -144,7 +144,7 @@ impl Buffers {
     }
 }
 
-pub(crate) struct CpuView<'a> {
+struct CpuView<'a> {
     starts: Vec<*mut u8>,
     bytes: &'a [usize],
 }
@@ -1004,6 +1004,18 @@ pub(crate) fn random_inputs(l: &Layout, kernels: &[Kernel], seed: u64) -> Buffer
         });
     }
     inputs
+}
+
+/// Runs `kernel` on the CPU (portable, one thread) over `memory`, which holds its
+/// tensors (made by the [`Layout`] it was built with).
+pub(crate) fn run_cpu_on(memory: &mut Buffers, kernel: &Kernel) -> Result<(), KernelError> {
+    let cpu = Cpu {
+        isa: Isa::Portable,
+        threads: 1,
+    };
+    let view = memory.cpu_view();
+    // SAFETY: every tensor lies inside its own buffer of the view (the layout made both).
+    unsafe { run_cpu(kernel, &cpu, &scalars(), &view) }
 }
 
 /// Runs `kernels` (f32) one after another on the CPU (portable, one thread) and on the

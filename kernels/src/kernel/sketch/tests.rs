@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::cuda::launch::tests::{
-    Emulated, Emulator, Layout, check_emulation, count_arg, ptr_arg, random_inputs,
+    Emulated, Emulator, Layout, check_emulation, count_arg, ptr_arg, random_inputs, run_cpu_on,
 };
 use crate::kernel::Kernel;
 
@@ -185,11 +185,8 @@ fn the_kernels_run_the_cpu_functions() {
         memory.read_f32(&grad_k.dy),
         memory.read_f32(&grad_k.dw),
     );
-    let cpu = Cpu::default();
     for kernel in &kernels {
-        let view = memory.cpu_view();
-        // SAFETY: every tensor lies inside its own buffer of the view.
-        unsafe { crate::program::run_cpu(kernel, &cpu, &Scalars::default(), &view) }.unwrap();
+        run_cpu_on(&mut memory, kernel).unwrap();
     }
     let want = reference::estimate_weight_grad(&x, &dy, (rows, ci, co, k), 11);
     let got = memory.read_f32(&grad_k.dw);
