@@ -31,6 +31,7 @@ pub mod gpt2;
 mod head;
 pub mod layout;
 pub mod llama;
+pub mod lora;
 mod mapped;
 pub mod moments;
 pub mod tokenize;

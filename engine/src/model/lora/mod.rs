@@ -1,0 +1,26 @@
+//! LoRA adapters in peft's format, the layer the coming LoRA fine-tuning (issue 33)
+//! will use; no command uses it yet.
+//!
+//! - [`config`]: [`LoraConfig`] (rank, alpha, dropout, target module names, rsLoRA) and
+//!   peft's `adapter_config.json`, read with one refusal for each peft feature strata
+//!   does not apply (DoRA, trained biases, `modules_to_save`, per-layer ranks, ...) and
+//!   written with every key peft 0.21 writes.
+//! - [`targets`]: which linear layers of a model the target names select (peft's rule:
+//!   a name matches the end of a module's path), with their features and layout
+//!   (`(out, in)` for the Llama family, Conv1D's `(in, out)` for GPT-2).
+//! - [`adapter`]: [`LoraAdapter`], each selected layer's `A` and `B` in f32, read from
+//!   and written to a peft adapter folder.
+//! - [`merge`]: `W + scale · B A` into a model's parameters, and a merged Hugging Face
+//!   model folder.
+//!
+//! Training an adapter (a frozen base, the adapters in the step) is not here.
+
+pub mod adapter;
+pub mod config;
+pub mod merge;
+pub mod targets;
+
+pub use adapter::{ADAPTER_WEIGHTS_FILE, LoraAdapter, LoraWeights, peft_names};
+pub use config::{ADAPTER_CONFIG_FILE, ALL_LINEAR, LoraConfig};
+pub use merge::{merge_in_place, merge_params, save_merged};
+pub use targets::{LoraLayer, WeightLayout, select_layers};
