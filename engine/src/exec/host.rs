@@ -1,9 +1,9 @@
 //! Host arithmetic on the CPU lane: gradient accumulation on the host and the rounding of
-//! complete gradients to bf16, the statistics of
-//! host gradients (for the norm, before a spill), the global norm of one process, and
-//! AdamW on the CPU over a block (its state in host memory, or staged from NVMe; its
-//! gradients on the host, or on the CPU device where the backward left them; its new
-//! working parameters into a host buffer or, on the CPU device, their device home).
+//! complete gradients to bf16, the statistics of host gradients (for the norm, before a
+//! spill), the global norm of one process, and AdamW on the CPU over a block (its state
+//! in host memory, or staged from NVMe; its gradients on the host, in f32 or spilled in
+//! bf16, or on the CPU device where the backward left them; its new working parameters
+//! into a host buffer or, on the CPU device, their device home).
 //!
 //! Not here: when they run (`lanes.rs`), or the norm among ranks (`comm.rs`).
 
