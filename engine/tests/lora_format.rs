@@ -10,7 +10,8 @@
 //! 4. GPT-2 (Conv1D weights stored (in, out), `c_proj` in the attention and the MLP):
 //!    each merged layer maps an input as `W x + scale · B (A x)` computed directly.
 //! 5. The refusals: DoRA, trained biases, modules_to_save, per-layer ranks, a regular
-//!    expression or unknown target, a missing tensor, a wrong shape, an extra tensor.
+//!    expression or unknown target, an initialisation that changed the base (PiSSA), a
+//!    missing tensor, a wrong shape, an extra tensor.
 //!
 //! `STRATA_LORA_OUT=DIR` also writes, for dev/check-peft-adapter, adapter0 as strata
 //! writes it (`DIR/llama-adapter`), and a GPT-2 adapter on `tests/data/gpt2-tiny` with
@@ -362,7 +363,7 @@ fn read_error(dir: &Path) -> String {
 
 #[test]
 fn peft_features_strata_does_not_apply_are_refused_by_name() {
-    let cases: [(&str, Value, &str); 6] = [
+    let cases: [(&str, Value, &str); 7] = [
         ("use_dora", Value::Bool(true), "DoRA"),
         ("bias", "lora_only".into(), "bias"),
         (
@@ -381,6 +382,11 @@ fn peft_features_strata_does_not_apply_are_refused_by_name() {
             "alpha_pattern",
         ),
         ("target_modules", ".*q_proj".into(), "regular expression"),
+        (
+            "init_lora_weights",
+            "pissa_niter_4".into(),
+            "path_initial_model",
+        ),
     ];
     for (key, value, named) in cases {
         let dir = edited_adapter(|j| j[key] = value.clone());

@@ -18,7 +18,7 @@ pub const ALL_LINEAR: &str = "all-linear";
 /// peft keys that switch on a feature strata does not apply: an adapter setting any of
 /// them to something other than null, false, 0, "" or an empty list or map is refused,
 /// with the feature's name.
-const UNSUPPORTED: [(&str, &str); 16] = [
+const UNSUPPORTED: [(&str, &str); 15] = [
     ("use_dora", "DoRA (weight-decomposed LoRA)"),
     ("lora_bias", "LoRA biases on lora_B"),
     (
@@ -31,7 +31,6 @@ const UNSUPPORTED: [(&str, &str); 16] = [
         "layers_to_transform",
         "adapting only some layers (layers_to_transform)",
     ),
-    ("layers_pattern", "layer patterns (layers_pattern)"),
     ("exclude_modules", "excluded modules (exclude_modules)"),
     (
         "target_parameters",
@@ -216,14 +215,29 @@ fn is_unset(value: &Value) -> bool {
     }
 }
 
-/// Refuses the first feature of [`UNSUPPORTED`] the settings switch on, a `bias` other
-/// than "none" and a `task_type` other than causal language modelling.
+/// Refuses the first feature of [`UNSUPPORTED`] the settings switch on, an
+/// initialisation that changed the base's weights, a `bias` other than "none" and a
+/// `task_type` other than causal language modelling.
 fn refuse_unsupported(map: &Map<String, Value>) -> Result<(), String> {
     for (key, feature) in UNSUPPORTED {
         if let Some(value) = map.get(key).filter(|v| !is_unset(v)) {
             return Err(format!(
                 "{key} is {value}: strata does not apply {feature}; train or save the \
                  adapter without it"
+            ));
+        }
+    }
+    if let Some(init) = map.get("init_lora_weights").and_then(Value::as_str) {
+        let lower = init.to_lowercase();
+        if ["pissa", "olora", "corda", "lora_ga", "loftq"]
+            .iter()
+            .any(|m| lower.starts_with(m))
+        {
+            return Err(format!(
+                "init_lora_weights is {init:?}: such an adapter belongs to a base whose \
+                 weights its initialisation changed, not to the base named; save it with \
+                 peft's path_initial_model_for_weight_conversion, which makes it an \
+                 adapter of the original base"
             ));
         }
     }
