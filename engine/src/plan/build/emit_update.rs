@@ -52,18 +52,20 @@ impl Emitter<'_, '_> {
         }
         let g = &self.homes.grads;
         let bytes = 4 * f.len(b);
-        let id = match (g.home_dev[b], g.host[b]) {
-            (Some(grads), _) => self.round_on_device(b, grads),
-            (None, Some(grads)) if f.grads_stay_on_device(b) => self.round_on_device(b, grads),
-            (None, Some(grads)) => {
-                let op = HostOp::RoundGrads {
-                    block: b,
-                    grads,
-                    out: None,
-                };
-                self.host(op, vec![Access::Write(grads)])
-            }
-            (None, None) => unreachable!("every block's gradients are on the host or device"),
+        let grads = g.home_dev[b]
+            .or(g.host[b])
+            .expect("every block's gradients are on the host or device");
+        // Where they lie: the device (its own, or on the CPU device the host gradients
+        // the backward left there), or host memory.
+        let id = if self.table.buffers[grads.index()].tier == Tier::Device {
+            self.round_on_device(b, grads)
+        } else {
+            let op = HostOp::RoundGrads {
+                block: b,
+                grads,
+                out: None,
+            };
+            self.host(op, vec![Access::Write(grads)])
         };
         // Reads and writes each.
         self.set_bytes(id, 2 * bytes);

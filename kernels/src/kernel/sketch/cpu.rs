@@ -85,17 +85,7 @@ pub fn weight_grad(
         }
         return;
     }
-    fill_sketch(s, rows, k, seed);
-    let st = MatrixRef::row_major(s, rows, k).transposed();
-    let dy = MatrixRef::row_major(dy, rows, cols_out);
-    gemm(
-        cpu,
-        MatrixMut::row_major(p, k, cols_out),
-        st,
-        dy,
-        1.0,
-        false,
-    );
+    project(cpu, p, dy, (rows, cols_out, k), seed, s);
     let xt = MatrixRef::row_major(x_proj, k, cols_in).transposed();
     let p = MatrixRef::row_major(p, k, cols_out);
     let dw = MatrixMut::row_major(dw, cols_in, cols_out);

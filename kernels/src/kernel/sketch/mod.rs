@@ -46,12 +46,13 @@ pub struct SketchShape {
     pub cols_out: usize,
 }
 
-/// Enqueues the sketch of `seed` into the f32 scratch at `s` (rows × k).
-fn launch_fill(
+/// Enqueues `out` (k × cols) = `Sᵀ m`, `m` (rows × cols) at `m`, with `S` the sketch of
+/// `seed` made first in the f32 scratch region at `s` (rows × k): the forward's
+/// projection, and the first half of the weight gradient.
+fn launch_project(
     q: &Launch<'_>,
-    s: u64,
-    rows: usize,
-    k: usize,
+    (m, s, out): (u64, u64, u64),
+    (rows, cols, k): (usize, usize, usize),
     seed: u64,
 ) -> Result<(), KernelError> {
     // fill_sketch(float* s, long long rows, long long k, long long seed, float scale).
@@ -62,7 +63,21 @@ fn launch_fill(
         Arg::Long(seed as i64),
         Arg::Float(sketch_scale(k)),
     ];
-    Ok(q.launch(FILL_SKETCH, per_element(rows * k), &args)?)
+    q.launch(FILL_SKETCH, per_element(rows * k), &args)?;
+    // Column-major: outᵀ (cols × k) = mᵀ (cols × rows, m as stored) · S (rows × k, the
+    // stored row-major S read transposed).
+    q.gemm(Gemm {
+        m: cols,
+        n: k,
+        k: rows,
+        a: Operand::f32(m, cols, false),
+        b: Operand::f32(s, k, true),
+        c: Operand::f32(out, cols, false),
+        alpha: 1.0,
+        beta: 0.0,
+        batch: None,
+    })?;
+    Ok(())
 }
 
 /// The forward's projection: out (k, cols) = Sᵀ x, x (rows, cols), with `S` the sketch
@@ -158,20 +173,8 @@ impl CudaKernel for SketchProject {
             return Ok(());
         }
         let sk = q.carve(&self.scratch, 0, 4 * s.rows * s.k);
-        launch_fill(q, sk, s.rows, s.k, self.seed)?;
-        // Column-major: outᵀ (cols × k) = xᵀ (cols × rows, x as stored) · S (rows × k,
-        // the stored row-major S read transposed).
-        q.gemm(Gemm {
-            m: s.cols_in,
-            n: s.k,
-            k: s.rows,
-            a: Operand::f32(q.address(&self.x), s.cols_in, false),
-            b: Operand::f32(sk, s.k, true),
-            c: Operand::f32(q.address(&self.out), s.cols_in, false),
-            alpha: 1.0,
-            beta: 0.0,
-            batch: None,
-        })?;
+        let (x, out) = (q.address(&self.x), q.address(&self.out));
+        launch_project(q, (x, sk, out), (s.rows, s.cols_in, s.k), self.seed)?;
         Ok(())
     }
 }
@@ -284,19 +287,8 @@ impl CudaKernel for SketchWeightGrad {
         let s_bytes = 4 * s.rows * s.k;
         let sk = q.carve(&self.scratch, 0, s_bytes);
         let p = q.carve(&self.scratch, s_bytes, 4 * s.k * s.cols_out);
-        launch_fill(q, sk, s.rows, s.k, self.seed)?;
-        // Column-major: Pᵀ (cols_out × k) = dyᵀ (cols_out × rows, dy as stored) · S.
-        q.gemm(Gemm {
-            m: s.cols_out,
-            n: s.k,
-            k: s.rows,
-            a: Operand::f32(q.address(&self.dy), s.cols_out, false),
-            b: Operand::f32(sk, s.k, true),
-            c: Operand::f32(p, s.cols_out, false),
-            alpha: 1.0,
-            beta: 0.0,
-            batch: None,
-        })?;
+        let dy = q.address(&self.dy);
+        launch_project(q, (dy, sk, p), (s.rows, s.cols_out, s.k), self.seed)?;
         // dwᵀ (cols_out × cols_in) = Pᵀ (cols_out × k, P as stored) · x_proj (k × cols_in,
         // the stored row-major x_proj read transposed).
         q.gemm(Gemm {

@@ -8,8 +8,12 @@ use crate::cuda::launch::tests::{
 };
 use crate::kernel::Kernel;
 
-/// `sketch.cu`'s `fill_sketch`, written again from the `.cu` text.
-fn emulate_fill(name: &str, args: &[Arg], memory: &Emulator) {
+/// `sketch.cu`'s `fill_sketch`, written again from the `.cu` text; false for another
+/// entry point.
+fn emulate_fill(name: &str, args: &[Arg], memory: &Emulator) -> bool {
+    if name != "fill_sketch" {
+        return false;
+    }
     let (s, rows, k) = (
         ptr_arg(name, args, 0),
         count_arg(name, args, 1),
@@ -30,6 +34,7 @@ fn emulate_fill(name: &str, args: &[Arg], memory: &Emulator) {
         z ^= z >> 31;
         memory.store(s, i, if z >> 63 == 1 { -scale } else { scale });
     }
+    true
 }
 
 impl Emulated for SketchProject {
@@ -68,11 +73,7 @@ impl Emulated for SketchProject {
     }
 
     fn emulate(name: &str, args: &[Arg], memory: &Emulator) -> bool {
-        if name != "fill_sketch" {
-            return false;
-        }
-        emulate_fill(name, args, memory);
-        true
+        emulate_fill(name, args, memory)
     }
 }
 
@@ -123,11 +124,7 @@ impl Emulated for SketchWeightGrad {
     }
 
     fn emulate(name: &str, args: &[Arg], memory: &Emulator) -> bool {
-        if name != "fill_sketch" {
-            return false;
-        }
-        emulate_fill(name, args, memory);
-        true
+        emulate_fill(name, args, memory)
     }
 }
 
