@@ -6,7 +6,8 @@
 //! its working copies against `half` bit for bit; the gradient statistics against the
 //! CPU's bit for bit (flag too, with an infinity and a NaN); and that a kernel run
 //! twice gives the same bits. The Llama family's kernels (RMSNorm, RoPE, SwiGLU,
-//! grouped-query attention) likewise.
+//! grouped-query attention) likewise, and the randomized weight gradients (f32 only, a
+//! step's sketch seed mixed in).
 //!
 //! Tensors lie in one device allocation per case, as in the engine's arena, at offsets
 //! that are multiples of 256 bytes; each tensor's address is the allocation's plus its
@@ -27,6 +28,7 @@ use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, State, grad_stats};
 use strata_kernels::cuda::{CudaKernels, probe};
 use strata_kernels::isa::Isa;
 use strata_kernels::kernel::attention::{AttnMask, flash_scratch_bytes};
+use strata_kernels::kernel::sketch::{SketchProject, SketchWeightGrad};
 use strata_kernels::kernel::{
     AdamWKernel, AddF32, Attention, AttentionBackward, CopyKernel, CrossEntropy,
     CrossEntropyBackward, Encoder, EncoderBackward, FlashMask, FoldRanks, Gelu, GeluBackward,
@@ -1449,6 +1451,73 @@ fn kernels_repeat_bit_for_bit() {
             let second = run_gpu(&k, kernel, &s.image, &scalars());
             assert_ne!(first, s.image, "{} {w} wrote nothing", kernel.name());
             assert!(first == second, "{} {w}: two runs differ", kernel.name());
+        }
+    }
+}
+
+/// The randomized weight gradients (f32 only): the projection, and the weight gradient
+/// in each layout, overwritten (NaN beforehand shows a read) and accumulated, with a
+/// step's seed mixed in on both sides. The sketch and `Sᵀ dy` in the scratch are
+/// compared too.
+#[test]
+#[ignore = "needs a GPU"]
+fn sketch_matches_cpu() {
+    let k = gpu();
+    let mut rng = StdRng::seed_from_u64(14);
+    let w = Dtype::F32;
+    let scalars = Scalars {
+        sketch: 3,
+        ..scalars()
+    };
+    for (rows, ci, co, kk) in [
+        (1, 1, 1, 1),
+        (7, 22, 13, 4),
+        (130, 64, 257, 32),
+        (300, 77, 50, 64),
+    ] {
+        let x = random(&mut rng, w, rows * ci, 1.0);
+        let what = format!("sketch-project {rows}x{ci} k={kk}");
+        compare(&k, &what, w, &scalars, 1e-5, |s| {
+            Kernel::SketchProject(SketchProject {
+                out: s.f32s(&vec![f32::NAN; kk * ci]),
+                x: s.f32s(&x),
+                scratch: s.f32s(&vec![f32::NAN; rows * kk]),
+                rows,
+                cols: ci,
+                k: kk,
+                seed: 21,
+            })
+        });
+        let dy = random(&mut rng, w, rows * co, 1.0);
+        let x_proj = random(&mut rng, w, kk * ci, 1.0);
+        let dw = random(&mut rng, w, ci * co, 1.0);
+        for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+            for accumulate in [false, true] {
+                let what = format!(
+                    "sketch-weight-grad {layout:?} accumulate={accumulate} \
+                     {rows}x{ci}x{co} k={kk}"
+                );
+                let dw_before = if accumulate {
+                    dw.clone()
+                } else {
+                    vec![f32::NAN; ci * co]
+                };
+                compare(&k, &what, w, &scalars, 1e-5, |s| {
+                    Kernel::SketchWeightGrad(SketchWeightGrad {
+                        dw: s.f32s(&dw_before),
+                        dy: s.f32s(&dy),
+                        x_proj: s.f32s(&x_proj),
+                        scratch: s.f32s(&vec![f32::NAN; rows * kk + kk * co]),
+                        rows,
+                        cols_in: ci,
+                        cols_out: co,
+                        k: kk,
+                        seed: 21,
+                        layout,
+                        accumulate,
+                    })
+                });
+            }
         }
     }
 }

@@ -17,4 +17,9 @@ pub struct Scalars {
     pub adam_no_decay: Option<AdamStep>,
     /// Skip every [`Kernel::AdamW`](crate::kernel::Kernel::AdamW) (non-finite gradients).
     pub skip_update: bool,
+    /// The seed of this step's and micro-batch's randomized weight gradients; each sketch
+    /// kernel mixes in its own `seed`
+    /// ([`sketch_seed`](crate::kernel::sketch::sketch_seed)), so a micro-batch's forward
+    /// and backward, run with the same scalars, share one sketch.
+    pub sketch: u64,
 }

@@ -395,6 +395,8 @@ pub(crate) fn scalars() -> Scalars {
         adam: Some(AdamStep::new(&hp, 3, 0.5).unwrap()),
         adam_no_decay: Some(AdamStep::new(&no_decay, 3, 0.5).unwrap()),
         skip_update: false,
+        // Not 0, so a launch that ignored the step's sketch seed shows.
+        sketch: 6,
     }
 }
 
@@ -1006,16 +1008,20 @@ pub(crate) fn random_inputs(l: &Layout, kernels: &[Kernel], seed: u64) -> Buffer
     inputs
 }
 
-/// Runs `kernel` on the CPU (portable, one thread) over `memory`, which holds its
-/// tensors (made by the [`Layout`] it was built with).
-pub(crate) fn run_cpu_on(memory: &mut Buffers, kernel: &Kernel) -> Result<(), KernelError> {
+/// Runs `kernel` with `scalars` on the CPU (portable, one thread) over `memory`, which
+/// holds its tensors (made by the [`Layout`] it was built with).
+pub(crate) fn run_cpu_with(
+    memory: &mut Buffers,
+    kernel: &Kernel,
+    scalars: &Scalars,
+) -> Result<(), KernelError> {
     let cpu = Cpu {
         isa: Isa::Portable,
         threads: 1,
     };
     let view = memory.cpu_view();
     // SAFETY: every tensor lies inside its own buffer of the view (the layout made both).
-    unsafe { run_cpu(kernel, &cpu, &scalars(), &view) }
+    unsafe { run_cpu(kernel, &cpu, scalars, &view) }
 }
 
 /// Runs `kernels` (f32) one after another on the CPU (portable, one thread) and on the

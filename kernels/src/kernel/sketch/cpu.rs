@@ -15,7 +15,7 @@
 //! The CPU side, over the worker pool's matrix product ([`crate::ops::gemm()`]); the
 //! program kernels that run it, and their CUDA launches, are in the family's `mod.rs`.
 
-use crate::ops::{Cpu, MatrixMut, MatrixRef, gemm};
+use crate::ops::{Cpu, MatrixMut, MatrixRef, WeightLayout, gemm};
 
 /// One bit of a counter-based hash of `(seed, row, col)` as a sign, `+1.0` or `-1.0`:
 /// the same for the same arguments on every machine and thread. The hash is SplitMix64's
@@ -30,6 +30,15 @@ pub fn sketch_sign(seed: u64, row: usize, col: usize) -> f32 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^= z >> 31;
     if z >> 63 == 1 { -1.0 } else { 1.0 }
+}
+
+/// The seed a sketch kernel hands [`sketch_sign`]: its own seed `salt` (one per layer and
+/// weight) mixed with `step`, the program's per-step and per-micro-batch
+/// [`Scalars::sketch`](crate::program::Scalars::sketch), so each step draws a new `S` and a
+/// micro-batch's forward and backward the same one. `sketch_seed(0, salt) == salt`.
+pub fn sketch_seed(step: u64, salt: u64) -> u64 {
+    // An odd constant (MurmurHash3's first finaliser multiplier), none of sketch_sign's.
+    salt.wrapping_add(step.wrapping_mul(0xff51_afd7_ed55_8ccd))
 }
 
 /// `s` (rows × k, row-major) filled with the sketch of `seed`: `sketch_sign / √k`.
@@ -63,10 +72,11 @@ pub fn project(
     gemm(cpu, MatrixMut::row_major(out, k, cols), s, x, 1.0, false);
 }
 
-/// The backward's weight gradient from the projection: `dw` (cols_in × cols_out) =
-/// (or, with `accumulate`, +=) `x_projᵀ (Sᵀ dy)`, where `x_proj` (k × cols_in) is
-/// [`project`]'s output for the same `seed` and `dy` is (rows × cols_out). `s` (rows × k)
-/// and `p` (k × cols_out) are scratch.
+/// The backward's weight gradient from the projection: `dw` = (or, with `accumulate`,
+/// +=) `x_projᵀ (Sᵀ dy)`, stored (cols_in × cols_out) for [`WeightLayout::InOut`] and
+/// transposed, (cols_out × cols_in), for [`WeightLayout::OutIn`]; `x_proj` (k × cols_in)
+/// is [`project`]'s output for the same `seed` and `dy` is (rows × cols_out). `s`
+/// (rows × k) and `p` (k × cols_out) are scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn weight_grad(
     cpu: &Cpu,
@@ -76,6 +86,7 @@ pub fn weight_grad(
     (rows, cols_in, cols_out, k): (usize, usize, usize, usize),
     seed: u64,
     (s, p): (&mut [f32], &mut [f32]),
+    layout: WeightLayout,
     accumulate: bool,
 ) {
     if rows == 0 || k == 0 {
@@ -86,10 +97,20 @@ pub fn weight_grad(
         return;
     }
     project(cpu, p, dy, (rows, cols_out, k), seed, s);
-    let xt = MatrixRef::row_major(x_proj, k, cols_in).transposed();
+    let x_proj = MatrixRef::row_major(x_proj, k, cols_in);
     let p = MatrixRef::row_major(p, k, cols_out);
-    let dw = MatrixMut::row_major(dw, cols_in, cols_out);
-    gemm(cpu, dw, xt, p, 1.0, accumulate);
+    match layout {
+        // (cols_in × cols_out) = x_projᵀ P.
+        WeightLayout::InOut => {
+            let dw = MatrixMut::row_major(dw, cols_in, cols_out);
+            gemm(cpu, dw, x_proj.transposed(), p, 1.0, accumulate);
+        }
+        // (cols_out × cols_in) = Pᵀ x_proj, the transpose.
+        WeightLayout::OutIn => {
+            let dw = MatrixMut::row_major(dw, cols_out, cols_in);
+            gemm(cpu, dw, p.transposed(), x_proj, 1.0, accumulate);
+        }
+    }
 }
 
 /// The estimate's expected squared Frobenius error for a Rademacher sketch with `k`
@@ -145,8 +166,9 @@ mod tests {
     }
 
     /// One estimate of the weight gradient through the CPU functions, as a layer's
-    /// forward and backward make it (the backward regenerating `S` from `seed`).
-    fn estimate(cpu: &Cpu, x: &[f32], dy: &[f32], seed: u64) -> Vec<f32> {
+    /// forward and backward make it (the backward regenerating `S` from `seed`), stored
+    /// as `layout` asks.
+    fn estimate(cpu: &Cpu, x: &[f32], dy: &[f32], seed: u64, layout: WeightLayout) -> Vec<f32> {
         let (rows, cols_in, cols_out, k) = SHAPE;
         let mut s = vec![0.0; rows * k];
         let mut x_proj = vec![0.0; k * cols_in];
@@ -161,6 +183,7 @@ mod tests {
             SHAPE,
             seed,
             (&mut s, &mut p),
+            layout,
             false,
         );
         dw
@@ -173,20 +196,40 @@ mod tests {
     #[test]
     fn the_cpu_estimate_is_the_references_on_every_isa() {
         let (x, dy, _) = layer();
+        let (_, cols_in, cols_out, _) = SHAPE;
         for seed in [0, 1, 77] {
-            let want = reference::estimate_weight_grad(&x, &dy, SHAPE, seed);
-            for isa in Isa::supported() {
-                for threads in [1, 3] {
-                    let got = estimate(&Cpu { isa, threads }, &x, &dy, seed);
-                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert!(
-                            (*g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()),
-                            "seed {seed}, {isa} on {threads} threads, element {i}: {g} vs {w}"
-                        );
+            let in_out = reference::estimate_weight_grad(&x, &dy, SHAPE, seed);
+            for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+                let want = reference::laid_out(&in_out, (cols_in, cols_out), layout);
+                for isa in Isa::supported() {
+                    for threads in [1, 3] {
+                        let got = estimate(&Cpu { isa, threads }, &x, &dy, seed, layout);
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            assert!(
+                                (*g as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                                "seed {seed}, {layout:?}, {isa} on {threads} threads, \
+                                 element {i}: {g} vs {w}"
+                            );
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// Step 0 keeps a kernel's own seed; every (step, salt) of a small grid, as a run's
+    /// steps and layers make them, gives another seed.
+    #[test]
+    fn each_step_and_salt_mix_to_their_own_seed() {
+        for salt in [0, 5, u64::MAX] {
+            assert_eq!(sketch_seed(0, salt), salt);
+        }
+        let mut seeds: Vec<u64> = (0..64u64)
+            .flat_map(|step| (0..64u64).map(move |salt| sketch_seed(step, salt)))
+            .collect();
+        seeds.sort_unstable();
+        seeds.dedup();
+        assert_eq!(seeds.len(), 64 * 64);
     }
 
     #[test]
@@ -226,7 +269,7 @@ mod tests {
         let seeds = 2000u64;
         let estimates: Vec<Vec<f64>> = (0..seeds)
             .map(|seed| {
-                let e = estimate(&cpu, &x, &dy, 1000 + seed);
+                let e = estimate(&cpu, &x, &dy, 1000 + seed, WeightLayout::InOut);
                 e.iter().map(|&v| v as f64).collect()
             })
             .collect();

@@ -1,7 +1,10 @@
 //! Randomized weight gradients of linear layers (issue 32; Bershatsky et al.): the
 //! forward keeps `X_proj = Sᵀ X` in place of the layer's input ([`SketchProject`]), and
 //! the backward estimates the weight gradient from it ([`SketchWeightGrad`]), `S`
-//! regenerated from a seed. The math and the CPU side are in [`cpu`], the scalar
+//! regenerated from a seed: the kernel's own `seed` mixed with the step's
+//! [`Scalars::sketch`] ([`sketch_seed`]), so each step and micro-batch draws a new `S` and
+//! a micro-batch's forward and backward the same one. The math and the CPU side are in
+//! [`cpu`], the scalar
 //! reference in [`reference`](mod@reference), the CUDA sketch in `sketch.cu` (the products
 //! are cuBLAS's).
 //!
@@ -11,7 +14,7 @@
 
 use crate::cuda::launch::per_element;
 use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Gemm, Launch, Operand, long};
-use crate::ops::Cpu;
+use crate::ops::{Cpu, WeightLayout};
 use crate::program::{
     CpuKernel, CpuTensors, Dtype, DtypeRule, KernelError, LenRule, Param, Scalars, Signature,
     TensorRef,
@@ -20,7 +23,9 @@ use crate::program::{
 pub mod cpu;
 pub mod reference;
 
-pub use cpu::{expected_squared_error, fill_sketch, project, sketch_sign, weight_grad};
+pub use cpu::{
+    expected_squared_error, fill_sketch, project, sketch_seed, sketch_sign, weight_grad,
+};
 
 /// The family's CUDA kernel.
 const SOURCE: CudaSource = ("sketch.cu", include_str!("sketch.cu"));
@@ -81,7 +86,7 @@ fn launch_project(
 }
 
 /// The forward's projection: out (k, cols) = Sᵀ x, x (rows, cols), with `S` the sketch
-/// of `seed`, made in `scratch` (rows × k f32).
+/// of `sketch_seed(scalars.sketch, seed)`, made in `scratch` (rows × k f32).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SketchProject {
     /// (k, cols), written.
@@ -96,7 +101,7 @@ pub struct SketchProject {
     pub cols: usize,
     /// Columns of the sketch.
     pub k: usize,
-    /// The sketch's seed.
+    /// This layer's seed, mixed with the step's ([`sketch_seed`]).
     pub seed: u64,
 }
 
@@ -146,7 +151,7 @@ impl CpuKernel for SketchProject {
         &self,
         s: &SketchShape,
         cpu: &Cpu,
-        _: &Scalars,
+        scalars: &Scalars,
         t: &CpuTensors<'_>,
     ) -> Result<(), KernelError> {
         let (out, x, scratch) = (
@@ -154,7 +159,8 @@ impl CpuKernel for SketchProject {
             t.f32(&self.x),
             t.f32_mut(&self.scratch),
         );
-        project(cpu, out, x, (s.rows, s.cols_in, s.k), self.seed, scratch);
+        let seed = sketch_seed(scalars.sketch, self.seed);
+        project(cpu, out, x, (s.rows, s.cols_in, s.k), seed, scratch);
         Ok(())
     }
 }
@@ -163,7 +169,12 @@ impl CudaKernel for SketchProject {
     const SOURCE: CudaSource = SOURCE;
     const ENTRIES: &'static [Entry] = &[FILL_SKETCH];
 
-    fn launch(&self, s: &SketchShape, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+    fn launch(
+        &self,
+        s: &SketchShape,
+        scalars: &Scalars,
+        q: &mut Launch<'_>,
+    ) -> Result<(), KernelError> {
         if s.k == 0 || s.cols_in == 0 {
             return Ok(());
         }
@@ -174,17 +185,21 @@ impl CudaKernel for SketchProject {
         }
         let sk = q.carve(&self.scratch, 0, 4 * s.rows * s.k);
         let (x, out) = (q.address(&self.x), q.address(&self.out));
-        launch_project(q, (x, sk, out), (s.rows, s.cols_in, s.k), self.seed)?;
+        let seed = sketch_seed(scalars.sketch, self.seed);
+        launch_project(q, (x, sk, out), (s.rows, s.cols_in, s.k), seed)?;
         Ok(())
     }
 }
 
-/// The backward's weight gradient: dw (cols_in, cols_out) = (or, `accumulate`, +=)
-/// x_projᵀ (Sᵀ dy), x_proj (k, cols_in) [`SketchProject`]'s output for the same seed,
-/// dy (rows, cols_out); `scratch` holds S (rows × k) and then Sᵀ dy (k × cols_out).
+/// The backward's weight gradient: dw = (or, `accumulate`, +=) x_projᵀ (Sᵀ dy), stored
+/// (cols_in, cols_out) for [`WeightLayout::InOut`] (GPT-2's Conv1D) or (cols_out,
+/// cols_in) for [`WeightLayout::OutIn`] (`nn.Linear`, the Llama family); x_proj (k,
+/// cols_in) is [`SketchProject`]'s output for the same `seed` and [`Scalars::sketch`], dy
+/// (rows, cols_out); `scratch` holds S (rows × k) and then Sᵀ dy (k × cols_out).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SketchWeightGrad {
-    /// (cols_in, cols_out), written or accumulated.
+    /// (cols_in, cols_out) or (cols_out, cols_in) as `layout` says, written or
+    /// accumulated.
     pub dw: TensorRef,
     /// (rows, cols_out).
     pub dy: TensorRef,
@@ -194,14 +209,16 @@ pub struct SketchWeightGrad {
     pub scratch: TensorRef,
     /// Rows of `dy`.
     pub rows: usize,
-    /// Input channels (rows of `dw`).
+    /// Input channels.
     pub cols_in: usize,
-    /// Output channels (columns of `dw` and `dy`).
+    /// Output channels (columns of `dy`).
     pub cols_out: usize,
     /// Columns of the sketch.
     pub k: usize,
-    /// The seed the forward projected with.
+    /// The seed the forward projected with (mixed with the step's, as there).
     pub seed: u64,
+    /// How `dw` is stored.
+    pub layout: WeightLayout,
     /// Add to `dw` rather than overwrite it.
     pub accumulate: bool,
 }
@@ -249,7 +266,7 @@ impl CpuKernel for SketchWeightGrad {
         &self,
         s: &SketchShape,
         cpu: &Cpu,
-        _: &Scalars,
+        scalars: &Scalars,
         t: &CpuTensors<'_>,
     ) -> Result<(), KernelError> {
         let scratch = t.f32_mut(&self.scratch);
@@ -260,8 +277,9 @@ impl CpuKernel for SketchWeightGrad {
             t.f32(&self.dy),
             t.f32(&self.x_proj),
             (s.rows, s.cols_in, s.cols_out, s.k),
-            self.seed,
+            sketch_seed(scalars.sketch, self.seed),
             (sk, p),
+            self.layout,
             self.accumulate,
         );
         Ok(())
@@ -272,7 +290,12 @@ impl CudaKernel for SketchWeightGrad {
     const SOURCE: CudaSource = SOURCE;
     const ENTRIES: &'static [Entry] = &[FILL_SKETCH];
 
-    fn launch(&self, s: &SketchShape, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+    fn launch(
+        &self,
+        s: &SketchShape,
+        scalars: &Scalars,
+        q: &mut Launch<'_>,
+    ) -> Result<(), KernelError> {
         if s.cols_in == 0 || s.cols_out == 0 {
             return Ok(());
         }
@@ -288,16 +311,26 @@ impl CudaKernel for SketchWeightGrad {
         let sk = q.carve(&self.scratch, 0, s_bytes);
         let p = q.carve(&self.scratch, s_bytes, 4 * s.k * s.cols_out);
         let dy = q.address(&self.dy);
-        launch_project(q, (dy, sk, p), (s.rows, s.cols_out, s.k), self.seed)?;
-        // dwᵀ (cols_out × cols_in) = Pᵀ (cols_out × k, P as stored) · x_proj (k × cols_in,
-        // the stored row-major x_proj read transposed).
+        let seed = sketch_seed(scalars.sketch, self.seed);
+        launch_project(q, (dy, sk, p), (s.rows, s.cols_out, s.k), seed)?;
+        let (ci, co) = (s.cols_in, s.cols_out);
+        let p_op = |transposed| Operand::f32(p, co, transposed);
+        let x_op = |transposed| Operand::f32(q.address(&self.x_proj), ci, transposed);
+        let (m, n, a, b, ld) = match self.layout {
+            // Row-major (ci, co) is column-major dwᵀ (co × ci) = Pᵀ (co × k, P as stored) ·
+            // x_proj (k × ci, the stored row-major x_proj read transposed).
+            WeightLayout::InOut => (co, ci, p_op(false), x_op(true), co),
+            // Row-major (co, ci) is column-major dw (ci × co) = x_projᵀ (ci × k, x_proj as
+            // stored) · P (k × co, the stored row-major P read transposed).
+            WeightLayout::OutIn => (ci, co, x_op(false), p_op(true), ci),
+        };
         q.gemm(Gemm {
-            m: s.cols_out,
-            n: s.cols_in,
+            m,
+            n,
             k: s.k,
-            a: Operand::f32(p, s.cols_out, false),
-            b: Operand::f32(q.address(&self.x_proj), s.cols_in, true),
-            c: Operand::f32(dw, s.cols_out, false),
+            a,
+            b,
+            c: Operand::f32(dw, ld, false),
             alpha: 1.0,
             beta: if self.accumulate { 1.0 } else { 0.0 },
             batch: None,

@@ -1,8 +1,10 @@
 //! The scalar reference of randomized weight gradients (`super`): the
 //! exact weight gradient `xᵀ dy` and its estimate `(Sᵀ x)ᵀ (Sᵀ dy)`, in f64, element by
-//! element, with `S` made from the production [`sketch_sign`].
+//! element, with `S` made from the production [`sketch_sign`], both (cols_in ×
+//! cols_out); [`laid_out`] stores one as a kernel's [`WeightLayout`] asks.
 
 use super::cpu::sketch_sign;
+use crate::ops::WeightLayout;
 
 /// `xᵀ dy` (cols_in × cols_out) for `x` (rows × cols_in) and `dy` (rows × cols_out).
 pub fn exact_weight_grad(
@@ -51,4 +53,26 @@ pub fn estimate_weight_grad(
         }
     }
     dw
+}
+
+/// `dw` (cols_in × cols_out, row-major) stored as `layout` asks: as it is for
+/// [`WeightLayout::InOut`], transposed (cols_out × cols_in) for [`WeightLayout::OutIn`].
+pub fn laid_out(dw: &[f64], (cols_in, cols_out): (usize, usize), layout: WeightLayout) -> Vec<f64> {
+    assert_eq!(
+        dw.len(),
+        cols_in * cols_out,
+        "a {cols_in} × {cols_out} gradient"
+    );
+    match layout {
+        WeightLayout::InOut => dw.to_vec(),
+        WeightLayout::OutIn => {
+            let mut out = vec![0.0; dw.len()];
+            for i in 0..cols_in {
+                for o in 0..cols_out {
+                    out[o * cols_in + i] = dw[i * cols_out + o];
+                }
+            }
+            out
+        }
+    }
 }
