@@ -34,7 +34,7 @@ use strata_kernels::kernel::{
     CrossEntropyBackward, Encoder, EncoderBackward, FlashMask, FoldRanks, Gelu, GeluBackward,
     GqaAttention, GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward,
     GradStatsKernel, LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Residual, RmsNorm,
-    RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu, SwiGluBackward, Zero,
+    RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu, SwiGluBackward, WeightGrad, Zero,
 };
 use strata_kernels::ops::{self, Cpu, Llama3Scaling, RopeFreqs, WeightLayout};
 use strata_kernels::program::{
@@ -463,10 +463,12 @@ fn matmul_matches_cpu() {
                             Kernel::MatmulBackward(MatmulBackward {
                                 // Overwritten: NaN beforehand shows a read.
                                 dinp: s.act(&vec![f32::NAN; n * c]),
-                                dweight: s.f32s(&dweight),
+                                weight_grad: Some(WeightGrad {
+                                    dweight: s.f32s(&dweight),
+                                    inp: s.act(&inp),
+                                }),
                                 dbias: with_bias.then(|| s.f32s(&dbias)),
                                 dout: s.act(&dout),
-                                inp: s.act(&inp),
                                 weight: s.act(&weight),
                                 layout,
                                 n,
@@ -1377,10 +1379,12 @@ fn kernels_repeat_bit_for_bit() {
             }),
             Kernel::MatmulBackward(MatmulBackward {
                 dinp: s.act(&vec![0.0; n * c]),
-                dweight: s.f32s(&vec![0.0; c * oc]),
+                weight_grad: Some(WeightGrad {
+                    dweight: s.f32s(&vec![0.0; c * oc]),
+                    inp: s.act(&inp),
+                }),
                 dbias: Some(s.f32s(&vec![0.0; oc])),
                 dout: s.act(&dout_oc),
-                inp: s.act(&inp),
                 weight: s.act(&weight),
                 layout: WeightLayout::InOut,
                 n,

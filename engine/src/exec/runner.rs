@@ -42,6 +42,8 @@ pub struct Runner {
     has_forward: bool,
     /// The positions whose loss counts in the last forward (its loss is their mean).
     counted_targets: usize,
+    /// The seed of the sketches of an approximate backward ([`Scalars::sketch`]).
+    sketch: u64,
 }
 
 /// Hands out consecutive aligned ranges of a size to be allocated.
@@ -199,6 +201,7 @@ impl Runner {
             precision,
             has_forward: false,
             counted_targets: 1,
+            sketch: 0,
         })
     }
 
@@ -381,7 +384,7 @@ impl Runner {
         self.upload(crate::device::bytes_of(&ids), self.tokens, None)?;
         let mut last = None;
         for b in 0..self.model.blocks().len() {
-            last = Some(self.run(b, Pass::Forward, &Scalars::default())?);
+            last = Some(self.run(b, Pass::Forward, &self.sketch_scalars())?);
         }
         if let Some(e) = last {
             e.wait().map_err(ModelError::Device)?;
@@ -410,6 +413,21 @@ impl Runner {
             .map(Some)
     }
 
+    /// The seed of the sketches of the next forward and backward, where the model's
+    /// backward estimates weight gradients from sketches ([`Model::approximate`]); 0
+    /// until set.
+    pub fn set_sketch_seed(&mut self, seed: u64) {
+        self.sketch = seed;
+    }
+
+    /// Scalars with this runner's sketch seed.
+    fn sketch_scalars(&self) -> Scalars {
+        Scalars {
+            sketch: self.sketch,
+            ..Scalars::default()
+        }
+    }
+
     /// After [`Runner::forward`], the gradient of the mean loss with respect to every
     /// parameter: one f32 buffer per block. Each block recomputes its forward from its
     /// input, or reads the activations its forward saved.
@@ -421,7 +439,7 @@ impl Runner {
         }
         let scalars = Scalars {
             dloss: 1.0 / self.counted_targets as f32,
-            ..Scalars::default()
+            ..self.sketch_scalars()
         };
         let nb = self.model.blocks().len();
         let mut last = None;

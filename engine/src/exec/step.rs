@@ -248,6 +248,7 @@ impl Executor {
             params: *params,
             counted_targets: self.counted_targets,
             adam_step: self.steps + 1,
+            batch: self.steps + 1 + u64::from(self.pending.is_some()),
             update_loss_scale,
             start: Instant::now(),
             origin,

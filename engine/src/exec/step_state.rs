@@ -94,6 +94,10 @@ pub(super) struct StepShared<'a> {
     /// The positions whose loss counts in this step (the loss is their mean).
     pub(super) counted_targets: usize,
     pub(super) adam_step: u64,
+    /// The number of the batch this step computes, from 1 (with a delayed update, one
+    /// past the update's): with the micro-batch, the seed of its sketches
+    /// ([`Scalars::sketch`](strata_kernels::program::Scalars)).
+    pub(super) batch: u64,
     /// The loss scale of the gradients the update applies (with a delayed update, the
     /// last step's).
     pub(super) update_loss_scale: f32,

@@ -18,6 +18,7 @@ use crate::device::{Bindings, Event};
 use crate::error::EngineError;
 use crate::lane::Lane;
 use crate::model::Bind;
+use crate::model::approx::sketch_step;
 use crate::plan::{Binds, BufId, OpId, StreamOp};
 
 impl Executor {
@@ -54,12 +55,13 @@ impl Executor {
             }
             StreamOp::Compute {
                 block,
+                micro,
                 pass,
                 ref binds,
-                ..
             } => {
                 let scalars = Scalars {
                     dloss: shared.params.loss_scale / shared.counted_targets as f32,
+                    sketch: sketch_step(shared.batch, micro),
                     ..Scalars::default()
                 };
                 let program = &self.programs.compute[block][pass.index()];

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
 
+use super::approx::ApproxBackward;
 use super::error::ModelError;
 use super::layout::BlockLayout;
 #[cfg(doc)]
@@ -192,5 +193,18 @@ pub trait Family: Send + Sync + fmt::Debug {
     /// The id that ends a document when this model runs packed batches.
     fn packing(&self) -> Option<u32> {
         None
+    }
+    /// This model with the backward `approx` ([`ApproxBackward`]): its kept blocks keep
+    /// what that backward reads, and it estimates what it approximates. Refused where the
+    /// family does not build an approximation `approx` names.
+    fn approximate(&self, approx: ApproxBackward) -> Result<Arc<dyn Family>, ModelError> {
+        Err(ModelError::BadInput(format!(
+            "--approx-backward {approx} is not built for {}",
+            self.name()
+        )))
+    }
+    /// The backward this model's programs compute.
+    fn approximation(&self) -> ApproxBackward {
+        ApproxBackward::EXACT
     }
 }

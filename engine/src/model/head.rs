@@ -4,7 +4,9 @@
 //! cross-entropy; and the backward of both, down to the gradient of the normalised
 //! activations. The families differ only in the norm before it.
 
-use strata_kernels::kernel::{CrossEntropy, CrossEntropyBackward, Matmul, MatmulBackward};
+use strata_kernels::kernel::{
+    CrossEntropy, CrossEntropyBackward, Matmul, MatmulBackward, WeightGrad,
+};
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, TensorRef};
 
@@ -87,10 +89,9 @@ impl LossHead {
             }),
             Kernel::MatmulBackward(MatmulBackward {
                 dinp,
-                dweight,
+                weight_grad: Some(WeightGrad { dweight, inp }),
                 dbias: None,
                 dout: logits,
-                inp,
                 weight,
                 layout: WeightLayout::OutIn,
                 n,

@@ -21,6 +21,7 @@
 //!
 //! Where buffers live, and when they move, is not decided here.
 
+pub mod approx;
 mod bind;
 pub mod chat;
 mod config_keys;
@@ -41,6 +42,7 @@ pub mod weights;
 use std::fmt;
 use std::sync::Arc;
 
+pub use approx::ApproxBackward;
 pub use bind::Bind;
 pub use error::ModelError;
 pub use family::{Family, Pass, Shape};
@@ -100,6 +102,22 @@ impl Model {
     /// The id that ends a document, when this model runs packed batches.
     pub fn packing(&self) -> Option<u32> {
         self.family.packing()
+    }
+
+    /// This model with the backward `approx` ([`Family::approximate`]); itself when
+    /// `approx` is exact.
+    pub fn approximate(&self, approx: ApproxBackward) -> Result<Model, ModelError> {
+        if approx == self.family.approximation() {
+            return Ok(self.clone());
+        }
+        Ok(Model {
+            family: self.family.approximate(approx)?,
+        })
+    }
+
+    /// The backward this model's programs compute.
+    pub fn approximation(&self) -> ApproxBackward {
+        self.family.approximation()
     }
 
     /// The family.

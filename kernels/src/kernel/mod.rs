@@ -54,7 +54,7 @@ pub use encoder::{Encoder, EncoderBackward};
 pub use fewbit::{FewBitGelu, FewBitGeluBackward, FewBitSwiGlu, FewBitSwiGluBackward};
 pub use gelu::{Gelu, GeluBackward};
 pub use layernorm::{LayerNorm, LayerNormBackward};
-pub use matmul::{Matmul, MatmulBackward};
+pub use matmul::{Matmul, MatmulBackward, WeightGrad};
 pub use optimizer::{AdamWKernel, GradStatsKernel};
 pub use quant::{Int8Dequantize, Nf4Dequantize};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};

@@ -25,20 +25,29 @@ pub(super) mod init;
 pub use config::{Gpt2Config, PRESETS};
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde_json::{Value, json};
 use strata_kernels::kernel::attention::{GqaDims, flash_scratch_bytes};
+use strata_kernels::kernel::fewbit::{Bits, codes_len};
 use strata_kernels::kernel::{
-    CopyKernel, Encoder, EncoderBackward, FlashAttention, FlashAttentionBackward, FlashMask, Gelu,
-    GeluBackward, LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Residual, Zero,
+    CopyKernel, Encoder, EncoderBackward, FewBitGelu, FewBitGeluBackward, FlashAttention,
+    FlashAttentionBackward, FlashMask, Gelu, GeluBackward, LayerNorm, LayerNormBackward, Matmul,
+    Residual, Zero,
 };
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
 
+use super::approx::{self, Activation, ApproxBackward, sketch_salt};
 use super::config_keys::ConfigKeys;
 use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
 use super::{Bind, Family, ModelError, Pass, Shape};
+
+/// Which product of a layer a sketch belongs to (its seed's salt, with the layer).
+const SALT_ATTN: u64 = 0;
+const SALT_FC: u64 = 1;
+const SALT_PROJ: u64 = 2;
 
 /// The prefix Hugging Face's `GPT2LMHeadModel` puts before the body's tensor names.
 pub const PREFIX: &str = "transformer.";
@@ -47,6 +56,8 @@ pub const PREFIX: &str = "transformer.";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Gpt2 {
     config: Gpt2Config,
+    /// What the layers' backward approximates ([`Family::approximate`]).
+    approx: ApproxBackward,
     blocks: Vec<BlockLayout>,
     embedding: EmbeddingSlots,
     layer: Option<LayerSlots>,
@@ -61,6 +72,7 @@ impl Gpt2 {
         let last = blocks.len() - 1;
         Ok(Gpt2 {
             config,
+            approx: ApproxBackward::EXACT,
             embedding: EmbeddingSlots::of(&blocks[0]),
             layer: (config.layers > 0).then(|| LayerSlots::of(&blocks[1])),
             head: HeadSlots::of(&blocks[last]),
@@ -86,7 +98,7 @@ impl Gpt2 {
 
     /// Where each intermediate activation of a block lives in the scratch.
     fn scratch(&self, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
-        Scratch::new(&self.config, shape, target, dtype)
+        Scratch::new(&self.config, self.approx, shape, target, dtype)
     }
 }
 
@@ -136,7 +148,10 @@ impl Family for Gpt2 {
 
     fn saved_bytes(&self, block: usize, shape: Shape, _target: Target, dtype: Dtype) -> usize {
         match self.blocks[block].kind {
-            BlockKind::Transformer { .. } => Kept::saved(&self.config, shape, dtype).1,
+            BlockKind::Transformer { .. } => {
+                let s = self.scratch(shape, Target::Cpu, dtype);
+                s.kept.saved(&s.approx).1
+            }
             BlockKind::Embedding | BlockKind::Head => 0,
         }
     }
@@ -152,11 +167,16 @@ impl Family for Gpt2 {
         let mut s = self.scratch(shape, target, dtype);
         let kind = self.blocks[block].kind;
         if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
-            s.kept = Kept::saved(&self.config, shape, dtype).0;
+            s.kept = s.kept.saved(&s.approx).0;
         }
+        let layer = match kind {
+            BlockKind::Transformer { layer } => layer,
+            BlockKind::Embedding | BlockKind::Head => 0,
+        };
         let p = Program {
             shape,
             config: self.config,
+            layer,
             dtype,
             s,
             len: self.blocks[block].len,
@@ -195,6 +215,18 @@ impl Family for Gpt2 {
 
     fn param_count(&self) -> usize {
         self.config.param_count()
+    }
+
+    fn approximate(&self, approx: ApproxBackward) -> Result<Arc<dyn Family>, ModelError> {
+        approx.bits_for(Activation::Gelu, "GPT-2")?;
+        Ok(Arc::new(Gpt2 {
+            approx,
+            ..self.clone()
+        }))
+    }
+
+    fn approximation(&self) -> ApproxBackward {
+        self.approx
     }
 }
 
@@ -308,12 +340,43 @@ impl HeadSlots {
     }
 }
 
+/// What a layer's backward approximates, for one batch shape: the few-bit code's width
+/// of the GELU, and the sketch's columns of each product whose weight gradient is
+/// estimated. `c_attn` (attn) and `c_fc` (mlp) are estimated when asked; the MLP's
+/// `c_proj` (mlp) only with the few-bit GELU, since otherwise its input, the GELU's
+/// output, is recomputed from `fch`, which the exact GELU backward keeps anyway; the
+/// attention's `c_proj` never, since its input is the attention's output, which the
+/// attention's backward reads.
+#[derive(Debug, Clone, Copy, Default)]
+struct Approx {
+    bits: Option<Bits>,
+    attn: Option<usize>,
+    fc: Option<usize>,
+    proj: Option<usize>,
+}
+
+impl Approx {
+    fn of(approx: ApproxBackward, shape: Shape) -> Approx {
+        let n = shape.rows();
+        let bits = approx.bits_for(Activation::Gelu, "GPT-2").ok().flatten();
+        let fc = approx.mlp.map(|r| r.columns(n));
+        Approx {
+            bits,
+            attn: approx.attn.map(|r| r.columns(n)),
+            fc,
+            proj: bits.and(fc),
+        }
+    }
+}
+
 /// The intermediates of a layer's forward that its backward reads: in the scratch when
 /// the backward recomputes them, in the buffer bound at [`Bind::Saved`] when the forward
 /// keeps them (a [`Pass::ForwardSave`] writes them there, a [`Pass::BackwardSaved`]
-/// reads them). The GELU's output (rows x 4C, the largest) is not among them: the saved
-/// backward recomputes it from `fch`, one elementwise pass, where keeping it would add
-/// a third to the bytes.
+/// reads them). With the exact backward the GELU's output (rows x 4C, the largest) is not
+/// among them: the saved backward recomputes it from `fch`, one elementwise pass, where
+/// keeping it would add a third to the bytes. With an approximate one ([`Approx`]), a
+/// sketched product keeps its input's projection instead of the input, and the few-bit
+/// GELU keeps its codes and its output (or that output's projection) instead of `fch`.
 #[derive(Debug, Clone, Copy)]
 struct Kept {
     ln1: TensorRef,
@@ -328,11 +391,25 @@ struct Kept {
     ln2_mean: TensorRef,
     ln2_rstd: TensorRef,
     fch: TensorRef,
+    /// The GELU's output.
+    fch_gelu: TensorRef,
+    /// The few-bit codes of `fch` (u32 words; empty with the exact GELU backward).
+    codes: TensorRef,
+    /// `Sᵀ ln1`, `Sᵀ ln2` and `Sᵀ fch_gelu` (empty where that product is exact).
+    ln1_proj: TensorRef,
+    ln2_proj: TensorRef,
+    gelu_proj: TensorRef,
 }
 
 impl Kept {
     /// The next tensors of `carve`.
-    fn carve(carve: &mut Carve, config: &Gpt2Config, shape: Shape, dtype: Dtype) -> Kept {
+    fn carve(
+        carve: &mut Carve,
+        config: &Gpt2Config,
+        a: &Approx,
+        shape: Shape,
+        dtype: Dtype,
+    ) -> Kept {
         let (n, c) = (shape.rows(), config.width);
         let rows = shape.batch * config.heads * shape.seq;
         let f32 = Dtype::F32;
@@ -341,7 +418,9 @@ impl Kept {
         let (qkv, atty, lse) = (l(3 * n * c, dtype), l(n * c, dtype), l(rows, f32));
         let (res2, ln2, ln2_mean, ln2_rstd) =
             (l(n * c, dtype), l(n * c, dtype), l(n, f32), l(n, f32));
-        let fch = l(4 * n * c, dtype);
+        let (fch, fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));
+        let codes = l(a.bits.map_or(0, |b| codes_len(4 * n * c, b)), Dtype::U32);
+        let projection = |k: Option<usize>, cols| k.map_or(0, |k| k * cols);
         Kept {
             ln1,
             ln1_mean,
@@ -354,15 +433,53 @@ impl Kept {
             ln2_mean,
             ln2_rstd,
             fch,
+            fch_gelu,
+            codes,
+            ln1_proj: l(projection(a.attn, c), dtype),
+            ln2_proj: l(projection(a.fc, c), dtype),
+            gelu_proj: l(projection(a.proj, 4 * c), dtype),
         }
     }
 
-    /// A layer's saved activations (the same for every layer and target), and the bytes
-    /// of the whole buffer.
-    fn saved(config: &Gpt2Config, shape: Shape, dtype: Dtype) -> (Kept, usize) {
+    /// These tensors with the ones the backward reads moved into the buffer bound at
+    /// [`Bind::Saved`] (the same for every layer and target), and that buffer's bytes.
+    fn saved(mut self, a: &Approx) -> (Kept, usize) {
         let mut carve = Carve::new(Bind::Saved);
-        let kept = Kept::carve(&mut carve, config, shape, dtype);
-        (kept, carve.next)
+        let mut keep = |t: &mut TensorRef| *t = carve.take(t.len, t.dtype);
+        keep(if a.attn.is_some() {
+            &mut self.ln1_proj
+        } else {
+            &mut self.ln1
+        });
+        for t in [
+            &mut self.ln1_mean,
+            &mut self.ln1_rstd,
+            &mut self.qkv,
+            &mut self.atty,
+            &mut self.lse,
+            &mut self.res2,
+        ] {
+            keep(t);
+        }
+        keep(if a.fc.is_some() {
+            &mut self.ln2_proj
+        } else {
+            &mut self.ln2
+        });
+        keep(&mut self.ln2_mean);
+        keep(&mut self.ln2_rstd);
+        match (a.bits, a.proj) {
+            (None, _) => keep(&mut self.fch),
+            (Some(_), None) => {
+                keep(&mut self.codes);
+                keep(&mut self.fch_gelu);
+            }
+            (Some(_), Some(_)) => {
+                keep(&mut self.codes);
+                keep(&mut self.gelu_proj);
+            }
+        }
+        (self, carve.next)
     }
 }
 
@@ -372,9 +489,13 @@ impl Kept {
 struct Scratch {
     /// What the backward reads, unless a program moves it to the saved buffer.
     kept: Kept,
+    /// What the layer's backward approximates.
+    approx: Approx,
     proj: TensorRef,
-    fch_gelu: TensorRef,
     attention: TensorRef,
+    /// The sketch `S` and `Sᵀ dY` of a randomized weight gradient (f32; empty when
+    /// every product is exact).
+    sketch: TensorRef,
     d_c: TensorRef,
     d_c2: TensorRef,
     d_qkv: TensorRef,
@@ -391,15 +512,29 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(config: &Gpt2Config, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
+    fn new(
+        config: &Gpt2Config,
+        approx: ApproxBackward,
+        shape: Shape,
+        target: Target,
+        dtype: Dtype,
+    ) -> Scratch {
         let (n, c, v) = (shape.rows(), config.width, config.vocab);
         let f32 = Dtype::F32;
+        let a = Approx::of(approx, shape);
         let mut layer = Carve::new(Bind::Scratch);
-        let kept = Kept::carve(&mut layer, config, shape, dtype);
+        let kept = Kept::carve(&mut layer, config, &a, shape, dtype);
         let mut l = |len, dt| layer.take(len, dt);
-        let (proj, fch_gelu) = (l(n * c, dtype), l(4 * n * c, dtype));
+        let proj = l(n * c, dtype);
         let dims = GqaDims::multi_head(shape.batch, shape.seq, c, config.heads);
         let attention = l(flash_scratch_bytes(target, dims), Dtype::U8);
+        // The largest sketch: S (n x k) and Sᵀ dY (k x its product's outputs).
+        let sketch = [(a.attn, 3 * c), (a.fc, 4 * c), (a.proj, c)]
+            .into_iter()
+            .map(|(k, out)| k.map_or(0, |k| n * k + k * out))
+            .max()
+            .unwrap_or(0);
+        let sketch = l(sketch, f32);
         let (d_c, d_c2, d_qkv) = (l(n * c, dtype), l(n * c, dtype), l(3 * n * c, dtype));
         let (d_fch, d_fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));
         let mut head = Carve::new(Bind::Scratch);
@@ -408,9 +543,10 @@ impl Scratch {
         let (head_d_c, logits) = (h(n * c, dtype), h(n * v, dtype));
         Scratch {
             kept,
+            approx: a,
             proj,
-            fch_gelu,
             attention,
+            sketch,
             d_c,
             d_c2,
             d_qkv,
@@ -430,6 +566,8 @@ impl Scratch {
 struct Program {
     shape: Shape,
     config: Gpt2Config,
+    /// The transformer layer (0 for the embedding and the head): its sketches' salt.
+    layer: usize,
     dtype: Dtype,
     s: Scratch,
     /// Elements of the block's buffer.
@@ -498,24 +636,33 @@ impl Program {
     }
 
     /// Everything of a layer's forward except the last residual add: leaves `res2` and
-    /// `proj` (the MLP's output) in the scratch.
-    fn layer_body(&mut self, l: &LayerSlots) {
+    /// `proj` (the MLP's output) in the scratch. With `project`, also the projections of
+    /// the sketched products' inputs (a forward that keeps only the layer's output skips
+    /// them: its backward recomputes them).
+    fn layer_body(&mut self, l: &LayerSlots, project: bool) {
         let s = self.s;
         let (n, c) = (self.shape.rows(), self.config.width);
         let x = self.act(Bind::Input);
         let p = |slot| self.param(Bind::Params, slot);
         let io = WeightLayout::InOut;
-        let kernels = [
-            Kernel::LayerNorm(LayerNorm {
-                out: s.kept.ln1,
-                mean: s.kept.ln1_mean,
-                rstd: s.kept.ln1_rstd,
-                inp: x,
-                weight: p(l.ln_1_weight),
-                bias: p(l.ln_1_bias),
-                n,
-                c,
-            }),
+        let mut kernels = vec![Kernel::LayerNorm(LayerNorm {
+            out: s.kept.ln1,
+            mean: s.kept.ln1_mean,
+            rstd: s.kept.ln1_rstd,
+            inp: x,
+            weight: p(l.ln_1_weight),
+            bias: p(l.ln_1_bias),
+            n,
+            c,
+        })];
+        kernels.extend(self.projection(
+            project,
+            s.approx.attn,
+            s.kept.ln1,
+            s.kept.ln1_proj,
+            SALT_ATTN,
+        ));
+        kernels.extend([
             Kernel::Matmul(Matmul {
                 out: s.kept.qkv,
                 inp: s.kept.ln1,
@@ -562,6 +709,9 @@ impl Program {
                 n,
                 c,
             }),
+        ]);
+        kernels.extend(self.projection(project, s.approx.fc, s.kept.ln2, s.kept.ln2_proj, SALT_FC));
+        kernels.extend([
             Kernel::Matmul(Matmul {
                 out: s.kept.fch,
                 inp: s.kept.ln2,
@@ -572,29 +722,100 @@ impl Program {
                 c,
                 oc: 4 * c,
             }),
-            Kernel::Gelu(Gelu {
-                out: s.fch_gelu,
-                inp: s.kept.fch,
-            }),
-            Kernel::Matmul(Matmul {
-                out: s.proj,
-                inp: s.fch_gelu,
-                weight: p(l.mlp_proj_weight),
-                bias: Some(p(l.mlp_proj_bias)),
-                layout: io,
-                n,
-                c: 4 * c,
-                oc: c,
-            }),
-        ];
+            self.gelu(),
+        ]);
+        kernels.extend(self.projection(
+            project,
+            s.approx.proj,
+            s.kept.fch_gelu,
+            s.kept.gelu_proj,
+            SALT_PROJ,
+        ));
+        kernels.push(Kernel::Matmul(Matmul {
+            out: s.proj,
+            inp: s.kept.fch_gelu,
+            weight: p(l.mlp_proj_weight),
+            bias: Some(p(l.mlp_proj_bias)),
+            layout: io,
+            n,
+            c: 4 * c,
+            oc: c,
+        }));
         self.out.extend(kernels);
+    }
+
+    /// The GELU of `fch`: exact, or also writing its few-bit codes.
+    fn gelu(&self) -> Kernel {
+        let k = self.s.kept;
+        match self.s.approx.bits {
+            None => Kernel::Gelu(Gelu {
+                out: k.fch_gelu,
+                inp: k.fch,
+            }),
+            Some(bits) => Kernel::FewBitGelu(FewBitGelu {
+                out: k.fch_gelu,
+                codes: k.codes,
+                inp: k.fch,
+                bits,
+            }),
+        }
+    }
+
+    /// `out = Sᵀ x` when `project` and the product is sketched with `k` columns.
+    fn projection(
+        &self,
+        project: bool,
+        k: Option<usize>,
+        x: TensorRef,
+        out: TensorRef,
+        product: u64,
+    ) -> Option<Kernel> {
+        let k = k.filter(|_| project)?;
+        let seed = sketch_salt(self.layer, product);
+        Some(approx::projection(
+            x,
+            out,
+            (self.shape.rows(), k),
+            seed,
+            self.s.sketch,
+        ))
+    }
+
+    /// The gradients of a product of `inp` (N, C) by `weight` (C, OC) given `dout`: the
+    /// input's and the bias's exactly, the weight's exactly from `inp`, or, when the
+    /// product is sketched with `k` columns, estimated from `inp_proj` (`Sᵀ inp`).
+    fn linear_backward(
+        &self,
+        dinp: TensorRef,
+        dout: TensorRef,
+        (inp, inp_proj, k, product): (TensorRef, TensorRef, Option<usize>, u64),
+        (weight, bias): (Slot, Slot),
+        (c, oc): (usize, usize),
+    ) -> Vec<Kernel> {
+        let p = approx::Product {
+            dims: (self.shape.rows(), c, oc),
+            weight: self.param(Bind::Params, weight),
+            layout: WeightLayout::InOut,
+            dweight: self.grad(Bind::Grads, weight),
+            dbias: Some(self.grad(Bind::Grads, bias)),
+            sketch: self.s.sketch,
+        };
+        let kept = match k {
+            None => approx::Kept::Input(inp),
+            Some(k) => approx::Kept::Sketched {
+                proj: inp_proj,
+                k,
+                seed: sketch_salt(self.layer, product),
+            },
+        };
+        p.backward(dinp, dout, kept)
     }
 
     fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
         let s = self.s;
         if pass.is_forward() {
             // Into the scratch, or (ForwardSave) the saved intermediates into Saved.
-            self.layer_body(l);
+            self.layer_body(l, pass == Pass::ForwardSave);
             let out = self.act(Bind::Output);
             self.push(Kernel::Residual(Residual {
                 out,
@@ -604,18 +825,18 @@ impl Program {
             return self.out;
         }
         // Backward: recompute the forward from the input (or, from saved activations, only
-        // the GELU's output), then every gradient, into zeroed parameter gradients.
+        // the exact GELU's output), then every gradient, into zeroed parameter gradients.
         let (n, c) = (self.shape.rows(), self.config.width);
         self.push(Kernel::Zero(Zero {
             t: TensorRef::new(Bind::Grads as u8, 0, self.len, Dtype::F32),
         }));
         if pass == Pass::BackwardSaved {
-            self.push(Kernel::Gelu(Gelu {
-                out: s.fch_gelu,
-                inp: s.kept.fch,
-            }));
+            if s.approx.bits.is_none() {
+                let gelu = self.gelu();
+                self.push(gelu);
+            }
         } else {
-            self.layer_body(l);
+            self.layer_body(l, true);
         }
         let (x, dout, dx) = (
             self.act(Bind::Input),
@@ -624,38 +845,37 @@ impl Program {
         );
         let p = |slot| self.param(Bind::Params, slot);
         let g = |slot| self.grad(Bind::Grads, slot);
-        let io = WeightLayout::InOut;
-        let kernels = [
-            // out = res2 + mlp(ln2(res2)): dout reaches the MLP's output and res2 directly.
-            Kernel::MatmulBackward(MatmulBackward {
-                dinp: s.d_fch_gelu,
-                dweight: g(l.mlp_proj_weight),
-                dbias: Some(g(l.mlp_proj_bias)),
-                dout,
-                inp: s.fch_gelu,
-                weight: p(l.mlp_proj_weight),
-                layout: io,
-                n,
-                c: 4 * c,
-                oc: c,
-            }),
-            Kernel::GeluBackward(GeluBackward {
+        let k = s.kept;
+        let a = s.approx;
+        // out = res2 + mlp(ln2(res2)): dout reaches the MLP's output and res2 directly.
+        let mut kernels = self.linear_backward(
+            s.d_fch_gelu,
+            dout,
+            (k.fch_gelu, k.gelu_proj, a.proj, SALT_PROJ),
+            (l.mlp_proj_weight, l.mlp_proj_bias),
+            (4 * c, c),
+        );
+        kernels.push(match a.bits {
+            None => Kernel::GeluBackward(GeluBackward {
                 dinp: s.d_fch,
-                inp: s.kept.fch,
+                inp: k.fch,
                 dout: s.d_fch_gelu,
             }),
-            Kernel::MatmulBackward(MatmulBackward {
-                dinp: s.d_c,
-                dweight: g(l.c_fc_weight),
-                dbias: Some(g(l.c_fc_bias)),
-                dout: s.d_fch,
-                inp: s.kept.ln2,
-                weight: p(l.c_fc_weight),
-                layout: io,
-                n,
-                c,
-                oc: 4 * c,
+            Some(bits) => Kernel::FewBitGeluBackward(FewBitGeluBackward {
+                dinp: s.d_fch,
+                codes: k.codes,
+                dout: s.d_fch_gelu,
+                bits,
             }),
+        });
+        kernels.extend(self.linear_backward(
+            s.d_c,
+            s.d_fch,
+            (k.ln2, k.ln2_proj, a.fc, SALT_FC),
+            (l.c_fc_weight, l.c_fc_bias),
+            (c, 4 * c),
+        ));
+        kernels.extend([
             // d_c2 becomes the gradient of res2: dout plus what flows back through ln_2.
             Kernel::Copy(CopyKernel {
                 dst: s.d_c2,
@@ -666,51 +886,43 @@ impl Program {
                 dweight: g(l.ln_2_weight),
                 dbias: g(l.ln_2_bias),
                 dout: s.d_c,
-                inp: s.kept.res2,
+                inp: k.res2,
                 weight: p(l.ln_2_weight),
-                mean: s.kept.ln2_mean,
-                rstd: s.kept.ln2_rstd,
+                mean: k.ln2_mean,
+                rstd: k.ln2_rstd,
                 n,
                 c,
             }),
-            // res2 = x + attn(ln1(x)).
-            Kernel::MatmulBackward(MatmulBackward {
-                dinp: s.d_c,
-                dweight: g(l.attn_proj_weight),
-                dbias: Some(g(l.attn_proj_bias)),
-                dout: s.d_c2,
-                inp: s.kept.atty,
-                weight: p(l.attn_proj_weight),
-                layout: io,
-                n,
-                c,
-                oc: c,
-            }),
-            Kernel::FlashAttentionBackward(FlashAttentionBackward {
-                dqkv: s.d_qkv,
-                dout: s.d_c,
-                qkv: s.kept.qkv,
-                out: s.kept.atty,
-                lse: s.kept.lse,
-                scratch: s.attention,
-                b: self.shape.batch,
-                t: self.shape.seq,
-                c,
-                nh: self.config.heads,
-                mask: FlashMask::CAUSAL,
-            }),
-            Kernel::MatmulBackward(MatmulBackward {
-                dinp: s.d_c,
-                dweight: g(l.c_attn_weight),
-                dbias: Some(g(l.c_attn_bias)),
-                dout: s.d_qkv,
-                inp: s.kept.ln1,
-                weight: p(l.c_attn_weight),
-                layout: io,
-                n,
-                c,
-                oc: 3 * c,
-            }),
+        ]);
+        // res2 = x + attn(ln1(x)); the attention's output projection is always exact.
+        kernels.extend(self.linear_backward(
+            s.d_c,
+            s.d_c2,
+            (k.atty, k.atty, None, 0),
+            (l.attn_proj_weight, l.attn_proj_bias),
+            (c, c),
+        ));
+        kernels.push(Kernel::FlashAttentionBackward(FlashAttentionBackward {
+            dqkv: s.d_qkv,
+            dout: s.d_c,
+            qkv: k.qkv,
+            out: k.atty,
+            lse: k.lse,
+            scratch: s.attention,
+            b: self.shape.batch,
+            t: self.shape.seq,
+            c,
+            nh: self.config.heads,
+            mask: FlashMask::CAUSAL,
+        }));
+        kernels.extend(self.linear_backward(
+            s.d_c,
+            s.d_qkv,
+            (k.ln1, k.ln1_proj, a.attn, SALT_ATTN),
+            (l.c_attn_weight, l.c_attn_bias),
+            (c, 3 * c),
+        ));
+        kernels.extend([
             Kernel::Copy(CopyKernel {
                 dst: dx,
                 src: s.d_c2,
@@ -722,12 +934,12 @@ impl Program {
                 dout: s.d_c,
                 inp: x,
                 weight: p(l.ln_1_weight),
-                mean: s.kept.ln1_mean,
-                rstd: s.kept.ln1_rstd,
+                mean: k.ln1_mean,
+                rstd: k.ln1_rstd,
                 n,
                 c,
             }),
-        ];
+        ]);
         self.out.extend(kernels);
         self.out
     }
@@ -905,5 +1117,43 @@ mod tests {
         for (target, dtype) in [(Target::Cpu, Dtype::F32), (Target::Cuda, Dtype::Bf16)] {
             crate::model::checks::check_programs(&gpt, shape, target, dtype);
         }
+        for approx in [
+            "gelu:3",
+            "attn:0.5",
+            "mlp:0.25",
+            "gelu:1,mlp:0.5",
+            "gelu:2,linear:0.5",
+        ] {
+            let approximate = gpt.approximate(approx.parse().unwrap()).unwrap();
+            for target in [Target::Cpu, Target::Cuda] {
+                crate::model::checks::check_programs(&*approximate, shape, target, Dtype::F32);
+            }
+        }
+    }
+
+    #[test]
+    fn approximate_layers_keep_codes_and_projections_instead_of_what_they_replace() {
+        let gpt = Gpt2::new(Gpt2Config::new(2, 4, 64, 96, 32)).unwrap();
+        let shape = Shape { batch: 2, seq: 16 };
+        let saved = |m: &dyn Family| m.saved_bytes(1, shape, Target::Cpu, Dtype::F32);
+        let exact = saved(&gpt);
+        // Each tensor of Saved starts at a multiple of 256 bytes; 32 rows, width 64.
+        let bytes = |elements: usize| (elements * 4).next_multiple_of(256);
+        let (n, c) = (32, 64);
+        let with = |approx: &str| saved(&*gpt.approximate(approx.parse().unwrap()).unwrap());
+        // attn:0.25 keeps 8 rows of ln1 instead of 32.
+        assert_eq!(with("attn:0.25"), exact - bytes(n * c) + bytes(8 * c));
+        // mlp alone: ln2 projected; the MLP's c_proj stays exact (fch is kept anyway).
+        assert_eq!(with("mlp:0.5"), exact - bytes(n * c) + bytes(16 * c));
+        // gelu:3 keeps the GELU's output (as large as fch) and 3 bits per element more.
+        let codes = bytes(3 * (4 * n * c) / 32);
+        assert_eq!(with("gelu:3"), exact + codes);
+        // Both: ln1, ln2 and the GELU's output projected, fch replaced by its codes.
+        let both = exact - 2 * bytes(n * c) + 2 * bytes(16 * c) - bytes(4 * n * c)
+            + codes
+            + bytes(16 * 4 * c);
+        assert_eq!(with("gelu:3,linear:0.5"), both);
+        let e = gpt.approximate("silu:3".parse().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("write gelu:3"), "{e}");
     }
 }

@@ -37,11 +37,12 @@ use strata_kernels::kernel::attention::{GqaDims, flash_scratch_bytes};
 use strata_kernels::kernel::{
     CopyKernel, DocStarts, Encoder, EncoderBackward, FlashMask, GqaFlashAttention,
     GqaFlashAttentionBackward, Matmul, MatmulBackward, Residual, RmsNorm, RmsNormBackward, Rope,
-    RopeBackward, RopeTable, SwiGlu, SwiGluBackward, Zero,
+    RopeBackward, RopeTable, SwiGlu, SwiGluBackward, WeightGrad, Zero,
 };
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
 
+use super::approx::{self, Activation, ApproxBackward, sketch_salt};
 use super::gpt2::init::{Init, init_block_with};
 use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
@@ -53,6 +54,8 @@ pub struct Llama {
     config: LlamaConfig,
     /// The id that ends a document, when batches are packed ([`Family::packed`]).
     eos: Option<u32>,
+    /// What the layers' backward approximates ([`Family::approximate`]).
+    approx: ApproxBackward,
     blocks: Vec<BlockLayout>,
     embed: Slot,
     layer: Option<LayerSlots>,
@@ -67,6 +70,7 @@ impl Llama {
         let last = blocks.len() - 1;
         Ok(Llama {
             eos: None,
+            approx: ApproxBackward::EXACT,
             embed: blocks[0].slot_of("model.embed_tokens.weight"),
             layer: (config.layers > 0).then(|| LayerSlots::of(&blocks[1], &config)),
             head: HeadSlots {
@@ -89,7 +93,8 @@ impl Llama {
     }
 
     fn scratch(&self, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
-        Scratch::new(&self.config, shape, target, dtype, self.eos.is_some())
+        let a = Approx::of(self.approx, shape);
+        Scratch::new(&self.config, shape, target, dtype, (self.eos.is_some(), a))
     }
 }
 
@@ -156,7 +161,10 @@ impl Family for Llama {
 
     fn saved_bytes(&self, block: usize, shape: Shape, _target: Target, dtype: Dtype) -> usize {
         match self.blocks[block].kind {
-            BlockKind::Transformer { .. } => Saved::new(&self.config, shape, dtype).bytes,
+            BlockKind::Transformer { .. } => {
+                let a = Approx::of(self.approx, shape);
+                Saved::new(&self.config, shape, dtype, &a).bytes
+            }
             BlockKind::Embedding | BlockKind::Head => 0,
         }
     }
@@ -172,15 +180,16 @@ impl Family for Llama {
         let mut s = self.scratch(shape, target, dtype);
         let kind = self.blocks[block].kind;
         if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
-            s = s.with_saved(&Saved::new(&self.config, shape, dtype));
+            s = s.with_saved(&Saved::new(&self.config, shape, dtype, &s.approx));
         }
-        let window = match kind {
-            BlockKind::Transformer { layer } => self.config.window_of(layer).unwrap_or(0),
-            BlockKind::Embedding | BlockKind::Head => 0,
+        let (window, layer) = match kind {
+            BlockKind::Transformer { layer } => (self.config.window_of(layer).unwrap_or(0), layer),
+            BlockKind::Embedding | BlockKind::Head => (0, 0),
         };
         let p = Program {
             shape,
             c: &self.config,
+            layer,
             window,
             eos: self.eos,
             dtype,
@@ -234,7 +243,56 @@ impl Family for Llama {
     fn packing(&self) -> Option<u32> {
         self.eos
     }
+
+    fn approximate(&self, approx: ApproxBackward) -> Result<Arc<dyn Family>, ModelError> {
+        if approx
+            .bits_for(Activation::Silu, "the Llama family")?
+            .is_some()
+        {
+            return Err(ModelError::BadInput(format!(
+                "--approx-backward {approx}: a few-bit SiLU would save nothing in the Llama \
+                 family's layers: the SwiGLU's backward reads silu(gate) itself (for the up \
+                 projection's gradient and the down projection's input), which takes as many \
+                 bytes as the gate it would replace, so the codes would only add to them; \
+                 leave silu out (attn, mlp and linear are built)"
+            )));
+        }
+        Ok(Arc::new(Llama {
+            approx,
+            ..self.clone()
+        }))
+    }
+
+    fn approximation(&self) -> ApproxBackward {
+        self.approx
+    }
 }
+
+/// What a layer's backward approximates, for one batch shape: the sketch's columns of
+/// the q, k and v projections (attn; they share their input, so one projection of it
+/// serves the three) and of the gate and up projections (mlp; likewise). The output
+/// projection's input is the attention's output, which the attention's backward reads,
+/// and the down projection's is recomputed from the gate and up projections, which the
+/// SwiGLU's backward reads: neither could go, so both stay exact.
+#[derive(Debug, Clone, Copy, Default)]
+struct Approx {
+    attn: Option<usize>,
+    mlp: Option<usize>,
+}
+
+impl Approx {
+    fn of(approx: ApproxBackward, shape: Shape) -> Approx {
+        let n = shape.rows();
+        Approx {
+            attn: approx.attn.map(|r| r.columns(n)),
+            mlp: approx.mlp.map(|r| r.columns(n)),
+        }
+    }
+}
+
+/// Which product of a layer a sketch belongs to (its seed's salt, with the layer).
+const SALT_ATTN: u64 = 0;
+const SALT_MLP: u64 = 1;
 
 /// The layouts of every block, in order: embedding, `layers` transformer blocks, head.
 fn block_layouts(c: &LlamaConfig) -> Vec<BlockLayout> {
@@ -359,10 +417,18 @@ struct HeadSlots {
 /// after another on one stream).
 #[derive(Debug, Clone, Copy)]
 struct Scratch {
+    /// What the layer's backward approximates.
+    approx: Approx,
     cos: TensorRef,
     sin: TensorRef,
     xn: TensorRef,
     rstd1: TensorRef,
+    /// `Sᵀ xn` and `Sᵀ xn2` (empty where the products are exact).
+    xn_proj: TensorRef,
+    xn2_proj: TensorRef,
+    /// The sketch `S` and `Sᵀ dY` of a randomized weight gradient (f32; empty when
+    /// every product is exact).
+    sketch: TensorRef,
     /// The projections q (B, T, H, D), k and v (B, T, KV, D).
     q: TensorRef,
     k: TensorRef,
@@ -415,7 +481,13 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(c: &LlamaConfig, shape: Shape, target: Target, dtype: Dtype, packed: bool) -> Scratch {
+    fn new(
+        c: &LlamaConfig,
+        shape: Shape,
+        target: Target,
+        dtype: Dtype,
+        (packed, approx): (bool, Approx),
+    ) -> Scratch {
         let (n, w, i, v) = (shape.rows(), c.width, c.intermediate, c.vocab);
         let (q, kv, h, kvh) = (c.q_dim(), c.kv_dim(), c.heads, c.kv_heads);
         let f32 = Dtype::F32;
@@ -452,6 +524,15 @@ impl Scratch {
         let (dq, dk, dv) = (l(n * q, dtype), l(n * kv, dtype), l(n * kv, dtype));
         let (dq_pre, dk_pre) = (l(n * q, dtype), l(n * kv, dtype));
         let (dq_lin, dk_lin) = (l(norm(n * q), dtype), l(norm(n * kv), dtype));
+        let xn_proj = l(approx.attn.map_or(0, |k| k * w), dtype);
+        let xn2_proj = l(approx.mlp.map_or(0, |k| k * w), dtype);
+        // The largest sketch: S (n x k) and Sᵀ dY (k x its product's outputs).
+        let sketch = [(approx.attn, q.max(kv)), (approx.mlp, i)]
+            .into_iter()
+            .map(|(k, out)| k.map_or(0, |k| n * k + k * out))
+            .max()
+            .unwrap_or(0);
+        let sketch = l(sketch, f32);
         let mut embedding = Carve::new(Bind::Scratch);
         let zero_pos = embedding.take(shape.seq * w, dtype);
         let dpos = embedding.take(shape.seq * w, f32);
@@ -460,10 +541,14 @@ impl Scratch {
         let (xf, rstdf) = (hd(n * w, dtype), hd(n, f32));
         let (head_d, logits) = (hd(n * w, dtype), hd(n * v, dtype));
         Scratch {
+            approx,
             cos,
             sin,
             xn,
             rstd1,
+            xn_proj,
+            xn2_proj,
+            sketch,
             q: sq,
             k: sk,
             v: sv,
@@ -516,6 +601,7 @@ impl Scratch {
 /// `hmid` is rows x intermediate, as large as `gate` or `up`).
 #[derive(Debug, Clone, Copy)]
 struct Saved {
+    /// The attention's input, or its projection where q, k and v are sketched.
     xn: TensorRef,
     rstd1: TensorRef,
     /// Qwen3's q and k before their per-head norms, and the norms' rstd (none
@@ -527,6 +613,7 @@ struct Saved {
     lse: TensorRef,
     atty: TensorRef,
     res2: TensorRef,
+    /// The MLP's input, or its projection where gate and up are sketched.
     xn2: TensorRef,
     rstd2: TensorRef,
     gate: TensorRef,
@@ -536,13 +623,13 @@ struct Saved {
 }
 
 impl Saved {
-    fn new(c: &LlamaConfig, shape: Shape, dtype: Dtype) -> Saved {
+    fn new(c: &LlamaConfig, shape: Shape, dtype: Dtype, a: &Approx) -> Saved {
         let (n, w, i) = (shape.rows(), c.width, c.intermediate);
         let (q, kv, h, kvh) = (c.q_dim(), c.kv_dim(), c.heads, c.kv_heads);
         let f32 = Dtype::F32;
         let mut carve = Carve::new(Bind::Saved);
         let mut l = |len, dt| carve.take(len, dt);
-        let (xn, rstd1) = (l(n * w, dtype), l(n, f32));
+        let (xn, rstd1) = (l(a.attn.map_or(n, |k| k) * w, dtype), l(n, f32));
         let qk_norm = c.qk_norm.then(|| {
             [
                 l(n * q, dtype),
@@ -554,7 +641,8 @@ impl Saved {
         let (qr, kr, v) = (l(n * q, dtype), l(n * kv, dtype), l(n * kv, dtype));
         let lse = l(shape.batch * h * shape.seq, f32);
         let atty = l(n * q, dtype);
-        let (res2, xn2, rstd2) = (l(n * w, dtype), l(n * w, dtype), l(n, f32));
+        let xn2_rows = a.mlp.map_or(n, |k| k);
+        let (res2, xn2, rstd2) = (l(n * w, dtype), l(xn2_rows * w, dtype), l(n, f32));
         let (gate, up) = (l(n * i, dtype), l(n * i, dtype));
         Saved {
             xn,
@@ -583,8 +671,19 @@ impl Scratch {
             saved
                 .qk_norm
                 .unwrap_or([self.q, self.k, self.qn_rstd, self.kn_rstd]);
+        let (xn, xn_proj) = match self.approx.attn {
+            None => (saved.xn, self.xn_proj),
+            Some(_) => (self.xn, saved.xn),
+        };
+        let (xn2, xn2_proj) = match self.approx.mlp {
+            None => (saved.xn2, self.xn2_proj),
+            Some(_) => (self.xn2, saved.xn2),
+        };
         Scratch {
-            xn: saved.xn,
+            xn,
+            xn_proj,
+            xn2,
+            xn2_proj,
             rstd1: saved.rstd1,
             q,
             k,
@@ -596,7 +695,6 @@ impl Scratch {
             lse: saved.lse,
             atty: saved.atty,
             res2: saved.res2,
-            xn2: saved.xn2,
             rstd2: saved.rstd2,
             gate: saved.gate,
             up: saved.up,
@@ -609,6 +707,8 @@ impl Scratch {
 struct Program<'a> {
     shape: Shape,
     c: &'a LlamaConfig,
+    /// The transformer layer (0 for the embedding and the head): its sketches' salt.
+    layer: usize,
     dtype: Dtype,
     s: Scratch,
     /// The layer's sliding window (0: none).
@@ -716,16 +816,72 @@ impl Program<'_> {
         let n = self.shape.rows();
         Kernel::MatmulBackward(MatmulBackward {
             dinp,
-            dweight: self.grad(Bind::Grads, weight),
+            weight_grad: Some(WeightGrad {
+                dweight: self.grad(Bind::Grads, weight),
+                inp,
+            }),
             dbias: bias.map(|b| self.grad(Bind::Grads, b)),
             dout,
-            inp,
             weight: self.param(Bind::Params, weight),
             layout: WeightLayout::OutIn,
             n,
             c: inp.len / n,
             oc: dout.len / n,
         })
+    }
+
+    /// [`Program::linear_backward`] of a product whose input `inp` (N, C) may be
+    /// sketched: with `k` columns, the weight's gradient is estimated from `inp_proj`
+    /// (`Sᵀ inp`, the sketch of `product`'s salt) and the input's gradient stays exact.
+    fn sketched_backward(
+        &self,
+        dinp: TensorRef,
+        dout: TensorRef,
+        (inp, inp_proj, k, product): (TensorRef, TensorRef, Option<usize>, u64),
+        weight: Slot,
+        bias: Option<Slot>,
+    ) -> Vec<Kernel> {
+        let Some(k) = k else {
+            return vec![self.linear_backward(dinp, dout, inp, weight, bias)];
+        };
+        let n = self.shape.rows();
+        let p = approx::Product {
+            dims: (n, inp.len / n, dout.len / n),
+            weight: self.param(Bind::Params, weight),
+            layout: WeightLayout::OutIn,
+            dweight: self.grad(Bind::Grads, weight),
+            dbias: bias.map(|b| self.grad(Bind::Grads, b)),
+            sketch: self.s.sketch,
+        };
+        let seed = sketch_salt(self.layer, product);
+        p.backward(
+            dinp,
+            dout,
+            approx::Kept::Sketched {
+                proj: inp_proj,
+                k,
+                seed,
+            },
+        )
+    }
+
+    /// `out = Sᵀ x` when `project` and the product is sketched with `k` columns.
+    fn projection(
+        &self,
+        project: bool,
+        k: Option<usize>,
+        (x, out): (TensorRef, TensorRef),
+        product: u64,
+    ) -> Option<Kernel> {
+        let k = k.filter(|_| project)?;
+        let seed = sketch_salt(self.layer, product);
+        Some(approx::projection(
+            x,
+            out,
+            (self.shape.rows(), k),
+            seed,
+            self.s.sketch,
+        ))
     }
 
     fn rmsnorm(&self, out: TensorRef, rstd: TensorRef, inp: TensorRef, weight: Slot) -> Kernel {
@@ -838,8 +994,10 @@ impl Program<'_> {
     }
 
     /// The forward of a layer up to its MLP's output in `proj` (the caller adds the
-    /// residual): what the backward recomputes.
-    fn layer_body(&mut self, l: &LayerSlots) {
+    /// residual): what the backward recomputes. With `project`, also the projections of
+    /// the sketched products' inputs (a forward that keeps only the layer's output skips
+    /// them: its backward recomputes them).
+    fn layer_body(&mut self, l: &LayerSlots, project: bool) {
         let s = self.s;
         let (c, x) = (self.c, self.act(Bind::Input));
         let (h, kvh) = (c.heads, c.kv_heads);
@@ -850,10 +1008,14 @@ impl Program<'_> {
         let mut k = vec![
             self.rope_table(),
             self.rmsnorm(s.xn, s.rstd1, x, l.input_norm),
+        ];
+        let a = s.approx;
+        k.extend(self.projection(project, a.attn, (s.xn, s.xn_proj), SALT_ATTN));
+        k.extend([
             self.linear(s.q, s.xn, l.q, bq),
             self.linear(s.k, s.xn, l.k, bk),
             self.linear(s.v, s.xn, l.v, bv),
-        ];
+        ]);
         let (q_in, k_in) = match l.qk_norm {
             Some((qn, kn)) => {
                 k.push(self.rmsnorm(s.qn, s.qn_rstd, s.q, qn));
@@ -882,6 +1044,9 @@ impl Program<'_> {
                 b: s.proj,
             }),
             self.rmsnorm(s.xn2, s.rstd2, s.res2, l.post_norm),
+        ]);
+        k.extend(self.projection(project, a.mlp, (s.xn2, s.xn2_proj), SALT_MLP));
+        k.extend([
             self.linear(s.gate, s.xn2, l.gate, None),
             self.linear(s.up, s.xn2, l.up, None),
             Kernel::SwiGlu(SwiGlu {
@@ -899,7 +1064,7 @@ impl Program<'_> {
         self.documents();
         if pass.is_forward() {
             // Into the scratch, or (ForwardSave) the saved intermediates into Saved.
-            self.layer_body(l);
+            self.layer_body(l, pass == Pass::ForwardSave);
             let out = self.act(Bind::Output);
             self.out.push(Kernel::Residual(Residual {
                 out,
@@ -923,7 +1088,7 @@ impl Program<'_> {
                 }),
             ]);
         } else {
-            self.layer_body(l);
+            self.layer_body(l, true);
         }
         let (x, dout, dx) = (
             self.act(Bind::Input),
@@ -945,8 +1110,12 @@ impl Program<'_> {
                 gate: s.gate,
                 up: s.up,
             }),
-            self.linear_backward(s.d_c, s.d_gate, s.xn2, l.gate, None),
-            self.linear_backward(s.d_c2, s.d_up, s.xn2, l.up, None),
+        ];
+        let a = s.approx;
+        let mlp_in = (s.xn2, s.xn2_proj, a.mlp, SALT_MLP);
+        k.extend(self.sketched_backward(s.d_c, s.d_gate, mlp_in, l.gate, None));
+        k.extend(self.sketched_backward(s.d_c2, s.d_up, mlp_in, l.up, None));
+        k.extend([
             Kernel::Residual(Residual {
                 out: s.d_c3,
                 a: s.d_c,
@@ -976,7 +1145,7 @@ impl Program<'_> {
             }),
             self.rope(s.dq_pre, s.dq, h, true),
             self.rope(s.dk_pre, s.dk, kvh, true),
-        ];
+        ]);
         let (dq_in, dk_in) = match l.qk_norm {
             Some((qn, kn)) => {
                 k.extend([
@@ -989,15 +1158,16 @@ impl Program<'_> {
             }
             None => (s.dq_pre, s.dk_pre),
         };
+        let attn_in = (s.xn, s.xn_proj, a.attn, SALT_ATTN);
+        k.extend(self.sketched_backward(s.d_c, dq_in, attn_in, l.q, bq));
+        k.extend(self.sketched_backward(s.d_c2, dk_in, attn_in, l.k, bk));
+        k.push(Kernel::Residual(Residual {
+            out: s.d_c3,
+            a: s.d_c,
+            b: s.d_c2,
+        }));
+        k.extend(self.sketched_backward(s.d_c, s.dv, attn_in, l.v, bv));
         k.extend([
-            self.linear_backward(s.d_c, dq_in, s.xn, l.q, bq),
-            self.linear_backward(s.d_c2, dk_in, s.xn, l.k, bk),
-            Kernel::Residual(Residual {
-                out: s.d_c3,
-                a: s.d_c,
-                b: s.d_c2,
-            }),
-            self.linear_backward(s.d_c, s.dv, s.xn, l.v, bv),
             Kernel::Residual(Residual {
                 out: s.d_c2,
                 a: s.d_c3,
@@ -1148,7 +1318,32 @@ mod tests {
             for (target, dtype) in [(Target::Cpu, Dtype::F32), (Target::Cuda, Dtype::Bf16)] {
                 crate::model::checks::check_programs(&model, shape, target, dtype);
             }
+            for approx in ["attn:0.5", "mlp:0.25", "linear:0.5"] {
+                let approximate = model.approximate(approx.parse().unwrap()).unwrap();
+                for target in [Target::Cpu, Target::Cuda] {
+                    crate::model::checks::check_programs(&*approximate, shape, target, Dtype::F32);
+                }
+            }
         }
+    }
+
+    #[test]
+    fn sketched_layers_keep_their_inputs_projections_instead_and_a_few_bit_silu_is_refused() {
+        let model = Llama::new(LlamaConfig::llama(2, 48, 80, 4, 2, 96, 32)).unwrap();
+        let shape = Shape { batch: 2, seq: 16 };
+        let saved = |m: &dyn Family| m.saved_bytes(1, shape, Target::Cpu, Dtype::F32);
+        let exact = saved(&model);
+        // 32 rows: ratio 0.25 keeps 8 of them of each sketched input (48 wide, f32).
+        let rows_saved = |rows: usize| (rows * 48 * 4).next_multiple_of(256);
+        let gone = rows_saved(32) - rows_saved(8);
+        let attn = model.approximate("attn:0.25".parse().unwrap()).unwrap();
+        assert_eq!(saved(&*attn), exact - gone);
+        let both = model.approximate("linear:0.25".parse().unwrap()).unwrap();
+        assert_eq!(saved(&*both), exact - 2 * gone);
+        let e = model.approximate("silu:3".parse().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("would save nothing"), "{e}");
+        let e = model.approximate("gelu:3".parse().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("write silu:3"), "{e}");
     }
 
     #[test]

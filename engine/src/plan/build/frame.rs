@@ -83,6 +83,7 @@ impl<'a> Frame<'a> {
             return Err(PlanError::Invalid("ranks must be at least 1".into()));
         }
         check_grad_dtype(&shape)?;
+        check_approximation(input, &shape)?;
         Ok(Frame {
             input,
             policy,
@@ -314,6 +315,21 @@ fn check_grad_dtype(shape: &StepShape) -> Result<(), PlanError> {
              use --grad-dtype fp32"
                 .into(),
         ));
+    }
+    Ok(())
+}
+
+/// Randomized weight gradients only where activations are f32: their kernels take f32
+/// alone (the CPU device computes in f32 whatever the working dtype; a GPU in it).
+fn check_approximation(input: &PlanInput<'_>, shape: &StepShape) -> Result<(), PlanError> {
+    let approx = input.model.approximation();
+    if approx.sketches() && shape.target == Target::Cuda && shape.precision != Precision::Fp32 {
+        return Err(PlanError::Invalid(format!(
+            "--approx-backward {approx}: randomized weight gradients are built for f32 \
+             activations, and a GPU training in {} computes in it; train with --dtype fp32, \
+             or leave attn, mlp and linear out",
+            shape.precision
+        )));
     }
     Ok(())
 }

@@ -33,7 +33,7 @@ use crate::isa::Isa;
 use crate::kernel::optimizer::CopyMode;
 use crate::kernel::{
     AdamWKernel, Attention, AttentionBackward, Gelu, GqaAttention, GqaAttentionBackward,
-    GradStatsKernel, Kernel, Matmul, MatmulBackward, Rope,
+    GradStatsKernel, Kernel, Matmul, MatmulBackward, Rope, WeightGrad,
 };
 use crate::ops::{Cpu, WeightLayout};
 use crate::program::{
@@ -888,10 +888,12 @@ fn the_products_launch_sequences_compute_what_the_cpu_computes() {
                 }));
                 kernels.push(Kernel::MatmulBackward(MatmulBackward {
                     dinp: l.tensor(n * c, f),
-                    dweight: l.tensor(c * oc, f),
+                    weight_grad: Some(WeightGrad {
+                        dweight: l.tensor(c * oc, f),
+                        inp: l.tensor(n * c, f),
+                    }),
                     dbias: with_bias.then(|| l.tensor(oc, f)),
                     dout: l.tensor(n * oc, f),
-                    inp: l.tensor(n * c, f),
                     weight: l.tensor(c * oc, f),
                     layout,
                     n,

@@ -28,11 +28,13 @@
 //! backward reads `act`, `up` and the codes, never `g`. `dup` is exact, `dgate`
 //! approximate.
 //!
-//! **Not wired.** No model family, pass or planner uses these kernels yet. Note before
-//! wiring: strata's kept blocks save an activation's input and recompute its output; the
-//! few-bit form must keep the output instead (the next product's weight gradient reads
-//! it) plus the codes, `b` bits per element more, so it saves memory only where the next
-//! product does not keep its input in full (`docs/few-bit-backward.md`, "Memory").
+//! **Where the engine uses them.** GPT-2's approximate backward (`--approx-backward
+//! gelu:B`, `strata_engine::model::approx`). strata's kept blocks save an activation's
+//! input and recompute its output; the few-bit form keeps the output instead (the next
+//! product's weight gradient reads it) plus the codes, `b` bits per element more, so it
+//! saves memory only together with a sketched next product, which keeps a projection of
+//! that output (`docs/few-bit-backward.md`, "Memory"). The SwiGLU pair is not used: in
+//! the Llama family it could only add bytes.
 
 use std::ops::Range;
 

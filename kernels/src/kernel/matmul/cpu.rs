@@ -99,11 +99,28 @@ pub fn matmul_backward(
     c: usize,
     oc: usize,
 ) {
+    input_grad(cpu, dinp, dout, weight, layout, n, c, oc);
+    weight_grad_add(cpu, dweight, dout, inp, layout, n, c, oc);
+    if let Some(dbias) = dbias {
+        bias_grad_add(cpu, dbias, dout, n, oc);
+    }
+}
+
+/// The input gradient alone: dinp (N, C) = dout (N, OC) @ W^T.
+#[allow(clippy::too_many_arguments)]
+pub fn input_grad(
+    cpu: &Cpu,
+    dinp: &mut [f32],
+    dout: &[f32],
+    weight: &[f32],
+    layout: WeightLayout,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
     assert_eq!(dinp.len(), n * c);
     assert_eq!(dout.len(), n * oc);
-    assert_eq!(inp.len(), n * c);
     assert_eq!(weight.len(), c * oc);
-    assert_eq!(dweight.len(), c * oc);
     let (w_rs, w_cs) = weight_strides(layout, c, oc);
     let dout_op = Operand {
         ptr: dout.as_ptr(),
@@ -131,6 +148,28 @@ pub fn matmul_backward(
         }
         .run(cpu.isa, cpu.threads)
     }
+}
+
+/// The weight gradient alone: dweight (shaped as the weight) += inp^T (C, N) @ dout (N, OC).
+#[allow(clippy::too_many_arguments)]
+pub fn weight_grad_add(
+    cpu: &Cpu,
+    dweight: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    layout: WeightLayout,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    assert_eq!(dout.len(), n * oc);
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(dweight.len(), c * oc);
+    let dout_op = Operand {
+        ptr: dout.as_ptr(),
+        row_stride: oc as isize,
+        col_stride: 1,
+    };
     // dW (C, OC) += inp^T (C, N) @ dout (N, OC), written through the layout's strides.
     let inp_t = Operand {
         ptr: inp.as_ptr(),
@@ -180,22 +219,24 @@ pub fn matmul_backward(
             .run(cpu.isa, cpu.threads)
         },
     }
-    if let Some(dbias) = dbias {
-        assert_eq!(dbias.len(), oc);
-        // Column ranges in parallel; each column adds its rows in order.
-        let threads = cpu.threads_for(n * oc);
-        par_rows(
-            threads,
-            oc,
-            simd::LANES,
-            RowsMut::new(dbias, 1),
-            |cols, db| {
-                on_isa!(cpu.isa, {
-                    for row in 0..n {
-                        simd::add_assign(db.data, &dout[row * oc..][cols.clone()]);
-                    }
-                },)
-            },
-        );
-    }
+}
+
+/// The bias gradient alone: dbias (OC) += the column sums of dout (N, OC).
+pub fn bias_grad_add(cpu: &Cpu, dbias: &mut [f32], dout: &[f32], n: usize, oc: usize) {
+    assert_eq!(dbias.len(), oc);
+    // Column ranges in parallel; each column adds its rows in order.
+    let threads = cpu.threads_for(n * oc);
+    par_rows(
+        threads,
+        oc,
+        simd::LANES,
+        RowsMut::new(dbias, 1),
+        |cols, db| {
+            on_isa!(cpu.isa, {
+                for row in 0..n {
+                    simd::add_assign(db.data, &dout[row * oc..][cols.clone()]);
+                }
+            },)
+        },
+    );
 }

@@ -16,7 +16,9 @@ use crate::program::{
 pub mod cpu;
 pub mod reference;
 
-pub use cpu::{WeightLayout, matmul_backward, matmul_forward};
+pub use cpu::{
+    WeightLayout, bias_grad_add, input_grad, matmul_backward, matmul_forward, weight_grad_add,
+};
 
 /// The family's CUDA kernels.
 const SOURCE: CudaSource = ("matmul.cu", include_str!("matmul.cu"));
@@ -155,19 +157,27 @@ impl CudaKernel for Matmul {
     }
 }
 
+/// A linear layer's weight gradient from the forward's input: dweight += inp^T dout.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WeightGrad {
+    /// f32, shaped as the weight, accumulated.
+    pub dweight: TensorRef,
+    /// (N, C): the forward's input.
+    pub inp: TensorRef,
+}
+
 /// dinp: (N, C) = (overwritten), dweight +=, dbias += (f32), given dout: (N, OC).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MatmulBackward {
     /// (N, C), overwritten.
     pub dinp: TensorRef,
-    /// f32, shaped as the weight, accumulated.
-    pub dweight: TensorRef,
+    /// The weight's gradient, or none where another kernel estimates it from less than
+    /// the forward's whole input (a randomized sketch, `kernel::sketch`).
+    pub weight_grad: Option<WeightGrad>,
     /// (OC) f32, accumulated, or none.
     pub dbias: Option<TensorRef>,
     /// (N, OC).
     pub dout: TensorRef,
-    /// (N, C).
-    pub inp: TensorRef,
     /// As in [`Matmul`].
     pub weight: TensorRef,
     /// How the weight is stored.
@@ -197,23 +207,29 @@ impl Signature for MatmulBackward {
         let (w, f32_) = (DtypeRule::Working, DtypeRule::Exactly(Dtype::F32));
         let (n, c, oc) = (self.n, self.c, self.oc);
         each(Param::write("dinp", &self.dinp, w, LenRule::Len(n * c)));
-        each(Param::write(
-            "dweight",
-            &self.dweight,
-            f32_,
-            LenRule::Len(c * oc),
-        ));
+        if let Some(g) = &self.weight_grad {
+            each(Param::write(
+                "dweight",
+                &g.dweight,
+                f32_,
+                LenRule::Len(c * oc),
+            ));
+        }
         if let Some(dbias) = &self.dbias {
             each(Param::write("dbias", dbias, f32_, LenRule::Len(oc)));
         }
         each(Param::read("dout", &self.dout, w, LenRule::Len(n * oc)));
-        each(Param::read("inp", &self.inp, w, LenRule::Len(n * c)));
+        if let Some(g) = &self.weight_grad {
+            each(Param::read("inp", &g.inp, w, LenRule::Len(n * c)));
+        }
         each(Param::read("weight", &self.weight, w, LenRule::Len(c * oc)));
     }
 
     fn flops(&self) -> f64 {
-        // The input gradient and the weight gradient: two products.
-        4.0 * (self.n * self.c * self.oc) as f64
+        // The input gradient, and the weight gradient where this kernel computes it: a
+        // product each.
+        let products = 1 + usize::from(self.weight_grad.is_some());
+        2.0 * (products * self.n * self.c * self.oc) as f64
     }
 }
 
@@ -225,12 +241,16 @@ impl CpuKernel for MatmulBackward {
         _: &Scalars,
         t: &CpuTensors<'_>,
     ) -> Result<(), KernelError> {
-        let dbias = self.dbias.as_ref().map(|b| t.f32_mut(b));
-        let (dinp, dweight) = (t.f32_mut(&self.dinp), t.f32_mut(&self.dweight));
-        let (dout, inp, weight) = (t.f32(&self.dout), t.f32(&self.inp), t.f32(&self.weight));
-        matmul_backward(
-            cpu, dinp, dweight, dbias, dout, inp, weight, s.layout, s.n, s.c, s.oc,
-        );
+        let (dout, weight) = (t.f32(&self.dout), t.f32(&self.weight));
+        let (layout, n, c, oc) = (s.layout, s.n, s.c, s.oc);
+        input_grad(cpu, t.f32_mut(&self.dinp), dout, weight, layout, n, c, oc);
+        if let Some(g) = &self.weight_grad {
+            let (dweight, inp) = (t.f32_mut(&g.dweight), t.f32(&g.inp));
+            weight_grad_add(cpu, dweight, dout, inp, layout, n, c, oc);
+        }
+        if let Some(dbias) = &self.dbias {
+            bias_grad_add(cpu, t.f32_mut(dbias), dout, n, oc);
+        }
         Ok(())
     }
 }
@@ -263,10 +283,11 @@ impl CudaKernel for MatmulBackward {
 }
 
 impl MatmulBackward {
-    /// The input gradient and the weight gradient, two cuBLAS products (n, c, oc > 0).
+    /// The input gradient and, where this kernel computes it, the weight gradient: a
+    /// cuBLAS product each (n, c, oc > 0).
     fn products(&self, s: &MatmulShape, w: Working, q: &Launch<'_>) -> Result<(), KernelError> {
         let (n, c, oc) = (s.n, s.c, s.oc);
-        let (dout, inp) = (q.address(&self.dout), q.address(&self.inp));
+        let dout = q.address(&self.dout);
         // Column-major: dinp^T (C, N) = W (C, OC) @ dout^T (OC, N).
         q.gemm(Gemm {
             m: c,
@@ -279,6 +300,10 @@ impl MatmulBackward {
             beta: 0.0,
             batch: None,
         })?;
+        let Some(g) = &self.weight_grad else {
+            return Ok(());
+        };
+        let inp = q.address(&g.inp);
         let dout_op = |transposed| Operand::of(w, dout, oc, transposed);
         let inp_op = |transposed| Operand::of(w, inp, c, transposed);
         let (m, nn, a, b, ld) = match s.layout {
@@ -293,7 +318,7 @@ impl MatmulBackward {
             k: n,
             a,
             b,
-            c: Operand::f32(q.address(&self.dweight), ld, false),
+            c: Operand::f32(q.address(&g.dweight), ld, false),
             alpha: 1.0,
             beta: 1.0,
             batch: None,
@@ -354,19 +379,28 @@ mod tests {
 
     impl Emulated for MatmulBackward {
         fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-            let sample = |(n, c, oc, layout, with_bias): (_, _, _, _, bool)| MatmulBackward {
+            // Each size with the weight gradient, and without it (a sketch's layer).
+            let mut sample = |(n, c, oc, layout, with_bias): (_, _, _, _, bool),
+                              with_weight: bool| MatmulBackward {
                 dinp: l.tensor(n * c, w),
-                dweight: l.tensor(c * oc, Dtype::F32),
+                weight_grad: with_weight.then(|| WeightGrad {
+                    dweight: l.tensor(c * oc, Dtype::F32),
+                    inp: l.tensor(n * c, w),
+                }),
                 dbias: with_bias.then(|| l.tensor(oc, Dtype::F32)),
                 dout: l.tensor(n * oc, w),
-                inp: l.tensor(n * c, w),
                 weight: l.tensor(c * oc, w),
                 layout,
                 n,
                 c,
                 oc,
             };
-            sizes().into_iter().map(sample).collect()
+            let mut out = Vec::new();
+            for size in sizes() {
+                out.push(sample(size, true));
+                out.push(sample(size, false));
+            }
+            out
         }
 
         fn dimensions(&self) -> Vec<(&'static str, usize)> {

@@ -9,8 +9,9 @@
 //! are cuBLAS's).
 //!
 //! f32 tensors only (the CPU device's working type); a GPU training in bf16 would hand
-//! them bf16 activations, which these kernels do not take yet. No model or plan uses
-//! them yet.
+//! them bf16 activations, which these kernels do not take yet (the planner refuses
+//! them there). Both model families' approximate backward uses them
+//! (`--approx-backward attn:R,mlp:R`, `strata_engine::model::approx`).
 
 use crate::cuda::launch::per_element;
 use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Gemm, Launch, Operand, long};
