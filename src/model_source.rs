@@ -96,10 +96,11 @@ pub fn model_shape(name: &str) -> Result<Model, Error> {
 }
 
 /// The model a run of `cfg` trains, without parameters: [`model_shape`] of its `model`,
-/// over packed batches when it asks for `pack` (the documents' end being the model
-/// folder's end-of-sequence id, [`document_end`]).
+/// with the backward its `approx_backward` names, over packed batches when it asks for
+/// `pack` (the documents' end being the model folder's end-of-sequence id,
+/// [`document_end`]).
 pub fn run_model(cfg: &TrainConfig) -> Result<Model, Error> {
-    let model = model_shape(&cfg.model)?;
+    let model = model_shape(&cfg.model)?.approximate(cfg.approx_backward)?;
     if !cfg.pack {
         return Ok(model);
     }

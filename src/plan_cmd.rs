@@ -21,7 +21,7 @@ use std::io::Write;
 use serde::Serialize;
 use strata_engine::Lane;
 use strata_engine::device::{DeviceChoice, choose_target};
-use strata_engine::model::Target;
+use strata_engine::model::{ApproxBackward, Model, Target};
 use strata_engine::plan::{
     Auto, BuiltinPolicy, CostModel, DEFAULT_SOURCE, Plan, PlanError, PlanInput, Prediction,
     TensorClass, Tier, fmt_bytes,
@@ -89,6 +89,32 @@ pub struct PlanReport {
     pub auto: Option<AutoChoice>,
     /// Why nothing fits, when nothing does.
     pub no_fit: Option<String>,
+    /// What the backward approximates (`--approx-backward`): exact, or a list.
+    pub approx_backward: String,
+    /// With an approximate backward, the same step with the exact one, for comparison.
+    pub exact_backward: Option<ExactBackward>,
+}
+
+/// The step planned with the exact backward, beside an approximate one.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExactBackward {
+    /// Bytes a kept layer saves for its backward (one micro-batch's): exact, approximate.
+    pub saved_bytes_per_layer: [u64; 2],
+    /// What `auto` picks with the exact backward (none when nothing fits).
+    pub auto: Option<ExactChoice>,
+}
+
+/// `auto`'s choice for the exact backward, in brief.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExactChoice {
+    /// The policy.
+    pub policy: String,
+    /// Layer blocks that recompute their forward ("3 of 12 blocks").
+    pub recomputed: String,
+    /// Predicted seconds per step.
+    pub step_seconds: f64,
+    /// The plan's peak per tier.
+    pub peak_bytes: TierBytes,
 }
 
 /// Bytes per tier.
@@ -274,6 +300,7 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
     };
     let (policies, unavailable) = policy_rows(&input, cost, prefetch_depth(cfg), reads)?;
     let choice = auto_choice(&input, cost, reads);
+    let exact_backward = exact_backward(&input, reads)?;
     Ok(PlanReport {
         model: cfg.model.to_string(),
         params,
@@ -306,7 +333,39 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
         unavailable,
         no_fit: choice.as_ref().err().cloned(),
         auto: choice.ok(),
+        approx_backward: model.approximation().to_string(),
+        exact_backward,
     })
+}
+
+/// With an approximate backward, what a kept layer saves with it and with the exact one,
+/// and `auto`'s choice with the exact one; none with the exact backward.
+fn exact_backward(input: &PlanInput<'_>, reads: Reads) -> Result<Option<ExactBackward>, Error> {
+    let model = input.model;
+    if model.approximation().is_exact() || model.layers() == 0 {
+        return Ok(None);
+    }
+    let exact = model.approximate(ApproxBackward::EXACT)?;
+    let shape = input.shape;
+    let dims = model.shape(shape.batch, shape.seq)?;
+    let (target, dtype) = (shape.target, shape.device_dtype());
+    let saved = |m: &Model| m.family().saved_bytes(1, dims, target, dtype) as u64;
+    let exact_input = PlanInput {
+        model: &exact,
+        ..*input
+    };
+    let auto = auto_choice(&exact_input, input.cost, reads)
+        .ok()
+        .map(|a| ExactChoice {
+            policy: a.policy,
+            recomputed: a.recomputed,
+            step_seconds: a.step_seconds,
+            peak_bytes: a.peak_bytes,
+        });
+    Ok(Some(ExactBackward {
+        saved_bytes_per_layer: [saved(&exact), saved(model)],
+        auto,
+    }))
 }
 
 impl Rates {
@@ -637,6 +696,37 @@ fn render_auto(r: &PlanReport, auto: &AutoChoice) -> String {
     out += "(class rows count each class's buffers; buffers with disjoint lifetimes share \
             memory, so the peak can be lower than their sum)\n";
     out += &format!("{}\n", auto.process.line());
+    out += &render_exact_backward(r, auto);
+    out
+}
+
+/// With an approximate backward: what it saves per kept layer, and the exact backward's
+/// plan beside this one.
+fn render_exact_backward(r: &PlanReport, auto: &AutoChoice) -> String {
+    let Some(exact) = &r.exact_backward else {
+        return String::new();
+    };
+    let [e, a] = exact.saved_bytes_per_layer;
+    let mut out = format!(
+        "--approx-backward {}: a kept layer saves {} for its backward (exact: {}, {:+.1}%)\n",
+        r.approx_backward,
+        fmt_bytes(a),
+        fmt_bytes(e),
+        100.0 * (a as f64 / e as f64 - 1.0)
+    );
+    out += &match &exact.auto {
+        Some(x) => format!(
+            "with the exact backward, auto picks {}: recompute: {}; predicted {:.3} s/step \
+             (this: {:.3}); device peak {} (this: {})\n",
+            x.policy,
+            x.recomputed,
+            x.step_seconds,
+            auto.step_seconds,
+            fmt_bytes(x.peak_bytes.device),
+            fmt_bytes(auto.peak_bytes.device)
+        ),
+        None => "with the exact backward, no plan fits these budgets\n".to_string(),
+    };
     out
 }
 

@@ -34,7 +34,7 @@ use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
 use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::kernels::ops::Cpu;
-use strata_engine::model::{Llama, Model};
+use strata_engine::model::{ApproxBackward, Llama, Model};
 use strata_engine::plan::{
     Budgets, BuiltinPolicy, CostModel, GradDtype, GradSpill, Lane, NvmeOffload, OptimizerState,
     Plan, PlanInput, Policy, Precision, Prediction, Recompute, Schedule, StepShape, Tier,
@@ -187,6 +187,10 @@ pub struct StepArgs {
     /// which halves the bytes of gradients spilled to NVMe.
     #[arg(long, value_enum, default_value_t = GradDtype::Fp32)]
     pub grad_dtype: GradDtype,
+    /// Approximate gradients (as `strata train --approx-backward`): exact, or such as
+    /// gelu:3,linear:0.5.
+    #[arg(long, default_value_t = ApproxBackward::EXACT)]
+    pub approx_backward: ApproxBackward,
     /// Seed of the initial parameters and of the synthetic batches.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -506,6 +510,8 @@ pub struct StepBenchReport {
     pub clip: f64,
     /// How complete gradients were kept (`--grad-dtype`).
     pub grad_dtype: GradDtype,
+    /// What the backward approximated (`--approx-backward`).
+    pub approx_backward: String,
     /// Extent transfers each NVMe lane kept in flight.
     pub nvme_in_flight: usize,
     /// Untimed steps per policy.
@@ -764,7 +770,8 @@ impl Setup {
         let model = match shape {
             model_info::ModelShape::Gpt2(c) => Model::new(c)?,
             model_info::ModelShape::Llama(c) => Model::of(Llama::new(c)?),
-        };
+        }
+        .approximate(args.approx_backward)?;
         let hf_config = model.family().hf_config();
         let target = choose_target(args.device)?;
         let precision = match args.dtype {
@@ -1049,6 +1056,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         delayed_update: setup.shape.delayed_update,
         clip: args.clip,
         grad_dtype: setup.shape.grad_dtype,
+        approx_backward: setup.model.approximation().to_string(),
         nvme_in_flight: args.nvme_in_flight,
         warmup: args.warmup,
         steps: args.steps,

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use clap::{Arg, ArgMatches};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
+use strata_engine::model::ApproxBackward;
 use strata_engine::plan::{
     GradDtype, GradSpill, OptimizerState, PolicyChoice, Recompute, Schedule,
 };
@@ -262,6 +263,16 @@ settings! {
     /// alone), which halves the bytes of gradients spilled to NVMe; results are
     /// identical across policies either way [default: fp32].
     Step grad_dtype: GradDtype = GradDtype::Fp32;
+
+    /// Approximate gradients that shrink what a kept layer saves for its backward:
+    /// exact, or a comma-separated list of gelu:BITS (GPT-2; 1 to 4: the GELU's
+    /// derivative from a few-bit code of its input), attn:RATIO and mlp:RATIO (weight
+    /// gradients of the attention's input and the MLP's products estimated from a
+    /// random projection keeping RATIO of the rows, 0 < RATIO < 1) and linear:RATIO
+    /// (both), such as gelu:3,linear:0.5; `strata plan` shows what it saves and costs
+    /// [default: exact].
+    Step approx_backward: ApproxBackward = ApproxBackward::EXACT,
+        aliases("approximate_backward");
 
     /// Optimizer steps [default: 600].
     Run steps: u64 = 600,

@@ -11,6 +11,8 @@ use clap::builder::{EnumValueParser, PossibleValuesParser, TypedValueParser};
 use clap::{Arg, ArgAction, ArgMatches, ValueEnum};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
+use strata_engine::model::ApproxBackward;
+use strata_engine::model::approx::APPROX_BACKWARD_FORM;
 use strata_engine::model::weights::FileDtype;
 use strata_engine::plan::{
     GradDtype, GradSpill, OptimizerState, PolicyChoice, Precision, Recompute, Schedule,
@@ -188,6 +190,27 @@ impl SettingType for MemBudget {
         arg.value_parser(clap::value_parser!(MemBudget))
             .action(ArgAction::Set)
             .value_name("SIZE")
+    }
+
+    fn from_matches(matches: &ArgMatches, id: &str) -> Option<Self> {
+        one(matches, id)
+    }
+}
+
+impl SettingType for ApproxBackward {
+    fn expected() -> String {
+        format!("a string: {APPROX_BACKWARD_FORM}")
+    }
+
+    fn refusal(word: &str) -> Option<String> {
+        let error = word.parse::<ApproxBackward>().err()?;
+        Some(format!("is not an approximation: {error}"))
+    }
+
+    fn arg(arg: Arg) -> Arg {
+        arg.value_parser(clap::value_parser!(ApproxBackward))
+            .action(ArgAction::Set)
+            .value_name("LIST")
     }
 
     fn from_matches(matches: &ArgMatches, id: &str) -> Option<Self> {
