@@ -15,6 +15,7 @@ use strata_engine::exec::Runner;
 use strata_engine::kernels::program::{Dtype, Target};
 use strata_engine::model::ModelError;
 use strata_engine::model::data::Batch;
+use strata_engine::model::lora::{LoraAdapter, check_layers, merge_block};
 use strata_engine::model::weights::{PretrainedBlocks, load_config, model_files};
 
 use crate::tokenize::{open_data, whole_batches};
@@ -46,6 +47,11 @@ pub struct EvalArgs {
     /// Working precision on a GPU; the CPU computes in f32.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub precision: Precision,
+    /// A LoRA adapter folder as peft's save_pretrained writes it (adapter_config.json,
+    /// adapter_model.safetensors), merged into the model's weights as each block is
+    /// read (W + scale · B A, in f32), so that the loss is the adapted model's.
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
 }
 
 /// The working precision of activations and parameters.
@@ -79,6 +85,15 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
     std::fs::metadata(&args.model).map_err(|e| ModelError::io(&args.model, e))?;
     let model = load_config(&config)?;
     let weights = PretrainedBlocks::open(&args.model, &model)?;
+    let adapter = match &args.adapter {
+        Some(dir) => {
+            let named = |e: ModelError| format!("--adapter {}: {e}", dir.display());
+            let adapter = LoraAdapter::read(dir, &model).map_err(named)?;
+            check_layers(&model, &adapter).map_err(named)?;
+            Some(adapter)
+        }
+        None => None,
+    };
     model.shape(args.batch, args.seq)?;
     // The data as `strata train` reads it (text tokenized with the model folder's
     // tokenizer, every id checked), what was done going to stderr: stdout is the losses.
@@ -139,8 +154,14 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
         args.data.display()
     );
     let vocab = model.vocab();
-    let mut runner = Runner::new(model, device, b, t, precision)?;
-    runner.load_blocks(&|b| weights.read_block(b))?;
+    let mut runner = Runner::new(model.clone(), device, b, t, precision)?;
+    runner.load_blocks(&|b| {
+        let mut block = weights.read_block(b)?;
+        if let Some(adapter) = &adapter {
+            merge_block(&model, b, &mut block, adapter)?;
+        }
+        Ok(block)
+    })?;
     drop(weights);
     let mut losses = Vec::with_capacity(steps);
     for step in 0..steps {

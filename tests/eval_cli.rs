@@ -187,3 +187,82 @@ fn bad_input_is_a_clear_error() {
         "{stderr}"
     );
 }
+
+/// `strata eval --adapter` on `tests/data/lora-tiny` (a peft 0.21 adapter over a Llama
+/// base): the first batch's loss is peft's for the base with the adapter (meta.json's
+/// `losses[0]`, taken before any update), and without the adapter it is another.
+#[test]
+fn an_adapter_is_evaluated_as_peft_evaluates_it() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/lora-tiny");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+    let want = meta["losses"][0].as_f64().unwrap();
+    let base = dir.join("base");
+    let data = dir.join("tokens.bin");
+    let loss = |adapter: Option<&Path>| -> f64 {
+        let mut args = vec![
+            "eval",
+            "--model",
+            base.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+        ];
+        if let Some(a) = adapter {
+            args.extend(["--adapter", a.to_str().unwrap()]);
+        }
+        let out = strata(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        stdout
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("step 0 loss "))
+            .unwrap_or_else(|| panic!("{stdout}"))
+            .parse()
+            .unwrap()
+    };
+    let adapted = loss(Some(&dir.join("adapter0")));
+    assert!(
+        (adapted - want).abs() < 1e-4,
+        "with the adapter: {adapted} vs peft's {want}"
+    );
+    let plain = loss(None);
+    assert!((plain - want).abs() > 1e-3, "without it: {plain}");
+    // An adapter for another model is refused before any batch runs.
+    let gpt2 = golden();
+    let out = strata(&[
+        "eval",
+        "--model",
+        gpt2.to_str().unwrap(),
+        "--data",
+        gpt2.join("tokens.bin").to_str().unwrap(),
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+        "--adapter",
+        dir.join("adapter0").to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--adapter") && stderr.contains("q_proj"),
+        "{stderr}"
+    );
+}

@@ -30,23 +30,52 @@ pub fn merge_in_place(
     params: &mut [Vec<f32>],
     adapter: &LoraAdapter,
 ) -> Result<(), ModelError> {
-    let scale = adapter.config.scale() as f32;
-    for w in &adapter.layers {
-        let spec = model
-            .blocks()
-            .get(w.layer.block)
-            .and_then(|b| b.tensor(&w.layer.weight))
-            .ok_or_else(|| {
-                ModelError::BadInput(format!(
-                    "the adapter's layer `{}` is not a layer of this {} model",
-                    w.layer.module,
-                    model.family().name()
-                ))
-            })?;
-        let weight = &mut params[w.layer.block][spec.slot.range()];
-        add_update(weight, w, adapter.config.rank, scale);
+    check_layers(model, adapter)?;
+    for (b, block) in params.iter_mut().enumerate() {
+        merge_block(model, b, block, adapter)?;
     }
     Ok(())
+}
+
+/// Merges `adapter`'s layers of block `b` into that block's parameters `block` alone
+/// (f32), for a caller that reads a model a block at a time (`strata eval --adapter`);
+/// call [`check_layers`] once first, so that no adapted layer is missed.
+pub fn merge_block(
+    model: &Model,
+    b: usize,
+    block: &mut [f32],
+    adapter: &LoraAdapter,
+) -> Result<(), ModelError> {
+    let scale = adapter.config.scale() as f32;
+    for w in adapter.layers.iter().filter(|w| w.layer.block == b) {
+        let spec = model.blocks()[b]
+            .tensor(&w.layer.weight)
+            .ok_or_else(|| not_a_layer(model, w))?;
+        add_update(&mut block[spec.slot.range()], w, adapter.config.rank, scale);
+    }
+    Ok(())
+}
+
+/// Refuses an adapter with a layer that is not one of `model`'s.
+pub fn check_layers(model: &Model, adapter: &LoraAdapter) -> Result<(), ModelError> {
+    for w in &adapter.layers {
+        let found = model
+            .blocks()
+            .get(w.layer.block)
+            .and_then(|b| b.tensor(&w.layer.weight));
+        if found.is_none() {
+            return Err(not_a_layer(model, w));
+        }
+    }
+    Ok(())
+}
+
+fn not_a_layer(model: &Model, w: &LoraWeights) -> ModelError {
+    ModelError::BadInput(format!(
+        "the adapter's layer `{}` is not a layer of this {} model",
+        w.layer.module,
+        model.family().name()
+    ))
 }
 
 /// `weight += scale · B A` in the layer's layout.

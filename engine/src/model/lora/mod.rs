@@ -1,5 +1,5 @@
 //! LoRA adapters in peft's format, the layer the coming LoRA fine-tuning (issue 33)
-//! will use; no command uses it yet.
+//! will use; `strata eval --adapter` evaluates a base with an adapter merged in.
 //!
 //! - [`config`]: [`LoraConfig`] (rank, alpha, dropout, target module names, rsLoRA) and
 //!   peft's `adapter_config.json`, read with one refusal for each peft feature strata
@@ -22,5 +22,5 @@ pub mod targets;
 
 pub use adapter::{ADAPTER_WEIGHTS_FILE, LoraAdapter, LoraWeights, peft_names};
 pub use config::{ADAPTER_CONFIG_FILE, ALL_LINEAR, LoraConfig};
-pub use merge::{merge_in_place, merge_params, save_merged};
+pub use merge::{check_layers, merge_block, merge_in_place, merge_params, save_merged};
 pub use targets::{LoraLayer, WeightLayout, select_layers};
