@@ -81,6 +81,11 @@ fn approximate_backwards_train_bit_identically_under_every_policy() {
         ("GPT-2 gelu:3", approx(&gpt, "gelu:3"), false),
         ("GPT-2 attn:0.25", approx(&gpt, "attn:0.25"), false),
         ("Llama linear:0.5", approx(&llama, "linear:0.5"), false),
+        (
+            "Llama silu:2,mlp:0.5",
+            approx(&llama, "silu:2,mlp:0.5"),
+            true,
+        ),
     ];
     let params = adamw_clipped(0.0);
     for (name, model, chaos) in &models {
@@ -108,8 +113,17 @@ fn an_approximate_backward_trains_otherwise_than_the_exact_one() {
     let shape = StepShape::cpu(2, 8);
     let params = adamw_clipped(0.0);
     let exact = train(&gpt, shape, &AllOnDevice, 3, params, None);
-    for text in ["gelu:3", "attn:0.5", "mlp:0.5", "gelu:2,linear:0.5"] {
-        let run: Run = train(&approx(&gpt, text), shape, &AllOnDevice, 3, params, None);
+    let llama = small_llama();
+    let exact_llama = train(&llama, shape, &AllOnDevice, 3, params, None);
+    for (model, exact, text) in [
+        (&gpt, &exact, "gelu:3"),
+        (&gpt, &exact, "attn:0.5"),
+        (&gpt, &exact, "mlp:0.5"),
+        (&gpt, &exact, "gelu:2,linear:0.5"),
+        (&llama, &exact_llama, "silu:3"),
+        (&llama, &exact_llama, "linear:0.5"),
+    ] {
+        let run: Run = train(&approx(model, text), shape, &AllOnDevice, 3, params, None);
         assert_eq!(
             exact.losses[0], run.losses[0],
             "{text}: the forward is the exact model's"

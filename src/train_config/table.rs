@@ -265,8 +265,9 @@ settings! {
     Step grad_dtype: GradDtype = GradDtype::Fp32;
 
     /// Approximate gradients that shrink what a kept layer saves for its backward:
-    /// exact, or a comma-separated list of gelu:BITS (GPT-2; 1 to 4: the GELU's
-    /// derivative from a few-bit code of its input), attn:RATIO and mlp:RATIO (weight
+    /// exact, or a comma-separated list of gelu:BITS (GPT-2) or silu:BITS (the Llama
+    /// family's gate; 1 to 4: the activation's derivative from a few-bit code of its
+    /// input), attn:RATIO and mlp:RATIO (weight
     /// gradients of the attention's input and the MLP's products estimated from a
     /// random projection keeping RATIO of the rows, 0 < RATIO < 1) and linear:RATIO
     /// (both), such as gelu:3,linear:0.5; `strata plan` shows what it saves and costs

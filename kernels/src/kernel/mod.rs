@@ -49,7 +49,7 @@ pub use attention::{
     GqaAttention, GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward,
 };
 pub use crossentropy::{CrossEntropy, CrossEntropyBackward};
-pub use elementwise::{AddF32, CopyKernel, FoldRanks, Residual, Zero};
+pub use elementwise::{AddF32, CopyKernel, FoldRanks, Mul, Residual, Zero};
 pub use encoder::{Encoder, EncoderBackward};
 pub use fewbit::{FewBitGelu, FewBitGeluBackward, FewBitSwiGlu, FewBitSwiGluBackward};
 pub use gelu::{Gelu, GeluBackward};
@@ -242,6 +242,8 @@ registry! {
     GeluBackward(GeluBackward),
     /// `out = a + b` ([`Residual`]).
     Residual(Residual),
+    /// `out = a * b` ([`Mul`]).
+    Mul(Mul),
     /// Softmax cross-entropy ([`CrossEntropy`]).
     CrossEntropy(CrossEntropy),
     /// Its gradient, in place ([`CrossEntropyBackward`]).

@@ -34,10 +34,11 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use strata_kernels::kernel::attention::{GqaDims, flash_scratch_bytes};
+use strata_kernels::kernel::fewbit::{Bits, codes_len};
 use strata_kernels::kernel::{
-    CopyKernel, DocStarts, Encoder, EncoderBackward, FlashMask, GqaFlashAttention,
-    GqaFlashAttentionBackward, Matmul, MatmulBackward, Residual, RmsNorm, RmsNormBackward, Rope,
-    RopeBackward, RopeTable, SwiGlu, SwiGluBackward, WeightGrad, Zero,
+    CopyKernel, DocStarts, Encoder, EncoderBackward, FewBitSwiGlu, FewBitSwiGluBackward, FlashMask,
+    GqaFlashAttention, GqaFlashAttentionBackward, Matmul, MatmulBackward, Mul, Residual, RmsNorm,
+    RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu, SwiGluBackward, WeightGrad, Zero,
 };
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
@@ -245,18 +246,7 @@ impl Family for Llama {
     }
 
     fn approximate(&self, approx: ApproxBackward) -> Result<Arc<dyn Family>, ModelError> {
-        if approx
-            .bits_for(Activation::Silu, "the Llama family")?
-            .is_some()
-        {
-            return Err(ModelError::BadInput(format!(
-                "--approx-backward {approx}: a few-bit SiLU would save nothing in the Llama \
-                 family's layers: the SwiGLU's backward reads silu(gate) itself (for the up \
-                 projection's gradient and the down projection's input), which takes as many \
-                 bytes as the gate it would replace, so the codes would only add to them; \
-                 leave silu out (attn, mlp and linear are built)"
-            )));
-        }
+        approx.bits_for(Activation::Silu, "the Llama family")?;
         Ok(Arc::new(Llama {
             approx,
             ..self.clone()
@@ -268,14 +258,20 @@ impl Family for Llama {
     }
 }
 
-/// What a layer's backward approximates, for one batch shape: the sketch's columns of
-/// the q, k and v projections (attn; they share their input, so one projection of it
-/// serves the three) and of the gate and up projections (mlp; likewise). The output
-/// projection's input is the attention's output, which the attention's backward reads,
-/// and the down projection's is recomputed from the gate and up projections, which the
-/// SwiGLU's backward reads: neither could go, so both stay exact.
+/// What a layer's backward approximates, for one batch shape: the few-bit code's width of
+/// the SwiGLU gate's SiLU, and the sketch's columns of the q, k and v projections (attn;
+/// they share their input, so one projection of it serves the three) and of the gate and
+/// up projections (mlp; likewise). The output projection's input is the attention's
+/// output, which the attention's backward reads, and the down projection's is recomputed
+/// from what the SwiGLU's backward reads: neither could go, so both stay exact.
+///
+/// The few-bit SiLU keeps `silu(gate)` and the codes instead of the gate: the SwiGLU's
+/// backward reads `silu(gate)` itself (the up projection's gradient), so the codes add
+/// `bits` per element to what the exact backward keeps; it saves no memory here, and is
+/// built so that the choice is the user's and `strata plan` shows its cost.
 #[derive(Debug, Clone, Copy, Default)]
 struct Approx {
+    bits: Option<Bits>,
     attn: Option<usize>,
     mlp: Option<usize>,
 }
@@ -284,6 +280,7 @@ impl Approx {
     fn of(approx: ApproxBackward, shape: Shape) -> Approx {
         let n = shape.rows();
         Approx {
+            bits: approx.bits_for(Activation::Silu, "").ok().flatten(),
             attn: approx.attn.map(|r| r.columns(n)),
             mlp: approx.mlp.map(|r| r.columns(n)),
         }
@@ -453,6 +450,10 @@ struct Scratch {
     gate: TensorRef,
     up: TensorRef,
     hmid: TensorRef,
+    /// `silu(gate)` and its few-bit codes (u32 words; both empty with the exact SiLU
+    /// backward).
+    act: TensorRef,
+    codes: TensorRef,
     proj: TensorRef,
     d_c: TensorRef,
     d_c2: TensorRef,
@@ -512,6 +513,8 @@ impl Scratch {
         let res2 = l(n * w, dtype);
         let (xn2, rstd2) = (l(n * w, dtype), l(n, f32));
         let (gate, up, hmid) = (l(n * i, dtype), l(n * i, dtype), l(n * i, dtype));
+        let act = l(approx.bits.map_or(0, |_| n * i), dtype);
+        let codes = l(approx.bits.map_or(0, |b| codes_len(n * i, b)), Dtype::U32);
         let proj = l(n * w, dtype);
         let (d_c, d_c2, d_c3, d_res2) = (
             l(n * w, dtype),
@@ -568,6 +571,8 @@ impl Scratch {
             gate,
             up,
             hmid,
+            act,
+            codes,
             proj,
             d_c,
             d_c2,
@@ -616,8 +621,11 @@ struct Saved {
     /// The MLP's input, or its projection where gate and up are sketched.
     xn2: TensorRef,
     rstd2: TensorRef,
+    /// The gate projection, or `silu(gate)` with the few-bit SiLU.
     gate: TensorRef,
     up: TensorRef,
+    /// The few-bit codes of the gate (empty with the exact SiLU backward).
+    codes: TensorRef,
     /// Bytes of the whole buffer.
     bytes: usize,
 }
@@ -644,6 +652,7 @@ impl Saved {
         let xn2_rows = a.mlp.map_or(n, |k| k);
         let (res2, xn2, rstd2) = (l(n * w, dtype), l(xn2_rows * w, dtype), l(n, f32));
         let (gate, up) = (l(n * i, dtype), l(n * i, dtype));
+        let codes = l(a.bits.map_or(0, |b| codes_len(n * i, b)), Dtype::U32);
         Saved {
             xn,
             rstd1,
@@ -658,6 +667,7 @@ impl Saved {
             rstd2,
             gate,
             up,
+            codes,
             bytes: carve.next,
         }
     }
@@ -679,11 +689,18 @@ impl Scratch {
             None => (saved.xn2, self.xn2_proj),
             Some(_) => (self.xn2, saved.xn2),
         };
+        let (gate, act, codes) = match self.approx.bits {
+            None => (saved.gate, self.act, self.codes),
+            Some(_) => (self.gate, saved.gate, saved.codes),
+        };
         Scratch {
             xn,
             xn_proj,
             xn2,
             xn2_proj,
+            gate,
+            act,
+            codes,
             rstd1: saved.rstd1,
             q,
             k,
@@ -696,7 +713,6 @@ impl Scratch {
             atty: saved.atty,
             res2: saved.res2,
             rstd2: saved.rstd2,
-            gate: saved.gate,
             up: saved.up,
             ..self
         }
@@ -1049,14 +1065,31 @@ impl Program<'_> {
         k.extend([
             self.linear(s.gate, s.xn2, l.gate, None),
             self.linear(s.up, s.xn2, l.up, None),
-            Kernel::SwiGlu(SwiGlu {
+            self.swiglu(),
+            self.linear(s.proj, s.hmid, l.down, None),
+        ]);
+        self.out.extend(k);
+    }
+
+    /// The SwiGLU's product `hmid` of the gate and up projections: exact, or also writing
+    /// `silu(gate)` and the gate's few-bit codes.
+    fn swiglu(&self) -> Kernel {
+        let s = self.s;
+        match s.approx.bits {
+            None => Kernel::SwiGlu(SwiGlu {
                 out: s.hmid,
                 gate: s.gate,
                 up: s.up,
             }),
-            self.linear(s.proj, s.hmid, l.down, None),
-        ]);
-        self.out.extend(k);
+            Some(bits) => Kernel::FewBitSwiGlu(FewBitSwiGlu {
+                out: s.hmid,
+                act: s.act,
+                codes: s.codes,
+                gate: s.gate,
+                up: s.up,
+                bits,
+            }),
+        }
     }
 
     fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
@@ -1079,16 +1112,22 @@ impl Program<'_> {
         self.zero_grads(Bind::Grads, self.len);
         if pass == Pass::BackwardSaved {
             let table = self.rope_table();
-            self.out.extend([
-                table,
-                Kernel::SwiGlu(SwiGlu {
-                    out: s.hmid,
-                    gate: s.gate,
-                    up: s.up,
-                }),
-            ]);
+            self.out.push(table);
+            if s.approx.bits.is_none() {
+                let swiglu = self.swiglu();
+                self.out.push(swiglu);
+            }
         } else {
             self.layer_body(l, true);
+        }
+        if s.approx.bits.is_some() {
+            // The down projection's input from the factors the few-bit backward keeps:
+            // the same kernel after either forward, so both backwards read the same bits.
+            self.out.push(Kernel::Mul(Mul {
+                out: s.hmid,
+                a: s.act,
+                b: s.up,
+            }));
         }
         let (x, dout, dx) = (
             self.act(Bind::Input),
@@ -1103,13 +1142,24 @@ impl Program<'_> {
         let mut k = vec![
             // out = res2 + down(silu(gate(xn2)) * up(xn2)), xn2 = norm(res2).
             self.linear_backward(s.d_h, dout, s.hmid, l.down, None),
-            Kernel::SwiGluBackward(SwiGluBackward {
-                dgate: s.d_gate,
-                dup: s.d_up,
-                dout: s.d_h,
-                gate: s.gate,
-                up: s.up,
-            }),
+            match s.approx.bits {
+                None => Kernel::SwiGluBackward(SwiGluBackward {
+                    dgate: s.d_gate,
+                    dup: s.d_up,
+                    dout: s.d_h,
+                    gate: s.gate,
+                    up: s.up,
+                }),
+                Some(bits) => Kernel::FewBitSwiGluBackward(FewBitSwiGluBackward {
+                    dgate: s.d_gate,
+                    dup: s.d_up,
+                    codes: s.codes,
+                    dout: s.d_h,
+                    act: s.act,
+                    up: s.up,
+                    bits,
+                }),
+            },
         ];
         let a = s.approx;
         let mlp_in = (s.xn2, s.xn2_proj, a.mlp, SALT_MLP);
@@ -1318,7 +1368,13 @@ mod tests {
             for (target, dtype) in [(Target::Cpu, Dtype::F32), (Target::Cuda, Dtype::Bf16)] {
                 crate::model::checks::check_programs(&model, shape, target, dtype);
             }
-            for approx in ["attn:0.5", "mlp:0.25", "linear:0.5"] {
+            for approx in [
+                "attn:0.5",
+                "mlp:0.25",
+                "linear:0.5",
+                "silu:3",
+                "silu:1,mlp:0.5",
+            ] {
                 let approximate = model.approximate(approx.parse().unwrap()).unwrap();
                 for target in [Target::Cpu, Target::Cuda] {
                     crate::model::checks::check_programs(&*approximate, shape, target, Dtype::F32);
@@ -1328,7 +1384,7 @@ mod tests {
     }
 
     #[test]
-    fn sketched_layers_keep_their_inputs_projections_instead_and_a_few_bit_silu_is_refused() {
+    fn sketched_layers_keep_their_inputs_projections_and_a_few_bit_silu_its_codes_more() {
         let model = Llama::new(LlamaConfig::llama(2, 48, 80, 4, 2, 96, 32)).unwrap();
         let shape = Shape { batch: 2, seq: 16 };
         let saved = |m: &dyn Family| m.saved_bytes(1, shape, Target::Cpu, Dtype::F32);
@@ -1340,8 +1396,10 @@ mod tests {
         assert_eq!(saved(&*attn), exact - gone);
         let both = model.approximate("linear:0.25".parse().unwrap()).unwrap();
         assert_eq!(saved(&*both), exact - 2 * gone);
-        let e = model.approximate("silu:3".parse().unwrap()).unwrap_err();
-        assert!(e.to_string().contains("would save nothing"), "{e}");
+        // silu:3 keeps silu(gate) where the gate was, and 3 bits per element more.
+        let silu = model.approximate("silu:3".parse().unwrap()).unwrap();
+        let codes = (3 * (32 * 80) / 32 * 4usize).next_multiple_of(256);
+        assert_eq!(saved(&*silu), exact + codes);
         let e = model.approximate("gelu:3".parse().unwrap()).unwrap_err();
         assert!(e.to_string().contains("write silu:3"), "{e}");
     }

@@ -1,5 +1,5 @@
-// Elementwise kernels: the residual add, the f32 accumulation of gradients and the fold
-// of a reduce-scatter. One thread per element.
+// Elementwise kernels: the residual add, the elementwise product, the f32 accumulation of
+// gradients and the fold of a reduce-scatter. One thread per element.
 
 // out: (N) = a + b.
 template <typename T>
@@ -11,10 +11,23 @@ __device__ void residual_forward(T* out, const T* a, const T* b, long long n) {
     out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
 }
 
+// out: (N) = a * b.
+template <typename T>
+__device__ void mul_forward(T* out, const T* a, const T* b, long long n) {
+    long long i = global_index();
+    if (i >= n) {
+        return;
+    }
+    out[i] = from_float<T>(to_float(a[i]) * to_float(b[i]));
+}
+
 #define ELEMENTWISE_KERNELS(T, S)                                                             \
     extern "C" __global__ void residual_forward_##S(T* out, const T* a, const T* b,           \
                                                     long long n) {                            \
         residual_forward<T>(out, a, b, n);                                                    \
+    }                                                                                         \
+    extern "C" __global__ void mul_forward_##S(T* out, const T* a, const T* b, long long n) { \
+        mul_forward<T>(out, a, b, n);                                                         \
     }
 FOR_EACH_TYPE(ELEMENTWISE_KERNELS)
 

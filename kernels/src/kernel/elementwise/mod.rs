@@ -1,5 +1,5 @@
 //! Kernels over whole tensors, element by element: zeroing, copying, the residual add,
-//! f32 gradient accumulation and the fold of a reduce-scatter. Each kernel's signature,
+//! the elementwise product, f32 gradient accumulation and the fold of a reduce-scatter. Each kernel's signature,
 //! CPU op and CUDA launch are here; `elementwise.cu` holds its CUDA kernels (zeroing and
 //! copying are a memset and a copy), [`reference`](mod@reference) the scalar reference.
 
@@ -17,6 +17,7 @@ pub mod reference;
 const SOURCE: CudaSource = ("elementwise.cu", include_str!("elementwise.cu"));
 
 const RESIDUAL_FORWARD: Entry = Entry::typed("residual_forward");
+const MUL_FORWARD: Entry = Entry::typed("mul_forward");
 const ADD_F32: Entry = Entry::untyped("add_f32");
 const FOLD_RANKS: Entry = Entry::untyped("fold_ranks");
 
@@ -29,6 +30,19 @@ pub fn residual_forward(cpu: &Cpu, out: &mut [f32], a: &[f32], b: &[f32]) {
         on_isa!(cpu.isa, {
             for i in 0..out.len() {
                 out[i] = a[i] + b[i];
+            }
+        })
+    });
+}
+
+/// out: (N)  a: (N)  b: (N).  `out = a * b`, element by element.
+pub fn mul_forward(cpu: &Cpu, out: &mut [f32], a: &[f32], b: &[f32]) {
+    assert_eq!((a.len(), b.len()), (out.len(), out.len()));
+    par_chunks(cpu, out, simd::LANES, |r, out| {
+        let (a, b) = (&a[r.clone()], &b[r]);
+        on_isa!(cpu.isa, {
+            for i in 0..out.len() {
+                out[i] = a[i] * b[i];
             }
         })
     });
@@ -341,10 +355,101 @@ impl CudaKernel for Residual {
     }
 }
 
+/// out = a * b, elementwise (the SwiGLU's product recomputed from its two factors, where
+/// the few-bit backward keeps `silu(gate)` rather than the gate).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Mul {
+    /// Output.
+    pub out: TensorRef,
+    /// First factor.
+    pub a: TensorRef,
+    /// Second factor.
+    pub b: TensorRef,
+}
+
+impl Signature for Mul {
+    const NAME: &'static str = "mul";
+    /// Elements.
+    type Shape = usize;
+
+    fn shape(&self) -> Result<usize, KernelError> {
+        Ok(self.out.len)
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let (w, n) = (DtypeRule::Working, LenRule::Len(self.out.len));
+        each(Param::write("out", &self.out, w, n));
+        each(Param::read("a", &self.a, w, n));
+        each(Param::read("b", &self.b, w, n));
+    }
+
+    fn flops(&self) -> f64 {
+        self.out.len as f64
+    }
+}
+
+impl CpuKernel for Mul {
+    fn run_cpu(
+        &self,
+        _: &usize,
+        cpu: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        mul_forward(cpu, t.f32_mut(&self.out), t.f32(&self.a), t.f32(&self.b));
+        Ok(())
+    }
+}
+
+impl CudaKernel for Mul {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[MUL_FORWARD];
+
+    fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        // mul_forward_<T>(T* out, const T* a, const T* b, long long n).
+        let args = [q.ptr(&self.out), q.ptr(&self.a), q.ptr(&self.b), long(n)];
+        Ok(q.launch(MUL_FORWARD, per_element(n), &args)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cuda::launch::tests::{Emulated, Layout};
+
+    impl Emulated for Mul {
+        fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
+            [4097, 0]
+                .map(|len| Mul {
+                    out: l.tensor(len, w),
+                    a: l.tensor(len, w),
+                    b: l.tensor(len, w),
+                })
+                .to_vec()
+        }
+
+        fn dimensions(&self) -> Vec<(&'static str, usize)> {
+            vec![("n", self.out.len)]
+        }
+    }
+
+    #[test]
+    fn the_product_is_the_references_on_every_isa() {
+        use crate::isa::Isa;
+        let n = 1031;
+        let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() - 0.2).collect();
+        let mut want = vec![0f32; n];
+        reference::mul_forward(&mut want, &a, &b);
+        for isa in Isa::supported() {
+            for threads in [1, 3] {
+                let mut got = vec![0f32; n];
+                mul_forward(&Cpu { isa, threads }, &mut got, &a, &b);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{isa} on {threads} threads");
+            }
+        }
+    }
 
     impl Emulated for Zero {
         fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {

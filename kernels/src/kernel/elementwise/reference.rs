@@ -1,4 +1,5 @@
-//! The scalar reference of the elementwise kernels (`super`): the residual add.
+//! The scalar reference of the elementwise kernels (`super`): the residual add and the
+//! elementwise product.
 //!
 //! Plain scalar loops, generic over [`Real`] so that the same code checks the fast
 //! kernels in f32 and backward passes against finite differences in f64; nothing here is
@@ -14,5 +15,14 @@ pub fn residual_forward<R: Real>(out: &mut [R], a: &[R], b: &[R]) {
     assert_eq!(out.len(), b.len());
     for i in 0..out.len() {
         out[i] = a[i] + b[i];
+    }
+}
+
+/// out: (N)  a: (N)  b: (N).  `out = a * b`.
+pub fn mul_forward<R: Real>(out: &mut [R], a: &[R], b: &[R]) {
+    assert_eq!(out.len(), a.len());
+    assert_eq!(out.len(), b.len());
+    for i in 0..out.len() {
+        out[i] = a[i] * b[i];
     }
 }

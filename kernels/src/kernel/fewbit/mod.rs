@@ -28,13 +28,14 @@
 //! backward reads `act`, `up` and the codes, never `g`. `dup` is exact, `dgate`
 //! approximate.
 //!
-//! **Where the engine uses them.** GPT-2's approximate backward (`--approx-backward
-//! gelu:B`, `strata_engine::model::approx`). strata's kept blocks save an activation's
-//! input and recompute its output; the few-bit form keeps the output instead (the next
-//! product's weight gradient reads it) plus the codes, `b` bits per element more, so it
-//! saves memory only together with a sketched next product, which keeps a projection of
-//! that output (`docs/few-bit-backward.md`, "Memory"). The SwiGLU pair is not used: in
-//! the Llama family it could only add bytes.
+//! **Where the engine uses them.** The approximate backward (`--approx-backward gelu:B`
+//! for GPT-2, `silu:B` for the Llama family; `strata_engine::model::approx`). strata's
+//! kept blocks save an activation's input and recompute its output; the few-bit form
+//! keeps the output instead (the next product's weight gradient reads it) plus the
+//! codes, `b` bits per element more, so it saves memory only together with a sketched
+//! next product, which keeps a projection of that output (GPT-2's MLP); in the Llama
+//! family, whose SwiGLU backward reads `silu(gate)` itself, it only adds the codes
+//! (`docs/few-bit-backward.md`, "Memory").
 
 use std::ops::Range;
 
