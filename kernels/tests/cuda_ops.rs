@@ -7,7 +7,10 @@
 //! CPU's bit for bit (flag too, with an infinity and a NaN); and that a kernel run
 //! twice gives the same bits. The Llama family's kernels (RMSNorm, RoPE, SwiGLU,
 //! grouped-query attention) likewise, and the randomized weight gradients (f32 only, a
-//! step's sketch seed mixed in).
+//! step's sketch seed mixed in). Bit for bit, the GPU's result being the CPU's f32 result
+//! rounded once to the working type: the few-bit kernels' codes (word for word) and
+//! backwards, NF4 and int8 dequantisation, rounding gradients to bf16's precision and
+//! scaling them, and the elementwise product.
 //!
 //! Tensors lie in one device allocation per case, as in the engine's arena, at offsets
 //! that are multiples of 256 bytes; each tensor's address is the allocation's plus its
@@ -28,13 +31,17 @@ use strata_kernels::adamw::{AdamStep, AdamW, CopyOut, Grads, State, grad_stats};
 use strata_kernels::cuda::{CudaKernels, probe};
 use strata_kernels::isa::Isa;
 use strata_kernels::kernel::attention::{AttnMask, flash_scratch_bytes};
+use strata_kernels::kernel::fewbit::{Bits, GELU_TABLES, SILU_TABLES, Table, codes_len};
+use strata_kernels::kernel::quant::{INT8_BLOCK, Int8Blocks, NF4_BLOCK, Nf4Blocks};
 use strata_kernels::kernel::sketch::{SketchProject, SketchWeightGrad};
 use strata_kernels::kernel::{
     AdamWKernel, AddF32, Attention, AttentionBackward, CopyKernel, CrossEntropy,
-    CrossEntropyBackward, Encoder, EncoderBackward, FlashMask, FoldRanks, Gelu, GeluBackward,
-    GqaAttention, GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward,
-    GradStatsKernel, LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Residual, RmsNorm,
-    RmsNormBackward, Rope, RopeBackward, RopeTable, SwiGlu, SwiGluBackward, WeightGrad, Zero,
+    CrossEntropyBackward, Encoder, EncoderBackward, FewBitGelu, FewBitGeluBackward, FewBitSwiGlu,
+    FewBitSwiGluBackward, FlashMask, FoldRanks, Gelu, GeluBackward, GqaAttention,
+    GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward, GradStatsKernel,
+    Int8Dequantize, LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Mul, Nf4Dequantize,
+    Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable, RoundBf16, Scale, SwiGlu,
+    SwiGluBackward, WeightGrad, Zero,
 };
 use strata_kernels::ops::{self, Cpu, Llama3Scaling, RopeFreqs, WeightLayout};
 use strata_kernels::program::{
@@ -172,6 +179,10 @@ impl Side {
         self.place(values.len(), Dtype::U32, &bytes)
     }
 
+    fn u8s(&mut self, values: &[u8]) -> TensorRef {
+        self.place(values.len(), Dtype::U8, values)
+    }
+
     /// `bytes` bytes of scratch, filled with 0xff (NaN as floats).
     fn scratch(&mut self, bytes: usize) -> TensorRef {
         self.place(bytes, Dtype::U8, &vec![0xff; bytes])
@@ -280,46 +291,114 @@ fn written(kernel: &Kernel) -> Vec<TensorRef> {
     out
 }
 
+/// One case run by both runners: each side's kernel and image after, and the GPU's image
+/// before.
+struct Ran {
+    cpu: Kernel,
+    cpu_after: Vec<u8>,
+    gpu: Kernel,
+    gpu_before: Vec<u8>,
+    gpu_after: Vec<u8>,
+}
+
+/// Builds the case with `build` for each runner and runs both.
+fn run_both(
+    k: &CudaKernels,
+    work: Dtype,
+    scalars: &Scalars,
+    mut build: impl FnMut(&mut Side) -> Kernel,
+) -> Ran {
+    let mut cpu = Side::new(Target::Cpu, work);
+    let cpu_kernel = build(&mut cpu);
+    let mut gpu = Side::new(Target::Cuda, work);
+    let gpu_kernel = build(&mut gpu);
+    Ran {
+        cpu_after: run_host(&cpu_kernel, &cpu.image, scalars),
+        gpu_after: run_gpu(k, &gpu_kernel, &gpu.image, scalars),
+        cpu: cpu_kernel,
+        gpu: gpu_kernel,
+        gpu_before: gpu.image,
+    }
+}
+
+impl Ran {
+    /// Compares every written float tensor: working-type outputs within 1e-5 (f32) or
+    /// [`LOW_PRECISION`], f32 outputs within `f32_tolerance`.
+    fn assert_close(&self, what: &str, work: Dtype, f32_tolerance: f64) {
+        let tag = format!("{what} {work}");
+        for (c, g) in written(&self.cpu).iter().zip(written(&self.gpu)) {
+            if !g.dtype.is_float() {
+                continue; // scratch and statistics records
+            }
+            let tolerance = match g.dtype {
+                Dtype::F32 if work == Dtype::F32 => 1e-5,
+                Dtype::F32 => f32_tolerance,
+                _ => LOW_PRECISION,
+            };
+            let err = relative_error(&decode(&self.gpu_after, &g), &decode(&self.cpu_after, c));
+            println!(
+                "{tag} (tensor of {} {}): relative error {err:.2e}",
+                g.len, g.dtype
+            );
+            assert!(
+                err < tolerance,
+                "{tag}: tensor of {} {}: relative error {err:.3e} above {tolerance:e}",
+                g.len,
+                g.dtype
+            );
+        }
+    }
+
+    /// Asserts that each written tensor that `pick` takes (at least one) holds on the GPU
+    /// exactly the CPU's result: the same bytes where both sides have its dtype (codes,
+    /// f32), else the CPU's f32 values rounded to the GPU's type (nearest, ties to even,
+    /// as the device's casts).
+    fn assert_exact(&self, what: &str, pick: impl Fn(&TensorRef) -> bool) {
+        let pairs = written(&self.cpu).into_iter().zip(written(&self.gpu));
+        let mut checked = 0;
+        for (i, (c, g)) in pairs.enumerate().filter(|(_, (_, g))| pick(g)) {
+            let want = if c.dtype == g.dtype {
+                self.cpu_after[c.byte_range()].to_vec()
+            } else {
+                encode(g.dtype, &decode(&self.cpu_after, &c))
+            };
+            let got = &self.gpu_after[g.byte_range()];
+            let size = g.dtype.size();
+            let first = got
+                .chunks(size)
+                .zip(want.chunks(size))
+                .position(|(a, b)| a != b);
+            if let Some(e) = first {
+                let bytes = |b: &[u8]| b[e * size..][..size].to_vec();
+                panic!(
+                    "{what}: written tensor {i} ({} {}), element {e}: GPU bytes {:02x?}, \
+                     the CPU's {:02x?}",
+                    g.len,
+                    g.dtype,
+                    bytes(got),
+                    bytes(&want)
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked > 0, "{what}: no written tensor picked");
+    }
+}
+
 /// Builds the case with `build` for each runner, runs both, and compares every written
-/// float tensor: working-type outputs within 1e-5 (f32) or [`LOW_PRECISION`], f32
-/// outputs within `f32_tolerance`. Returns the GPU's kernel and images (before, after).
+/// float tensor ([`Ran::assert_close`]). Returns the GPU's kernel and images (before,
+/// after).
 fn compare(
     k: &CudaKernels,
     what: &str,
     work: Dtype,
     scalars: &Scalars,
     f32_tolerance: f64,
-    mut build: impl FnMut(&mut Side) -> Kernel,
+    build: impl FnMut(&mut Side) -> Kernel,
 ) -> (Kernel, Vec<u8>, Vec<u8>) {
-    let mut cpu = Side::new(Target::Cpu, work);
-    let cpu_kernel = build(&mut cpu);
-    let mut gpu = Side::new(Target::Cuda, work);
-    let gpu_kernel = build(&mut gpu);
-    let cpu_after = run_host(&cpu_kernel, &cpu.image, scalars);
-    let gpu_after = run_gpu(k, &gpu_kernel, &gpu.image, scalars);
-    let tag = format!("{what} {work}");
-    for (c, g) in written(&cpu_kernel).iter().zip(written(&gpu_kernel)) {
-        if !g.dtype.is_float() {
-            continue; // scratch and statistics records
-        }
-        let tolerance = match g.dtype {
-            Dtype::F32 if work == Dtype::F32 => 1e-5,
-            Dtype::F32 => f32_tolerance,
-            _ => LOW_PRECISION,
-        };
-        let err = relative_error(&decode(&gpu_after, &g), &decode(&cpu_after, c));
-        println!(
-            "{tag} (tensor of {} {}): relative error {err:.2e}",
-            g.len, g.dtype
-        );
-        assert!(
-            err < tolerance,
-            "{tag}: tensor of {} {}: relative error {err:.3e} above {tolerance:e}",
-            g.len,
-            g.dtype
-        );
-    }
-    (gpu_kernel, gpu.image, gpu_after)
+    let ran = run_both(k, work, scalars, build);
+    ran.assert_close(what, work, f32_tolerance);
+    (ran.gpu, ran.gpu_before, ran.gpu_after)
 }
 
 fn scalars() -> Scalars {
@@ -1522,6 +1601,275 @@ fn sketch_matches_cpu() {
                     })
                 });
             }
+        }
+    }
+}
+
+/// Inputs of a few-bit forward in `dtype`: every third element on or beside one of
+/// `tables`' breakpoints (on it, one f32 step and 1e-3 either side, then rounded to
+/// `dtype`; -0.0 too), the others uniform in [-4, 4).
+fn fewbit_inputs(rng: &mut StdRng, dtype: Dtype, n: usize, tables: &[Table; 4]) -> Vec<f32> {
+    let near: Vec<f32> = tables
+        .iter()
+        .flat_map(|table| table.breakpoints)
+        .flat_map(|&t| [t, t.next_up(), t.next_down(), t + 1e-3, t - 1e-3])
+        .chain([-0.0])
+        .map(|x| round(dtype, x))
+        .collect();
+    (0..n)
+        .map(|i| match i % 3 {
+            0 => near[(i / 3) % near.len()],
+            _ => round(dtype, rng.random_range(-4.0..4.0)),
+        })
+        .collect()
+}
+
+/// The few-bit kernels at every width, in every working type. The forwards' codes word
+/// for word (both count the same f32 comparisons; inputs on and beside every breakpoint,
+/// codes initially all ones so an unwritten word shows); their values within the file's
+/// tolerances, since the CPU's sigmoid and the device's `expf` differ in the last bits.
+/// The backwards exactly: one or two f32 products of the same values in the same order on
+/// both, rounded once to the working type; their codes are random words, the last
+/// group's unused bits set too, which neither side may read.
+#[test]
+#[ignore = "needs a GPU"]
+fn fewbit_matches_cpu() {
+    let k = gpu();
+    let mut rng = StdRng::seed_from_u64(15);
+    let codes = |t: &TensorRef| t.dtype == Dtype::U32;
+    for w in WORKING {
+        for n in [1, 31, 33, 4097, 100_003] {
+            let inp = fewbit_inputs(&mut rng, w, n, &GELU_TABLES);
+            let gate = fewbit_inputs(&mut rng, w, n, &SILU_TABLES);
+            let up = random(&mut rng, w, n, 3.0);
+            let dout = random(&mut rng, w, n, 1.0);
+            let act = random(&mut rng, w, n, 3.0);
+            let unset = vec![f32::NAN; n];
+            for bits in Bits::ALL {
+                let words = codes_len(n, bits);
+                let unwritten = vec![u32::MAX; words];
+                let saved: Vec<u32> = (0..words).map(|_| rng.random()).collect();
+                let tag = format!("{bits:?} bits, n={n}");
+
+                let what = format!("fewbit-gelu {tag}");
+                let ran = run_both(&k, w, &scalars(), |s| {
+                    Kernel::FewBitGelu(FewBitGelu {
+                        out: s.act(&unset),
+                        codes: s.u32s(&unwritten),
+                        inp: s.act(&inp),
+                        bits,
+                    })
+                });
+                ran.assert_close(&what, w, 1e-5);
+                ran.assert_exact(&what, codes);
+
+                let what = format!("fewbit-gelu-backward {tag}");
+                let ran = run_both(&k, w, &scalars(), |s| {
+                    Kernel::FewBitGeluBackward(FewBitGeluBackward {
+                        dinp: s.act(&unset),
+                        codes: s.u32s(&saved),
+                        dout: s.act(&dout),
+                        bits,
+                    })
+                });
+                ran.assert_exact(&what, |_| true);
+
+                let what = format!("fewbit-swiglu {tag}");
+                let ran = run_both(&k, w, &scalars(), |s| {
+                    Kernel::FewBitSwiGlu(FewBitSwiGlu {
+                        out: s.act(&unset),
+                        act: s.act(&unset),
+                        codes: s.u32s(&unwritten),
+                        gate: s.act(&gate),
+                        up: s.act(&up),
+                        bits,
+                    })
+                });
+                ran.assert_close(&what, w, 1e-5);
+                ran.assert_exact(&what, codes);
+
+                let what = format!("fewbit-swiglu-backward {tag}");
+                let ran = run_both(&k, w, &scalars(), |s| {
+                    Kernel::FewBitSwiGluBackward(FewBitSwiGluBackward {
+                        dgate: s.act(&unset),
+                        dup: s.act(&unset),
+                        codes: s.u32s(&saved),
+                        dout: s.act(&dout),
+                        act: s.act(&act),
+                        up: s.act(&up),
+                        bits,
+                    })
+                });
+                ran.assert_exact(&what, |_| true);
+            }
+        }
+    }
+}
+
+/// `n` values for quantisation: each block of 64 uniform in ±10^e for a random e in
+/// -3..=1, the second block all zeros (absmax 0).
+fn quant_inputs(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    let mut x = Vec::with_capacity(n);
+    for b in 0..n.div_ceil(NF4_BLOCK) {
+        let scale = 10f32.powi(rng.random_range(-3..=1));
+        let len = NF4_BLOCK.min(n - b * NF4_BLOCK);
+        x.extend((0..len).map(|_| match b {
+            1 => 0.0,
+            _ => rng.random_range(-scale..scale),
+        }));
+    }
+    x
+}
+
+/// NF4 and int8 dequantisation bit for bit, in every working type: `quant.cu` makes the
+/// CPU's f32 roundings in the CPU's order (each product and sum rounded on its own, none
+/// fused), then rounds once to the working type, as the CPU's bf16 path does. Each size
+/// twice: a quantised tensor (blocks of magnitudes 1e-3 to 10, a block of zeros), and
+/// arbitrary parts (random nibbles, every absmax code 0..=255 in turn, random int8
+/// bytes, -128 among them, which quantisation never makes); 40,001 values span three
+/// absmax groups, odd sizes a half-used last byte.
+#[test]
+#[ignore = "needs a GPU"]
+fn dequantisation_matches_cpu_bit_for_bit() {
+    let k = gpu();
+    let mut rng = StdRng::seed_from_u64(16);
+    for w in WORKING {
+        for n in [1, 33, 4097, 40_001] {
+            let x = quant_inputs(&mut rng, n);
+            let mut bytes = |len: usize| -> Vec<u8> { (0..len).map(|_| rng.random()).collect() };
+            let arbitrary_nf4 = Nf4Blocks {
+                len: n,
+                codes: bytes(n.div_ceil(2)),
+                absmax_q: (0..Nf4Blocks::block_count(n)).map(|b| b as u8).collect(),
+                absmax_scale: vec![0.75; Nf4Blocks::group_count(n)],
+                absmax_offset: 0.3,
+            };
+            let arbitrary_int8 = Int8Blocks {
+                codes: bytes(n),
+                scales: (0..n.div_ceil(INT8_BLOCK))
+                    .map(|_| rng.random_range(1e-4..1.0))
+                    .collect(),
+            };
+            let unset = vec![f32::NAN; n];
+            let sources = [
+                (
+                    "quantised",
+                    Nf4Blocks::quantize(&x),
+                    Int8Blocks::quantize(&x),
+                ),
+                ("arbitrary", arbitrary_nf4, arbitrary_int8),
+            ];
+            for (source, nf4, int8) in &sources {
+                let what = format!("nf4-dequantize {source} n={n}");
+                let ran = run_both(&k, w, &scalars(), |s| {
+                    Kernel::Nf4Dequantize(Nf4Dequantize {
+                        out: s.act(&unset),
+                        codes: s.u8s(&nf4.codes),
+                        absmax_q: s.u8s(&nf4.absmax_q),
+                        absmax_scale: s.f32s(&nf4.absmax_scale),
+                        absmax_offset: nf4.absmax_offset,
+                    })
+                });
+                ran.assert_exact(&what, |_| true);
+
+                let what = format!("int8-dequantize {source} n={n}");
+                let ran = run_both(&k, w, &scalars(), |s| {
+                    Kernel::Int8Dequantize(Int8Dequantize {
+                        out: s.act(&unset),
+                        codes: s.u8s(&int8.codes),
+                        scales: s.f32s(&int8.scales),
+                    })
+                });
+                ran.assert_exact(&what, |_| true);
+            }
+        }
+    }
+}
+
+/// f32 gradients rounded to bf16's precision in place, and scaled in place, bit for bit:
+/// one operation per element on both sides (the rounding integer arithmetic on the bits,
+/// a NaN quieted by the same rule). Values of every magnitude and random bit patterns
+/// (subnormals among them), ties to even, a carry into the exponent, overflow to
+/// infinity; NaNs with payloads for the rounding only (a product's NaN payload is the
+/// hardware's choice).
+#[test]
+#[ignore = "needs a GPU"]
+fn round_bf16_and_scale_match_cpu_bit_for_bit() {
+    let k = gpu();
+    let mut rng = StdRng::seed_from_u64(17);
+    let specials = [
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-45,
+        f32::from_bits(0x3f80_8000), // ties: halfway between two bf16 values
+        f32::from_bits(0x3f81_8000),
+        f32::from_bits(0x3f7f_ffff), // rounds up into the next binade
+    ];
+    let nans = [
+        f32::NAN,
+        -f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0xffc1_2345),
+    ];
+    let w = Dtype::F32;
+    for n in [1, 33, 4097, 100_003] {
+        let mut finite: Vec<f32> = (0..n)
+            .map(|i| match i % 2 {
+                0 => rng.random_range(-3.0f32..3.0) * 10f32.powi(rng.random_range(-40..38)),
+                _ => f32::from_bits(rng.random::<u32>() & !0x4000_0000), // below 2 in size
+            })
+            .collect();
+        for (v, s) in finite.iter_mut().zip(specials) {
+            *v = s;
+        }
+        let mut with_nans = finite.clone();
+        for (v, nan) in with_nans.iter_mut().rev().zip(nans) {
+            *v = nan;
+        }
+        let what = format!("round-bf16 n={n}");
+        let ran = run_both(&k, w, &scalars(), |s| {
+            Kernel::RoundBf16(RoundBf16 {
+                x: s.f32s(&with_nans),
+            })
+        });
+        ran.assert_exact(&what, |_| true);
+        for factor in [0.375, -1e-3, 65536.0] {
+            let what = format!("scale {factor} n={n}");
+            let ran = run_both(&k, w, &scalars(), |s| {
+                Kernel::Scale(Scale {
+                    x: s.f32s(&finite),
+                    factor,
+                })
+            });
+            ran.assert_exact(&what, |_| true);
+        }
+    }
+}
+
+/// The elementwise product bit for bit in every working type: one f32 product of the
+/// same values on both sides, rounded once to the working type.
+#[test]
+#[ignore = "needs a GPU"]
+fn mul_matches_cpu_bit_for_bit() {
+    let k = gpu();
+    let mut rng = StdRng::seed_from_u64(18);
+    for w in WORKING {
+        for n in [1, 33, 4097, 1_000_003] {
+            let a = random(&mut rng, w, n, 6.0);
+            let b = random(&mut rng, w, n, 2.0);
+            let unset = vec![f32::NAN; n];
+            let ran = run_both(&k, w, &scalars(), |s| {
+                Kernel::Mul(Mul {
+                    out: s.act(&unset),
+                    a: s.act(&a),
+                    b: s.act(&b),
+                })
+            });
+            ran.assert_exact(&format!("mul n={n}"), |_| true);
         }
     }
 }
