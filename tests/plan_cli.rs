@@ -326,3 +326,30 @@ fn the_vertical_schedule_reads_each_block_once_per_step() {
     let order = answer["auto"]["schedule"].as_str().unwrap().to_string();
     assert!(text.contains(&format!("{order} schedule")), "{text}");
 }
+
+/// `--approx-backward`: the plan compares what a kept layer saves with the exact
+/// backward's, and the JSON holds both; an activation another family has is refused.
+#[test]
+fn an_approximate_backward_is_planned_beside_the_exact_one() {
+    let (printout, answer) = plan_with(&["--approx-backward", "gelu:3,linear:0.5"]);
+    assert_eq!(answer["approx_backward"], "gelu:3,linear:0.5");
+    let saved = &answer["exact_backward"]["saved_bytes_per_layer"];
+    let (exact, approx) = (saved[0].as_u64().unwrap(), saved[1].as_u64().unwrap());
+    // GPT-2 124M, 256 rows: the few-bit GELU and the three sketches drop the layer's
+    // fch, ln1, ln2 and the GELU's output to codes and half-row projections.
+    assert!(approx < exact, "{approx} vs {exact}");
+    assert!(
+        printout.contains("--approx-backward gelu:3,linear:0.5: a kept layer saves")
+            && printout.contains("with the exact backward, auto picks"),
+        "{printout}"
+    );
+    let (_, exact_answer) = plan_with(&[]);
+    assert_eq!(exact_answer["approx_backward"], "exact");
+    assert!(exact_answer["exact_backward"].is_null());
+    let mut args = vec!["plan", "--approx-backward", "silu:3"];
+    args.extend(STEP);
+    let out = strata(&args);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("write gelu:3"), "{stderr}");
+}

@@ -171,6 +171,14 @@ fn print_start(
         data.tokens.len(),
         device.name()
     )?;
+    let approx = model.approximation();
+    if !approx.is_exact() {
+        writeln!(
+            out,
+            "approximate backward: {approx} (kept layers save less; the gradients it names \
+             are estimates; `strata plan` compares it with the exact backward)"
+        )?;
+    }
     if let Some(eos) = model.packing() {
         writeln!(
             out,
