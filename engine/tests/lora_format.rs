@@ -12,6 +12,10 @@
 //! 5. The refusals: DoRA, trained biases, modules_to_save, per-layer ranks, a regular
 //!    expression or unknown target, an initialisation that changed the base (PiSSA), a
 //!    missing tensor, a wrong shape, an extra tensor.
+//! 6. peft's step-0 gradients of every `lora_A` and `lora_B` (`grads0.safetensors`, made
+//!    by the `make_lora_grads_golden.py` beside it) follow, within 1e-5, from strata's
+//!    gradient of the merged weight: `W' = W + s B A`, so `dA = s Bᵀ G` and `dB = s G Aᵀ`
+//!    for `G = dL/dW'`. The reference a LoRA trainer's adapter gradients will be held to.
 //!
 //! `STRATA_LORA_OUT=DIR` also writes, for dev/check-peft-adapter, adapter0 as strata
 //! writes it (`DIR/llama-adapter`), and a GPT-2 adapter on `tests/data/gpt2-tiny` with
@@ -469,4 +473,57 @@ fn a_missing_or_misshapen_or_extra_tensor_is_refused_by_name() {
         message.contains("lora_A.weight") && message.contains("[2, 64]"),
         "{message}"
     );
+}
+
+#[test]
+fn peft_adapter_gradients_follow_from_the_merged_weights_gradient() {
+    let (model, base) = load_pretrained(&lora_dir().join("base")).unwrap();
+    let adapter = LoraAdapter::read(&lora_dir().join("adapter0"), &model).unwrap();
+    let merged = merge_params(&model, &base, &adapter).unwrap();
+    let batch = step0_batch(&model);
+    let mut runner = Runner::on_cpu(model.clone(), B, T).unwrap();
+    runner.load(&merged).unwrap();
+    let loss = runner.forward(&batch.inputs, &batch.targets).unwrap();
+    let want_loss = meta()["grads0_loss"].as_f64().unwrap() as f32;
+    assert!(
+        rel_err(&[loss], &[want_loss]) < TOLERANCE,
+        "{loss} vs {want_loss}"
+    );
+    let grads = runner.backward().unwrap();
+    let want = read_f32_tensors(&lora_dir().join("grads0.safetensors"));
+    assert_eq!(want.len(), 2 * adapter.layers.len(), "the golden's tensors");
+    let (scale, rank) = (adapter.config.scale(), adapter.config.rank);
+    for w in &adapter.layers {
+        let spec = model.blocks()[w.layer.block]
+            .tensor(&w.layer.weight)
+            .unwrap();
+        // The Llama family's weights are (out, in), as nn.Linear stores them.
+        assert_eq!(w.layer.layout, WeightLayout::OutIn);
+        let g = &grads[w.layer.block][spec.slot.range()];
+        let (n_in, n_out) = (w.layer.in_features, w.layer.out_features);
+        let mut da = vec![0f32; rank * n_in];
+        for k in 0..rank {
+            for i in 0..n_in {
+                let sum: f64 = (0..n_out)
+                    .map(|o| w.b[o * rank + k] as f64 * g[o * n_in + i] as f64)
+                    .sum();
+                da[k * n_in + i] = (scale * sum) as f32;
+            }
+        }
+        let mut db = vec![0f32; n_out * rank];
+        for o in 0..n_out {
+            for k in 0..rank {
+                let sum: f64 = (0..n_in)
+                    .map(|i| g[o * n_in + i] as f64 * w.a[k * n_in + i] as f64)
+                    .sum();
+                db[o * rank + k] = (scale * sum) as f32;
+            }
+        }
+        let [name_a, name_b] = peft_names(&w.layer);
+        for (name, got) in [(name_a, da), (name_b, db)] {
+            let err = rel_err(&got, &want[&name]);
+            println!("{name}: relative error {err:.3e}");
+            assert!(err < TOLERANCE, "{name}: relative error {err:.3e}");
+        }
+    }
 }
