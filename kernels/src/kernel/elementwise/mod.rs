@@ -24,25 +24,29 @@ const FOLD_RANKS: Entry = Entry::untyped("fold_ranks");
 /// out: (N)  a: (N)  b: (N).  `out = a + b`. Its backward passes `dout` to both inputs,
 /// which callers do by reusing or adding `dout` ([`add_inplace`]).
 pub fn residual_forward(cpu: &Cpu, out: &mut [f32], a: &[f32], b: &[f32]) {
-    assert_eq!((a.len(), b.len()), (out.len(), out.len()));
-    par_chunks(cpu, out, simd::LANES, |r, out| {
-        let (a, b) = (&a[r.clone()], &b[r]);
-        on_isa!(cpu.isa, {
-            for i in 0..out.len() {
-                out[i] = a[i] + b[i];
-            }
-        })
-    });
+    binary_forward(cpu, out, a, b, |x, y| x + y);
 }
 
 /// out: (N)  a: (N)  b: (N).  `out = a * b`, element by element.
 pub fn mul_forward(cpu: &Cpu, out: &mut [f32], a: &[f32], b: &[f32]) {
+    binary_forward(cpu, out, a, b, |x, y| x * y);
+}
+
+/// `out[i] = op(a[i], b[i])`, in chunks on the worker pool, each compiled for the ISA.
+#[inline(always)]
+fn binary_forward(
+    cpu: &Cpu,
+    out: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    op: impl Fn(f32, f32) -> f32 + Copy + Sync,
+) {
     assert_eq!((a.len(), b.len()), (out.len(), out.len()));
     par_chunks(cpu, out, simd::LANES, |r, out| {
         let (a, b) = (&a[r.clone()], &b[r]);
         on_isa!(cpu.isa, {
             for i in 0..out.len() {
-                out[i] = a[i] * b[i];
+                out[i] = op(a[i], b[i]);
             }
         })
     });
@@ -299,139 +303,111 @@ impl CudaKernel for FoldRanks {
     }
 }
 
-/// out = a + b, elementwise.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Residual {
-    /// Output.
-    pub out: TensorRef,
-    /// First input.
-    pub a: TensorRef,
-    /// Second input.
-    pub b: TensorRef,
+/// A kernel `out = a OP b` over working-type tensors of one length: the struct, its
+/// signature, its CPU op and its CUDA launch (`OP_forward_<T>(T* out, const T* a, const
+/// T* b, long long n)` in `elementwise.cu`).
+macro_rules! binary_kernel {
+    ($(#[$doc:meta])* $kernel:ident, $name:literal, $entry:ident, $cpu:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        pub struct $kernel {
+            /// Output.
+            pub out: TensorRef,
+            /// First operand.
+            pub a: TensorRef,
+            /// Second operand.
+            pub b: TensorRef,
+        }
+
+        impl Signature for $kernel {
+            const NAME: &'static str = $name;
+            /// Elements.
+            type Shape = usize;
+
+            fn shape(&self) -> Result<usize, KernelError> {
+                Ok(self.out.len)
+            }
+
+            fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+                let (w, n) = (DtypeRule::Working, LenRule::Len(self.out.len));
+                each(Param::write("out", &self.out, w, n));
+                each(Param::read("a", &self.a, w, n));
+                each(Param::read("b", &self.b, w, n));
+            }
+
+            fn flops(&self) -> f64 {
+                self.out.len as f64
+            }
+        }
+
+        impl CpuKernel for $kernel {
+            fn run_cpu(
+                &self,
+                _: &usize,
+                cpu: &Cpu,
+                _: &Scalars,
+                t: &CpuTensors<'_>,
+            ) -> Result<(), KernelError> {
+                $cpu(cpu, t.f32_mut(&self.out), t.f32(&self.a), t.f32(&self.b));
+                Ok(())
+            }
+        }
+
+        impl CudaKernel for $kernel {
+            const SOURCE: CudaSource = SOURCE;
+            const ENTRIES: &'static [Entry] = &[$entry];
+
+            fn launch(
+                &self,
+                &n: &usize,
+                _: &Scalars,
+                q: &mut Launch<'_>,
+            ) -> Result<(), KernelError> {
+                let args = [q.ptr(&self.out), q.ptr(&self.a), q.ptr(&self.b), long(n)];
+                Ok(q.launch($entry, per_element(n), &args)?)
+            }
+        }
+
+        #[cfg(test)]
+        impl crate::cuda::launch::tests::Emulated for $kernel {
+            fn samples(w: Dtype, l: &mut crate::cuda::launch::tests::Layout) -> Vec<Self> {
+                [4097, 0]
+                    .map(|len| $kernel {
+                        out: l.tensor(len, w),
+                        a: l.tensor(len, w),
+                        b: l.tensor(len, w),
+                    })
+                    .to_vec()
+            }
+
+            fn dimensions(&self) -> Vec<(&'static str, usize)> {
+                vec![("n", self.out.len)]
+            }
+        }
+    };
 }
 
-impl Signature for Residual {
-    const NAME: &'static str = "residual";
-    /// Elements.
-    type Shape = usize;
+binary_kernel!(
+    /// out = a + b, elementwise.
+    Residual,
+    "residual",
+    RESIDUAL_FORWARD,
+    residual_forward
+);
 
-    fn shape(&self) -> Result<usize, KernelError> {
-        Ok(self.out.len)
-    }
-
-    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
-        let (w, n) = (DtypeRule::Working, LenRule::Len(self.out.len));
-        each(Param::write("out", &self.out, w, n));
-        each(Param::read("a", &self.a, w, n));
-        each(Param::read("b", &self.b, w, n));
-    }
-
-    fn flops(&self) -> f64 {
-        self.out.len as f64
-    }
-}
-
-impl CpuKernel for Residual {
-    fn run_cpu(
-        &self,
-        _: &usize,
-        cpu: &Cpu,
-        _: &Scalars,
-        t: &CpuTensors<'_>,
-    ) -> Result<(), KernelError> {
-        residual_forward(cpu, t.f32_mut(&self.out), t.f32(&self.a), t.f32(&self.b));
-        Ok(())
-    }
-}
-
-impl CudaKernel for Residual {
-    const SOURCE: CudaSource = SOURCE;
-    const ENTRIES: &'static [Entry] = &[RESIDUAL_FORWARD];
-
-    fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
-        // residual_forward_<T>(T* out, const T* a, const T* b, long long n).
-        let args = [q.ptr(&self.out), q.ptr(&self.a), q.ptr(&self.b), long(n)];
-        Ok(q.launch(RESIDUAL_FORWARD, per_element(n), &args)?)
-    }
-}
-
-/// out = a * b, elementwise (the SwiGLU's product recomputed from its two factors, where
-/// the few-bit backward keeps `silu(gate)` rather than the gate).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Mul {
-    /// Output.
-    pub out: TensorRef,
-    /// First factor.
-    pub a: TensorRef,
-    /// Second factor.
-    pub b: TensorRef,
-}
-
-impl Signature for Mul {
-    const NAME: &'static str = "mul";
-    /// Elements.
-    type Shape = usize;
-
-    fn shape(&self) -> Result<usize, KernelError> {
-        Ok(self.out.len)
-    }
-
-    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
-        let (w, n) = (DtypeRule::Working, LenRule::Len(self.out.len));
-        each(Param::write("out", &self.out, w, n));
-        each(Param::read("a", &self.a, w, n));
-        each(Param::read("b", &self.b, w, n));
-    }
-
-    fn flops(&self) -> f64 {
-        self.out.len as f64
-    }
-}
-
-impl CpuKernel for Mul {
-    fn run_cpu(
-        &self,
-        _: &usize,
-        cpu: &Cpu,
-        _: &Scalars,
-        t: &CpuTensors<'_>,
-    ) -> Result<(), KernelError> {
-        mul_forward(cpu, t.f32_mut(&self.out), t.f32(&self.a), t.f32(&self.b));
-        Ok(())
-    }
-}
-
-impl CudaKernel for Mul {
-    const SOURCE: CudaSource = SOURCE;
-    const ENTRIES: &'static [Entry] = &[MUL_FORWARD];
-
-    fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
-        // mul_forward_<T>(T* out, const T* a, const T* b, long long n).
-        let args = [q.ptr(&self.out), q.ptr(&self.a), q.ptr(&self.b), long(n)];
-        Ok(q.launch(MUL_FORWARD, per_element(n), &args)?)
-    }
-}
+binary_kernel!(
+    /// out = a * b, elementwise (the SwiGLU's product recomputed from its two factors,
+    /// where the few-bit backward keeps `silu(gate)` rather than the gate).
+    Mul,
+    "mul",
+    MUL_FORWARD,
+    mul_forward
+);
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cuda::launch::tests::{Emulated, Layout};
-
-    impl Emulated for Mul {
-        fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-            [4097, 0]
-                .map(|len| Mul {
-                    out: l.tensor(len, w),
-                    a: l.tensor(len, w),
-                    b: l.tensor(len, w),
-                })
-                .to_vec()
-        }
-
-        fn dimensions(&self) -> Vec<(&'static str, usize)> {
-            vec![("n", self.out.len)]
-        }
-    }
 
     #[test]
     fn the_product_is_the_references_on_every_isa() {
@@ -497,22 +473,6 @@ mod tests {
                 ("ranks", self.ranks),
                 ("accumulate", usize::from(self.accumulate)),
             ]
-        }
-    }
-
-    impl Emulated for Residual {
-        fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-            [4097, 0]
-                .map(|len| Residual {
-                    out: l.tensor(len, w),
-                    a: l.tensor(len, w),
-                    b: l.tensor(len, w),
-                })
-                .to_vec()
-        }
-
-        fn dimensions(&self) -> Vec<(&'static str, usize)> {
-            vec![("n", self.out.len)]
         }
     }
 }
