@@ -266,8 +266,8 @@ pub(crate) struct Product {
 /// What a product's backward reads of its input: the input itself, or its projection
 /// `Sᵀ inp` of `k` rows, made with the sketch of seed `seed`.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Kept {
-    Input(TensorRef),
+pub(crate) enum Input {
+    Whole(TensorRef),
     Sketched {
         proj: TensorRef,
         k: usize,
@@ -275,11 +275,31 @@ pub(crate) enum Kept {
     },
 }
 
+impl Input {
+    /// `inp` itself, or, where its product is sketched with `k` columns, `proj`, the
+    /// projection made with the sketch of that layer's product ([`sketch_salt`]).
+    pub(crate) fn of(
+        inp: TensorRef,
+        proj: TensorRef,
+        k: Option<usize>,
+        (layer, product): (usize, u64),
+    ) -> Input {
+        match k {
+            None => Input::Whole(inp),
+            Some(k) => Input::Sketched {
+                proj,
+                k,
+                seed: sketch_salt(layer, product),
+            },
+        }
+    }
+}
+
 impl Product {
     /// The backward given `dout`: `dinp` overwritten and the bias's gradient
     /// accumulated exactly; the weight's accumulated exactly from the input, or
     /// estimated from its projection.
-    pub(crate) fn backward(&self, dinp: TensorRef, dout: TensorRef, kept: Kept) -> Vec<Kernel> {
+    pub(crate) fn backward(&self, dinp: TensorRef, dout: TensorRef, input: Input) -> Vec<Kernel> {
         let (n, c, oc) = self.dims;
         let exact = |weight_grad| {
             Kernel::MatmulBackward(MatmulBackward {
@@ -294,12 +314,12 @@ impl Product {
                 oc,
             })
         };
-        match kept {
-            Kept::Input(inp) => vec![exact(Some(WeightGrad {
+        match input {
+            Input::Whole(inp) => vec![exact(Some(WeightGrad {
                 dweight: self.dweight,
                 inp,
             }))],
-            Kept::Sketched { proj, k, seed } => vec![
+            Input::Sketched { proj, k, seed } => vec![
                 exact(None),
                 Kernel::SketchWeightGrad(SketchWeightGrad {
                     dw: self.dweight,

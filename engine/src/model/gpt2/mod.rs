@@ -781,14 +781,14 @@ impl Program {
         ))
     }
 
-    /// The gradients of a product of `inp` (N, C) by `weight` (C, OC) given `dout`: the
-    /// input's and the bias's exactly, the weight's exactly from `inp`, or, when the
-    /// product is sketched with `k` columns, estimated from `inp_proj` (`Sᵀ inp`).
+    /// The gradients of a product of its input (N, C) by `weight` (C, OC) given `dout`:
+    /// the input's and the bias's exactly, the weight's exactly from the input, or, where
+    /// the product is sketched, estimated from the input's projection.
     fn linear_backward(
         &self,
         dinp: TensorRef,
         dout: TensorRef,
-        (inp, inp_proj, k, product): (TensorRef, TensorRef, Option<usize>, u64),
+        input: approx::Input,
         (weight, bias): (Slot, Slot),
         (c, oc): (usize, usize),
     ) -> Vec<Kernel> {
@@ -800,15 +800,19 @@ impl Program {
             dbias: Some(self.grad(Bind::Grads, bias)),
             sketch: self.s.sketch,
         };
-        let kept = match k {
-            None => approx::Kept::Input(inp),
-            Some(k) => approx::Kept::Sketched {
-                proj: inp_proj,
-                k,
-                seed: sketch_salt(self.layer, product),
-            },
-        };
-        p.backward(dinp, dout, kept)
+        p.backward(dinp, dout, input)
+    }
+
+    /// What the backward of a product of `inp` reads: `inp`, or its projection `proj`
+    /// where the product (`product`, of this layer) is sketched with `k` columns.
+    fn input(
+        &self,
+        inp: TensorRef,
+        proj: TensorRef,
+        k: Option<usize>,
+        product: u64,
+    ) -> approx::Input {
+        approx::Input::of(inp, proj, k, (self.layer, product))
     }
 
     fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
@@ -851,7 +855,7 @@ impl Program {
         let mut kernels = self.linear_backward(
             s.d_fch_gelu,
             dout,
-            (k.fch_gelu, k.gelu_proj, a.proj, SALT_PROJ),
+            self.input(k.fch_gelu, k.gelu_proj, a.proj, SALT_PROJ),
             (l.mlp_proj_weight, l.mlp_proj_bias),
             (4 * c, c),
         );
@@ -871,7 +875,7 @@ impl Program {
         kernels.extend(self.linear_backward(
             s.d_c,
             s.d_fch,
-            (k.ln2, k.ln2_proj, a.fc, SALT_FC),
+            self.input(k.ln2, k.ln2_proj, a.fc, SALT_FC),
             (l.c_fc_weight, l.c_fc_bias),
             (c, 4 * c),
         ));
@@ -898,7 +902,7 @@ impl Program {
         kernels.extend(self.linear_backward(
             s.d_c,
             s.d_c2,
-            (k.atty, k.atty, None, 0),
+            approx::Input::Whole(k.atty),
             (l.attn_proj_weight, l.attn_proj_bias),
             (c, c),
         ));
@@ -918,7 +922,7 @@ impl Program {
         kernels.extend(self.linear_backward(
             s.d_c,
             s.d_qkv,
-            (k.ln1, k.ln1_proj, a.attn, SALT_ATTN),
+            self.input(k.ln1, k.ln1_proj, a.attn, SALT_ATTN),
             (l.c_attn_weight, l.c_attn_bias),
             (c, 3 * c),
         ));

@@ -846,39 +846,30 @@ impl Program<'_> {
         })
     }
 
-    /// [`Program::linear_backward`] of a product whose input `inp` (N, C) may be
-    /// sketched: with `k` columns, the weight's gradient is estimated from `inp_proj`
-    /// (`Sᵀ inp`, the sketch of `product`'s salt) and the input's gradient stays exact.
+    /// [`Program::linear_backward`] of a product whose input may be sketched: then the
+    /// weight's gradient is estimated from the input's projection and the input's
+    /// gradient stays exact.
     fn sketched_backward(
         &self,
         dinp: TensorRef,
         dout: TensorRef,
-        (inp, inp_proj, k, product): (TensorRef, TensorRef, Option<usize>, u64),
+        input: approx::Input,
         weight: Slot,
         bias: Option<Slot>,
     ) -> Vec<Kernel> {
-        let Some(k) = k else {
+        if let approx::Input::Whole(inp) = input {
             return vec![self.linear_backward(dinp, dout, inp, weight, bias)];
-        };
-        let n = self.shape.rows();
+        }
+        let (n, oc) = (self.shape.rows(), dout.len / self.shape.rows());
         let p = approx::Product {
-            dims: (n, inp.len / n, dout.len / n),
+            dims: (n, weight.len / oc, oc),
             weight: self.param(Bind::Params, weight),
             layout: WeightLayout::OutIn,
             dweight: self.grad(Bind::Grads, weight),
             dbias: bias.map(|b| self.grad(Bind::Grads, b)),
             sketch: self.s.sketch,
         };
-        let seed = sketch_salt(self.layer, product);
-        p.backward(
-            dinp,
-            dout,
-            approx::Kept::Sketched {
-                proj: inp_proj,
-                k,
-                seed,
-            },
-        )
+        p.backward(dinp, dout, input)
     }
 
     /// `out = Sᵀ x` when `project` and the product is sketched with `k` columns.
@@ -1162,7 +1153,7 @@ impl Program<'_> {
             },
         ];
         let a = s.approx;
-        let mlp_in = (s.xn2, s.xn2_proj, a.mlp, SALT_MLP);
+        let mlp_in = approx::Input::of(s.xn2, s.xn2_proj, a.mlp, (self.layer, SALT_MLP));
         k.extend(self.sketched_backward(s.d_c, s.d_gate, mlp_in, l.gate, None));
         k.extend(self.sketched_backward(s.d_c2, s.d_up, mlp_in, l.up, None));
         k.extend([
@@ -1208,7 +1199,7 @@ impl Program<'_> {
             }
             None => (s.dq_pre, s.dk_pre),
         };
-        let attn_in = (s.xn, s.xn_proj, a.attn, SALT_ATTN);
+        let attn_in = approx::Input::of(s.xn, s.xn_proj, a.attn, (self.layer, SALT_ATTN));
         k.extend(self.sketched_backward(s.d_c, dq_in, attn_in, l.q, bq));
         k.extend(self.sketched_backward(s.d_c2, dk_in, attn_in, l.k, bk));
         k.push(Kernel::Residual(Residual {
