@@ -91,6 +91,12 @@ pub struct BlockLayout {
     pub tensors: Vec<TensorSpec>,
     /// Elements of its buffer (tensors plus alignment gaps).
     pub len: usize,
+    /// Elements `0 .. frozen` are frozen (a LoRA model's base): they get no gradient, no
+    /// optimizer state and no update. The block's gradients ([`Bind::Grads`]) hold
+    /// elements `frozen .. len` only, so a tensor's gradient lies `frozen` elements before
+    /// its slot ([`BlockLayout::grad_tensor`]). 0 for a model trained whole; `len` for a
+    /// block that trains nothing.
+    pub frozen: usize,
 }
 
 impl BlockLayout {
@@ -112,7 +118,41 @@ impl BlockLayout {
             kind,
             tensors: specs,
             len: offset,
+            frozen: 0,
         }
+    }
+
+    /// Elements that train: `frozen .. len`, the range its gradients, optimizer state and
+    /// update cover.
+    pub fn trained(&self) -> Range<usize> {
+        self.frozen..self.len
+    }
+
+    /// Elements that train (the length of its gradients).
+    pub fn trained_len(&self) -> usize {
+        self.len - self.frozen
+    }
+
+    /// Whether any element trains.
+    pub fn trains(&self) -> bool {
+        self.frozen < self.len
+    }
+
+    /// The gradient of the tensor at `slot` in the gradients bound at `bind` (f32): `frozen`
+    /// elements before its slot. Panics for a frozen tensor (a family's own bug).
+    pub fn grad_tensor(&self, bind: Bind, slot: Slot) -> TensorRef {
+        assert!(
+            slot.offset >= self.frozen,
+            "block {:?}: the tensor at {} is frozen",
+            self.kind,
+            slot.offset
+        );
+        TensorRef::new(
+            bind as u8,
+            (slot.offset - self.frozen) * 4,
+            slot.len,
+            Dtype::F32,
+        )
     }
 
     /// The tensor called `name` (without the family's prefix), if this block has it.
