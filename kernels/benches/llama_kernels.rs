@@ -57,7 +57,7 @@ fn main() {
         ops::rmsnorm_backward(
             &cpu,
             &mut dinp,
-            &mut dweight,
+            Some(&mut dweight),
             &dout,
             &inp,
             &weight,

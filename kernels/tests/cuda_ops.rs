@@ -35,7 +35,7 @@ use strata_kernels::kernel::fewbit::{Bits, GELU_TABLES, SILU_TABLES, Table, code
 use strata_kernels::kernel::quant::{INT8_BLOCK, Int8Blocks, NF4_BLOCK, Nf4Blocks};
 use strata_kernels::kernel::sketch::{SketchProject, SketchWeightGrad};
 use strata_kernels::kernel::{
-    AdamWKernel, AddF32, Attention, AttentionBackward, CopyKernel, CrossEntropy,
+    AdamWKernel, AddF32, AddScaled, Attention, AttentionBackward, CopyKernel, CrossEntropy,
     CrossEntropyBackward, Encoder, EncoderBackward, FewBitGelu, FewBitGeluBackward, FewBitSwiGlu,
     FewBitSwiGluBackward, FlashMask, FoldRanks, Gelu, GeluBackward, GqaAttention,
     GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward, GradStatsKernel,
@@ -651,6 +651,20 @@ fn elementwise_kernels_match_cpu() {
                     b: s.act(&other),
                 })
             });
+            compare(
+                &k,
+                &format!("add-scaled {what}"),
+                w,
+                &scalars(),
+                1e-5,
+                |s| {
+                    Kernel::AddScaled(AddScaled {
+                        dst: s.act(&inp),
+                        src: s.act(&other),
+                        factor: -2.5,
+                    })
+                },
+            );
             compare(&k, &format!("add {what}"), w, &scalars(), 1e-5, |s| {
                 Kernel::AddF32(AddF32 {
                     dst: s.f32s(&acc),
@@ -725,7 +739,21 @@ fn rmsnorm_matches_cpu() {
             compare(&k, &what, w, &scalars(), 1e-5, |s| {
                 Kernel::RmsNormBackward(RmsNormBackward {
                     dinp: s.act(&dinp),
-                    dweight: s.f32s(&dweight),
+                    dweight: Some(s.f32s(&dweight)),
+                    dout: s.act(&dout),
+                    inp: s.act(&inp),
+                    weight: s.act(&weight),
+                    rstd: s.f32s(&rstd),
+                    n,
+                    c,
+                })
+            });
+            // A frozen weight: the input gradient alone.
+            let what = format!("rmsnorm-backward without dweight n={n} c={c}");
+            compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                Kernel::RmsNormBackward(RmsNormBackward {
+                    dinp: s.act(&dinp),
+                    dweight: None,
                     dout: s.act(&dout),
                     inp: s.act(&inp),
                     weight: s.act(&weight),
@@ -1504,7 +1532,7 @@ fn kernels_repeat_bit_for_bit() {
             }),
             Kernel::RmsNormBackward(RmsNormBackward {
                 dinp: s.act(&vec![0.0; n * c]),
-                dweight: s.f32s(&vec![0.0; c]),
+                dweight: Some(s.f32s(&vec![0.0; c])),
                 dout: s.act(&dout),
                 inp: s.act(&inp),
                 weight: s.act(&weight[..c]),

@@ -94,7 +94,7 @@ fn rmsnorm_matches_reference() {
             ops::rmsnorm_backward(
                 &cpu,
                 &mut dinp,
-                &mut dweight,
+                Some(&mut dweight),
                 &dout,
                 &inp,
                 &weight,
@@ -102,6 +102,10 @@ fn rmsnorm_matches_reference() {
                 n,
                 c,
             );
+            // A frozen weight: the same input gradient, bit for bit, and no weight gradient.
+            let mut frozen = dinp0.clone();
+            ops::rmsnorm_backward(&cpu, &mut frozen, None, &dout, &inp, &weight, &rstd, n, c);
+            assert_eq!(frozen, dinp, "rmsnorm_backward without dweight, {n}x{c}");
             check(
                 "rmsnorm_backward dinp (accumulated)",
                 &dinp,
@@ -533,7 +537,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
     m.run(
         &Kernel::RmsNormBackward(RmsNormBackward {
             dinp: dinp_t,
-            dweight: dweight_t,
+            dweight: Some(dweight_t),
             dout: dout_t,
             inp: inp_t,
             weight: weight_t,
@@ -548,7 +552,7 @@ fn run_cpu_runs_the_llama_kernels_as_the_direct_calls() {
     ops::rmsnorm_backward(
         &cpu,
         &mut dinp,
-        &mut dweight,
+        Some(&mut dweight),
         &dout,
         &inp,
         &weight,

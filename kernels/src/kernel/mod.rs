@@ -49,7 +49,7 @@ pub use attention::{
     GqaAttention, GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward,
 };
 pub use crossentropy::{CrossEntropy, CrossEntropyBackward};
-pub use elementwise::{AddF32, CopyKernel, FoldRanks, Mul, Residual, Zero};
+pub use elementwise::{AddF32, AddScaled, CopyKernel, FoldRanks, Mul, Residual, Zero};
 pub use encoder::{Encoder, EncoderBackward};
 pub use fewbit::{FewBitGelu, FewBitGeluBackward, FewBitSwiGlu, FewBitSwiGluBackward};
 pub use gelu::{Gelu, GeluBackward};
@@ -244,6 +244,8 @@ registry! {
     Residual(Residual),
     /// `out = a * b` ([`Mul`]).
     Mul(Mul),
+    /// `dst += factor * src` ([`AddScaled`]).
+    AddScaled(AddScaled),
     /// Softmax cross-entropy ([`CrossEntropy`]).
     CrossEntropy(CrossEntropy),
     /// Its gradient, in place ([`CrossEntropyBackward`]).

@@ -913,7 +913,7 @@ impl Program<'_> {
     ) -> Kernel {
         Kernel::RmsNormBackward(RmsNormBackward {
             dinp,
-            dweight: self.grad(Bind::Grads, weight),
+            dweight: Some(self.grad(Bind::Grads, weight)),
             dout,
             inp,
             weight: self.param(Bind::Params, weight),

@@ -1,5 +1,5 @@
-// Elementwise kernels: the residual add, the elementwise product, the f32 accumulation of
-// gradients and the fold of a reduce-scatter. One thread per element.
+// Elementwise kernels: the residual add, the elementwise product, the scaled add, the f32
+// accumulation of gradients and the fold of a reduce-scatter. One thread per element.
 
 // out: (N) = a + b.
 template <typename T>
@@ -21,6 +21,17 @@ __device__ void mul_forward(T* out, const T* a, const T* b, long long n) {
     out[i] = from_float<T>(to_float(a[i]) * to_float(b[i]));
 }
 
+// dst: (N) += factor * src: (N), the product rounded before the sum (no fused
+// multiply-add), as the CPU computes it.
+template <typename T>
+__device__ void add_scaled(T* dst, const T* src, float factor, long long n) {
+    long long i = global_index();
+    if (i >= n) {
+        return;
+    }
+    dst[i] = from_float<T>(__fadd_rn(to_float(dst[i]), __fmul_rn(factor, to_float(src[i]))));
+}
+
 #define ELEMENTWISE_KERNELS(T, S)                                                             \
     extern "C" __global__ void residual_forward_##S(T* out, const T* a, const T* b,           \
                                                     long long n) {                            \
@@ -28,6 +39,10 @@ __device__ void mul_forward(T* out, const T* a, const T* b, long long n) {
     }                                                                                         \
     extern "C" __global__ void mul_forward_##S(T* out, const T* a, const T* b, long long n) { \
         mul_forward<T>(out, a, b, n);                                                         \
+    }                                                                                         \
+    extern "C" __global__ void add_scaled_##S(T* dst, const T* src, float factor,             \
+                                              long long n) {                                  \
+        add_scaled<T>(dst, src, factor, n);                                                   \
     }
 FOR_EACH_TYPE(ELEMENTWISE_KERNELS)
 

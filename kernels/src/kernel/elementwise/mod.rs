@@ -1,9 +1,10 @@
 //! Kernels over whole tensors, element by element: zeroing, copying, the residual add,
-//! the elementwise product, f32 gradient accumulation and the fold of a reduce-scatter. Each kernel's signature,
+//! the elementwise product, the scaled add in the working dtype (a LoRA adapter's share),
+//! f32 gradient accumulation and the fold of a reduce-scatter. Each kernel's signature,
 //! CPU op and CUDA launch are here; `elementwise.cu` holds its CUDA kernels (zeroing and
 //! copying are a memset and a copy), [`reference`](mod@reference) the scalar reference.
 
-use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch, int, long, per_element};
+use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Launch, int, long, per_element};
 use crate::ops::simd::{self, on_isa};
 use crate::ops::{Cpu, par_chunks};
 use crate::program::{
@@ -19,6 +20,7 @@ const SOURCE: CudaSource = ("elementwise.cu", include_str!("elementwise.cu"));
 const RESIDUAL_FORWARD: Entry = Entry::typed("residual_forward");
 const MUL_FORWARD: Entry = Entry::typed("mul_forward");
 const ADD_F32: Entry = Entry::untyped("add_f32");
+const ADD_SCALED: Entry = Entry::typed("add_scaled");
 const FOLD_RANKS: Entry = Entry::untyped("fold_ranks");
 
 /// out: (N)  a: (N)  b: (N).  `out = a + b`. Its backward passes `dout` to both inputs,
@@ -57,6 +59,20 @@ pub fn add_inplace(cpu: &Cpu, dst: &mut [f32], src: &[f32]) {
     assert_eq!(src.len(), dst.len());
     par_chunks(cpu, dst, simd::LANES, |r, dst| {
         on_isa!(cpu.isa, simd::add_assign(dst, &src[r]))
+    });
+}
+
+/// dst: (N) +=  `factor * src`: (N), element by element, the product rounded before the
+/// sum (no fused multiply-add, as the CUDA kernel).
+pub fn add_scaled(cpu: &Cpu, dst: &mut [f32], src: &[f32], factor: f32) {
+    assert_eq!(src.len(), dst.len());
+    par_chunks(cpu, dst, simd::LANES, |r, dst| {
+        let src = &src[r];
+        on_isa!(cpu.isa, {
+            for i in 0..dst.len() {
+                dst[i] += factor * src[i];
+            }
+        })
     });
 }
 
@@ -227,6 +243,68 @@ impl CudaKernel for AddF32 {
         // add_f32(float* dst, const float* src, long long n): n elements of each.
         let args = [q.ptr(&self.dst), q.ptr(&self.src), long(n)];
         Ok(q.launch(ADD_F32, per_element(n), &args)?)
+    }
+}
+
+/// `dst += factor * src` over working-type tensors of one length: a LoRA adapter's
+/// scaled share added to its layer's output, or its input gradient to the layer's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AddScaled {
+    /// Accumulated into.
+    pub dst: TensorRef,
+    /// Same length.
+    pub src: TensorRef,
+    /// What `src` is multiplied by.
+    pub factor: f32,
+}
+
+impl Signature for AddScaled {
+    const NAME: &'static str = "add-scaled";
+    /// Elements.
+    type Shape = usize;
+
+    fn shape(&self) -> Result<usize, KernelError> {
+        Ok(self.dst.len)
+    }
+
+    fn params<'a>(&'a self, each: &mut dyn FnMut(Param<'a>)) {
+        let (w, n) = (DtypeRule::Working, LenRule::Len(self.dst.len));
+        each(Param::write("dst", &self.dst, w, n));
+        each(Param::read("src", &self.src, w, n));
+    }
+
+    fn flops(&self) -> f64 {
+        2.0 * self.dst.len as f64
+    }
+}
+
+impl CpuKernel for AddScaled {
+    fn run_cpu(
+        &self,
+        _: &usize,
+        cpu: &Cpu,
+        _: &Scalars,
+        t: &CpuTensors<'_>,
+    ) -> Result<(), KernelError> {
+        add_scaled(cpu, t.f32_mut(&self.dst), t.f32(&self.src), self.factor);
+        Ok(())
+    }
+}
+
+impl CudaKernel for AddScaled {
+    const SOURCE: CudaSource = SOURCE;
+    const ENTRIES: &'static [Entry] = &[ADD_SCALED];
+
+    fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
+        // add_scaled_<T>(T* dst, const T* src, float factor, long long n): n elements of
+        // each.
+        let args = [
+            q.ptr(&self.dst),
+            q.ptr(&self.src),
+            Arg::Float(self.factor),
+            long(n),
+        ];
+        Ok(q.launch(ADD_SCALED, per_element(n), &args)?)
     }
 }
 
@@ -407,7 +485,10 @@ binary_kernel!(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::launch::tests::{Emulated, Layout};
+    use crate::cuda::launch::tests::{
+        Emulated, Emulator, Layout, check_emulation, count_arg, ptr_arg, random_inputs,
+    };
+    use crate::kernel::Kernel;
 
     #[test]
     fn the_product_is_the_references_on_every_isa() {
@@ -453,6 +534,78 @@ mod tests {
         fn dimensions(&self) -> Vec<(&'static str, usize)> {
             vec![("n", self.dst.len)]
         }
+    }
+
+    impl Emulated for AddScaled {
+        fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
+            [4097, 0]
+                .map(|len| AddScaled {
+                    dst: l.tensor(len, w),
+                    src: l.tensor(len, w),
+                    factor: -0.375,
+                })
+                .to_vec()
+        }
+
+        fn dimensions(&self) -> Vec<(&'static str, usize)> {
+            vec![("n", self.dst.len)]
+        }
+
+        fn floats(&self, _: &Scalars) -> Vec<(&'static str, f32)> {
+            vec![("factor", self.factor)]
+        }
+
+        fn emulate(name: &str, args: &[Arg], memory: &Emulator) -> bool {
+            if name != "add_scaled_f32" {
+                return false;
+            }
+            let (dst, src) = (ptr_arg(name, args, 0), ptr_arg(name, args, 1));
+            let Arg::Float(factor) = args[2] else {
+                panic!("{name}: factor is {:?}", args[2]);
+            };
+            for i in 0..count_arg(name, args, 3) {
+                memory.store(dst, i, memory.load(dst, i) + factor * memory.load(src, i));
+            }
+            true
+        }
+    }
+
+    #[test]
+    fn the_scaled_add_is_the_references_on_every_isa_and_odd_sizes() {
+        use crate::isa::Isa;
+        for n in [1, 7, 22, 4097, 1_000_003] {
+            let src: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+            let dst: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() - 0.2).collect();
+            for factor in [2.0, -0.375, 1.0] {
+                let mut want = dst.clone();
+                reference::add_scaled(&mut want, &src, factor);
+                for isa in Isa::supported() {
+                    for threads in [1, 3] {
+                        let mut got = dst.clone();
+                        add_scaled(&Cpu { isa, threads }, &mut got, &src, factor);
+                        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&want), "{n}, {isa} on {threads} threads");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_cuda_scaled_add_computes_the_cpus_bits() {
+        let mut l = Layout::default();
+        let kernels: Vec<Kernel> = [1, 7, 4097]
+            .map(|n| {
+                Kernel::AddScaled(AddScaled {
+                    dst: l.tensor(n, Dtype::F32),
+                    src: l.tensor(n, Dtype::F32),
+                    factor: 2.5,
+                })
+            })
+            .to_vec();
+        let inputs = random_inputs(&l, &kernels, 9);
+        // A product then a sum per element on both, each rounded: no error at all.
+        check_emulation(&kernels, inputs, f64::MIN_POSITIVE);
     }
 
     impl Emulated for FoldRanks {

@@ -1,5 +1,5 @@
-//! The scalar reference of the elementwise kernels (`super`): the residual add and the
-//! elementwise product.
+//! The scalar reference of the elementwise kernels (`super`): the residual add, the
+//! elementwise product and the scaled add.
 //!
 //! Plain scalar loops, generic over [`Real`] so that the same code checks the fast
 //! kernels in f32 and backward passes against finite differences in f64; nothing here is
@@ -24,5 +24,13 @@ pub fn mul_forward<R: Real>(out: &mut [R], a: &[R], b: &[R]) {
     assert_eq!(out.len(), b.len());
     for i in 0..out.len() {
         out[i] = a[i] * b[i];
+    }
+}
+
+/// dst: (N) +=  `factor * src`: (N).
+pub fn add_scaled<R: Real>(dst: &mut [R], src: &[R], factor: R) {
+    assert_eq!(dst.len(), src.len());
+    for i in 0..dst.len() {
+        dst[i] += factor * src[i];
     }
 }

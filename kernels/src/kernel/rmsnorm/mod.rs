@@ -46,15 +46,15 @@ pub fn rmsnorm_forward(
     });
 }
 
-/// dinp: (N, C) +=  dweight: (C) +=  dout: (N, C)  inp: (N, C)  weight: (C)
-/// rstd: (N) from the forward pass.
+/// dinp: (N, C) +=  dweight: (C) += (or none: a frozen weight)  dout: (N, C)  inp: (N, C)
+/// weight: (C)  rstd: (N) from the forward pass.
 /// Two passes, as LayerNorm's: rows in parallel for `dinp`, then column ranges in
 /// parallel for `dweight` (each column adds its rows in order).
 #[allow(clippy::too_many_arguments)]
 pub fn rmsnorm_backward(
     cpu: &Cpu,
     dinp: &mut [f32],
-    dweight: &mut [f32],
+    dweight: Option<&mut [f32]>,
     dout: &[f32],
     inp: &[f32],
     weight: &[f32],
@@ -63,7 +63,7 @@ pub fn rmsnorm_backward(
     c: usize,
 ) {
     assert_eq!((dinp.len(), dout.len(), inp.len()), (n * c, n * c, n * c));
-    assert_eq!((rstd.len(), weight.len(), dweight.len()), (n, c, c));
+    assert_eq!((rstd.len(), weight.len()), (n, c));
     let threads = cpu.threads_for(n * c);
     par_rows(threads, n, 1, RowsMut::new(dinp, c), |rows, dinp| {
         on_isa!(cpu.isa, {
@@ -93,6 +93,10 @@ pub fn rmsnorm_backward(
             }
         },)
     });
+    let Some(dweight) = dweight else {
+        return;
+    };
+    assert_eq!(dweight.len(), c);
     par_rows(
         threads,
         c,
@@ -204,13 +208,14 @@ impl CudaKernel for RmsNorm {
 
 /// dinp: (N, C) +=, dweight: (C) f32 += the gradients given dout (the input gradient
 /// accumulates, as LayerNorm's: zero it first where nothing joins there, as for
-/// Qwen3's q/k norm).
+/// Qwen3's q/k norm). Without `dweight` (a frozen weight, as a LoRA model's base) only
+/// the input gradient is computed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RmsNormBackward {
     /// (N, C), accumulated.
     pub dinp: TensorRef,
-    /// (C) f32, accumulated.
-    pub dweight: TensorRef,
+    /// (C) f32, accumulated; none for a frozen weight.
+    pub dweight: Option<TensorRef>,
     /// (N, C).
     pub dout: TensorRef,
     /// (N, C).
@@ -240,7 +245,9 @@ impl Signature for RmsNormBackward {
         let (w, f32_) = (DtypeRule::Working, DtypeRule::Exactly(Dtype::F32));
         let (rows, row) = (LenRule::Len(self.n * self.c), LenRule::Len(self.c));
         each(Param::write("dinp", &self.dinp, w, rows));
-        each(Param::write("dweight", &self.dweight, f32_, row));
+        if let Some(dweight) = &self.dweight {
+            each(Param::write("dweight", dweight, f32_, row));
+        }
         each(Param::read("dout", &self.dout, w, rows));
         each(Param::read("inp", &self.inp, w, rows));
         each(Param::read("weight", &self.weight, w, row));
@@ -248,7 +255,9 @@ impl Signature for RmsNormBackward {
     }
 
     fn flops(&self) -> f64 {
-        8.0 * (self.n * self.c) as f64
+        // The input gradient's 6 per element, and the weight gradient's 2 where computed.
+        let per_element = if self.dweight.is_some() { 8.0 } else { 6.0 };
+        per_element * (self.n * self.c) as f64
     }
 }
 
@@ -260,7 +269,8 @@ impl CpuKernel for RmsNormBackward {
         _: &Scalars,
         t: &CpuTensors<'_>,
     ) -> Result<(), KernelError> {
-        let (dinp, dweight) = (t.f32_mut(&self.dinp), t.f32_mut(&self.dweight));
+        let dinp = t.f32_mut(&self.dinp);
+        let dweight = self.dweight.as_ref().map(|d| t.f32_mut(d));
         let (dout, inp) = (t.f32(&self.dout), t.f32(&self.inp));
         let (weight, rstd) = (t.f32(&self.weight), t.f32(&self.rstd));
         rmsnorm_backward(cpu, dinp, dweight, dout, inp, weight, rstd, s.n, s.c);
@@ -286,11 +296,14 @@ impl CudaKernel for RmsNormBackward {
             int(s.c),
         ];
         q.launch(RMSNORM_BACKWARD_INPUT, per_row_warp(s.n), &input)?;
+        let Some(dweight) = &self.dweight else {
+            return Ok(());
+        };
         // rmsnorm_backward_weight_<T>(float* dweight, const T* dout, const T* inp, const
         // float* rstd, int n, int c): block (32, 32) per 32 columns; touches columns below
         // c of dweight and of the n rows of dout and inp, and n of rstd.
         let weight = [
-            q.ptr(&self.dweight),
+            q.ptr(dweight),
             q.ptr(&self.dout),
             q.ptr(&self.inp),
             q.ptr(&self.rstd),
@@ -335,18 +348,23 @@ mod tests {
 
     impl Emulated for RmsNormBackward {
         fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-            SIZES
-                .map(|(n, c)| RmsNormBackward {
-                    dinp: l.tensor(n * c, w),
-                    dweight: l.tensor(c, Dtype::F32),
-                    dout: l.tensor(n * c, w),
-                    inp: l.tensor(n * c, w),
-                    weight: l.tensor(c, w),
-                    rstd: l.tensor(n, Dtype::F32),
-                    n,
-                    c,
-                })
-                .to_vec()
+            // Each size with the weight gradient, and without it (a frozen weight).
+            let mut out = Vec::new();
+            for (n, c) in SIZES {
+                for with_weight in [true, false] {
+                    out.push(RmsNormBackward {
+                        dinp: l.tensor(n * c, w),
+                        dweight: with_weight.then(|| l.tensor(c, Dtype::F32)),
+                        dout: l.tensor(n * c, w),
+                        inp: l.tensor(n * c, w),
+                        weight: l.tensor(c, w),
+                        rstd: l.tensor(n, Dtype::F32),
+                        n,
+                        c,
+                    });
+                }
+            }
+            out
         }
 
         fn dimensions(&self) -> Vec<(&'static str, usize)> {
