@@ -208,12 +208,7 @@ pub fn saving_bytes(plan: &Plan, model: &Model) -> u64 {
             let shard = plan.shard_len[b] as usize;
             let buffer = match plan.buffer(plan.block_homes[b].state).tier {
                 Tier::Host => 0,
-                _ => StateLayout::shard_bytes(
-                    format,
-                    &model.blocks()[b].tensors,
-                    shard,
-                    plan.shape.ranks,
-                ),
+                _ => StateLayout::shard_bytes(format, &model.blocks()[b], shard, plan.shape.ranks),
             };
             let decoded = if format.is_fp32() { 0 } else { 8 * shard };
             let held = (buffer + decoded) as u64;

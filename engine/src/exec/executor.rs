@@ -106,12 +106,14 @@ impl Executor {
         &self.comm
     }
 
-    /// This rank's shard of block `b`: its first element in the block, its length
-    /// (the plan's), and how many of its elements are the block's (the rest is
-    /// padding). Alone: `(0, len, len)`.
+    /// This rank's shard of block `b`'s trained elements (its gradients, optimizer state
+    /// and master parameters): its first element in the block, its length (the plan's),
+    /// and how many of its elements are the block's (the rest is padding). Alone:
+    /// `(frozen, len - frozen, len - frozen)`, the whole block but a LoRA model's frozen
+    /// base ([`BlockLayout::frozen`](crate::model::BlockLayout::frozen)).
     pub fn shard(&self, b: usize) -> (usize, usize, usize) {
         let shard = self.plan.shard_len[b] as usize;
-        let lo = self.comm.rank() * shard;
+        let lo = self.model.blocks()[b].frozen + self.comm.rank() * shard;
         let valid = self.model.blocks()[b].len.saturating_sub(lo).min(shard);
         (lo, shard, valid)
     }
@@ -279,11 +281,24 @@ impl Executor {
         write: bool,
         host: impl FnOnce(HostRange) -> Result<H, EngineError>,
     ) -> Result<Lent<H>, EngineError> {
+        self.lend_at(buf, 0, bytes, lane, write, host)
+    }
+
+    /// [`Executor::lend`] of `bytes` of `buf` from its byte `at`.
+    pub(super) fn lend_at<H>(
+        &self,
+        buf: BufId,
+        at: usize,
+        bytes: usize,
+        lane: Lane,
+        write: bool,
+        host: impl FnOnce(HostRange) -> Result<H, EngineError>,
+    ) -> Result<Lent<H>, EngineError> {
         Ok(if self.plan.buffer(buf).tier == Tier::Device {
-            let range = self.device_range(buf).sub(0, bytes);
+            let range = self.device_range(buf).sub(at, bytes);
             Lent::Device(self.device.direct(range, lane, write)?)
         } else {
-            Lent::Host(host(self.host_range(buf).prefix(bytes))?)
+            Lent::Host(host(self.host_range(buf).sub(at, bytes))?)
         })
     }
 

@@ -74,7 +74,7 @@ impl Executor {
             op: label(),
             source,
         };
-        let bytes = 4 * self.model.blocks()[block].len;
+        let bytes = 4 * self.model.blocks()[block].trained_len();
         let src = self
             .host()
             .read(Lane::Cpu, self.host_range(from).prefix(bytes))
@@ -152,7 +152,7 @@ impl Executor {
     ) -> Result<GradStats, ExecError> {
         let op = self.plan.op(id);
         let label = || op.kind.label().to_string();
-        let bytes = 4 * self.model.blocks()[block].len;
+        let bytes = 4 * self.model.blocks()[block].trained_len();
         let g = self
             .read_grads(op.lane, grads, bytes)
             .map_err(|source| ExecError::Device {
@@ -234,9 +234,12 @@ impl Executor {
         let (master, moments) = split_state(layout, &mut st);
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
+        // A LoRA block's home holds the whole block: the adapters lie past the frozen
+        // base (with ranks nothing is frozen, and a shard's home holds the shard alone).
+        let at = self.model.blocks()[block].frozen * pbytes;
         let mut out = match params_out {
             Some(buf) => Some(
-                self.lend(buf, len * pbytes, Lane::Cpu, true, |r| {
+                self.lend_at(buf, at, len * pbytes, Lane::Cpu, true, |r| {
                     self.host().write(Lane::Cpu, r)
                 })
                 .map_err(err)?,

@@ -25,7 +25,7 @@ impl Executor {
     pub(super) fn state_buffer_bytes(&self, b: usize) -> usize {
         StateLayout::shard_bytes(
             self.plan.shape.optimizer_state,
-            &self.model.blocks()[b].tensors,
+            &self.model.blocks()[b],
             self.plan.shard_len[b] as usize,
             self.comm.size(),
         )

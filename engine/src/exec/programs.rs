@@ -78,13 +78,13 @@ fn device_update(model: &Model, plan: &Plan, b: usize, rank: usize, ranks: usize
         // This rank's shard; its new parameters to be gathered over device memory (in the
         // device's dtype) or on the host (in the host's precision).
         let shard = plan.shard_len[b] as usize;
-        let lo = rank * shard;
+        let lo = layout.frozen + rank * shard;
         let out = if plan.device_comm(b) {
             dtype
         } else {
             precision
         };
-        update::adamw_range_program(layout, lo, shard, out, precision).into()
+        update::adamw_range_program(layout, lo, shard, 0, out, precision).into()
     } else {
         update::adamw_program(layout, dtype, precision).into()
     }

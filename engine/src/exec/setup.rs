@@ -79,10 +79,10 @@ impl Executor {
             state_layouts: (0..nb)
                 .map(|b| {
                     let shard = plan.shard_len[b] as usize;
-                    StateLayout::new(
+                    StateLayout::of_shard(
                         shape.optimizer_state,
-                        &model.blocks()[b].tensors,
-                        comm.rank() * shard,
+                        &model.blocks()[b],
+                        comm.rank(),
                         shard,
                     )
                 })

@@ -272,7 +272,9 @@ impl Executor {
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
         let (_, shard, valid) = self.shard(b);
-        let whole = self.plan.buffer(home).tier == Tier::Device;
+        // Alone every home holds the whole block (a LoRA model's base with its
+        // adapters); with ranks the device's does, gathered, and the others a shard.
+        let whole = self.plan.buffer(home).tier == Tier::Device || self.comm.size() == 1;
         let gathered;
         let master: &[f32] = match (from, whole) {
             (BlockSource::Whole { params, .. }, true) => params,
@@ -453,11 +455,32 @@ impl Executor {
     /// lets one rank choose the blocks.
     pub fn export_block(&self, b: usize) -> Result<Vec<f32>, ExecError> {
         let len = self.check_block(b)?;
+        if self.model.blocks()[b].frozen > 0 {
+            return Err(ExecError::BadInput(format!(
+                "block {b} has a frozen base (a LoRA model), whose master parameters cover \
+                 the adapters alone: read them with export_trained"
+            )));
+        }
         let mut f = self.read_state(b, 1, &mut None)?;
         if self.comm.size() > 1 {
             return self.gather_block(b, &f);
         }
         f.truncate(len);
+        Ok(f)
+    }
+
+    /// The master parameters of block `b`'s trained elements
+    /// ([`BlockLayout::trained`](crate::model::BlockLayout::trained): a LoRA model's
+    /// adapters), read from their home. Alone only.
+    pub fn export_trained(&self, b: usize) -> Result<Vec<f32>, ExecError> {
+        self.check_block(b)?;
+        if self.comm.size() != 1 {
+            return Err(ExecError::BadInput(
+                "export_trained reads one process's blocks".into(),
+            ));
+        }
+        let mut f = self.read_state(b, 1, &mut None)?;
+        f.truncate(self.model.blocks()[b].trained_len());
         Ok(f)
     }
 
@@ -604,6 +627,9 @@ impl Executor {
         staging: &mut Option<HostArena>,
     ) -> Result<Vec<f32>, ExecError> {
         let shard = self.plan.shard_len[b] as usize;
+        if shard == 0 {
+            return Ok(Vec::new()); // a block that trains nothing has no state
+        }
         let mut f = vec![0f32; classes * shard];
         self.with_state(b, classes, staging, |bytes| match classes {
             1 => bytes_of_mut(&mut f).copy_from_slice(bytes),

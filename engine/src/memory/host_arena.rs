@@ -50,6 +50,15 @@ impl HostRange {
         self.offset_bytes..self.offset_bytes + self.len_bytes
     }
 
+    /// `len_bytes` bytes of this range from its byte `at`.
+    pub fn sub(&self, at: usize, len_bytes: usize) -> HostRange {
+        assert!(
+            at + len_bytes <= self.len_bytes,
+            "a part past the end of its range"
+        );
+        HostRange::new(self.offset_bytes + at, len_bytes)
+    }
+
     /// The first `len_bytes` bytes of this range.
     pub fn prefix(&self, len_bytes: usize) -> HostRange {
         assert!(

@@ -25,7 +25,7 @@ use std::ops::Range;
 
 use strata_kernels::adamw::q8;
 
-use super::TensorSpec;
+use super::{BlockLayout, TensorSpec};
 
 /// How AdamW's moments m and v are stored (the master parameters are always fp32).
 #[derive(
@@ -139,18 +139,30 @@ impl StateLayout {
         }
     }
 
+    /// The state of rank `rank`'s shard of `shard` elements of the elements of `block`
+    /// that train ([`BlockLayout::trained`]): elements `frozen + rank * shard ..` of its
+    /// buffer.
+    pub fn of_shard(
+        format: OptimizerState,
+        block: &BlockLayout,
+        rank: usize,
+        shard: usize,
+    ) -> Self {
+        StateLayout::new(format, &block.tensors, block.frozen + rank * shard, shard)
+    }
+
     /// Bytes of a buffer that holds any of `ranks` ranks' shards of `shard` elements of
-    /// a block of `tensors` (8-bit state has a scale per block of each tensor's part of
-    /// the shard, so the ranks' shards may differ by a few scales): one size for the
+    /// `block`'s trained elements (8-bit state has a scale per block of each tensor's part
+    /// of the shard, so the ranks' shards may differ by a few scales): one size for the
     /// plan of every rank.
     pub fn shard_bytes(
         format: OptimizerState,
-        tensors: &[TensorSpec],
+        block: &BlockLayout,
         shard: usize,
         ranks: usize,
     ) -> usize {
         (0..ranks.max(1))
-            .map(|r| StateLayout::new(format, tensors, r * shard, shard).bytes())
+            .map(|r| StateLayout::of_shard(format, block, r, shard).bytes())
             .max()
             .unwrap_or(0)
     }

@@ -14,22 +14,27 @@ use strata_kernels::program::{Dtype, Kernel, TensorRef, grad_stats_scratch_bytes
 use super::moments::pieces;
 use super::{Bind, BlockLayout, Target};
 
-/// AdamW over every tensor of `block`: master parameters, m and v in [`Bind::State`],
-/// gradients in [`Bind::Grads`], the new working parameters written to [`Bind::Params`]
-/// in `params_dtype`, rounded to `precision`. Tensors that decay
+/// AdamW over every tensor of `block` that trains ([`BlockLayout::trained`]): master
+/// parameters, m and v in [`Bind::State`], gradients in [`Bind::Grads`] (each of the
+/// trained elements), the new working parameters written to their place in the whole
+/// block's [`Bind::Params`] in `params_dtype`, rounded to `precision`. Tensors that decay
 /// ([`TensorSpec::decays`](super::TensorSpec::decays)) use the constants with weight decay.
 pub fn adamw_program(block: &BlockLayout, params_dtype: Dtype, precision: Dtype) -> Vec<Kernel> {
-    adamw_range_program(block, 0, block.len, params_dtype, precision)
+    let lo = block.frozen;
+    adamw_range_program(block, lo, block.trained_len(), lo, params_dtype, precision)
 }
 
-/// AdamW over elements `lo .. lo + len` of `block`'s flat buffer (a rank's shard), as
-/// [`adamw_program`] over the whole: the bound buffers hold that range only (the state
-/// master, m and v of `len` elements each), and each tensor is cut to it. Elements of the
+/// AdamW over elements `lo .. lo + len` of `block`'s flat buffer (a rank's shard, or
+/// the elements that train), as [`adamw_program`] over the whole: the state and
+/// gradient buffers hold that range only (the state master, m and v of `len` elements
+/// each), and each tensor is cut to it; [`Bind::Params`] holds the range from element
+/// `params_at` (0 for a shard's own buffer, `lo` for the whole block's). Elements of the
 /// range past the block's end are not touched.
 pub fn adamw_range_program(
     block: &BlockLayout,
     lo: usize,
     len: usize,
+    params_at: usize,
     params_dtype: Dtype,
     precision: Dtype,
 ) -> Vec<Kernel> {
@@ -47,7 +52,7 @@ pub fn adamw_range_program(
                 grads: TensorRef::new(Bind::Grads as u8, at * 4, n, Dtype::F32),
                 copy_out: Some(TensorRef::new(
                     Bind::Params as u8,
-                    at * params_dtype.size(),
+                    (params_at + at) * params_dtype.size(),
                     n,
                     params_dtype,
                 )),
@@ -58,16 +63,17 @@ pub fn adamw_range_program(
         .collect()
 }
 
-/// The statistics of `block`'s gradients ([`Bind::Grads`]) into [`Bind::Stats`], with
-/// the reduction's scratch at the start of [`Bind::Scratch`].
+/// The statistics of `block`'s gradients ([`Bind::Grads`], its trained elements) into
+/// [`Bind::Stats`], with the reduction's scratch at the start of [`Bind::Scratch`].
 pub fn grad_stats_program(block: &BlockLayout, target: Target) -> Vec<Kernel> {
+    let len = block.trained_len();
     vec![Kernel::GradStats(GradStatsKernel {
-        grads: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
+        grads: TensorRef::new(Bind::Grads as u8, 0, len, Dtype::F32),
         out: TensorRef::new(Bind::Stats as u8, 0, 16, Dtype::U8),
         scratch: TensorRef::new(
             Bind::Scratch as u8,
             0,
-            grad_stats_scratch_bytes(target, block.len),
+            grad_stats_scratch_bytes(target, len),
             Dtype::U8,
         ),
     })]
@@ -77,22 +83,23 @@ pub fn grad_stats_program(block: &BlockLayout, target: Target) -> Vec<Kernel> {
 pub fn grad_stats_scratch(blocks: &[BlockLayout], target: Target) -> usize {
     blocks
         .iter()
-        .map(|b| grad_stats_scratch_bytes(target, b.len))
+        .map(|b| grad_stats_scratch_bytes(target, b.trained_len()))
         .max()
         .unwrap_or(0)
 }
 
-/// `Grads += GradsIn` over `block`'s length (f32).
+/// `Grads += GradsIn` over `block`'s gradients (its trained elements, f32).
 pub fn accumulate_program(block: &BlockLayout) -> Vec<Kernel> {
+    let len = block.trained_len();
     vec![Kernel::AddF32(AddF32 {
-        dst: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
-        src: TensorRef::new(Bind::GradsIn as u8, 0, block.len, Dtype::F32),
+        dst: TensorRef::new(Bind::Grads as u8, 0, len, Dtype::F32),
+        src: TensorRef::new(Bind::GradsIn as u8, 0, len, Dtype::F32),
     })]
 }
 
-/// `Grads` rounded to bf16 in place over `block`'s length (f32 kept).
+/// `Grads` rounded to bf16 in place over `block`'s gradients (f32 kept).
 pub fn round_program(block: &BlockLayout) -> Vec<Kernel> {
     vec![Kernel::RoundBf16(RoundBf16 {
-        x: TensorRef::new(Bind::Grads as u8, 0, block.len, Dtype::F32),
+        x: TensorRef::new(Bind::Grads as u8, 0, block.trained_len(), Dtype::F32),
     })]
 }

@@ -18,6 +18,9 @@ impl Emitter<'_, '_> {
     /// micro-batch).
     pub(super) fn gradients_out(&mut self, b: usize, m: usize) {
         let f = self.f;
+        if !f.trains(b) {
+            return;
+        }
         let grads = &self.homes.grads;
         if let (Some(home), true) = (grads.home_dev[b], m > 0 && f.ranks == 1) {
             let from = self.step.g_dev[m][b];
@@ -27,7 +30,7 @@ impl Emitter<'_, '_> {
                 to: home,
             };
             let id = self.stream(op, vec![Access::Read(from), Access::Write(home)]);
-            self.ops[id.index()].flops = f.len(b) as f64;
+            self.ops[id.index()].flops = f.grad_len(b) as f64;
         }
         if f.device_comm(b) {
             self.reduce_over_device(b, m);
@@ -51,7 +54,7 @@ impl Emitter<'_, '_> {
             return;
         }
         let g = &self.homes.grads;
-        let bytes = 4 * f.len(b);
+        let bytes = 4 * f.grad_len(b);
         let grads = g.home_dev[b]
             .or(g.host[b])
             .expect("every block's gradients are on the host or device");
@@ -75,7 +78,7 @@ impl Emitter<'_, '_> {
     fn round_on_device(&mut self, b: usize, grads: BufId) -> OpId {
         let op = StreamOp::RoundGrads { block: b, grads };
         let id = self.stream(op, vec![Access::Write(grads)]);
-        self.ops[id.index()].flops = self.f.len(b) as f64;
+        self.ops[id.index()].flops = self.f.grad_len(b) as f64;
         id
     }
 
@@ -110,7 +113,7 @@ impl Emitter<'_, '_> {
         let stage = self
             .table
             .buffer(format!("grads[{b}]#{m}>@host"), Tier::Host, full);
-        self.copy_out(from, stage, 4 * f.len(b));
+        self.copy_out(from, stage, 4 * f.grad_len(b));
         self.reduce_scatter(b, m, stage, host, None);
         if let (Some(dev), true) = (self.homes.grads.home_dev[b], m + 1 == f.shape.grad_accum) {
             // The step's sum of this rank's shard, to the device for its AdamW.
@@ -124,7 +127,7 @@ impl Emitter<'_, '_> {
     /// again until the last (see [`Self::spill_gradients`]).
     fn gradients_to_host(&mut self, b: usize, m: usize, host: BufId) {
         let f = self.f;
-        let bytes = 4 * f.len(b);
+        let bytes = 4 * f.grad_len(b);
         let from = self.step.g_dev[m][b];
         // Spilled, a block's sum of the micro-batches so far waits on NVMe between its
         // backwards; vertically these follow one another, and it waits in host memory.
@@ -273,7 +276,7 @@ impl Emitter<'_, '_> {
             Access::Write(self.homes.stats_scratch),
         ];
         let id = self.stream(op, access);
-        self.set_bytes(id, 4 * self.f.len(b));
+        self.set_bytes(id, 4 * self.f.grad_len(b));
         self.copy_out(stats, host, 16);
         self.mark_update(first);
     }
@@ -291,7 +294,9 @@ impl Emitter<'_, '_> {
             self.device_stats(b);
         }
         let g = &self.homes.grads;
+        // Blocks that train nothing have no share of the norm.
         let sources: Vec<(usize, GradSource)> = (0..nb)
+            .filter(|&b| f.trains(b))
             .map(|b| match (g.apply_host[b], g.stats_host[b]) {
                 _ if f.spill[b] => (b, GradSource::Stats(g.stats_spill[b].expect("spilled"))),
                 (Some(grads), _) => (b, GradSource::Host(grads)),
@@ -310,6 +315,7 @@ impl Emitter<'_, '_> {
         let first = self.ops.len();
         let id = if f.ranks > 1 {
             let grads = (0..nb)
+                .filter(|&b| f.trains(b))
                 .map(|b| {
                     let grads = g.apply_host[b];
                     (
@@ -328,6 +334,9 @@ impl Emitter<'_, '_> {
 
     /// AdamW on block `b` and the write-backs of its state and parameters.
     pub(super) fn emit_update(&mut self, b: usize) {
+        if !self.f.trains(b) {
+            return;
+        }
         let first = self.ops.len();
         if self.f.tiers[b].state == Tier::Device {
             self.device_update(b);

@@ -38,9 +38,13 @@ pub(super) struct Frame<'a> {
     pub(super) head: usize,
     /// Transformer blocks.
     pub(super) layers: usize,
-    /// Processes training together, and each block's shard length (elements).
+    /// Processes training together, and each block's shard length (elements) of its
+    /// gradients and optimizer state: of the elements that train
+    /// ([`BlockLayout::trained`]; all of them but a LoRA model's frozen base).
     pub(super) ranks: usize,
     pub(super) shard: Vec<u64>,
+    /// Each block's shard length of its working parameters (the block's length alone).
+    pub(super) param_shard: Vec<u64>,
     /// Bytes of a working parameter on the host, and of a device element.
     pub(super) pbytes: u64,
     pub(super) dbytes: u64,
@@ -82,9 +86,10 @@ impl<'a> Frame<'a> {
         if shape.ranks == 0 {
             return Err(PlanError::Invalid("ranks must be at least 1".into()));
         }
+        check_frozen(blocks, &shape)?;
         check_grad_dtype(&shape)?;
         check_approximation(input, &shape)?;
-        Ok(Frame {
+        Frame {
             input,
             policy,
             name,
@@ -98,6 +103,10 @@ impl<'a> Frame<'a> {
             ranks: shape.ranks,
             shard: blocks
                 .iter()
+                .map(|b| shard_len(b.trained_len(), shape.ranks) as u64)
+                .collect(),
+            param_shard: blocks
+                .iter()
                 .map(|b| shard_len(b.len, shape.ranks) as u64)
                 .collect(),
             pbytes: shape.precision.param_bytes(),
@@ -105,7 +114,30 @@ impl<'a> Frame<'a> {
             kept: vec![false; nb],
             saved_tier: vec![Tier::Device; nb],
             spill: vec![false; nb],
-        })
+        }
+        .checked_frozen()
+    }
+
+    /// Refuses a LoRA model's trained block whose new parameters would go through a host
+    /// stage: the stage would hold the adapters alone, and a copy of them into their
+    /// place in the block's home is not built yet.
+    fn checked_frozen(self) -> Result<Self, PlanError> {
+        for b in 0..self.nb() {
+            if self.blocks[b].frozen > 0 && self.trains(b) && self.stages_new_params(b) {
+                return Err(PlanError::BadPolicy {
+                    policy: self.name.clone(),
+                    reason: format!(
+                        "block {b}: a LoRA model's adapters are updated in place, in a \
+                         parameter home in host memory, or on the device with their \
+                         optimizer state (or on the CPU device); this policy puts the \
+                         parameters on the {} and the optimizer state on the {} \
+                         (copying new adapters into a block's home is not built yet)",
+                        self.tiers[b].params, self.tiers[b].state
+                    ),
+                });
+            }
+        }
+        Ok(self)
     }
 
     /// The same frame with the layer blocks marked in `kept` keeping their saved
@@ -153,10 +185,8 @@ impl<'a> Frame<'a> {
         if !spill {
             return self;
         }
-        let spill = self
-            .tiers
-            .iter()
-            .map(|t| self.shape.can_spill(t.state))
+        let spill = (0..self.nb())
+            .map(|b| self.trains(b) && self.shape.can_spill(self.tiers[b].state))
             .collect();
         Frame { spill, ..self }
     }
@@ -175,15 +205,34 @@ impl<'a> Frame<'a> {
     pub(super) fn state_bytes(&self, b: usize) -> u64 {
         StateLayout::shard_bytes(
             self.shape.optimizer_state,
-            &self.blocks[b].tensors,
+            &self.blocks[b],
             self.shard[b] as usize,
             self.ranks,
         ) as u64
     }
 
-    /// Elements of this rank's shard of block `b` (its length with one rank).
+    /// Elements of this rank's shard of block `b`'s gradients and optimizer state (with
+    /// one rank, the elements that train).
     pub(super) fn shard(&self, b: usize) -> u64 {
         self.shard[b]
+    }
+
+    /// Elements of this rank's shard of block `b`'s working parameters (its length with
+    /// one rank).
+    pub(super) fn param_shard(&self, b: usize) -> u64 {
+        self.param_shard[b]
+    }
+
+    /// Elements of block `b`'s gradients on the device, each micro-batch's: those that
+    /// train ([`BlockLayout::trained_len`]; the whole block but a LoRA model's base).
+    pub(super) fn grad_len(&self, b: usize) -> u64 {
+        self.blocks[b].trained_len() as u64
+    }
+
+    /// Whether block `b` trains at all: a LoRA model's embedding and head, and a layer
+    /// no adapter targets, do not (no gradients, optimizer state, update or norm share).
+    pub(super) fn trains(&self, b: usize) -> bool {
+        self.blocks[b].trains()
     }
 
     /// Bytes of block `b`'s saved activations of one micro-batch (0 unless it keeps
@@ -211,8 +260,10 @@ impl<'a> Frame<'a> {
     /// head of its NVMe optimizer state (see
     /// [`Plan::shares_master`](crate::plan::Plan::shares_master)).
     pub(super) fn shares_master(&self, b: usize) -> bool {
-        self.shape
-            .shares_master(self.tiers[b].params, self.tiers[b].state)
+        self.blocks[b].frozen == 0
+            && self
+                .shape
+                .shares_master(self.tiers[b].params, self.tiers[b].state)
     }
 
     /// Whether block `b`'s collectives run over device memory (see
@@ -238,6 +289,19 @@ impl<'a> Frame<'a> {
             && self.tiers[b].state != Tier::Device
             && self.ranks == 1
             && self.param_conversion().is_none()
+    }
+
+    /// Whether block `b`'s update writes its new working parameters into a host stage
+    /// of their own, from which they go on to their home: NVMe (unless the master copy
+    /// is the working one), or the device when the CPU updates them (unless it writes
+    /// the device's memory, [`Self::update_writes_device`]) or, with ranks and
+    /// collectives staged through the host, to be gathered there.
+    pub(super) fn stages_new_params(&self, b: usize) -> bool {
+        let t = &self.tiers[b];
+        ((t.params == Tier::Nvme && !self.shares_master(b))
+            || (t.params == Tier::Device
+                && (t.state != Tier::Device || (self.ranks > 1 && !self.shape.device_collectives))))
+            && !self.update_writes_device(b)
     }
 
     /// Whether the CPU optimizer reads block `b`'s host-homed gradients from the device
@@ -319,6 +383,19 @@ fn check_grad_dtype(shape: &StepShape) -> Result<(), PlanError> {
     Ok(())
 }
 
+/// A model with frozen parameters (LoRA) trains alone, for now: its frozen base is not
+/// sharded among ranks.
+fn check_frozen(blocks: &[BlockLayout], shape: &StepShape) -> Result<(), PlanError> {
+    if shape.ranks > 1 && blocks.iter().any(|b| b.frozen > 0) {
+        return Err(PlanError::Invalid(
+            "a LoRA model trains in one process: training its adapters among ranks is not \
+             built yet; run it without --ranks"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Randomized weight gradients only where activations are f32: their kernels take f32
 /// alone (the CPU device computes in f32 whatever the working dtype; a GPU in it).
 fn check_approximation(input: &PlanInput<'_>, shape: &StepShape) -> Result<(), PlanError> {
@@ -346,12 +423,23 @@ fn block_tiers(
         policy: name.to_string(),
         reason,
     };
-    let t = BlockTiers {
+    let mut t = BlockTiers {
         params: policy.home(input, b, TensorClass::Params),
         grads: policy.home(input, b, TensorClass::Grads),
         state: policy.home(input, b, TensorClass::Optimizer),
         ckpt: policy.home(input, b, TensorClass::Checkpoints),
     };
+    let block = &input.model.blocks()[b];
+    if !block.trains() {
+        // Nothing to hold: an empty host home, and no gradients at all.
+        (t.grads, t.state) = (Tier::Host, Tier::Host);
+    } else if block.frozen > 0 && t.params == Tier::Nvme {
+        return Err(bad(format!(
+            "block {b}: a LoRA model's trained blocks keep their parameters in host or \
+             device memory (a write-back of the adapters alone to NVMe is not built yet); \
+             give the run more --host-mem"
+        )));
+    }
     if t.grads == Tier::Nvme {
         return Err(bad(format!("block {b}: gradients cannot live on NVMe")));
     }

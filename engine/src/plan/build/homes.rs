@@ -208,7 +208,7 @@ fn state_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> (BufId, BufId
 
 /// Block `b`'s working-parameter home, when not its master copy: (current, next).
 fn params_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> (BufId, BufId) {
-    let (len, shard) = (f.len(b), f.shard(b));
+    let (len, shard) = (f.len(b), f.param_shard(b));
     let delayed = f.shape.delayed_update;
     match f.tiers[b].params {
         // Every rank's shard is gathered into it over device memory: room for their
@@ -246,7 +246,10 @@ fn params_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> (BufId, BufI
 impl GradHomes {
     /// Block `b`'s gradient homes on the tier its policy names.
     fn plan_block(&mut self, f: &Frame<'_>, table: &mut BufferTable, b: usize) {
-        let (len, shard) = (f.len(b), f.shard(b));
+        if !f.trains(b) {
+            return; // no gradients
+        }
+        let (len, shard) = (f.grad_len(b), f.shard(b));
         let delayed = f.shape.delayed_update;
         match f.tiers[b].grads {
             Tier::Device if f.ranks > 1 => {

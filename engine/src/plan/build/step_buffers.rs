@@ -324,6 +324,12 @@ impl Stage<'_, '_> {
     fn device_grads(&mut self, b: usize, m: usize) -> BufId {
         let f = self.f;
         let grads = &self.homes.grads;
+        if !f.trains(b) {
+            // Bound to its backward, which writes no gradient.
+            return self
+                .table
+                .buffer(format!("grads[{b}]#{m}@device"), Tier::Device, 0);
+        }
         match grads.home_dev[b] {
             Some(id) if m == 0 && f.ranks == 1 => id,
             None if f.tiers[b].grads == Tier::Host && f.grads_stay_on_device(b) => {
@@ -336,7 +342,7 @@ impl Stage<'_, '_> {
                 4 * if f.device_comm(b) {
                     f.ranks as u64 * f.shard(b)
                 } else {
-                    f.len(b)
+                    f.grad_len(b)
                 },
             ),
         }
@@ -347,6 +353,9 @@ impl Stage<'_, '_> {
     /// parameters where they go on elsewhere.
     fn update_staging(&mut self, b: usize) {
         let f = self.f;
+        if !f.trains(b) {
+            return;
+        }
         let len = f.shard(b);
         let t = &f.tiers[b];
         if t.state == Tier::Nvme {
@@ -369,13 +378,7 @@ impl Stage<'_, '_> {
                 f.state_bytes(b),
             ));
         }
-        // With ranks and collectives staged through the host, a device update's new
-        // parameters (a shard) are gathered there.
-        if ((t.params == Tier::Nvme && !f.shares_master(b))
-            || (t.params == Tier::Device
-                && (t.state != Tier::Device || (f.ranks > 1 && !f.shape.device_collectives))))
-            && !f.update_writes_device(b)
-        {
+        if f.stages_new_params(b) {
             self.out.p_out_stage[b] = Some(self.table.buffer(
                 format!("params[{b}]>@host"),
                 Tier::Host,
