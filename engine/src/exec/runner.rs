@@ -113,7 +113,8 @@ impl Runner {
             .iter()
             .map(|b| l.take(b.len * dtype.size()))
             .collect();
-        let grads = blocks.iter().map(|b| l.take(b.len * 4)).collect();
+        // Each block's trained tail only (all of it, but in a LoRA model).
+        let grads = blocks.iter().map(|b| l.take(b.trained_len() * 4)).collect();
         let act = shape.rows() * model.width() * dtype.size();
         let acts = (0..=model.layers()).map(|_| l.take(act)).collect();
         let dact = [l.take(act), l.take(act)];
@@ -429,8 +430,10 @@ impl Runner {
     }
 
     /// After [`Runner::forward`], the gradient of the mean loss with respect to every
-    /// parameter: one f32 buffer per block. Each block recomputes its forward from its
-    /// input, or reads the activations its forward saved.
+    /// parameter that trains: one f32 buffer per block, of its trained tail
+    /// ([`BlockLayout::trained`](crate::model::BlockLayout::trained): the whole block but
+    /// in a LoRA model, whose frozen blocks give empty ones). Each block recomputes its
+    /// forward from its input, or reads the activations its forward saved.
     pub fn backward(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
         if !self.has_forward {
             return Err(ModelError::BadInput(
@@ -453,7 +456,10 @@ impl Runner {
         self.has_forward = false;
         self.grads
             .iter()
-            .map(|&g| self.download(g, Dtype::F32))
+            .map(|&g| match g.len_bytes {
+                0 => Ok(Vec::new()),
+                _ => self.download(g, Dtype::F32),
+            })
             .collect()
     }
 }

@@ -13,6 +13,7 @@ use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
 use super::approx::ApproxBackward;
 use super::error::ModelError;
 use super::layout::BlockLayout;
+use super::lora::LoraConfig;
 #[cfg(doc)]
 use super::{bind::Bind, layout::BlockKind};
 
@@ -206,5 +207,22 @@ pub trait Family: Send + Sync + fmt::Debug {
     /// The backward this model's programs compute.
     fn approximation(&self) -> ApproxBackward {
         ApproxBackward::EXACT
+    }
+    /// This model with LoRA adapters of `config` on the layers its targets select
+    /// ([`select_layers`](super::lora::select_layers)): every base tensor frozen, each
+    /// block's adapters its trained tail ([`BlockLayout::frozen`]; see
+    /// [`lora_blocks`](super::lora::layout::lora_blocks)), each adapted product `x Wᵀ`
+    /// plus `scale · (x Aᵀ) Bᵀ`. Refused where the family does not build it.
+    /// [`Model::lora`](super::Model::lora) refuses what no family builds first.
+    fn lora(&self, _config: &LoraConfig) -> Result<Arc<dyn Family>, ModelError> {
+        Err(ModelError::BadInput(format!(
+            "LoRA training (--lora) is not built for {}",
+            self.name()
+        )))
+    }
+    /// The adapters' settings of a LoRA model ([`Family::lora`]); `None` for a model
+    /// trained whole.
+    fn lora_config(&self) -> Option<&LoraConfig> {
+        None
     }
 }

@@ -17,9 +17,9 @@ use super::Bind;
 pub(crate) struct LossHead {
     /// Normalised final activations (n, c).
     pub(crate) inp: TensorRef,
-    /// Output weight (v, c) and its gradient.
+    /// Output weight (v, c) and its gradient (none for a frozen head, as a LoRA model's).
     pub(crate) weight: TensorRef,
-    pub(crate) dweight: TensorRef,
+    pub(crate) dweight: Option<TensorRef>,
     /// Logits (n, v) in the scratch; the backward overwrites them with their gradient.
     pub(crate) logits: TensorRef,
     /// Gradient of `inp` (n, c).
@@ -66,8 +66,8 @@ impl LossHead {
         ]
     }
 
-    /// The logits' gradient (in place), then the gradients of the weight (accumulated)
-    /// and of `inp` (written).
+    /// The logits' gradient (in place), then the gradients of the weight (accumulated,
+    /// where it trains) and of `inp` (written).
     pub(crate) fn backward(&self) -> [Kernel; 2] {
         let Self {
             inp,
@@ -89,7 +89,7 @@ impl LossHead {
             }),
             Kernel::MatmulBackward(MatmulBackward {
                 dinp,
-                weight_grad: Some(WeightGrad { dweight, inp }),
+                weight_grad: dweight.map(|dweight| WeightGrad { dweight, inp }),
                 dbias: None,
                 dout: logits,
                 weight,

@@ -49,6 +49,7 @@ pub use family::{Family, Pass, Shape};
 pub use gpt2::{Gpt2, Gpt2Config, PRESETS};
 pub use layout::{BlockKind, BlockLayout, Slot, TensorSpec};
 pub use llama::{Llama, LlamaConfig};
+pub use lora::LoraConfig;
 pub use moments::{OptimizerState, Piece, StateLayout};
 pub use strata_kernels::program::{Dtype, IGNORE_TARGET, Kernel, Target, TensorRef};
 
@@ -65,10 +66,11 @@ impl fmt::Debug for Model {
 }
 
 impl PartialEq for Model {
-    /// Two models are the same when their configurations are.
+    /// Two models are the same when their configurations (and adapters' settings) are.
     fn eq(&self, other: &Model) -> bool {
         self.family.name() == other.family.name()
             && self.family.hf_config() == other.family.hf_config()
+            && self.family.lora_config() == other.family.lora_config()
     }
 }
 
@@ -118,6 +120,40 @@ impl Model {
     /// The backward this model's programs compute.
     pub fn approximation(&self) -> ApproxBackward {
         self.family.approximation()
+    }
+
+    /// This model with LoRA adapters of `config` ([`Family::lora`]): the base frozen, the
+    /// adapters trained. Refused: adapter dropout (not built), a model that already has
+    /// adapters, an approximate backward (its sketches estimate the frozen weights'
+    /// gradients, which a LoRA model does not compute), and families that do not build it.
+    pub fn lora(&self, config: &LoraConfig) -> Result<Model, ModelError> {
+        if config.dropout > 0.0 {
+            return Err(ModelError::BadInput(format!(
+                "LoRA dropout {} is not built yet: train with --lora-dropout 0",
+                config.dropout
+            )));
+        }
+        if self.family.lora_config().is_some() {
+            return Err(ModelError::BadInput(
+                "this model already has LoRA adapters: make the LoRA model from its base".into(),
+            ));
+        }
+        let approx = self.family.approximation();
+        if !approx.is_exact() {
+            return Err(ModelError::BadInput(format!(
+                "--approx-backward {approx} does not combine with LoRA training: its \
+                 sketches estimate the frozen base's weight gradients, which LoRA does not \
+                 compute; drop --approx-backward"
+            )));
+        }
+        Ok(Model {
+            family: self.family.lora(config)?,
+        })
+    }
+
+    /// The adapters' settings, for a LoRA model ([`Model::lora`]).
+    pub fn lora_config(&self) -> Option<&LoraConfig> {
+        self.family.lora_config()
     }
 
     /// The family.
@@ -283,7 +319,8 @@ pub(crate) mod checks {
     use super::{Bind, BlockKind, Dtype, Family, Pass, Shape, Target};
 
     /// Every tensor of every program of `family` (each block, each [`Pass`]) lies inside
-    /// the buffer it is bound to; every program reads from the scratch only bytes it
+    /// the buffer it is bound to (gradients: the block's trained tail, so a frozen
+    /// tensor's gradient is never written); every program reads from the scratch only bytes it
     /// wrote itself, earlier (nothing is left to it by another block's program); a
     /// layer's [`Pass::BackwardSaved`] reads from its saved buffer only what its
     /// [`Pass::ForwardSave`] wrote there (so it needs no recomputation it does not do),
@@ -291,6 +328,7 @@ pub(crate) mod checks {
     pub(crate) fn check_programs(family: &dyn Family, shape: Shape, target: Target, dtype: Dtype) {
         let scratch = family.scratch_bytes(shape, target, dtype);
         let tied = family.blocks()[0].len;
+        let tied_grads = family.blocks()[0].trained_len();
         for (b, block) in family.blocks().iter().enumerate() {
             let saved = family.saved_bytes(b, shape, target, dtype);
             let is_layer = matches!(block.kind, BlockKind::Transformer { .. });
@@ -317,9 +355,9 @@ pub(crate) mod checks {
                                 saved
                             }
                             x if x == Bind::Params as u8 => block.len * dtype.size(),
-                            x if x == Bind::Grads as u8 => block.len * 4,
+                            x if x == Bind::Grads as u8 => block.trained_len() * 4,
                             x if x == Bind::TiedParams as u8 => tied * dtype.size(),
-                            x if x == Bind::TiedGrads as u8 => tied * 4,
+                            x if x == Bind::TiedGrads as u8 => tied_grads * 4,
                             _ => usize::MAX,
                         };
                         assert!(range.end <= limit, "{what}: {t:?} past {limit}");

@@ -28,7 +28,7 @@ use safetensors::tensor::TensorInfo;
 use serde_json::Value;
 
 use super::mapped::{self, map_read_only};
-use super::{Gpt2, Llama, Model, ModelError, llama};
+use super::{BlockLayout, Gpt2, Llama, Model, ModelError, TensorSpec, llama};
 
 /// The weights file's name in a model folder.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -354,6 +354,15 @@ pub fn describe_pretrained(path: &Path) -> Result<(Model, Pretrained), ModelErro
     let files = WeightFiles::open(path)?;
     let source = files.describe(&model, &config_path)?;
     Ok((model, source))
+}
+
+/// Whether a model folder holds tensor `t` of `block`: every tensor, but a LoRA model's
+/// adapters (its blocks' trained tails), which its base's folder does not have; reading
+/// a base folder for a LoRA model leaves them zero, for
+/// [`init_block_adapters`](super::lora::init_block_adapters) (or a saved adapter,
+/// [`LoraAdapter::into_blocks`](super::lora::LoraAdapter::into_blocks)) to fill.
+fn in_base_files(model: &Model, block: &BlockLayout, t: &TensorSpec) -> bool {
+    model.lora_config().is_none() || t.slot.offset < block.frozen
 }
 
 /// Reads a `config.json` and returns the model it describes: the family its
@@ -730,7 +739,11 @@ impl WeightFiles {
     fn check_blocks(&self, model: &Model, prefix: &str) -> Result<(), ModelError> {
         let family = model.family();
         for (b, block) in model.blocks().iter().enumerate() {
-            for t in &block.tensors {
+            for t in block
+                .tensors
+                .iter()
+                .filter(|t| in_base_files(model, block, t))
+            {
                 self.locate(prefix, family.hf_prefix(b), &t.name, &t.shape)?;
             }
         }
@@ -751,7 +764,11 @@ impl WeightFiles {
     ) -> Result<Vec<f32>, ModelError> {
         let (family, block) = (model.family(), &model.blocks()[b]);
         let mut buffer = vec![0f32; block.len];
-        for t in &block.tensors {
+        for t in block
+            .tensors
+            .iter()
+            .filter(|t| in_base_files(model, block, t))
+        {
             let (dtype, bytes) = self
                 .locate(prefix, family.hf_prefix(b), &t.name, &t.shape)
                 .expect("check_blocks found every tensor of the model");
@@ -802,7 +819,11 @@ impl WeightFiles {
         let family = model.family();
         let mut elements: HashMap<FileDtype, usize> = HashMap::new();
         for (b, block) in model.blocks().iter().enumerate() {
-            for t in &block.tensors {
+            for t in block
+                .tensors
+                .iter()
+                .filter(|t| in_base_files(model, block, t))
+            {
                 let (dtype, _) = self.locate("", family.hf_prefix(b), &t.name, &t.shape)?;
                 *elements.entry(dtype).or_default() += t.shape.iter().product::<usize>();
             }

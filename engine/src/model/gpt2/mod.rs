@@ -966,7 +966,7 @@ impl Program {
         let loss = LossHead {
             inp: s.lnf,
             weight: self.param(Bind::TiedParams, wte),
-            dweight: self.grad(Bind::TiedGrads, wte),
+            dweight: Some(self.grad(Bind::TiedGrads, wte)),
             logits: s.logits,
             dinp: s.head_d_c,
             targets,

@@ -23,9 +23,14 @@
 //! embedding reuses GPT-2's encoder kernel with a zeroed position table (adding zero is
 //! exact), and its backward's position gradient goes to a scratch region nobody reads.
 //!
+//! A LoRA model of the family ([`Family::lora`], in `lora.rs`) freezes every base tensor
+//! and adds to each adapted product its adapter's share, whose `A` and `B` are the only
+//! tensors its programs compute gradients of.
+//!
 //! This is the only place in the engine that knows these models' operations.
 
 mod config;
+mod lora;
 
 pub use config::{LlamaConfig, MODEL_TYPES, Variant, preset_names};
 
@@ -47,7 +52,10 @@ use super::approx::{self, Activation, ApproxBackward, sketch_salt};
 use super::gpt2::init::{Init, init_block_with};
 use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
+use super::lora::LoraConfig;
+use super::lora::layout::init_adapters;
 use super::{Bind, Family, ModelError, Pass, Shape};
+use lora::{AdapterKernels, LayerAdapters, LlamaLora, LoraScratch, Product};
 
 /// A Llama-family model of one shape.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +65,8 @@ pub struct Llama {
     eos: Option<u32>,
     /// What the layers' backward approximates ([`Family::approximate`]).
     approx: ApproxBackward,
+    /// The adapters of a LoRA model ([`Family::lora`]): the base then frozen.
+    lora: Option<Arc<LlamaLora>>,
     blocks: Vec<BlockLayout>,
     embed: Slot,
     layer: Option<LayerSlots>,
@@ -72,6 +82,7 @@ impl Llama {
         Ok(Llama {
             eos: None,
             approx: ApproxBackward::EXACT,
+            lora: None,
             embed: blocks[0].slot_of("model.embed_tokens.weight"),
             layer: (config.layers > 0).then(|| LayerSlots::of(&blocks[1], &config)),
             head: HeadSlots {
@@ -95,7 +106,20 @@ impl Llama {
 
     fn scratch(&self, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
         let a = Approx::of(self.approx, shape);
-        Scratch::new(&self.config, shape, target, dtype, (self.eos.is_some(), a))
+        let lora = self.lora.as_deref().map(|l| (l.config.rank, l.any));
+        Scratch::new(
+            &self.config,
+            shape,
+            (target, dtype),
+            (self.eos.is_some(), a),
+            lora,
+        )
+    }
+
+    /// Layer `layer`'s adapters, with their rank, in a LoRA model.
+    fn adapters(&self, layer: usize) -> Option<(&LayerAdapters, usize)> {
+        let lora = self.lora.as_deref()?;
+        Some((&lora.layers[layer], lora.config.rank))
     }
 }
 
@@ -112,9 +136,17 @@ impl Family for Llama {
             Variant::Qwen2 => "Qwen2",
             Variant::Qwen3 => "Qwen3",
         };
+        let lora = self.lora.as_deref().map_or(String::new(), |l| {
+            format!(
+                ", LoRA rank {} alpha {} on {}",
+                l.config.rank,
+                l.config.alpha,
+                l.config.targets.join(",")
+            )
+        });
         format!(
             "{name} ({} layers, {} wide, {} heads and {} key/value heads of {}, MLP {}, vocab \
-             {}, context {}, {} head)",
+             {}, context {}, {} head{lora})",
             c.layers,
             c.width,
             c.heads,
@@ -144,7 +176,7 @@ impl Family for Llama {
     }
 
     fn param_count(&self) -> usize {
-        self.config.param_count()
+        self.config.param_count() + self.lora.as_deref().map_or(0, |l| l.params)
     }
 
     fn tied(&self, block: usize) -> Option<usize> {
@@ -162,9 +194,9 @@ impl Family for Llama {
 
     fn saved_bytes(&self, block: usize, shape: Shape, _target: Target, dtype: Dtype) -> usize {
         match self.blocks[block].kind {
-            BlockKind::Transformer { .. } => {
+            BlockKind::Transformer { layer } => {
                 let a = Approx::of(self.approx, shape);
-                Saved::new(&self.config, shape, dtype, &a).bytes
+                Saved::new(&self.config, shape, dtype, (&a, self.adapters(layer))).bytes
             }
             BlockKind::Embedding | BlockKind::Head => 0,
         }
@@ -180,13 +212,18 @@ impl Family for Llama {
     ) -> Vec<Kernel> {
         let mut s = self.scratch(shape, target, dtype);
         let kind = self.blocks[block].kind;
-        if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
-            s = s.with_saved(&Saved::new(&self.config, shape, dtype, &s.approx));
-        }
         let (window, layer) = match kind {
             BlockKind::Transformer { layer } => (self.config.window_of(layer).unwrap_or(0), layer),
             BlockKind::Embedding | BlockKind::Head => (0, 0),
         };
+        let adapters = match kind {
+            BlockKind::Transformer { layer } => self.adapters(layer),
+            BlockKind::Embedding | BlockKind::Head => None,
+        };
+        if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
+            let saved = Saved::new(&self.config, shape, dtype, (&s.approx, adapters));
+            s = s.with_saved(&saved, adapters.map(|(a, _)| a));
+        }
         let p = Program {
             shape,
             c: &self.config,
@@ -195,8 +232,12 @@ impl Family for Llama {
             eos: self.eos,
             dtype,
             s,
-            len: self.blocks[block].len,
-            tied_len: self.blocks[0].len,
+            frozen: self.blocks[block].frozen,
+            trained_len: self.blocks[block].trained_len(),
+            train_base: self.lora.is_none(),
+            adapters: adapters.map(|(a, _)| a),
+            lora_scale: self.lora.as_deref().map_or(0.0, |l| l.scale),
+            tied_len: self.blocks[0].trained_len(),
             out: Vec::new(),
         };
         match kind {
@@ -216,7 +257,14 @@ impl Family for Llama {
     }
 
     fn init_block(&self, block: usize, seed: u64) -> Vec<f32> {
-        init(&self.blocks[block], seed)
+        // A LoRA model's base tensors come first, so they get the base's values.
+        let mut params = init(&self.blocks[block], seed);
+        if let Some(lora) = &self.lora {
+            let layers = super::lora::select_layers(&super::Model::of(self.clone()), &lora.config)
+                .expect("the LoRA model's targets selected its layers when it was made");
+            init_adapters((block, &self.blocks[block]), &layers, seed, &mut params);
+        }
+        params
     }
 
     fn hf_prefix(&self, _block: usize) -> &'static str {
@@ -246,6 +294,12 @@ impl Family for Llama {
     }
 
     fn approximate(&self, approx: ApproxBackward) -> Result<Arc<dyn Family>, ModelError> {
+        if self.lora.is_some() {
+            return Err(ModelError::BadInput(format!(
+                "--approx-backward {approx} does not combine with LoRA training: drop \
+                 --approx-backward"
+            )));
+        }
         approx.bits_for(Activation::Silu, "the Llama family")?;
         Ok(Arc::new(Llama {
             approx,
@@ -255,6 +309,20 @@ impl Family for Llama {
 
     fn approximation(&self) -> ApproxBackward {
         self.approx
+    }
+
+    fn lora(&self, config: &LoraConfig) -> Result<Arc<dyn Family>, ModelError> {
+        let base = super::Model::of(self.clone());
+        let (blocks, lora) = lora::adapt(&base, (&self.blocks, self.config.layers), config)?;
+        Ok(Arc::new(Llama {
+            blocks,
+            lora: Some(Arc::new(lora)),
+            ..self.clone()
+        }))
+    }
+
+    fn lora_config(&self) -> Option<&LoraConfig> {
+        self.lora.as_deref().map(|l| &l.config)
     }
 }
 
@@ -478,6 +546,8 @@ struct Scratch {
     head_d: TensorRef,
     /// (B, T, V): logits after the head's forward; their gradient after its backward.
     logits: TensorRef,
+    /// A LoRA model's adapters' tensors (empty otherwise).
+    lora: LoraScratch,
     bytes: usize,
 }
 
@@ -485,9 +555,9 @@ impl Scratch {
     fn new(
         c: &LlamaConfig,
         shape: Shape,
-        target: Target,
-        dtype: Dtype,
+        (target, dtype): (Target, Dtype),
         (packed, approx): (bool, Approx),
+        lora: Option<(usize, [bool; 7])>,
     ) -> Scratch {
         let (n, w, i, v) = (shape.rows(), c.width, c.intermediate, c.vocab);
         let (q, kv, h, kvh) = (c.q_dim(), c.kv_dim(), c.heads, c.kv_heads);
@@ -536,6 +606,8 @@ impl Scratch {
             .max()
             .unwrap_or(0);
         let sketch = l(sketch, f32);
+        let widest = w.max(q).max(i);
+        let lora = LoraScratch::new(&mut layer, n, widest, lora, dtype);
         let mut embedding = Carve::new(Bind::Scratch);
         let zero_pos = embedding.take(shape.seq * w, dtype);
         let dpos = embedding.take(shape.seq * w, f32);
@@ -595,6 +667,7 @@ impl Scratch {
             rstdf,
             head_d,
             logits,
+            lora,
             bytes: layer.next.max(head.next).max(embedding.next),
         }
     }
@@ -606,7 +679,8 @@ impl Scratch {
 /// `hmid` is rows x intermediate, as large as `gate` or `up`).
 #[derive(Debug, Clone, Copy)]
 struct Saved {
-    /// The attention's input, or its projection where q, k and v are sketched.
+    /// The attention's input, or its projection where q, k and v are sketched (empty in
+    /// a LoRA layer without an adapter on q, k or v: nothing reads it).
     xn: TensorRef,
     rstd1: TensorRef,
     /// Qwen3's q and k before their per-head norms, and the norms' rstd (none
@@ -618,7 +692,8 @@ struct Saved {
     lse: TensorRef,
     atty: TensorRef,
     res2: TensorRef,
-    /// The MLP's input, or its projection where gate and up are sketched.
+    /// The MLP's input, or its projection where gate and up are sketched (empty in a
+    /// LoRA layer without an adapter on gate or up).
     xn2: TensorRef,
     rstd2: TensorRef,
     /// The gate projection, or `silu(gate)` with the few-bit SiLU.
@@ -626,18 +701,36 @@ struct Saved {
     up: TensorRef,
     /// The few-bit codes of the gate (empty with the exact SiLU backward).
     codes: TensorRef,
+    /// Each adapted product's `x Aᵀ` in a LoRA model (empty otherwise).
+    lora_u: [TensorRef; 7],
     /// Bytes of the whole buffer.
     bytes: usize,
 }
 
 impl Saved {
-    fn new(c: &LlamaConfig, shape: Shape, dtype: Dtype, a: &Approx) -> Saved {
+    fn new(
+        c: &LlamaConfig,
+        shape: Shape,
+        dtype: Dtype,
+        (a, adapters): (&Approx, Option<(&LayerAdapters, usize)>),
+    ) -> Saved {
         let (n, w, i) = (shape.rows(), c.width, c.intermediate);
         let (q, kv, h, kvh) = (c.q_dim(), c.kv_dim(), c.heads, c.kv_heads);
         let f32 = Dtype::F32;
         let mut carve = Carve::new(Bind::Saved);
         let mut l = |len, dt| carve.take(len, dt);
-        let (xn, rstd1) = (l(a.attn.map_or(n, |k| k) * w, dtype), l(n, f32));
+        // A LoRA layer keeps a product's input only where an adapter's gradient reads it.
+        let (attn_in, mlp_in) = match adapters {
+            Some((ad, _)) => (
+                [Product::Q, Product::K, Product::V]
+                    .iter()
+                    .any(|p| ad.has(*p)),
+                [Product::Gate, Product::Up].iter().any(|p| ad.has(*p)),
+            ),
+            None => (true, true),
+        };
+        let xn_rows = if attn_in { a.attn.map_or(n, |k| k) } else { 0 };
+        let (xn, rstd1) = (l(xn_rows * w, dtype), l(n, f32));
         let qk_norm = c.qk_norm.then(|| {
             [
                 l(n * q, dtype),
@@ -649,10 +742,11 @@ impl Saved {
         let (qr, kr, v) = (l(n * q, dtype), l(n * kv, dtype), l(n * kv, dtype));
         let lse = l(shape.batch * h * shape.seq, f32);
         let atty = l(n * q, dtype);
-        let xn2_rows = a.mlp.map_or(n, |k| k);
+        let xn2_rows = if mlp_in { a.mlp.map_or(n, |k| k) } else { 0 };
         let (res2, xn2, rstd2) = (l(n * w, dtype), l(xn2_rows * w, dtype), l(n, f32));
         let (gate, up) = (l(n * i, dtype), l(n * i, dtype));
         let codes = l(a.bits.map_or(0, |b| codes_len(n * i, b)), Dtype::U32);
+        let lora_u = lora::saved_u(&mut carve, n, adapters, dtype);
         Saved {
             xn,
             rstd1,
@@ -668,6 +762,7 @@ impl Saved {
             gate,
             up,
             codes,
+            lora_u,
             bytes: carve.next,
         }
     }
@@ -676,16 +771,19 @@ impl Saved {
 impl Scratch {
     /// The same layout with the saved intermediates in the saved buffer instead: a
     /// [`Pass::ForwardSave`] writes them there, a [`Pass::BackwardSaved`] reads them.
-    fn with_saved(self, saved: &Saved) -> Scratch {
+    fn with_saved(self, saved: &Saved, adapters: Option<&LayerAdapters>) -> Scratch {
         let [q, k, qn_rstd, kn_rstd] =
             saved
                 .qk_norm
                 .unwrap_or([self.q, self.k, self.qn_rstd, self.kn_rstd]);
         let (xn, xn_proj) = match self.approx.attn {
+            // Not kept (a LoRA layer whose backward does not read it): the scratch's.
+            None if saved.xn.len == 0 => (self.xn, self.xn_proj),
             None => (saved.xn, self.xn_proj),
             Some(_) => (self.xn, saved.xn),
         };
         let (xn2, xn2_proj) = match self.approx.mlp {
+            None if saved.xn2.len == 0 => (self.xn2, self.xn2_proj),
             None => (saved.xn2, self.xn2_proj),
             Some(_) => (self.xn2, saved.xn2),
         };
@@ -714,6 +812,10 @@ impl Scratch {
             res2: saved.res2,
             rstd2: saved.rstd2,
             up: saved.up,
+            lora: match adapters {
+                Some(a) => self.lora.with_saved(&saved.lora_u, a),
+                None => self.lora,
+            },
             ..self
         }
     }
@@ -731,9 +833,17 @@ struct Program<'a> {
     window: usize,
     /// The id that ends a document, when batches are packed.
     eos: Option<u32>,
-    /// Elements of the block's buffer.
-    len: usize,
-    /// Elements of the embedding's buffer (the tied block's).
+    /// Elements of the block's frozen head (its gradients start after them).
+    frozen: usize,
+    /// Elements of the block's gradients.
+    trained_len: usize,
+    /// Whether the base's tensors train (not in a LoRA model).
+    train_base: bool,
+    /// The layer's adapters, in a LoRA model.
+    adapters: Option<&'a LayerAdapters>,
+    /// The adapters' scale (`alpha / rank`, or rsLoRA's).
+    lora_scale: f32,
+    /// Elements of the embedding's gradients (the tied block's).
     tied_len: usize,
     out: Vec<Kernel>,
 }
@@ -782,9 +892,72 @@ impl Program<'_> {
         slot.tensor(bind, self.dtype)
     }
 
-    /// `slot` of a gradient buffer (f32).
+    /// Product `p` (`out = inp Wᵀ (+ bias)`) and, where it carries an adapter, the
+    /// adapter's share added to `out`.
+    fn product(
+        &self,
+        p: Product,
+        out: TensorRef,
+        inp: TensorRef,
+        (weight, bias): (Slot, Option<Slot>),
+    ) -> Vec<Kernel> {
+        let mut k = vec![self.linear(out, inp, weight, bias)];
+        if let Some(adapter) = self.adapter(p) {
+            k.extend(adapter.forward(out, inp));
+        }
+        k
+    }
+
+    /// The backward of [`Program::product`]: `dinp` overwritten (the base's share, then
+    /// the adapter's added), the base's gradients where it trains, the adapter's.
+    fn product_backward(
+        &self,
+        p: Product,
+        (dinp, dout): (TensorRef, TensorRef),
+        input: approx::Input,
+        (weight, bias): (Slot, Option<Slot>),
+    ) -> Vec<Kernel> {
+        let mut k = self.sketched_backward(dinp, dout, input, weight, bias);
+        if let Some(adapter) = self.adapter(p) {
+            let approx::Input::Whole(inp) = input else {
+                unreachable!("a LoRA model's backward is exact (Model::lora refuses sketches)")
+            };
+            k.extend(adapter.backward(dinp, dout, inp));
+        }
+        k
+    }
+
+    /// Product `p`'s adapter's tensors, where it has one.
+    fn adapter(&self, p: Product) -> Option<AdapterKernels> {
+        let slots = self.adapters?.of(p)?;
+        Some(AdapterKernels {
+            a: self.param(Bind::Params, slots.a),
+            b: self.param(Bind::Params, slots.b),
+            da: self.grad(Bind::Grads, slots.a),
+            db: self.grad(Bind::Grads, slots.b),
+            u: self.s.lora.u[p as usize],
+            scratch: self.s.lora,
+            scale: self.lora_scale,
+            rows: self.shape.rows(),
+        })
+    }
+
+    /// `slot`'s gradient in the gradient buffer bound at `bind` (f32), which holds the
+    /// block's trained tail only (so `frozen` elements before `slot`; the tied
+    /// embedding's gradients exist only where it trains whole).
     fn grad(&self, bind: Bind, slot: Slot) -> TensorRef {
-        slot.tensor(bind, Dtype::F32)
+        let frozen = if bind == Bind::Grads { self.frozen } else { 0 };
+        assert!(
+            slot.offset >= frozen,
+            "the tensor at {} is frozen",
+            slot.offset
+        );
+        TensorRef::new(bind as u8, (slot.offset - frozen) * 4, slot.len, Dtype::F32)
+    }
+
+    /// The gradient of a base tensor, where the base trains (not in a LoRA model).
+    fn base_grad(&self, bind: Bind, slot: Slot) -> Option<TensorRef> {
+        self.train_base.then(|| self.grad(bind, slot))
     }
 
     /// A whole activation buffer (B, T, C).
@@ -797,11 +970,14 @@ impl Program<'_> {
         TensorRef::new(bind as u8, 0, self.shape.rows(), Dtype::U32)
     }
 
-    /// Zeroes the whole gradient buffer bound at `bind` of `len` elements.
+    /// Zeroes the whole gradient buffer bound at `bind` of `len` elements (none for a
+    /// block that trains nothing).
     fn zero_grads(&mut self, bind: Bind, len: usize) {
-        self.out.push(Kernel::Zero(Zero {
-            t: TensorRef::new(bind as u8, 0, len, Dtype::F32),
-        }));
+        if len > 0 {
+            self.out.push(Kernel::Zero(Zero {
+                t: TensorRef::new(bind as u8, 0, len, Dtype::F32),
+            }));
+        }
     }
 
     /// `out = inp @ W^T (+ bias)` with W (oc, c) as `nn.Linear` stores it.
@@ -820,7 +996,7 @@ impl Program<'_> {
     }
 
     /// The gradients of [`Program::linear`]: `dinp` overwritten, the weight's (and
-    /// bias's) gradients accumulated.
+    /// bias's) gradients accumulated where the base trains.
     fn linear_backward(
         &self,
         dinp: TensorRef,
@@ -832,11 +1008,10 @@ impl Program<'_> {
         let n = self.shape.rows();
         Kernel::MatmulBackward(MatmulBackward {
             dinp,
-            weight_grad: Some(WeightGrad {
-                dweight: self.grad(Bind::Grads, weight),
-                inp,
-            }),
-            dbias: bias.map(|b| self.grad(Bind::Grads, b)),
+            weight_grad: self
+                .base_grad(Bind::Grads, weight)
+                .map(|dweight| WeightGrad { dweight, inp }),
+            dbias: bias.and_then(|b| self.base_grad(Bind::Grads, b)),
             dout,
             weight: self.param(Bind::Params, weight),
             layout: WeightLayout::OutIn,
@@ -913,7 +1088,7 @@ impl Program<'_> {
     ) -> Kernel {
         Kernel::RmsNormBackward(RmsNormBackward {
             dinp,
-            dweight: Some(self.grad(Bind::Grads, weight)),
+            dweight: self.base_grad(Bind::Grads, weight),
             dout,
             inp,
             weight: self.param(Bind::Params, weight),
@@ -968,11 +1143,14 @@ impl Program<'_> {
                     c,
                 }));
             }
+            Pass::Backward | Pass::BackwardSaved if !self.train_base => {
+                // A LoRA model's embedding is frozen: nothing to compute.
+            }
             Pass::Backward | Pass::BackwardSaved => {
                 // A tied head zeroed this block's gradients and added its own; an
                 // untied model's embedding is the only writer.
                 if !self.c.tied {
-                    self.zero_grads(Bind::Grads, self.len);
+                    self.zero_grads(Bind::Grads, self.trained_len);
                 }
                 self.out.push(Kernel::Zero(Zero { t: s.dpos }));
                 self.out.push(Kernel::EncoderBackward(EncoderBackward {
@@ -1018,11 +1196,9 @@ impl Program<'_> {
         ];
         let a = s.approx;
         k.extend(self.projection(project, a.attn, (s.xn, s.xn_proj), SALT_ATTN));
-        k.extend([
-            self.linear(s.q, s.xn, l.q, bq),
-            self.linear(s.k, s.xn, l.k, bk),
-            self.linear(s.v, s.xn, l.v, bv),
-        ]);
+        k.extend(self.product(Product::Q, s.q, s.xn, (l.q, bq)));
+        k.extend(self.product(Product::K, s.k, s.xn, (l.k, bk)));
+        k.extend(self.product(Product::V, s.v, s.xn, (l.v, bv)));
         let (q_in, k_in) = match l.qk_norm {
             Some((qn, kn)) => {
                 k.push(self.rmsnorm(s.qn, s.qn_rstd, s.q, qn));
@@ -1044,7 +1220,9 @@ impl Program<'_> {
                 dims: attention_dims(c, self.shape),
                 mask: self.mask(),
             }),
-            self.linear(s.proj, s.atty, l.o, None),
+        ]);
+        k.extend(self.product(Product::O, s.proj, s.atty, (l.o, None)));
+        k.extend([
             Kernel::Residual(Residual {
                 out: s.res2,
                 a: x,
@@ -1053,12 +1231,10 @@ impl Program<'_> {
             self.rmsnorm(s.xn2, s.rstd2, s.res2, l.post_norm),
         ]);
         k.extend(self.projection(project, a.mlp, (s.xn2, s.xn2_proj), SALT_MLP));
-        k.extend([
-            self.linear(s.gate, s.xn2, l.gate, None),
-            self.linear(s.up, s.xn2, l.up, None),
-            self.swiglu(),
-            self.linear(s.proj, s.hmid, l.down, None),
-        ]);
+        k.extend(self.product(Product::Gate, s.gate, s.xn2, (l.gate, None)));
+        k.extend(self.product(Product::Up, s.up, s.xn2, (l.up, None)));
+        k.push(self.swiglu());
+        k.extend(self.product(Product::Down, s.proj, s.hmid, (l.down, None)));
         self.out.extend(k);
     }
 
@@ -1100,11 +1276,14 @@ impl Program<'_> {
         // Backward: recompute the forward from the input (or, from saved activations, only
         // the rotary table and the SwiGLU's product), then every gradient, into zeroed
         // parameter gradients.
-        self.zero_grads(Bind::Grads, self.len);
+        self.zero_grads(Bind::Grads, self.trained_len);
         if pass == Pass::BackwardSaved {
             let table = self.rope_table();
             self.out.push(table);
-            if s.approx.bits.is_none() {
+            // The down projection's input, where its weight's or adapter's gradient
+            // reads it.
+            let down_reads = self.train_base || self.adapters.is_some_and(|a| a.has(Product::Down));
+            if s.approx.bits.is_none() && down_reads {
                 let swiglu = self.swiglu();
                 self.out.push(swiglu);
             }
@@ -1130,32 +1309,36 @@ impl Program<'_> {
             Some((q, k, v)) => (Some(q), Some(k), Some(v)),
             None => (None, None, None),
         };
-        let mut k = vec![
-            // out = res2 + down(silu(gate(xn2)) * up(xn2)), xn2 = norm(res2).
-            self.linear_backward(s.d_h, dout, s.hmid, l.down, None),
-            match s.approx.bits {
-                None => Kernel::SwiGluBackward(SwiGluBackward {
-                    dgate: s.d_gate,
-                    dup: s.d_up,
-                    dout: s.d_h,
-                    gate: s.gate,
-                    up: s.up,
-                }),
-                Some(bits) => Kernel::FewBitSwiGluBackward(FewBitSwiGluBackward {
-                    dgate: s.d_gate,
-                    dup: s.d_up,
-                    codes: s.codes,
-                    dout: s.d_h,
-                    act: s.act,
-                    up: s.up,
-                    bits,
-                }),
-            },
-        ];
+        // out = res2 + down(silu(gate(xn2)) * up(xn2)), xn2 = norm(res2).
+        let mut k = self.product_backward(
+            Product::Down,
+            (s.d_h, dout),
+            approx::Input::Whole(s.hmid),
+            (l.down, None),
+        );
+        k.extend([match s.approx.bits {
+            None => Kernel::SwiGluBackward(SwiGluBackward {
+                dgate: s.d_gate,
+                dup: s.d_up,
+                dout: s.d_h,
+                gate: s.gate,
+                up: s.up,
+            }),
+            Some(bits) => Kernel::FewBitSwiGluBackward(FewBitSwiGluBackward {
+                dgate: s.d_gate,
+                dup: s.d_up,
+                codes: s.codes,
+                dout: s.d_h,
+                act: s.act,
+                up: s.up,
+                bits,
+            }),
+        }]);
         let a = s.approx;
         let mlp_in = approx::Input::of(s.xn2, s.xn2_proj, a.mlp, (self.layer, SALT_MLP));
-        k.extend(self.sketched_backward(s.d_c, s.d_gate, mlp_in, l.gate, None));
-        k.extend(self.sketched_backward(s.d_c2, s.d_up, mlp_in, l.up, None));
+        let (gate, up) = ((l.gate, None), (l.up, None));
+        k.extend(self.product_backward(Product::Gate, (s.d_c, s.d_gate), mlp_in, gate));
+        k.extend(self.product_backward(Product::Up, (s.d_c2, s.d_up), mlp_in, up));
         k.extend([
             Kernel::Residual(Residual {
                 out: s.d_c3,
@@ -1168,8 +1351,11 @@ impl Program<'_> {
                 src: dout,
             }),
             self.rmsnorm_backward(s.d_res2, s.d_c3, s.res2, s.rstd2, l.post_norm),
-            // res2 = x + o(attention(rope(q), rope(k), v)).
-            self.linear_backward(s.d_atty, s.d_res2, s.atty, l.o, None),
+        ]);
+        // res2 = x + o(attention(rope(q), rope(k), v)).
+        let o_in = approx::Input::Whole(s.atty);
+        k.extend(self.product_backward(Product::O, (s.d_atty, s.d_res2), o_in, (l.o, None)));
+        k.extend([
             Kernel::GqaFlashAttentionBackward(GqaFlashAttentionBackward {
                 dq: s.dq,
                 dk: s.dk,
@@ -1200,14 +1386,14 @@ impl Program<'_> {
             None => (s.dq_pre, s.dk_pre),
         };
         let attn_in = approx::Input::of(s.xn, s.xn_proj, a.attn, (self.layer, SALT_ATTN));
-        k.extend(self.sketched_backward(s.d_c, dq_in, attn_in, l.q, bq));
-        k.extend(self.sketched_backward(s.d_c2, dk_in, attn_in, l.k, bk));
+        k.extend(self.product_backward(Product::Q, (s.d_c, dq_in), attn_in, (l.q, bq)));
+        k.extend(self.product_backward(Product::K, (s.d_c2, dk_in), attn_in, (l.k, bk)));
         k.push(Kernel::Residual(Residual {
             out: s.d_c3,
             a: s.d_c,
             b: s.d_c2,
         }));
-        k.extend(self.sketched_backward(s.d_c, s.dv, attn_in, l.v, bv));
+        k.extend(self.product_backward(Product::V, (s.d_c, s.dv), attn_in, (l.v, bv)));
         k.extend([
             Kernel::Residual(Residual {
                 out: s.d_c2,
@@ -1231,14 +1417,17 @@ impl Program<'_> {
         let targets = self.ids(Bind::Targets);
         // The output head's weight (V, C): the block's own, or the tied embedding's.
         let (weight, dweight) = match h.lm_head {
-            Some(slot) => (self.param(Bind::Params, slot), self.grad(Bind::Grads, slot)),
+            Some(slot) => (
+                self.param(Bind::Params, slot),
+                self.base_grad(Bind::Grads, slot),
+            ),
             None => (
                 self.param(Bind::TiedParams, embed),
-                self.grad(Bind::TiedGrads, embed),
+                self.base_grad(Bind::TiedGrads, embed),
             ),
         };
         if !pass.is_forward() {
-            self.zero_grads(Bind::Grads, self.len);
+            self.zero_grads(Bind::Grads, self.trained_len);
             if h.lm_head.is_none() {
                 // The head is the first to write the tied embedding's gradients.
                 self.zero_grads(Bind::TiedGrads, self.tied_len);

@@ -1,5 +1,5 @@
-//! LoRA adapters in peft's format, the layer the coming LoRA fine-tuning (issue 33)
-//! will use; `strata eval --adapter` evaluates a base with an adapter merged in.
+//! LoRA adapters in peft's format, and the family-independent half of LoRA training
+//! (issue 33); `strata eval --adapter` evaluates a base with an adapter merged in.
 //!
 //! - [`config`]: [`LoraConfig`] (rank, alpha, dropout, target module names, rsLoRA) and
 //!   peft's `adapter_config.json`, read with one refusal for each peft feature strata
@@ -12,15 +12,23 @@
 //!   and written to a peft adapter folder.
 //! - [`merge`]: `W + scale · B A` into a model's parameters, and a merged Hugging Face
 //!   model folder.
+//! - [`layout`]: a LoRA model's blocks (the base's tensors, then the adapters, its
+//!   trained tail) and the adapters' starting values; [`blocks`]: an adapter started
+//!   in, put into and read from a LoRA model's block parameters.
 //!
-//! Training an adapter (a frozen base, the adapters in the step) is not here.
+//! The programs that apply and train the adapters are each family's
+//! ([`crate::model::Model::lora`]).
 
 pub mod adapter;
+pub mod blocks;
 pub mod config;
+pub mod layout;
 pub mod merge;
 pub mod targets;
 
 pub use adapter::{ADAPTER_WEIGHTS_FILE, LoraAdapter, LoraWeights, peft_names};
+pub use blocks::init_block_adapters;
 pub use config::{ADAPTER_CONFIG_FILE, ALL_LINEAR, LoraConfig};
+pub use layout::AdapterSlots;
 pub use merge::{check_layers, merge_block, merge_in_place, merge_params, save_merged};
-pub use targets::{LoraLayer, WeightLayout, select_layers};
+pub use targets::{LoraLayer, WeightLayout, adapter_names, select_layers};

@@ -3,6 +3,7 @@
 //! `c_proj` selects both the attention's and the MLP's), and "all-linear" every linear
 //! layer of the transformer blocks. A layer's path is its weight's Hugging Face name
 //! without `.weight` (`model.layers.0.self_attn.q_proj`, `transformer.h.0.attn.c_attn`).
+//! Also the names a LoRA model's layout gives each selected layer's `A` and `B`.
 
 use crate::model::{BlockKind, Model, ModelError};
 
@@ -70,6 +71,10 @@ fn linears(model: &Model) -> Vec<Linear<'_>> {
             let Some(stem) = t.name.strip_suffix(".weight") else {
                 continue;
             };
+            if is_adapter(&t.name) {
+                // A LoRA model's own adapters are not layers to adapt.
+                continue;
+            }
             if t.shape.len() == 2 {
                 out.push(Linear {
                     block: b,
@@ -82,6 +87,27 @@ fn linears(model: &Model) -> Vec<Linear<'_>> {
         }
     }
     out
+}
+
+/// What a layout name of an adapter tensor ends with: `.lora_A.weight`, `.lora_B.weight`.
+const ADAPTER_SUFFIXES: [&str; 2] = [".lora_A.weight", ".lora_B.weight"];
+
+/// The layout names of `layer`'s `A` and `B` in a LoRA model: its weight's name with
+/// `.weight` replaced (`model.layers.3.self_attn.q_proj.lora_A.weight`), so that the
+/// family's file prefix before it gives peft's module path
+/// ([`peft_names`](super::peft_names)).
+pub fn adapter_names(layer: &LoraLayer) -> [String; 2] {
+    let stem = layer
+        .weight
+        .strip_suffix(".weight")
+        .unwrap_or(&layer.weight);
+    ADAPTER_SUFFIXES.map(|suffix| format!("{stem}{suffix}"))
+}
+
+/// Whether `name` is an adapter tensor's layout name (a LoRA model's own adapters are
+/// not layers to adapt).
+pub fn is_adapter(name: &str) -> bool {
+    ADAPTER_SUFFIXES.iter().any(|s| name.ends_with(s))
 }
 
 /// Whether target `name` selects the module at `path` (peft's
