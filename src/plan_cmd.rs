@@ -42,12 +42,17 @@ pub struct PlanReport {
     pub model: String,
     /// Its parameter count.
     pub params: u64,
+    /// With `--lora`: the adapters' parameters (those that train), and the adapter's
+    /// settings in words; the rest is the frozen base.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraReport>,
     /// Its shape, in words.
     pub description: String,
     /// Its layer blocks.
     pub layers: usize,
-    /// Parameters, gradients and AdamW state: 16 bytes per parameter with fp32 moments
-    /// (4 of gradients, 12 of master parameters, m and v), fewer with compact ones.
+    /// Gradients and AdamW state of the parameters that train (all of them but a LoRA
+    /// model's frozen base): 16 bytes per parameter with fp32 moments (4 of gradients,
+    /// 12 of master parameters, m and v), fewer with compact ones.
     pub training_state_bytes: u64,
     /// Disk space of one checkpoint (`--checkpoint-dir` holds `--keep-checkpoints` of
     /// them and the one being written); saving and resuming hold a block's state at a
@@ -292,6 +297,8 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
     let cost = CostModel::default();
     let input = PlanInput::new(&model, shape, budgets).with_cost(cost);
     let params = model.param_count() as u64;
+    let lora = lora_report(&model);
+    let trained = lora.as_ref().map_or(params, |l| l.trained_params);
     // Whether the run writes the model (`--out`) is not a step's shape: counted, as a
     // run that may; evaluating is, where a `--config` file asks for it.
     let reads = Reads {
@@ -306,7 +313,8 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
         params,
         description: model.describe(),
         layers: model.layers(),
-        training_state_bytes: ((4.0 + shape.optimizer_state.bytes_per_param()) * params as f64)
+        lora,
+        training_state_bytes: ((4.0 + shape.optimizer_state.bytes_per_param()) * trained as f64)
             as u64,
         checkpoint_bytes: strata_engine::checkpoint::needed_bytes(&model, 0),
         batch: shape.batch,
@@ -411,7 +419,9 @@ fn policy_rows(
             // device: an answer about this policy, not a failure of the command.
             // So does compact optimizer state, which the device's AdamW does not keep.
             Err(PlanError::BadPolicy { policy, reason })
-                if ranks > 1 || !input.shape.optimizer_state.is_fp32() =>
+                if ranks > 1
+                    || !input.shape.optimizer_state.is_fp32()
+                    || lora_report(input.model).is_some() =>
             {
                 unavailable.push(Unavailable { policy, reason });
             }
@@ -419,6 +429,35 @@ fn policy_rows(
         }
     }
     Ok((rows, unavailable))
+}
+
+/// A LoRA model's adapter, as the plan reports it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoraReport {
+    /// Parameters that train: the adapters'.
+    pub trained_params: u64,
+    /// Rank, alpha and targets, as `--lora` flags name them.
+    pub settings: String,
+}
+
+/// `model`'s adapter, when it is a LoRA model.
+fn lora_report(model: &Model) -> Option<LoraReport> {
+    let config = model.family().lora_config()?;
+    let trained_params = model
+        .blocks()
+        .iter()
+        .flat_map(|b| b.tensors.iter().filter(|t| t.slot.offset >= b.frozen))
+        .map(|t| t.slot.len as u64)
+        .sum();
+    Some(LoraReport {
+        trained_params,
+        settings: format!(
+            "rank {}, alpha {}, on {}",
+            config.rank,
+            config.alpha,
+            config.targets.join(",")
+        ),
+    })
 }
 
 /// `plan`'s row: whether it fits, its peaks, and what the cost model predicts.
@@ -511,16 +550,33 @@ fn render_header(r: &PlanReport) -> String {
         r.params as f64 / 1e9,
         r.description,
         fmt_bytes(r.training_state_bytes),
-        format!("{:.2}", r.training_state_bytes as f64 / r.params as f64)
-            .trim_end_matches('0')
-            .trim_end_matches('.')
+        format!(
+            "{:.2}",
+            r.training_state_bytes as f64
+                / r.lora.as_ref().map_or(r.params, |l| l.trained_params) as f64
+        )
+        .trim_end_matches('0')
+        .trim_end_matches('.')
     );
-    out += &format!(
-        "checkpoint: {} on disk each (parameters, m, v); --checkpoint-dir holds \
-         --keep-checkpoints of them and the one being written, checked against free space \
-         before step 1\n",
-        fmt_bytes(r.checkpoint_bytes)
-    );
+    if let Some(l) = &r.lora {
+        out += &format!(
+            "LoRA ({}): {} trained parameters ({:.3}% of the model), the training state \
+             theirs; the base is frozen (no gradients, no optimizer state, no write-back)\n",
+            l.settings,
+            l.trained_params,
+            100.0 * l.trained_params as f64 / r.params as f64
+        );
+    }
+    if r.lora.is_some() {
+        out += "checkpoint: not built for LoRA runs yet (--out writes the adapter)\n";
+    } else {
+        out += &format!(
+            "checkpoint: {} on disk each (parameters, m, v); --checkpoint-dir holds \
+             --keep-checkpoints of them and the one being written, checked against free space \
+             before step 1\n",
+            fmt_bytes(r.checkpoint_bytes)
+        );
+    }
     out += &format!(
         "step: {} x {} tokens x {} micro-batches, {}, {} moments, --recompute {}{}; budgets: device {}, host {}, nvme {} ({})\n",
         r.batch,

@@ -86,6 +86,16 @@ fn save_model(
     ranks: &Ranks,
     out: &mut impl Write,
 ) -> Result<(), Error> {
+    if exec.model().family().lora_config().is_some() {
+        super::adapter::save_adapter(cfg, exec, dir)?;
+        writeln!(
+            out,
+            "adapter: {} (peft's adapter_config.json and adapter_model.safetensors; \
+             load it with PeftModel.from_pretrained, or strata eval --adapter)",
+            dir.display()
+        )?;
+        return Ok(());
+    }
     let model = exec.model();
     let source = pretrained_source(&cfg.model)?;
     let mut options = source

@@ -10,9 +10,10 @@
 //! progress line, JSON-lines metrics, a Chrome trace of one step and checkpoints every N
 //! steps and on Ctrl-C (`steps`, `interrupt`); what a run keeps when it stops early or
 //! cannot write its model (`rescue`); and the trained model in Hugging Face's format with
-//! the summary (`finish`). What it prints goes through writers that stop at a closed pipe
+//! the summary (`finish`), or a LoRA run's adapter as a peft folder (`adapter`). What it prints goes through writers that stop at a closed pipe
 //! and train on.
 
+mod adapter;
 mod data;
 mod faults;
 mod finish;

@@ -13,6 +13,8 @@ use std::time::Instant;
 use strata_engine::checkpoint::{self, TrainerState};
 use strata_engine::device::Device;
 use strata_engine::exec::{ExecConfig, Executor};
+use strata_engine::model::lora::layout::adapter_slots;
+use strata_engine::model::lora::{LoraAdapter, init_block_adapters};
 use strata_engine::model::weights;
 use strata_engine::model::{Model, ModelError};
 use strata_engine::plan::{Plan, fmt_bytes};
@@ -28,32 +30,64 @@ const FP16_INITIAL_SCALE: f32 = 65536.0;
 
 /// Where a fresh run's parameters come from, a block at a time: initialised from the
 /// seed (a preset, a shape, or a folder of only `config.json`) or read from a folder's
-/// weights. Neither holds more than one block's parameters while the executor loads.
-pub enum FreshParams {
+/// weights, with a LoRA run's adapters from `--init-adapter` when given. Neither holds
+/// more than one block's parameters while the executor loads.
+pub struct FreshParams {
+    source: FreshSource,
+    /// The adapter a LoRA run starts from, written over each block's adapters.
+    adapter: Option<LoraAdapter>,
+}
+
+enum FreshSource {
     /// `Model::init_block` from the seed.
     Init(Model, u64),
-    /// A folder's weights, every tensor found and checked when opened.
-    Pretrained(weights::PretrainedBlocks),
+    /// A folder's weights, every tensor found and checked when opened (and a LoRA
+    /// model's adapters initialised from the seed).
+    Pretrained(weights::PretrainedBlocks, u64),
 }
 
 impl FreshParams {
     /// `model` being the configuration's; initialised from the seed for a shape, or
     /// with `from_scratch`, whatever weights the folder holds.
     fn of(cfg: &TrainConfig, model: &Model) -> Result<Self, Error> {
-        if cfg.from_scratch || is_shape(&cfg.model) {
-            return Ok(FreshParams::Init(model.clone(), cfg.seed));
-        }
-        let blocks = weights::PretrainedBlocks::open(Path::new(&cfg.model), model)?;
-        Ok(FreshParams::Pretrained(blocks))
+        let adapter = match &cfg.init_adapter {
+            Some(dir) => Some(LoraAdapter::read(dir, model)?),
+            None => None,
+        };
+        let source = if cfg.from_scratch || is_shape(&cfg.model) {
+            FreshSource::Init(model.clone(), cfg.seed)
+        } else {
+            FreshSource::Pretrained(
+                weights::PretrainedBlocks::open(Path::new(&cfg.model), model)?,
+                cfg.seed,
+            )
+        };
+        Ok(FreshParams { source, adapter })
     }
 
     /// Block `b`'s f32 parameters; an error naming the tensor and its file when a
     /// folder's weights hold a NaN or an infinity.
-    fn block(&self, b: usize) -> Result<Vec<f32>, ModelError> {
-        match self {
-            FreshParams::Init(model, seed) => Ok(model.init_block(b, *seed)),
-            FreshParams::Pretrained(blocks) => blocks.read_block(b),
+    fn block(&self, model: &Model, b: usize) -> Result<Vec<f32>, ModelError> {
+        let mut params = match &self.source {
+            FreshSource::Init(model, seed) => model.init_block(b, *seed),
+            FreshSource::Pretrained(blocks, seed) => {
+                let mut params = blocks.read_block(b)?;
+                if model.lora_config().is_some() {
+                    // The base's folder has no adapters: peft's starting ones.
+                    init_block_adapters(model, b, *seed, &mut params)?;
+                }
+                params
+            }
+        };
+        if let Some(adapter) = &self.adapter {
+            let block = &model.blocks()[b];
+            for w in adapter.layers.iter().filter(|w| w.layer.block == b) {
+                let slots = adapter_slots(block, &w.layer);
+                params[slots.a.range()].copy_from_slice(&w.a);
+                params[slots.b.range()].copy_from_slice(&w.b);
+            }
         }
+        Ok(params)
     }
 }
 
@@ -253,7 +287,10 @@ pub fn executor(
     let mut exec = Executor::new(model.clone(), plan, device, exec_config)?;
     match &initial {
         Initial::Checkpoint(opened) => load_checkpoint(&mut exec, opened)?,
-        Initial::Fresh(fresh) => exec.load_blocks(&|b| fresh.block(b))?,
+        Initial::Fresh(fresh) => {
+            let model = exec.model().clone();
+            exec.load_blocks(&|b| fresh.block(&model, b))?
+        }
     }
     drop(initial);
     exec.set_steps(state.step - state.skipped_steps);

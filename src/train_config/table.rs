@@ -16,7 +16,8 @@ use std::path::PathBuf;
 use clap::{Arg, ArgMatches};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
-use strata_engine::model::ApproxBackward;
+use strata_engine::model::lora::{ADAPTER_CONFIG_FILE, LoraConfig};
+use strata_engine::model::{ApproxBackward, ModelError};
 use strata_engine::plan::{
     GradDtype, GradSpill, OptimizerState, PolicyChoice, Recompute, Schedule,
 };
@@ -274,6 +275,41 @@ settings! {
     /// [default: exact].
     Step approx_backward: ApproxBackward = ApproxBackward::EXACT,
         aliases("approximate_backward");
+
+    /// Fine-tune a LoRA adapter of this rank over the frozen model: the adapters alone
+    /// get gradients, optimizer state and updates (the base's products compute input
+    /// gradients only), and --out writes a peft adapter folder (adapter_config.json,
+    /// adapter_model.safetensors) [default: none, the whole model trains].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    Step lora: Option<usize> = None,
+        flag(value_name = "RANK"),
+        aliases("lora_r", "lora_rank"),
+        check(check_lora);
+
+    /// LoRA's alpha: the adapters' product is scaled by alpha / rank (peft's
+    /// lora_alpha) [default: 16].
+    Step lora_alpha: f64 = 16.0,
+        flag(value_name = "ALPHA");
+
+    /// LoRA's dropout on each adapter's input (peft's lora_dropout); only 0 is built
+    /// [default: 0].
+    Step lora_dropout: f64 = 0.0,
+        flag(value_name = "P");
+
+    /// The linear layers LoRA adapts, by Hugging Face module name, comma-separated (such
+    /// as q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, or GPT-2's
+    /// c_attn,c_proj,c_fc), or all-linear [default: all-linear].
+    Step lora_targets: String = "all-linear".to_string(),
+        flag(value_name = "NAMES"),
+        aliases("target_modules", "lora_target_modules");
+
+    /// A peft adapter folder to start the LoRA adapters from (its adapter_config.json
+    /// sets the rank, alpha, dropout and targets, which --lora flags given with it must
+    /// match) [default: none: A as peft initialises it, B zero].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    Step init_adapter: Option<PathBuf> = None,
+        flag(value_name = "DIR"),
+        check(check_init_adapter);
 
     /// Optimizer steps [default: 600].
     Run steps: u64 = 600,
@@ -558,6 +594,41 @@ fn check_trace_step(c: &TrainConfig) -> Result<(), String> {
     Ok(())
 }
 
+fn check_init_adapter(c: &TrainConfig) -> Result<(), String> {
+    match &c.init_adapter {
+        Some(dir) if !dir.join("adapter_config.json").is_file() => Err(format!(
+            "names {}, which holds no adapter_config.json; give a peft adapter folder \
+             (one that save_pretrained or strata train --lora --out wrote)",
+            dir.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn check_lora(c: &TrainConfig) -> Result<(), String> {
+    if c.lora.is_none() && c.init_adapter.is_none() {
+        return Ok(());
+    }
+    c.lora_config().map(|_| ()).map_err(|e| e.to_string())?;
+    // Until the LoRA model's checkpoints are built (its state covers the adapters alone),
+    // a run that would write or read one is refused before any work.
+    if c.resume.is_some() || c.checkpoint_every > 0 {
+        return Err(
+            "with --checkpoint-every or --resume: a LoRA run's checkpoints are not \
+                    built yet; train without them (--out writes the adapter)"
+                .into(),
+        );
+    }
+    if c.eval_every > 0 {
+        return Err(
+            "with --eval-every: evaluating a LoRA run while it trains is not built \
+                    yet; evaluate the adapter --out writes with strata eval --adapter"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
 fn check_resume(c: &TrainConfig) -> Result<(), String> {
     match &c.resume {
         Some(dir) if !dir.is_dir() => Err(format!(
@@ -570,6 +641,49 @@ fn check_resume(c: &TrainConfig) -> Result<(), String> {
 }
 
 impl TrainConfig {
+    /// The LoRA adapter `--lora` asks for, with `--lora-alpha`, `--lora-dropout` and
+    /// `--lora-targets`, or `--init-adapter`'s (whose settings `--lora` must then
+    /// match); `None` without either.
+    pub fn lora_config(&self) -> Result<Option<LoraConfig>, ModelError> {
+        let flags = match self.lora {
+            Some(rank) => {
+                let targets = self
+                    .lora_targets
+                    .split(',')
+                    .map(|t| t.trim().to_string())
+                    .collect();
+                Some(LoraConfig::new(
+                    rank,
+                    self.lora_alpha,
+                    self.lora_dropout,
+                    targets,
+                )?)
+            }
+            None => None,
+        };
+        let Some(dir) = &self.init_adapter else {
+            return Ok(flags);
+        };
+        let adapter = LoraConfig::read(&dir.join(ADAPTER_CONFIG_FILE))?;
+        match flags {
+            Some(flags) if flags != adapter => Err(ModelError::InvalidConfig(format!(
+                "--init-adapter {} is rank {}, alpha {}, dropout {} on {}, but the --lora \
+                 flags ask for rank {}, alpha {}, dropout {} on {}: leave the --lora flags \
+                 out to take the adapter's",
+                dir.display(),
+                adapter.rank,
+                adapter.alpha,
+                adapter.dropout,
+                adapter.targets.join(","),
+                flags.rank,
+                flags.alpha,
+                flags.dropout,
+                flags.targets.join(",")
+            ))),
+            _ => Ok(Some(adapter)),
+        }
+    }
+
     /// Checks every setting, and settings together, in the order of `--print-config`;
     /// the first problem is the error. Looks at the file system for paths that must
     /// exist already (`data`, `nvme`, `resume`, a model directory).

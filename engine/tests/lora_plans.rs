@@ -1,0 +1,275 @@
+//! LoRA training through the executor: three AdamW steps on `tests/data/lora-tiny` give
+//! peft's losses and trained adapters under every plan that can hold a LoRA model, the
+//! frozen base never changes, and a LoRA model trains bit for bit alike under every
+//! policy, recomputation and schedule. Plans that would put a trained block's parameters
+//! on NVMe are refused by name (a write-back of the adapters alone is not built).
+
+mod model_support;
+
+use std::path::PathBuf;
+
+use model_support::training::{Run, assert_same, train, train_plan};
+use model_support::{UNLIMITED, all_policies, data_dir, rel_err};
+use serde_json::Value;
+use strata_engine::exec::{ExecConfig, Executor, Runner, StepParams};
+use strata_engine::kernels::adamw::AdamW;
+use strata_engine::model::data::{Batch, TokenData};
+use strata_engine::model::lora::layout::adapter_slots;
+use strata_engine::model::lora::{LoraAdapter, LoraConfig};
+use strata_engine::model::weights::load_pretrained;
+use strata_engine::model::{Llama, LlamaConfig, Model};
+use strata_engine::plan::{
+    AllOnDevice, Plan, PlanError, PlanInput, Policy, Recompute, Schedule, StepShape,
+};
+
+const B: usize = 2;
+const T: usize = 16;
+const STEPS: usize = 3;
+const TOLERANCE: f64 = 1e-5;
+
+fn lora_dir() -> PathBuf {
+    data_dir("lora-tiny")
+}
+
+fn meta() -> Value {
+    let text = std::fs::read_to_string(lora_dir().join("meta.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The golden's optimizer: torch's AdamW at lr 1e-3, no weight decay, no clipping.
+fn golden_params() -> StepParams {
+    StepParams {
+        adam: AdamW {
+            lr: 1e-3,
+            weight_decay: 0.0,
+            ..AdamW::default()
+        },
+        clip: 0.0,
+        loss_scale: 1.0,
+    }
+}
+
+/// The LoRA model over lora-tiny's base with adapter0's settings, and its parameters:
+/// the base's, then adapter0's `A` and `B` in the adapters' slots.
+fn golden_start() -> (Model, Model, Vec<Vec<f32>>, LoraAdapter) {
+    let (base, base_params) = load_pretrained(&lora_dir().join("base")).unwrap();
+    let adapter = LoraAdapter::read(&lora_dir().join("adapter0"), &base).unwrap();
+    let lora = base.lora(&adapter.config).unwrap();
+    let mut params: Vec<Vec<f32>> = base_params
+        .iter()
+        .zip(lora.blocks())
+        .map(|(p, block)| {
+            let mut p = p.clone();
+            p.resize(block.len, 0.0);
+            p
+        })
+        .collect();
+    adapter.into_blocks(&lora, &mut params).unwrap();
+    (base, lora, params, adapter)
+}
+
+fn golden_batches(model: &Model) -> Vec<Batch> {
+    let data = TokenData::open(&lora_dir().join("tokens.bin")).unwrap();
+    (0..STEPS)
+        .map(|k| {
+            let mut batch = Batch::default();
+            data.read_batch(k, B, T, model.vocab(), &mut batch).unwrap();
+            batch
+        })
+        .collect()
+}
+
+/// Whether building a plan of `model` under `policy` was refused because a trained
+/// block's parameters would live on NVMe (the one refusal a LoRA model may meet here).
+fn refused_for_nvme(result: &Result<Plan, PlanError>) -> bool {
+    matches!(result, Err(e) if e.to_string().contains("LoRA model's trained blocks keep their parameters in host or device memory"))
+}
+
+/// Each block's parameters as the executor left them: the master copy of the adapters
+/// in their slots over `start`'s base (which the executor must not have changed: the
+/// runner's loss of them is compared with the executor's next step).
+fn whole(model: &Model, start: &[Vec<f32>], tails: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    start
+        .iter()
+        .zip(tails)
+        .zip(model.blocks())
+        .map(|((p, tail), block)| {
+            let mut p = p.clone();
+            p[block.frozen..].copy_from_slice(&tail[..block.trained_len()]);
+            p
+        })
+        .collect()
+}
+
+#[test]
+fn three_lora_steps_through_the_executor_give_peft_losses_and_adapters() {
+    let (base, lora, start, _) = golden_start();
+    let expected = LoraAdapter::read(&lora_dir().join("expected"), &base).unwrap();
+    let want: Vec<f64> = meta()["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_f64().unwrap())
+        .collect();
+    let batches = golden_batches(&lora);
+    let shape = StepShape::cpu(B, T);
+    let mut ran = 0;
+    let mut reference: Option<Run> = None;
+    for policy in all_policies() {
+        let input = PlanInput::new(&lora, shape, UNLIMITED);
+        let plan = Plan::build(&input, policy.as_ref());
+        if refused_for_nvme(&plan) {
+            continue;
+        }
+        let plan = plan.unwrap();
+        let nvme = tempfile::tempdir().unwrap();
+        let config = ExecConfig {
+            nvme_dirs: vec![nvme.path().to_path_buf()],
+            ..ExecConfig::default()
+        };
+        let mut exec = Executor::on_cpu(lora.clone(), plan, &config).unwrap();
+        exec.load(&start, None).unwrap();
+        let mut losses = Vec::new();
+        for batch in &batches {
+            let refs = [(&batch.inputs[..], &batch.targets[..])];
+            losses.push(exec.step(&refs, &golden_params()).unwrap().loss);
+        }
+        exec.flush(&golden_params()).unwrap();
+        let (params, m, v) = exec.export().unwrap();
+        let name = policy.name();
+        for (k, (&got, &want)) in losses.iter().zip(&want).enumerate() {
+            let err = rel_err(&[got], &[want as f32]);
+            assert!(
+                err < TOLERANCE,
+                "{name}: step {k} loss {got} vs peft's {want}"
+            );
+        }
+        for w in &expected.layers {
+            let block = &lora.blocks()[w.layer.block];
+            let slots = adapter_slots(block, &w.layer);
+            let tail = &params[w.layer.block];
+            let part = |s: strata_engine::model::Slot| &tail[s.offset - block.frozen..][..s.len];
+            let (ea, eb) = (rel_err(part(slots.a), &w.a), rel_err(part(slots.b), &w.b));
+            assert!(
+                ea < TOLERANCE && eb < TOLERANCE,
+                "{name}: {} after {STEPS} steps: A off by {ea:.2e}, B by {eb:.2e}",
+                w.layer.module
+            );
+        }
+        // The base is as loaded: the runner's loss of the base with the trained adapters
+        // is the executor's own loss of the next batch.
+        let trained = whole(&lora, &start, &params);
+        let mut runner = Runner::on_cpu(lora.clone(), B, T).unwrap();
+        runner.load(&trained).unwrap();
+        let next = runner
+            .forward(&batches[0].inputs, &batches[0].targets)
+            .unwrap();
+        let refs = [(&batches[0].inputs[..], &batches[0].targets[..])];
+        let exec_next = exec.step(&refs, &golden_params()).unwrap().loss;
+        assert_eq!(
+            next.to_bits(),
+            exec_next.to_bits(),
+            "{name}: the base moved"
+        );
+        let run = Run {
+            losses,
+            params,
+            m,
+            v,
+            link_bytes: Vec::new(),
+            measured: Default::default(),
+        };
+        match &reference {
+            None => reference = Some(run),
+            Some(r) => assert_same(r, &run, &name),
+        }
+        ran += 1;
+    }
+    assert!(ran >= 6, "only {ran} policies planned the LoRA model");
+}
+
+fn small_lora() -> Model {
+    let base = Model::of(Llama::new(LlamaConfig::llama(2, 48, 80, 4, 2, 96, 32)).unwrap());
+    let config = LoraConfig::new(4, 8.0, 0.0, vec!["all-linear".into()]).unwrap();
+    base.lora(&config).unwrap()
+}
+
+#[test]
+fn a_lora_model_trains_bit_identically_under_every_plan() {
+    let model = small_lora();
+    // Clipped: the global norm covers the adapters' gradients alone.
+    let one = StepShape {
+        needs_global_norm: true,
+        ..StepShape::cpu(2, 8)
+    };
+    let two = StepShape {
+        grad_accum: 2,
+        ..one
+    };
+    let shapes = [
+        ("kept", one.recomputing(Recompute::None)),
+        ("recomputed", one.recomputing(Recompute::All)),
+        ("offloaded", one.recomputing(Recompute::Offload)),
+        (
+            "2 horizontal",
+            two.scheduled(Schedule::Horizontal)
+                .recomputing(Recompute::All),
+        ),
+        (
+            "2 vertical, offloaded",
+            two.scheduled(Schedule::Vertical)
+                .recomputing(Recompute::Offload),
+        ),
+    ];
+    let params = model_support::training::adamw_clipped(1.0);
+    let mut refused = 0;
+    for (what, shape) in shapes {
+        let reference = train(&model, shape, &AllOnDevice, 3, params, None);
+        assert!(
+            reference.losses[2] < reference.losses[0],
+            "{what}: {:?}",
+            reference.losses
+        );
+        let policies: Vec<Box<dyn Policy>> = all_policies();
+        for policy in &policies {
+            let input = PlanInput::new(&model, shape, UNLIMITED);
+            let plan = Plan::build(&input, policy.as_ref());
+            if refused_for_nvme(&plan) {
+                refused += 1;
+                continue;
+            }
+            for chaos in [None, Some(3)] {
+                let run = train_plan(&model, plan.clone().unwrap(), 3, params, chaos);
+                let case = format!("{what}, {}, chaos {chaos:?}", policy.name());
+                assert_same(&reference, &run, &case);
+            }
+        }
+    }
+    assert!(
+        refused > 0,
+        "no plan put a trained block's parameters on NVMe"
+    );
+}
+
+#[test]
+fn only_the_adapters_train_and_the_gradients_hold_them_alone() {
+    let model = small_lora();
+    let plan = Plan::build(
+        &PlanInput::new(&model, StepShape::cpu(2, 8), UNLIMITED),
+        &AllOnDevice,
+    )
+    .unwrap();
+    let blocks = model.blocks();
+    let (first, last) = (&blocks[0], &blocks[blocks.len() - 1]);
+    assert!(
+        !first.trains() && !last.trains(),
+        "embedding and head are frozen"
+    );
+    for (b, block) in blocks.iter().enumerate() {
+        assert_eq!(plan.shard_len[b] as usize, block.trained_len(), "block {b}");
+        for t in &block.tensors {
+            let trained = t.slot.offset >= block.frozen;
+            assert_eq!(t.name.contains(".lora_"), trained, "{}", t.name);
+        }
+    }
+}
