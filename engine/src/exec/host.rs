@@ -56,7 +56,11 @@ impl Executor {
                 grads_dtype,
                 state,
                 params_out,
-            } => self.host_adamw(block, (grads, grads_dtype), state, params_out, shared),
+                params_at,
+            } => {
+                let out = params_out.map(|p| (p, params_at as usize));
+                self.host_adamw(block, (grads, grads_dtype), state, out, shared)
+            }
         }
     }
 
@@ -195,7 +199,7 @@ impl Executor {
         block: usize,
         (grads, grads_dtype): (BufId, GradDtype),
         state: BufId,
-        params_out: Option<BufId>,
+        params_out: Option<(BufId, usize)>,
         shared: &StepShared<'_>,
     ) -> Result<(), ExecError> {
         let label = || format!("adamw {block}");
@@ -234,12 +238,11 @@ impl Executor {
         let (master, moments) = split_state(layout, &mut st);
         let precision = self.plan.shape.precision;
         let pbytes = precision.param_bytes() as usize;
-        // A LoRA block's home holds the whole block: the adapters lie past the frozen
-        // base (with ranks nothing is frozen, and a shard's home holds the shard alone).
-        let at = self.model.blocks()[block].frozen * pbytes;
+        // From element `at`: past a LoRA block's frozen base where `buf` is the whole
+        // block's home.
         let mut out = match params_out {
-            Some(buf) => Some(
-                self.lend_at(buf, at, len * pbytes, Lane::Cpu, true, |r| {
+            Some((buf, at)) => Some(
+                self.lend_at(buf, at * pbytes, len * pbytes, Lane::Cpu, true, |r| {
                     self.host().write(Lane::Cpu, r)
                 })
                 .map_err(err)?,

@@ -176,7 +176,9 @@ impl Executor {
         transfers: &mut VecDeque<Transfer>,
     ) -> Result<bool, ExecError> {
         match *op {
-            NvmeOp::Read { from, into } => self.start_read(id, from, into, shared, transfers),
+            NvmeOp::Read { from, into, at } => {
+                self.start_read(id, from, (into, at as usize), shared, transfers)
+            }
             NvmeOp::Write {
                 from,
                 to,
@@ -229,7 +231,7 @@ impl Executor {
         &self,
         id: OpId,
         from: BufId,
-        into: BufId,
+        (into, at): (BufId, usize),
         shared: &StepShared<'_>,
         transfers: &mut VecDeque<Transfer>,
     ) -> Result<bool, ExecError> {
@@ -237,9 +239,9 @@ impl Executor {
         self.before_transfer(id, group, shared, transfers)?;
         let started = Instant::now();
         let op = self.plan.op(id);
-        let bytes = self.plan.buffer(into).bytes as usize;
+        let bytes = self.plan.buffer(into).bytes as usize - at;
         let target = self
-            .lend(into, bytes, op.lane, true, |r| {
+            .lend_at(into, at, bytes, op.lane, true, |r| {
                 self.host().lease(op.lane, r, true)
             })
             .map_err(self.device_error(op.kind.label()))?;

@@ -300,6 +300,13 @@ impl Executor {
         };
         let convert = (precision.dtype() != self.plan.shape.device_dtype())
             .then(|| (precision.dtype(), self.plan.shape.device_dtype()));
+        if let Some(base) = self.plan.block_homes[b].params_base {
+            // A LoRA block split on NVMe: its base's extent, then its trained tail's.
+            let at = self.model.blocks()[b].frozen * pbytes;
+            self.put_home(staging, at, pbytes, &fill, base, convert)?;
+            let tail = |start: usize, out: &mut [u8]| fill(at + start, out);
+            return self.put_home(staging, len * pbytes - at, pbytes, &tail, home, convert);
+        }
         let bytes = if whole { len } else { shard } * pbytes;
         self.put_home(staging, bytes, pbytes, &fill, home, convert)
     }

@@ -18,6 +18,12 @@ use super::Bind;
 /// Tensors start at multiples of this many elements (128 bytes of f32, 64 of bf16).
 pub const TENSOR_ALIGN_ELEMENTS: usize = 32;
 
+/// A block's trained tail ([`BlockLayout::frozen`], when some of the block trains)
+/// starts at a multiple of this many elements: 8 KiB of f32, 4 KiB of bf16 or f16, so
+/// that a tail homed on NVMe in an extent of its own is read into the block's buffer at
+/// an offset O_DIRECT accepts.
+pub const TRAINED_ALIGN_ELEMENTS: usize = 2048;
+
 /// The most transformer blocks a model may have: each has a block layout in host memory
 /// from the moment its `config.json` is read, so a count past any real model's (the
 /// largest have some hundreds) is refused before the layouts are built. 65,536 let a

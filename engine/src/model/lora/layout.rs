@@ -8,7 +8,9 @@
 //! adapter put into or read from a model's blocks (`blocks.rs`).
 
 use crate::model::gpt2::init::SplitMix64;
-use crate::model::layout::{BlockLayout, Slot, TENSOR_ALIGN_ELEMENTS, TensorSpec};
+use crate::model::layout::{
+    BlockLayout, Slot, TENSOR_ALIGN_ELEMENTS, TRAINED_ALIGN_ELEMENTS, TensorSpec,
+};
 
 use super::targets::{LoraLayer, adapter_names};
 
@@ -26,13 +28,19 @@ pub struct AdapterSlots {
 
 /// The blocks of the LoRA model over `base` with `layers` (from
 /// [`select_layers`](super::select_layers) on the base) of `rank`: each base block
-/// unchanged, then its layers' `A` and `B` in order, each aligned; `frozen` is the first
-/// adapter's offset, or the block's length where it has none.
+/// unchanged, then (from a multiple of [`TRAINED_ALIGN_ELEMENTS`]) its layers' `A` and
+/// `B` in order, each aligned; `frozen` is the first adapter's offset, or the block's
+/// length where it has none.
 pub fn lora_blocks(base: &[BlockLayout], layers: &[LoraLayer], rank: usize) -> Vec<BlockLayout> {
     base.iter()
         .enumerate()
         .map(|(b, block)| {
             let mut out = block.clone();
+            let adapted = layers.iter().any(|l| l.block == b);
+            if adapted {
+                out.len = block.len.next_multiple_of(TRAINED_ALIGN_ELEMENTS);
+            }
+            out.frozen = out.len;
             for layer in layers.iter().filter(|l| l.block == b) {
                 let shapes = [
                     vec![rank, layer.in_features],
@@ -49,7 +57,6 @@ pub fn lora_blocks(base: &[BlockLayout], layers: &[LoraLayer], rank: usize) -> V
                     out.len = (offset + len).next_multiple_of(TENSOR_ALIGN_ELEMENTS);
                 }
             }
-            out.frozen = block.len;
             out
         })
         .collect()

@@ -47,6 +47,7 @@ pub(super) fn assemble(stages: Stages<'_>) -> Plan {
         .map(|b| BlockHomes {
             params: homes.params[b].0,
             state: homes.state[b].0,
+            params_base: homes.params_base[b],
         })
         .collect();
     Plan {

@@ -289,7 +289,12 @@ impl<'p, 'a> Emitter<'p, 'a> {
 
     /// A read of `bytes` of extent `from` into `into`, on NVMe lane `lane`.
     pub(super) fn nvme_read(&mut self, lane: Lane, from: BufId, into: BufId, bytes: u64) {
-        let op = NvmeOp::Read { from, into };
+        self.nvme_read_at(lane, from, into, 0, bytes);
+    }
+
+    /// [`Self::nvme_read`] into `into` from its byte `at`.
+    fn nvme_read_at(&mut self, lane: Lane, from: BufId, into: BufId, at: u64, bytes: u64) {
+        let op = NvmeOp::Read { from, into, at };
         let id = self.nvme(lane, op, vec![Access::Read(from), Access::Write(into)]);
         self.set_bytes(id, bytes);
     }
@@ -313,7 +318,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
     fn fetch_params(&mut self, b: usize, to: BufId, from: Fetch) {
         let f = self.f;
         let bytes = f.len(b) * f.pbytes;
-        let shard_bytes = f.shard(b) * f.pbytes;
+        let shard_bytes = f.param_shard(b) * f.pbytes;
         let from_state = from == Fetch::FromState;
         let (cur, next) = self.homes.params[b];
         // A delayed update's new parameters are the next step's (its home pair is
@@ -324,23 +329,41 @@ impl<'p, 'a> Emitter<'p, 'a> {
             cur
         };
         if f.reads_into_device(b, from_state) {
-            self.nvme_read(Lane::NvmeRead, home, to, shard_bytes);
+            self.read_params(b, home, to);
             return;
         }
         let from = match f.tiers[b].params {
             _ if from_state => self.step.s_stage[b].expect("the state's host stage"),
             Tier::Host => home,
             Tier::Nvme => {
-                let stage =
-                    self.table
-                        .buffer(format!("params[{b}]<@host"), Tier::Host, shard_bytes);
-                self.nvme_read(Lane::NvmeRead, home, stage, shard_bytes);
+                // Whole 4 KiB blocks: a split block's tail is read past its base.
+                let stage = self.table.buffer(
+                    format!("params[{b}]<@host"),
+                    Tier::Host,
+                    shard_bytes.next_multiple_of(4096),
+                );
+                self.read_params(b, home, stage);
                 stage
             }
             Tier::Device => unreachable!("device-resident parameters are not fetched"),
         };
         let from = self.gathered(b, from, "<", false);
         self.copy_in(from, to, bytes, f.param_conversion(), false);
+    }
+
+    /// Block `b`'s working parameters from their NVMe home `home` into `into`: one read,
+    /// or for a split LoRA block ([`Frame::splits_params`]) its base's extent and then its
+    /// trained tail's past it.
+    fn read_params(&mut self, b: usize, home: BufId, into: BufId) {
+        let f = self.f;
+        match self.homes.params_base[b] {
+            Some(base) => {
+                let at = f.frozen(b) * f.pbytes;
+                self.nvme_read(Lane::NvmeRead, base, into, at);
+                self.nvme_read_at(Lane::NvmeRead, home, into, at, f.shard(b) * f.pbytes);
+            }
+            None => self.nvme_read(Lane::NvmeRead, home, into, f.param_shard(b) * f.pbytes),
+        }
     }
 
     /// With ranks: block `b`'s working parameters gathered from every rank's shard,
@@ -356,7 +379,7 @@ impl<'p, 'a> Emitter<'p, 'a> {
         if f.ranks == 1 {
             return shard;
         }
-        let bytes = f.ranks as u64 * f.shard(b) * f.pbytes;
+        let bytes = f.ranks as u64 * f.param_shard(b) * f.pbytes;
         let into = self
             .table
             .buffer(format!("params[{b}]*{dir}@host"), Tier::Host, bytes);

@@ -422,12 +422,15 @@ impl Emitter<'_, '_> {
         } else {
             GradDtype::Fp32
         };
+        // The home itself holds the whole block; a stage holds the new parameters alone.
+        let in_home = params_out.is_some_and(|p| p == p_home.0 || p == p_home.1);
         let op = HostOp::Optimizer {
             block: b,
             grads,
             grads_dtype,
             state,
             params_out,
+            params_at: if in_home { f.frozen(b) } else { 0 },
         };
         let id = self.host(op, access);
         self.ops[id.index()].params = len;

@@ -123,15 +123,16 @@ impl<'a> Frame<'a> {
     /// place in the block's home is not built yet.
     fn checked_frozen(self) -> Result<Self, PlanError> {
         for b in 0..self.nb() {
-            if self.blocks[b].frozen > 0 && self.trains(b) && self.stages_new_params(b) {
+            let staged = self.stages_new_params(b) && !self.splits_params(b);
+            if self.blocks[b].frozen > 0 && self.trains(b) && staged {
                 return Err(PlanError::BadPolicy {
                     policy: self.name.clone(),
                     reason: format!(
                         "block {b}: a LoRA model's adapters are updated in place, in a \
-                         parameter home in host memory, or on the device with their \
-                         optimizer state (or on the CPU device); this policy puts the \
-                         parameters on the {} and the optimizer state on the {} \
-                         (copying new adapters into a block's home is not built yet)",
+                         parameter home in host memory or on NVMe, or on the device with \
+                         their optimizer state (or on the CPU device); this policy puts \
+                         the parameters on the {} and the optimizer state on the {} \
+                         (copying new adapters into a device home is not built yet)",
                         self.tiers[b].params, self.tiers[b].state
                     ),
                 });
@@ -227,6 +228,18 @@ impl<'a> Frame<'a> {
     /// train ([`BlockLayout::trained_len`]; the whole block but a LoRA model's base).
     pub(super) fn grad_len(&self, b: usize) -> u64 {
         self.blocks[b].trained_len() as u64
+    }
+
+    /// Elements of block `b`'s frozen base (0 unless a LoRA model's).
+    pub(super) fn frozen(&self, b: usize) -> u64 {
+        self.blocks[b].frozen as u64
+    }
+
+    /// Whether block `b`'s parameters on NVMe are two extents: its frozen base, written
+    /// once at load, and its trained tail, which each update rewrites (a LoRA model's
+    /// adapted block; its tail starts at a multiple of 4 KiB, `TRAINED_ALIGN_ELEMENTS`).
+    pub(super) fn splits_params(&self, b: usize) -> bool {
+        self.tiers[b].params == Tier::Nvme && self.blocks[b].frozen > 0 && self.trains(b)
     }
 
     /// Whether block `b` trains at all: a LoRA model's embedding and head, and a layer
@@ -433,12 +446,6 @@ fn block_tiers(
     if !block.trains() {
         // Nothing to hold: an empty host home, and no gradients at all.
         (t.grads, t.state) = (Tier::Host, Tier::Host);
-    } else if block.frozen > 0 && t.params == Tier::Nvme {
-        return Err(bad(format!(
-            "block {b}: a LoRA model's trained blocks keep their parameters in host or \
-             device memory (a write-back of the adapters alone to NVMe is not built yet); \
-             give the run more --host-mem"
-        )));
     }
     if t.grads == Tier::Nvme {
         return Err(bad(format!("block {b}: gradients cannot live on NVMe")));

@@ -50,6 +50,9 @@ pub(super) struct Homes {
     pub(super) params: Vec<(BufId, BufId)>,
     /// Per block: (current, next) optimizer-state homes.
     pub(super) state: Vec<(BufId, BufId)>,
+    /// Per LoRA block whose parameters are split on NVMe ([`Frame::splits_params`]): the
+    /// extent of its frozen base (`params` being its trained tail's).
+    pub(super) params_base: Vec<Option<BufId>>,
     pub(super) grads: GradHomes,
     /// Tier of checkpoint i (the input of block i + 1), and per micro-batch its extent
     /// when on NVMe.
@@ -85,6 +88,7 @@ impl Homes {
             stats_scratch,
             params: Vec::with_capacity(nb),
             state: Vec::with_capacity(nb),
+            params_base: Vec::with_capacity(nb),
             grads: GradHomes {
                 home_dev: vec![None; nb],
                 apply_dev: vec![None; nb],
@@ -113,6 +117,12 @@ impl Homes {
                 params_home(f, table, b)
             };
             homes.params.push(params);
+            homes.params_base.push(f.splits_params(b).then(|| {
+                let bytes = f.frozen(b) * f.pbytes;
+                let kind = ExtentKind::Single;
+                let name = format!("params.{b}.base");
+                table.extents(name, bytes, kind, b, TensorClass::Params).0
+            }));
             homes.grads.plan_block(f, table, b);
         }
         homes.checkpoints(f, table);
@@ -229,9 +239,14 @@ fn params_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> (BufId, BufI
             shard * f.pbytes,
             delayed,
         ),
+        // A LoRA block's trained tail alone (its base has an extent of its own).
         Tier::Nvme => table.extents(
             format!("params.{b}"),
-            shard * f.pbytes,
+            if f.splits_params(b) {
+                f.shard(b)
+            } else {
+                shard
+            } * f.pbytes,
             if delayed {
                 ExtentKind::Pair
             } else {

@@ -96,6 +96,9 @@ pub enum NvmeOp {
         from: BufId,
         /// Host buffer, or device buffer on the CPU device.
         into: BufId,
+        /// Where in `into` the extent goes, in bytes (a multiple of 4 KiB): 0, or past a
+        /// LoRA block's frozen base, read from an extent of its own.
+        at: u64,
     },
     /// Writes a host buffer to an extent. Skipped with the update when a step is skipped
     /// (fp16 overflow) if `with_update`.
@@ -272,6 +275,10 @@ pub enum HostOp {
         /// master copy is the working one on NVMe
         /// ([`Plan::shares_master`](crate::plan::Plan::shares_master)).
         params_out: Option<BufId>,
+        /// The element of `params_out` the new parameters start at: the block's
+        /// `frozen` where it is the whole block's home (a LoRA model's adapters lie past
+        /// its base), else 0 (a stage or a shard of their own).
+        params_at: u64,
     },
 }
 

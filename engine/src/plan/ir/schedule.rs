@@ -21,6 +21,9 @@ pub struct BlockHomes {
     pub params: BufId,
     /// Master parameters, m and v (an extent's current side when on NVMe).
     pub state: BufId,
+    /// A LoRA block's frozen base, when its parameters are on NVMe: an extent of its own
+    /// (written once, at load), `params` holding the trained tail alone.
+    pub params_base: Option<BufId>,
 }
 
 /// The static schedule and memory plan of one training step.
