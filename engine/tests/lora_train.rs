@@ -9,6 +9,11 @@
 //! 2. Started as peft starts (B zero), the LoRA model computes its base's loss bit for
 //!    bit, and only the B matrices get a gradient.
 //! 3. The adapter read back from the blocks is adapter0, and writes as peft's folder.
+//! 4. GPT-2 (`tests/data/gpt2-tiny`, Conv1D weights (in, out); no peft golden): with a
+//!    random adapter on c_attn, c_proj (attention and MLP) and c_fc, the LoRA model's
+//!    loss is the merged model's, and its adapter gradients follow from the merged
+//!    weights' gradients `G` by the chain rule (`W' = W + s (B A)ᵀ`: `dA = s Bᵀ Gᵀ`,
+//!    `dB = s Gᵀ Aᵀ`), within 1e-5; saved and recomputed alike.
 
 mod model_support;
 
@@ -18,9 +23,10 @@ use model_support::{data_dir, read_f32_tensors, rel_err};
 use strata_engine::exec::Runner;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::lora::{
-    LoraAdapter, adapter_names, init_block_adapters, peft_names, select_layers,
+    LoraAdapter, LoraConfig, LoraWeights, adapter_names, init_block_adapters, merge_params,
+    peft_names, select_layers,
 };
-use strata_engine::model::weights::{FileDtype, PretrainedBlocks, load_config};
+use strata_engine::model::weights::{FileDtype, PretrainedBlocks, load_config, load_pretrained};
 use strata_engine::model::{BlockKind, Model};
 use strata_engine::plan::Recompute;
 
@@ -49,7 +55,12 @@ fn read_base(model: &Model) -> Vec<Vec<f32>> {
 }
 
 fn step0_batch(model: &Model) -> Batch {
-    let data = TokenData::open(&lora_dir().join("tokens.bin")).unwrap();
+    batch_of(&lora_dir(), model)
+}
+
+/// The first batch of `dir`'s `tokens.bin`.
+fn batch_of(dir: &std::path::Path, model: &Model) -> Batch {
+    let data = TokenData::open(&dir.join("tokens.bin")).unwrap();
     let mut batch = Batch::default();
     data.read_batch(0, B, T, model.vocab(), &mut batch).unwrap();
     batch
@@ -57,7 +68,16 @@ fn step0_batch(model: &Model) -> Batch {
 
 /// The loss and the gradients of one forward and backward of step 0's batch.
 fn step0(model: &Model, params: &[Vec<f32>], recompute: Recompute) -> (f32, Vec<Vec<f32>>) {
-    let batch = step0_batch(model);
+    step(model, params, &step0_batch(model), recompute)
+}
+
+/// The loss and the gradients of one forward and backward of `batch`.
+fn step(
+    model: &Model,
+    params: &[Vec<f32>],
+    batch: &Batch,
+    recompute: Recompute,
+) -> (f32, Vec<Vec<f32>>) {
     let mut runner = Runner::on_cpu_recomputing(model.clone(), B, T, recompute).unwrap();
     runner.load(params).unwrap();
     let loss = runner.forward(&batch.inputs, &batch.targets).unwrap();
@@ -121,7 +141,11 @@ fn started_as_peft_starts_the_lora_model_is_its_base_and_only_b_learns_first() {
     }
     let (base_loss, _) = step0(&base, &read_base(&base), Recompute::All);
     let (loss, grads) = step0(&lora, &params, Recompute::All);
-    assert_eq!(loss.to_bits(), base_loss.to_bits(), "B = 0 adds exactly nothing");
+    assert_eq!(
+        loss.to_bits(),
+        base_loss.to_bits(),
+        "B = 0 adds exactly nothing"
+    );
     let layers = select_layers(&base, lora.lora_config().unwrap()).unwrap();
     assert_eq!(layers.len(), 4);
     for layer in &layers {
@@ -136,7 +160,10 @@ fn started_as_peft_starts_the_lora_model_is_its_base_and_only_b_learns_first() {
         assert!(params[layer.block][b.range()].iter().all(|&v| v == 0.0));
         let again = lora.init_block(layer.block, 7);
         assert_eq!(bits(&again[a.range()]), bits(values));
-        assert_ne!(bits(&lora.init_block(layer.block, 8)[a.range()]), bits(values));
+        assert_ne!(
+            bits(&lora.init_block(layer.block, 8)[a.range()]),
+            bits(values)
+        );
         // dA = s Bᵀ (...) is zero while B is; dB is not.
         let grad = |slot: strata_engine::model::Slot| {
             let at = slot.offset - block.frozen;
@@ -164,4 +191,101 @@ fn the_adapter_read_back_from_the_blocks_is_the_one_put_in_and_writes_as_pefts()
     assert!(e.unwrap_err().to_string().contains("Model::lora"));
     let e = LoraAdapter::from_blocks(&base, &base.zero_params());
     assert!(e.unwrap_err().to_string().contains("no LoRA adapters"));
+}
+
+/// `n` values in ±0.1 from `seed` (xorshift), deterministic.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        })
+        .collect()
+}
+
+/// `dA = s Bᵀ Gᵀ` and `dB = s Gᵀ Aᵀ` for the gradient `g` of a Conv1D weight (in, out)
+/// with `w`'s update merged in, in f64.
+fn chain_rule(g: &[f32], w: &LoraWeights, rank: usize, scale: f64) -> [Vec<f32>; 2] {
+    let (n_in, n_out) = (w.layer.in_features, w.layer.out_features);
+    let at = |i: usize, o: usize| f64::from(g[i * n_out + o]);
+    let mut da = vec![0f32; rank * n_in];
+    for k in 0..rank {
+        for i in 0..n_in {
+            let sum: f64 = (0..n_out)
+                .map(|o| f64::from(w.b[o * rank + k]) * at(i, o))
+                .sum();
+            da[k * n_in + i] = (scale * sum) as f32;
+        }
+    }
+    let mut db = vec![0f32; n_out * rank];
+    for o in 0..n_out {
+        for k in 0..rank {
+            let sum: f64 = (0..n_in)
+                .map(|i| at(i, o) * f64::from(w.a[k * n_in + i]))
+                .sum();
+            db[o * rank + k] = (scale * sum) as f32;
+        }
+    }
+    [da, db]
+}
+
+#[test]
+fn gpt2_adapter_gradients_follow_from_the_merged_weights_gradient() {
+    let dir = data_dir("gpt2-tiny");
+    let (base, params) = load_pretrained(&dir).unwrap();
+    let targets = ["c_attn", "c_proj", "c_fc"].map(String::from).to_vec();
+    let config = LoraConfig::new(3, 6.0, 0.0, targets).unwrap();
+    let mut seed = 0;
+    let adapter = LoraAdapter::new(&base, config.clone(), |layer| {
+        seed += 2;
+        let a = values(3 * layer.in_features, seed);
+        (a, values(layer.out_features * 3, seed + 1))
+    })
+    .unwrap();
+    assert_eq!(
+        adapter.layers.len(),
+        8,
+        "c_attn, both c_proj and c_fc of 2 layers"
+    );
+    let batch = batch_of(&dir, &base);
+    let merged = merge_params(&base, &params, &adapter).unwrap();
+    let (merged_loss, merged_grads) = step(&base, &merged, &batch, Recompute::All);
+    let lora = base.lora(&config).unwrap();
+    let mut lora_params = lora.zero_params();
+    for (p, b) in lora_params.iter_mut().zip(&params) {
+        p[..b.len()].copy_from_slice(b);
+    }
+    adapter.into_blocks(&lora, &mut lora_params).unwrap();
+    let (loss, grads) = step(&lora, &lora_params, &batch, Recompute::All);
+    assert!(
+        rel_err(&[loss], &[merged_loss]) < TOLERANCE,
+        "{loss} vs {merged_loss}"
+    );
+    for w in &adapter.layers {
+        let block = &lora.blocks()[w.layer.block];
+        let weight = base.blocks()[w.layer.block]
+            .tensor(&w.layer.weight)
+            .unwrap();
+        let want = chain_rule(
+            &merged_grads[w.layer.block][weight.slot.range()],
+            w,
+            3,
+            config.scale(),
+        );
+        for (name, want) in adapter_names(&w.layer).iter().zip(want) {
+            let slot = block.tensor(name).unwrap().slot;
+            let at = slot.offset - block.frozen;
+            let err = rel_err(&grads[w.layer.block][at..at + slot.len], &want);
+            println!("{name}: relative error {err:.3e}");
+            assert!(err < TOLERANCE, "{name}: relative error {err:.3e}");
+        }
+    }
+    let (saved_loss, saved_grads) = step(&lora, &lora_params, &batch, Recompute::None);
+    assert_eq!(saved_loss.to_bits(), loss.to_bits());
+    for (s, g) in saved_grads.iter().zip(&grads) {
+        assert_eq!(bits(s), bits(g));
+    }
 }

@@ -39,9 +39,9 @@ use strata_kernels::kernel::{
     CrossEntropyBackward, Encoder, EncoderBackward, FewBitGelu, FewBitGeluBackward, FewBitSwiGlu,
     FewBitSwiGluBackward, FlashMask, FoldRanks, Gelu, GeluBackward, GqaAttention,
     GqaAttentionBackward, GqaFlashAttention, GqaFlashAttentionBackward, GradStatsKernel,
-    Int8Dequantize, LayerNorm, LayerNormBackward, Matmul, MatmulBackward, Mul, Nf4Dequantize,
-    Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable, RoundBf16, Scale, SwiGlu,
-    SwiGluBackward, WeightGrad, Zero,
+    Int8Dequantize, LayerNorm, LayerNormBackward, LayerNormGrads, Matmul, MatmulBackward, Mul,
+    Nf4Dequantize, Residual, RmsNorm, RmsNormBackward, Rope, RopeBackward, RopeTable, RoundBf16,
+    Scale, SwiGlu, SwiGluBackward, WeightGrad, Zero,
 };
 use strata_kernels::ops::{self, Cpu, Llama3Scaling, RopeFreqs, WeightLayout};
 use strata_kernels::program::{
@@ -486,8 +486,25 @@ fn layernorm_matches_cpu() {
             compare(&k, &what, w, &scalars(), 1e-5, |s| {
                 Kernel::LayerNormBackward(LayerNormBackward {
                     dinp: s.act(&dinp),
-                    dweight: s.f32s(&dweight),
-                    dbias: s.f32s(&dbias),
+                    params: Some(LayerNormGrads {
+                        dweight: s.f32s(&dweight),
+                        dbias: s.f32s(&dbias),
+                    }),
+                    dout: s.act(&dout),
+                    inp: s.act(&inp),
+                    weight: s.act(&weight),
+                    mean: s.f32s(&mean),
+                    rstd: s.f32s(&rstd),
+                    n,
+                    c,
+                })
+            });
+            // Frozen parameters: the input gradient alone.
+            let what = format!("layernorm-backward without parameters n={n} c={c}");
+            compare(&k, &what, w, &scalars(), 1e-5, |s| {
+                Kernel::LayerNormBackward(LayerNormBackward {
+                    dinp: s.act(&dinp),
+                    params: None,
                     dout: s.act(&dout),
                     inp: s.act(&inp),
                     weight: s.act(&weight),
@@ -1500,8 +1517,10 @@ fn kernels_repeat_bit_for_bit() {
             }),
             Kernel::LayerNormBackward(LayerNormBackward {
                 dinp: s.act(&vec![0.0; n * c]),
-                dweight: s.f32s(&vec![0.0; c]),
-                dbias: s.f32s(&vec![0.0; c]),
+                params: Some(LayerNormGrads {
+                    dweight: s.f32s(&vec![0.0; c]),
+                    dbias: s.f32s(&vec![0.0; c]),
+                }),
                 dout: s.act(&dout),
                 inp: s.act(&inp),
                 weight: s.act(&weight[..c]),

@@ -101,7 +101,23 @@ fn layernorm_matches_reference() {
             check("layernorm_forward rstd", &rstd, &rstd_w, 1e-6, 1e-5);
             let (mut dinp, mut dw, mut db) = (dinp0.clone(), dw0.clone(), db0.clone());
             ops::layernorm_backward(
-                &cpu, &mut dinp, &mut dw, &mut db, &dout, &inp, &w, &mean, &rstd, n, c,
+                &cpu,
+                &mut dinp,
+                Some((&mut dw, &mut db)),
+                &dout,
+                &inp,
+                &w,
+                &mean,
+                &rstd,
+                n,
+                c,
+            );
+            // Frozen parameters: the same input gradient, bit for bit, and no other.
+            let mut frozen = dinp0.clone();
+            ops::layernorm_backward(&cpu, &mut frozen, None, &dout, &inp, &w, &mean, &rstd, n, c);
+            assert_eq!(
+                frozen, dinp,
+                "layernorm_backward without parameters, {n}x{c}"
             );
             check("layernorm_backward dinp", &dinp, &dinp_w, 1e-5, 1e-4);
             check("layernorm_backward dweight", &dw, &dw_w, 1e-4, 1e-5);

@@ -140,11 +140,7 @@ impl Model {
         }
         let approx = self.family.approximation();
         if !approx.is_exact() {
-            return Err(ModelError::BadInput(format!(
-                "--approx-backward {approx} does not combine with LoRA training: its \
-                 sketches estimate the frozen base's weight gradients, which LoRA does not \
-                 compute; drop --approx-backward"
-            )));
+            return Err(lora::adapted::approximate_refused(approx));
         }
         Ok(Model {
             family: self.family.lora(config)?,

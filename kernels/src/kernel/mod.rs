@@ -53,7 +53,7 @@ pub use elementwise::{AddF32, AddScaled, CopyKernel, FoldRanks, Mul, Residual, Z
 pub use encoder::{Encoder, EncoderBackward};
 pub use fewbit::{FewBitGelu, FewBitGeluBackward, FewBitSwiGlu, FewBitSwiGluBackward};
 pub use gelu::{Gelu, GeluBackward};
-pub use layernorm::{LayerNorm, LayerNormBackward};
+pub use layernorm::{LayerNorm, LayerNormBackward, LayerNormGrads};
 pub use matmul::{Matmul, MatmulBackward, WeightGrad};
 pub use optimizer::{AdamWKernel, GradStatsKernel};
 pub use quant::{Int8Dequantize, Nf4Dequantize};

@@ -17,10 +17,15 @@
 //! shared by every block (they run one after another on one stream); the head's buffers
 //! overlay the layers'.
 //!
+//! A LoRA model of GPT-2 ([`Family::lora`], in `lora.rs`) freezes every base tensor and
+//! adds to each adapted product its adapter's share, whose `A` and `B` are the only
+//! tensors its programs compute gradients of.
+//!
 //! This is the only place in the engine that knows GPT-2's operations.
 
 mod config;
 pub(super) mod init;
+mod lora;
 
 pub use config::{Gpt2Config, PRESETS};
 
@@ -32,8 +37,8 @@ use strata_kernels::kernel::attention::{GqaDims, flash_scratch_bytes};
 use strata_kernels::kernel::fewbit::{Bits, codes_len};
 use strata_kernels::kernel::{
     CopyKernel, Encoder, EncoderBackward, FewBitGelu, FewBitGeluBackward, FlashAttention,
-    FlashAttentionBackward, FlashMask, Gelu, GeluBackward, LayerNorm, LayerNormBackward, Matmul,
-    Residual, Zero,
+    FlashAttentionBackward, FlashMask, Gelu, GeluBackward, LayerNorm, LayerNormBackward,
+    LayerNormGrads, Matmul, MatmulBackward, Residual, Zero,
 };
 use strata_kernels::ops::WeightLayout;
 use strata_kernels::program::{Dtype, Kernel, Target, TensorRef};
@@ -42,7 +47,12 @@ use super::approx::{self, Activation, ApproxBackward, sketch_salt};
 use super::config_keys::ConfigKeys;
 use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
+use super::lora::LoraConfig;
+use super::lora::adapted::saved_u;
+use super::lora::kernels::AdapterKernels;
+use super::lora::layout::init_adapters;
 use super::{Bind, Family, ModelError, Pass, Shape};
+use lora::{Gpt2Lora, LayerAdapters, LoraScratch, Product};
 
 /// Which product of a layer a sketch belongs to (its seed's salt, with the layer).
 const SALT_ATTN: u64 = 0;
@@ -53,11 +63,13 @@ const SALT_PROJ: u64 = 2;
 pub const PREFIX: &str = "transformer.";
 
 /// GPT-2 of one shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Gpt2 {
     config: Gpt2Config,
     /// What the layers' backward approximates ([`Family::approximate`]).
     approx: ApproxBackward,
+    /// The adapters of a LoRA model ([`Family::lora`]): the base then frozen.
+    lora: Option<Arc<Gpt2Lora>>,
     blocks: Vec<BlockLayout>,
     embedding: EmbeddingSlots,
     layer: Option<LayerSlots>,
@@ -73,6 +85,7 @@ impl Gpt2 {
         Ok(Gpt2 {
             config,
             approx: ApproxBackward::EXACT,
+            lora: None,
             embedding: EmbeddingSlots::of(&blocks[0]),
             layer: (config.layers > 0).then(|| LayerSlots::of(&blocks[1])),
             head: HeadSlots::of(&blocks[last]),
@@ -98,7 +111,13 @@ impl Gpt2 {
 
     /// Where each intermediate activation of a block lives in the scratch.
     fn scratch(&self, shape: Shape, target: Target, dtype: Dtype) -> Scratch {
-        Scratch::new(&self.config, self.approx, shape, target, dtype)
+        let lora = self.lora.as_deref().map(|l| (l.config.rank, l.any));
+        Scratch::new(&self.config, (self.approx, lora), shape, target, dtype)
+    }
+
+    /// Layer `layer`'s adapters, with their rank, in a LoRA model.
+    fn adapters(&self, layer: usize) -> Option<(&LayerAdapters, usize)> {
+        Some(self.lora.as_deref()?.layer(layer))
     }
 }
 
@@ -148,9 +167,9 @@ impl Family for Gpt2 {
 
     fn saved_bytes(&self, block: usize, shape: Shape, _target: Target, dtype: Dtype) -> usize {
         match self.blocks[block].kind {
-            BlockKind::Transformer { .. } => {
+            BlockKind::Transformer { layer } => {
                 let s = self.scratch(shape, Target::Cpu, dtype);
-                s.kept.saved(&s.approx).1
+                s.kept.saved(&s.approx, self.adapters(layer)).1
             }
             BlockKind::Embedding | BlockKind::Head => 0,
         }
@@ -166,21 +185,32 @@ impl Family for Gpt2 {
     ) -> Vec<Kernel> {
         let mut s = self.scratch(shape, target, dtype);
         let kind = self.blocks[block].kind;
-        if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
-            s.kept = s.kept.saved(&s.approx).0;
-        }
         let layer = match kind {
             BlockKind::Transformer { layer } => layer,
             BlockKind::Embedding | BlockKind::Head => 0,
         };
+        let adapters = match kind {
+            BlockKind::Transformer { layer } => self.adapters(layer),
+            BlockKind::Embedding | BlockKind::Head => None,
+        };
+        if pass.uses_saved() && matches!(kind, BlockKind::Transformer { .. }) {
+            s.kept = s.kept.saved(&s.approx, adapters).0;
+            if let Some((a, _)) = adapters {
+                s.lora = s.lora.with_saved(&s.kept.lora_u, a);
+            }
+        }
         let p = Program {
             shape,
             config: self.config,
             layer,
             dtype,
             s,
-            len: self.blocks[block].len,
-            tied_len: self.blocks[0].len,
+            frozen: self.blocks[block].frozen,
+            trained_len: self.blocks[block].trained_len(),
+            train_base: self.lora.is_none(),
+            adapters: adapters.map(|(a, _)| *a),
+            lora_scale: self.lora.as_deref().map_or(0.0, |l| l.scale),
+            tied_len: self.blocks[0].trained_len(),
             out: Vec::new(),
         };
         match kind {
@@ -195,7 +225,17 @@ impl Family for Gpt2 {
     }
 
     fn init_block(&self, block: usize, seed: u64) -> Vec<f32> {
-        init::gpt2_init(&self.blocks[block], self.config.layers, seed)
+        // A LoRA model's base tensors come first, so they get the base's values.
+        let mut params = init::gpt2_init(&self.blocks[block], self.config.layers, seed);
+        if let Some(lora) = &self.lora {
+            init_adapters(
+                (block, &self.blocks[block]),
+                &lora.selected,
+                seed,
+                &mut params,
+            );
+        }
+        params
     }
 
     fn hf_prefix(&self, _block: usize) -> &'static str {
@@ -214,10 +254,13 @@ impl Family for Gpt2 {
     }
 
     fn param_count(&self) -> usize {
-        self.config.param_count()
+        self.config.param_count() + self.lora.as_deref().map_or(0, |l| l.params)
     }
 
     fn approximate(&self, approx: ApproxBackward) -> Result<Arc<dyn Family>, ModelError> {
+        if self.lora.is_some() {
+            return Err(super::lora::adapted::approximate_refused(approx));
+        }
         approx.bits_for(Activation::Gelu, "GPT-2")?;
         Ok(Arc::new(Gpt2 {
             approx,
@@ -227,6 +270,19 @@ impl Family for Gpt2 {
 
     fn approximation(&self) -> ApproxBackward {
         self.approx
+    }
+
+    fn lora(&self, config: &LoraConfig) -> Result<Arc<dyn Family>, ModelError> {
+        let (blocks, lora) = lora::adapt(self, config)?;
+        Ok(Arc::new(Gpt2 {
+            blocks,
+            lora: Some(Arc::new(lora)),
+            ..self.clone()
+        }))
+    }
+
+    fn lora_config(&self) -> Option<&LoraConfig> {
+        self.lora.as_deref().map(|l| &l.config)
     }
 }
 
@@ -399,13 +455,15 @@ struct Kept {
     ln1_proj: TensorRef,
     ln2_proj: TensorRef,
     gelu_proj: TensorRef,
+    /// Each adapted product's `x Aᵀ` in a LoRA model (empty otherwise).
+    lora_u: [TensorRef; 4],
 }
 
 impl Kept {
     /// The next tensors of `carve`.
     fn carve(
         carve: &mut Carve,
-        config: &Gpt2Config,
+        (config, lora): (&Gpt2Config, Option<(usize, [bool; 4])>),
         a: &Approx,
         shape: Shape,
         dtype: Dtype,
@@ -421,6 +479,8 @@ impl Kept {
         let (fch, fch_gelu) = (l(4 * n * c, dtype), l(4 * n * c, dtype));
         let codes = l(a.bits.map_or(0, |b| codes_len(4 * n * c, b)), Dtype::U32);
         let projection = |k: Option<usize>, cols| k.map_or(0, |k| k * cols);
+        let (rank, any) = lora.unwrap_or((0, [false; 4]));
+        let lora_u = any.map(|adapted| l(if adapted { n * rank } else { 0 }, dtype));
         Kept {
             ln1,
             ln1_mean,
@@ -438,19 +498,23 @@ impl Kept {
             ln1_proj: l(projection(a.attn, c), dtype),
             ln2_proj: l(projection(a.fc, c), dtype),
             gelu_proj: l(projection(a.proj, 4 * c), dtype),
+            lora_u,
         }
     }
 
     /// These tensors with the ones the backward reads moved into the buffer bound at
-    /// [`Bind::Saved`] (the same for every layer and target), and that buffer's bytes.
-    fn saved(mut self, a: &Approx) -> (Kept, usize) {
+    /// [`Bind::Saved`] (the same for every layer and target but in a LoRA model, whose
+    /// layer `adapters` keeps each adapted product's `u`, and a product's input only where
+    /// its adapter's gradient reads it), and that buffer's bytes.
+    fn saved(mut self, a: &Approx, adapters: Option<(&LayerAdapters, usize)>) -> (Kept, usize) {
+        let reads = |p: Product| adapters.is_none_or(|(l, _)| l.has(p as usize));
         let mut carve = Carve::new(Bind::Saved);
         let mut keep = |t: &mut TensorRef| *t = carve.take(t.len, t.dtype);
-        keep(if a.attn.is_some() {
-            &mut self.ln1_proj
-        } else {
-            &mut self.ln1
-        });
+        if a.attn.is_some() {
+            keep(&mut self.ln1_proj);
+        } else if reads(Product::Attn) {
+            keep(&mut self.ln1);
+        }
         for t in [
             &mut self.ln1_mean,
             &mut self.ln1_rstd,
@@ -461,11 +525,11 @@ impl Kept {
         ] {
             keep(t);
         }
-        keep(if a.fc.is_some() {
-            &mut self.ln2_proj
-        } else {
-            &mut self.ln2
-        });
+        if a.fc.is_some() {
+            keep(&mut self.ln2_proj);
+        } else if reads(Product::Fc) {
+            keep(&mut self.ln2);
+        }
         keep(&mut self.ln2_mean);
         keep(&mut self.ln2_rstd);
         match (a.bits, a.proj) {
@@ -479,7 +543,9 @@ impl Kept {
                 keep(&mut self.gelu_proj);
             }
         }
-        (self, carve.next)
+        let mut carve_u = carve;
+        self.lora_u = saved_u(&mut carve_u, self.ln1_mean.len, adapters, self.ln1.dtype);
+        (self, carve_u.next)
     }
 }
 
@@ -507,6 +573,8 @@ struct Scratch {
     head_d_c: TensorRef,
     /// (B, T, V): logits after the head's forward; their gradient after its backward.
     logits: TensorRef,
+    /// A LoRA model's adapters' tensors (empty otherwise; `u` also in `kept`).
+    lora: LoraScratch,
     /// Bytes of the whole region.
     bytes: usize,
 }
@@ -514,7 +582,7 @@ struct Scratch {
 impl Scratch {
     fn new(
         config: &Gpt2Config,
-        approx: ApproxBackward,
+        (approx, lora): (ApproxBackward, Option<(usize, [bool; 4])>),
         shape: Shape,
         target: Target,
         dtype: Dtype,
@@ -523,7 +591,11 @@ impl Scratch {
         let f32 = Dtype::F32;
         let a = Approx::of(approx, shape);
         let mut layer = Carve::new(Bind::Scratch);
-        let kept = Kept::carve(&mut layer, config, &a, shape, dtype);
+        let kept = Kept::carve(&mut layer, (config, lora), &a, shape, dtype);
+        // The adapters' u are the kept ones; the wide tensor is rows × 4C (c_fc's
+        // output, the MLP's c_proj's input).
+        let wide = lora.map(|(rank, _)| (rank, [false; 4]));
+        let adapters = LoraScratch::new(&mut layer, (n, 4 * c), wide, dtype);
         let mut l = |len, dt| layer.take(len, dt);
         let proj = l(n * c, dtype);
         let dims = GqaDims::multi_head(shape.batch, shape.seq, c, config.heads);
@@ -557,6 +629,10 @@ impl Scratch {
             lnf_rstd,
             head_d_c,
             logits,
+            lora: LoraScratch {
+                u: kept.lora_u,
+                ..adapters
+            },
             bytes: layer.next.max(head.next),
         }
     }
@@ -570,9 +646,17 @@ struct Program {
     layer: usize,
     dtype: Dtype,
     s: Scratch,
-    /// Elements of the block's buffer.
-    len: usize,
-    /// Elements of the tied block's (the embedding's) buffer.
+    /// Elements of the block's frozen head (its gradients start after them).
+    frozen: usize,
+    /// Elements of the block's gradients.
+    trained_len: usize,
+    /// Whether the base's tensors train (not in a LoRA model).
+    train_base: bool,
+    /// The layer's adapters, in a LoRA model.
+    adapters: Option<LayerAdapters>,
+    /// The adapters' scale (`alpha / rank`, or rsLoRA's).
+    lora_scale: f32,
+    /// Elements of the tied block's (the embedding's) gradients.
     tied_len: usize,
     out: Vec<Kernel>,
 }
@@ -583,9 +667,71 @@ impl Program {
         slot.tensor(bind, self.dtype)
     }
 
-    /// `slot` of a gradient buffer (f32).
+    /// `slot`'s gradient in the gradient buffer bound at `bind` (f32), which holds the
+    /// block's trained tail only (so `frozen` elements before `slot`; the tied
+    /// embedding's gradients exist only where it trains whole).
     fn grad(&self, bind: Bind, slot: Slot) -> TensorRef {
-        slot.tensor(bind, Dtype::F32)
+        let frozen = if bind == Bind::Grads { self.frozen } else { 0 };
+        assert!(
+            slot.offset >= frozen,
+            "the tensor at {} is frozen",
+            slot.offset
+        );
+        TensorRef::new(bind as u8, (slot.offset - frozen) * 4, slot.len, Dtype::F32)
+    }
+
+    /// The gradients of a LayerNorm's `weight` and `bias`, where the base trains.
+    fn norm_grads(&self, weight: Slot, bias: Slot) -> Option<LayerNormGrads> {
+        self.train_base.then(|| LayerNormGrads {
+            dweight: self.grad(Bind::Grads, weight),
+            dbias: self.grad(Bind::Grads, bias),
+        })
+    }
+
+    /// Zeroes the first `len` elements of the gradients bound at `bind` (none for a block
+    /// that trains nothing).
+    fn zero_grads(&mut self, bind: Bind, len: usize) {
+        if len > 0 {
+            self.push(Kernel::Zero(Zero {
+                t: TensorRef::new(bind as u8, 0, len, Dtype::F32),
+            }));
+        }
+    }
+
+    /// Product `p`'s adapter's tensors, where it has one.
+    fn adapter(&self, p: Product) -> Option<AdapterKernels> {
+        let slots = self.adapters?.get(p as usize)?;
+        Some(AdapterKernels::new(
+            (p as usize, slots),
+            (self.dtype, self.frozen),
+            &self.s.lora,
+            (self.lora_scale, self.shape.rows()),
+        ))
+    }
+
+    /// Product `p`, `out = inp @ weight + bias` with the weight (C, OC) as Conv1D stores
+    /// it, and, where it carries an adapter, the adapter's share added to `out`.
+    fn product(
+        &self,
+        p: Product,
+        (out, inp): (TensorRef, TensorRef),
+        (weight, bias): (Slot, Slot),
+    ) -> Vec<Kernel> {
+        let n = self.shape.rows();
+        let mut k = vec![Kernel::Matmul(Matmul {
+            out,
+            inp,
+            weight: self.param(Bind::Params, weight),
+            bias: Some(self.param(Bind::Params, bias)),
+            layout: WeightLayout::InOut,
+            n,
+            c: inp.len / n,
+            oc: out.len / n,
+        })];
+        if let Some(adapter) = self.adapter(p) {
+            k.extend(adapter.forward(out, inp));
+        }
+        k
     }
 
     /// A whole activation buffer (B, T, C).
@@ -619,6 +765,8 @@ impl Program {
                 t,
                 c,
             })),
+            // A LoRA model's embedding is frozen: nothing to compute.
+            Pass::Backward | Pass::BackwardSaved if !self.train_base => {}
             // The head zeroes this block's gradients (it adds to `wte`'s first).
             Pass::Backward | Pass::BackwardSaved => {
                 self.push(Kernel::EncoderBackward(EncoderBackward {
@@ -644,7 +792,6 @@ impl Program {
         let (n, c) = (self.shape.rows(), self.config.width);
         let x = self.act(Bind::Input);
         let p = |slot| self.param(Bind::Params, slot);
-        let io = WeightLayout::InOut;
         let mut kernels = vec![Kernel::LayerNorm(LayerNorm {
             out: s.kept.ln1,
             mean: s.kept.ln1_mean,
@@ -662,38 +809,22 @@ impl Program {
             s.kept.ln1_proj,
             SALT_ATTN,
         ));
+        let attn = (l.c_attn_weight, l.c_attn_bias);
+        kernels.extend(self.product(Product::Attn, (s.kept.qkv, s.kept.ln1), attn));
+        kernels.extend([Kernel::FlashAttention(FlashAttention {
+            out: s.kept.atty,
+            lse: s.kept.lse,
+            qkv: s.kept.qkv,
+            scratch: s.attention,
+            b: self.shape.batch,
+            t: self.shape.seq,
+            c,
+            nh: self.config.heads,
+            mask: FlashMask::CAUSAL,
+        })]);
+        let attn_proj = (l.attn_proj_weight, l.attn_proj_bias);
+        kernels.extend(self.product(Product::AttnProj, (s.proj, s.kept.atty), attn_proj));
         kernels.extend([
-            Kernel::Matmul(Matmul {
-                out: s.kept.qkv,
-                inp: s.kept.ln1,
-                weight: p(l.c_attn_weight),
-                bias: Some(p(l.c_attn_bias)),
-                layout: io,
-                n,
-                c,
-                oc: 3 * c,
-            }),
-            Kernel::FlashAttention(FlashAttention {
-                out: s.kept.atty,
-                lse: s.kept.lse,
-                qkv: s.kept.qkv,
-                scratch: s.attention,
-                b: self.shape.batch,
-                t: self.shape.seq,
-                c,
-                nh: self.config.heads,
-                mask: FlashMask::CAUSAL,
-            }),
-            Kernel::Matmul(Matmul {
-                out: s.proj,
-                inp: s.kept.atty,
-                weight: p(l.attn_proj_weight),
-                bias: Some(p(l.attn_proj_bias)),
-                layout: io,
-                n,
-                c,
-                oc: c,
-            }),
             Kernel::Residual(Residual {
                 out: s.kept.res2,
                 a: x,
@@ -711,19 +842,9 @@ impl Program {
             }),
         ]);
         kernels.extend(self.projection(project, s.approx.fc, s.kept.ln2, s.kept.ln2_proj, SALT_FC));
-        kernels.extend([
-            Kernel::Matmul(Matmul {
-                out: s.kept.fch,
-                inp: s.kept.ln2,
-                weight: p(l.c_fc_weight),
-                bias: Some(p(l.c_fc_bias)),
-                layout: io,
-                n,
-                c,
-                oc: 4 * c,
-            }),
-            self.gelu(),
-        ]);
+        let fc = (l.c_fc_weight, l.c_fc_bias);
+        kernels.extend(self.product(Product::Fc, (s.kept.fch, s.kept.ln2), fc));
+        kernels.push(self.gelu());
         kernels.extend(self.projection(
             project,
             s.approx.proj,
@@ -731,16 +852,8 @@ impl Program {
             s.kept.gelu_proj,
             SALT_PROJ,
         ));
-        kernels.push(Kernel::Matmul(Matmul {
-            out: s.proj,
-            inp: s.kept.fch_gelu,
-            weight: p(l.mlp_proj_weight),
-            bias: Some(p(l.mlp_proj_bias)),
-            layout: io,
-            n,
-            c: 4 * c,
-            oc: c,
-        }));
+        let mlp_proj = (l.mlp_proj_weight, l.mlp_proj_bias);
+        kernels.extend(self.product(Product::MlpProj, (s.proj, s.kept.fch_gelu), mlp_proj));
         self.out.extend(kernels);
     }
 
@@ -784,7 +897,27 @@ impl Program {
     /// The gradients of a product of its input (N, C) by `weight` (C, OC) given `dout`:
     /// the input's and the bias's exactly, the weight's exactly from the input, or, where
     /// the product is sketched, estimated from the input's projection.
+    /// Where product `p` carries an adapter, the adapter's gradients and its share added
+    /// to `dinp`; the base's weight and bias get none in a LoRA model.
     fn linear_backward(
+        &self,
+        (dinp, dout): (TensorRef, TensorRef),
+        (p, input): (Product, approx::Input),
+        (weight, bias): (Slot, Slot),
+        (c, oc): (usize, usize),
+    ) -> Vec<Kernel> {
+        let mut k = self.base_backward(dinp, dout, input, (weight, bias), (c, oc));
+        if let Some(adapter) = self.adapter(p) {
+            let approx::Input::Whole(inp) = input else {
+                unreachable!("a LoRA model's backward is exact (Model::lora refuses sketches)")
+            };
+            k.extend(adapter.backward(dinp, dout, inp));
+        }
+        k
+    }
+
+    /// The base's share of [`Program::linear_backward`].
+    fn base_backward(
         &self,
         dinp: TensorRef,
         dout: TensorRef,
@@ -792,6 +925,19 @@ impl Program {
         (weight, bias): (Slot, Slot),
         (c, oc): (usize, usize),
     ) -> Vec<Kernel> {
+        if !self.train_base {
+            return vec![Kernel::MatmulBackward(MatmulBackward {
+                dinp,
+                weight_grad: None,
+                dbias: None,
+                dout,
+                weight: self.param(Bind::Params, weight),
+                layout: WeightLayout::InOut,
+                n: self.shape.rows(),
+                c,
+                oc,
+            })];
+        }
         let p = approx::Product {
             dims: (self.shape.rows(), c, oc),
             weight: self.param(Bind::Params, weight),
@@ -831,9 +977,7 @@ impl Program {
         // Backward: recompute the forward from the input (or, from saved activations, only
         // the exact GELU's output), then every gradient, into zeroed parameter gradients.
         let (n, c) = (self.shape.rows(), self.config.width);
-        self.push(Kernel::Zero(Zero {
-            t: TensorRef::new(Bind::Grads as u8, 0, self.len, Dtype::F32),
-        }));
+        self.zero_grads(Bind::Grads, self.trained_len);
         if pass == Pass::BackwardSaved {
             if s.approx.bits.is_none() {
                 let gelu = self.gelu();
@@ -848,14 +992,13 @@ impl Program {
             self.act(Bind::DInput),
         );
         let p = |slot| self.param(Bind::Params, slot);
-        let g = |slot| self.grad(Bind::Grads, slot);
         let k = s.kept;
         let a = s.approx;
         // out = res2 + mlp(ln2(res2)): dout reaches the MLP's output and res2 directly.
+        let gelu_in = self.input(k.fch_gelu, k.gelu_proj, a.proj, SALT_PROJ);
         let mut kernels = self.linear_backward(
-            s.d_fch_gelu,
-            dout,
-            self.input(k.fch_gelu, k.gelu_proj, a.proj, SALT_PROJ),
+            (s.d_fch_gelu, dout),
+            (Product::MlpProj, gelu_in),
             (l.mlp_proj_weight, l.mlp_proj_bias),
             (4 * c, c),
         );
@@ -872,10 +1015,10 @@ impl Program {
                 bits,
             }),
         });
+        let fc_in = self.input(k.ln2, k.ln2_proj, a.fc, SALT_FC);
         kernels.extend(self.linear_backward(
-            s.d_c,
-            s.d_fch,
-            self.input(k.ln2, k.ln2_proj, a.fc, SALT_FC),
+            (s.d_c, s.d_fch),
+            (Product::Fc, fc_in),
             (l.c_fc_weight, l.c_fc_bias),
             (c, 4 * c),
         ));
@@ -887,8 +1030,7 @@ impl Program {
             }),
             Kernel::LayerNormBackward(LayerNormBackward {
                 dinp: s.d_c2,
-                dweight: g(l.ln_2_weight),
-                dbias: g(l.ln_2_bias),
+                params: self.norm_grads(l.ln_2_weight, l.ln_2_bias),
                 dout: s.d_c,
                 inp: k.res2,
                 weight: p(l.ln_2_weight),
@@ -900,9 +1042,8 @@ impl Program {
         ]);
         // res2 = x + attn(ln1(x)); the attention's output projection is always exact.
         kernels.extend(self.linear_backward(
-            s.d_c,
-            s.d_c2,
-            approx::Input::Whole(k.atty),
+            (s.d_c, s.d_c2),
+            (Product::AttnProj, approx::Input::Whole(k.atty)),
             (l.attn_proj_weight, l.attn_proj_bias),
             (c, c),
         ));
@@ -919,10 +1060,10 @@ impl Program {
             nh: self.config.heads,
             mask: FlashMask::CAUSAL,
         }));
+        let attn_in = self.input(k.ln1, k.ln1_proj, a.attn, SALT_ATTN);
         kernels.extend(self.linear_backward(
-            s.d_c,
-            s.d_qkv,
-            self.input(k.ln1, k.ln1_proj, a.attn, SALT_ATTN),
+            (s.d_c, s.d_qkv),
+            (Product::Attn, attn_in),
             (l.c_attn_weight, l.c_attn_bias),
             (c, 3 * c),
         ));
@@ -933,8 +1074,7 @@ impl Program {
             }),
             Kernel::LayerNormBackward(LayerNormBackward {
                 dinp: dx,
-                dweight: g(l.ln_1_weight),
-                dbias: g(l.ln_1_bias),
+                params: self.norm_grads(l.ln_1_weight, l.ln_1_bias),
                 dout: s.d_c,
                 inp: x,
                 weight: p(l.ln_1_weight),
@@ -956,17 +1096,13 @@ impl Program {
         if !pass.is_forward() {
             // Every micro-batch's gradients start from zero; the head is the first to
             // write the tied embedding's.
-            self.push(Kernel::Zero(Zero {
-                t: TensorRef::new(Bind::Grads as u8, 0, self.len, Dtype::F32),
-            }));
-            self.push(Kernel::Zero(Zero {
-                t: TensorRef::new(Bind::TiedGrads as u8, 0, self.tied_len, Dtype::F32),
-            }));
+            self.zero_grads(Bind::Grads, self.trained_len);
+            self.zero_grads(Bind::TiedGrads, self.tied_len);
         }
         let loss = LossHead {
             inp: s.lnf,
             weight: self.param(Bind::TiedParams, wte),
-            dweight: Some(self.grad(Bind::TiedGrads, wte)),
+            dweight: self.train_base.then(|| self.grad(Bind::TiedGrads, wte)),
             logits: s.logits,
             dinp: s.head_d_c,
             targets,
@@ -994,8 +1130,7 @@ impl Program {
             Kernel::Zero(Zero { t: dx }),
             Kernel::LayerNormBackward(LayerNormBackward {
                 dinp: dx,
-                dweight: self.grad(Bind::Grads, h.ln_f_weight),
-                dbias: self.grad(Bind::Grads, h.ln_f_bias),
+                params: self.norm_grads(h.ln_f_weight, h.ln_f_bias),
                 dout: s.head_d_c,
                 inp: x,
                 weight: self.param(Bind::Params, h.ln_f_weight),

@@ -1,24 +1,15 @@
 //! The Llama family's LoRA model ([`Family::lora`](crate::model::Family::lora)): which
-//! of a layer's seven products carry an adapter, where its `A` and `B` lie, the scratch
-//! and saved tensors the adapters add, and the kernels that apply and train them.
-//!
-//! An adapted product `y = x Wᵀ` becomes `y = x Wᵀ + s · (x Aᵀ) Bᵀ` (s the adapter's
-//! scale): `u = x Aᵀ` (rows × rank), `v = u Bᵀ` into a wide scratch tensor, then
-//! `y += s · v` ([`AddScaled`]). Its backward, given `dY`: `dv = s · dY` (into the wide
-//! tensor, zeroed first), `du = dv B` with `dB += dvᵀ u`, then `dx' = du A` with
-//! `dA += duᵀ x`, and `dx += dx'`. `u` is what a saved forward
-//! ([`Pass::ForwardSave`](crate::model::Pass::ForwardSave)) keeps for its backward (rows
-//! × rank per adapted product); the rest is recomputed or scratch. The base's own
-//! gradients are not computed at all (the layer's programs ask for none).
+//! of a layer's seven products carry an adapter, where its `A` and `B` lie, and the
+//! scratch and saved tensors the adapters add; their kernels are
+//! [`AdapterKernels`](crate::model::lora::kernels::AdapterKernels). `u = x Aᵀ` is what a
+//! saved forward ([`Pass::ForwardSave`](crate::model::Pass::ForwardSave)) keeps for its
+//! backward (rows × rank per adapted product); the rest is recomputed or scratch. The
+//! base's own gradients are not computed at all (the layer's programs ask for none).
 
-use strata_kernels::kernel::{AddScaled, Matmul, MatmulBackward, WeightGrad, Zero};
-use strata_kernels::ops::WeightLayout;
-use strata_kernels::program::{Dtype, Kernel, TensorRef};
-
-use crate::model::layout::{BlockLayout, Carve};
-use crate::model::lora::layout::{AdapterSlots, adapter_slots, lora_blocks};
-use crate::model::lora::{LoraConfig, LoraLayer, select_layers};
-use crate::model::{Model, ModelError};
+use crate::model::layout::BlockLayout;
+use crate::model::lora::LoraConfig;
+use crate::model::lora::adapted::{self, Adapted};
+use crate::model::{Family, ModelError};
 
 /// A layer's products, in the order the forward computes them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +24,7 @@ pub(super) enum Product {
 }
 
 impl Product {
-    const ALL: [Product; 7] = [
+    pub(super) const ALL: [Product; 7] = [
         Product::Q,
         Product::K,
         Product::V,
@@ -57,217 +48,23 @@ impl Product {
     }
 }
 
-/// Which of one layer's products carry an adapter, and where its `A` and `B` lie.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(super) struct LayerAdapters([Option<AdapterSlots>; 7]);
+/// The Llama family's adapters: per layer, which of its seven products carry one.
+pub(super) type LlamaLora = Adapted<7>;
 
-impl LayerAdapters {
-    /// Product `p`'s adapter, if it has one.
-    pub(super) fn of(&self, p: Product) -> Option<AdapterSlots> {
-        self.0[p as usize]
-    }
-
-    /// Whether product `p` has an adapter.
-    pub(super) fn has(&self, p: Product) -> bool {
-        self.of(p).is_some()
-    }
-}
-
-/// A Llama-family model's adapters: their settings, their scale and each layer's.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct LlamaLora {
-    pub(super) config: LoraConfig,
-    pub(super) scale: f32,
-    /// Per transformer layer.
-    pub(super) layers: Vec<LayerAdapters>,
-    /// Which products carry an adapter in some layer (their scratch is laid out).
-    pub(super) any: [bool; 7],
-    /// The adapters' parameters.
-    pub(super) params: usize,
-}
+/// One layer's adapters.
+pub(super) type LayerAdapters = crate::model::lora::adapted::LayerAdapters<7>;
 
 /// The blocks and the adapters of the LoRA model with `config` of `base` (a Llama model
-/// without adapters, of `blocks` and `layers` transformer layers).
+/// without adapters).
 pub(super) fn adapt(
-    base: &Model,
-    (blocks, layers): (&[BlockLayout], usize),
+    base: &dyn Family,
     config: &LoraConfig,
 ) -> Result<(Vec<BlockLayout>, LlamaLora), ModelError> {
-    let selected = select_layers(base, config)?;
-    let blocks = lora_blocks(blocks, &selected, config.rank);
-    let per_layer = (0..layers)
-        .map(|layer| layer_adapters(&blocks[layer + 1], layer + 1, &selected))
-        .collect::<Vec<_>>();
-    let any = Product::ALL.map(|p| per_layer.iter().any(|a| a.has(p)));
-    let params = blocks
-        .iter()
-        .flat_map(|b| b.tensors.iter().filter(|t| t.slot.offset >= b.frozen))
-        .map(|t| t.slot.len)
-        .sum();
-    let lora = LlamaLora {
-        config: config.clone(),
-        scale: config.scale() as f32,
-        layers: per_layer,
-        any,
-        params,
-    };
-    Ok((blocks, lora))
+    adapted::adapt(base, Product::ALL.map(Product::weight), config)
 }
 
-/// The adapters of block `b` (a transformer layer's), of `layers` (the model's).
-fn layer_adapters(block: &BlockLayout, b: usize, layers: &[LoraLayer]) -> LayerAdapters {
-    let mut out = LayerAdapters::default();
-    for layer in layers.iter().filter(|l| l.block == b) {
-        let p = Product::ALL
-            .into_iter()
-            .find(|p| layer.weight.ends_with(p.weight()))
-            .expect("select_layers selects a layer's linear weights only");
-        out.0[p as usize] = Some(adapter_slots(block, layer));
-    }
-    out
-}
-
-/// The scratch tensors of the adapters: each product's `u = x Aᵀ` (rows × rank; empty
-/// where no layer adapts it), the wide tensor (`v`, `dv` and `dx'`, rows × the widest
-/// input or output) and `du` (rows × rank).
-#[derive(Debug, Clone, Copy)]
-pub(super) struct LoraScratch {
-    pub(super) u: [TensorRef; 7],
-    pub(super) wide: TensorRef,
-    pub(super) du: TensorRef,
-}
-
-impl LoraScratch {
-    /// Laid out by `carve`, for `rows` rows, a product's widest side `widest`, and the
-    /// model's adapters (none: every tensor empty).
-    pub(super) fn new(
-        carve: &mut Carve,
-        rows: usize,
-        widest: usize,
-        lora: Option<(usize, [bool; 7])>,
-        dtype: Dtype,
-    ) -> LoraScratch {
-        let (rank, any) = lora.unwrap_or((0, [false; 7]));
-        let u = any.map(|adapted| carve.take(if adapted { rows * rank } else { 0 }, dtype));
-        let wide = carve.take(if rank > 0 { rows * widest } else { 0 }, dtype);
-        let du = carve.take(rows * rank, dtype);
-        LoraScratch { u, wide, du }
-    }
-
-    /// The same tensors with the `u` of the products `adapters` adapt in `saved`.
-    pub(super) fn with_saved(self, saved: &[TensorRef; 7], adapters: &LayerAdapters) -> Self {
-        let mut u = self.u;
-        for p in Product::ALL.into_iter().filter(|p| adapters.has(*p)) {
-            u[p as usize] = saved[p as usize];
-        }
-        LoraScratch { u, ..self }
-    }
-}
-
-/// The saved `u` of each product `adapters` adapts (rows × rank; empty otherwise).
-pub(super) fn saved_u(
-    carve: &mut Carve,
-    rows: usize,
-    adapters: Option<(&LayerAdapters, usize)>,
-    dtype: Dtype,
-) -> [TensorRef; 7] {
-    Product::ALL.map(|p| {
-        let len = match adapters {
-            Some((a, rank)) if a.has(p) => rows * rank,
-            _ => 0,
-        };
-        carve.take(len, dtype)
-    })
-}
-
-/// One adapted product's tensors, for its kernels: `A` and `B` (rank × in, out × rank)
-/// and their gradients, `u` (rows × rank), the wide scratch tensor and `du`.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct AdapterKernels {
-    pub(super) a: TensorRef,
-    pub(super) b: TensorRef,
-    pub(super) da: TensorRef,
-    pub(super) db: TensorRef,
-    pub(super) u: TensorRef,
-    pub(super) scratch: LoraScratch,
-    /// The adapter's scale.
-    pub(super) scale: f32,
-    pub(super) rows: usize,
-}
-
-impl AdapterKernels {
-    /// `u = inp Aᵀ`, `v = u Bᵀ`, `out += s · v`.
-    pub(super) fn forward(&self, out: TensorRef, inp: TensorRef) -> [Kernel; 3] {
-        let v = self.scratch.wide.slice(0, out.len);
-        [
-            self.product(self.u, inp, self.a),
-            self.product(v, self.u, self.b),
-            Kernel::AddScaled(AddScaled {
-                dst: out,
-                src: v,
-                factor: self.scale,
-            }),
-        ]
-    }
-
-    /// `dv = s · dout`; `du = dv B`, `dB += dvᵀ u`; `dx' = du A`, `dA += duᵀ inp`;
-    /// `dinp += dx'`.
-    pub(super) fn backward(&self, dinp: TensorRef, dout: TensorRef, inp: TensorRef) -> [Kernel; 5] {
-        let (wide, du) = (self.scratch.wide, self.scratch.du);
-        let (dv, dx) = (wide.slice(0, dout.len), wide.slice(0, dinp.len));
-        [
-            Kernel::Zero(Zero { t: dv }),
-            Kernel::AddScaled(AddScaled {
-                dst: dv,
-                src: dout,
-                factor: self.scale,
-            }),
-            self.product_backward((du, dv), (self.u, self.b), self.db),
-            self.product_backward((dx, du), (inp, self.a), self.da),
-            Kernel::AddScaled(AddScaled {
-                dst: dinp,
-                src: dx,
-                factor: 1.0,
-            }),
-        ]
-    }
-
-    /// `out = inp weightᵀ`, the weight (out, in) as `nn.Linear` stores it.
-    fn product(&self, out: TensorRef, inp: TensorRef, weight: TensorRef) -> Kernel {
-        let n = self.rows;
-        Kernel::Matmul(Matmul {
-            out,
-            inp,
-            weight,
-            bias: None,
-            layout: WeightLayout::OutIn,
-            n,
-            c: inp.len / n,
-            oc: out.len / n,
-        })
-    }
-
-    /// The backward of [`AdapterKernels::product`]: `dinp` overwritten, `dweight` added to.
-    fn product_backward(
-        &self,
-        (dinp, dout): (TensorRef, TensorRef),
-        (inp, weight): (TensorRef, TensorRef),
-        dweight: TensorRef,
-    ) -> Kernel {
-        let n = self.rows;
-        Kernel::MatmulBackward(MatmulBackward {
-            dinp,
-            weight_grad: Some(WeightGrad { dweight, inp }),
-            dbias: None,
-            dout,
-            weight,
-            layout: WeightLayout::OutIn,
-            n,
-            c: inp.len / n,
-            oc: dout.len / n,
-        })
-    }
-}
+/// The adapters' scratch tensors.
+pub(super) type LoraScratch = adapted::AdapterScratch<7>;
 
 /// Checks of the LoRA model, beside the family's own tests.
 #[cfg(test)]
@@ -275,7 +72,7 @@ mod tests {
     use super::*;
     use crate::model::llama::{Llama, LlamaConfig, Variant};
     use crate::model::{Bind, Pass, Shape};
-    use crate::model::{BlockKind, Family, Target};
+    use crate::model::{BlockKind, Dtype, Family, Model, Target};
 
     fn config(targets: &[&str]) -> LoraConfig {
         LoraConfig::new(4, 8.0, 0.0, targets.iter().map(|t| t.to_string()).collect()).unwrap()
@@ -330,7 +127,8 @@ mod tests {
             });
         }
         let layer = &blocks[2];
-        assert_eq!(layer.frozen, base.blocks()[2].len);
+        let aligned = crate::model::layout::TRAINED_ALIGN_ELEMENTS;
+        assert_eq!(layer.frozen, base.blocks()[2].len.next_multiple_of(aligned));
         assert_eq!(
             layer.tensors[..base.blocks()[2].tensors.len()],
             base.blocks()[2].tensors

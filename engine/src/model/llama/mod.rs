@@ -53,9 +53,10 @@ use super::gpt2::init::{Init, init_block_with};
 use super::head::LossHead;
 use super::layout::{BlockKind, BlockLayout, Carve, Slot};
 use super::lora::LoraConfig;
+use super::lora::kernels::AdapterKernels;
 use super::lora::layout::init_adapters;
 use super::{Bind, Family, ModelError, Pass, Shape};
-use lora::{AdapterKernels, LayerAdapters, LlamaLora, LoraScratch, Product};
+use lora::{LayerAdapters, LlamaLora, LoraScratch, Product};
 
 /// A Llama-family model of one shape.
 #[derive(Debug, Clone, PartialEq)]
@@ -118,8 +119,7 @@ impl Llama {
 
     /// Layer `layer`'s adapters, with their rank, in a LoRA model.
     fn adapters(&self, layer: usize) -> Option<(&LayerAdapters, usize)> {
-        let lora = self.lora.as_deref()?;
-        Some((&lora.layers[layer], lora.config.rank))
+        Some(self.lora.as_deref()?.layer(layer))
     }
 }
 
@@ -260,9 +260,12 @@ impl Family for Llama {
         // A LoRA model's base tensors come first, so they get the base's values.
         let mut params = init(&self.blocks[block], seed);
         if let Some(lora) = &self.lora {
-            let layers = super::lora::select_layers(&super::Model::of(self.clone()), &lora.config)
-                .expect("the LoRA model's targets selected its layers when it was made");
-            init_adapters((block, &self.blocks[block]), &layers, seed, &mut params);
+            init_adapters(
+                (block, &self.blocks[block]),
+                &lora.selected,
+                seed,
+                &mut params,
+            );
         }
         params
     }
@@ -295,10 +298,7 @@ impl Family for Llama {
 
     fn approximate(&self, approx: ApproxBackward) -> Result<Arc<dyn Family>, ModelError> {
         if self.lora.is_some() {
-            return Err(ModelError::BadInput(format!(
-                "--approx-backward {approx} does not combine with LoRA training: drop \
-                 --approx-backward"
-            )));
+            return Err(super::lora::adapted::approximate_refused(approx));
         }
         approx.bits_for(Activation::Silu, "the Llama family")?;
         Ok(Arc::new(Llama {
@@ -312,8 +312,7 @@ impl Family for Llama {
     }
 
     fn lora(&self, config: &LoraConfig) -> Result<Arc<dyn Family>, ModelError> {
-        let base = super::Model::of(self.clone());
-        let (blocks, lora) = lora::adapt(&base, (&self.blocks, self.config.layers), config)?;
+        let (blocks, lora) = lora::adapt(self, config)?;
         Ok(Arc::new(Llama {
             blocks,
             lora: Some(Arc::new(lora)),
@@ -607,7 +606,7 @@ impl Scratch {
             .unwrap_or(0);
         let sketch = l(sketch, f32);
         let widest = w.max(q).max(i);
-        let lora = LoraScratch::new(&mut layer, n, widest, lora, dtype);
+        let lora = LoraScratch::new(&mut layer, (n, widest), lora, dtype);
         let mut embedding = Carve::new(Bind::Scratch);
         let zero_pos = embedding.take(shape.seq * w, dtype);
         let dpos = embedding.take(shape.seq * w, f32);
@@ -724,8 +723,10 @@ impl Saved {
             Some((ad, _)) => (
                 [Product::Q, Product::K, Product::V]
                     .iter()
-                    .any(|p| ad.has(*p)),
-                [Product::Gate, Product::Up].iter().any(|p| ad.has(*p)),
+                    .any(|p| ad.has(*p as usize)),
+                [Product::Gate, Product::Up]
+                    .iter()
+                    .any(|p| ad.has(*p as usize)),
             ),
             None => (true, true),
         };
@@ -746,7 +747,7 @@ impl Saved {
         let (res2, xn2, rstd2) = (l(n * w, dtype), l(xn2_rows * w, dtype), l(n, f32));
         let (gate, up) = (l(n * i, dtype), l(n * i, dtype));
         let codes = l(a.bits.map_or(0, |b| codes_len(n * i, b)), Dtype::U32);
-        let lora_u = lora::saved_u(&mut carve, n, adapters, dtype);
+        let lora_u = super::lora::adapted::saved_u(&mut carve, n, adapters, dtype);
         Saved {
             xn,
             rstd1,
@@ -929,17 +930,13 @@ impl Program<'_> {
 
     /// Product `p`'s adapter's tensors, where it has one.
     fn adapter(&self, p: Product) -> Option<AdapterKernels> {
-        let slots = self.adapters?.of(p)?;
-        Some(AdapterKernels {
-            a: self.param(Bind::Params, slots.a),
-            b: self.param(Bind::Params, slots.b),
-            da: self.grad(Bind::Grads, slots.a),
-            db: self.grad(Bind::Grads, slots.b),
-            u: self.s.lora.u[p as usize],
-            scratch: self.s.lora,
-            scale: self.lora_scale,
-            rows: self.shape.rows(),
-        })
+        let slots = self.adapters?.get(p as usize)?;
+        Some(AdapterKernels::new(
+            (p as usize, slots),
+            (self.dtype, self.frozen),
+            &self.s.lora,
+            (self.lora_scale, self.shape.rows()),
+        ))
     }
 
     /// `slot`'s gradient in the gradient buffer bound at `bind` (f32), which holds the
@@ -1259,6 +1256,36 @@ impl Program<'_> {
         }
     }
 
+    /// What a layer's backward recomputes before its gradients: its forward from its
+    /// input ([`Pass::Backward`]), or only the rotary table and the down projection's
+    /// input where its gradients read it ([`Pass::BackwardSaved`]).
+    fn recompute(&mut self, l: &LayerSlots, pass: Pass) {
+        let s = self.s;
+        if pass == Pass::BackwardSaved {
+            let table = self.rope_table();
+            self.out.push(table);
+            // The down projection's input, where its weight's or adapter's gradient
+            // reads it.
+            let down_reads =
+                self.train_base || self.adapters.is_some_and(|a| a.has(Product::Down as usize));
+            if s.approx.bits.is_none() && down_reads {
+                let swiglu = self.swiglu();
+                self.out.push(swiglu);
+            }
+        } else {
+            self.layer_body(l, true);
+        }
+        if s.approx.bits.is_some() {
+            // The down projection's input from the factors the few-bit backward keeps:
+            // the same kernel after either forward, so both backwards read the same bits.
+            self.out.push(Kernel::Mul(Mul {
+                out: s.hmid,
+                a: s.act,
+                b: s.up,
+            }));
+        }
+    }
+
     fn layer(mut self, l: &LayerSlots, pass: Pass) -> Vec<Kernel> {
         let s = self.s;
         self.documents();
@@ -1277,28 +1304,7 @@ impl Program<'_> {
         // the rotary table and the SwiGLU's product), then every gradient, into zeroed
         // parameter gradients.
         self.zero_grads(Bind::Grads, self.trained_len);
-        if pass == Pass::BackwardSaved {
-            let table = self.rope_table();
-            self.out.push(table);
-            // The down projection's input, where its weight's or adapter's gradient
-            // reads it.
-            let down_reads = self.train_base || self.adapters.is_some_and(|a| a.has(Product::Down));
-            if s.approx.bits.is_none() && down_reads {
-                let swiglu = self.swiglu();
-                self.out.push(swiglu);
-            }
-        } else {
-            self.layer_body(l, true);
-        }
-        if s.approx.bits.is_some() {
-            // The down projection's input from the factors the few-bit backward keeps:
-            // the same kernel after either forward, so both backwards read the same bits.
-            self.out.push(Kernel::Mul(Mul {
-                out: s.hmid,
-                a: s.act,
-                b: s.up,
-            }));
-        }
+        self.recompute(l, pass);
         let (x, dout, dx) = (
             self.act(Bind::Input),
             self.act(Bind::DOutput),
@@ -1473,6 +1479,7 @@ mod tests {
         for (name, count) in [
             ("llama-3-8b", 8_030_261_248usize),
             ("llama-3.1-8b", 8_030_261_248),
+            ("llama-3-70b", 70_553_706_496),
             ("llama-3.2-1b", 1_235_814_400),
             ("llama-3.2-3b", 3_212_749_824),
             ("qwen2.5-0.5b", 494_032_768),
@@ -1488,7 +1495,7 @@ mod tests {
             let counted: usize = model.blocks().iter().map(|b| b.param_count()).sum();
             assert_eq!(counted, count, "{name}: layouts");
         }
-        assert_eq!(preset_names().len(), 10);
+        assert_eq!(preset_names().len(), 11);
         assert!(LlamaConfig::preset("llama-9").is_none());
     }
 

@@ -16,7 +16,8 @@ use crate::model::weights::{F32View, FileDtype, WeightFiles};
 use crate::model::{Model, ModelError};
 
 use super::config::{ADAPTER_CONFIG_FILE, LoraConfig};
-use super::targets::{LoraLayer, WeightLayout, select_layers};
+use super::select_layers;
+use super::targets::{LoraLayer, WeightLayout};
 
 /// The adapter's weights file in a peft adapter folder.
 pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";

@@ -8,7 +8,8 @@ use crate::model::{Model, ModelError};
 
 use super::adapter::{LoraAdapter, LoraWeights};
 use super::layout::{adapter_slots, init_adapters};
-use super::targets::{LoraLayer, select_layers};
+use super::select_layers;
+use super::targets::LoraLayer;
 
 /// The layers `model` (a LoRA model) adapts, with its settings' rank; an error naming
 /// the fix for a model without adapters.

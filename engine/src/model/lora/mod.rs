@@ -14,14 +14,18 @@
 //!   model folder.
 //! - [`layout`]: a LoRA model's blocks (the base's tensors, then the adapters, its
 //!   trained tail) and the adapters' starting values; [`blocks`]: an adapter started
-//!   in, put into and read from a LoRA model's block parameters.
+//!   in, put into and read from a LoRA model's block parameters; `kernels`: the
+//!   kernels of one adapted product and its backward, and `adapted`: which products of
+//!   each layer carry an adapter, both for the families' programs.
 //!
 //! The programs that apply and train the adapters are each family's
 //! ([`crate::model::Model::lora`]).
 
+pub(crate) mod adapted;
 pub mod adapter;
 pub mod blocks;
 pub mod config;
+pub(crate) mod kernels;
 pub mod layout;
 pub mod merge;
 pub mod targets;
@@ -31,4 +35,14 @@ pub use blocks::init_block_adapters;
 pub use config::{ADAPTER_CONFIG_FILE, ALL_LINEAR, LoraConfig};
 pub use layout::AdapterSlots;
 pub use merge::{check_layers, merge_block, merge_in_place, merge_params, save_merged};
-pub use targets::{LoraLayer, WeightLayout, adapter_names, select_layers};
+pub use targets::{LoraLayer, WeightLayout, adapter_names, select_family_layers};
+
+use crate::model::{Model, ModelError};
+
+/// The layers of `model` that `config`'s targets select, in block and layout order
+/// ([`select_family_layers`] of its family); an error for a target that selects nothing,
+/// or selects a layer outside the transformer blocks (the embeddings, the output head),
+/// which strata does not adapt.
+pub fn select_layers(model: &Model, config: &LoraConfig) -> Result<Vec<LoraLayer>, ModelError> {
+    select_family_layers(model.family(), config)
+}

@@ -5,7 +5,7 @@
 //! without `.weight` (`model.layers.0.self_attn.q_proj`, `transformer.h.0.attn.c_attn`).
 //! Also the names a LoRA model's layout gives each selected layer's `A` and `B`.
 
-use crate::model::{BlockKind, Model, ModelError};
+use crate::model::{BlockKind, Family, ModelError};
 
 use super::config::{ALL_LINEAR, LoraConfig};
 
@@ -19,9 +19,9 @@ pub enum WeightLayout {
 }
 
 impl WeightLayout {
-    /// The layout of `model`'s linear weights.
-    pub fn of(model: &Model) -> Self {
-        match model.family().name() {
+    /// The layout of `family`'s linear weights.
+    pub fn of(family: &dyn Family) -> Self {
+        match family.name() {
             "gpt2" => WeightLayout::InOut,
             _ => WeightLayout::OutIn,
         }
@@ -63,10 +63,9 @@ struct Linear<'a> {
     module: String,
 }
 
-fn linears(model: &Model) -> Vec<Linear<'_>> {
-    let family = model.family();
+fn linears(family: &dyn Family) -> Vec<Linear<'_>> {
     let mut out = Vec::new();
-    for (b, block) in model.blocks().iter().enumerate() {
+    for (b, block) in family.blocks().iter().enumerate() {
         for t in &block.tensors {
             let Some(stem) = t.name.strip_suffix(".weight") else {
                 continue;
@@ -116,11 +115,15 @@ pub fn selects(name: &str, path: &str) -> bool {
     path == name || path.strip_suffix(name).is_some_and(|p| p.ends_with('.'))
 }
 
-/// The layers of `model` that `config`'s targets select, in block and layout order; an
+/// The layers of `family` that `config`'s targets select, in block and layout order; an
 /// error for a target that selects nothing, or selects a layer outside the transformer
-/// blocks (the embeddings, the output head), which strata does not adapt.
-pub fn select_layers(model: &Model, config: &LoraConfig) -> Result<Vec<LoraLayer>, ModelError> {
-    let all = linears(model);
+/// blocks (the embeddings, the output head), which strata does not adapt. (A model's:
+/// [`select_layers`](super::select_layers).)
+pub fn select_family_layers(
+    family: &dyn Family,
+    config: &LoraConfig,
+) -> Result<Vec<LoraLayer>, ModelError> {
+    let all = linears(family);
     let every = config.targets.iter().any(|t| t == ALL_LINEAR);
     for target in config.targets.iter().filter(|t| *t != ALL_LINEAR) {
         let hits: Vec<&Linear> = all.iter().filter(|l| selects(target, &l.module)).collect();
@@ -136,12 +139,12 @@ pub fn select_layers(model: &Model, config: &LoraConfig) -> Result<Vec<LoraLayer
             return Err(ModelError::BadInput(format!(
                 "LoRA target `{target}` names no linear layer of this {} model; its \
                  layers are {}",
-                model.family().name(),
+                family.name(),
                 layer_names(&all)
             )));
         }
     }
-    let layout = WeightLayout::of(model);
+    let layout = WeightLayout::of(family);
     Ok(all
         .iter()
         .filter(|l| l.in_layer)

@@ -63,16 +63,15 @@ pub fn layernorm_forward(
     );
 }
 
-/// dinp: (N, C) +=  dweight: (C) +=  dbias: (C) +=  dout: (N, C)  inp: (N, C)
-/// weight: (C)  mean, rstd: (N) from the forward pass.
+/// dinp: (N, C) +=  (dweight, dbias): (C) += (or none: frozen parameters)  dout: (N, C)
+/// inp: (N, C)  weight: (C)  mean, rstd: (N) from the forward pass.
 /// Two passes: rows in parallel for `dinp`, then column ranges in parallel for the
 /// parameter gradients (each column adds its rows in order: no dependence on threads).
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
     cpu: &Cpu,
     dinp: &mut [f32],
-    dweight: &mut [f32],
-    dbias: &mut [f32],
+    params: Option<(&mut [f32], &mut [f32])>,
     dout: &[f32],
     inp: &[f32],
     weight: &[f32],
@@ -85,7 +84,7 @@ pub fn layernorm_backward(
     assert_eq!(dout.len(), n * c);
     assert_eq!(inp.len(), n * c);
     assert_eq!((mean.len(), rstd.len()), (n, n));
-    assert_eq!((weight.len(), dweight.len(), dbias.len()), (c, c, c));
+    assert_eq!(weight.len(), c);
     let threads = cpu.threads_for(n * c);
     par_rows(threads, n, 1, RowsMut::new(dinp, c), |rows, dinp| {
         on_isa!(cpu.isa, {
@@ -120,6 +119,10 @@ pub fn layernorm_backward(
             }
         },)
     });
+    let Some((dweight, dbias)) = params else {
+        return;
+    };
+    assert_eq!((dweight.len(), dbias.len()), (c, c));
     let parts = (RowsMut::new(dweight, 1), RowsMut::new(dbias, 1));
     par_rows(threads, c, simd::LANES, parts, |cols, (dw, db)| {
         on_isa!(cpu.isa, {
@@ -236,15 +239,23 @@ impl CudaKernel for LayerNorm {
     }
 }
 
-/// dinp: (N, C) +=, dweight, dbias: (C) f32 += the gradients given dout.
+/// The parameters' gradients of a [`LayerNormBackward`]: (C) f32 each, accumulated.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerNormGrads {
+    /// The weight's.
+    pub dweight: TensorRef,
+    /// The bias's.
+    pub dbias: TensorRef,
+}
+
+/// dinp: (N, C) +=, dweight, dbias: (C) f32 += the gradients given dout; without
+/// `params` (frozen parameters, as a LoRA model's) only the input gradient.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LayerNormBackward {
     /// (N, C), accumulated.
     pub dinp: TensorRef,
-    /// (C) f32, accumulated.
-    pub dweight: TensorRef,
-    /// (C) f32, accumulated.
-    pub dbias: TensorRef,
+    /// The parameters' gradients, accumulated; none where they are frozen.
+    pub params: Option<LayerNormGrads>,
     /// (N, C).
     pub dout: TensorRef,
     /// (N, C).
@@ -280,8 +291,10 @@ impl Signature for LayerNormBackward {
             LenRule::Len(self.n),
         );
         each(Param::write("dinp", &self.dinp, w, rows));
-        each(Param::write("dweight", &self.dweight, f32_, row));
-        each(Param::write("dbias", &self.dbias, f32_, row));
+        if let Some(g) = &self.params {
+            each(Param::write("dweight", &g.dweight, f32_, row));
+            each(Param::write("dbias", &g.dbias, f32_, row));
+        }
         each(Param::read("dout", &self.dout, w, rows));
         each(Param::read("inp", &self.inp, w, rows));
         each(Param::read("weight", &self.weight, w, row));
@@ -290,7 +303,9 @@ impl Signature for LayerNormBackward {
     }
 
     fn flops(&self) -> f64 {
-        12.0 * (self.n * self.c) as f64
+        // The input gradient's 9 per element, and the parameters' 3 where computed.
+        let per_element = if self.params.is_some() { 12.0 } else { 9.0 };
+        per_element * (self.n * self.c) as f64
     }
 }
 
@@ -302,16 +317,14 @@ impl CpuKernel for LayerNormBackward {
         _: &Scalars,
         t: &CpuTensors<'_>,
     ) -> Result<(), KernelError> {
-        let (dinp, dweight, dbias) = (
-            t.f32_mut(&self.dinp),
-            t.f32_mut(&self.dweight),
-            t.f32_mut(&self.dbias),
-        );
+        let dinp = t.f32_mut(&self.dinp);
+        let params = self
+            .params
+            .as_ref()
+            .map(|g| (t.f32_mut(&g.dweight), t.f32_mut(&g.dbias)));
         let (dout, inp, weight) = (t.f32(&self.dout), t.f32(&self.inp), t.f32(&self.weight));
         let (mean, rstd) = (t.f32(&self.mean), t.f32(&self.rstd));
-        layernorm_backward(
-            cpu, dinp, dweight, dbias, dout, inp, weight, mean, rstd, s.n, s.c,
-        );
+        layernorm_backward(cpu, dinp, params, dout, inp, weight, mean, rstd, s.n, s.c);
         Ok(())
     }
 }
@@ -335,13 +348,16 @@ impl CudaKernel for LayerNormBackward {
             int(s.c),
         ];
         q.launch(LAYERNORM_BACKWARD_INPUT, per_row_warp(s.n), &input)?;
+        let Some(g) = &self.params else {
+            return Ok(());
+        };
         // layernorm_backward_params_<T>(float* dweight, float* dbias, const T* dout,
         // const T* inp, const float* mean, const float* rstd, int n, int c): block
         // (32, 32) per 32 columns; touches columns below c of dweight and dbias and of
         // the n rows of dout and inp, and n of mean and rstd.
         let params = [
-            q.ptr(&self.dweight),
-            q.ptr(&self.dbias),
+            q.ptr(&g.dweight),
+            q.ptr(&g.dbias),
             q.ptr(&self.dout),
             q.ptr(&self.inp),
             q.ptr(&self.mean),
@@ -384,20 +400,27 @@ mod tests {
 
     impl Emulated for LayerNormBackward {
         fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-            SIZES
-                .map(|(n, c)| LayerNormBackward {
-                    dinp: l.tensor(n * c, w),
-                    dweight: l.tensor(c, Dtype::F32),
-                    dbias: l.tensor(c, Dtype::F32),
-                    dout: l.tensor(n * c, w),
-                    inp: l.tensor(n * c, w),
-                    weight: l.tensor(c, w),
-                    mean: l.tensor(n, Dtype::F32),
-                    rstd: l.tensor(n, Dtype::F32),
-                    n,
-                    c,
-                })
-                .to_vec()
+            // Each size with the parameters' gradients, and without them (frozen).
+            let mut out = Vec::new();
+            for (n, c) in SIZES {
+                for with_params in [true, false] {
+                    out.push(LayerNormBackward {
+                        dinp: l.tensor(n * c, w),
+                        params: with_params.then(|| LayerNormGrads {
+                            dweight: l.tensor(c, Dtype::F32),
+                            dbias: l.tensor(c, Dtype::F32),
+                        }),
+                        dout: l.tensor(n * c, w),
+                        inp: l.tensor(n * c, w),
+                        weight: l.tensor(c, w),
+                        mean: l.tensor(n, Dtype::F32),
+                        rstd: l.tensor(n, Dtype::F32),
+                        n,
+                        c,
+                    });
+                }
+            }
+            out
         }
 
         fn dimensions(&self) -> Vec<(&'static str, usize)> {
