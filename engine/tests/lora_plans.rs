@@ -19,7 +19,9 @@ use strata_engine::model::lora::layout::adapter_slots;
 use strata_engine::model::lora::{LoraAdapter, LoraConfig};
 use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Llama, LlamaConfig, Model};
-use strata_engine::plan::{AllOnDevice, Plan, PlanInput, Policy, Recompute, Schedule, StepShape};
+use strata_engine::plan::{
+    AllOnDevice, Plan, PlanInput, Policy, Precision, Recompute, Schedule, StepShape,
+};
 
 const B: usize = 2;
 const T: usize = 16;
@@ -196,6 +198,16 @@ fn a_lora_model_trains_bit_identically_under_every_plan() {
         ..one
     };
     let shapes = [
+        // bf16 working parameters: on the CPU device (f32) a device home's new adapters
+        // are staged on the host and copied past the base, converted.
+        (
+            "bf16, kept",
+            StepShape {
+                precision: Precision::Bf16,
+                ..one
+            }
+            .recomputing(Recompute::None),
+        ),
         ("kept", one.recomputing(Recompute::None)),
         ("recomputed", one.recomputing(Recompute::All)),
         ("offloaded", one.recomputing(Recompute::Offload)),

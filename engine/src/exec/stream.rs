@@ -38,6 +38,7 @@ impl Executor {
             StreamOp::H2d {
                 from,
                 to,
+                to_at,
                 bytes,
                 convert,
                 with_update,
@@ -45,6 +46,7 @@ impl Executor {
                 if with_update && self.norms.skipped() {
                     return Ok(None);
                 }
+                let to = (to, to_at as usize);
                 self.copy_to_device(from, to, bytes as usize, convert, after)
             }
             StreamOp::D2h { from, to, bytes } => {
@@ -109,14 +111,15 @@ impl Executor {
     fn copy_to_device(
         &self,
         from: BufId,
-        to: BufId,
+        (to, to_at): (BufId, usize),
         bytes: usize,
         convert: Option<(Dtype, Dtype)>,
         after: &[Event],
     ) -> Result<Event, EngineError> {
-        let device_bytes = convert.map_or(bytes, |(a, b)| bytes / a.size() * b.size());
+        let device_size = |n: usize| convert.map_or(n, |(a, b)| n / a.size() * b.size());
         let src = self.host_range(from).prefix(bytes);
-        let dst = self.device_range(to).sub(0, device_bytes);
+        let elem = self.plan.shape.device_dtype().size();
+        let dst = self.device_range(to).sub(to_at * elem, device_size(bytes));
         self.device
             .copy_to_device(self.host(), src, dst, convert, after)
     }

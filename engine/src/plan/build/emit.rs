@@ -269,9 +269,22 @@ impl<'p, 'a> Emitter<'p, 'a> {
         convert: Option<(Dtype, Dtype)>,
         with_update: bool,
     ) {
+        self.copy_in_at(from, (to, 0), bytes, convert, with_update);
+    }
+
+    /// [`Self::copy_in`] into `to` from its element `to_at`.
+    pub(super) fn copy_in_at(
+        &mut self,
+        from: BufId,
+        (to, to_at): (BufId, u64),
+        bytes: u64,
+        convert: Option<(Dtype, Dtype)>,
+        with_update: bool,
+    ) {
         let op = StreamOp::H2d {
             from,
             to,
+            to_at,
             bytes,
             convert,
             with_update,

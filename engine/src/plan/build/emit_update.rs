@@ -456,11 +456,13 @@ impl Emitter<'_, '_> {
                 // Written in place by the optimizer (`update_writes_device`).
             }
             (Tier::Device, Some(params_out)) => {
+                // The stage holds the trained elements: the whole block, or a LoRA
+                // block's adapters, copied past its base.
                 let from = self.gathered(b, params_out, ">", true);
-                self.copy_in(
+                self.copy_in_at(
                     from,
-                    p_home.1,
-                    f.len(b) * f.pbytes,
+                    (p_home.1, f.frozen(b)),
+                    f.grad_len(b) * f.pbytes,
                     f.param_conversion(),
                     true,
                 );

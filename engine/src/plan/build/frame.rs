@@ -89,7 +89,7 @@ impl<'a> Frame<'a> {
         check_frozen(blocks, &shape)?;
         check_grad_dtype(&shape)?;
         check_approximation(input, &shape)?;
-        Frame {
+        Ok(Frame {
             input,
             policy,
             name,
@@ -114,31 +114,7 @@ impl<'a> Frame<'a> {
             kept: vec![false; nb],
             saved_tier: vec![Tier::Device; nb],
             spill: vec![false; nb],
-        }
-        .checked_frozen()
-    }
-
-    /// Refuses a LoRA model's trained block whose new parameters would go through a host
-    /// stage: the stage would hold the adapters alone, and a copy of them into their
-    /// place in the block's home is not built yet.
-    fn checked_frozen(self) -> Result<Self, PlanError> {
-        for b in 0..self.nb() {
-            let staged = self.stages_new_params(b) && !self.splits_params(b);
-            if self.blocks[b].frozen > 0 && self.trains(b) && staged {
-                return Err(PlanError::BadPolicy {
-                    policy: self.name.clone(),
-                    reason: format!(
-                        "block {b}: a LoRA model's adapters are updated in place, in a \
-                         parameter home in host memory or on NVMe, or on the device with \
-                         their optimizer state (or on the CPU device); this policy puts \
-                         the parameters on the {} and the optimizer state on the {} \
-                         (copying new adapters into a device home is not built yet)",
-                        self.tiers[b].params, self.tiers[b].state
-                    ),
-                });
-            }
-        }
-        Ok(self)
+        })
     }
 
     /// The same frame with the layer blocks marked in `kept` keeping their saved

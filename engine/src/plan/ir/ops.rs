@@ -141,6 +141,9 @@ pub enum StreamOp {
         from: BufId,
         /// Device buffer.
         to: BufId,
+        /// Where in `to` the copy goes, in elements (0, or a LoRA block's `frozen`: its
+        /// new adapters copied past its base).
+        to_at: u64,
         /// Bytes the copy reads from the host buffer.
         bytes: u64,
         /// From the host's dtype to the device's (parameters on the CPU device).
