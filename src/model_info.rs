@@ -19,8 +19,8 @@ use crate::report::{Table, format_bytes};
 pub struct ModelArgs {
     /// A named configuration. GPT-2: tiny, small, gpt2 (124M), gpt2-medium, gpt2-large,
     /// gpt2-xl (1.5B). Llama family (published shapes, no weights): llama-3-8b,
-    /// llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b,
-    /// qwen2.5-7b, qwen3-8b, mistral-7b. The numbers below override its fields, for any
+    /// llama-3.1-8b, llama-3-70b, llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, qwen2.5-1.5b,
+    /// qwen2.5-3b, qwen2.5-7b, qwen3-8b, mistral-7b. The numbers below override its fields, for any
     /// size. Default: gpt2, or with --family a 2-layer, 64-wide model of that family.
     #[arg(long)]
     pub config: Option<String>,

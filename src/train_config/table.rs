@@ -162,9 +162,9 @@ macro_rules! settings {
 
 settings! {
     /// A preset (GPT-2: tiny, small, gpt2, gpt2-medium, gpt2-large, gpt2-xl; Llama
-    /// family, published shapes without weights: llama-3-8b, llama-3.1-8b, llama-3.2-1b,
-    /// llama-3.2-3b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, qwen3-8b,
-    /// mistral-7b), a GPT-2 shape LAYERSxWIDTH, a directory holding config.json and
+    /// family, published shapes without weights: llama-3-8b, llama-3.1-8b, llama-3-70b,
+    /// llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b,
+    /// qwen3-8b, mistral-7b), a GPT-2 shape LAYERSxWIDTH, a directory holding config.json and
     /// model.safetensors, or one holding only config.json (a shape, initialised from
     /// --seed) [default: small].
     Step model: String = SMALL_PRESET.to_string(),

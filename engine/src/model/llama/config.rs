@@ -141,9 +141,10 @@ type PresetNumbers = (
 /// gives, 32K for 0.5B to 3B and 128K for 7B). Checked by the parameter counts the
 /// models publish (the tests below).
 #[rustfmt::skip]
-const PRESETS: [(&str, PresetNumbers); 10] = [
+const PRESETS: [(&str, PresetNumbers); 11] = [
     ("llama-3-8b", (Variant::Llama, 32, 4096, 14336, 32, 8, 128, 128_256, 8192, 1e-5, 500_000.0, 0.0, false)),
     ("llama-3.1-8b", (Variant::Llama, 32, 4096, 14336, 32, 8, 128, 128_256, 131_072, 1e-5, 500_000.0, 8.0, false)),
+    ("llama-3-70b", (Variant::Llama, 80, 8192, 28672, 64, 8, 128, 128_256, 8192, 1e-5, 500_000.0, 0.0, false)),
     ("llama-3.2-1b", (Variant::Llama, 16, 2048, 8192, 32, 8, 64, 128_256, 131_072, 1e-5, 500_000.0, 32.0, true)),
     ("llama-3.2-3b", (Variant::Llama, 28, 3072, 8192, 24, 8, 128, 128_256, 131_072, 1e-5, 500_000.0, 32.0, true)),
     ("qwen2.5-0.5b", (Variant::Qwen2, 24, 896, 4864, 14, 2, 64, 151_936, 32_768, 1e-6, 1_000_000.0, 0.0, true)),
