@@ -443,14 +443,8 @@ pub struct LoraReport {
 /// `model`'s adapter, when it is a LoRA model.
 fn lora_report(model: &Model) -> Option<LoraReport> {
     let config = model.family().lora_config()?;
-    let trained_params = model
-        .blocks()
-        .iter()
-        .flat_map(|b| b.tensors.iter().filter(|t| t.slot.offset >= b.frozen))
-        .map(|t| t.slot.len as u64)
-        .sum();
     Some(LoraReport {
-        trained_params,
+        trained_params: model.trained_param_count() as u64,
         settings: format!(
             "rank {}, alpha {}, on {}",
             config.rank,

@@ -78,7 +78,21 @@ fn needs(
 ) -> Result<Vec<Need>, Error> {
     let params = model.param_count() as u64;
     let mut needs = Vec::new();
-    if let Some(out) = cfg.out.as_ref().filter(|_| ranks.rank == 0) {
+    let lora = model.lora_config().is_some();
+    if let Some(out) = cfg.out.as_ref().filter(|_| ranks.rank == 0 && lora) {
+        // A LoRA run writes its adapters (f32 unless --save-dtype), and a config.
+        let dtype = cfg.save_dtype.map_or(FileDtype::F32, |d| d.file_dtype());
+        needs.push(Need {
+            what: format!(
+                "--out {} (the adapter in {})",
+                out.display(),
+                dtype.torch_name()
+            ),
+            dir: out.clone(),
+            bytes: model.trained_param_count() as u64 * dtype.size_bytes() as u64 + (1 << 20),
+        });
+    }
+    if let Some(out) = cfg.out.as_ref().filter(|_| ranks.rank == 0 && !lora) {
         let source = pretrained_source(&cfg.model)?;
         let dtype = match (cfg.save_dtype, &source) {
             (Some(d), _) => d.file_dtype(),

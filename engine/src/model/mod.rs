@@ -192,6 +192,16 @@ impl Model {
         self.family.param_count()
     }
 
+    /// The parameters that train: those of each block's trained elements
+    /// ([`BlockLayout::trained`]; a LoRA model's adapters, else every one).
+    pub fn trained_param_count(&self) -> usize {
+        self.blocks()
+            .iter()
+            .flat_map(|b| b.tensors.iter().filter(|t| t.slot.offset >= b.frozen))
+            .map(|t| t.slot.len)
+            .sum()
+    }
+
     /// The block block `block` ties to, if any.
     pub fn tied(&self, block: usize) -> Option<usize> {
         self.family.tied(block)
