@@ -469,6 +469,84 @@ fn a_llama_family_model_runs_every_policy_with_the_same_losses() {
     );
 }
 
+/// `bench step` on the default 2-layer Llama (width 64, 4 heads, 2 key/value heads of 16
+/// channels, MLP 96), batch 2 x 16, one warm-up and one measured step, with `extra`.
+fn llama_step(dir: &Path, extra: &[&str]) -> (String, serde_json::Value) {
+    run_with_json(
+        strata()
+            .args([
+                "bench", "step", "--family", "llama", "--seq", "16", "--batch", "2",
+            ])
+            .args(["--steps", "1", "--warmup", "1"])
+            .args(extra)
+            .arg("--nvme")
+            .arg(dir),
+        &dir.join("step.json"),
+    )
+}
+
+#[test]
+fn a_lora_fine_tune_reports_its_adapter_and_trains_the_adapters_alone() {
+    let dir = scratch();
+    let policies = ["--policies", "all-on-device,nvme-offload"];
+    let (stdout, report) = llama_step(dir.path(), &[&policies[..], &["--lora", "4"]].concat());
+    let lora = &report["lora"];
+    assert_eq!(lora["rank"], 4);
+    assert_eq!(lora["alpha"].as_f64(), Some(16.0), "train's default");
+    assert_eq!(lora["targets"], serde_json::json!(["all-linear"]));
+    // rank x (in + out) of each layer's q, k, v, o, gate, up and down, two layers.
+    let per_layer = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 96) + (96 + 64);
+    assert_eq!(lora["trained_params"].as_u64(), Some(2 * 4 * per_layer));
+    assert!(
+        stdout.contains("LoRA rank 4, alpha 16, on all-linear: 7424 trained parameters"),
+        "{stdout}"
+    );
+    // The base's parameters and the adapters'.
+    assert!(report["model"]["params"].as_u64().unwrap() > 7424);
+    assert_eq!(report["losses_identical"], true);
+    let ran: Vec<_> = report["policies"].as_array().unwrap().iter().collect();
+    let refused = report["refused"].as_array().unwrap();
+    assert_eq!(ran.len() + refused.len(), 2, "{report}");
+
+    // B starts at zero: the first step is the base model's, the next one is not (the
+    // adapters alone trained), and targets narrow what trains.
+    let (_, whole) = llama_step(dir.path(), &["--policies", "all-on-device"]);
+    let loss = |r: &serde_json::Value, at: &str| r["policies"][0][at].as_f64().unwrap();
+    assert_eq!(loss(&report, "loss_first"), loss(&whole, "loss_first"));
+    assert_ne!(loss(&report, "loss_last"), loss(&whole, "loss_last"));
+    let (_, qv) = llama_step(
+        dir.path(),
+        &[
+            "--policies",
+            "all-on-device",
+            "--lora",
+            "2",
+            "--lora-alpha",
+            "8",
+            "--lora-targets",
+            "q_proj,v_proj",
+        ],
+    );
+    assert_eq!(qv["lora"]["alpha"].as_f64(), Some(8.0));
+    assert_eq!(
+        qv["lora"]["trained_params"].as_u64(),
+        Some(2 * 2 * ((64 + 64) + (64 + 32)))
+    );
+
+    // What the engine refuses for a LoRA model is refused with its message.
+    let stderr = failure(strata().args([
+        "bench",
+        "step",
+        "--family",
+        "llama",
+        "--lora",
+        "4",
+        "--approx-backward",
+        "linear:0.5",
+    ]));
+    assert!(stderr.contains("does not combine with LoRA"), "{stderr}");
+}
+
 #[test]
 fn bad_arguments_are_clear_errors() {
     // A comparison that would not fit this machine's memory is refused before it starts

@@ -15,8 +15,13 @@
 #                          --nvme-path (ZeRO-Infinity), built under zero.Init with the
 #                          eager model's initial weights copied in, as
 #                          ../shared/anchors/ds_zero3_bench.py does for GPT-2
-# strata runs it for the bf16 peer and, for Llama-family models, for all three (the
-# anchors' scripts build GPT-2 only). Embedded in the strata binary and run with the
+#   --lora RANK [--lora-alpha A] [--lora-targets NAMES]
+#                          with --engine eager: the model wrapped with peft's LoRA
+#                          (get_peft_model; dropout 0, no bias; NAMES comma-separated or
+#                          all-linear), AdamW over the adapters alone (strata bench step
+#                          --lora's peer)
+# strata runs it for the bf16 peer, for the LoRA peers of any family and, for
+# Llama-family models, for all three (the anchors' scripts build GPT-2 only). Embedded in the strata binary and run with the
 # Python of the peers' env (DeepSpeed's environment set by strata); it appends one JSON
 # line to --json.
 import argparse
@@ -43,12 +48,18 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank (0: the whole model trains)")
+    ap.add_argument("--lora-alpha", type=float, default=16.0)
+    ap.add_argument("--lora-targets", default="all-linear",
+                    help="module names, comma-separated, or all-linear")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.engine == "zero" and args.offload == "nvme" and not args.nvme_path:
         ap.error("--offload nvme needs --nvme-path")
     if args.engine == "zero" and args.autocast != "none":
         ap.error("--autocast is for --engine eager")
+    if args.engine == "zero" and args.lora:
+        ap.error("--lora is for --engine eager")
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -72,12 +83,32 @@ def main():
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
 
+    lora = {}
     if args.engine == "eager":
         model = build().float().train()
+        tool = "torch-eager"
+        if args.lora:
+            import peft
+            from peft import LoraConfig, get_peft_model
+
+            targets = args.lora_targets
+            if targets != "all-linear":
+                targets = [t.strip() for t in targets.split(",")]
+            model = get_peft_model(model, LoraConfig(
+                r=args.lora, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                target_modules=targets, bias="none", task_type="CAUSAL_LM"))
+            model.train()
+            tool = "peft-lora-eager"
+            lora = {"peft": peft.__version__, "lora_rank": args.lora,
+                    "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets}
         n_params = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999),
+        trained = [p for p in model.parameters() if p.requires_grad]
+        lora["trained_params"] = sum(p.numel() for p in trained)
+        opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, 0.999),
                                 eps=1e-8, weight_decay=0.01, fused=True)
-        tool = "torch-eager" + ("-bf16-autocast" if args.autocast == "bf16" else "")
+        if args.lora and args.attn == "sdpa":
+            tool += "-sdpa"
+        tool += "-bf16-autocast" if args.autocast == "bf16" else ""
 
         def step():
             t0 = time.perf_counter()
@@ -157,7 +188,8 @@ def main():
             return out.loss.item(), t1 - t0, t2 - t1
 
     print(f"# torch {torch.__version__} threads={torch.get_num_threads()} {tool} "
-          f"{cfg.model_type} params={n_params:,} batch={args.batch} seq={args.seq}", flush=True)
+          f"{cfg.model_type} params={n_params:,} batch={args.batch} seq={args.seq}"
+          + (f" trained={lora['trained_params']:,}" if args.lora else ""), flush=True)
     for i in range(args.warmup):
         loss, fb, op = step()
         print(f"warmup {i}: loss={loss:.4f} fwd+bwd={fb:.3f}s opt={op:.3f}s", flush=True)
@@ -176,10 +208,11 @@ def main():
         "intermediate": getattr(cfg, "intermediate_size", None),
         "vocab": cfg.vocab_size, "batch": args.batch, "seq": args.seq,
         "threads": args.threads, "params": n_params, "autocast": args.autocast,
+        "attn": args.attn,
         "median_step_s": med, "min_step_s": min(tots),
         "median_fwd_bwd_s": statistics.median(fbs), "median_opt_s": statistics.median(ops),
         "tokens_per_s": args.batch * args.seq / med, "steps": args.steps,
-        "warmup": args.warmup, "final_loss": loss,
+        "warmup": args.warmup, "final_loss": loss, **lora,
     }
     if args.json:
         with open(args.json, "a") as f:

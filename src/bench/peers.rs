@@ -9,6 +9,11 @@
 //! With `--dtype bf16` the peer is PyTorch eager in bf16 mixed precision (autocast, fused
 //! AdamW on fp32 parameters), all-on-device's.
 //!
+//! With `--lora` the peers are peft's LoRA of the same rank, alpha and targets (dropout
+//! 0) over PyTorch eager, with eager and with SDPA attention (under bf16 autocast with
+//! `--dtype bf16`), AdamW over the adapters alone; the DeepSpeed peers are not run, and
+//! their rows say why.
+//!
 //! The bf16 peer, and for a Llama-family model (Llama, Mistral, Qwen2, Qwen3) all of
 //! them, run `benches/peers/step_peer.py`, embedded here: transformers builds the model
 //! from the config.json strata writes for its own shape, so both sides train the same
@@ -25,6 +30,7 @@ use std::process::{Command, Output, Stdio};
 
 use serde::{Serialize, Serializer};
 use serde_json::Value;
+use strata_engine::model::lora::LoraConfig;
 use strata_engine::plan::BuiltinPolicy;
 
 use crate::machine::meminfo_bytes;
@@ -64,6 +70,8 @@ pub struct PeerShape {
     /// what strata's own peer script builds the model from. The anchors' GPT-2 scripts
     /// take the numbers above instead.
     pub hf_config: Value,
+    /// With `--lora`: the adapter strata trains, which peft's peers train alike.
+    pub lora: Option<LoraConfig>,
 }
 
 /// One peer's run, beside the strata policy it is compared with.
@@ -115,12 +123,18 @@ type Peer = (
     &'static [&'static str],
 );
 
+/// [`STEP_PEER`]'s PyTorch eager engine with transformers' eager attention, with its
+/// SDPA attention, and under bf16 autocast.
+const EAGER_ATTENTION: &[&str] = &["--engine", "eager", "--attn", "eager"];
+const SDPA_ATTENTION: &[&str] = &["--engine", "eager", "--attn", "sdpa"];
+const BF16_AUTOCAST: &[&str] = &["--engine", "eager", "--autocast", "bf16"];
+
 /// The bf16 peer.
 const BF16_PEER: Peer = (
     "pytorch-eager-bf16-autocast",
     BuiltinPolicy::AllOnDevice,
     STEP_PEER_SCRIPT,
-    &["--engine", "eager", "--autocast", "bf16"],
+    BF16_AUTOCAST,
 );
 
 /// The fp32 peers.
@@ -157,13 +171,13 @@ const LLAMA_PEERS: [Peer; 4] = [
         "pytorch-eager",
         BuiltinPolicy::AllOnDevice,
         STEP_PEER_SCRIPT,
-        &["--engine", "eager", "--attn", "eager"],
+        EAGER_ATTENTION,
     ),
     (
         "pytorch-eager-sdpa",
         BuiltinPolicy::AllOnDevice,
         STEP_PEER_SCRIPT,
-        &["--engine", "eager", "--attn", "sdpa"],
+        SDPA_ATTENTION,
     ),
     (
         "deepspeed-zero-offload",
@@ -179,6 +193,34 @@ const LLAMA_PEERS: [Peer; 4] = [
     ),
 ];
 
+/// The LoRA peers: peft over [`LLAMA_PEERS`]' PyTorch eager engine, for any family.
+const LORA_PEERS: [Peer; 2] = [
+    (
+        "peft-lora-eager",
+        BuiltinPolicy::AllOnDevice,
+        STEP_PEER_SCRIPT,
+        EAGER_ATTENTION,
+    ),
+    (
+        "peft-lora-eager-sdpa",
+        BuiltinPolicy::AllOnDevice,
+        STEP_PEER_SCRIPT,
+        SDPA_ATTENTION,
+    ),
+];
+
+/// The bf16 LoRA peer: peft over [`BF16_PEER`].
+const LORA_BF16_PEER: Peer = (
+    "peft-lora-eager-bf16-autocast",
+    BuiltinPolicy::AllOnDevice,
+    STEP_PEER_SCRIPT,
+    BF16_AUTOCAST,
+);
+
+/// Why the DeepSpeed peers are not run with `--lora`.
+const NO_LORA_REASON: &str = "--lora: strata's peer script wraps the model with peft \
+     under PyTorch eager only, not DeepSpeed (the peft-lora-eager peers are --lora's)";
+
 /// Whether the shape is GPT-2's, which the anchors' scripts build.
 fn is_gpt2(shape: &PeerShape) -> bool {
     shape.hf_config["model_type"] == "gpt2"
@@ -193,8 +235,25 @@ pub fn run(
     strata: &[(BuiltinPolicy, f64)],
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
+    if shape.lora.is_some() {
+        let mut results = run_set(dir, shape, strata, nvme_dir, &LORA_PEERS);
+        results.extend(not_with_lora(strata));
+        return results;
+    }
     let peers = if is_gpt2(shape) { &PEERS } else { &LLAMA_PEERS };
     run_set(dir, shape, strata, nvme_dir, peers)
+}
+
+/// The DeepSpeed peers' rows of a `--lora` run: not run, saying why.
+fn not_with_lora(strata: &[(BuiltinPolicy, f64)]) -> Vec<PeerResult> {
+    LLAMA_PEERS
+        .iter()
+        .filter(|(_, _, _, extra)| extra.contains(&"zero"))
+        .map(|&(peer, policy, _, _)| PeerResult {
+            reason: Some(NO_LORA_REASON.to_string()),
+            ..PeerResult::not_run(peer, policy, strata)
+        })
+        .collect()
 }
 
 /// As [`run`], against strata in bf16: PyTorch eager under bf16 autocast.
@@ -204,7 +263,34 @@ pub fn run_bf16(
     strata: &[(BuiltinPolicy, f64)],
     nvme_dir: &Path,
 ) -> Vec<PeerResult> {
-    run_set(dir, shape, strata, nvme_dir, &[BF16_PEER])
+    let peer = if shape.lora.is_some() {
+        LORA_BF16_PEER
+    } else {
+        BF16_PEER
+    };
+    run_set(dir, shape, strata, nvme_dir, &[peer])
+}
+
+impl PeerResult {
+    /// `peer`'s row against strata's `policy` (its tokens/s from `strata`, when it ran),
+    /// before the peer runs.
+    fn not_run(peer: &'static str, policy: BuiltinPolicy, strata: &[(BuiltinPolicy, f64)]) -> Self {
+        PeerResult {
+            peer,
+            strata_policy: policy,
+            ran: false,
+            reason: None,
+            step_s_median: None,
+            tokens_per_s: None,
+            strata_tokens_per_s: strata
+                .iter()
+                .find(|(builtin, _)| *builtin == policy)
+                .map(|(_, tps)| *tps),
+            strata_over_peer: None,
+            final_loss: None,
+            raw: None,
+        }
+    }
 }
 
 fn run_set(
@@ -216,22 +302,8 @@ fn run_set(
 ) -> Vec<PeerResult> {
     let mut results = Vec::new();
     for &(peer, policy, script, extra) in peers {
-        let strata_tps = strata
-            .iter()
-            .find(|(builtin, _)| *builtin == policy)
-            .map(|(_, tps)| *tps);
-        let mut result = PeerResult {
-            peer,
-            strata_policy: policy,
-            ran: false,
-            reason: None,
-            step_s_median: None,
-            tokens_per_s: None,
-            strata_tokens_per_s: strata_tps,
-            strata_over_peer: None,
-            final_loss: None,
-            raw: None,
-        };
+        let mut result = PeerResult::not_run(peer, policy, strata);
+        let strata_tps = result.strata_tokens_per_s;
         if strata_tps.is_none() {
             result.reason = Some(format!("strata's {policy} did not run in this invocation"));
             results.push(result);
@@ -305,6 +377,15 @@ fn run_one(
         command
             .arg("--config-json")
             .arg(write("config.json", &text)?);
+        if let Some(lora) = &shape.lora {
+            command
+                .arg("--lora")
+                .arg(lora.rank.to_string())
+                .arg("--lora-alpha")
+                .arg(lora.alpha.to_string())
+                .arg("--lora-targets")
+                .arg(lora.targets.join(","));
+        }
     } else {
         for (flag, value) in [
             ("--layers", shape.layers),
@@ -486,7 +567,8 @@ pub fn render(results: &[PeerResult]) -> String {
         "peers: run in this invocation after strata's policies, on the same shape, batch and \
          thread count (strata's dtype: fp32, or bf16 against PyTorch's bf16 autocast; \
          PyTorch eager with transformers' eager attention, and with its SDPA attention; \
-         DeepSpeed built under zero.Init, no clipping); strata tokens/s: \
+         DeepSpeed built under zero.Init, no clipping; with --lora, peft's LoRA of the same \
+         rank, alpha and targets over PyTorch eager, AdamW over the adapters); strata tokens/s: \
          the policy at its fastest --recompute choice of this run; strata / peer: tokens per \
          second, above 1 strata is faster.\n",
     );
@@ -548,8 +630,24 @@ mod tests {
                 vocab: 16,
                 ctx: 8,
             }),
+            lora: None,
         }
     }
+
+    /// The default 2-layer Llama's shape (2 key/value heads), one step.
+    fn tiny_llama_shape() -> PeerShape {
+        let config = strata_engine::model::llama::LlamaConfig::llama(2, 64, 96, 4, 2, 128, 64);
+        PeerShape {
+            hf_config: config.to_hf(),
+            ..tiny_shape(2)
+        }
+    }
+
+    /// The end of a stand-in Python that answers: a result line of `$t` tokens/s
+    /// appended to its `--json` file, as a peer script appends it.
+    const ANSWER_T: &str = r#"while [ "$1" != --json ]; do shift; done
+echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
+"#;
 
     /// An anchors folder whose env's Python is the shell script `python` (a stand-in
     /// that checks what it is handed and answers as a peer script does), with empty
@@ -565,6 +663,17 @@ mod tests {
         std::fs::write(&path, python).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         dir
+    }
+
+    /// Asserts each peer's name and strata / peer ratio, in order (showing the reasons
+    /// when they differ).
+    fn assert_ratios(results: &[PeerResult], expected: &[(&str, Option<f64>)]) {
+        let ratios: Vec<_> = results
+            .iter()
+            .map(|r| (r.peer, r.strata_over_peer))
+            .collect();
+        let reasons: Vec<_> = results.iter().map(|r| &r.reason).collect();
+        assert_eq!(ratios, expected, "{reasons:?}");
     }
 
     #[test]
@@ -627,10 +736,11 @@ case "$1" in
   *gpt2_step_bench.py) case "$*" in *--grad-accum*) exit 6;; *'--batch 8 '*) t=2.0;; *) exit 7;; esac;;
   *) exit 8;;
 esac
-while [ "$1" != --json ]; do shift; done
-echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
 "#;
-        let dir = stand_in_env(script, &["gpt2_step_bench.py", GRAD_ACCUM_SCRIPT]);
+        let dir = stand_in_env(
+            &format!("{script}{ANSWER_T}"),
+            &["gpt2_step_bench.py", GRAD_ACCUM_SCRIPT],
+        );
         let shape = PeerShape {
             batch: 2,
             grad_accum: 4,
@@ -641,19 +751,13 @@ echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
             (BuiltinPolicy::CpuOffload, 4.0),
         ];
         let results = run(dir.path(), &shape, &strata, dir.path());
-        let ratios: Vec<_> = results
-            .iter()
-            .map(|r| (r.peer, r.strata_over_peer))
-            .collect();
-        assert_eq!(
-            ratios[..3],
-            [
+        assert_ratios(
+            &results[..3],
+            &[
                 ("pytorch-eager", Some(2.0)),
                 ("pytorch-eager-sdpa", Some(2.0)),
                 ("deepspeed-zero-offload", Some(1.0)),
             ],
-            "{:?}",
-            results.iter().map(|r| &r.reason).collect::<Vec<_>>()
         );
     }
 
@@ -692,35 +796,67 @@ case "$*" in
   *'--engine zero --offload nvme'*--nvme-path*) t=8.0;;
   *) exit 9;;
 esac
-while [ "$1" != --json ]; do shift; done
-echo "{\"median_step_s\": 1.0, \"tokens_per_s\": $t}" >> "$2"
 "#;
-        let dir = stand_in_env(script, &[]);
-        let config = strata_engine::model::llama::LlamaConfig::llama(2, 64, 96, 4, 2, 128, 64);
-        let shape = PeerShape {
-            hf_config: config.to_hf(),
-            ..tiny_shape(2)
-        };
+        let dir = stand_in_env(&format!("{script}{ANSWER_T}"), &[]);
+        let shape = tiny_llama_shape();
         let strata = [
             (BuiltinPolicy::AllOnDevice, 4.0),
             (BuiltinPolicy::CpuOffload, 4.0),
             (BuiltinPolicy::NvmeOffload, 4.0),
         ];
         let results = run(dir.path(), &shape, &strata, dir.path());
-        let ratios: Vec<_> = results
-            .iter()
-            .map(|r| (r.peer, r.strata_over_peer))
-            .collect();
-        assert_eq!(
-            ratios,
-            [
+        assert_ratios(
+            &results,
+            &[
                 ("pytorch-eager", Some(2.0)),
                 ("pytorch-eager-sdpa", Some(1.6)),
                 ("deepspeed-zero-offload", Some(1.0)),
                 ("deepspeed-zero-infinity", Some(0.5)),
             ],
-            "{:?}",
-            results.iter().map(|r| &r.reason).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn lora_peers_wrap_strata_s_shape_with_peft_of_the_same_adapter() {
+        // A stand-in Python: checks it was handed the script that wraps the model with
+        // peft, the adapter's rank, alpha and targets after the eager engine, and answers
+        // a step time per attention; the DeepSpeed engines must not run.
+        let script = r#"#!/bin/sh
+grep -q 'get_peft_model' "$1" || exit 5
+case "$*" in *'--engine zero'*) exit 6;; esac
+case "$*" in *'--lora 4 --lora-alpha 8 --lora-targets q_proj,v_proj '*) ;; *) exit 7;; esac
+case "$*" in
+  *'--engine eager --attn eager '*) t=2.0;;
+  *'--engine eager --attn sdpa '*) t=4.0;;
+  *'--engine eager --autocast bf16 '*) t=1.0;;
+  *) exit 8;;
+esac
+"#;
+        let dir = stand_in_env(&format!("{script}{ANSWER_T}"), &[]);
+        let targets = vec!["q_proj".to_string(), "v_proj".to_string()];
+        let shape = PeerShape {
+            lora: Some(LoraConfig::new(4, 8.0, 0.0, targets).unwrap()),
+            ..tiny_llama_shape()
+        };
+        let strata = [
+            (BuiltinPolicy::AllOnDevice, 4.0),
+            (BuiltinPolicy::CpuOffload, 4.0),
+        ];
+        let results = run(dir.path(), &shape, &strata, dir.path());
+        assert_ratios(
+            &results,
+            &[
+                ("peft-lora-eager", Some(2.0)),
+                ("peft-lora-eager-sdpa", Some(1.0)),
+                ("deepspeed-zero-offload", None),
+                ("deepspeed-zero-infinity", None),
+            ],
+        );
+        // The DeepSpeed rows say why they did not run, beside strata's number.
+        assert!(results[2].reason.as_deref().unwrap().contains("--lora"));
+        assert_eq!(results[2].strata_tokens_per_s, Some(4.0));
+        let bf16 = run_bf16(dir.path(), &shape, &strata, dir.path());
+        assert_eq!(bf16[0].peer, "peft-lora-eager-bf16-autocast");
+        assert_eq!(bf16[0].strata_over_peer, Some(4.0), "{:?}", bf16[0].reason);
     }
 }

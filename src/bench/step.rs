@@ -20,6 +20,9 @@
 //! - Policies run interleaved, one step of each per round, so that the noise of a
 //!   shared machine falls on all of them alike; when holding every executor at once would
 //!   not fit in the memory available, they run one after another, and the report says so.
+//! - `--lora RANK` benches the LoRA model `strata train --lora` trains (the base frozen,
+//!   the adapters alone trained); the report records its settings and trained
+//!   parameters, and `--peers` runs peft's LoRA of the same settings against it.
 //! - `--scale` runs the scale claim instead: a GPT whose training state is at least twice
 //!   the host budget trains with `NvmeOffload` within that budget, and its loss falls.
 //!
@@ -34,7 +37,8 @@ use strata_engine::device::{DeviceChoice, DeviceConfig, choose_target, select};
 use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::kernels::ops::Cpu;
-use strata_engine::model::{ApproxBackward, Llama, Model};
+use strata_engine::model::lora::{ALL_LINEAR, LoraConfig};
+use strata_engine::model::{ApproxBackward, Llama, Model, ModelError};
 use strata_engine::plan::{
     Budgets, BuiltinPolicy, CostModel, GradDtype, GradSpill, Lane, NvmeOffload, OptimizerState,
     Plan, PlanInput, Policy, Precision, Prediction, Recompute, Schedule, StepShape, Tier,
@@ -191,6 +195,19 @@ pub struct StepArgs {
     /// gelu:3,linear:0.5.
     #[arg(long, default_value_t = ApproxBackward::EXACT)]
     pub approx_backward: ApproxBackward,
+    /// Benchmark a LoRA fine-tune of this rank over the frozen model, as `strata train
+    /// --lora` runs it: the adapters alone get gradients, optimizer state and updates.
+    /// Plans the engine refuses for a LoRA model are skipped with its reason; with
+    /// --peers, peft's LoRA of the same settings over PyTorch eager is the peer.
+    #[arg(long, value_name = "RANK")]
+    pub lora: Option<usize>,
+    /// With --lora, LoRA's alpha: the adapters' product is scaled by alpha / rank.
+    #[arg(long, value_name = "ALPHA", default_value_t = 16.0)]
+    pub lora_alpha: f64,
+    /// With --lora, the linear layers adapted, by Hugging Face module name,
+    /// comma-separated (such as q_proj,v_proj), or all-linear.
+    #[arg(long, value_name = "NAMES", default_value = ALL_LINEAR)]
+    pub lora_targets: String,
     /// Seed of the initial parameters and of the synthetic batches.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -216,7 +233,8 @@ pub struct StepArgs {
     /// folder `../shared/anchors/setup DIR` made: PyTorch eager against all-on-device,
     /// DeepSpeed ZeRO-Offload against cpu-offload, ZeRO-Infinity (its swap folder under
     /// --nvme) against nvme-offload; with --dtype bf16, PyTorch eager under bf16
-    /// autocast against all-on-device. Prints strata / peer tokens/s.
+    /// autocast against all-on-device; with --lora, peft's LoRA of the same settings over
+    /// PyTorch eager against all-on-device. Prints strata / peer tokens/s.
     #[arg(long, value_name = "DIR")]
     pub peers: Option<PathBuf>,
     /// Also show where each policy's median step went, kernel by kernel (the CPU device
@@ -274,8 +292,65 @@ pub struct ModelShape {
     pub vocab: usize,
     /// Context length.
     pub ctx: usize,
-    /// Parameters.
+    /// Parameters (a LoRA model's: the base's and the adapters').
     pub params: u64,
+}
+
+/// The LoRA adapter a `--lora` run trains.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoraSettings {
+    /// Rank of each adapter.
+    pub rank: usize,
+    /// LoRA's alpha: the adapters' product is scaled by alpha / rank.
+    pub alpha: f64,
+    /// The module names adapted, or all-linear.
+    pub targets: Vec<String>,
+    /// Parameters that train: every adapter's A and B.
+    pub trained_params: u64,
+    /// Those over the model's parameters (the base's and the adapters').
+    pub trained_fraction: f64,
+}
+
+impl LoraSettings {
+    /// `model`'s adapter, when it is a LoRA model.
+    fn of(model: &Model) -> Option<Self> {
+        let config = model.lora_config()?;
+        let trained_params = model.trained_param_count() as u64;
+        Some(LoraSettings {
+            rank: config.rank,
+            alpha: config.alpha,
+            targets: config.targets.clone(),
+            trained_params,
+            trained_fraction: trained_params as f64 / model.param_count() as f64,
+        })
+    }
+
+    /// "LoRA rank R, alpha A, on TARGETS: N trained parameters (P% of the model's)".
+    fn line(&self) -> String {
+        format!(
+            "LoRA rank {}, alpha {}, on {}: {} trained parameters ({:.3}% of the model's), \
+             the base frozen",
+            self.rank,
+            self.alpha,
+            self.targets.join(","),
+            self.trained_params,
+            100.0 * self.trained_fraction
+        )
+    }
+}
+
+/// The LoRA adapter `--lora` asks for, with `--lora-alpha` and `--lora-targets` (no
+/// dropout, as the peers run it); `None` without `--lora`.
+fn lora_config(args: &StepArgs) -> Result<Option<LoraConfig>, ModelError> {
+    let Some(rank) = args.lora else {
+        return Ok(None);
+    };
+    let targets = args
+        .lora_targets
+        .split(',')
+        .map(|t| t.trim().to_string())
+        .collect();
+    LoraConfig::new(rank, args.lora_alpha, 0.0, targets).map(Some)
 }
 
 /// One step as measured.
@@ -512,6 +587,8 @@ pub struct StepBenchReport {
     pub grad_dtype: GradDtype,
     /// What the backward approximated (`--approx-backward`).
     pub approx_backward: String,
+    /// With `--lora`: the adapter trained over the frozen model, and what trains.
+    pub lora: Option<LoraSettings>,
     /// Extent transfers each NVMe lane kept in flight.
     pub nvme_in_flight: usize,
     /// Untimed steps per policy.
@@ -746,6 +823,8 @@ struct Setup {
     model: Model,
     /// The model's shape.
     desc: ModelShape,
+    /// With `--lora`, its adapter.
+    lora: Option<LoraSettings>,
     /// The model's config.json (strata's peer script builds the model from it).
     hf_config: Value,
     /// Which device the executors open.
@@ -766,12 +845,20 @@ impl Setup {
     /// [`Setup::make_whole_params`].
     fn new(args: &StepArgs) -> Result<Self, Box<dyn std::error::Error>> {
         let shape = resolve_model(args)?;
-        let desc = describe(&shape);
-        let model = match shape {
+        let mut desc = describe(&shape);
+        let mut model = match shape {
             model_info::ModelShape::Gpt2(c) => Model::new(c)?,
             model_info::ModelShape::Llama(c) => Model::of(Llama::new(c)?),
         }
         .approximate(args.approx_backward)?;
+        // As `strata train --lora` makes its model (`model_source::run_model`); what the
+        // engine refuses (an approximate backward, a family without LoRA) is its error.
+        if let Some(config) = lora_config(args)? {
+            model = model.lora(&config)?;
+        }
+        let lora = LoraSettings::of(&model);
+        desc.params = model.param_count() as u64;
+        // A LoRA model's config.json is its base's: the peers wrap that with peft.
         let hf_config = model.family().hf_config();
         let target = choose_target(args.device)?;
         let precision = match args.dtype {
@@ -795,6 +882,7 @@ impl Setup {
         Ok(Setup {
             model,
             desc,
+            lora,
             hf_config,
             device: args.device,
             params: None,
@@ -998,7 +1086,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
     let mut setup = Setup::new(args)?;
     let (mut rigs, refused) = plan_rigs(args, &setup);
     if rigs.is_empty() {
-        return Err("no policy fits the budgets; see the refusals above".into());
+        return Err("no policy could be planned within the budgets; see the refusals above".into());
     }
     if rigs.iter().any(|r| !r.plan.extent_groups.is_empty()) {
         check_nvme_dir(&args.nvme)?;
@@ -1057,6 +1145,7 @@ pub fn run_compare(args: &StepArgs) -> Result<StepBenchReport, Box<dyn std::erro
         clip: args.clip,
         grad_dtype: setup.shape.grad_dtype,
         approx_backward: setup.model.approximation().to_string(),
+        lora: setup.lora.clone(),
         nvme_in_flight: args.nvme_in_flight,
         warmup: args.warmup,
         steps: args.steps,
@@ -1273,6 +1362,9 @@ fn print_compare_header(args: &StepArgs, setup: &Setup, machine: &Machine, sched
         machine.cpu,
         machine.cores
     );
+    if let Some(lora) = &setup.lora {
+        println!("{}", lora.line());
+    }
 }
 
 /// Runs `--warmup` and then `--steps` steps of every rig on the same batches, one step of
@@ -1473,6 +1565,7 @@ fn run_peers(
         threads: strata_engine::kernels::parallel::max_threads(),
         lr: args.lr,
         hf_config: setup.hf_config.clone(),
+        lora: setup.model.lora_config().cloned(),
     };
     match args.dtype {
         Dtype::Fp32 => peers::run(dir, &shape, &strata, &args.nvme),
