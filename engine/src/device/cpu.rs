@@ -192,7 +192,9 @@ impl Work {
                 let mut to = access.write_range(dst)?;
                 simulate_link(delay);
                 convert_into(&access.shared.cpu, convert, &from, &mut to);
-                copied(0, dst.len_bytes);
+                // What crosses the link is what the copy reads from the host (as the plan
+                // counts it): with a conversion, fewer bytes than it writes.
+                copied(0, src.len_bytes);
                 Ok(())
             }
             Work::ToHost {
