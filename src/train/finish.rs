@@ -86,6 +86,16 @@ fn save_model(
     ranks: &Ranks,
     out: &mut impl Write,
 ) -> Result<(), Error> {
+    if exec.model().family().lora_config().is_some() && cfg.merge {
+        super::adapter::save_merged_model(cfg, exec, dir)?;
+        writeln!(
+            out,
+            "model: {} (the base with the adapters merged in, as Hugging Face safetensors, \
+             config.json and the base's tokenizer files)",
+            dir.display()
+        )?;
+        return Ok(());
+    }
     if exec.model().family().lora_config().is_some() {
         super::adapter::save_adapter(cfg, exec, dir)?;
         writeln!(

@@ -78,7 +78,8 @@ fn needs(
 ) -> Result<Vec<Need>, Error> {
     let params = model.param_count() as u64;
     let mut needs = Vec::new();
-    let lora = model.lora_config().is_some();
+    // A LoRA run's --out is its adapter, unless --merge writes the whole model.
+    let lora = model.lora_config().is_some() && !cfg.merge;
     if let Some(out) = cfg.out.as_ref().filter(|_| ranks.rank == 0 && lora) {
         // A LoRA run writes its adapters (f32 unless --save-dtype), and a config.
         let dtype = cfg.save_dtype.map_or(FileDtype::F32, |d| d.file_dtype());

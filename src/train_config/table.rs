@@ -436,6 +436,13 @@ settings! {
         aliases("output_dir"),
         check(check_out);
 
+    /// With --lora: write --out as a Hugging Face model folder, the trained adapters
+    /// merged into the base (in the base's dtype, or --save-dtype), instead of the peft
+    /// adapter folder; needs --model to be a folder with weights [default: false].
+    Run merge: bool = false,
+        aliases("merge_adapter"),
+        check(check_merge);
+
     /// Let --out replace a model already saved there (a folder holding config.json or
     /// safetensors files), which is otherwise refused [default: false].
     Run overwrite: bool = false,
@@ -589,6 +596,27 @@ fn check_trace_step(c: &TrainConfig) -> Result<(), String> {
         return Err(format!(
             "must be a step of the run, from 1 to steps = {} (found {})",
             c.steps, c.trace_step
+        ));
+    }
+    Ok(())
+}
+
+fn check_merge(c: &TrainConfig) -> Result<(), String> {
+    if !c.merge {
+        return Ok(());
+    }
+    if c.lora.is_none() && c.init_adapter.is_none() {
+        return Err("merges a LoRA run's adapters into the base: give --lora RANK".into());
+    }
+    if c.out.is_none() {
+        return Err("writes the merged model to --out: give --out DIR".into());
+    }
+    if crate::model_source::is_shape(&c.model) {
+        return Err(format!(
+            "writes the base's weights with the adapters merged in, and {} has none (a \
+             preset or a shape); give a model folder with weights, or leave --merge out to \
+             write the adapter",
+            c.model
         ));
     }
     Ok(())
