@@ -63,24 +63,37 @@ fn train(extra: &[&str]) -> Output {
 
 /// The loss `strata eval` gives the first batch with `adapter` over the base.
 fn eval_loss(adapter: &Path) -> f64 {
-    let (base, tokens) = (data().join("base"), data().join("tokens.bin"));
-    let out = strata(&[
+    mean_loss(
+        &data().join("base"),
+        Some(adapter),
+        &data().join("tokens.bin"),
+        1,
+    )
+}
+
+/// The mean loss `strata eval` gives `model` (with `adapter` merged in, if given) over
+/// the first `steps` batches of 2 x 16 of `tokens`.
+fn mean_loss(model: &Path, adapter: Option<&Path>, tokens: &Path, steps: usize) -> f64 {
+    let steps = steps.to_string();
+    let mut args = vec![
         "eval",
         "--model",
-        path(&base),
-        "--adapter",
-        path(adapter),
+        path(model),
         "--data",
-        path(&tokens),
+        path(tokens),
         "--batch",
         "2",
         "--seq",
         "16",
         "--steps",
-        "1",
+        &steps,
         "--device",
         "cpu",
-    ]);
+    ];
+    if let Some(a) = adapter {
+        args.extend(["--adapter", path(a)]);
+    }
+    let out = strata(&args);
     assert!(
         out.status.success(),
         "{}",
@@ -172,30 +185,7 @@ fn a_fresh_adapter_starts_as_its_base_and_learns() {
     let config = std::fs::read_to_string(out_dir.join(ADAPTER_CONFIG_FILE)).unwrap();
     assert!(config.contains("\"peft_type\": \"LORA\""), "{config}");
     // B starts at zero, so the first loss is the base's own (eval without an adapter).
-    let base_loss = {
-        let (b, tokens) = (data().join("base"), data().join("tokens.bin"));
-        let out = strata(&[
-            "eval",
-            "--model",
-            path(&b),
-            "--data",
-            path(&tokens),
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--steps",
-            "1",
-            "--device",
-            "cpu",
-        ]);
-        let stdout = String::from_utf8(out.stdout).unwrap();
-        let line = stdout
-            .lines()
-            .find(|l| l.starts_with("mean loss "))
-            .unwrap();
-        line["mean loss ".len()..].trim().parse::<f64>().unwrap()
-    };
+    let base_loss = mean_loss(&data().join("base"), None, &data().join("tokens.bin"), 1);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let first = format!("{base_loss:.4} -> ");
     assert!(stdout.contains(&first), "base loss {base_loss}: {stdout}");
@@ -275,25 +265,7 @@ fn a_gpt2_adapter_trains_and_evaluates() {
     );
     let config = std::fs::read_to_string(out_dir.join(ADAPTER_CONFIG_FILE)).unwrap();
     assert!(config.contains("\"fan_in_fan_out\": true"), "{config}");
-    let loss = |adapter: Option<&Path>| -> f64 {
-        let mut args = vec!["eval", "--model", path(&gpt2), "--steps", "3"];
-        args.extend_from_slice(&common);
-        if let Some(a) = adapter {
-            args.extend(["--adapter", path(a)]);
-        }
-        let out = strata(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8(out.stdout).unwrap();
-        let line = stdout
-            .lines()
-            .find(|l| l.starts_with("mean loss "))
-            .unwrap();
-        line["mean loss ".len()..].trim().parse().unwrap()
-    };
+    let loss = |adapter: Option<&Path>| mean_loss(&gpt2, adapter, &tokens, 3);
     let (base, tuned) = (loss(None), loss(Some(&out_dir)));
     assert!(tuned < base, "{tuned} with the adapter, {base} without");
 }
@@ -321,33 +293,7 @@ fn merge_writes_the_base_with_the_adapters_merged_in() {
     );
     assert!(merged.join("config.json").is_file() && merged.join("model.safetensors").is_file());
     assert!(!merged.join(ADAPTER_CONFIG_FILE).exists());
-    let tokens = data().join("tokens.bin");
-    let out = strata(&[
-        "eval",
-        "--model",
-        path(&merged),
-        "--data",
-        path(&tokens),
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--steps",
-        "1",
-        "--device",
-        "cpu",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("mean loss "))
-        .unwrap();
-    let mine: f64 = line["mean loss ".len()..].trim().parse().unwrap();
+    let mine = mean_loss(&merged, None, &data().join("tokens.bin"), 1);
     let peft = eval_loss(&data().join("expected"));
     assert!(
         ((mine - peft) / peft).abs() < 1e-5,
