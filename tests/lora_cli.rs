@@ -201,7 +201,6 @@ fn what_a_lora_run_cannot_do_yet_is_refused_before_any_work() {
             vec!["--lora", "4", "--checkpoint-every", "1"],
             "checkpoints are not built yet",
         ),
-        (vec!["--lora", "4", "--eval-every", "1"], "--eval-every"),
         (vec!["--lora", "4", "--lora-dropout", "0.1"], "dropout"),
         (
             vec!["--init-adapter", path(&init), "--lora", "16"],
@@ -316,5 +315,40 @@ fn merge_writes_the_base_with_the_adapters_merged_in() {
     assert!(
         !out.status.success() && stderr.contains("--merge"),
         "{stderr}"
+    );
+}
+
+/// `--eval-every` on a LoRA run evaluates the base with the adapters as they stand: on
+/// lora-tiny, the held-out batch (the third) after two of peft's steps has peft's loss
+/// before its third update (meta.json's `losses[2]`), within 1e-5.
+#[test]
+fn held_out_evaluation_of_a_lora_run_gives_peft_s_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log.jsonl");
+    let out = train(&[
+        "--lr",
+        "1e-3",
+        "--init-adapter",
+        path(&data().join("adapter0")),
+        "--eval-every",
+        "2",
+        "--log-jsonl",
+        path(&log),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    // Step 2's line (the run's third step evaluates again, after an epoch's wrap).
+    let second: serde_json::Value = serde_json::from_str(text.lines().nth(1).unwrap()).unwrap();
+    let got = second["eval_loss"].as_f64().unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data().join("meta.json")).unwrap()).unwrap();
+    let want = meta["losses"][2].as_f64().unwrap();
+    assert!(
+        ((got - want) / want).abs() < 1e-5,
+        "held-out {got}, peft's {want}"
     );
 }

@@ -49,7 +49,7 @@ enum FreshSource {
 impl FreshParams {
     /// `model` being the configuration's; initialised from the seed for a shape, or
     /// with `from_scratch`, whatever weights the folder holds.
-    fn of(cfg: &TrainConfig, model: &Model) -> Result<Self, Error> {
+    pub(super) fn of(cfg: &TrainConfig, model: &Model) -> Result<Self, Error> {
         let adapter = match &cfg.init_adapter {
             Some(dir) => Some(LoraAdapter::read(dir, model)?),
             None => None,
@@ -67,7 +67,7 @@ impl FreshParams {
 
     /// Block `b`'s f32 parameters; an error naming the tensor and its file when a
     /// folder's weights hold a NaN or an infinity.
-    fn block(&self, model: &Model, b: usize) -> Result<Vec<f32>, ModelError> {
+    pub(super) fn block(&self, model: &Model, b: usize) -> Result<Vec<f32>, ModelError> {
         let mut params = match &self.source {
             FreshSource::Init(model, seed) => model.init_block(b, *seed),
             FreshSource::Pretrained(blocks, seed) => {

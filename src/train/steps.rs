@@ -25,6 +25,7 @@ use super::data::RunData;
 use super::group::Ranks;
 use super::interrupt::interrupted;
 use super::rescue::{self, Kept, Stop};
+use super::start::FreshParams;
 use crate::train_config::{Dtype, OnNonFinite, TrainConfig};
 
 type Error = Box<dyn std::error::Error>;
@@ -481,12 +482,30 @@ fn evaluate(
     data.tokens
         .read_batch(batch, cfg.batch, cfg.seq, model.vocab(), &mut b)?;
     let forward = BlockForward::on_cpu(model.clone(), cfg.batch, cfg.seq)?;
+    // A LoRA model's master copy holds its adapters alone: its base comes from where the
+    // run read it (one process: the planner refuses LoRA among ranks).
+    let base = match model.lora_config() {
+        Some(_) => Some(FreshParams::of(cfg, model)?),
+        None => None,
+    };
     let loss = exec.with_whole_blocks(|read| -> Result<f32, Error> {
         let read = |b: usize| {
-            read(b).map_err(|e| ModelError::Source {
+            let source = |e: Box<dyn std::error::Error + Send + Sync>| ModelError::Source {
                 what: format!("reading block {b}'s parameters to evaluate"),
-                source: Box::new(e),
-            })
+                source: e,
+            };
+            match &base {
+                Some(base) => {
+                    let mut params = base.block(model, b)?;
+                    let block = &model.blocks()[b];
+                    if block.trains() {
+                        let adapters = exec.export_trained(b).map_err(|e| source(Box::new(e)))?;
+                        params[block.frozen..].copy_from_slice(&adapters);
+                    }
+                    Ok(params)
+                }
+                None => read(b).map_err(|e| source(Box::new(e))),
+            }
         };
         Ok(forward.forward(&b.inputs, &b.targets, &read)?)
     })?;

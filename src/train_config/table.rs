@@ -647,13 +647,6 @@ fn check_lora(c: &TrainConfig) -> Result<(), String> {
                 .into(),
         );
     }
-    if c.eval_every > 0 {
-        return Err(
-            "with --eval-every: evaluating a LoRA run while it trains is not built \
-                    yet; evaluate the adapter --out writes with strata eval --adapter"
-                .into(),
-        );
-    }
     Ok(())
 }
 
