@@ -56,7 +56,7 @@ pub struct PlanReport {
     pub training_state_bytes: u64,
     /// Disk space of one checkpoint (`--checkpoint-dir` holds `--keep-checkpoints` of
     /// them and the one being written); saving and resuming hold a block's state at a
-    /// time in RAM.
+    /// time in RAM. 0 for a LoRA run, which writes none yet.
     pub checkpoint_bytes: u64,
     /// Sequences per micro-batch.
     pub batch: usize,
@@ -316,7 +316,12 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
         lora,
         training_state_bytes: ((4.0 + shape.optimizer_state.bytes_per_param()) * trained as f64)
             as u64,
-        checkpoint_bytes: strata_engine::checkpoint::needed_bytes(&model, 0),
+        // A LoRA run writes no checkpoint (not built yet).
+        checkpoint_bytes: if trained < params {
+            0
+        } else {
+            strata_engine::checkpoint::needed_bytes(&model, 0)
+        },
         batch: shape.batch,
         seq: shape.seq,
         grad_accum: shape.grad_accum,

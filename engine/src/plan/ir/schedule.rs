@@ -137,7 +137,21 @@ impl Plan {
     /// What [`Plan::edges_on_host`] means for this plan, in words (none when it is not).
     pub fn edges_text(&self) -> Option<String> {
         self.edges_on_host().then(|| {
-            let params = if self.homes[0][0] == Tier::Device {
+            let on_device = self.homes[0][0] == Tier::Device;
+            let last = self.homes.len() - 1;
+            if self.shard_len[0] == 0 && self.shard_len[last] == 0 {
+                // They train nothing (a LoRA model's): their parameters alone stay.
+                let tier = if on_device {
+                    "on the device"
+                } else {
+                    "in host memory"
+                };
+                return format!(
+                    "the embedding's and the head's parameters stay {tier} (their NVMe \
+                     traffic could not hide under compute)"
+                );
+            }
+            let params = if on_device {
                 "their parameters on the device"
             } else {
                 "their parameters too"
