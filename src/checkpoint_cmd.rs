@@ -55,6 +55,16 @@ fn trained_from(config: &serde_json::Value) -> Option<weights::Pretrained> {
 
 fn export(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let opened = checkpoint::open(&args.checkpoint)?;
+    if opened.model().lora_config().is_some() {
+        return Err(format!(
+            "{} is a LoRA run's checkpoint, which holds the adapters' state alone (its base \
+             is the run's --model folder): resume it with strata train --resume, whose --out \
+             writes the adapter (or with --merge the merged model); exporting it is not \
+             built yet",
+            opened.dir().display()
+        )
+        .into());
+    }
     let base = trained_from(&opened.state().config);
     let mut options = base
         .as_ref()

@@ -348,7 +348,7 @@ fn invalid_values_name_their_origin() {
         message,
         format!(
             "{}: `model` must be a preset (tiny, small, gpt2, gpt2-medium, gpt2-large, \
-             gpt2-xl, llama-3-8b, llama-3.1-8b, llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, \
+             gpt2-xl, llama-3-8b, llama-3.1-8b, llama-3-70b, llama-3.2-1b, llama-3.2-3b, qwen2.5-0.5b, \
              qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, qwen3-8b, mistral-7b), a shape \
              LAYERSxWIDTH (such as 40x5120), or a directory holding config.json and \
              model.safetensors, or only a config.json for a shape without weights (found \

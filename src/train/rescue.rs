@@ -156,23 +156,7 @@ pub fn keep(
     }
     let mut failures = Vec::new();
     let dirs = cfg.checkpoint_dir.iter().map(|d| d.join("rescue"));
-    let lora = exec.model().family().lora_config().is_some();
     for dir in dirs.chain([default_dir().to_path_buf()]) {
-        if lora {
-            // A LoRA run has no checkpoints yet: it keeps its adapters as peft's folder.
-            let dir = dir.join(format!("adapter-step-{}", state.step));
-            match super::adapter::save_adapter(cfg, exec, &dir) {
-                Ok(()) => {
-                    return format!(
-                        "kept the adapter after step {} in {} (a peft adapter folder)",
-                        state.step,
-                        dir.display()
-                    );
-                }
-                Err(e) => failures.push(format!("{}: {e}", dir.display())),
-            }
-            continue;
-        }
         match write_checkpoint(exec, ranks, &dir, state, cfg.keep_checkpoints) {
             Ok(path) => {
                 return format!(

@@ -91,6 +91,30 @@ impl FreshParams {
     }
 }
 
+/// Block `b`'s whole state from a LoRA checkpoint's `state` of its trained elements:
+/// the base's parameters from `base` with the adapters' over them, the moments zero but
+/// the adapters'.
+fn over_base(
+    model: &Model,
+    b: usize,
+    base: &FreshParams,
+    state: [Vec<f32>; 3],
+) -> Result<[Vec<f32>; 3], ModelError> {
+    let block = &model.blocks()[b];
+    let mut params = base.block(model, b)?;
+    let mut moments = [vec![0f32; block.len], vec![0f32; block.len]];
+    let [master, m, v] = state;
+    for (to, from) in [&mut params]
+        .into_iter()
+        .chain(&mut moments)
+        .zip([master, m, v])
+    {
+        to[block.frozen..].copy_from_slice(&from);
+    }
+    let [m, v] = moments;
+    Ok([params, m, v])
+}
+
 /// Where a run's parameters come from.
 pub enum Initial {
     /// A fresh run's, made or read a block at a time as they are loaded.
@@ -98,7 +122,9 @@ pub enum Initial {
     /// A checkpoint, verified and read a block at a time as it is loaded: whole blocks
     /// (an ordinary one, or one sharded by another number of ranks), or this rank's
     /// shards of them (one sharded by as many ranks).
-    Checkpoint(Box<checkpoint::Opened>),
+    /// A LoRA model's checkpoint holds its adapters' state alone: its base is read as a
+    /// fresh run reads it, the adapters put over it.
+    Checkpoint(Box<checkpoint::Opened>, Option<FreshParams>),
 }
 
 /// The run's parameters and trainer state: resumed from `cfg.resume` (this rank's
@@ -180,7 +206,11 @@ fn resumed(
     check_resumed_model(path, opened.model(), model)?;
     check_resume_settings(path, &opened.state().config, cfg, ranks.ranks)?;
     let state = opened.state().clone();
-    Ok((Initial::Checkpoint(Box::new(opened)), state))
+    let base = match model.lora_config() {
+        Some(_) => Some(FreshParams::of(cfg, model)?),
+        None => None,
+    };
+    Ok((Initial::Checkpoint(Box::new(opened), base), state))
 }
 
 /// Refuses a checkpoint of another model than the configured one.
@@ -247,17 +277,26 @@ fn check_resume_settings(
 }
 
 /// Loads the checkpoint `opened` into `exec` a block at a time (whole blocks, or this
-/// rank's shards of them); logs the rate.
-fn load_checkpoint(exec: &mut Executor, opened: &checkpoint::Opened) -> Result<(), Error> {
+/// rank's shards of them; a LoRA model's adapters over its base, read from `base`); logs
+/// the rate.
+fn load_checkpoint(
+    exec: &mut Executor,
+    opened: &checkpoint::Opened,
+    base: Option<&FreshParams>,
+) -> Result<(), Error> {
     let started = Instant::now();
     let read_bytes = Cell::new(0u64);
+    let model = exec.model().clone();
     let read = |b: usize| {
         let state = opened.block(b).map_err(|e| ModelError::Source {
             what: format!("reading block {b} of {}", opened.dir().display()),
             source: Box::new(e),
         })?;
         read_bytes.set(read_bytes.get() + 12 * state[0].len() as u64);
-        Ok(state)
+        match base {
+            Some(base) => over_base(&model, b, base, state),
+            None => Ok(state),
+        }
     };
     if opened.own_shard_len().is_some() {
         exec.load_shard_blocks(&read)?;
@@ -286,7 +325,7 @@ pub fn executor(
 ) -> Result<Executor, Error> {
     let mut exec = Executor::new(model.clone(), plan, device, exec_config)?;
     match &initial {
-        Initial::Checkpoint(opened) => load_checkpoint(&mut exec, opened)?,
+        Initial::Checkpoint(opened, base) => load_checkpoint(&mut exec, opened, base.as_ref())?,
         Initial::Fresh(fresh) => {
             let model = exec.model().clone();
             exec.load_blocks(&|b| fresh.block(&model, b))?

@@ -278,8 +278,9 @@ settings! {
 
     /// Fine-tune a LoRA adapter of this rank over the frozen model: the adapters alone
     /// get gradients, optimizer state and updates (the base's products compute input
-    /// gradients only), and --out writes a peft adapter folder (adapter_config.json,
-    /// adapter_model.safetensors) [default: none, the whole model trains].
+    /// gradients only), and the trained model is written as a peft adapter folder
+    /// (adapter_config.json, adapter_model.safetensors) [default: none, the whole model
+    /// trains].
     #[serde(skip_serializing_if = "Option::is_none")]
     Step lora: Option<usize> = None,
         flag(value_name = "RANK"),
@@ -638,15 +639,6 @@ fn check_lora(c: &TrainConfig) -> Result<(), String> {
         return Ok(());
     }
     c.lora_config().map(|_| ()).map_err(|e| e.to_string())?;
-    // Until the LoRA model's checkpoints are built (its state covers the adapters alone),
-    // a run that would write or read one is refused before any work.
-    if c.resume.is_some() || c.checkpoint_every > 0 {
-        return Err(
-            "with --checkpoint-every or --resume: a LoRA run's checkpoints are not \
-                    built yet; train without them (--out writes the adapter)"
-                .into(),
-        );
-    }
     Ok(())
 }
 

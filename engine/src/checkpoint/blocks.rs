@@ -32,8 +32,9 @@ use super::format::{
 use super::sharded::{Shard, files as shard_files, shard_file, tensor_names};
 use super::stream::{TensorReader, TensorWriter, WRITE_BUFFER_BYTES};
 use super::verify::Dir;
-use crate::model::Model;
+use crate::model::lora::{ADAPTER_CONFIG_FILE, WeightLayout};
 use crate::model::weights::{self, CONFIG_FILE, FileDtype, WEIGHTS_FILE};
+use crate::model::{BlockLayout, Model, TensorSpec};
 
 /// What a save wrote.
 #[derive(Debug, Clone)]
@@ -47,15 +48,28 @@ pub struct SaveReport {
     pub staged_bytes_max: u64,
 }
 
-/// Panics unless every alignment gap of block `b`'s `buffer` is zero: the files hold
-/// tensors only, so a nonzero gap would not come back, and gaps are zero by the layout's
-/// contract.
+/// The tensors of `block` a checkpoint holds: those that train (every one, but a LoRA
+/// model's frozen base, which its `--model` folder holds), each with its range in the
+/// block's trained elements ([`BlockLayout::trained`](crate::model::BlockLayout::trained)),
+/// the buffers a checkpoint's block state is.
+fn held(block: &BlockLayout) -> impl Iterator<Item = (&TensorSpec, std::ops::Range<usize>)> {
+    let lo = block.frozen;
+    block
+        .tensors
+        .iter()
+        .filter(move |t| t.slot.offset >= lo)
+        .map(move |t| (t, t.slot.offset - lo..t.slot.offset - lo + t.slot.len))
+}
+
+/// Panics unless every alignment gap of block `b`'s `buffer` (its trained elements) is
+/// zero: the files hold tensors only, so a nonzero gap would not come back, and gaps are
+/// zero by the layout's contract.
 pub(super) fn assert_gaps_zero(model: &Model, b: usize, name: &str, buffer: &[f32]) {
     let block = &model.blocks()[b];
     // A gap runs from a tensor's end to the next one's start (or the block's end).
-    let ends = block.tensors.iter().map(|t| t.slot.range().end);
-    let next_starts = block.tensors.iter().skip(1).map(|t| t.slot.offset);
-    for (start, end) in ends.zip(next_starts.chain([block.len])) {
+    let ends = held(block).map(|(_, r)| r.end);
+    let next_starts = held(block).skip(1).map(|(_, r)| r.start);
+    for (start, end) in ends.zip(next_starts.chain([block.trained_len()])) {
         assert!(
             buffer[start..end].iter().all(|x| x.to_bits() == 0),
             "{name}: block {:?} has a nonzero alignment gap at elements {start}..{end}",
@@ -68,8 +82,8 @@ pub(super) fn assert_gaps_zero(model: &Model, b: usize, name: &str, buffer: &[f3
 /// parameter, the safetensors headers, and the small files (a trainer state of
 /// `state_json_bytes` among them).
 pub fn needed_bytes(model: &Model, state_json_bytes: usize) -> u64 {
-    let params = model.param_count() as u64;
-    let tensors: u64 = model.blocks().iter().map(|b| b.tensors.len() as u64).sum();
+    let params = model.trained_param_count() as u64;
+    let tensors: u64 = model.blocks().iter().map(|b| held(b).count() as u64).sum();
     // A header entry: `"exp_avg_sq.transformer.<name>":{"dtype":"F32","shape":[a,b],
     // "data_offsets":[x,y]}`, at most a few hundred bytes with 20-digit numbers.
     let header_per_tensor = 256u64;
@@ -85,11 +99,11 @@ fn block_tensors(
     prefix: &str,
 ) -> impl Iterator<Item = (String, Vec<usize>, std::ops::Range<usize>)> {
     let family_prefix = model.family().hf_prefix(b);
-    model.blocks()[b].tensors.iter().map(move |t| {
+    held(&model.blocks()[b]).map(move |(t, range)| {
         (
             format!("{prefix}{family_prefix}{}", t.name),
             t.shape.clone(),
-            t.slot.range(),
+            range,
         )
     })
 }
@@ -182,11 +196,11 @@ fn write_files(
     let mut optimizer_file = TensorWriter::create(&dir.join(OPTIMIZER_FILE), optimizer)?;
     for (b, block) in model.blocks().iter().enumerate() {
         let mut put = |got: BlockStateRef<'_>| -> Result<(), CheckpointError> {
-            if got.iter().any(|x| x.len() != block.len) {
+            if got.iter().any(|x| x.len() != block.trained_len()) {
                 return Err(CheckpointError::BadInput(format!(
                     "block {b}'s state has {:?} values, not three of the model's {}",
                     got.map(<[f32]>::len),
-                    block.len
+                    block.trained_len()
                 )));
             }
             for (name, x) in ["params", "m", "v"].iter().zip(got) {
@@ -211,6 +225,16 @@ fn write_files(
     files.insert(WEIGHTS_FILE.to_string(), weights_file.finish()?);
     files.insert(OPTIMIZER_FILE.to_string(), optimizer_file.finish()?);
     let config = weights::with_dtype(model.family().hf_config(), FileDtype::F32);
+    if let Some(lora) = model.lora_config() {
+        // A LoRA model's: its adapters' settings, as peft writes them (the base is its
+        // `--model` folder's).
+        let fan_in_fan_out = WeightLayout::of(model.family()) == WeightLayout::InOut;
+        let mut json = serde_json::to_vec_pretty(&lora.to_json("", fan_in_fan_out))
+            .expect("JSON of a JSON value");
+        json.push(b'\n');
+        write_synced(&dir.join(ADAPTER_CONFIG_FILE), &json)?;
+        files.insert(ADAPTER_CONFIG_FILE.to_string(), digest_of(&json));
+    }
     let mut config_json = serde_json::to_vec_pretty(&config).expect("JSON of a JSON value");
     config_json.push(b'\n');
     for (file, bytes) in [(CONFIG_FILE, &config_json[..]), (STATE_FILE, state_json)] {
@@ -277,7 +301,12 @@ pub fn open(path: &Path) -> Result<Opened, CheckpointError> {
     let manifest = d.manifest()?;
     let (state, model, files) = match &manifest.shards {
         None => {
-            d.verify(&manifest, DATA_FILES, |_| true)?;
+            // A LoRA model's checkpoint also names its adapters' settings.
+            let lora = manifest.files.contains_key(ADAPTER_CONFIG_FILE);
+            let files = DATA_FILES
+                .into_iter()
+                .chain(lora.then_some(ADAPTER_CONFIG_FILE));
+            d.verify(&manifest, files, |_| true)?;
             let (state, model) = d.state_and_model(&manifest)?;
             let files = Files::Whole {
                 weights: TensorReader::open(&d, WEIGHTS_FILE)?,
@@ -419,7 +448,7 @@ impl Opened {
     fn held_len(&self, b: usize) -> usize {
         match &self.files {
             Files::OwnShard { layout, .. } => layout.shard_len[b],
-            _ => self.model.blocks()[b].len,
+            _ => self.model.blocks()[b].trained_len(),
         }
     }
 
@@ -441,13 +470,13 @@ impl Opened {
                 ];
                 for ((prefix, file), places) in classes.into_iter().zip(&mut out) {
                     let block = &self.model.blocks()[b];
-                    for t in &block.tensors {
+                    for (t, range) in held(block) {
                         // As written, or without the family's prefix (as `weights` reads).
                         let prefixed =
                             format!("{prefix}{}{}", self.model.family().hf_prefix(b), t.name);
                         let bare = format!("{prefix}{}", t.name);
                         let at = file.locate(&d, &[&prefixed, &bare], &t.shape)?;
-                        places.push((file, at, t.slot.range()));
+                        places.push((file, at, range));
                     }
                 }
             }
@@ -473,9 +502,10 @@ impl Opened {
         Ok(out)
     }
 
-    /// Block `b`'s master parameters, m and v (the block's length each, alignment gaps
-    /// zero; opened as one rank's shard, that rank's shard of them, zero past the
-    /// block's end), read from the files.
+    /// Block `b`'s master parameters, m and v (the length of its trained elements each:
+    /// the block's, but a LoRA model's adapters alone; alignment gaps zero; opened as one
+    /// rank's shard, that rank's shard of them, zero past the block's end), read from the
+    /// files.
     pub fn block(&self, b: usize) -> Result<BlockState, CheckpointError> {
         let mut out: BlockState = Default::default();
         self.read_classes(b, &mut out)?;

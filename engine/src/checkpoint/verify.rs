@@ -14,6 +14,7 @@ use super::folder::{advice, parse_dir_name};
 use super::format::{
     FORMAT_VERSION, FileDigest, MANIFEST_FILE, Manifest, STATE_FILE, TrainerState,
 };
+use crate::model::lora::{ADAPTER_CONFIG_FILE, LoraConfig};
 use crate::model::weights::{self, CONFIG_FILE};
 use crate::model::{Model, ModelError};
 
@@ -197,6 +198,14 @@ impl Dir<'_> {
         }
         let model = weights::load_config(&self.0.join(CONFIG_FILE))
             .map_err(|e| self.model_error(CONFIG_FILE, e))?;
+        // A LoRA model's checkpoint names its adapters' settings (and holds them alone).
+        let model = if manifest.files.contains_key(ADAPTER_CONFIG_FILE) {
+            LoraConfig::read(&self.0.join(ADAPTER_CONFIG_FILE))
+                .and_then(|lora| model.lora(&lora))
+                .map_err(|e| self.model_error(ADAPTER_CONFIG_FILE, e))?
+        } else {
+            model
+        };
         Ok((state, model))
     }
 }

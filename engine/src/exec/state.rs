@@ -543,8 +543,9 @@ impl Executor {
         self.with_block_state(b, |state| state.map(<[f32]>::to_vec))
     }
 
-    /// Block `b`'s master parameters, m and v (each the block's length) lent to
-    /// `use_state` where their home's read puts them: the host arena itself, the NVMe
+    /// Block `b`'s master parameters, m and v (each the length of its trained elements:
+    /// the block's, but a LoRA model's adapters alone) lent to `use_state` where their
+    /// home's read puts them: the host arena itself, the NVMe
     /// read's buffer, or a staging for device-homed state; no other copy is made (a
     /// checkpoint's writer takes them so). Alone only, as [`Self::export_block_state`].
     pub fn with_block_state<R>(
@@ -559,8 +560,8 @@ impl Executor {
                 self.comm.size()
             )));
         }
-        let len = self.check_block(b)?;
-        self.lend_state(b, len, use_state)
+        self.check_block(b)?;
+        self.lend_state(b, self.model.blocks()[b].trained_len(), use_state)
     }
 
     /// This rank's shard of block `b`'s master parameters, m and v
