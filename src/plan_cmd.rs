@@ -56,7 +56,7 @@ pub struct PlanReport {
     pub training_state_bytes: u64,
     /// Disk space of one checkpoint (`--checkpoint-dir` holds `--keep-checkpoints` of
     /// them and the one being written); saving and resuming hold a block's state at a
-    /// time in RAM. 0 for a LoRA run, which writes none yet.
+    /// time in RAM. A LoRA run's holds its adapters' state alone.
     pub checkpoint_bytes: u64,
     /// Sequences per micro-batch.
     pub batch: usize,
@@ -316,12 +316,8 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
         lora,
         training_state_bytes: ((4.0 + shape.optimizer_state.bytes_per_param()) * trained as f64)
             as u64,
-        // A LoRA run writes no checkpoint (not built yet).
-        checkpoint_bytes: if trained < params {
-            0
-        } else {
-            strata_engine::checkpoint::needed_bytes(&model, 0)
-        },
+        // A LoRA run's holds the adapters' state alone.
+        checkpoint_bytes: strata_engine::checkpoint::needed_bytes(&model, 0),
         batch: shape.batch,
         seq: shape.seq,
         grad_accum: shape.grad_accum,
@@ -566,16 +562,12 @@ fn render_header(r: &PlanReport) -> String {
             100.0 * l.trained_params as f64 / r.params as f64
         );
     }
-    if r.lora.is_some() {
-        out += "checkpoint: not built for LoRA runs yet (--out writes the adapter)\n";
-    } else {
-        out += &format!(
-            "checkpoint: {} on disk each (parameters, m, v); --checkpoint-dir holds \
-             --keep-checkpoints of them and the one being written, checked against free space \
-             before step 1\n",
-            fmt_bytes(r.checkpoint_bytes)
-        );
-    }
+    out += &format!(
+        "checkpoint: {} on disk each (parameters, m, v); --checkpoint-dir holds \
+         --keep-checkpoints of them and the one being written, checked against free space \
+         before step 1\n",
+        fmt_bytes(r.checkpoint_bytes)
+    );
     out += &format!(
         "step: {} x {} tokens x {} micro-batches, {}, {} moments, --recompute {}{}; budgets: device {}, host {}, nvme {} ({})\n",
         r.batch,

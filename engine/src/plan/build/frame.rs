@@ -378,7 +378,7 @@ fn check_frozen(blocks: &[BlockLayout], shape: &StepShape) -> Result<(), PlanErr
     if shape.ranks > 1 && blocks.iter().any(|b| b.frozen > 0) {
         return Err(PlanError::Invalid(
             "a LoRA model trains in one process: training its adapters among ranks is not \
-             built yet; run it without --ranks"
+             built yet; run strata train alone (not under mpirun -np N)"
                 .into(),
         ));
     }
