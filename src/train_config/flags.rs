@@ -242,6 +242,8 @@ mod tests {
             log_jsonl: Some("log.jsonl".into()),
             trace: Some("trace.json".into()),
             resume: Some("ck/step-10".into()),
+            lora: Some(8),
+            init_adapter: Some("adapter".into()),
             ..TrainConfig::default()
         }
     }
