@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use strata_engine::checkpoint;
 use strata_engine::model::ModelError;
+use strata_engine::model::lora::LoraAdapter;
 use strata_engine::model::weights::{self, SaveOptions};
 
 use crate::train_config::{Dtype, TrainConfig};
@@ -18,7 +19,8 @@ pub enum CheckpointCommand {
     /// shards with an index, config.json, and the tokenizer files of the model it was
     /// trained from when that folder is still there). A checkpoint sharded by ranks is
     /// put together; every file is verified first. Written a block at a time: the model
-    /// is never whole in memory.
+    /// is never whole in memory. A LoRA run's checkpoint is written as its adapter, a
+    /// peft adapter folder.
     Export(ExportArgs),
 }
 
@@ -56,14 +58,7 @@ fn trained_from(config: &serde_json::Value) -> Option<weights::Pretrained> {
 fn export(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> {
     let opened = checkpoint::open(&args.checkpoint)?;
     if opened.model().lora_config().is_some() {
-        return Err(format!(
-            "{} is a LoRA run's checkpoint, which holds the adapters' state alone (its base \
-             is the run's --model folder): resume it with strata train --resume, whose --out \
-             writes the adapter (or with --merge the merged model); exporting it is not \
-             built yet",
-            opened.dir().display()
-        )
-        .into());
+        return export_adapter(&opened, args, out);
     }
     let base = trained_from(&opened.state().config);
     let mut options = base
@@ -96,6 +91,40 @@ fn export(args: &ExportArgs, out: &mut dyn Write) -> Result<(), Box<dyn Error>> 
         match &base {
             Some(b) => format!(", with {}'s config and tokenizer files", b.dir.display()),
             None => String::new(),
+        }
+    )?;
+    Ok(())
+}
+
+/// A LoRA run's checkpoint (its adapters' state alone) written as a peft adapter folder:
+/// each adapted layer's `A` and `B` from the checkpoint's master copy, named for the base
+/// the run trained (`base_model_name_or_path`: its `--model`).
+fn export_adapter(
+    opened: &checkpoint::Opened,
+    args: &ExportArgs,
+    out: &mut dyn Write,
+) -> Result<(), Box<dyn Error>> {
+    let model = opened.model();
+    let trained = (0..model.blocks().len())
+        .map(|b| opened.block_params(b))
+        .collect::<Result<Vec<_>, _>>()?;
+    let adapter = LoraAdapter::from_trained(model, &trained)?;
+    let base = TrainConfig::recorded(&opened.state().config)
+        .map(|(cfg, _)| cfg.model)
+        .unwrap_or_default();
+    let dtype = args.dtype.unwrap_or(Dtype::Fp32).file_dtype();
+    adapter.write(&args.out, &base, dtype)?;
+    writeln!(
+        out,
+        "adapter: {} (peft's adapter_config.json and adapter_model.safetensors, {}) from {}, \
+         for the base {}",
+        args.out.display(),
+        dtype.torch_name(),
+        opened.dir().display(),
+        if base.is_empty() {
+            "the run trained"
+        } else {
+            &base
         }
     )?;
     Ok(())

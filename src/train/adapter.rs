@@ -8,10 +8,9 @@
 use std::path::Path;
 
 use strata_engine::exec::Executor;
-use strata_engine::model::lora::layout::adapter_slots;
+use strata_engine::model::ModelError;
 use strata_engine::model::lora::{LoraAdapter, merge_block};
 use strata_engine::model::weights::{self, FileDtype};
-use strata_engine::model::{ModelError, Slot};
 
 use crate::model_source::{model_shape, pretrained_source};
 use crate::train_config::TrainConfig;
@@ -61,25 +60,9 @@ pub fn save_merged_model(cfg: &TrainConfig, exec: &Executor, dir: &Path) -> Resu
 /// parameters of its block's trained elements (alone).
 fn trained_adapter(exec: &Executor) -> Result<LoraAdapter, Error> {
     let model = exec.model();
-    let config = model
-        .family()
-        .lora_config()
-        .ok_or("the model has no LoRA adapters")?
-        .clone();
-    let tails = (0..model.blocks().len())
-        .map(|b| {
-            let block = &model.blocks()[b];
-            block.trains().then(|| exec.export_trained(b)).transpose()
-        })
+    // export_trained gives an empty master copy for a block that trains nothing.
+    let trained = (0..model.blocks().len())
+        .map(|b| exec.export_trained(b))
         .collect::<Result<Vec<_>, _>>()?;
-    let adapter = LoraAdapter::new(model, config, |layer| {
-        let block = &model.blocks()[layer.block];
-        let tail = tails[layer.block]
-            .as_ref()
-            .expect("an adapted layer's block trains");
-        let slots = adapter_slots(block, layer);
-        let part = |s: Slot| tail[s.offset - block.frozen..][..s.len].to_vec();
-        (part(slots.a), part(slots.b))
-    })?;
-    Ok(adapter)
+    Ok(LoraAdapter::from_trained(model, &trained)?)
 }

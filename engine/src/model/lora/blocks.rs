@@ -54,6 +54,24 @@ impl LoraAdapter {
     /// whole buffer per block, as trained): what [`LoraAdapter::write`] saves as peft's
     /// folder.
     pub fn from_blocks(model: &Model, params: &[Vec<f32>]) -> Result<Self, ModelError> {
+        Self::from_parts(model, params, |_| 0)
+    }
+
+    /// As [`LoraAdapter::from_blocks`], from each block's trained elements alone
+    /// ([`BlockLayout::trained`](crate::model::BlockLayout::trained): the master copy an
+    /// executor or a checkpoint holds of a LoRA model; empty for a block that trains
+    /// nothing).
+    pub fn from_trained(model: &Model, trained: &[Vec<f32>]) -> Result<Self, ModelError> {
+        Self::from_parts(model, trained, |block| block.frozen)
+    }
+
+    /// The adapter in `params`, block `b`'s buffer holding its elements from
+    /// `start(block)` on.
+    fn from_parts(
+        model: &Model,
+        params: &[Vec<f32>],
+        start: impl Fn(&crate::model::BlockLayout) -> usize,
+    ) -> Result<Self, ModelError> {
         let (layers, _) = adapted_layers(model)?;
         let config = model
             .family()
@@ -69,11 +87,14 @@ impl LoraAdapter {
         let layers = layers
             .into_iter()
             .map(|layer| {
-                let slots = adapter_slots(&model.blocks()[layer.block], &layer);
-                let block = &params[layer.block];
+                let block = &model.blocks()[layer.block];
+                let slots = adapter_slots(block, &layer);
+                let at = start(block);
+                let part =
+                    |s: crate::model::Slot| params[layer.block][s.offset - at..][..s.len].to_vec();
                 LoraWeights {
-                    a: block[slots.a.range()].to_vec(),
-                    b: block[slots.b.range()].to_vec(),
+                    a: part(slots.a),
+                    b: part(slots.b),
                     layer,
                 }
             })
