@@ -65,6 +65,19 @@ impl FreshParams {
         Ok(FreshParams { source, adapter })
     }
 
+    /// Block `b`'s f32 parameters with `trained` over its trained elements (a LoRA
+    /// model's adapters as a run left them; empty for a block that trains nothing).
+    pub(super) fn block_under(
+        &self,
+        model: &Model,
+        b: usize,
+        trained: &[f32],
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut params = self.block(model, b)?;
+        params[model.blocks()[b].frozen..].copy_from_slice(trained);
+        Ok(params)
+    }
+
     /// Block `b`'s f32 parameters; an error naming the tensor and its file when a
     /// folder's weights hold a NaN or an infinity.
     pub(super) fn block(&self, model: &Model, b: usize) -> Result<Vec<f32>, ModelError> {
@@ -101,17 +114,13 @@ fn over_base(
     state: [Vec<f32>; 3],
 ) -> Result<[Vec<f32>; 3], ModelError> {
     let block = &model.blocks()[b];
-    let mut params = base.block(model, b)?;
-    let mut moments = [vec![0f32; block.len], vec![0f32; block.len]];
     let [master, m, v] = state;
-    for (to, from) in [&mut params]
-        .into_iter()
-        .chain(&mut moments)
-        .zip([master, m, v])
-    {
-        to[block.frozen..].copy_from_slice(&from);
-    }
-    let [m, v] = moments;
+    let params = base.block_under(model, b, &master)?;
+    let [m, v] = [m, v].map(|x| {
+        let mut whole = vec![0f32; block.len];
+        whole[block.frozen..].copy_from_slice(&x);
+        whole
+    });
     Ok([params, m, v])
 }
 

@@ -496,13 +496,8 @@ fn evaluate(
             };
             match &base {
                 Some(base) => {
-                    let mut params = base.block(model, b)?;
-                    let block = &model.blocks()[b];
-                    if block.trains() {
-                        let adapters = exec.export_trained(b).map_err(|e| source(Box::new(e)))?;
-                        params[block.frozen..].copy_from_slice(&adapters);
-                    }
-                    Ok(params)
+                    let adapters = exec.export_trained(b).map_err(|e| source(Box::new(e)))?;
+                    base.block_under(model, b, &adapters)
                 }
                 None => read(b).map_err(|e| source(Box::new(e))),
             }
