@@ -16,7 +16,7 @@
 
 use half::bf16;
 
-use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Launch, long, per_element};
+use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch, long, per_element};
 use crate::ops::simd::on_isa;
 use crate::ops::{Cpu, par_chunks};
 use crate::program::{
@@ -142,8 +142,10 @@ pub struct Nf4Dequantize {
     pub absmax_q: TensorRef,
     /// f32, one per 256 blocks ([`Nf4Blocks::group_count`]).
     pub absmax_scale: TensorRef,
-    /// The mean of the blocks' absmaxes ([`Nf4Blocks::absmax_offset`]).
-    pub absmax_offset: f32,
+    /// f32, one: the mean of the blocks' absmaxes ([`Nf4Blocks::absmax_offset`]), read
+    /// from memory so that a program built before the weights are quantised can
+    /// dequantise them.
+    pub absmax_offset: TensorRef,
 }
 
 impl Signature for Nf4Dequantize {
@@ -182,6 +184,12 @@ impl Signature for Nf4Dequantize {
             f32_,
             groups,
         ));
+        each(Param::read(
+            "absmax_offset",
+            &self.absmax_offset,
+            f32_,
+            LenRule::Len(1),
+        ));
     }
 
     fn flops(&self) -> f64 {
@@ -201,7 +209,7 @@ impl CpuKernel for Nf4Dequantize {
             codes: t.bytes(&self.codes),
             absmax_q: t.bytes(&self.absmax_q),
             absmax_scale: t.f32(&self.absmax_scale),
-            absmax_offset: self.absmax_offset,
+            absmax_offset: t.f32(&self.absmax_offset)[0],
         };
         dequantize_nf4(cpu, t.f32_mut(&self.out), parts);
         Ok(())
@@ -214,14 +222,14 @@ impl CudaKernel for Nf4Dequantize {
 
     fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
         // nf4_dequantize_<T>(T* out, const unsigned char* codes, const unsigned char*
-        // absmax_q, const float* absmax_scale, float absmax_offset, long long n): one
-        // thread per byte of codes.
+        // absmax_q, const float* absmax_scale, const float* absmax_offset, long long n):
+        // one thread per byte of codes.
         let args = [
             q.ptr(&self.out),
             q.ptr(&self.codes),
             q.ptr(&self.absmax_q),
             q.ptr(&self.absmax_scale),
-            Arg::Float(self.absmax_offset),
+            q.ptr(&self.absmax_offset),
             long(n),
         ];
         Ok(q.launch(NF4_DEQUANTIZE, per_element(n.div_ceil(2)), &args)?)

@@ -57,11 +57,13 @@ __device__ __forceinline__ float quant_dynamic_value(unsigned int q) {
 
 // out: (N)  codes: (ceil(N/2)) bytes, element 2k in byte k's high nibble, 2k+1 in its low
 // absmax_q: (ceil(N/64))  absmax_scale: (ceil(N/64/256)).
-// out[i] = level[code_i] * (map[absmax_q[i/64]] * absmax_scale[i/64/256] + absmax_offset).
+// absmax_offset: (1).
+// out[i] = level[code_i] * (map[absmax_q[i/64]] * absmax_scale[i/64/256] + absmax_offset[0]).
 // One thread per byte (two values); a warp covers one block, so its absmax reads agree.
 template <typename T>
 __device__ void nf4_dequantize(T* out, const unsigned char* codes, const unsigned char* absmax_q,
-                               const float* absmax_scale, float absmax_offset, long long n) {
+                               const float* absmax_scale, const float* absmax_offset,
+                               long long n) {
     __shared__ float level[16];
     if (threadIdx.x < 16) {
         level[threadIdx.x] = QUANT_NF4_CODE[threadIdx.x];
@@ -75,7 +77,7 @@ __device__ void nf4_dequantize(T* out, const unsigned char* codes, const unsigne
     long long block = i / QUANT_NF4_BLOCK;
     float scaled = __fmul_rn(quant_dynamic_value(absmax_q[block]),
                              absmax_scale[block / QUANT_ABSMAX_GROUP]);
-    float absmax = __fadd_rn(scaled, absmax_offset);
+    float absmax = __fadd_rn(scaled, absmax_offset[0]);
     unsigned int byte = codes[k];
     out[i] = from_float<T>(__fmul_rn(level[byte >> 4], absmax));
     if (i + 1 < n) {
@@ -98,7 +100,7 @@ __device__ void int8_dequantize(T* out, const signed char* codes, const float* s
     extern "C" __global__ void nf4_dequantize_##S(T* out, const unsigned char* codes,         \
                                                   const unsigned char* absmax_q,              \
                                                   const float* absmax_scale,                  \
-                                                  float absmax_offset, long long n) {         \
+                                                  const float* absmax_offset, long long n) {  \
         nf4_dequantize<T>(out, codes, absmax_q, absmax_scale, absmax_offset, n);              \
     }                                                                                         \
     extern "C" __global__ void int8_dequantize_##S(T* out, const signed char* codes,          \

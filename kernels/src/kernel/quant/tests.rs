@@ -486,13 +486,13 @@ fn load_byte(m: &Emulator, ptr: u64, i: usize) -> u8 {
     m.load(ptr, i / 4).to_bits().to_le_bytes()[i % 4]
 }
 
-fn nf4_kernel(w: Dtype, l: &mut Layout, n: usize, absmax_offset: f32) -> Nf4Dequantize {
+fn nf4_kernel(w: Dtype, l: &mut Layout, n: usize) -> Nf4Dequantize {
     Nf4Dequantize {
         out: l.tensor(n, w),
         codes: l.tensor(n.div_ceil(2), Dtype::U8),
         absmax_q: l.tensor(Nf4Blocks::block_count(n), Dtype::U8),
         absmax_scale: l.tensor(Nf4Blocks::group_count(n), Dtype::F32),
-        absmax_offset,
+        absmax_offset: l.tensor(1, Dtype::F32),
     }
 }
 
@@ -507,7 +507,7 @@ fn int8_kernel(w: Dtype, l: &mut Layout, n: usize) -> Int8Dequantize {
 impl Emulated for Nf4Dequantize {
     fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
         [4097, 0, 17_407]
-            .map(|n| nf4_kernel(w, l, n, 0.625))
+            .map(|n| nf4_kernel(w, l, n))
             .to_vec()
     }
 
@@ -515,18 +515,13 @@ impl Emulated for Nf4Dequantize {
         vec![("n", self.out.len)]
     }
 
-    fn floats(&self, _: &Scalars) -> Vec<(&'static str, f32)> {
-        vec![("absmax_offset", self.absmax_offset)]
-    }
-
     fn emulate(name: &str, args: &[Arg], m: &Emulator) -> bool {
         if name != "nf4_dequantize_f32" {
             return false;
         }
-        let [out, codes, absmax_q, absmax_scale] = [0, 1, 2, 3].map(|i| ptr_arg(name, args, i));
-        let Arg::Float(offset) = args[4] else {
-            panic!("{name}: absmax_offset is {:?}", args[4]);
-        };
+        let [out, codes, absmax_q, absmax_scale, offset] =
+            [0, 1, 2, 3, 4].map(|i| ptr_arg(name, args, i));
+        let offset = m.load(offset, 0);
         for i in 0..count_arg(name, args, 5) {
             let block = i / NF4_BLOCK;
             let map = DYNAMIC_MAP[usize::from(load_byte(m, absmax_q, block))];
@@ -572,7 +567,7 @@ fn the_cuda_launches_compute_the_cpus_bits() {
     // The emulator reads bytes through f32 words: sizes whose byte tensors span whole
     // words, with a short last block (and for NF4 an odd count, several absmax groups).
     let mut kernels: Vec<Kernel> = [255, 4095, 17_407]
-        .map(|n| Kernel::Nf4Dequantize(nf4_kernel(f, &mut l, n, -0.375)))
+        .map(|n| Kernel::Nf4Dequantize(nf4_kernel(f, &mut l, n)))
         .to_vec();
     kernels.extend([68, 4092].map(|n| Kernel::Int8Dequantize(int8_kernel(f, &mut l, n))));
     let mut inputs = random_inputs(&l, &kernels, 13);
