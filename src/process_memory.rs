@@ -174,8 +174,9 @@ impl ProcessMemory {
 /// ([`load_staging_bytes`]: at most 64 MiB, locked, so resident whole while any block
 /// loads), and, for the block being loaded, the block as made or read (4 B per
 /// parameter) and, where its state or working parameters live on NVMe, the aligned
-/// buffer their extent is written from (at most 12 B per parameter). Host homes are
-/// written in place. Made and freed before step 1, while the arenas are there.
+/// buffer their extent is written from (at most 12 B per parameter); for a quantised
+/// base, its values rounded (4 B per parameter) and its packed image twice. Host homes
+/// are written in place. Made and freed before step 1, while the arenas are there.
 pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
     let blocks = model.blocks();
     let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
@@ -187,7 +188,14 @@ pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
                 .iter()
                 .any(|&id| plan.buffer(id).tier == Tier::Nvme);
             let per_param = 4 + if on_nvme { 12 } else { 0 };
-            (per_param * blocks[b].len as u64).next_multiple_of(4096)
+            // A quantised base: the block's values rounded to the working dtype, and
+            // its packed image with the aligned buffer it is written to NVMe from.
+            let quantised = match (model.base_quant(), homes.packed) {
+                (None, _) => 0,
+                (Some(_), None) => 4 * blocks[b].len as u64,
+                (Some(_), Some(packed)) => 4 * blocks[b].len as u64 + 2 * plan.buffer(packed).bytes,
+            };
+            (per_param * blocks[b].len as u64 + quantised).next_multiple_of(4096)
         })
         .max()
         .unwrap_or(0);

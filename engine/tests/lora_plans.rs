@@ -7,78 +7,18 @@
 
 mod model_support;
 
-use std::path::PathBuf;
-
+use model_support::lora_golden::{
+    B, STEPS, T, TOLERANCE, golden_batches, golden_params, golden_start, lora_dir, meta,
+};
 use model_support::training::{Run, assert_same, train, train_plan};
-use model_support::{UNLIMITED, all_policies, data_dir, rel_err};
-use serde_json::Value;
-use strata_engine::exec::{ExecConfig, Executor, Runner, StepParams};
-use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::data::{Batch, TokenData};
+use model_support::{UNLIMITED, all_policies, rel_err};
+use strata_engine::exec::{ExecConfig, Executor, Runner};
 use strata_engine::model::lora::layout::adapter_slots;
 use strata_engine::model::lora::{LoraAdapter, LoraConfig};
-use strata_engine::model::weights::load_pretrained;
 use strata_engine::model::{Llama, LlamaConfig, Model};
 use strata_engine::plan::{
     AllOnDevice, Plan, PlanInput, Policy, Precision, Recompute, Schedule, StepShape,
 };
-
-const B: usize = 2;
-const T: usize = 16;
-const STEPS: usize = 3;
-const TOLERANCE: f64 = 1e-5;
-
-fn lora_dir() -> PathBuf {
-    data_dir("lora-tiny")
-}
-
-fn meta() -> Value {
-    let text = std::fs::read_to_string(lora_dir().join("meta.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-/// The golden's optimizer: torch's AdamW at lr 1e-3, no weight decay, no clipping.
-fn golden_params() -> StepParams {
-    StepParams {
-        adam: AdamW {
-            lr: 1e-3,
-            weight_decay: 0.0,
-            ..AdamW::default()
-        },
-        clip: 0.0,
-        loss_scale: 1.0,
-    }
-}
-
-/// The LoRA model over lora-tiny's base with adapter0's settings, and its parameters:
-/// the base's, then adapter0's `A` and `B` in the adapters' slots.
-fn golden_start() -> (Model, Model, Vec<Vec<f32>>, LoraAdapter) {
-    let (base, base_params) = load_pretrained(&lora_dir().join("base")).unwrap();
-    let adapter = LoraAdapter::read(&lora_dir().join("adapter0"), &base).unwrap();
-    let lora = base.lora(&adapter.config).unwrap();
-    let mut params: Vec<Vec<f32>> = base_params
-        .iter()
-        .zip(lora.blocks())
-        .map(|(p, block)| {
-            let mut p = p.clone();
-            p.resize(block.len, 0.0);
-            p
-        })
-        .collect();
-    adapter.into_blocks(&lora, &mut params).unwrap();
-    (base, lora, params, adapter)
-}
-
-fn golden_batches(model: &Model) -> Vec<Batch> {
-    let data = TokenData::open(&lora_dir().join("tokens.bin")).unwrap();
-    (0..STEPS)
-        .map(|k| {
-            let mut batch = Batch::default();
-            data.read_batch(k, B, T, model.vocab(), &mut batch).unwrap();
-            batch
-        })
-        .collect()
-}
 
 /// Each block's parameters as the executor left them: the master copy of the adapters
 /// in their slots over `start`'s base (which the executor must not have changed: the

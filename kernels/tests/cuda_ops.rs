@@ -1814,7 +1814,7 @@ fn dequantisation_matches_cpu_bit_for_bit() {
                         codes: s.u8s(&nf4.codes),
                         absmax_q: s.u8s(&nf4.absmax_q),
                         absmax_scale: s.f32s(&nf4.absmax_scale),
-                        absmax_offset: nf4.absmax_offset,
+                        absmax_offset: s.f32s(&[nf4.absmax_offset]),
                     })
                 });
                 ran.assert_exact(&what, |_| true);

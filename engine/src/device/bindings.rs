@@ -102,7 +102,7 @@ fn check_tensors(kernel: &Kernel, bindings: &Bindings) -> Result<(), EngineError
 }
 
 /// Most buffers a program may bind.
-pub const MAX_BINDINGS: usize = 16;
+pub const MAX_BINDINGS: usize = 17;
 
 /// The device ranges a program's tensors refer to, by binding index
 /// ([`TensorRef::buf`](strata_kernels::program::TensorRef)).

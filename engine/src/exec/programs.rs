@@ -6,7 +6,7 @@
 //! Not here: when they run (the compute and update streams, `stream.rs`).
 
 use crate::device::Program;
-use crate::model::{Model, Pass, Shape, update};
+use crate::model::{Dtype, Model, Pass, Shape, update};
 use crate::plan::{Plan, Tier};
 
 /// The programs of every block.
@@ -21,6 +21,9 @@ pub(super) struct Programs {
     pub(super) accumulate: Vec<Program>,
     /// Per block, its gradients rounded to bf16 in place.
     pub(super) round: Vec<Program>,
+    /// Per block whose base is fetched packed, its dequantisation into the block's
+    /// device parameters ([`QuantBlock::program`](crate::model::QuantBlock::program)).
+    pub(super) dequantize: Vec<Option<Program>>,
 }
 
 impl Programs {
@@ -62,6 +65,18 @@ impl Programs {
                 .blocks()
                 .iter()
                 .map(|b| update::round_program(b).into())
+                .collect(),
+            dequantize: (0..nb)
+                .map(|b| {
+                    plan.block_homes[b].packed?;
+                    // The CPU device computes in f32 what a GPU holds in bf16: rounded
+                    // as a bf16 home's values are when copied there.
+                    let round_bf16 = dtype == Dtype::F32 && shape.precision.dtype() == Dtype::Bf16;
+                    let quant = model
+                        .quant_block(b, dtype)
+                        .expect("a packed block is quantised");
+                    Some(quant.program(round_bf16).into())
+                })
                 .collect(),
         }
     }

@@ -18,7 +18,7 @@ use super::moments::{decode_moments, encode_moments};
 use crate::device::{DeviceRange, bytes_of, bytes_of_mut, cast, cast_mut};
 use crate::lane::Lane;
 use crate::memory::{HostArena, HostRange};
-use crate::model::ModelError;
+use crate::model::{ModelError, quant_base};
 use crate::plan::{BufId, Precision, Tier};
 
 /// AdamW's first and second moments, one buffer per block.
@@ -287,6 +287,22 @@ impl Executor {
             }
         };
         let len = self.model.blocks()[b].len;
+        let homes = self.plan.block_homes[b];
+        // A quantised base: its packed image stored, or its matrices as dequantised.
+        let quantised;
+        let master = match self.model.base_quant() {
+            Some(quant) if whole => {
+                let mut values = master.to_vec();
+                round_to(precision, &mut values);
+                match homes.packed {
+                    Some(packed) => self.put_packed(b, &values, packed, staging)?,
+                    None => quant_base::round_trip(&self.model.blocks()[b], quant, &mut values),
+                }
+                quantised = values;
+                &quantised[..]
+            }
+            _ => master,
+        };
         let fill = |start: usize, out: &mut [u8]| {
             // A piece past the master values (padding of a shard) is all zero.
             let (first, count) = ((start / pbytes).min(master.len()), out.len() / pbytes);
@@ -300,15 +316,39 @@ impl Executor {
         };
         let convert = (precision.dtype() != self.plan.shape.device_dtype())
             .then(|| (precision.dtype(), self.plan.shape.device_dtype()));
-        if let Some(base) = self.plan.block_homes[b].params_base {
-            // A LoRA block split on NVMe: its base's extent, then its trained tail's.
+        if homes.params_base.is_some() || homes.packed.is_some() {
+            // A LoRA block whose base is stored apart: split on NVMe, its base's extent
+            // (packed, written above), then its trained tail's home.
             let at = self.model.blocks()[b].frozen * pbytes;
-            self.put_home(staging, at, pbytes, &fill, base, convert)?;
+            if let Some(base) = homes.params_base {
+                self.put_home(staging, at, pbytes, &fill, base, convert)?;
+            }
             let tail = |start: usize, out: &mut [u8]| fill(at + start, out);
             return self.put_home(staging, len * pbytes - at, pbytes, &tail, home, convert);
         }
         let bytes = if whole { len } else { shard } * pbytes;
         self.put_home(staging, bytes, pbytes, &fill, home, convert)
+    }
+
+    /// Writes block `b`'s packed base, quantised from `values` (the block's, as the
+    /// working precision rounds them), to its home `packed`: once, at load.
+    fn put_packed(
+        &self,
+        b: usize,
+        values: &[f32],
+        packed: BufId,
+        staging: &HostArena,
+    ) -> Result<(), ExecError> {
+        let quant = self
+            .model
+            .quant_block(b, self.plan.shape.device_dtype())
+            .expect("a packed block is quantised");
+        let mut image = vec![0u8; quant.bytes()];
+        quant.pack(values, &mut image);
+        let fill = |start: usize, out: &mut [u8]| {
+            out.copy_from_slice(&image[start..start + out.len()]);
+        };
+        self.put_home(staging, image.len(), 1, &fill, packed, None)
     }
 
     /// The elements of block `b` in this rank's shard (all of them alone).
@@ -746,6 +786,19 @@ fn check_block_len(
 }
 
 /// The working copy of `master` in `precision`, rounded to nearest even, into `out`.
+/// `values` rounded to `precision`'s working dtype, kept in f32.
+fn round_to(precision: Precision, values: &mut [f32]) {
+    match precision {
+        Precision::Fp32 => {}
+        Precision::Bf16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        Precision::Fp16 => values
+            .iter_mut()
+            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+    }
+}
+
 pub(super) fn write_working(precision: Precision, master: &[f32], out: &mut [u8]) {
     let cpu = Cpu::default();
     match precision {

@@ -90,6 +90,20 @@ impl Executor {
                 grads,
                 stats,
             } => self.device_stats(lane, block, (grads, stats), after, shared),
+            StreamOp::Dequantize {
+                block,
+                packed,
+                params,
+            } => {
+                let mut b = Bindings::default();
+                b.set(Bind::Params as u8, self.device_range(params));
+                b.set(Bind::Packed as u8, self.device_range(packed));
+                let program = self.programs.dequantize[block]
+                    .as_ref()
+                    .expect("a dequantisation program for a packed block");
+                self.device
+                    .run_program(lane, program, &b, &Scalars::default(), after)
+            }
             StreamOp::DeviceUpdate {
                 block,
                 grads,

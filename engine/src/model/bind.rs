@@ -44,9 +44,12 @@ pub enum Bind {
     /// [`Pass::BackwardSaved`](super::Pass::BackwardSaved)
     /// ([`Family::saved_bytes`](super::Family::saved_bytes) bytes).
     Saved,
+    /// A block's frozen base as stored quantised (bytes; see
+    /// [`QuantBlock`](super::quant_base::QuantBlock)), which its dequantisation reads.
+    Packed,
 }
 
 impl Bind {
     /// How many there are.
-    pub const COUNT: usize = 16;
+    pub const COUNT: usize = 17;
 }

@@ -35,6 +35,7 @@ pub mod llama;
 pub mod lora;
 mod mapped;
 pub mod moments;
+pub mod quant_base;
 pub mod tokenize;
 pub mod update;
 pub mod weights;
@@ -51,12 +52,15 @@ pub use layout::{BlockKind, BlockLayout, Slot, TensorSpec};
 pub use llama::{Llama, LlamaConfig};
 pub use lora::LoraConfig;
 pub use moments::{OptimizerState, Piece, StateLayout};
+pub use quant_base::{BaseQuant, QuantBlock};
 pub use strata_kernels::program::{Dtype, IGNORE_TARGET, Kernel, Target, TensorRef};
 
 /// A model: a family of one shape, cheap to clone.
 #[derive(Clone)]
 pub struct Model {
     family: Arc<dyn Family>,
+    /// How a LoRA model's frozen base is stored, when quantised ([`Model::quantized`]).
+    quant: Option<BaseQuant>,
 }
 
 impl fmt::Debug for Model {
@@ -71,6 +75,7 @@ impl PartialEq for Model {
         self.family.name() == other.family.name()
             && self.family.hf_config() == other.family.hf_config()
             && self.family.lora_config() == other.family.lora_config()
+            && self.quant == other.quant
     }
 }
 
@@ -84,6 +89,7 @@ impl Model {
     pub fn of(family: impl Family + 'static) -> Self {
         Model {
             family: Arc::new(family),
+            quant: None,
         }
     }
 
@@ -91,7 +97,10 @@ impl Model {
     /// ([`Family::packed`]); refused for a family that does not build it.
     pub fn packed(&self, eos: u32) -> Result<Model, ModelError> {
         match self.family.packed(eos) {
-            Some(family) => Ok(Model { family }),
+            Some(family) => Ok(Model {
+                family,
+                quant: self.quant,
+            }),
             None => Err(ModelError::BadInput(format!(
                 "packed batches (--pack) are built for the Llama family (Llama, Mistral, \
                  Qwen2, Qwen3), not for {}: its attention and learned positions do not know \
@@ -114,6 +123,7 @@ impl Model {
         }
         Ok(Model {
             family: self.family.approximate(approx)?,
+            quant: self.quant,
         })
     }
 
@@ -144,7 +154,34 @@ impl Model {
         }
         Ok(Model {
             family: self.family.lora(config)?,
+            quant: self.quant,
         })
+    }
+
+    /// This LoRA model with its frozen base stored as `quant` (QLoRA): its matrices
+    /// quantised once at load and computed with as dequantised ([`quant_base`]).
+    /// Refused for a model without adapters, whose base trains.
+    pub fn quantized(&self, quant: BaseQuant) -> Result<Model, ModelError> {
+        if self.family.lora_config().is_none() {
+            return Err(ModelError::BadInput(format!(
+                "--quant {quant} stores a frozen base quantised, and this model trains all                  of its weights: add --lora RANK to train adapters over a quantised base"
+            )));
+        }
+        Ok(Model {
+            quant: Some(quant),
+            ..self.clone()
+        })
+    }
+
+    /// How the frozen base is stored, when quantised ([`Model::quantized`]).
+    pub fn base_quant(&self) -> Option<BaseQuant> {
+        self.quant
+    }
+
+    /// Block `b`'s quantised base as a packed image whose other tensors are in `dtype`
+    /// (the device's), for a quantised model's adapted transformer block.
+    pub fn quant_block(&self, b: usize, dtype: Dtype) -> Option<QuantBlock> {
+        QuantBlock::of(&self.blocks()[b], self.quant?, dtype)
     }
 
     /// The adapters' settings, for a LoRA model ([`Model::lora`]).

@@ -132,7 +132,11 @@ impl CostModel {
                 | HostOp::RoundGrads { .. },
             )
             | OpKind::Collective(CommOp::GradNorm { .. })
-            | OpKind::Stream(StreamOp::DeviceStats { .. } | StreamOp::RoundGrads { .. }) => {
+            | OpKind::Stream(
+                StreamOp::DeviceStats { .. }
+                | StreamOp::RoundGrads { .. }
+                | StreamOp::Dequantize { .. },
+            ) => {
                 op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
             }
             OpKind::Stream(StreamOp::Compute { .. } | StreamOp::Accumulate { .. }) => {

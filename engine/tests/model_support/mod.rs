@@ -4,6 +4,7 @@
 //! tests, the chaos seeds, unlimited budgets and every built-in policy.
 #![allow(dead_code)]
 
+pub mod lora_golden;
 pub mod training;
 
 use std::collections::HashMap;

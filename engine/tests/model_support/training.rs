@@ -63,6 +63,25 @@ pub fn train_plan(
     step_params: StepParams,
     chaos: Option<u64>,
 ) -> Run {
+    train_from(
+        model,
+        plan,
+        &model.init_params(7),
+        steps,
+        step_params,
+        chaos,
+    )
+}
+
+/// [`train_plan`] from the parameters `start`.
+pub fn train_from(
+    model: &Model,
+    plan: Plan,
+    start: &[Vec<f32>],
+    steps: usize,
+    step_params: StepParams,
+    chaos: Option<u64>,
+) -> Run {
     let shape = plan.shape;
     let nvme = tempfile::tempdir().unwrap();
     let config = ExecConfig {
@@ -71,7 +90,7 @@ pub fn train_plan(
         ..ExecConfig::default()
     };
     let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
-    exec.load(&model.init_params(7), None).unwrap();
+    exec.load(start, None).unwrap();
     let data: Vec<_> = (0..shape.grad_accum)
         .map(|k| random_batch(model.vocab(), shape.batch * shape.seq, 11 + k as u64))
         .collect();

@@ -48,6 +48,7 @@ pub(super) fn assemble(stages: Stages<'_>) -> Plan {
             params: homes.params[b].0,
             state: homes.state[b].0,
             params_base: homes.params_base[b],
+            packed: homes.packed[b],
         })
         .collect();
     Plan {

@@ -19,7 +19,7 @@ use super::sequence::{Compute, Sequence};
 use super::step_buffers::{Fetches, StepBuffers};
 use super::table::BufferTable;
 use crate::lane::Lane;
-use crate::model::{Dtype, Pass};
+use crate::model::{Dtype, Pass, Target};
 use crate::plan::ir::{Access, Binds, BufId, CommOp, HostOp, NvmeOp, Op, OpId, OpKind, StreamOp};
 use crate::plan::tier::Tier;
 
@@ -330,8 +330,6 @@ impl<'p, 'a> Emitter<'p, 'a> {
     /// shard: the shards are gathered on the host first.
     fn fetch_params(&mut self, b: usize, to: BufId, from: Fetch) {
         let f = self.f;
-        let bytes = f.len(b) * f.pbytes;
-        let shard_bytes = f.param_shard(b) * f.pbytes;
         let from_state = from == Fetch::FromState;
         let (cur, next) = self.homes.params[b];
         // A delayed update's new parameters are the next step's (its home pair is
@@ -341,8 +339,22 @@ impl<'p, 'a> Emitter<'p, 'a> {
         } else {
             cur
         };
+        if f.packs(b) {
+            self.fetch_packed(b, to);
+        }
+        // Where the fetched parameters go in the device buffer, and how many bytes of
+        // them are copied: the whole block (gathered from every rank's shard), or a
+        // packed block's trained tail past its base. A split block's stage holds it whole.
+        let (at, bytes) = if f.packs(b) {
+            (f.frozen(b), f.shard(b) * f.pbytes)
+        } else {
+            (0, f.len(b) * f.pbytes)
+        };
+        // Where a split or packed block's trained tail is read to in the buffer it is
+        // read into: past the base, unless that buffer is a packed block's host stage.
+        let tail_at = f.frozen(b) * f.pbytes;
         if f.reads_into_device(b, from_state) {
-            self.read_params(b, home, to);
+            self.read_params(b, home, (to, tail_at));
             return;
         }
         let from = match f.tiers[b].params {
@@ -350,33 +362,75 @@ impl<'p, 'a> Emitter<'p, 'a> {
             Tier::Host => home,
             Tier::Nvme => {
                 // Whole 4 KiB blocks: a split block's tail is read past its base.
+                let (staged, tail_at) = if f.packs(b) {
+                    (bytes, 0)
+                } else {
+                    (shard_bytes(f, b), tail_at)
+                };
                 let stage = self.table.buffer(
                     format!("params[{b}]<@host"),
                     Tier::Host,
-                    shard_bytes.next_multiple_of(4096),
+                    staged.next_multiple_of(4096),
                 );
-                self.read_params(b, home, stage);
+                self.read_params(b, home, (stage, tail_at));
                 stage
             }
             Tier::Device => unreachable!("device-resident parameters are not fetched"),
         };
         let from = self.gathered(b, from, "<", false);
-        self.copy_in(from, to, bytes, f.param_conversion(), false);
+        self.copy_in_at(from, (to, at), bytes, f.param_conversion(), false);
     }
 
     /// Block `b`'s working parameters from their NVMe home `home` into `into`: one read,
     /// or for a split LoRA block ([`Frame::splits_params`]) its base's extent and then its
-    /// trained tail's past it.
-    fn read_params(&mut self, b: usize, home: BufId, into: BufId) {
+    /// trained tail's past it; for a packed one ([`Frame::packs`]) its trained tail
+    /// alone. `tail_at`: the byte of `into` a trained tail goes to.
+    fn read_params(&mut self, b: usize, home: BufId, (into, tail_at): (BufId, u64)) {
         let f = self.f;
+        let tail = f.shard(b) * f.pbytes;
         match self.homes.params_base[b] {
             Some(base) => {
-                let at = f.frozen(b) * f.pbytes;
-                self.nvme_read(Lane::NvmeRead, base, into, at);
-                self.nvme_read_at(Lane::NvmeRead, home, into, at, f.shard(b) * f.pbytes);
+                self.nvme_read(Lane::NvmeRead, base, into, f.frozen(b) * f.pbytes);
+                self.nvme_read_at(Lane::NvmeRead, home, into, tail_at, tail);
             }
-            None => self.nvme_read(Lane::NvmeRead, home, into, f.param_shard(b) * f.pbytes),
+            None if f.packs(b) => self.nvme_read_at(Lane::NvmeRead, home, into, tail_at, tail),
+            None => self.nvme_read(Lane::NvmeRead, home, into, shard_bytes(f, b)),
         }
+    }
+
+    /// Block `b`'s packed base from its home to a device buffer of its own, and its
+    /// dequantisation from there into the base's elements of `to` (the block's device
+    /// parameters): copied from host memory, or read from NVMe (into the device's memory
+    /// on the CPU device, else staged through the host).
+    fn fetch_packed(&mut self, b: usize, to: BufId) {
+        let f = self.f;
+        let bytes = f.packed_bytes(b);
+        let home = self.homes.packed[b].expect("a packed block's home");
+        let packed = self
+            .table
+            .buffer(format!("packed[{b}]@device"), Tier::Device, bytes);
+        match f.tiers[b].params {
+            Tier::Host => self.copy_in(home, packed, bytes, None, false),
+            Tier::Nvme if f.shape.target == Target::Cpu => {
+                self.nvme_read(Lane::NvmeRead, home, packed, bytes);
+            }
+            Tier::Nvme => {
+                let stage = self
+                    .table
+                    .buffer(format!("packed[{b}]<@host"), Tier::Host, bytes);
+                self.nvme_read(Lane::NvmeRead, home, stage, bytes);
+                self.copy_in(stage, packed, bytes, None, false);
+            }
+            Tier::Device => unreachable!("a device home holds the dequantised base"),
+        }
+        let op = StreamOp::Dequantize {
+            block: b,
+            packed,
+            params: to,
+        };
+        let id = self.stream(op, vec![Access::Read(packed), Access::Write(to)]);
+        self.set_bytes(id, bytes + f.frozen(b) * f.dbytes);
+        self.ops[id.index()].flops = f.frozen(b) as f64;
     }
 
     /// With ranks: block `b`'s working parameters gathered from every rank's shard,
@@ -619,4 +673,9 @@ impl<'p, 'a> Emitter<'p, 'a> {
             ),
         }
     }
+}
+
+/// Bytes of this rank's shard of block `b`'s working parameters.
+fn shard_bytes(f: &Frame<'_>, b: usize) -> u64 {
+    f.param_shard(b) * f.pbytes
 }

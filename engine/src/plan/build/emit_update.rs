@@ -422,8 +422,9 @@ impl Emitter<'_, '_> {
         } else {
             GradDtype::Fp32
         };
-        // The home itself holds the whole block; a stage holds the new parameters alone.
-        let in_home = params_out.is_some_and(|p| p == p_home.0 || p == p_home.1);
+        // The home itself holds the whole block, but a packed block's holds its trained
+        // tail alone, as a stage holds the new parameters.
+        let in_home = !f.packs(b) && params_out.is_some_and(|p| p == p_home.0 || p == p_home.1);
         let op = HostOp::Optimizer {
             block: b,
             grads,

@@ -6,7 +6,7 @@
 //! their activations and spill their gradients (`search.rs`, which hands its choice to
 //! the frame).
 
-use crate::model::{BlockLayout, Dtype, Shape, StateLayout, Target};
+use crate::model::{BlockLayout, Dtype, QuantBlock, Shape, StateLayout, Target};
 use crate::plan::error::PlanError;
 use crate::plan::policy::{PlanInput, Policy};
 use crate::plan::shape::{GradDtype, Precision, Schedule, StepShape, shard_len};
@@ -55,6 +55,9 @@ pub(super) struct Frame<'a> {
     pub(super) saved_tier: Vec<Tier>,
     /// Per block: whether its gradients are spilled to NVMe for the norm.
     pub(super) spill: Vec<bool>,
+    /// Per block of a quantised model whose parameters are off the device: its frozen
+    /// base's packed image ([`Frame::packs`]).
+    pub(super) quant: Vec<Option<QuantBlock>>,
 }
 
 impl<'a> Frame<'a> {
@@ -87,6 +90,7 @@ impl<'a> Frame<'a> {
             return Err(PlanError::Invalid("ranks must be at least 1".into()));
         }
         check_frozen(blocks, &shape)?;
+        check_quant(input, &shape)?;
         check_grad_dtype(&shape)?;
         check_approximation(input, &shape)?;
         Ok(Frame {
@@ -97,7 +101,6 @@ impl<'a> Frame<'a> {
             dims,
             depth: policy.prefetch_depth(input).max(1),
             blocks,
-            tiers,
             head: nb - 1,
             layers: nb - 2,
             ranks: shape.ranks,
@@ -114,6 +117,16 @@ impl<'a> Frame<'a> {
             kept: vec![false; nb],
             saved_tier: vec![Tier::Device; nb],
             spill: vec![false; nb],
+            quant: (0..nb)
+                .map(|b| {
+                    let off_device = tiers[b].params != Tier::Device;
+                    let dtype = shape.device_dtype();
+                    off_device
+                        .then(|| input.model.quant_block(b, dtype))
+                        .flatten()
+                })
+                .collect(),
+            tiers,
         })
     }
 
@@ -215,7 +228,30 @@ impl<'a> Frame<'a> {
     /// once at load, and its trained tail, which each update rewrites (a LoRA model's
     /// adapted block; its tail starts at a multiple of 4 KiB, `TRAINED_ALIGN_ELEMENTS`).
     pub(super) fn splits_params(&self, b: usize) -> bool {
-        self.tiers[b].params == Tier::Nvme && self.blocks[b].frozen > 0 && self.trains(b)
+        self.tiers[b].params == Tier::Nvme
+            && self.blocks[b].frozen > 0
+            && self.trains(b)
+            && !self.packs(b)
+    }
+
+    /// Whether block `b`'s frozen base is stored as a packed image of its own, in host
+    /// memory or on NVMe, written once at load: a quantised model's adapted block whose
+    /// parameters live off the device. Its fetch copies the image to the device and
+    /// dequantises it there into the base's elements; its parameter home holds the
+    /// trained tail alone, which goes past the base.
+    pub(super) fn packs(&self, b: usize) -> bool {
+        self.quant[b].is_some()
+    }
+
+    /// Bytes of block `b`'s packed base (0 unless it [`packs`](Self::packs)).
+    pub(super) fn packed_bytes(&self, b: usize) -> u64 {
+        self.quant[b].as_ref().map_or(0, |q| q.bytes() as u64)
+    }
+
+    /// Whether block `b`'s parameter home holds its trained tail alone (its base stored
+    /// apart: split on NVMe, or packed).
+    pub(super) fn tail_home(&self, b: usize) -> bool {
+        self.splits_params(b) || self.packs(b)
     }
 
     /// Whether block `b` trains at all: a LoRA model's embedding and head, and a layer
@@ -383,6 +419,19 @@ fn check_frozen(blocks: &[BlockLayout], shape: &StepShape) -> Result<(), PlanErr
         ));
     }
     Ok(())
+}
+
+/// A quantised base only where its dequantised values have a working dtype to go to:
+/// fp32 or bf16 training (not fp16's).
+fn check_quant(input: &PlanInput<'_>, shape: &StepShape) -> Result<(), PlanError> {
+    match input.model.base_quant() {
+        Some(quant) if shape.precision == Precision::Fp16 => Err(PlanError::Invalid(format!(
+            "--quant {quant}: a quantised base trains in fp32 or bf16 (its values are \
+             dequantised into the working dtype as bitsandbytes' are into its compute \
+             dtype); use --dtype bf16"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Randomized weight gradients only where activations are f32: their kernels take f32

@@ -53,6 +53,9 @@ pub(super) struct Homes {
     /// Per LoRA block whose parameters are split on NVMe ([`Frame::splits_params`]): the
     /// extent of its frozen base (`params` being its trained tail's).
     pub(super) params_base: Vec<Option<BufId>>,
+    /// Per quantised block that packs its base ([`Frame::packs`]): the home of its packed
+    /// image (host memory or an extent, written once at load).
+    pub(super) packed: Vec<Option<BufId>>,
     pub(super) grads: GradHomes,
     /// Tier of checkpoint i (the input of block i + 1), and per micro-batch its extent
     /// when on NVMe.
@@ -89,6 +92,7 @@ impl Homes {
             params: Vec::with_capacity(nb),
             state: Vec::with_capacity(nb),
             params_base: Vec::with_capacity(nb),
+            packed: Vec::with_capacity(nb),
             grads: GradHomes {
                 home_dev: vec![None; nb],
                 apply_dev: vec![None; nb],
@@ -123,6 +127,9 @@ impl Homes {
                 let name = format!("params.{b}.base");
                 table.extents(name, bytes, kind, b, TensorClass::Params).0
             }));
+            homes
+                .packed
+                .push(f.packs(b).then(|| packed_home(f, table, b)));
             homes.grads.plan_block(f, table, b);
         }
         homes.checkpoints(f, table);
@@ -216,6 +223,20 @@ fn state_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> (BufId, BufId
     }
 }
 
+/// Block `b`'s packed base's home, on its parameters' tier: never rewritten, so one.
+fn packed_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> BufId {
+    let bytes = f.packed_bytes(b);
+    match f.tiers[b].params {
+        Tier::Host => table.persistent(format!("packed[{b}]@host"), Tier::Host, bytes),
+        Tier::Nvme => {
+            let kind = ExtentKind::Single;
+            let name = format!("packed.{b}");
+            table.extents(name, bytes, kind, b, TensorClass::Params).0
+        }
+        Tier::Device => unreachable!("a device home holds the dequantised base"),
+    }
+}
+
 /// Block `b`'s working-parameter home, when not its master copy: (current, next).
 fn params_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> (BufId, BufId) {
     let (len, shard) = (f.len(b), f.param_shard(b));
@@ -233,20 +254,17 @@ fn params_home(f: &Frame<'_>, table: &mut BufferTable, b: usize) -> (BufId, BufI
             } * f.dbytes,
             delayed,
         ),
+        // A LoRA block's trained tail alone where its base is stored apart (an extent of
+        // its own, or packed).
         Tier::Host => table.home_pair(
             &format!("params[{b}]"),
             Tier::Host,
-            shard * f.pbytes,
+            if f.tail_home(b) { f.shard(b) } else { shard } * f.pbytes,
             delayed,
         ),
-        // A LoRA block's trained tail alone (its base has an extent of its own).
         Tier::Nvme => table.extents(
             format!("params.{b}"),
-            if f.splits_params(b) {
-                f.shard(b)
-            } else {
-                shard
-            } * f.pbytes,
+            if f.tail_home(b) { f.shard(b) } else { shard } * f.pbytes,
             if delayed {
                 ExtentKind::Pair
             } else {

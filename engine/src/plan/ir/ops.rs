@@ -198,6 +198,17 @@ pub enum StreamOp {
         /// Device buffer of 16 bytes.
         stats: BufId,
     },
+    /// Writes a quantised block's frozen base into its device parameters from its packed
+    /// image ([`QuantBlock`](crate::model::QuantBlock)), just fetched (update stream, which
+    /// the step's compute does not queue behind).
+    Dequantize {
+        /// Block.
+        block: usize,
+        /// The packed image on the device.
+        packed: BufId,
+        /// The block's device parameters, whose base elements it writes.
+        params: BufId,
+    },
     /// AdamW on one block on the device (its optimizer state lives there).
     DeviceUpdate {
         /// Block.
@@ -220,7 +231,9 @@ impl StreamOp {
             StreamOp::Compute { .. }
             | StreamOp::Accumulate { .. }
             | StreamOp::RoundGrads { .. } => Lane::Compute,
-            StreamOp::DeviceStats { .. } | StreamOp::DeviceUpdate { .. } => Lane::Update,
+            StreamOp::DeviceStats { .. }
+            | StreamOp::DeviceUpdate { .. }
+            | StreamOp::Dequantize { .. } => Lane::Update,
         }
     }
 }
@@ -385,11 +398,12 @@ impl OpKind {
             OpKind::Collective(CommOp::AllGather { .. } | CommOp::ReduceScatter { .. }) => {
                 "collective"
             }
+            OpKind::Stream(StreamOp::Dequantize { .. }) => "dequantize",
         }
     }
 
     /// Every kind name [`OpKind::kind_name`] returns.
-    pub const KIND_NAMES: [&'static str; 11] = [
+    pub const KIND_NAMES: [&'static str; 12] = [
         "nvme-read",
         "nvme-write",
         "h2d",
@@ -401,6 +415,7 @@ impl OpKind {
         "adamw",
         "commit",
         "collective",
+        "dequantize",
     ];
 }
 
@@ -428,6 +443,7 @@ impl StreamOp {
             StreamOp::RoundGrads { block, .. } => ("round grads", Some(block)),
             StreamOp::DeviceStats { block, .. } => ("grad stats", Some(block)),
             StreamOp::DeviceUpdate { block, .. } => ("device adamw", Some(block)),
+            StreamOp::Dequantize { block, .. } => ("dequantize", Some(block)),
         }
     }
 }

@@ -24,6 +24,11 @@ pub struct BlockHomes {
     /// A LoRA block's frozen base, when its parameters are on NVMe: an extent of its own
     /// (written once, at load), `params` holding the trained tail alone.
     pub params_base: Option<BufId>,
+    /// A quantised LoRA block's frozen base as its packed image
+    /// ([`QuantBlock`](crate::model::QuantBlock)), when its parameters are off the device:
+    /// a host buffer or an extent of its own (written once, at load), `params` holding
+    /// the trained tail alone.
+    pub packed: Option<BufId>,
 }
 
 /// The static schedule and memory plan of one training step.

@@ -10,6 +10,7 @@ use rand::{RngExt, SeedableRng};
 
 use super::format::{DYNAMIC_MIDPOINTS, NF4_MIDPOINTS, absmax_value, code_of, quantize_absmax};
 use super::*;
+use crate::cuda::launch::Arg;
 use crate::cuda::launch::tests::{
     Emulated, Emulator, Layout, check_emulation, count_arg, ptr_arg, random_inputs,
 };
@@ -506,9 +507,7 @@ fn int8_kernel(w: Dtype, l: &mut Layout, n: usize) -> Int8Dequantize {
 
 impl Emulated for Nf4Dequantize {
     fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-        [4097, 0, 17_407]
-            .map(|n| nf4_kernel(w, l, n))
-            .to_vec()
+        [4097, 0, 17_407].map(|n| nf4_kernel(w, l, n)).to_vec()
     }
 
     fn dimensions(&self) -> Vec<(&'static str, usize)> {

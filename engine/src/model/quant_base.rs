@@ -1,0 +1,327 @@
+//! A frozen base stored quantised (QLoRA's, `--quant`): which of a block's tensors are
+//! quantised, the packed image a block's base is stored as off the device, the program
+//! that dequantises that image into the block's buffer on the device, and the values a
+//! quantised base computes with.
+//!
+//! **What is quantised**: every matrix of a transformer block's frozen base, its linear
+//! layers' weights (the q, k, v, o, gate, up and down projections; GPT-2's `c_attn`,
+//! `c_proj` and `c_fc`), each tensor on its own, blocks of 64 along the tensor as it is
+//! stored. This is what transformers' bitsandbytes integration turns into 4-bit layers
+//! for the Llama family; GPT-2's Conv1D weights are stored transposed there, so its
+//! blocks run along the other dimension than bitsandbytes' would. Not quantised: the
+//! embedding, the head, norms and biases (bitsandbytes keeps them too).
+//!
+//! **The values**: a quantised tensor computes with its dequantised values, `deq(q(w))`,
+//! of `w` as the working precision rounds it (bf16 training quantises the bf16 weights,
+//! as bitsandbytes quantises a bf16 model), then rounded to the working precision again
+//! (bitsandbytes dequantises into its compute dtype). [`round_trip`] gives them.
+//!
+//! **The packed image** of a block ([`QuantBlock`]): each tensor of its frozen base in
+//! layout order, a quantised one as its parts (NF4: codes, absmax codes, absmax scales,
+//! offset; int8: codes, scales), any other as its values in the device's dtype; each part
+//! at a multiple of 16 bytes, the whole a multiple of 4 KiB (whole O_DIRECT pages).
+//! [`QuantBlock::program`] writes the base's elements of the block's buffer from it: the
+//! same values [`round_trip`] gives, whichever device and tier.
+//!
+//! Not here: the formats and kernels (`strata_kernels::kernel::quant`), where the image
+//! lives and when it moves (the plan).
+
+use std::fmt;
+use std::str::FromStr;
+
+use half::bf16;
+use strata_kernels::kernel::quant::{INT8_BLOCK, Int8Blocks, Nf4Blocks, reference};
+use strata_kernels::kernel::{CopyKernel, Int8Dequantize, Nf4Dequantize, RoundBf16};
+
+use super::{Bind, BlockKind, BlockLayout, Dtype, Kernel, Slot, TensorRef, TensorSpec};
+
+/// How a frozen base's matrices are stored: NF4 with double-quantised absmaxes
+/// (QLoRA's, about 4.127 bits a parameter) or blockwise int8 (8.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BaseQuant {
+    /// NF4, bitsandbytes' `quant_type="nf4", blocksize=64, compress_statistics=True`.
+    Nf4,
+    /// int8, one f32 scale per 64 values.
+    Int8,
+}
+
+impl BaseQuant {
+    /// Every format, by its name.
+    pub const ALL: [BaseQuant; 2] = [BaseQuant::Nf4, BaseQuant::Int8];
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            BaseQuant::Nf4 => "nf4",
+            BaseQuant::Int8 => "int8",
+        }
+    }
+
+    /// Bytes a tensor of `len` values takes in this format.
+    pub fn storage_bytes(self, len: usize) -> usize {
+        match self {
+            BaseQuant::Nf4 => Nf4Blocks::storage_bytes(len),
+            BaseQuant::Int8 => Int8Blocks::storage_bytes(len),
+        }
+    }
+}
+
+impl fmt::Display for BaseQuant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BaseQuant {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        BaseQuant::ALL
+            .into_iter()
+            .find(|q| q.name() == s)
+            .ok_or_else(|| format!("unknown base format {s:?}: use nf4 or int8"))
+    }
+}
+
+/// Whether `tensor` of `block` is quantised in a quantised base: a matrix of a
+/// transformer block's base (below `frozen` in a LoRA model's; any, in a base model's).
+pub fn is_quantised(block: &BlockLayout, tensor: &TensorSpec) -> bool {
+    matches!(block.kind, BlockKind::Transformer { .. })
+        && tensor.shape.len() == 2
+        && (block.frozen == 0 || tensor.slot.offset < block.frozen)
+}
+
+/// `params` (block `block`'s values, as the working precision rounds them) with each
+/// quantised tensor's values replaced by its dequantised ones, in f32; the caller rounds
+/// them to the working precision as it does any value.
+pub fn round_trip(block: &BlockLayout, quant: BaseQuant, params: &mut [f32]) {
+    for t in block.tensors.iter().filter(|t| is_quantised(block, t)) {
+        let x = &mut params[t.slot.range()];
+        match quant {
+            BaseQuant::Nf4 => {
+                let q = Nf4Blocks::quantize(x);
+                let (codes, offset) = (&q.codes, q.absmax_offset);
+                reference::dequantize_nf4(x, codes, &q.absmax_q, &q.absmax_scale, offset);
+            }
+            BaseQuant::Int8 => {
+                let q = Int8Blocks::quantize(x);
+                reference::dequantize_int8(x, &q.codes, &q.scales);
+            }
+        }
+    }
+}
+
+/// Where one tensor of a block's base lies in its packed image (byte offsets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Piece {
+    /// NF4: codes, absmax codes, absmax scales (f32), the offset (one f32).
+    Nf4 {
+        slot: Slot,
+        codes: usize,
+        absmax_q: usize,
+        absmax_scale: usize,
+        offset: usize,
+    },
+    /// int8: codes, scales (f32).
+    Int8 {
+        slot: Slot,
+        codes: usize,
+        scales: usize,
+    },
+    /// Its values in the device's dtype.
+    Plain { slot: Slot, at: usize },
+}
+
+/// Alignment of every part of a packed image, bytes.
+const PART_ALIGN: usize = 16;
+
+/// A block's frozen base, quantised: the layout of its packed image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuantBlock {
+    quant: BaseQuant,
+    /// The device's dtype: what plain tensors are stored in, and dequantised into.
+    dtype: Dtype,
+    pieces: Vec<Piece>,
+    bytes: usize,
+}
+
+impl QuantBlock {
+    /// The packed image of `block`'s frozen base in `quant`, its other tensors in `dtype`;
+    /// none unless the block has a frozen base below elements that train and a matrix in
+    /// it (a LoRA model's adapted transformer block).
+    pub fn of(block: &BlockLayout, quant: BaseQuant, dtype: Dtype) -> Option<QuantBlock> {
+        let base = || {
+            block
+                .tensors
+                .iter()
+                .filter(|t| t.slot.offset < block.frozen)
+        };
+        if block.frozen == 0 || !block.trains() || !base().any(|t| is_quantised(block, t)) {
+            return None;
+        }
+        let mut end = 0;
+        let mut part = |bytes: usize| {
+            let at = end;
+            end = (end + bytes).next_multiple_of(PART_ALIGN);
+            at
+        };
+        let pieces = base()
+            .map(|t| {
+                let (slot, len) = (t.slot, t.slot.len);
+                match (is_quantised(block, t), quant) {
+                    (false, _) => Piece::Plain {
+                        slot,
+                        at: part(len * dtype.size()),
+                    },
+                    (true, BaseQuant::Nf4) => Piece::Nf4 {
+                        slot,
+                        codes: part(len.div_ceil(2)),
+                        absmax_q: part(Nf4Blocks::block_count(len)),
+                        absmax_scale: part(4 * Nf4Blocks::group_count(len)),
+                        offset: part(4),
+                    },
+                    (true, BaseQuant::Int8) => Piece::Int8 {
+                        slot,
+                        codes: part(len),
+                        scales: part(4 * len.div_ceil(INT8_BLOCK)),
+                    },
+                }
+            })
+            .collect();
+        Some(QuantBlock {
+            quant,
+            dtype,
+            pieces,
+            bytes: end.next_multiple_of(4096),
+        })
+    }
+
+    /// Bytes of the packed image (a multiple of 4096).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The format of its quantised tensors.
+    pub fn quant(&self) -> BaseQuant {
+        self.quant
+    }
+
+    /// Writes the packed image of `params` (the block's values, as the working precision
+    /// rounds them) into `out` ([`QuantBlock::bytes`] long): quantised once, at load.
+    pub fn pack(&self, params: &[f32], out: &mut [u8]) {
+        assert_eq!(out.len(), self.bytes, "a packed image's length");
+        out.fill(0);
+        for piece in &self.pieces {
+            match *piece {
+                Piece::Nf4 {
+                    slot,
+                    codes,
+                    absmax_q,
+                    absmax_scale,
+                    offset,
+                } => {
+                    let q = Nf4Blocks::quantize(&params[slot.range()]);
+                    put(out, codes, &q.codes);
+                    put(out, absmax_q, &q.absmax_q);
+                    put_f32(out, absmax_scale, &q.absmax_scale);
+                    put_f32(out, offset, &[q.absmax_offset]);
+                }
+                Piece::Int8 {
+                    slot,
+                    codes,
+                    scales,
+                } => {
+                    let q = Int8Blocks::quantize(&params[slot.range()]);
+                    put(out, codes, &q.codes);
+                    put_f32(out, scales, &q.scales);
+                }
+                Piece::Plain { slot, at } => {
+                    put_values(out, at, &params[slot.range()], self.dtype);
+                }
+            }
+        }
+    }
+
+    /// The program that writes the base's elements of the block's buffer
+    /// ([`Bind::Params`], the device's dtype) from its packed image ([`Bind::Packed`]):
+    /// each quantised tensor dequantised, then rounded to bf16 where `round_bf16` (the
+    /// CPU device computing in f32 a base trained in bf16), each other tensor copied.
+    pub fn program(&self, round_bf16: bool) -> Vec<Kernel> {
+        let bytes = |at: usize, len: usize| TensorRef::new(Bind::Packed as u8, at, len, Dtype::U8);
+        let f32s = |at: usize, len: usize| TensorRef::new(Bind::Packed as u8, at, len, Dtype::F32);
+        let mut program = Vec::new();
+        for piece in &self.pieces {
+            let (slot, kernel) = match *piece {
+                Piece::Nf4 {
+                    slot,
+                    codes,
+                    absmax_q,
+                    absmax_scale,
+                    offset,
+                } => {
+                    let len = slot.len;
+                    let kernel = Kernel::Nf4Dequantize(Nf4Dequantize {
+                        out: slot.tensor(Bind::Params, self.dtype),
+                        codes: bytes(codes, len.div_ceil(2)),
+                        absmax_q: bytes(absmax_q, Nf4Blocks::block_count(len)),
+                        absmax_scale: f32s(absmax_scale, Nf4Blocks::group_count(len)),
+                        absmax_offset: f32s(offset, 1),
+                    });
+                    (slot, kernel)
+                }
+                Piece::Int8 {
+                    slot,
+                    codes,
+                    scales,
+                } => {
+                    let len = slot.len;
+                    let kernel = Kernel::Int8Dequantize(Int8Dequantize {
+                        out: slot.tensor(Bind::Params, self.dtype),
+                        codes: bytes(codes, len),
+                        scales: f32s(scales, len.div_ceil(INT8_BLOCK)),
+                    });
+                    (slot, kernel)
+                }
+                Piece::Plain { slot, at } => {
+                    program.push(Kernel::Copy(CopyKernel {
+                        dst: slot.tensor(Bind::Params, self.dtype),
+                        src: TensorRef::new(Bind::Packed as u8, at, slot.len, self.dtype),
+                    }));
+                    continue;
+                }
+            };
+            program.push(kernel);
+            if round_bf16 {
+                program.push(Kernel::RoundBf16(RoundBf16 {
+                    x: slot.tensor(Bind::Params, Dtype::F32),
+                }));
+            }
+        }
+        program
+    }
+}
+
+/// `src` into `out` at byte `at`.
+fn put(out: &mut [u8], at: usize, src: &[u8]) {
+    out[at..at + src.len()].copy_from_slice(src);
+}
+
+/// `values` into `out` at byte `at`, little-endian f32.
+fn put_f32(out: &mut [u8], at: usize, values: &[f32]) {
+    for (k, v) in values.iter().enumerate() {
+        put(out, at + 4 * k, &v.to_le_bytes());
+    }
+}
+
+/// `values` into `out` at byte `at` in `dtype` (f32, or bf16 rounded to nearest even).
+fn put_values(out: &mut [u8], at: usize, values: &[f32], dtype: Dtype) {
+    match dtype {
+        Dtype::F32 => put_f32(out, at, values),
+        Dtype::Bf16 => {
+            for (k, v) in values.iter().enumerate() {
+                put(out, at + 2 * k, &bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+        other => panic!("a packed base stores plain tensors in f32 or bf16, not {other}"),
+    }
+}
