@@ -136,9 +136,7 @@ impl CostModel {
                 StreamOp::DeviceStats { .. }
                 | StreamOp::RoundGrads { .. }
                 | StreamOp::Dequantize { .. },
-            ) => {
-                op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM)
-            }
+            ) => op.bytes as f64 / (self.adam_params_per_s * ADAM_BYTES_PER_PARAM),
             OpKind::Stream(StreamOp::Compute { .. } | StreamOp::Accumulate { .. }) => {
                 op.flops / self.compute_flops
             }
