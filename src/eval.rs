@@ -13,10 +13,10 @@ use std::path::PathBuf;
 use strata_engine::device::{DeviceChoice, DeviceConfig, select};
 use strata_engine::exec::Runner;
 use strata_engine::kernels::program::{Dtype, Target};
-use strata_engine::model::ModelError;
 use strata_engine::model::data::Batch;
 use strata_engine::model::lora::{LoraAdapter, check_layers, merge_block};
 use strata_engine::model::weights::{PretrainedBlocks, load_config, model_files};
+use strata_engine::model::{BaseQuant, ModelError, quant_base};
 
 use crate::tokenize::{open_data, whole_batches};
 
@@ -52,6 +52,11 @@ pub struct EvalArgs {
     /// read (W + scale · B A, in f32), so that the loss is the adapted model's.
     #[arg(long, value_name = "DIR")]
     pub adapter: Option<PathBuf>,
+    /// The base as a QLoRA run (`strata train --quant`) computes with it: each
+    /// transformer layer's linear weights quantised as nf4 or int8 and dequantised, before
+    /// an adapter is merged [default: the weights as stored].
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub quant: Option<BaseQuant>,
 }
 
 /// The working precision of activations and parameters.
@@ -157,6 +162,9 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
     let mut runner = Runner::new(model.clone(), device, b, t, precision)?;
     runner.load_blocks(&|b| {
         let mut block = weights.read_block(b)?;
+        if let Some(quant) = args.quant {
+            quant_base::round_trip(&model.blocks()[b], quant, &mut block);
+        }
         if let Some(adapter) = &adapter {
             merge_block(&model, b, &mut block, adapter)?;
         }

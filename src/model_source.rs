@@ -97,13 +97,16 @@ pub fn model_shape(name: &str) -> Result<Model, Error> {
 
 /// The model a run of `cfg` trains, without parameters: [`model_shape`] of its `model`,
 /// with the backward its `approx_backward` names, with the LoRA adapter `--lora` asks
-/// for, over packed batches when it asks for
+/// for (over a base quantised as `--quant` says), over packed batches when it asks for
 /// `pack` (the documents' end being the model folder's end-of-sequence id,
 /// [`document_end`]).
 pub fn run_model(cfg: &TrainConfig) -> Result<Model, Error> {
     let mut model = model_shape(&cfg.model)?.approximate(cfg.approx_backward)?;
     if let Some(lora) = cfg.lora_config()? {
         model = model.lora(&lora)?;
+    }
+    if let Some(quant) = cfg.quant {
+        model = model.quantized(quant)?;
     }
     if !cfg.pack {
         return Ok(model);

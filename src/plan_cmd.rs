@@ -21,7 +21,7 @@ use std::io::Write;
 use serde::Serialize;
 use strata_engine::Lane;
 use strata_engine::device::{DeviceChoice, choose_target};
-use strata_engine::model::{ApproxBackward, Model, Target};
+use strata_engine::model::{ApproxBackward, Dtype, Model, Target, quant_base};
 use strata_engine::plan::{
     Auto, BuiltinPolicy, CostModel, DEFAULT_SOURCE, Plan, PlanError, PlanInput, Prediction,
     TensorClass, Tier, fmt_bytes,
@@ -297,7 +297,7 @@ pub fn report(cfg: &TrainConfig, ranks: usize) -> Result<PlanReport, Error> {
     let cost = CostModel::default();
     let input = PlanInput::new(&model, shape, budgets).with_cost(cost);
     let params = model.param_count() as u64;
-    let lora = lora_report(&model);
+    let lora = lora_report(&model, shape.precision.dtype());
     let trained = lora.as_ref().map_or(params, |l| l.trained_params);
     // Whether the run writes the model (`--out`) is not a step's shape: counted, as a
     // run that may; evaluating is, where a `--config` file asks for it.
@@ -422,7 +422,7 @@ fn policy_rows(
             Err(PlanError::BadPolicy { policy, reason })
                 if ranks > 1
                     || !input.shape.optimizer_state.is_fp32()
-                    || lora_report(input.model).is_some() =>
+                    || input.model.lora_config().is_some() =>
             {
                 unavailable.push(Unavailable { policy, reason });
             }
@@ -439,12 +439,55 @@ pub struct LoraReport {
     pub trained_params: u64,
     /// Rank, alpha and targets, as `--lora` flags name them.
     pub settings: String,
+    /// With `--quant`: how the frozen base is stored.
+    pub base: Option<QuantReport>,
 }
 
-/// `model`'s adapter, when it is a LoRA model.
-fn lora_report(model: &Model) -> Option<LoraReport> {
+/// A quantised base (`--quant`), as the plan reports it.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantReport {
+    /// The format (`nf4`, `int8`).
+    pub format: String,
+    /// Parameters quantised: the transformer layers' linear weights.
+    pub quantised_params: u64,
+    /// Bytes of the frozen base as a home off the device holds it: each adapted layer's
+    /// packed image, the rest of the base in the working dtype (planned).
+    pub stored_bytes: u64,
+    /// Bytes of the same base unquantised, in the working dtype.
+    pub plain_bytes: u64,
+}
+
+/// `model`'s quantised base, stored off the device in working parameters of `dtype`.
+fn quant_report(model: &Model, dtype: Dtype) -> Option<QuantReport> {
+    let quant = model.base_quant()?;
+    let (mut quantised, mut stored, mut plain) = (0, 0, 0);
+    for (b, block) in model.blocks().iter().enumerate() {
+        let frozen = block.frozen as u64 * dtype.size() as u64;
+        plain += frozen;
+        stored += model
+            .quant_block(b, dtype)
+            .map_or(frozen, |q| q.bytes() as u64);
+        quantised += block
+            .tensors
+            .iter()
+            .filter(|t| quant_base::is_quantised(block, t))
+            .map(|t| t.slot.len as u64)
+            .sum::<u64>();
+    }
+    Some(QuantReport {
+        format: quant.to_string(),
+        quantised_params: quantised,
+        stored_bytes: stored,
+        plain_bytes: plain,
+    })
+}
+
+/// `model`'s adapter, when it is a LoRA model (its base stored off the device in working
+/// parameters of `dtype`).
+fn lora_report(model: &Model, dtype: Dtype) -> Option<LoraReport> {
     let config = model.family().lora_config()?;
     Some(LoraReport {
+        base: quant_report(model, dtype),
         trained_params: model.trained_param_count() as u64,
         settings: format!(
             "rank {}, alpha {}, on {}",
@@ -561,6 +604,17 @@ fn render_header(r: &PlanReport) -> String {
             l.trained_params,
             100.0 * l.trained_params as f64 / r.params as f64
         );
+        if let Some(q) = &l.base {
+            out += &format!(
+                "base stored as {}: {:.3} B parameters quantised (the layers' linear weights), \
+                 {} off the device instead of {} (planned), dequantised on the device before \
+                 use; a device home holds it dequantised\n",
+                q.format,
+                q.quantised_params as f64 / 1e9,
+                fmt_bytes(q.stored_bytes),
+                fmt_bytes(q.plain_bytes)
+            );
+        }
     }
     out += &format!(
         "checkpoint: {} on disk each (parameters, m, v); --checkpoint-dir holds \

@@ -4,7 +4,9 @@
 //! folder holding peft's trained adapter (within 1e-5), which `strata eval --adapter`
 //! evaluates as it does peft's; a fresh LoRA run starts as its base; a run resumed from
 //! its checkpoint (the adapters' state alone) continues byte for byte; what is not built
-//! yet is refused before any work, by name.
+//! yet is refused before any work, by name. With `--quant nf4` (QLoRA) the same three
+//! steps give peft's over bitsandbytes' 4-bit base (`tests/data/qlora-tiny`), with the
+//! base on the device or packed on NVMe, and resume byte for byte.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -75,6 +77,17 @@ fn eval_loss(adapter: &Path) -> f64 {
 /// The mean loss `strata eval` gives `model` (with `adapter` merged in, if given) over
 /// the first `steps` batches of 2 x 16 of `tokens`.
 fn mean_loss(model: &Path, adapter: Option<&Path>, tokens: &Path, steps: usize) -> f64 {
+    mean_loss_with(model, adapter, tokens, steps, &[])
+}
+
+/// [`mean_loss`] with `extra` flags.
+fn mean_loss_with(
+    model: &Path,
+    adapter: Option<&Path>,
+    tokens: &Path,
+    steps: usize,
+    extra: &[&str],
+) -> f64 {
     let steps = steps.to_string();
     let mut args = vec![
         "eval",
@@ -94,6 +107,7 @@ fn mean_loss(model: &Path, adapter: Option<&Path>, tokens: &Path, steps: usize) 
     if let Some(a) = adapter {
         args.extend(["--adapter", path(a)]);
     }
+    args.extend_from_slice(extra);
     let out = strata(&args);
     assert!(
         out.status.success(),
@@ -424,5 +438,148 @@ fn a_resumed_lora_run_continues_byte_for_byte() {
             bytes(&straight) == bytes(&exported),
             "{policy}: the export differs"
         );
+    }
+}
+
+/// `tests/data/qlora-tiny`: lora-tiny's run over its base in NF4 (peft over bitsandbytes).
+fn qlora() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qlora-tiny")
+}
+
+/// QLoRA: `--quant nf4` from peft's adapter0 gives peft's three losses over
+/// bitsandbytes' 4-bit base and its trained adapter (within 1e-5), whether the base is
+/// held dequantised on the device or packed on NVMe; `strata eval --quant nf4` gives
+/// the trained adapter the loss it gives peft's; `--eval-every` evaluates over the
+/// quantised base; a resumed QLoRA run continues byte for byte, and one resumed without
+/// `--quant` is refused.
+#[test]
+fn qlora_steps_give_peft_over_bitsandbytes_and_resume_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let nvme = dir.path().join("nvme");
+    std::fs::create_dir(&nvme).unwrap();
+    let init = data().join("adapter0");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(qlora().join("meta.json")).unwrap()).unwrap();
+    let base = load_config(&data().join("base/config.json")).unwrap();
+    let want = LoraAdapter::read(&qlora().join("expected"), &base).unwrap();
+    let quantised_loss = |adapter: &Path| {
+        let tokens = data().join("tokens.bin");
+        mean_loss_with(
+            &data().join("base"),
+            Some(adapter),
+            &tokens,
+            1,
+            &["--quant", "nf4"],
+        )
+    };
+    let peft = quantised_loss(&qlora().join("expected"));
+    for policy in ["all-on-device", "nvme-offload"] {
+        let run = |extra: &[&str]| {
+            let mut args = vec![
+                "--lr",
+                "1e-3",
+                "--init-adapter",
+                path(&init),
+                "--quant",
+                "nf4",
+                "--policy",
+                policy,
+                "--nvme",
+                path(&nvme),
+            ];
+            args.extend_from_slice(extra);
+            train(&args)
+        };
+        let ok = |out: Output| {
+            let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+            assert!(out.status.success(), "{policy}: {stderr}");
+            String::from_utf8_lossy(&out.stdout).to_string()
+        };
+        let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
+        let log = dir.path().join(format!("{policy}.jsonl"));
+        let stdout = ok(run(&["--out", path(&straight), "--overwrite"]));
+        // bitsandbytes' losses: 4.891380 before the first update, 4.820041 before the third.
+        assert!(stdout.contains("4.8914 -> 4.8200"), "{policy}: {stdout}");
+        let got = LoraAdapter::read(&straight, &base).unwrap();
+        for (g, w) in got.layers.iter().zip(&want.layers) {
+            let (ea, eb) = (rel_err(&g.a, &w.a), rel_err(&g.b, &w.b));
+            assert!(
+                ea < 1e-5 && eb < 1e-5,
+                "{policy}, {}: A off by {ea:.2e}, B by {eb:.2e}",
+                w.layer.module
+            );
+        }
+        let mine = quantised_loss(&straight);
+        assert!(
+            ((mine - peft) / peft).abs() < 1e-5,
+            "{policy}: eval {mine} vs {peft}"
+        );
+        // The held-out batch (the third) after two steps: peft's loss before its third.
+        ok(run(&["--eval-every", "2", "--log-jsonl", path(&log)]));
+        let text = std::fs::read_to_string(&log).unwrap();
+        let second: serde_json::Value = serde_json::from_str(text.lines().nth(1).unwrap()).unwrap();
+        let (held, before_third) = (
+            second["eval_loss"].as_f64().unwrap(),
+            meta["losses"][2].as_f64().unwrap(),
+        );
+        assert!(
+            ((held - before_third) / before_third).abs() < 1e-5,
+            "{policy}: held-out {held}, peft's {before_third}"
+        );
+        let ckpts = dir.path().join(format!("ckpt-{policy}"));
+        ok(run(&[
+            "--checkpoint-every",
+            "1",
+            "--checkpoint-dir",
+            path(&ckpts),
+        ]));
+        let step1 = ckpts.join("step-00000001");
+        ok(run(&[
+            "--resume",
+            path(&step1),
+            "--out",
+            path(&resumed),
+            "--overwrite",
+        ]));
+        let bytes = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+        assert!(
+            bytes(&straight) == bytes(&resumed),
+            "{policy}: the adapters differ"
+        );
+        // Resumed over the base unquantised: refused, naming the flag.
+        let mut args = vec!["--lr", "1e-3", "--init-adapter", path(&init), "--resume"];
+        args.push(path(&step1));
+        let out = train(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("--quant nf4"),
+            "{stderr}"
+        );
+    }
+}
+
+/// A quantised base needs adapters over it, and a working dtype to dequantise into.
+#[test]
+fn a_quantised_base_without_adapters_or_in_fp16_is_refused_before_any_work() {
+    let init = data().join("adapter0");
+    for (flags, names) in [
+        (vec!["--quant", "nf4"], "--lora"),
+        (
+            vec![
+                "--quant",
+                "int8",
+                "--init-adapter",
+                path(&init),
+                "--dtype",
+                "fp16",
+            ],
+            "bf16",
+        ),
+    ] {
+        let out = train(&flags);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} ran");
+        assert!(stderr.contains(names), "{flags:?}: {stderr}");
+        assert!(!stderr.contains("step 1"), "{flags:?} stepped: {stderr}");
     }
 }

@@ -16,7 +16,7 @@ use strata_engine::exec::{ExecConfig, Executor};
 use strata_engine::model::lora::layout::adapter_slots;
 use strata_engine::model::lora::{LoraAdapter, init_block_adapters};
 use strata_engine::model::weights;
-use strata_engine::model::{Model, ModelError};
+use strata_engine::model::{BaseQuant, Model, ModelError};
 use strata_engine::plan::{Plan, fmt_bytes};
 
 use super::group::Ranks;
@@ -222,9 +222,15 @@ fn resumed(
     Ok((Initial::Checkpoint(Box::new(opened), base), state))
 }
 
-/// Refuses a checkpoint of another model than the configured one.
+/// Refuses a checkpoint of another model than the configured one. A LoRA checkpoint
+/// holds its adapters alone: the base is `--model`'s, stored as `--quant` says (which
+/// [`check_resume_settings`] compares with the run's that wrote it).
 fn check_resumed_model(path: &Path, found: &Model, configured: &Model) -> Result<(), Error> {
-    if found != configured {
+    let found = match configured.base_quant() {
+        Some(quant) if found.lora_config().is_some() => found.quantized(quant)?,
+        _ => found.clone(),
+    };
+    if found != *configured {
         return Err(format!(
             "--resume {}: the checkpoint's model, {}, is not the configured one, {}; resume \
              with the same --model",
@@ -271,6 +277,19 @@ fn check_resume_settings(
         if then != now {
             changed.push(format!("{name} {then} (now {now})"));
         }
+    }
+    if saved.quant != cfg.quant {
+        let name = |q: Option<BaseQuant>| q.map_or("none".to_string(), |q| q.to_string());
+        return Err(format!(
+            "--resume {}: the checkpoint's adapters were trained over a base stored as \
+             --quant {}, and this run stores it as {}: resume with --quant {} (adapters \
+             fitted to one base's values do not carry over to another's)",
+            path.display(),
+            name(saved.quant),
+            name(cfg.quant),
+            name(saved.quant)
+        )
+        .into());
     }
     if changed.is_empty() {
         return Ok(());

@@ -497,7 +497,9 @@ fn evaluate(
             match &base {
                 Some(base) => {
                     let adapters = exec.export_trained(b).map_err(|e| source(Box::new(e)))?;
-                    base.block_under(model, b, &adapters)
+                    let mut params = base.block_under(model, b, &adapters)?;
+                    model.dequantise_base(b, &mut params);
+                    Ok(params)
                 }
                 None => read(b).map_err(|e| source(Box::new(e))),
             }

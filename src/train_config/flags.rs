@@ -244,6 +244,7 @@ mod tests {
             resume: Some("ck/step-10".into()),
             lora: Some(8),
             init_adapter: Some("adapter".into()),
+            quant: Some(strata_engine::model::BaseQuant::Nf4),
             ..TrainConfig::default()
         }
     }

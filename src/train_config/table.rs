@@ -17,7 +17,7 @@ use clap::{Arg, ArgMatches};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
 use strata_engine::model::lora::{ADAPTER_CONFIG_FILE, LoraConfig};
-use strata_engine::model::{ApproxBackward, ModelError};
+use strata_engine::model::{ApproxBackward, BaseQuant, ModelError};
 use strata_engine::plan::{
     GradDtype, GradSpill, OptimizerState, PolicyChoice, Recompute, Schedule,
 };
@@ -311,6 +311,17 @@ settings! {
     Step init_adapter: Option<PathBuf> = None,
         flag(value_name = "DIR"),
         check(check_init_adapter);
+
+    /// Store the frozen base quantised, QLoRA's way: nf4 (bitsandbytes' NF4, blocks of
+    /// 64 with double-quantised absmaxes, about 4.1 bits a parameter) or int8 (blocks of
+    /// 64, 8.5 bits). Each transformer layer's linear weights are quantised once at load
+    /// and dequantised on the device just before use; the embedding, head, norms and
+    /// biases stay. Needs --lora [default: none, the base in the working dtype].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    Step quant: Option<BaseQuant> = None,
+        flag(value_name = "FORMAT"),
+        aliases("quantization", "base_quant"),
+        check(check_quant);
 
     /// Optimizer steps [default: 600].
     Run steps: u64 = 600,
@@ -629,6 +640,20 @@ fn check_init_adapter(c: &TrainConfig) -> Result<(), String> {
             "names {}, which holds no adapter_config.json; give a peft adapter folder \
              (one that save_pretrained or strata train --lora --out wrote)",
             dir.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn check_quant(c: &TrainConfig) -> Result<(), String> {
+    match c.quant {
+        Some(quant) if c.lora.is_none() && c.init_adapter.is_none() => Err(format!(
+            "{quant} stores a frozen base quantised, and without --lora the whole model \
+             trains: add --lora RANK (QLoRA), or leave --quant out"
+        )),
+        Some(quant) if c.dtype == Dtype::Fp16 => Err(format!(
+            "{quant}: a quantised base trains in fp32 or bf16 (it is dequantised into the \
+             working dtype); use --dtype bf16"
         )),
         _ => Ok(()),
     }

@@ -11,9 +11,9 @@ use clap::builder::{EnumValueParser, PossibleValuesParser, TypedValueParser};
 use clap::{Arg, ArgAction, ArgMatches, ValueEnum};
 use serde::{Deserialize, Serialize};
 use strata_engine::device::DeviceChoice;
-use strata_engine::model::ApproxBackward;
 use strata_engine::model::approx::APPROX_BACKWARD_FORM;
 use strata_engine::model::weights::FileDtype;
+use strata_engine::model::{ApproxBackward, BaseQuant};
 use strata_engine::plan::{
     GradDtype, GradSpill, OptimizerState, PolicyChoice, Precision, Recompute, Schedule,
 };
@@ -255,6 +255,7 @@ macro_rules! choice_setting {
 }
 
 choice_setting!(
+    BaseQuant,
     LrSchedule,
     Dtype,
     Recompute,

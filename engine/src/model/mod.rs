@@ -178,6 +178,16 @@ impl Model {
         self.quant
     }
 
+    /// Block `b`'s `params` (f32) as a quantised base computes with them: each quantised
+    /// matrix replaced by its dequantised values ([`quant_base::round_trip`]); unchanged
+    /// for a model whose base is not quantised. For whatever reads a block's values
+    /// outside the executor, which quantises them itself as it loads them.
+    pub fn dequantise_base(&self, b: usize, params: &mut [f32]) {
+        if let Some(quant) = self.quant {
+            quant_base::round_trip(&self.blocks()[b], quant, params);
+        }
+    }
+
     /// Block `b`'s quantised base as a packed image whose other tensors are in `dtype`
     /// (the device's), for a quantised model's adapted transformer block.
     pub fn quant_block(&self, b: usize, dtype: Dtype) -> Option<QuantBlock> {

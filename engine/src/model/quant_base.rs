@@ -27,7 +27,6 @@
 //! lives and when it moves (the plan).
 
 use std::fmt;
-use std::str::FromStr;
 
 use half::bf16;
 use strata_kernels::kernel::quant::{INT8_BLOCK, Int8Blocks, Nf4Blocks, reference};
@@ -37,7 +36,10 @@ use super::{Bind, BlockKind, BlockLayout, Dtype, Kernel, Slot, TensorRef, Tensor
 
 /// How a frozen base's matrices are stored: NF4 with double-quantised absmaxes
 /// (QLoRA's, about 4.127 bits a parameter) or blockwise int8 (8.5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum BaseQuant {
     /// NF4, bitsandbytes' `quant_type="nf4", blocksize=64, compress_statistics=True`.
     Nf4,
@@ -69,17 +71,6 @@ impl BaseQuant {
 impl fmt::Display for BaseQuant {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-impl FromStr for BaseQuant {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        BaseQuant::ALL
-            .into_iter()
-            .find(|q| q.name() == s)
-            .ok_or_else(|| format!("unknown base format {s:?}: use nf4 or int8"))
     }
 }
 
