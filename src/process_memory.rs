@@ -175,8 +175,8 @@ impl ProcessMemory {
 /// loads), and, for the block being loaded, the block as made or read (4 B per
 /// parameter) and, where its state or working parameters live on NVMe, the aligned
 /// buffer their extent is written from (at most 12 B per parameter); for a quantised
-/// base, its values rounded (4 B per parameter) and its packed image twice. Host homes
-/// are written in place. Made and freed before step 1, while the arenas are there.
+/// base, its values dequantised (4 B per parameter), or its packed image twice and each
+/// core's tensor being quantised. Host homes are written in place. Made and freed before step 1, while the arenas are there.
 pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
     let blocks = model.blocks();
     let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
@@ -188,12 +188,21 @@ pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
                 .iter()
                 .any(|&id| plan.buffer(id).tier == Tier::Nvme);
             let per_param = 4 + if on_nvme { 12 } else { 0 };
-            // A quantised base: the block's values rounded to the working dtype, and
-            // its packed image with the aligned buffer it is written to NVMe from.
+            // A quantised base: the block's values rounded to the working dtype and
+            // dequantised; or, packed, each core's tensor being quantised (a rounded copy
+            // of the largest, and its codes) and the packed image with the aligned buffer
+            // it is written to NVMe from.
             let quantised = match (model.base_quant(), homes.packed) {
                 (None, _) => 0,
                 (Some(_), None) => 4 * blocks[b].len as u64,
-                (Some(_), Some(packed)) => 4 * blocks[b].len as u64 + 2 * plan.buffer(packed).bytes,
+                (Some(_), Some(_)) => {
+                    let image = model
+                        .quant_block(b, plan.shape.device_dtype())
+                        .map_or(0, |q| q.bytes() as u64);
+                    let largest = blocks[b].tensors.iter().map(|t| t.slot.len).max();
+                    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                    5 * largest.unwrap_or(0) as u64 * cores as u64 + 2 * image
+                }
             };
             (per_param * blocks[b].len as u64 + quantised).next_multiple_of(4096)
         })

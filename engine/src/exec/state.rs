@@ -290,14 +290,15 @@ impl Executor {
         let homes = self.plan.block_homes[b];
         // A quantised base: its packed image stored, or its matrices as dequantised.
         let quantised;
-        let master = match self.model.base_quant() {
-            Some(quant) if whole => {
+        let master = match (self.model.base_quant(), homes.packed) {
+            (Some(_), Some(packed)) if whole => {
+                self.put_packed(b, master, packed, staging)?;
+                master
+            }
+            (Some(quant), None) if whole => {
                 let mut values = master.to_vec();
                 round_to(precision, &mut values);
-                match homes.packed {
-                    Some(packed) => self.put_packed(b, &values, packed, staging)?,
-                    None => quant_base::round_trip(&self.model.blocks()[b], quant, &mut values),
-                }
+                quant_base::round_trip(&self.model.blocks()[b], quant, &mut values);
                 quantised = values;
                 &quantised[..]
             }
@@ -330,8 +331,9 @@ impl Executor {
         self.put_home(staging, bytes, pbytes, &fill, home, convert)
     }
 
-    /// Writes block `b`'s packed base, quantised from `values` (the block's, as the
-    /// working precision rounds them), to its home `packed`: once, at load.
+    /// Writes block `b`'s packed base, quantised from `values` (the block's f32 values,
+    /// each tensor rounded to the working precision first), to its home `packed`: once,
+    /// at load.
     fn put_packed(
         &self,
         b: usize,
@@ -339,12 +341,13 @@ impl Executor {
         packed: BufId,
         staging: &HostArena,
     ) -> Result<(), ExecError> {
+        let precision = self.plan.shape.precision;
         let quant = self
             .model
             .quant_block(b, self.plan.shape.device_dtype())
             .expect("a packed block is quantised");
         let mut image = vec![0u8; quant.bytes()];
-        quant.pack(values, &mut image);
+        quant.pack(values, &|x| round_to(precision, x), &mut image);
         let fill = |start: usize, out: &mut [u8]| {
             out.copy_from_slice(&image[start..start + out.len()]);
         };

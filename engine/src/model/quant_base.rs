@@ -27,6 +27,8 @@
 //! lives and when it moves (the plan).
 
 use std::fmt;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::bf16;
 use strata_kernels::kernel::quant::{INT8_BLOCK, Int8Blocks, Nf4Blocks, reference};
@@ -123,6 +125,47 @@ enum Piece {
     Plain { slot: Slot, at: usize },
 }
 
+impl Piece {
+    /// The tensor's place in the block.
+    fn slot(&self) -> Slot {
+        match *self {
+            Piece::Nf4 { slot, .. } | Piece::Int8 { slot, .. } | Piece::Plain { slot, .. } => slot,
+        }
+    }
+}
+
+/// One tensor of a base, encoded for its piece of the image.
+enum Encoded {
+    Nf4(Nf4Blocks),
+    Int8(Int8Blocks),
+    Plain(Vec<f32>),
+}
+
+/// `f` of each of `items`, in order, computed on every core (a thread per core taking
+/// the next item in turn).
+fn each_in_parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let next = AtomicUsize::new(0);
+    let done: Mutex<Vec<Option<R>>> = Mutex::new(items.iter().map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..threads.min(items.len()) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    let r = f(item);
+                    done.lock().expect("no thread panicked holding it")[i] = Some(r);
+                }
+            });
+        }
+    });
+    done.into_inner()
+        .expect("no thread panicked holding it")
+        .into_iter()
+        .map(|r| r.expect("every item done"))
+        .collect()
+}
+
 /// Alignment of every part of a packed image, bytes.
 const PART_ALIGN: usize = 16;
 
@@ -197,38 +240,45 @@ impl QuantBlock {
         self.quant
     }
 
-    /// Writes the packed image of `params` (the block's values, as the working precision
-    /// rounds them) into `out` ([`QuantBlock::bytes`] long): quantised once, at load.
-    pub fn pack(&self, params: &[f32], out: &mut [u8]) {
+    /// Writes the packed image of `params` (the block's values, f32, each tensor of its
+    /// base first rounded to the working precision by `round`) into `out`
+    /// ([`QuantBlock::bytes`] long): quantised once, at load, a tensor a thread at a time
+    /// on every core, holding a rounded copy of each tensor in flight alone.
+    pub fn pack(&self, params: &[f32], round: &(dyn Fn(&mut [f32]) + Sync), out: &mut [u8]) {
         assert_eq!(out.len(), self.bytes, "a packed image's length");
+        let encoded = each_in_parallel(&self.pieces, |piece| {
+            let mut x = params[piece.slot().range()].to_vec();
+            round(&mut x);
+            match piece {
+                Piece::Nf4 { .. } => Encoded::Nf4(Nf4Blocks::quantize(&x)),
+                Piece::Int8 { .. } => Encoded::Int8(Int8Blocks::quantize(&x)),
+                Piece::Plain { .. } => Encoded::Plain(x),
+            }
+        });
         out.fill(0);
-        for piece in &self.pieces {
-            match *piece {
-                Piece::Nf4 {
-                    slot,
-                    codes,
-                    absmax_q,
-                    absmax_scale,
-                    offset,
-                } => {
-                    let q = Nf4Blocks::quantize(&params[slot.range()]);
+        for (piece, encoded) in self.pieces.iter().zip(encoded) {
+            match (*piece, encoded) {
+                (
+                    Piece::Nf4 {
+                        codes,
+                        absmax_q,
+                        absmax_scale,
+                        offset,
+                        ..
+                    },
+                    Encoded::Nf4(q),
+                ) => {
                     put(out, codes, &q.codes);
                     put(out, absmax_q, &q.absmax_q);
                     put_f32(out, absmax_scale, &q.absmax_scale);
                     put_f32(out, offset, &[q.absmax_offset]);
                 }
-                Piece::Int8 {
-                    slot,
-                    codes,
-                    scales,
-                } => {
-                    let q = Int8Blocks::quantize(&params[slot.range()]);
+                (Piece::Int8 { codes, scales, .. }, Encoded::Int8(q)) => {
                     put(out, codes, &q.codes);
                     put_f32(out, scales, &q.scales);
                 }
-                Piece::Plain { slot, at } => {
-                    put_values(out, at, &params[slot.range()], self.dtype);
-                }
+                (Piece::Plain { at, .. }, Encoded::Plain(x)) => put_values(out, at, &x, self.dtype),
+                _ => unreachable!("each piece encoded as its kind"),
             }
         }
     }
