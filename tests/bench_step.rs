@@ -548,6 +548,36 @@ fn a_lora_fine_tune_reports_its_adapter_and_trains_the_adapters_alone() {
 }
 
 #[test]
+fn a_qlora_fine_tune_trains_over_its_quantised_base_alike_under_each_policy() {
+    let dir = scratch();
+    let policies = ["--policies", "all-on-device,nvme-offload"];
+    let lora = [&policies[..], &["--lora", "4"]].concat();
+    let (_, plain) = llama_step(dir.path(), &lora);
+    let (stdout, report) = llama_step(dir.path(), &[&lora[..], &["--quant", "nf4"]].concat());
+    assert_eq!(report["lora"]["quant"], "nf4");
+    assert!(stdout.contains("its linear weights in nf4"), "{stdout}");
+    // Held dequantised on the device, packed on NVMe: the same losses, which the
+    // quantisation moved from the bf16 or f32 base's.
+    assert_eq!(report["policies"].as_array().unwrap().len(), 2, "{report}");
+    assert_eq!(report["losses_identical"], true);
+    let loss = |r: &serde_json::Value| r["policies"][0]["loss_first"].as_f64().unwrap();
+    assert_ne!(loss(&report), loss(&plain));
+    let stderr = failure(strata().args([
+        "bench",
+        "step",
+        "--family",
+        "llama",
+        "--lora",
+        "4",
+        "--quant",
+        "nf4",
+        "--peers",
+        "/nonexistent",
+    ]));
+    assert!(stderr.contains("--quant nf4 with --peers"), "{stderr}");
+}
+
+#[test]
 fn bad_arguments_are_clear_errors() {
     // A comparison that would not fit this machine's memory is refused before it starts
     // (a 175B-parameter shape with every tensor on the CPU device: terabytes of RAM).

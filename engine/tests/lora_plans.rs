@@ -8,12 +8,12 @@
 mod model_support;
 
 use model_support::lora_golden::{
-    B, STEPS, T, TOLERANCE, golden_batches, golden_params, golden_start, lora_dir, meta,
+    B, T, assert_golden, golden_batches, golden_losses, golden_params, golden_start, golden_steps,
+    lora_dir,
 };
 use model_support::training::{Run, assert_same, train, train_plan};
-use model_support::{UNLIMITED, all_policies, rel_err};
-use strata_engine::exec::{ExecConfig, Executor, Runner};
-use strata_engine::model::lora::layout::adapter_slots;
+use model_support::{UNLIMITED, all_policies};
+use strata_engine::exec::Runner;
 use strata_engine::model::lora::{LoraAdapter, LoraConfig};
 use strata_engine::model::{Llama, LlamaConfig, Model};
 use strata_engine::plan::{
@@ -40,53 +40,16 @@ fn whole(model: &Model, start: &[Vec<f32>], tails: &[Vec<f32>]) -> Vec<Vec<f32>>
 fn three_lora_steps_through_the_executor_give_peft_losses_and_adapters() {
     let (base, lora, start, _) = golden_start();
     let expected = LoraAdapter::read(&lora_dir().join("expected"), &base).unwrap();
-    let want: Vec<f64> = meta()["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l.as_f64().unwrap())
-        .collect();
+    let want = golden_losses(&lora_dir());
     let batches = golden_batches(&lora);
-    let shape = StepShape::cpu(B, T);
     let mut ran = 0;
     let mut reference: Option<Run> = None;
     for policy in all_policies() {
-        let input = PlanInput::new(&lora, shape, UNLIMITED);
-        let plan = Plan::build(&input, policy.as_ref()).unwrap();
         let nvme = tempfile::tempdir().unwrap();
-        let config = ExecConfig {
-            nvme_dirs: vec![nvme.path().to_path_buf()],
-            ..ExecConfig::default()
-        };
-        let mut exec = Executor::on_cpu(lora.clone(), plan, &config).unwrap();
-        exec.load(&start, None).unwrap();
-        let mut losses = Vec::new();
-        for batch in &batches {
-            let refs = [(&batch.inputs[..], &batch.targets[..])];
-            losses.push(exec.step(&refs, &golden_params()).unwrap().loss);
-        }
-        exec.flush(&golden_params()).unwrap();
+        let (mut exec, losses) = golden_steps(&lora, &start, policy.as_ref(), nvme.path());
         let (params, m, v) = exec.export().unwrap();
         let name = policy.name();
-        for (k, (&got, &want)) in losses.iter().zip(&want).enumerate() {
-            let err = rel_err(&[got], &[want as f32]);
-            assert!(
-                err < TOLERANCE,
-                "{name}: step {k} loss {got} vs peft's {want}"
-            );
-        }
-        for w in &expected.layers {
-            let block = &lora.blocks()[w.layer.block];
-            let slots = adapter_slots(block, &w.layer);
-            let tail = &params[w.layer.block];
-            let part = |s: strata_engine::model::Slot| &tail[s.offset - block.frozen..][..s.len];
-            let (ea, eb) = (rel_err(part(slots.a), &w.a), rel_err(part(slots.b), &w.b));
-            assert!(
-                ea < TOLERANCE && eb < TOLERANCE,
-                "{name}: {} after {STEPS} steps: A off by {ea:.2e}, B by {eb:.2e}",
-                w.layer.module
-            );
-        }
+        assert_golden(&lora, (&losses, &want), &params, &expected, &name);
         // The base is as loaded: the runner's loss of the base with the trained adapters
         // is the executor's own loss of the next batch.
         let trained = whole(&lora, &start, &params);

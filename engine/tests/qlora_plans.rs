@@ -9,16 +9,12 @@
 
 mod model_support;
 
-use model_support::lora_golden::{
-    B, STEPS, T, TOLERANCE, golden_batches, golden_params, golden_start, meta_of,
-};
+use model_support::lora_golden::{assert_golden, golden_losses, golden_start, golden_steps};
 use model_support::training::{Run, assert_same, train, train_from, train_plan};
-use model_support::{UNLIMITED, all_policies, rel_err};
-use strata_engine::exec::{ExecConfig, Executor};
+use model_support::{UNLIMITED, all_policies};
 use strata_engine::kernels::kernel::quant::{Int8Blocks, Nf4Blocks, reference};
-use strata_engine::model::lora::layout::adapter_slots;
 use strata_engine::model::lora::{LoraAdapter, LoraConfig};
-use strata_engine::model::{BaseQuant, BlockKind, Llama, LlamaConfig, Model, Slot, quant_base};
+use strata_engine::model::{BaseQuant, BlockKind, Llama, LlamaConfig, Model, quant_base};
 use strata_engine::plan::{
     AllOnDevice, BufId, BufKind, CpuOffload, NvmeOffload, Plan, PlanInput, Policy, Precision,
     Recompute, Schedule, StepShape, Tier,
@@ -269,13 +265,7 @@ fn three_qlora_steps_give_peft_over_bitsandbytes_losses_and_adapters() {
     let (base, lora, start, _) = golden_start();
     let qlora = lora.quantized(BaseQuant::Nf4).unwrap();
     let expected = LoraAdapter::read(&qlora_dir().join("expected"), &base).unwrap();
-    let want: Vec<f64> = meta_of(&qlora_dir())["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l.as_f64().unwrap())
-        .collect();
-    let batches = golden_batches(&qlora);
+    let want = golden_losses(&qlora_dir());
     let policies: [Box<dyn Policy>; 3] = [
         Box::new(AllOnDevice),
         Box::new(CpuOffload),
@@ -285,39 +275,9 @@ fn three_qlora_steps_give_peft_over_bitsandbytes_losses_and_adapters() {
         }),
     ];
     for policy in &policies {
-        let input = PlanInput::new(&qlora, StepShape::cpu(B, T), UNLIMITED);
-        let plan = Plan::build(&input, policy.as_ref()).unwrap();
         let nvme = tempfile::tempdir().unwrap();
-        let config = ExecConfig {
-            nvme_dirs: vec![nvme.path().to_path_buf()],
-            ..ExecConfig::default()
-        };
-        let mut exec = Executor::on_cpu(qlora.clone(), plan, &config).unwrap();
-        exec.load(&start, None).unwrap();
-        let name = policy.name();
-        for (k, batch) in batches.iter().enumerate() {
-            let refs = [(&batch.inputs[..], &batch.targets[..])];
-            let got = exec.step(&refs, &golden_params()).unwrap().loss;
-            let err = rel_err(&[got], &[want[k] as f32]);
-            assert!(
-                err < TOLERANCE,
-                "{name}: step {k} loss {got} vs {}",
-                want[k]
-            );
-        }
-        exec.flush(&golden_params()).unwrap();
+        let (exec, losses) = golden_steps(&qlora, &start, policy.as_ref(), nvme.path());
         let (params, _, _) = exec.export().unwrap();
-        for w in &expected.layers {
-            let block = &qlora.blocks()[w.layer.block];
-            let slots = adapter_slots(block, &w.layer);
-            let tail = &params[w.layer.block];
-            let part = |s: Slot| &tail[s.offset - block.frozen..][..s.len];
-            let (ea, eb) = (rel_err(part(slots.a), &w.a), rel_err(part(slots.b), &w.b));
-            assert!(
-                ea < TOLERANCE && eb < TOLERANCE,
-                "{name}: {} after {STEPS} steps: A off by {ea:.2e}, B by {eb:.2e}",
-                w.layer.module
-            );
-        }
+        assert_golden(&qlora, (&losses, &want), &params, &expected, &policy.name());
     }
 }

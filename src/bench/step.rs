@@ -38,7 +38,7 @@ use strata_engine::exec::{ExecConfig, Executor, StepParams, StepReport};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::kernels::ops::Cpu;
 use strata_engine::model::lora::{ALL_LINEAR, LoraConfig};
-use strata_engine::model::{ApproxBackward, Llama, Model, ModelError};
+use strata_engine::model::{ApproxBackward, BaseQuant, Llama, Model, ModelError};
 use strata_engine::plan::{
     Budgets, BuiltinPolicy, CostModel, GradDtype, GradSpill, Lane, NvmeOffload, OptimizerState,
     Plan, PlanInput, Policy, Precision, Prediction, Recompute, Schedule, StepShape, Tier,
@@ -208,6 +208,11 @@ pub struct StepArgs {
     /// comma-separated (such as q_proj,v_proj), or all-linear.
     #[arg(long, value_name = "NAMES", default_value = ALL_LINEAR)]
     pub lora_targets: String,
+    /// With --lora, the base stored quantised as `strata train --quant` stores it (QLoRA:
+    /// nf4 or int8), dequantised on the device as each block arrives. Not with --peers
+    /// (peft over bitsandbytes' 4-bit base is not run here).
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub quant: Option<BaseQuant>,
     /// Seed of the initial parameters and of the synthetic batches.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -309,6 +314,8 @@ pub struct LoraSettings {
     pub trained_params: u64,
     /// Those over the model's parameters (the base's and the adapters').
     pub trained_fraction: f64,
+    /// How the base is stored, when quantised (`--quant`).
+    pub quant: Option<BaseQuant>,
 }
 
 impl LoraSettings {
@@ -322,6 +329,7 @@ impl LoraSettings {
             targets: config.targets.clone(),
             trained_params,
             trained_fraction: trained_params as f64 / model.param_count() as f64,
+            quant: model.base_quant(),
         })
     }
 
@@ -329,12 +337,14 @@ impl LoraSettings {
     fn line(&self) -> String {
         format!(
             "LoRA rank {}, alpha {}, on {}: {} trained parameters ({:.3}% of the model's), \
-             the base frozen",
+             the base frozen{}",
             self.rank,
             self.alpha,
             self.targets.join(","),
             self.trained_params,
-            100.0 * self.trained_fraction
+            100.0 * self.trained_fraction,
+            self.quant
+                .map_or(String::new(), |q| format!(", its linear weights in {q}"))
         )
     }
 }
@@ -855,6 +865,17 @@ impl Setup {
         // engine refuses (an approximate backward, a family without LoRA) is its error.
         if let Some(config) = lora_config(args)? {
             model = model.lora(&config)?;
+        }
+        if let Some(quant) = args.quant {
+            if args.peers.is_some() {
+                return Err(format!(
+                    "--quant {quant} with --peers: the peers' side would be peft over \
+                     bitsandbytes' 4-bit base, which this bench does not run; leave --peers \
+                     out, or --quant to compare LoRA with peft's"
+                )
+                .into());
+            }
+            model = model.quantized(quant)?;
         }
         let lora = LoraSettings::of(&model);
         desc.params = model.param_count() as u64;

@@ -1,17 +1,20 @@
 //! The LoRA golden data (`tests/data/lora-tiny`, and `qlora-tiny` over the same base):
-//! its settings, its optimizer, the model and parameters it starts from and its batches.
+//! its settings, its optimizer, the model and parameters it starts from, its batches,
+//! its steps through the executor and the checks of their losses and adapters.
 
 use std::path::PathBuf;
 
 use serde_json::Value;
-use strata_engine::exec::StepParams;
+use strata_engine::exec::{ExecConfig, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
-use strata_engine::model::Model;
 use strata_engine::model::data::{Batch, TokenData};
 use strata_engine::model::lora::LoraAdapter;
+use strata_engine::model::lora::layout::adapter_slots;
 use strata_engine::model::weights::load_pretrained;
+use strata_engine::model::{Model, Slot};
+use strata_engine::plan::{Plan, PlanInput, Policy, StepShape};
 
-use super::data_dir;
+use super::{data_dir, rel_err};
 
 /// The golden's micro-batch, steps and tolerance (relative).
 pub const B: usize = 2;
@@ -77,4 +80,68 @@ pub fn golden_batches(model: &Model) -> Vec<Batch> {
             batch
         })
         .collect()
+}
+
+/// The golden's losses in `dir`'s meta.json.
+pub fn golden_losses(dir: &std::path::Path) -> Vec<f64> {
+    meta_of(dir)["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_f64().unwrap())
+        .collect()
+}
+
+/// The golden's steps of `model` from `start` under `policy`, through the executor (its
+/// NVMe in `nvme`): the executor after its flush, and each step's loss.
+pub fn golden_steps(
+    model: &Model,
+    start: &[Vec<f32>],
+    policy: &dyn Policy,
+    nvme: &std::path::Path,
+) -> (Executor, Vec<f32>) {
+    let input = PlanInput::new(model, StepShape::cpu(B, T), super::UNLIMITED);
+    let plan = Plan::build(&input, policy).unwrap();
+    let config = ExecConfig {
+        nvme_dirs: vec![nvme.to_path_buf()],
+        ..ExecConfig::default()
+    };
+    let mut exec = Executor::on_cpu(model.clone(), plan, &config).unwrap();
+    exec.load(start, None).unwrap();
+    let losses = golden_batches(model)
+        .iter()
+        .map(|batch| {
+            let refs = [(&batch.inputs[..], &batch.targets[..])];
+            exec.step(&refs, &golden_params()).unwrap().loss
+        })
+        .collect();
+    exec.flush(&golden_params()).unwrap();
+    (exec, losses)
+}
+
+/// Asserts `losses` within [`TOLERANCE`] of `want`, and each adapter of `expected` of
+/// `trained` (each block's trained tail, as the executor exports it), for `what`.
+pub fn assert_golden(
+    model: &Model,
+    (losses, want): (&[f32], &[f64]),
+    trained: &[Vec<f32>],
+    expected: &LoraAdapter,
+    what: &str,
+) {
+    for (k, (&got, &want)) in losses.iter().zip(want).enumerate() {
+        let err = rel_err(&[got], &[want as f32]);
+        assert!(err < TOLERANCE, "{what}: step {k} loss {got} vs {want}");
+    }
+    for w in &expected.layers {
+        let block = &model.blocks()[w.layer.block];
+        let slots = adapter_slots(block, &w.layer);
+        let tail = &trained[w.layer.block];
+        let part = |s: Slot| &tail[s.offset - block.frozen..][..s.len];
+        let (ea, eb) = (rel_err(part(slots.a), &w.a), rel_err(part(slots.b), &w.b));
+        assert!(
+            ea < TOLERANCE && eb < TOLERANCE,
+            "{what}: {} after {STEPS} steps: A off by {ea:.2e}, B by {eb:.2e}",
+            w.layer.module
+        );
+    }
 }
