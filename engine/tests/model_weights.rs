@@ -695,3 +695,28 @@ fn reading_a_block_at_a_time_leaves_the_file_unresident() {
         "{resident} B of the {size} B file still resident after every block was read"
     );
 }
+
+/// A folder whose config.json says its weights are stored quantised (a bitsandbytes
+/// 4-bit folder, GPTQ, ...) is refused before any tensor is read, naming the fix.
+#[test]
+fn weights_stored_quantised_are_refused_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let golden = golden_dir();
+    std::fs::copy(
+        golden.join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(golden.join("config.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    config["quantization_config"] =
+        serde_json::json!({"quant_method": "bitsandbytes", "load_in_4bit": true});
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let message = load_pretrained(dir.path()).unwrap_err().to_string();
+    assert!(
+        message.contains("quant_method bitsandbytes") && message.contains("--quant nf4"),
+        "{message}"
+    );
+    // The shape alone is still read (`strata plan` needs no weights).
+    load_config(&dir.path().join("config.json")).unwrap();
+}

@@ -398,6 +398,32 @@ pub fn load_config(path: &Path) -> Result<Model, ModelError> {
     }
 }
 
+/// Refuses the weights of `path` when its `config.json` says they are stored quantised
+/// (`quantization_config`: a bitsandbytes 4-bit or 8-bit folder, GPTQ, AWQ, ...): strata
+/// reads weights in full precision, and quantises a frozen base itself (`--quant`).
+fn refuse_quantized(path: &Path) -> Result<(), ModelError> {
+    let (config, _) = model_files(path);
+    let Ok(json) = read_config_json(&config) else {
+        return Ok(()); // what is wrong with it is said where it is read
+    };
+    let Some(q) = json.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(());
+    };
+    let method = q
+        .get("quant_method")
+        .and_then(Value::as_str)
+        .unwrap_or("unnamed");
+    Err(ModelError::UnsupportedConfig {
+        path: config,
+        message: format!(
+            "its weights are stored quantised (quantization_config, quant_method \
+             {method}), and strata reads weights in full precision: give the model \
+             folder they were quantised from (bf16, fp16 or f32 safetensors), and \
+             --lora RANK --quant nf4 to train over it quantised as bitsandbytes does"
+        ),
+    })
+}
+
 fn read_config_json(path: &Path) -> Result<Value, ModelError> {
     let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| ModelError::UnsupportedConfig {
@@ -553,6 +579,7 @@ impl WeightFiles {
     /// file; see [`weights_layout`]): every file mapped, every header parsed, no tensor
     /// data read.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
+        refuse_quantized(path)?;
         match weights_layout(path)? {
             WeightsLayout::Single(file) => Ok(WeightFiles::single(SafetensorsFile::open(&file)?)),
             WeightsLayout::Sharded(index) => WeightFiles::sharded(&index),
