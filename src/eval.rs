@@ -1,6 +1,7 @@
 //! `strata eval`: the loss of a model on the first batches of its data (read as `strata
 //! train` reads it: [`crate::tokenize::open_data`]), under the loaded parameters, on the
-//! CPU or a GPU.
+//! CPU or a GPU, the whole model loaded, or on the CPU read a block at a time for each
+//! batch (`--blockwise`, or where the whole model would not fit beside everything else).
 //!
 //! Prints `step K loss X` for each batch K (0-based, in file order: batch K reads the
 //! K-th window of B×T+1 tokens) with X in full f32 precision (the shortest decimal that
@@ -11,13 +12,14 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use strata_engine::device::{DeviceChoice, DeviceConfig, select};
-use strata_engine::exec::Runner;
+use strata_engine::exec::{BlockForward, Runner};
 use strata_engine::kernels::program::{Dtype, Target};
 use strata_engine::model::data::Batch;
 use strata_engine::model::lora::{LoraAdapter, check_layers, merge_block};
 use strata_engine::model::weights::{PretrainedBlocks, load_config, model_files};
 use strata_engine::model::{BaseQuant, ModelError, quant_base};
 
+use crate::process_memory::memory_limit;
 use crate::tokenize::{open_data, whole_batches};
 
 /// Arguments of `strata eval`.
@@ -57,6 +59,12 @@ pub struct EvalArgs {
     /// an adapter is merged [default: the weights as stored].
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub quant: Option<BaseQuant>,
+    /// On the CPU, read the model a block at a time for each batch, holding one block
+    /// rather than the whole model in f32 (the same losses, bit for bit; each batch reads
+    /// every weight again). Chosen by itself where the whole model would take more than
+    /// half the memory this process may use.
+    #[arg(long)]
+    pub blockwise: bool,
 }
 
 /// The working precision of activations and parameters.
@@ -137,6 +145,30 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
         ),
     };
     let bytes = Runner::device_bytes(&model, args.batch, args.seq, target, dtype)?;
+    // Each block as the model computes with it: quantised as a QLoRA run's base is, the
+    // adapter merged in.
+    let read_block = |b: usize| -> Result<Vec<f32>, ModelError> {
+        let mut block = weights.read_block(b)?;
+        if let Some(quant) = args.quant {
+            quant_base::round_trip(&model.blocks()[b], quant, &mut block);
+        }
+        if let Some(adapter) = &adapter {
+            merge_block(&model, b, &mut block, adapter)?;
+        }
+        Ok(block)
+    };
+    if blockwise(args, cuda, bytes)? {
+        let forward = BlockForward::on_cpu(model.clone(), args.batch, args.seq)?;
+        let vocab = model.vocab();
+        let mut losses = Vec::with_capacity(steps);
+        for step in 0..steps {
+            data.read_batch(step, args.batch, args.seq, vocab, &mut batch)?;
+            let loss = forward.forward(&batch.inputs, &batch.targets, &read_block)?;
+            writeln!(out, "step {step} loss {loss}")?;
+            losses.push(loss);
+        }
+        return report(out, "cpu f32, a block at a time".into(), losses);
+    }
     let choice = if cuda {
         DeviceChoice::Cuda
     } else {
@@ -160,17 +192,7 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
     );
     let vocab = model.vocab();
     let mut runner = Runner::new(model.clone(), device, b, t, precision)?;
-    runner.load_blocks(&|b| {
-        let mut block = weights.read_block(b)?;
-        if let Some(quant) = args.quant {
-            quant_base::round_trip(&model.blocks()[b], quant, &mut block);
-        }
-        if let Some(adapter) = &adapter {
-            merge_block(&model, b, &mut block, adapter)?;
-        }
-        Ok(block)
-    })?;
-    drop(weights);
+    runner.load_blocks(&read_block)?;
     let mut losses = Vec::with_capacity(steps);
     for step in 0..steps {
         data.read_batch(step, b, t, vocab, &mut batch)?;
@@ -178,10 +200,48 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
         writeln!(out, "step {step} loss {loss}")?;
         losses.push(loss);
     }
+    report(out, name, losses)
+}
+
+/// Whether to evaluate a block at a time ([`BlockForward`]): asked for (the CPU only), or
+/// on the CPU where the whole model, `bytes` on the device, would take more than half
+/// the memory this process may use.
+fn blockwise(args: &EvalArgs, cuda: bool, bytes: usize) -> Result<bool, Box<dyn Error>> {
+    if cuda {
+        if args.blockwise {
+            return Err("--blockwise evaluates on the CPU: add --device cpu".into());
+        }
+        return Ok(false);
+    }
+    if args.blockwise {
+        return Ok(true);
+    }
+    let Some(limit) = memory_limit() else {
+        return Ok(false);
+    };
+    let large = bytes as u64 > limit.bytes / 2;
+    if large {
+        log::info!(
+            "eval: the whole model would take {:.2} GiB, more than half of {} ({:.2} GiB): \
+             reading it a block at a time for each batch",
+            bytes as f64 / (1u64 << 30) as f64,
+            limit.source,
+            limit.bytes as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(large)
+}
+
+/// Writes the mean of `losses` and returns the report.
+fn report(
+    out: &mut dyn Write,
+    device: String,
+    losses: Vec<f32>,
+) -> Result<EvalReport, Box<dyn Error>> {
     let mean = (losses.iter().map(|&l| l as f64).sum::<f64>() / losses.len() as f64) as f32;
     writeln!(out, "mean loss {mean}")?;
     Ok(EvalReport {
-        device: name,
+        device,
         losses,
         mean,
     })

@@ -266,3 +266,46 @@ fn an_adapter_is_evaluated_as_peft_evaluates_it() {
         "{stderr}"
     );
 }
+
+/// `--blockwise` (a block at a time, for a model larger than memory) prints the same
+/// lines as the whole model loaded, bit for bit: GPT-2 (whose head reads the tied
+/// embedding again), and a Llama base with an adapter merged over its base quantised
+/// (`--quant nf4`), whose loss is then not the unquantised one's.
+#[test]
+fn blockwise_evaluation_gives_the_whole_models_losses() {
+    let lora = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/lora-tiny");
+    let (gpt2, llama) = (golden(), lora.join("base"));
+    let (adapter, gpt2_data) = (lora.join("adapter0"), gpt2.join("tokens.bin"));
+    let llama_data = lora.join("tokens.bin");
+    let eval = |model: &Path, data: &Path, extra: &[&str]| -> String {
+        let mut args = vec!["eval", "--model", model.to_str().unwrap()];
+        args.extend([
+            "--data",
+            data.to_str().unwrap(),
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+        ]);
+        args.extend(["--steps", "2", "--device", "cpu"]);
+        args.extend_from_slice(extra);
+        let out = strata(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let quantised = ["--adapter", adapter.to_str().unwrap(), "--quant", "nf4"];
+    let whole = eval(&gpt2, &gpt2_data, &[]);
+    assert_eq!(whole, eval(&gpt2, &gpt2_data, &["--blockwise"]));
+    let whole = eval(&llama, &llama_data, &quantised);
+    assert_eq!(
+        whole,
+        eval(
+            &llama,
+            &llama_data,
+            &[&quantised[..], &["--blockwise"]].concat()
+        )
+    );
+    let unquantised = eval(&llama, &llama_data, &quantised[..2]);
+    assert_ne!(whole, unquantised, "the base quantised");
+}
