@@ -88,19 +88,32 @@ pub fn is_quantised(block: &BlockLayout, tensor: &TensorSpec) -> bool {
 /// quantised tensor's values replaced by its dequantised ones, in f32; the caller rounds
 /// them to the working precision as it does any value.
 pub fn round_trip(block: &BlockLayout, quant: BaseQuant, params: &mut [f32]) {
-    for t in block.tensors.iter().filter(|t| is_quantised(block, t)) {
-        let x = &mut params[t.slot.range()];
-        match quant {
-            BaseQuant::Nf4 => {
-                let q = Nf4Blocks::quantize(x);
-                let (codes, offset) = (&q.codes, q.absmax_offset);
-                reference::dequantize_nf4(x, codes, &q.absmax_q, &q.absmax_scale, offset);
+    let quantised: Vec<&TensorSpec> = block
+        .tensors
+        .iter()
+        .filter(|t| is_quantised(block, t))
+        .collect();
+    // Each tensor's values dequantised, a tensor a thread at a time on every core.
+    let values = {
+        let params = &*params;
+        each_in_parallel(&quantised, |t| {
+            let mut x = params[t.slot.range()].to_vec();
+            match quant {
+                BaseQuant::Nf4 => {
+                    let q = Nf4Blocks::quantize(&x);
+                    let (codes, offset) = (&q.codes, q.absmax_offset);
+                    reference::dequantize_nf4(&mut x, codes, &q.absmax_q, &q.absmax_scale, offset);
+                }
+                BaseQuant::Int8 => {
+                    let q = Int8Blocks::quantize(&x);
+                    reference::dequantize_int8(&mut x, &q.codes, &q.scales);
+                }
             }
-            BaseQuant::Int8 => {
-                let q = Int8Blocks::quantize(x);
-                reference::dequantize_int8(x, &q.codes, &q.scales);
-            }
-        }
+            x
+        })
+    };
+    for (t, x) in quantised.iter().zip(values) {
+        params[t.slot.range()].copy_from_slice(&x);
     }
 }
 
