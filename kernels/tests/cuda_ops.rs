@@ -1815,6 +1815,7 @@ fn dequantisation_matches_cpu_bit_for_bit() {
                         absmax_q: s.u8s(&nf4.absmax_q),
                         absmax_scale: s.f32s(&nf4.absmax_scale),
                         absmax_offset: s.f32s(&[nf4.absmax_offset]),
+                        round_bf16: false,
                     })
                 });
                 ran.assert_exact(&what, |_| true);
@@ -1825,6 +1826,7 @@ fn dequantisation_matches_cpu_bit_for_bit() {
                         out: s.act(&unset),
                         codes: s.u8s(&int8.codes),
                         scales: s.f32s(&int8.scales),
+                        round_bf16: false,
                     })
                 });
                 ran.assert_exact(&what, |_| true);

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::bf16;
 use strata_kernels::kernel::quant::{INT8_BLOCK, Int8Blocks, Nf4Blocks, reference};
-use strata_kernels::kernel::{CopyKernel, Int8Dequantize, Nf4Dequantize, RoundBf16};
+use strata_kernels::kernel::{CopyKernel, Int8Dequantize, Nf4Dequantize};
 
 use super::{Bind, BlockKind, BlockLayout, Dtype, Kernel, Slot, TensorRef, TensorSpec};
 
@@ -298,60 +298,45 @@ impl QuantBlock {
 
     /// The program that writes the base's elements of the block's buffer
     /// ([`Bind::Params`], the device's dtype) from its packed image ([`Bind::Packed`]):
-    /// each quantised tensor dequantised, then rounded to bf16 where `round_bf16` (the
-    /// CPU device computing in f32 a base trained in bf16), each other tensor copied.
+    /// each quantised tensor dequantised (each value rounded to bf16's precision where
+    /// `round_bf16`: the CPU device computing in f32 a base trained in bf16), each other
+    /// tensor copied.
     pub fn program(&self, round_bf16: bool) -> Vec<Kernel> {
         let bytes = |at: usize, len: usize| TensorRef::new(Bind::Packed as u8, at, len, Dtype::U8);
         let f32s = |at: usize, len: usize| TensorRef::new(Bind::Packed as u8, at, len, Dtype::F32);
-        let mut program = Vec::new();
-        for piece in &self.pieces {
-            let (slot, kernel) = match *piece {
+        self.pieces
+            .iter()
+            .map(|piece| match *piece {
                 Piece::Nf4 {
                     slot,
                     codes,
                     absmax_q,
                     absmax_scale,
                     offset,
-                } => {
-                    let len = slot.len;
-                    let kernel = Kernel::Nf4Dequantize(Nf4Dequantize {
-                        out: slot.tensor(Bind::Params, self.dtype),
-                        codes: bytes(codes, len.div_ceil(2)),
-                        absmax_q: bytes(absmax_q, Nf4Blocks::block_count(len)),
-                        absmax_scale: f32s(absmax_scale, Nf4Blocks::group_count(len)),
-                        absmax_offset: f32s(offset, 1),
-                    });
-                    (slot, kernel)
-                }
+                } => Kernel::Nf4Dequantize(Nf4Dequantize {
+                    out: slot.tensor(Bind::Params, self.dtype),
+                    codes: bytes(codes, slot.len.div_ceil(2)),
+                    absmax_q: bytes(absmax_q, Nf4Blocks::block_count(slot.len)),
+                    absmax_scale: f32s(absmax_scale, Nf4Blocks::group_count(slot.len)),
+                    absmax_offset: f32s(offset, 1),
+                    round_bf16,
+                }),
                 Piece::Int8 {
                     slot,
                     codes,
                     scales,
-                } => {
-                    let len = slot.len;
-                    let kernel = Kernel::Int8Dequantize(Int8Dequantize {
-                        out: slot.tensor(Bind::Params, self.dtype),
-                        codes: bytes(codes, len),
-                        scales: f32s(scales, len.div_ceil(INT8_BLOCK)),
-                    });
-                    (slot, kernel)
-                }
-                Piece::Plain { slot, at } => {
-                    program.push(Kernel::Copy(CopyKernel {
-                        dst: slot.tensor(Bind::Params, self.dtype),
-                        src: TensorRef::new(Bind::Packed as u8, at, slot.len, self.dtype),
-                    }));
-                    continue;
-                }
-            };
-            program.push(kernel);
-            if round_bf16 {
-                program.push(Kernel::RoundBf16(RoundBf16 {
-                    x: slot.tensor(Bind::Params, Dtype::F32),
-                }));
-            }
-        }
-        program
+                } => Kernel::Int8Dequantize(Int8Dequantize {
+                    out: slot.tensor(Bind::Params, self.dtype),
+                    codes: bytes(codes, slot.len),
+                    scales: f32s(scales, slot.len.div_ceil(INT8_BLOCK)),
+                    round_bf16,
+                }),
+                Piece::Plain { slot, at } => Kernel::Copy(CopyKernel {
+                    dst: slot.tensor(Bind::Params, self.dtype),
+                    src: TensorRef::new(Bind::Packed as u8, at, slot.len, self.dtype),
+                }),
+            })
+            .collect()
     }
 }
 

@@ -16,7 +16,7 @@
 
 use half::bf16;
 
-use crate::cuda::launch::{CudaKernel, CudaSource, Entry, Launch, long, per_element};
+use crate::cuda::launch::{Arg, CudaKernel, CudaSource, Entry, Launch, long, per_element};
 use crate::ops::simd::on_isa;
 use crate::ops::{Cpu, par_chunks};
 use crate::program::{
@@ -73,20 +73,51 @@ fn assert_nf4_lengths(len: usize, q: &Nf4Parts<'_>) {
 /// blocks: per block, its absmax, a table of the 16 levels times it, then a lookup per
 /// value.
 pub fn dequantize_nf4<T: Dequantized>(cpu: &Cpu, out: &mut [T], q: Nf4Parts<'_>) {
+    dequantize_nf4_as(cpu, out, q, false);
+}
+
+/// [`dequantize_nf4`], each value rounded to bf16's precision first where `round_bf16`
+/// (in the table of levels: no cost per value).
+pub fn dequantize_nf4_as<T: Dequantized>(
+    cpu: &Cpu,
+    out: &mut [T],
+    q: Nf4Parts<'_>,
+    round_bf16: bool,
+) {
     assert_nf4_lengths(out.len(), &q);
     par_chunks(cpu, out, NF4_BLOCK, |r, out| {
-        on_isa!(cpu.isa, nf4_blocks(out, r.start / NF4_BLOCK, &q))
+        on_isa!(
+            cpu.isa,
+            nf4_blocks(out, r.start / NF4_BLOCK, &q, round_bf16)
+        )
     });
+}
+
+/// `x`, or where `round_bf16` the nearest bf16 value (ties to even) as f32: what a
+/// dequantiser writes for the CPU device computing in f32 a base trained in bf16.
+#[inline(always)]
+fn rounded(x: f32, round_bf16: bool) -> f32 {
+    if round_bf16 {
+        bf16::from_f32(x).to_f32()
+    } else {
+        x
+    }
 }
 
 /// Dequantises the whole blocks `out` (the last may be short), block `first_block` first.
 #[inline(always)]
-fn nf4_blocks<T: Dequantized>(out: &mut [T], first_block: usize, q: &Nf4Parts<'_>) {
+fn nf4_blocks<T: Dequantized>(
+    out: &mut [T],
+    first_block: usize,
+    q: &Nf4Parts<'_>,
+    round_bf16: bool,
+) {
     for (k, values) in out.chunks_mut(NF4_BLOCK).enumerate() {
         let b = first_block + k;
         let scale = q.absmax_scale[b / ABSMAX_GROUP];
         let absmax = absmax_value(q.absmax_q[b], scale, q.absmax_offset);
-        let level: [T; 16] = std::array::from_fn(|c| T::from_f32(nf4_value(c as u8, absmax)));
+        let level: [T; 16] =
+            std::array::from_fn(|c| T::from_f32(rounded(nf4_value(c as u8, absmax), round_bf16)));
         let bytes = &q.codes[b * NF4_BLOCK / 2..];
         let last_byte = values.len() / 2;
         let mut pairs = values.chunks_exact_mut(2);
@@ -103,6 +134,16 @@ fn nf4_blocks<T: Dequantized>(out: &mut [T], first_block: usize, q: &Nf4Parts<'_
 /// out: (N) = the int8 tensor's values, `codes` (N) two's complement, `scales` one per
 /// block of [`INT8_BLOCK`]; on the worker pool in whole blocks.
 pub fn dequantize_int8<T: Dequantized>(cpu: &Cpu, out: &mut [T], codes: &[u8], scales: &[f32]) {
+    dequantize_int8_as(cpu, out, (codes, scales), false);
+}
+
+/// [`dequantize_int8`], each value rounded to bf16's precision first where `round_bf16`.
+pub fn dequantize_int8_as<T: Dequantized>(
+    cpu: &Cpu,
+    out: &mut [T],
+    (codes, scales): (&[u8], &[f32]),
+    round_bf16: bool,
+) {
     assert_eq!(
         (codes.len(), scales.len()),
         (out.len(), out.len().div_ceil(INT8_BLOCK)),
@@ -111,16 +152,16 @@ pub fn dequantize_int8<T: Dequantized>(cpu: &Cpu, out: &mut [T], codes: &[u8], s
     );
     par_chunks(cpu, out, INT8_BLOCK, |r, out| {
         let scales = &scales[r.start / INT8_BLOCK..];
-        on_isa!(cpu.isa, int8_blocks(out, &codes[r], scales))
+        on_isa!(cpu.isa, int8_blocks(out, &codes[r], scales, round_bf16))
     });
 }
 
 #[inline(always)]
-fn int8_blocks<T: Dequantized>(out: &mut [T], codes: &[u8], scales: &[f32]) {
+fn int8_blocks<T: Dequantized>(out: &mut [T], codes: &[u8], scales: &[f32], round_bf16: bool) {
     let blocks = out.chunks_mut(INT8_BLOCK).zip(codes.chunks(INT8_BLOCK));
     for ((values, codes), &scale) in blocks.zip(scales) {
         for (o, &c) in values.iter_mut().zip(codes) {
-            *o = T::from_f32(int8_value(c, scale));
+            *o = T::from_f32(rounded(int8_value(c, scale), round_bf16));
         }
     }
 }
@@ -146,6 +187,10 @@ pub struct Nf4Dequantize {
     /// from memory so that a program built before the weights are quantised can
     /// dequantise them.
     pub absmax_offset: TensorRef,
+    /// Each value rounded to bf16's precision, kept in the working type: for the CPU
+    /// device computing in f32 a base trained in bf16 (a bf16 working type rounds
+    /// anyway).
+    pub round_bf16: bool,
 }
 
 impl Signature for Nf4Dequantize {
@@ -211,7 +256,7 @@ impl CpuKernel for Nf4Dequantize {
             absmax_scale: t.f32(&self.absmax_scale),
             absmax_offset: t.f32(&self.absmax_offset)[0],
         };
-        dequantize_nf4(cpu, t.f32_mut(&self.out), parts);
+        dequantize_nf4_as(cpu, t.f32_mut(&self.out), parts, self.round_bf16);
         Ok(())
     }
 }
@@ -222,14 +267,15 @@ impl CudaKernel for Nf4Dequantize {
 
     fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
         // nf4_dequantize_<T>(T* out, const unsigned char* codes, const unsigned char*
-        // absmax_q, const float* absmax_scale, const float* absmax_offset, long long n):
-        // one thread per byte of codes.
+        // absmax_q, const float* absmax_scale, const float* absmax_offset, int round_bf16,
+        // long long n): one thread per byte of codes.
         let args = [
             q.ptr(&self.out),
             q.ptr(&self.codes),
             q.ptr(&self.absmax_q),
             q.ptr(&self.absmax_scale),
             q.ptr(&self.absmax_offset),
+            Arg::Int(i32::from(self.round_bf16)),
             long(n),
         ];
         Ok(q.launch(NF4_DEQUANTIZE, per_element(n.div_ceil(2)), &args)?)
@@ -245,6 +291,9 @@ pub struct Int8Dequantize {
     pub codes: TensorRef,
     /// f32, one per block of 64 values.
     pub scales: TensorRef,
+    /// Each value rounded to bf16's precision, kept in the working type (as
+    /// [`Nf4Dequantize::round_bf16`]).
+    pub round_bf16: bool,
 }
 
 impl Signature for Int8Dequantize {
@@ -289,7 +338,7 @@ impl CpuKernel for Int8Dequantize {
         t: &CpuTensors<'_>,
     ) -> Result<(), KernelError> {
         let (codes, scales) = (t.bytes(&self.codes), t.f32(&self.scales));
-        dequantize_int8(cpu, t.f32_mut(&self.out), codes, scales);
+        dequantize_int8_as(cpu, t.f32_mut(&self.out), (codes, scales), self.round_bf16);
         Ok(())
     }
 }
@@ -299,12 +348,13 @@ impl CudaKernel for Int8Dequantize {
     const ENTRIES: &'static [Entry] = &[INT8_DEQUANTIZE];
 
     fn launch(&self, &n: &usize, _: &Scalars, q: &mut Launch<'_>) -> Result<(), KernelError> {
-        // int8_dequantize_<T>(T* out, const signed char* codes, const float* scales,
-        // long long n): one thread per value.
+        // int8_dequantize_<T>(T* out, const signed char* codes, const float* scales, int
+        // round_bf16, long long n): one thread per value.
         let args = [
             q.ptr(&self.out),
             q.ptr(&self.codes),
             q.ptr(&self.scales),
+            Arg::Int(i32::from(self.round_bf16)),
             long(n),
         ];
         Ok(q.launch(INT8_DEQUANTIZE, per_element(n), &args)?)

@@ -43,6 +43,13 @@ __constant__ float QUANT_DYNAMIC_POSITIVE[127] = {
     0.96484375f, 0.9789063f, 0.99296874f,
 };
 
+// x in the working type, rounded to bf16's precision first where round_bf16 (the CPU
+// device's rule for a base trained in bf16; a bf16 T rounds anyway).
+template <typename T>
+__device__ __forceinline__ T quant_out(float x, int round_bf16) {
+    return from_float<T>(round_bf16 ? to_float(from_float<bf16>(x)) : x);
+}
+
 // Entry q of the dynamic map: the negated positive half (codes 0..126, descending in
 // magnitude), 0 (127), the positive half (128..254), 1 (255).
 __device__ __forceinline__ float quant_dynamic_value(unsigned int q) {
@@ -63,7 +70,7 @@ __device__ __forceinline__ float quant_dynamic_value(unsigned int q) {
 template <typename T>
 __device__ void nf4_dequantize(T* out, const unsigned char* codes, const unsigned char* absmax_q,
                                const float* absmax_scale, const float* absmax_offset,
-                               long long n) {
+                               int round_bf16, long long n) {
     __shared__ float level[16];
     if (threadIdx.x < 16) {
         level[threadIdx.x] = QUANT_NF4_CODE[threadIdx.x];
@@ -79,9 +86,9 @@ __device__ void nf4_dequantize(T* out, const unsigned char* codes, const unsigne
                              absmax_scale[block / QUANT_ABSMAX_GROUP]);
     float absmax = __fadd_rn(scaled, absmax_offset[0]);
     unsigned int byte = codes[k];
-    out[i] = from_float<T>(__fmul_rn(level[byte >> 4], absmax));
+    out[i] = quant_out<T>(__fmul_rn(level[byte >> 4], absmax), round_bf16);
     if (i + 1 < n) {
-        out[i + 1] = from_float<T>(__fmul_rn(level[byte & 15u], absmax));
+        out[i + 1] = quant_out<T>(__fmul_rn(level[byte & 15u], absmax), round_bf16);
     }
 }
 
@@ -89,10 +96,11 @@ __device__ void nf4_dequantize(T* out, const unsigned char* codes, const unsigne
 // One thread per element.
 template <typename T>
 __device__ void int8_dequantize(T* out, const signed char* codes, const float* scales,
-                                long long n) {
+                                int round_bf16, long long n) {
     long long i = global_index();
     if (i < n) {
-        out[i] = from_float<T>(__fmul_rn((float)codes[i], scales[i / QUANT_INT8_BLOCK]));
+        float x = __fmul_rn((float)codes[i], scales[i / QUANT_INT8_BLOCK]);
+        out[i] = quant_out<T>(x, round_bf16);
     }
 }
 
@@ -100,11 +108,13 @@ __device__ void int8_dequantize(T* out, const signed char* codes, const float* s
     extern "C" __global__ void nf4_dequantize_##S(T* out, const unsigned char* codes,         \
                                                   const unsigned char* absmax_q,              \
                                                   const float* absmax_scale,                  \
-                                                  const float* absmax_offset, long long n) {  \
-        nf4_dequantize<T>(out, codes, absmax_q, absmax_scale, absmax_offset, n);              \
+                                                  const float* absmax_offset,                 \
+                                                  int round_bf16, long long n) {              \
+        nf4_dequantize<T>(out, codes, absmax_q, absmax_scale, absmax_offset, round_bf16, n);  \
     }                                                                                         \
     extern "C" __global__ void int8_dequantize_##S(T* out, const signed char* codes,          \
-                                                   const float* scales, long long n) {        \
-        int8_dequantize<T>(out, codes, scales, n);                                            \
+                                                   const float* scales, int round_bf16,       \
+                                                   long long n) {                             \
+        int8_dequantize<T>(out, codes, scales, round_bf16, n);                                \
     }
 FOR_EACH_TYPE(QUANT_KERNELS)

@@ -487,27 +487,41 @@ fn load_byte(m: &Emulator, ptr: u64, i: usize) -> u8 {
     m.load(ptr, i / 4).to_bits().to_le_bytes()[i % 4]
 }
 
-fn nf4_kernel(w: Dtype, l: &mut Layout, n: usize) -> Nf4Dequantize {
+fn nf4_kernel(w: Dtype, l: &mut Layout, n: usize, round_bf16: bool) -> Nf4Dequantize {
     Nf4Dequantize {
         out: l.tensor(n, w),
         codes: l.tensor(n.div_ceil(2), Dtype::U8),
         absmax_q: l.tensor(Nf4Blocks::block_count(n), Dtype::U8),
         absmax_scale: l.tensor(Nf4Blocks::group_count(n), Dtype::F32),
         absmax_offset: l.tensor(1, Dtype::F32),
+        round_bf16,
     }
 }
 
-fn int8_kernel(w: Dtype, l: &mut Layout, n: usize) -> Int8Dequantize {
+fn int8_kernel(w: Dtype, l: &mut Layout, n: usize, round_bf16: bool) -> Int8Dequantize {
     Int8Dequantize {
         out: l.tensor(n, w),
         codes: l.tensor(n, Dtype::U8),
         scales: l.tensor(n.div_ceil(INT8_BLOCK), Dtype::F32),
+        round_bf16,
+    }
+}
+
+/// `x` as the launch's round_bf16 argument `arg` says: rounded to bf16's precision where
+/// it is 1.
+fn emulated_round(name: &str, arg: &Arg, x: f32) -> f32 {
+    match arg {
+        Arg::Int(0) => x,
+        Arg::Int(1) => bf16::from_f32(x).to_f32(),
+        other => panic!("{name}: round_bf16 is {other:?}"),
     }
 }
 
 impl Emulated for Nf4Dequantize {
     fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-        [4097, 0, 17_407].map(|n| nf4_kernel(w, l, n)).to_vec()
+        [4097, 0, 17_407]
+            .map(|n| nf4_kernel(w, l, n, n % 2 == 1))
+            .to_vec()
     }
 
     fn dimensions(&self) -> Vec<(&'static str, usize)> {
@@ -521,7 +535,7 @@ impl Emulated for Nf4Dequantize {
         let [out, codes, absmax_q, absmax_scale, offset] =
             [0, 1, 2, 3, 4].map(|i| ptr_arg(name, args, i));
         let offset = m.load(offset, 0);
-        for i in 0..count_arg(name, args, 5) {
+        for i in 0..count_arg(name, args, 6) {
             let block = i / NF4_BLOCK;
             let map = DYNAMIC_MAP[usize::from(load_byte(m, absmax_q, block))];
             let absmax = map * m.load(absmax_scale, block / ABSMAX_GROUP) + offset;
@@ -531,7 +545,8 @@ impl Emulated for Nf4Dequantize {
             } else {
                 byte & 15
             };
-            m.store(out, i, NF4_CODE[usize::from(code)] * absmax);
+            let x = NF4_CODE[usize::from(code)] * absmax;
+            m.store(out, i, emulated_round(name, &args[5], x));
         }
         true
     }
@@ -539,7 +554,9 @@ impl Emulated for Nf4Dequantize {
 
 impl Emulated for Int8Dequantize {
     fn samples(w: Dtype, l: &mut Layout) -> Vec<Self> {
-        [4097, 0, 65].map(|n| int8_kernel(w, l, n)).to_vec()
+        [4097, 0, 65]
+            .map(|n| int8_kernel(w, l, n, n % 2 == 1))
+            .to_vec()
     }
 
     fn dimensions(&self) -> Vec<(&'static str, usize)> {
@@ -551,9 +568,10 @@ impl Emulated for Int8Dequantize {
             return false;
         }
         let [out, codes, scales] = [0, 1, 2].map(|i| ptr_arg(name, args, i));
-        for i in 0..count_arg(name, args, 3) {
+        for i in 0..count_arg(name, args, 4) {
             let code = load_byte(m, codes, i) as i8;
-            m.store(out, i, f32::from(code) * m.load(scales, i / INT8_BLOCK));
+            let x = f32::from(code) * m.load(scales, i / INT8_BLOCK);
+            m.store(out, i, emulated_round(name, &args[3], x));
         }
         true
     }
@@ -566,9 +584,14 @@ fn the_cuda_launches_compute_the_cpus_bits() {
     // The emulator reads bytes through f32 words: sizes whose byte tensors span whole
     // words, with a short last block (and for NF4 an odd count, several absmax groups).
     let mut kernels: Vec<Kernel> = [255, 4095, 17_407]
-        .map(|n| Kernel::Nf4Dequantize(nf4_kernel(f, &mut l, n)))
+        .map(|n| Kernel::Nf4Dequantize(nf4_kernel(f, &mut l, n, false)))
         .to_vec();
-    kernels.extend([68, 4092].map(|n| Kernel::Int8Dequantize(int8_kernel(f, &mut l, n))));
+    kernels.extend([255, 4095].map(|n| Kernel::Nf4Dequantize(nf4_kernel(f, &mut l, n, true))));
+    for round_bf16 in [false, true] {
+        kernels.extend(
+            [68, 4092].map(|n| Kernel::Int8Dequantize(int8_kernel(f, &mut l, n, round_bf16))),
+        );
+    }
     let mut inputs = random_inputs(&l, &kernels, 13);
     let mut rng = StdRng::seed_from_u64(17);
     for kernel in &kernels {
