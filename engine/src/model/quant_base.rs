@@ -60,14 +60,6 @@ impl BaseQuant {
             BaseQuant::Int8 => "int8",
         }
     }
-
-    /// Bytes a tensor of `len` values takes in this format.
-    pub fn storage_bytes(self, len: usize) -> usize {
-        match self {
-            BaseQuant::Nf4 => Nf4Blocks::storage_bytes(len),
-            BaseQuant::Int8 => Int8Blocks::storage_bytes(len),
-        }
-    }
 }
 
 impl fmt::Display for BaseQuant {
@@ -185,10 +177,11 @@ const PART_ALIGN: usize = 16;
 /// A block's frozen base, quantised: the layout of its packed image.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantBlock {
-    quant: BaseQuant,
     /// The device's dtype: what plain tensors are stored in, and dequantised into.
     dtype: Dtype,
+    /// Each tensor of the base, in layout order.
     pieces: Vec<Piece>,
+    /// Bytes of the image.
     bytes: usize,
 }
 
@@ -236,7 +229,6 @@ impl QuantBlock {
             })
             .collect();
         Some(QuantBlock {
-            quant,
             dtype,
             pieces,
             bytes: end.next_multiple_of(4096),
@@ -246,11 +238,6 @@ impl QuantBlock {
     /// Bytes of the packed image (a multiple of 4096).
     pub fn bytes(&self) -> usize {
         self.bytes
-    }
-
-    /// The format of its quantised tensors.
-    pub fn quant(&self) -> BaseQuant {
-        self.quant
     }
 
     /// Writes the packed image of `params` (the block's values, f32, each tensor of its

@@ -97,11 +97,16 @@ pub fn dequantize_nf4_as<T: Dequantized>(
 /// dequantiser writes for the CPU device computing in f32 a base trained in bf16.
 #[inline(always)]
 fn rounded(x: f32, round_bf16: bool) -> f32 {
-    if round_bf16 {
-        bf16::from_f32(x).to_f32()
-    } else {
-        x
+    if !round_bf16 {
+        return x;
     }
+    // bf16::from_f32's rounding, in integer arithmetic on the bits (a NaN, which only a
+    // NaN weight could give, goes the slow way and stays a quiet NaN).
+    let u = x.to_bits();
+    if u & 0x7fff_ffff > 0x7f80_0000 {
+        return bf16::from_f32(x).to_f32();
+    }
+    f32::from_bits((u + 0x7fff + ((u >> 16) & 1)) & 0xffff_0000)
 }
 
 /// Dequantises the whole blocks `out` (the last may be short), block `first_block` first.
