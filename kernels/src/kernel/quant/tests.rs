@@ -525,7 +525,10 @@ impl Emulated for Nf4Dequantize {
     }
 
     fn dimensions(&self) -> Vec<(&'static str, usize)> {
-        vec![("n", self.out.len)]
+        vec![
+            ("n", self.out.len),
+            ("round_bf16", usize::from(self.round_bf16)),
+        ]
     }
 
     fn emulate(name: &str, args: &[Arg], m: &Emulator) -> bool {
@@ -560,7 +563,10 @@ impl Emulated for Int8Dequantize {
     }
 
     fn dimensions(&self) -> Vec<(&'static str, usize)> {
-        vec![("n", self.out.len)]
+        vec![
+            ("n", self.out.len),
+            ("round_bf16", usize::from(self.round_bf16)),
+        ]
     }
 
     fn emulate(name: &str, args: &[Arg], m: &Emulator) -> bool {
