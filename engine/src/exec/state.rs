@@ -788,7 +788,6 @@ fn check_block_len(
     }
 }
 
-/// The working copy of `master` in `precision`, rounded to nearest even, into `out`.
 /// `values` rounded to `precision`'s working dtype, kept in f32.
 fn round_to(precision: Precision, values: &mut [f32]) {
     match precision {
@@ -802,6 +801,7 @@ fn round_to(precision: Precision, values: &mut [f32]) {
     }
 }
 
+/// The working copy of `master` in `precision`, rounded to nearest even, into `out`.
 pub(super) fn write_working(precision: Precision, master: &[f32], out: &mut [u8]) {
     let cpu = Cpu::default();
     match precision {
