@@ -164,7 +164,8 @@ impl Model {
     pub fn quantized(&self, quant: BaseQuant) -> Result<Model, ModelError> {
         if self.family.lora_config().is_none() {
             return Err(ModelError::BadInput(format!(
-                "--quant {quant} stores a frozen base quantised, and this model trains all                  of its weights: add --lora RANK to train adapters over a quantised base"
+                "--quant {quant} stores a frozen base quantised, and this model trains all \
+                 of its weights: add --lora RANK to train adapters over a quantised base"
             )));
         }
         Ok(Model {
