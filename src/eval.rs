@@ -157,17 +157,30 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
         }
         Ok(block)
     };
-    if blockwise(args, cuda, bytes)? {
-        let forward = BlockForward::on_cpu(model.clone(), args.batch, args.seq)?;
-        let vocab = model.vocab();
+    // Each batch's loss under `forward`, a line each, then their mean.
+    let mut each_batch = |name: String,
+                          forward: &mut dyn FnMut(&Batch) -> Result<f32, ModelError>|
+     -> Result<EvalReport, Box<dyn Error>> {
         let mut losses = Vec::with_capacity(steps);
         for step in 0..steps {
-            data.read_batch(step, args.batch, args.seq, vocab, &mut batch)?;
-            let loss = forward.forward(&batch.inputs, &batch.targets, &read_block)?;
+            data.read_batch(step, args.batch, args.seq, model.vocab(), &mut batch)?;
+            let loss = forward(&batch)?;
             writeln!(out, "step {step} loss {loss}")?;
             losses.push(loss);
         }
-        return report(out, "cpu f32, a block at a time".into(), losses);
+        let mean = (losses.iter().map(|&l| l as f64).sum::<f64>() / losses.len() as f64) as f32;
+        writeln!(out, "mean loss {mean}")?;
+        Ok(EvalReport {
+            device: name,
+            losses,
+            mean,
+        })
+    };
+    if blockwise(args, cuda, bytes)? {
+        let forward = BlockForward::on_cpu(model.clone(), args.batch, args.seq)?;
+        return each_batch("cpu f32, a block at a time".into(), &mut |batch| {
+            forward.forward(&batch.inputs, &batch.targets, &read_block)
+        });
     }
     let choice = if cuda {
         DeviceChoice::Cuda
@@ -190,17 +203,11 @@ pub fn run(args: &EvalArgs, out: &mut dyn Write) -> Result<EvalReport, Box<dyn E
         model.param_count(),
         args.data.display()
     );
-    let vocab = model.vocab();
     let mut runner = Runner::new(model.clone(), device, b, t, precision)?;
     runner.load_blocks(&read_block)?;
-    let mut losses = Vec::with_capacity(steps);
-    for step in 0..steps {
-        data.read_batch(step, b, t, vocab, &mut batch)?;
-        let loss = runner.forward(&batch.inputs, &batch.targets)?;
-        writeln!(out, "step {step} loss {loss}")?;
-        losses.push(loss);
-    }
-    report(out, name, losses)
+    each_batch(name, &mut |batch| {
+        runner.forward(&batch.inputs, &batch.targets)
+    })
 }
 
 /// Whether to evaluate a block at a time ([`BlockForward`]): asked for (the CPU only), or
@@ -230,19 +237,4 @@ fn blockwise(args: &EvalArgs, cuda: bool, bytes: usize) -> Result<bool, Box<dyn 
         );
     }
     Ok(large)
-}
-
-/// Writes the mean of `losses` and returns the report.
-fn report(
-    out: &mut dyn Write,
-    device: String,
-    losses: Vec<f32>,
-) -> Result<EvalReport, Box<dyn Error>> {
-    let mean = (losses.iter().map(|&l| l as f64).sum::<f64>() / losses.len() as f64) as f32;
-    writeln!(out, "mean loss {mean}")?;
-    Ok(EvalReport {
-        device,
-        losses,
-        mean,
-    })
 }

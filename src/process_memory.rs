@@ -176,7 +176,8 @@ impl ProcessMemory {
 /// parameter) and, where its state or working parameters live on NVMe, the aligned
 /// buffer their extent is written from (at most 12 B per parameter); for a quantised
 /// base, its values dequantised (4 B per parameter), or its packed image twice and each
-/// core's tensor being quantised. Host homes are written in place. Made and freed before step 1, while the arenas are there.
+/// core's tensor being quantised. Host homes are written in place. Made and freed before
+/// step 1, while the arenas are there.
 pub fn staging_bytes(plan: &Plan, model: &Model) -> u64 {
     let blocks = model.blocks();
     let largest = blocks.iter().map(|b| b.len).max().unwrap_or(0);
