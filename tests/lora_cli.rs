@@ -131,6 +131,45 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     (num / den.max(1e-300)).sqrt()
 }
 
+/// Asserts each layer's `A` and `B` of the adapter `got` within 1e-5 of `want`'s, for
+/// `what`.
+fn assert_adapter_near(got: &LoraAdapter, want: &LoraAdapter, what: &str) {
+    for (g, w) in got.layers.iter().zip(&want.layers) {
+        let (ea, eb) = (rel_err(&g.a, &w.a), rel_err(&g.b, &w.b));
+        assert!(
+            ea < 1e-5 && eb < 1e-5,
+            "{what}, {}: A off by {ea:.2e}, B by {eb:.2e}",
+            w.layer.module
+        );
+    }
+}
+
+/// The held-out loss of the `line`-th line (0-based) of a `--log-jsonl` file.
+fn held_out_loss(log: &Path, line: usize) -> f64 {
+    let text = std::fs::read_to_string(log).unwrap();
+    let step: serde_json::Value = serde_json::from_str(text.lines().nth(line).unwrap()).unwrap();
+    step["eval_loss"].as_f64().unwrap()
+}
+
+/// `strata train` of the golden's steps with `flags`, asserted to succeed (`what` names
+/// the case): its stdout.
+fn train_ok(flags: &[&str], what: &str) -> String {
+    let out = train(flags);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what}: {stderr}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Asserts that `strata train` of the golden's steps with `flags` is refused before any
+/// step, naming `names`.
+fn assert_refused(flags: &[&str], names: &str) {
+    let out = train(flags);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{flags:?} ran");
+    assert!(stderr.contains(names), "{flags:?}: {stderr}");
+    assert!(!stderr.contains("step 1"), "{flags:?} stepped: {stderr}");
+}
+
 #[test]
 fn three_steps_from_peft_adapter_write_peft_trained_adapter() {
     let dir = tempfile::tempdir().unwrap();
@@ -157,14 +196,7 @@ fn three_steps_from_peft_adapter_write_peft_trained_adapter() {
     let want = LoraAdapter::read(&data().join("expected"), &base).unwrap();
     assert_eq!(got.config, want.config);
     assert_eq!(got.layers.len(), want.layers.len());
-    for (g, w) in got.layers.iter().zip(&want.layers) {
-        let (ea, eb) = (rel_err(&g.a, &w.a), rel_err(&g.b, &w.b));
-        assert!(
-            ea < 1e-5 && eb < 1e-5,
-            "{}: A off by {ea:.2e}, B by {eb:.2e}",
-            w.layer.module
-        );
-    }
+    assert_adapter_near(&got, &want, "peft's trained adapter");
     let (mine, peft) = (eval_loss(&out_dir), eval_loss(&data().join("expected")));
     assert!(
         ((mine - peft) / peft).abs() < 1e-5,
@@ -222,11 +254,7 @@ fn what_a_lora_run_cannot_do_yet_is_refused_before_any_work() {
             "adapter_config.json",
         ),
     ] {
-        let out = train(&flags);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{flags:?} ran");
-        assert!(stderr.contains(names), "{flags:?}: {stderr}");
-        assert!(!stderr.contains("step 1"), "{flags:?} stepped: {stderr}");
+        assert_refused(&flags, names);
     }
 }
 
@@ -351,10 +379,8 @@ fn held_out_evaluation_of_a_lora_run_gives_peft_s_loss() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = std::fs::read_to_string(&log).unwrap();
     // Step 2's line (the run's third step evaluates again, after an epoch's wrap).
-    let second: serde_json::Value = serde_json::from_str(text.lines().nth(1).unwrap()).unwrap();
-    let got = second["eval_loss"].as_f64().unwrap();
+    let got = held_out_loss(&log, 1);
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(data().join("meta.json")).unwrap()).unwrap();
     let want = meta["losses"][2].as_f64().unwrap();
@@ -387,12 +413,7 @@ fn a_resumed_lora_run_continues_byte_for_byte() {
                 path(&nvme),
             ];
             args.extend_from_slice(extra);
-            let out = train(&args);
-            assert!(
-                out.status.success(),
-                "{policy}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            train_ok(&args, policy);
         };
         let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
         let ckpts = dir.path().join(format!("ckpt-{policy}"));
@@ -488,59 +509,37 @@ fn qlora_steps_give_peft_over_bitsandbytes_and_resume_byte_for_byte() {
                 path(&nvme),
             ];
             args.extend_from_slice(extra);
-            train(&args)
-        };
-        let ok = |out: Output| {
-            let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-            assert!(out.status.success(), "{policy}: {stderr}");
-            String::from_utf8_lossy(&out.stdout).to_string()
+            train_ok(&args, policy)
         };
         let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
         let log = dir.path().join(format!("{policy}.jsonl"));
-        let stdout = ok(run(&["--out", path(&straight), "--overwrite"]));
+        let stdout = run(&["--out", path(&straight), "--overwrite"]);
         // bitsandbytes' losses: 4.891380 before the first update, 4.820041 before the third.
         assert!(stdout.contains("4.8914 -> 4.8200"), "{policy}: {stdout}");
         let got = LoraAdapter::read(&straight, &base).unwrap();
-        for (g, w) in got.layers.iter().zip(&want.layers) {
-            let (ea, eb) = (rel_err(&g.a, &w.a), rel_err(&g.b, &w.b));
-            assert!(
-                ea < 1e-5 && eb < 1e-5,
-                "{policy}, {}: A off by {ea:.2e}, B by {eb:.2e}",
-                w.layer.module
-            );
-        }
+        assert_adapter_near(&got, &want, policy);
         let mine = quantised_loss(&straight);
         assert!(
             ((mine - peft) / peft).abs() < 1e-5,
             "{policy}: eval {mine} vs {peft}"
         );
         // The held-out batch (the third) after two steps: peft's loss before its third.
-        ok(run(&["--eval-every", "2", "--log-jsonl", path(&log)]));
-        let text = std::fs::read_to_string(&log).unwrap();
-        let second: serde_json::Value = serde_json::from_str(text.lines().nth(1).unwrap()).unwrap();
-        let (held, before_third) = (
-            second["eval_loss"].as_f64().unwrap(),
-            meta["losses"][2].as_f64().unwrap(),
-        );
+        run(&["--eval-every", "2", "--log-jsonl", path(&log)]);
+        let (held, before_third) = (held_out_loss(&log, 1), meta["losses"][2].as_f64().unwrap());
         assert!(
             ((held - before_third) / before_third).abs() < 1e-5,
             "{policy}: held-out {held}, peft's {before_third}"
         );
         let ckpts = dir.path().join(format!("ckpt-{policy}"));
-        ok(run(&[
-            "--checkpoint-every",
-            "1",
-            "--checkpoint-dir",
-            path(&ckpts),
-        ]));
+        run(&["--checkpoint-every", "1", "--checkpoint-dir", path(&ckpts)]);
         let step1 = ckpts.join("step-00000001");
-        ok(run(&[
+        run(&[
             "--resume",
             path(&step1),
             "--out",
             path(&resumed),
             "--overwrite",
-        ]));
+        ]);
         let bytes = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
         assert!(
             bytes(&straight) == bytes(&resumed),
@@ -576,10 +575,6 @@ fn a_quantised_base_without_adapters_or_in_fp16_is_refused_before_any_work() {
             "bf16",
         ),
     ] {
-        let out = train(&flags);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{flags:?} ran");
-        assert!(stderr.contains(names), "{flags:?}: {stderr}");
-        assert!(!stderr.contains("step 1"), "{flags:?} stepped: {stderr}");
+        assert_refused(&flags, names);
     }
 }

@@ -11,14 +11,12 @@ use model_support::lora_golden::{
     B, T, assert_golden, golden_batches, golden_losses, golden_params, golden_start, golden_steps,
     lora_dir,
 };
-use model_support::training::{Run, assert_same, train, train_plan};
+use model_support::training::{Run, assert_same, clipped_shapes, train, train_plan};
 use model_support::{UNLIMITED, all_policies};
 use strata_engine::exec::Runner;
 use strata_engine::model::lora::{LoraAdapter, LoraConfig};
 use strata_engine::model::{Llama, LlamaConfig, Model};
-use strata_engine::plan::{
-    AllOnDevice, Plan, PlanInput, Policy, Precision, Recompute, Schedule, StepShape,
-};
+use strata_engine::plan::{AllOnDevice, Plan, PlanInput, Policy, StepShape};
 
 /// Each block's parameters as the executor left them: the master copy of the adapters
 /// in their slots over `start`'s base (which the executor must not have changed: the
@@ -91,43 +89,9 @@ fn small_lora() -> Model {
 #[test]
 fn a_lora_model_trains_bit_identically_under_every_plan() {
     let model = small_lora();
-    // Clipped: the global norm covers the adapters' gradients alone.
-    let one = StepShape {
-        needs_global_norm: true,
-        ..StepShape::cpu(2, 8)
-    };
-    let two = StepShape {
-        grad_accum: 2,
-        ..one
-    };
-    let shapes = [
-        // bf16 working parameters: on the CPU device (f32) a device home's new adapters
-        // are staged on the host and copied past the base, converted.
-        (
-            "bf16, kept",
-            StepShape {
-                precision: Precision::Bf16,
-                ..one
-            }
-            .recomputing(Recompute::None),
-        ),
-        ("kept", one.recomputing(Recompute::None)),
-        ("recomputed", one.recomputing(Recompute::All)),
-        ("offloaded", one.recomputing(Recompute::Offload)),
-        (
-            "2 horizontal",
-            two.scheduled(Schedule::Horizontal)
-                .recomputing(Recompute::All),
-        ),
-        (
-            "2 vertical, offloaded",
-            two.scheduled(Schedule::Vertical)
-                .recomputing(Recompute::Offload),
-        ),
-    ];
     let params = model_support::training::adamw_clipped(1.0);
     let mut split = 0;
-    for (what, shape) in shapes {
+    for (what, shape) in clipped_shapes() {
         let reference = train(&model, shape, &AllOnDevice, 3, params, None);
         assert!(
             reference.losses[2] < reference.losses[0],

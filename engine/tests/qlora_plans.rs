@@ -10,14 +10,15 @@
 mod model_support;
 
 use model_support::lora_golden::{assert_golden, golden_losses, golden_start, golden_steps};
-use model_support::training::{Run, assert_same, train, train_from, train_plan};
-use model_support::{UNLIMITED, all_policies};
+use model_support::training::{
+    Run, assert_same, clipped_shapes, clipped_step, train, train_from, train_plan,
+};
+use model_support::{UNLIMITED, all_policies, each_policy};
 use strata_engine::kernels::kernel::quant::{Int8Blocks, Nf4Blocks, reference};
 use strata_engine::model::lora::{LoraAdapter, LoraConfig};
 use strata_engine::model::{BaseQuant, BlockKind, Llama, LlamaConfig, Model, quant_base};
 use strata_engine::plan::{
-    AllOnDevice, BufId, BufKind, CpuOffload, NvmeOffload, Plan, PlanInput, Policy, Precision,
-    Recompute, Schedule, StepShape, Tier,
+    AllOnDevice, BufId, BufKind, NvmeOffload, Plan, PlanInput, Recompute, Tier,
 };
 
 fn small_lora() -> Model {
@@ -56,13 +57,6 @@ fn dequantised(model: &Model, quant: BaseQuant, params: &[Vec<f32>]) -> Vec<Vec<
     out
 }
 
-fn one_step() -> StepShape {
-    StepShape {
-        needs_global_norm: true,
-        ..StepShape::cpu(2, 8)
-    }
-}
-
 /// A GPT-2 LoRA model: its Conv1D matrices quantised as stored (in x out).
 fn small_gpt2_lora() -> Model {
     let config = LoraConfig::new(4, 8.0, 0.0, vec!["c_attn".into(), "c_fc".into()]).unwrap();
@@ -80,7 +74,7 @@ fn a_quantised_base_computes_with_its_dequantised_values() {
     for ((family, lora), quant) in cases {
         let start = lora.init_params(7);
         let qlora = lora.quantized(quant).unwrap();
-        let shape = one_step().recomputing(Recompute::None);
+        let shape = clipped_step().recomputing(Recompute::None);
         // The plain LoRA model from the dequantised base, on the device: what the
         // quantised model must compute, packed on the host and on NVMe.
         let reference = {
@@ -93,15 +87,7 @@ fn a_quantised_base_computes_with_its_dequantised_values() {
             plain.losses, reference.losses,
             "{family}, {quant}: quantising the base changes the losses"
         );
-        let policies: [Box<dyn Policy>; 3] = [
-            Box::new(AllOnDevice),
-            Box::new(CpuOffload),
-            Box::new(NvmeOffload {
-                depth: 2,
-                checkpoints: Tier::Host,
-            }),
-        ];
-        for policy in &policies {
+        for policy in &each_policy() {
             let run = train(&qlora, shape, policy.as_ref(), 3, params, None);
             let case = format!("{family}, {quant}, {}", policy.name());
             assert_same(&reference, &run, &case);
@@ -111,32 +97,16 @@ fn a_quantised_base_computes_with_its_dequantised_values() {
 
 #[test]
 fn a_quantised_lora_model_trains_bit_identically_under_every_plan() {
-    let one = one_step();
-    let two = StepShape {
-        grad_accum: 2,
-        ..one
-    };
-    let shapes = [
-        (
-            "bf16, kept",
-            StepShape {
-                precision: Precision::Bf16,
-                ..one
-            }
-            .recomputing(Recompute::None),
-        ),
-        ("kept", one.recomputing(Recompute::None)),
-        (
-            "2 vertical, offloaded",
-            two.scheduled(Schedule::Vertical)
-                .recomputing(Recompute::Offload),
-        ),
-    ];
+    // Quantisation changes what a fetch moves, not the step: bf16, one micro-batch, and
+    // two vertically with offloaded activations.
+    let shapes = clipped_shapes()
+        .into_iter()
+        .filter(|(what, _)| ["bf16, kept", "kept", "2 vertical, offloaded"].contains(what));
     let params = model_support::training::adamw_clipped(1.0);
     let mut packed = [0usize; 3];
     for quant in BaseQuant::ALL {
         let model = small_lora().quantized(quant).unwrap();
-        for (what, shape) in shapes {
+        for (what, shape) in shapes.clone() {
             let reference: Run = train(&model, shape, &AllOnDevice, 3, params, None);
             for policy in all_policies() {
                 let plan = Plan::build(&PlanInput::new(&model, shape, UNLIMITED), policy.as_ref())
@@ -174,7 +144,7 @@ fn home_bytes(plan: &Plan, id: BufId) -> usize {
 #[test]
 fn a_packed_base_takes_its_formats_bytes_off_the_device() {
     let lora = small_lora();
-    let shape = one_step();
+    let shape = clipped_step();
     let policy = NvmeOffload {
         depth: 2,
         checkpoints: Tier::Host,
@@ -277,15 +247,7 @@ fn three_qlora_steps_give_peft_over_bitsandbytes_losses_and_adapters() {
     let qlora = lora.quantized(BaseQuant::Nf4).unwrap();
     let expected = LoraAdapter::read(&qlora_dir().join("expected"), &base).unwrap();
     let want = golden_losses(&qlora_dir());
-    let policies: [Box<dyn Policy>; 3] = [
-        Box::new(AllOnDevice),
-        Box::new(CpuOffload),
-        Box::new(NvmeOffload {
-            depth: 2,
-            checkpoints: Tier::Nvme,
-        }),
-    ];
-    for policy in &policies {
+    for policy in &each_policy() {
         let nvme = tempfile::tempdir().unwrap();
         let (exec, losses) = golden_steps(&qlora, &start, policy.as_ref(), nvme.path());
         let (params, _, _) = exec.export().unwrap();

@@ -4,7 +4,7 @@
 use strata_engine::exec::{ExecConfig, Executor, StepParams};
 use strata_engine::kernels::adamw::AdamW;
 use strata_engine::model::{Gpt2Config, Model};
-use strata_engine::plan::{Plan, PlanInput, Policy, StepShape};
+use strata_engine::plan::{Plan, PlanInput, Policy, Precision, Recompute, Schedule, StepShape};
 
 use super::{UNLIMITED, random_batch};
 
@@ -12,6 +12,47 @@ use super::{UNLIMITED, random_batch};
 /// train under every policy, chaos seed and case in a test.
 pub fn small_gpt2() -> Model {
     Model::new(Gpt2Config::new(3, 4, 48, 96, 32)).unwrap()
+}
+
+/// A step of 2 x 8 on the CPU device that waits for the global gradient norm (clipping).
+pub fn clipped_step() -> StepShape {
+    StepShape {
+        needs_global_norm: true,
+        ..StepShape::cpu(2, 8)
+    }
+}
+
+/// A clipped step of 2 x 8 (the global norm: a LoRA model's covers its adapters'
+/// gradients alone) in the shapes the LoRA tests train alike under every plan, by name:
+/// bf16 (on the CPU device a device home's new adapters are staged on the host and
+/// copied past the base, converted), kept, recomputed, offloaded, and two micro-batches
+/// horizontally and vertically.
+pub fn clipped_shapes() -> [(&'static str, StepShape); 6] {
+    let one = clipped_step();
+    let two = StepShape {
+        grad_accum: 2,
+        ..one
+    };
+    let bf16 = StepShape {
+        precision: Precision::Bf16,
+        ..one
+    };
+    [
+        ("bf16, kept", bf16.recomputing(Recompute::None)),
+        ("kept", one.recomputing(Recompute::None)),
+        ("recomputed", one.recomputing(Recompute::All)),
+        ("offloaded", one.recomputing(Recompute::Offload)),
+        (
+            "2 horizontal",
+            two.scheduled(Schedule::Horizontal)
+                .recomputing(Recompute::All),
+        ),
+        (
+            "2 vertical, offloaded",
+            two.scheduled(Schedule::Vertical)
+                .recomputing(Recompute::Offload),
+        ),
+    ]
 }
 
 /// AdamW at lr 1e-2 with weight decay 0.1, clipping at `clip` (0: none), no loss scale.
